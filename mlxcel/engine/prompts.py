@@ -1,0 +1,44 @@
+"""Turn user input into token ids: chat template by default, raw text on request."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from mlxcel.models.errors import ModelError
+
+
+class PromptError(ValueError):
+    """The prompt cannot be encoded (empty, no chat template, bad messages)."""
+
+
+def has_chat_template(tokenizer: Any) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def encode_chat(tokenizer: Any, messages: Sequence[dict]) -> list[int]:
+    """Apply the checkpoint's chat template (with the assistant prompt) and tokenize."""
+    if not messages:
+        raise PromptError("messages must not be empty")
+    if not has_chat_template(tokenizer):
+        raise ModelError("this checkpoint has no chat template; send a raw prompt instead (--raw, /v1/completions)")
+    text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+    return encode_raw(tokenizer, text, add_special_tokens=False)
+
+
+def encode_raw(tokenizer: Any, text: str, *, add_special_tokens: bool = True) -> list[int]:
+    """Tokenize text as is."""
+    if not text:
+        raise PromptError("prompt must not be empty")
+    ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    if not ids:
+        raise PromptError("prompt encodes to no tokens")
+    return list(ids)
+
+
+def encode_prompt(tokenizer: Any, prompt: str, *, chat: bool = True) -> list[int]:
+    """A single user prompt, through the chat template unless ``chat`` is False."""
+    if not prompt or not prompt.strip():
+        raise PromptError("prompt must not be empty")
+    if chat:
+        return encode_chat(tokenizer, [{"role": "user", "content": prompt}])
+    return encode_raw(tokenizer, prompt)

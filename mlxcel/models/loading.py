@@ -1,0 +1,86 @@
+"""Load a checkpoint (config.json + *.safetensors + tokenizer files) through mlx-lm."""
+
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mlxcel.models.errors import ModelError
+from mlxcel.models.identity import layer_count, read_config
+
+# Never reach a model hub: a checkpoint is a local directory or nothing.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@dataclass
+class LoadedModel:
+    """A model, its tokenizer (mlx-lm TokenizerWrapper) and where they came from."""
+
+    model: Any
+    tokenizer: Any
+    config: dict
+    path: Path
+
+    @property
+    def num_layers(self) -> int:
+        return layer_count(self.config)
+
+    @property
+    def model_type(self) -> str:
+        return str(self.config.get("model_type"))
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    def describe_weights(self) -> str:
+        """Human summary of the weight representation, e.g. 'float32' or '4-bit (group 32), embedding 8-bit'."""
+        quant = self.config.get("quantization")
+        if not quant:
+            return str(self.config.get("torch_dtype") or self.config.get("dtype") or "float32")
+        text = f"{quant.get('bits')}-bit (group {quant.get('group_size')})"
+        overrides = {k: v for k, v in quant.items() if isinstance(v, dict)}
+        for module, spec in overrides.items():
+            short = module.rsplit(".", 1)[-1].replace("embed_tokens", "embedding")
+            text += f", {short} {spec.get('bits')}-bit"
+        return text
+
+
+def check_checkpoint(model_dir: str | Path) -> dict:
+    """Validate that a directory looks like a supported checkpoint; return its config."""
+    path = Path(model_dir)
+    if not path.exists():
+        raise ModelError(f"{path}: no such model directory")
+    if not path.is_dir():
+        raise ModelError(f"{path}: not a directory (a checkpoint is a directory with config.json)")
+    _, config = read_config(path)
+    if not list(path.glob("*.safetensors")):
+        raise ModelError(f"{path}: not a checkpoint (no *.safetensors files)")
+    model_type = config.get("model_type")
+    if not model_type:
+        raise ModelError(f"{path}/config.json: no model_type")
+    from mlx_lm.utils import _get_classes  # mlx-lm resolves families and their aliases
+
+    try:
+        _get_classes(config)
+    except (ValueError, ImportError):
+        raise ModelError(f"{path}: unknown architecture {model_type!r} (not a model family mlx-lm provides)") from None
+    if not any((path / name).exists() for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+        raise ModelError(f"{path}: no tokenizer files (tokenizer.json or tokenizer.model)")
+    return config
+
+
+def load_checkpoint(model_dir: str | Path, *, lazy: bool = False) -> LoadedModel:
+    """Load model and tokenizer; every failure becomes one ModelError line."""
+    path = Path(model_dir)
+    check_checkpoint(path)
+    mlx_lm = importlib.import_module("mlx_lm.utils")
+    try:
+        model, tokenizer, config = mlx_lm.load(str(path), lazy=lazy, return_config=True)
+    except (ValueError, FileNotFoundError, KeyError, OSError) as exc:
+        raise ModelError(f"{path}: cannot load checkpoint: {exc}") from None
+    return LoadedModel(model=model, tokenizer=tokenizer, config=config, path=path)
