@@ -1,0 +1,33 @@
+"""Shared fixtures: tiny random checkpoints (fast) and the converted default model (slow)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL = Path(os.environ.get("MLXCEL_DEFAULT_MODEL", REPO / "models" / "smollm2-135m-instruct"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from mlxcel.models.random_checkpoint import make_random_checkpoint
+
+    return make_random_checkpoint(tmp_path_factory.mktemp("tiny-llama"), family="llama", layers=4)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from mlxcel.models.random_checkpoint import make_random_checkpoint
+
+    return make_random_checkpoint(tmp_path_factory.mktemp("tiny-qwen3"), family="qwen3", layers=4)
+
+
+@pytest.fixture(scope="session")
+def default_model() -> Path:
+    """The converted SmolLM2 checkpoint; tests that need it skip when it has not been fetched."""
+    if not (DEFAULT_MODEL / "config.json").exists():
+        pytest.skip(f"default model not found at {DEFAULT_MODEL} (run: mlxcel models fetch-default)")
+    return DEFAULT_MODEL
