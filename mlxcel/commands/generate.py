@@ -7,6 +7,7 @@ import sys
 
 import mlx.core as mx
 
+from mlxcel.blas import blas_in_use
 from mlxcel.engine.generate import GenerationStats, stream_generate
 from mlxcel.engine.prompts import PromptError, encode_chat, encode_raw
 from mlxcel.engine.sampling import SamplingParams
@@ -36,7 +37,8 @@ def run_generate(args: argparse.Namespace) -> int:
     text = _prompt_text(args)
     loaded = load_checkpoint(args.model)
     print(f"model: {loaded.name} ({loaded.model_type}, {loaded.num_layers} layers) | "
-          f"weights: {loaded.describe_weights()} | device: {mx.default_device()}", file=sys.stderr)
+          f"weights: {loaded.describe_weights()} | device: {mx.default_device()} | blas: {blas_in_use()}",
+          file=sys.stderr)
     if args.raw:
         prompt = encode_raw(loaded.tokenizer, text)
     else:
