@@ -1,0 +1,174 @@
+"""Sans-I/O message layer over frames: kinds, prefixes, fragmentation, reassembly.
+
+A message that fits one frame travels as one frame of its kind.  A larger message
+(or a prefixed one with a large body) travels as MESSAGE_BEGIN (inner kind, body
+length, the inner kind's prefix) followed by MESSAGE_CONTINUE frames carrying the
+body, so sealing, sending and opening of consecutive chunks overlap and the
+receiver opens every chunk straight into the final buffer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import numpy as np
+
+from .errors import LocalProtocolError, MessageError
+from .frames import Buffer
+from .identity import PeerId
+from .wire import (
+    FRAGMENTABLE_KINDS,
+    MAX_MESSAGE_LEN,
+    MESSAGE_BEGIN,
+    RPC_REQUEST,
+    RPC_RESPONSE,
+    STREAM_DATA,
+    STREAM_END,
+    Kind,
+)
+
+#: prefix struct of each kind that has one (id, or id || status)
+PREFIX = {
+    Kind.RPC_REQUEST: RPC_REQUEST,
+    Kind.RPC_RESPONSE: RPC_RESPONSE,
+    Kind.STREAM_DATA: STREAM_DATA,
+    Kind.STREAM_END: STREAM_END,
+}
+#: a prefixed body at most this long is copied behind its prefix into one frame
+SMALL_COPY_LEN = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """A delivered message: the authenticated sender, the kind and the payload.
+
+    ``payload`` is a memoryview of a buffer the handler owns from then on.  ``id``
+    is the RPC request id or stream id, ``status`` the RPC/stream status byte.
+    """
+
+    peer: PeerId
+    kind: Kind
+    payload: memoryview = field(repr=False)
+    id: int = 0
+    status: int = 0
+
+    def __repr__(self) -> str:
+        return f"Message(peer={self.peer}, kind={self.kind.name}, len={len(self.payload)}, id={self.id})"
+
+
+def alloc(n: int) -> memoryview:
+    """A writable buffer of n bytes; large ones are left uninitialised (np.empty)."""
+    if n <= 65536:
+        return memoryview(bytearray(n))
+    return memoryview(np.empty(n, dtype=np.uint8)).cast("B")
+
+
+def pack_prefix(kind: Kind, id: int, status: int) -> bytes:
+    """The inner prefix of ``kind`` (empty for TENSOR_DATA and CONTROL)."""
+    st = PREFIX.get(kind)
+    if st is None:
+        return b""
+    return st.pack(id, status) if st.size == 9 else st.pack(id)
+
+
+def plan(kind: Kind, payload: Buffer, *, id: int = 0, status: int = 0, chunk_len: int) -> Iterator[tuple[Kind, Buffer]]:
+    """The (frame kind, frame payload) sequence that carries one message."""
+    if kind not in FRAGMENTABLE_KINDS:
+        raise LocalProtocolError(f"cannot send a message of kind {kind!r}")
+    body = memoryview(payload).cast("B") if not isinstance(payload, bytes) else payload
+    n = len(body)
+    prefix = pack_prefix(kind, id, status)
+    if not prefix and n <= chunk_len:
+        yield kind, body
+        return
+    if prefix and n <= SMALL_COPY_LEN:
+        yield kind, prefix + bytes(body)
+        return
+    yield Kind.MESSAGE_BEGIN, MESSAGE_BEGIN.pack(kind, n) + prefix
+    view = memoryview(body)
+    for off in range(0, n, chunk_len):
+        yield Kind.MESSAGE_CONTINUE, view[off : off + chunk_len]
+
+
+def _unprefix(kind: Kind, buf: memoryview) -> tuple[memoryview, int, int]:
+    st = PREFIX.get(kind)
+    if st is None:
+        return buf, 0, 0
+    if len(buf) < st.size:
+        raise MessageError(f"{kind.name} message shorter than its {st.size}-byte prefix")
+    fields = st.unpack_from(buf)
+    return buf[st.size :], fields[0], fields[1] if len(fields) > 1 else 0
+
+
+class Assembler:
+    """Reassembles messages from opened frames of one connection.
+
+    Per frame: ``destination(kind, n)`` says where to open the payload (it changes no
+    state, because the header is not authenticated yet); after the frame
+    authenticated, ``frame_done(kind, n)`` returns a complete ``Message`` or None.
+    """
+
+    def __init__(self, peer: PeerId, *, max_message_len: int = MAX_MESSAGE_LEN) -> None:
+        self.peer = peer
+        self.max_message_len = max_message_len
+        self._small = memoryview(bytearray(MESSAGE_BEGIN.size + 9))
+        self._single: memoryview | None = None
+        self._kind: Kind | None = None  # inner kind of the message in progress
+        self._body: memoryview | None = None
+        self._prefix = (0, 0)
+        self._off = 0
+
+    @property
+    def in_progress(self) -> bool:
+        return self._body is not None
+
+    def destination(self, kind: int, n: int) -> memoryview:
+        """Where to open the payload of a frame with this (unauthenticated) header."""
+        if kind == Kind.MESSAGE_CONTINUE:
+            if self._body is None:
+                raise MessageError("MESSAGE_CONTINUE without a message in progress")
+            if self._off + n > len(self._body) or n == 0:
+                raise MessageError("MESSAGE_CONTINUE runs past the announced message length")
+            return self._body[self._off : self._off + n]
+        if self._body is not None:
+            raise MessageError(f"frame of kind 0x{kind:02x} inside a fragmented message")
+        if kind == Kind.MESSAGE_BEGIN:
+            if not MESSAGE_BEGIN.size <= n <= len(self._small):
+                raise MessageError("MESSAGE_BEGIN of the wrong length")
+            return self._small[:n]
+        self._single = alloc(n)
+        return self._single
+
+    def frame_done(self, kind: int, n: int) -> Message | None:
+        """Commit an authenticated frame; a complete message or None."""
+        if kind == Kind.MESSAGE_CONTINUE:
+            self._off += n
+            return self._finish() if self._off == len(self._body or b"") else None
+        if kind == Kind.MESSAGE_BEGIN:
+            return self._begin(self._small[:n])
+        buf, self._single = self._single, None
+        assert buf is not None
+        payload, id_, status = _unprefix(Kind(kind), buf[:n])
+        return Message(self.peer, Kind(kind), payload, id_, status)
+
+    def _begin(self, rec: memoryview) -> Message | None:
+        inner, total = MESSAGE_BEGIN.unpack_from(rec)
+        if inner not in FRAGMENTABLE_KINDS:
+            raise MessageError(f"MESSAGE_BEGIN announces kind 0x{inner:02x}")
+        if total > self.max_message_len:
+            raise MessageError(f"message of {total} bytes exceeds the cap of {self.max_message_len}")
+        kind = Kind(inner)
+        st = PREFIX.get(kind)
+        if len(rec) != MESSAGE_BEGIN.size + (st.size if st else 0):
+            raise MessageError("MESSAGE_BEGIN prefix has the wrong length")
+        fields = st.unpack_from(rec, MESSAGE_BEGIN.size) if st else (0, 0)
+        self._kind, self._prefix = kind, (fields[0], fields[1] if len(fields) > 1 else 0)
+        self._body, self._off = alloc(total), 0
+        return self._finish() if total == 0 else None
+
+    def _finish(self) -> Message:
+        body, kind = self._body, self._kind
+        assert body is not None and kind is not None
+        self._body, self._kind, self._off = None, None, 0
+        return Message(self.peer, kind, body, *self._prefix)

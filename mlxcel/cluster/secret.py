@@ -1,0 +1,176 @@
+"""The pre-shared cluster secret: sources, precedence, validation, a redacting type.
+
+Sources, highest precedence first (reference, "Cluster authentication"):
+
+1. ``--cluster-secret-file <PATH>``
+2. ``MLXCEL_CLUSTER_SECRET_FILE=<PATH>``
+3. ``MLXCEL_CLUSTER_SECRET=<VALUE>`` (both environment variables set is an error)
+4. ``secret_file = "<PATH>"`` under ``[cluster]`` in the cluster TOML, relative to
+   the TOML's own directory.
+
+The value must be at least 16 bytes after trimming one trailing newline.  It never
+appears in a repr, an error, a log line or a TOML file.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import stat
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, NoReturn
+
+from .errors import SecretError
+
+log = logging.getLogger("mlxcel.cluster.secret")
+
+MIN_SECRET_LEN = 16
+ENV_SECRET_FILE = "MLXCEL_CLUSTER_SECRET_FILE"
+ENV_SECRET = "MLXCEL_CLUSTER_SECRET"
+CLI_FLAG = "--cluster-secret-file"
+TOML_FIELD = "secret_file under [cluster] in the cluster TOML"
+
+MISSING_MESSAGE = (
+    "a cluster secret is required but none was configured: pass --cluster-secret-file <PATH>, "
+    "set MLXCEL_CLUSTER_SECRET_FILE=<PATH> or MLXCEL_CLUSTER_SECRET=<VALUE>, "
+    'or set secret_file = "<PATH>" under [cluster] in the cluster TOML'
+)
+
+
+class ClusterSecret:
+    """The secret bytes plus where they came from; never shows the value."""
+
+    __slots__ = ("_value", "source", "path")
+
+    def __init__(self, value: bytes, source: str = "value", path: Path | None = None) -> None:
+        if not isinstance(value, (bytes, bytearray)):
+            raise TypeError("ClusterSecret takes bytes")
+        if len(value) < MIN_SECRET_LEN:
+            raise SecretError(f"the cluster secret from {source} is too short: it must be at least {MIN_SECRET_LEN} bytes after trimming one trailing newline")
+        self._value = bytes(value)
+        self.source = source
+        self.path = path
+
+    def reveal(self) -> bytes:
+        """The raw secret bytes, for key derivation and MACs only."""
+        return self._value
+
+    def __repr__(self) -> str:
+        return f"ClusterSecret(<redacted>, source={self.source!r})"
+
+    __str__ = __repr__
+
+    def __format__(self, spec: str) -> str:
+        return repr(self)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ClusterSecret):
+            return NotImplemented
+        return hmac.compare_digest(self._value, other._value)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __reduce__(self) -> NoReturn:
+        raise TypeError("a ClusterSecret cannot be pickled")
+
+    def __copy__(self) -> "ClusterSecret":
+        return self
+
+    def __deepcopy__(self, memo: dict) -> "ClusterSecret":
+        return self
+
+
+@dataclass(frozen=True)
+class _Source:
+    label: str
+    path: Path | None = None
+    value: bytes | None = None
+
+
+def _trim(raw: bytes) -> bytes:
+    """Trim exactly one trailing newline."""
+    return raw[:-1] if raw.endswith(b"\n") else raw
+
+
+def _read_file(path: Path, label: str) -> bytes:
+    try:
+        st = path.stat()
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise SecretError(f"cannot read the cluster secret file {path} (from {label}): {exc.strerror or type(exc).__name__}") from None
+    if st.st_mode & (stat.S_IRGRP | stat.S_IROTH):
+        log.warning(
+            "the cluster secret file %s is group- or world-readable (mode %04o); restrict it with chmod 600",
+            path, stat.S_IMODE(st.st_mode),
+        )
+    return raw
+
+
+def _toml_secret_path(toml_path: Path) -> Path | None:
+    try:
+        doc = tomllib.loads(toml_path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise SecretError(f"cannot read the cluster TOML {toml_path}: {exc.strerror or type(exc).__name__}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise SecretError(f"the cluster TOML {toml_path} is not valid TOML: {exc}") from None
+    cluster = doc.get("cluster", {})
+    if not isinstance(cluster, dict):
+        raise SecretError(f"[cluster] in {toml_path} must be a table")
+    for forbidden in ("secret", "cluster_secret"):
+        if forbidden in cluster:
+            raise SecretError(f"{toml_path} sets {forbidden} under [cluster]; the secret value never goes into the TOML, set secret_file instead")
+    value = cluster.get("secret_file")
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise SecretError(f"secret_file under [cluster] in {toml_path} must be a non-empty string path")
+    path = Path(value).expanduser()
+    return path if path.is_absolute() else toml_path.parent / path
+
+
+def _choose(cli_file: str | os.PathLike[str] | None, env: Mapping[str, str], cluster_toml: str | os.PathLike[str] | None) -> _Source | None:
+    env_file, env_value = env.get(ENV_SECRET_FILE), env.get(ENV_SECRET)
+    if env_file is not None and env_value is not None:
+        raise SecretError(f"both {ENV_SECRET_FILE} and {ENV_SECRET} are set; set only one of them")
+    if cli_file is not None:
+        return _Source(CLI_FLAG, path=Path(cli_file).expanduser())
+    if env_file is not None:
+        if not env_file:
+            raise SecretError(f"{ENV_SECRET_FILE} is set but empty")
+        return _Source(ENV_SECRET_FILE, path=Path(env_file).expanduser())
+    if env_value is not None:
+        return _Source(ENV_SECRET, value=os.fsencode(env_value))
+    if cluster_toml is not None:
+        toml_path = Path(cluster_toml)
+        path = _toml_secret_path(toml_path)
+        if path is not None:
+            return _Source(f"secret_file under [cluster] in {toml_path}", path=path)
+    return None
+
+
+def load_secret(
+    cli_file: str | os.PathLike[str] | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    cluster_toml: str | os.PathLike[str] | None = None,
+    required: bool = True,
+) -> ClusterSecret | None:
+    """Load the secret from the highest-precedence configured source.
+
+    Returns None when nothing is configured and ``required`` is false; raises
+    ``SecretError`` (naming every source) when it is true.
+    """
+    source = _choose(cli_file, os.environ if env is None else env, cluster_toml)
+    if source is None:
+        if required:
+            raise SecretError(MISSING_MESSAGE)
+        return None
+    if source.path is not None:
+        raw = _read_file(source.path, source.label)
+        path: Path | None = source.path.resolve()
+    else:
+        raw, path = source.value or b"", None
+    return ClusterSecret(_trim(raw), source=source.label, path=path)
