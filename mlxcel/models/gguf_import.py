@@ -62,7 +62,7 @@ def resolve_dtype(dtype: str | None) -> str | None:
     On MLX's CPU backend float32 is the fastest (quantized matmuls are slower there);
     on a GPU the quantized weights are kept.
     """
-    if dtype is None:
+    if dtype is None or dtype == "none":
         return None
     if dtype == "auto":
         return "float32" if mx.default_device().type == mx.DeviceType.cpu else None
@@ -241,6 +241,12 @@ def convert_tensors(
     return weights, bits
 
 
+def _float_dtype(weights: Mapping[str, mx.array]) -> str:
+    """The checkpoint's float dtype, as transformers names it: the embedding's (or its scales')."""
+    embed = weights.get("model.embed_tokens.scales", weights["model.embed_tokens.weight"])
+    return str(embed.dtype).rsplit(".", 1)[-1]
+
+
 def quantization_config(bits: Mapping[str, int]) -> dict[str, Any] | None:
     """mlx-lm's `quantization` section: the commonest bits, per-module overrides for the rest."""
     if not bits:
@@ -368,7 +374,7 @@ def convert_gguf(
     quant = quantization_config(bits)
     if quant:
         config["quantization"] = quant
-    config["torch_dtype"] = target or "float16"
+    config["torch_dtype"] = _float_dtype(weights)
     say(_describe(config, quant, target))
     with atomic_dir(out_dir, overwrite) as tmp:
         say("writing model.safetensors")
