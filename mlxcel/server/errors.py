@@ -1,0 +1,150 @@
+"""Exceptions -> OpenAI error bodies, by exception type, in one place (JSON responses and SSE alike).
+
+Body: ``{"error": {"message", "type", "param", "code"}}``. Types follow OpenAI:
+invalid_request_error (400/404), server_error (500), overloaded/unavailable (503).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from mlxcel.engine.interface import EngineFailure, EngineOverloaded, EngineUnavailable
+from mlxcel.engine.prompts import PromptError
+from mlxcel.engine.sampling import SamplingError
+from mlxcel.models.errors import ModelError
+from mlxcel.server.protocol import ErrorDetail, ErrorResponse
+
+log = logging.getLogger("mlxcel.server")
+
+
+class APIError(Exception):
+    """An error raised by the serving layer, already in OpenAI's terms."""
+
+    status = 400
+    type = "invalid_request_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class InvalidRequest(APIError):
+    pass
+
+
+class Unsupported(APIError):
+    code = "unsupported_parameter"
+
+
+class ModelNotFound(APIError):
+    status = 404
+    code = "model_not_found"
+
+
+class ContextLengthExceeded(APIError):
+    code = "context_length_exceeded"
+
+
+class RequestTimeout(APIError):
+    status = 504
+    type = "timeout_error"
+    code = "request_timeout"
+
+
+class ClientDisconnected(Exception):
+    """The client went away before the answer was ready (not an error to report)."""
+
+
+@dataclass
+class ErrorReply:
+    status: int
+    body: ErrorResponse
+    headers: dict[str, str] = field(default_factory=dict)
+
+    def json(self) -> dict:
+        return self.body.model_dump(mode="json")
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.json(), status_code=self.status, headers=self.headers)
+
+    def sse(self) -> str:
+        return f"data: {json.dumps(self.json())}\n\n"
+
+
+def _reply(status: int, message: str, type_: str, param: str | None = None, code: str | None = None,
+           headers: dict[str, str] | None = None) -> ErrorReply:
+    detail = ErrorDetail(message=message, type=type_, param=param, code=code)
+    return ErrorReply(status, ErrorResponse(error=detail), headers or {})
+
+
+def _validation_param(loc: tuple) -> str | None:
+    parts = [p for p in loc if p != "body"]
+    text = ""
+    for p in parts:
+        text += f"[{p}]" if isinstance(p, int) else (f".{p}" if text else str(p))
+    return text or None
+
+
+def _from_validation(exc: RequestValidationError) -> ErrorReply:
+    errors = exc.errors()
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    if first.get("type") == "json_invalid":
+        return _reply(400, "We could not parse the JSON body of your request: malformed JSON.",
+                      "invalid_request_error", code="invalid_json")
+    param = _validation_param(tuple(first.get("loc", ())))
+    if first.get("type") == "missing":
+        return _reply(400, f"Missing required parameter: '{param}'.", "invalid_request_error", param,
+                      "missing_required_parameter")
+    if param is None:
+        return _reply(400, "The request body must be a JSON object.", "invalid_request_error")
+    return _reply(400, f"Invalid value for '{param}': {first.get('msg', 'invalid')}.", "invalid_request_error",
+                  param, "invalid_type")
+
+
+def error_reply(exc: BaseException) -> ErrorReply:
+    """The one mapping from an exception type to status, body and headers."""
+    if isinstance(exc, APIError):
+        return _reply(exc.status, str(exc), exc.type, exc.param, exc.code)
+    if isinstance(exc, RequestValidationError):
+        return _from_validation(exc)
+    if isinstance(exc, ClientDisconnected):  # nobody reads it; nginx's code for the access log and metrics
+        return _reply(499, "client closed the request", "client_closed_request")
+    if isinstance(exc, SamplingError):
+        return _reply(400, str(exc), "invalid_request_error", exc.param, "invalid_value")
+    if isinstance(exc, PromptError):
+        return _reply(400, str(exc), "invalid_request_error", None, "invalid_prompt")
+    if isinstance(exc, ModelError):
+        return _reply(400, str(exc), "invalid_request_error", "model")
+    if isinstance(exc, EngineOverloaded):
+        return _reply(503, str(exc), "server_overloaded", code="server_overloaded",
+                      headers={"Retry-After": str(exc.retry_after)})
+    if isinstance(exc, EngineUnavailable):
+        return _reply(503, str(exc), "service_unavailable", code="service_unavailable",
+                      headers={"Retry-After": "1"})
+    if isinstance(exc, EngineFailure):
+        return _reply(500, str(exc), "server_error", code="generation_failed")
+    if isinstance(exc, StarletteHTTPException):
+        type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return _reply(exc.status_code, str(exc.detail), type_, headers=dict(exc.headers or {}))
+    log.error("internal error: %r", exc, exc_info=exc)
+    return _reply(500, "The server had an internal error while processing your request.", "server_error",
+                  code="internal_error")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Route every exception FastAPI sees through ``error_reply``."""
+
+    async def handle(_: Request, exc: Exception) -> JSONResponse:
+        return error_reply(exc).response()
+
+    for exc_type in (APIError, RequestValidationError, ClientDisconnected, SamplingError, PromptError, ModelError,
+                     EngineOverloaded, EngineUnavailable, EngineFailure, StarletteHTTPException, Exception):
+        app.add_exception_handler(exc_type, handle)

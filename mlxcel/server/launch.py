@@ -1,0 +1,150 @@
+"""``mlxcel serve`` / ``mlxcel-server``: flags, preflight, socket, uvicorn.
+
+Order of checks (cheap first, each a one-line error): flag combinations, the
+checkpoint directory, the listening socket; only then does the model load
+(in the background, /health answering 503 until it is ready).
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import logging
+import os
+import socket
+import sys
+from pathlib import Path
+
+DEFAULT_MODEL_DIR = "models/smollm2-135m-instruct"
+DEFAULT_PARALLEL = 4
+DEFAULT_MAX_QUEUE = 64
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+GRACEFUL_SHUTDOWN_S = 5
+
+
+def _positive_int(text: str) -> int:
+    from mlxcel.cli import positive_int
+
+    return positive_int(text)
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = _non_negative_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port (0-65535), got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
+    return value
+
+
+def add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    """The server's flags (shared by ``mlxcel serve`` and ``mlxcel-server``)."""
+    parser.add_argument("-m", "--model", default=DEFAULT_MODEL_DIR,
+                        help=f"checkpoint directory (default {DEFAULT_MODEL_DIR})")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=_port, default=8080, help="TCP port (default 8080; 0 = any free port)")
+    parser.add_argument("--parallel", type=_positive_int, default=DEFAULT_PARALLEL,
+                        help=f"concurrent sequences with a KV cache (default {DEFAULT_PARALLEL})")
+    parser.add_argument("--max-batch-size", type=_positive_int, default=None,
+                        help="sequences per decode step, at most --parallel (default: --parallel)")
+    parser.add_argument("--max-queue", type=_non_negative_int, default=DEFAULT_MAX_QUEUE,
+                        help=f"requests waiting beyond --parallel before 503 (default {DEFAULT_MAX_QUEUE})")
+    parser.add_argument("--request-timeout", type=_seconds, default=None,
+                        help="seconds a request may take, queueing included (default: no limit)")
+    parser.add_argument("--no-warmup", dest="warmup", action="store_false",
+                        help="report ready right after loading, without a warmup generation")
+    parser.add_argument("--served-model-name", default=None,
+                        help="model id clients send and /v1/models lists (default: the directory name)")
+    parser.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="log verbosity (default info)")
+
+
+def build_config(args: argparse.Namespace):
+    """Check flag combinations and the checkpoint; return a ServerConfig. Raises CLIError/ModelError."""
+    from mlxcel.cli import CLIError
+    from mlxcel.models.loading import check_checkpoint
+    from mlxcel.server.runtime import ServerConfig
+
+    batch = args.max_batch_size or args.parallel
+    if batch > args.parallel:
+        raise CLIError(f"--max-batch-size ({batch}) cannot exceed --parallel ({args.parallel}): "
+                       "a decode step batches only sequences that hold a slot")
+    model = Path(args.model)
+    check_checkpoint(model)
+    name = args.served_model_name if args.served_model_name is not None else model.resolve().name
+    if not name.strip():
+        raise CLIError("--served-model-name must not be empty")
+    return ServerConfig(model=model, served_model_name=name, parallel=args.parallel, max_batch_size=batch,
+                        max_queue=args.max_queue, request_timeout=args.request_timeout, warmup=args.warmup)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Listen before loading anything, so a taken port fails in milliseconds."""
+    from mlxcel.cli import CLIError
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise CLIError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    family, _, _, _, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        reason = "address already in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
+        raise CLIError(f"cannot listen on {host}:{port}: {reason}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """Serve until interrupted; returns only for preflight errors (raised), otherwise exits the process."""
+    import uvicorn
+
+    from mlxcel.server.app import create_app
+    from mlxcel.server.runtime import ServerRuntime
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = build_config(args)
+    sock = bind_socket(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    exit_code = {"code": 0}
+    server: uvicorn.Server | None = None
+
+    def fatal(message: str) -> None:
+        print(f"mlxcel: error: {message}", file=sys.stderr, flush=True)
+        exit_code["code"] = 1
+        if server is not None:
+            server.should_exit = True
+
+    app = create_app(ServerRuntime(config), on_fatal=fatal)
+    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+                                           access_log=args.log_level == "debug"))
+    print(f"mlxcel: serving {config.served_model_name} on http://{host}:{port} "
+          f"(parallel {config.parallel}, batch {config.max_batch_size})", file=sys.stderr, flush=True)
+    server.run(sockets=[sock])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # MLX aborts at interpreter exit after running compiled kernels on a non-main thread
+    # (ml-explore/mlx#3126); the engine is closed by now, so leave without static destructors.
+    os._exit(exit_code["code"] or (0 if server.started else 1))

@@ -1,0 +1,64 @@
+"""Prometheus metrics: request outcomes and latencies from the HTTP side, engine gauges read at scrape time.
+
+Each app gets its own registry, so several servers (tests) can live in one process.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+disable_created_metrics()  # no *_created series: they double the exposition for nothing we use
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+_ENGINE_GAUGES = {
+    "waiting": ("mlxcel_queue_depth", "Requests queued, not yet admitted to the batch"),
+    "running": ("mlxcel_running_sequences", "Sequences admitted to the engine (prefilling or decoding)"),
+    "decoding": ("mlxcel_batch_size", "Rows in the most recent decode step"),
+    "parallel": ("mlxcel_parallel_slots", "Configured concurrent sequences (--parallel)"),
+    "max_batch_size": ("mlxcel_max_batch_size", "Configured rows per decode step (--max-batch-size)"),
+}
+_ENGINE_COUNTERS = {
+    "decode_steps": ("mlxcel_decode_steps", "Batched decode steps run"),
+    "decode_rows": ("mlxcel_decode_rows", "Sequence-steps decoded (sum of batch sizes over steps)"),
+    "shared_steps": ("mlxcel_decode_shared_steps", "Decode steps that served two or more sequences"),
+}
+
+
+class _EngineCollector:
+    def __init__(self, stats: Callable[[], dict[str, float] | None]):
+        self._stats = stats
+
+    def collect(self):
+        stats = self._stats() or {}
+        for key, (name, doc) in _ENGINE_GAUGES.items():
+            yield GaugeMetricFamily(name, doc, value=float(stats.get(key, 0)))
+        for key, (name, doc) in _ENGINE_COUNTERS.items():
+            yield CounterMetricFamily(name, doc, value=float(stats.get(key, 0)))
+
+
+class ServerMetrics:
+    """The metrics one server exposes on /metrics."""
+
+    def __init__(self, engine_stats: Callable[[], dict[str, float] | None]):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("mlxcel_requests", "HTTP requests by endpoint and status code",
+                                ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("mlxcel_prompt_tokens", "Prompt tokens of completed requests", registry=r)
+        self.completion_tokens = Counter("mlxcel_completion_tokens", "Generated tokens", registry=r)
+        self.ttft = Histogram("mlxcel_time_to_first_token_seconds", "Time from request to first token",
+                              buckets=_TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("mlxcel_inter_token_latency_seconds", "Time between consecutive tokens of a stream",
+                             buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("mlxcel_request_duration_seconds", "Time from request to last token",
+                             buckets=_TTFT_BUCKETS, registry=r)
+        self.finished = Counter("mlxcel_finished_requests", "Generations ended, by finish reason",
+                                ["reason"], registry=r)
+        r.register(_EngineCollector(engine_stats))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

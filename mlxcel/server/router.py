@@ -1,0 +1,44 @@
+"""HTTP routes: parse, delegate to the serving module, return. No logic here."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from mlxcel.server import protocol as p
+from mlxcel.server.metrics import CONTENT_TYPE
+from mlxcel.server.serving import OpenAIServing
+
+router = APIRouter()
+
+
+def _serving(request: Request) -> OpenAIServing:
+    return request.app.state.serving
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: p.ChatCompletionRequest, request: Request) -> Response:
+    return await _serving(request).chat(body, request)
+
+
+@router.post("/v1/completions")
+async def completions(body: p.CompletionRequest, request: Request) -> Response:
+    return await _serving(request).completion(body, request)
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> dict:
+    return p.dump(_serving(request).models())
+
+
+@router.get("/health")
+async def health(request: Request) -> JSONResponse:
+    runtime = _serving(request).runtime
+    status = 200 if runtime.ready else 503
+    return JSONResponse({"status": runtime.state}, status_code=status,
+                        headers={} if runtime.ready else {"Retry-After": "1"})
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(_serving(request).metrics.render(), media_type=CONTENT_TYPE)

@@ -1,0 +1,108 @@
+"""What a server holds while it runs: its configuration, readiness, and the engine once loaded.
+
+The model loads and warms up on a background thread after the socket is
+bound, so /health can answer 503 meanwhile; a load failure is fatal.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from mlxcel.engine.interface import Engine, EngineUnavailable
+
+log = logging.getLogger("mlxcel.server")
+
+CONTEXT_KEYS = ("max_position_embeddings", "max_sequence_length", "n_ctx", "seq_length")
+DEFAULT_CONTEXT = 4096
+# Test and rehearsal aid: hold readiness this many seconds after warmup (simulates a slow warmup).
+WARMUP_DELAY_ENV = "MLXCEL_WARMUP_DELAY_S"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model: Path
+    served_model_name: str
+    parallel: int = 4
+    max_batch_size: int = 4
+    max_queue: int = 64
+    request_timeout: float | None = None
+    warmup: bool = True
+
+
+def context_length(config: dict) -> int:
+    """The checkpoint's context window, from the first config key that names one."""
+    for key in CONTEXT_KEYS:
+        value = config.get(key)
+        if isinstance(value, int) and value > 0:
+            return value
+    return DEFAULT_CONTEXT
+
+
+EngineFactory = Callable[[Any, Any, int, ServerConfig], Engine]
+
+
+def local_engine(model: Any, tokenizer: Any, ctx: int, config: ServerConfig) -> Engine:
+    """The default backend: continuous batching on this host."""
+    from mlxcel.engine.batching import BatchingEngine
+
+    engine = BatchingEngine(model, tokenizer, context_length=ctx, parallel=config.parallel,
+                            max_batch_size=config.max_batch_size, max_queue=config.max_queue,
+                            warmup=config.warmup)
+    engine.start().wait_ready()
+    return engine
+
+
+class ServerRuntime:
+    """Readiness state machine: loading -> warming -> ready, or failed; closed at shutdown."""
+
+    def __init__(self, config: ServerConfig, engine_factory: EngineFactory = local_engine):
+        self.config = config
+        self._factory = engine_factory
+        self.state = "loading"
+        self.error: str | None = None
+        self.engine: Engine | None = None
+        self.created = int(time.time())
+        self._thread: threading.Thread | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "ready"
+
+    def require_engine(self) -> Engine:
+        if self.state != "ready" or self.engine is None:
+            raise EngineUnavailable(f"the model is not ready yet ({self.state}); retry shortly")
+        return self.engine
+
+    def start_loading(self, on_fatal: Callable[[str], None]) -> None:
+        self._thread = threading.Thread(target=self._load, args=(on_fatal,), name="mlxcel-load", daemon=True)
+        self._thread.start()
+
+    def _load(self, on_fatal: Callable[[str], None]) -> None:
+        from mlxcel.models.errors import ModelError
+        from mlxcel.models.loading import load_checkpoint
+
+        start = time.perf_counter()
+        try:
+            loaded = load_checkpoint(self.config.model)
+            self.state = "warming" if self.config.warmup else "starting"
+            self.engine = self._factory(loaded.model, loaded.tokenizer, context_length(loaded.config), self.config)
+        except (ModelError, OSError, ValueError) as exc:
+            self.state, self.error = "failed", str(exc)
+            on_fatal(self.error)
+            return
+        delay = float(os.environ.get(WARMUP_DELAY_ENV, "0") or 0)
+        if delay and self.config.warmup:
+            time.sleep(delay)
+        self.state = "ready"
+        log.info("model %s ready in %.1fs", self.config.served_model_name, time.perf_counter() - start)
+
+    def close(self) -> None:
+        self.state = "closed"
+        if self.engine is not None:
+            self.engine.close()
