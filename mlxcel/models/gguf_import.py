@@ -1,9 +1,10 @@
-"""Convert a GGUF file (llama architecture) into an MLX checkpoint that `mlx_lm.load` reads.
+"""Convert a GGUF file (llama, qwen2, qwen3) into an MLX checkpoint that `mlx_lm.load` reads.
 
 `mx.load` reads the GGUF; Q4_0/Q4_1/Q8_0 tensors arrive as MLX affine-quantized triples
 (uint32 weight, scales, biases; group size 32). They are kept quantized, with a per-module
 `quantization` override where bits differ, or dequantized to a float dtype on request.
-llama.cpp's Q/K row permutation is undone, so the checkpoint uses Hugging Face's layout.
+llama.cpp's Q/K row permutation (llama only) is undone: the checkpoint uses Hugging
+Face's layout. The tokenizer comes from `gguf_tokenizer`, family details from `gguf_arch`.
 """
 
 from __future__ import annotations
@@ -21,38 +22,20 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-import numpy as np
 
 from mlxcel.models.errors import ModelError
+from mlxcel.models.gguf_arch import Family, family, model_config
 from mlxcel.models.gguf_header import GGUFHeader, read_gguf_header
-from mlxcel.models.gguf_tokenizer import meta_value, write_tokenizer
+from mlxcel.models.gguf_tokenizer import build_tokenizer, meta_value, write_tokenizer
 
 Progress = Callable[[str], None]
 
-SUPPORTED_ARCHITECTURES = ("llama",)
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "Q4_0", "Q4_1", "Q8_0")
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 GROUP_SIZE = 32  # every GGUF block type MLX reads has 32 weights per block
 SOURCE_FILE = "mlxcel_source.json"
 _PROGRESS_EVERY = 50  # tensors between progress lines
 
-# GGUF tensor base names -> Hugging Face / mlx-lm module paths.
-_GLOBAL_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
 _PARTS = ("weight", "scales", "biases", "bias")
 
 
@@ -73,12 +56,10 @@ def resolve_dtype(dtype: str | None) -> str | None:
 
 def check_supported(header: GGUFHeader, path: Path) -> None:
     """Refuse architectures and tensor types this importer cannot convert faithfully."""
-    arch = header.architecture
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelError(
-            f"{path.name}: unsupported GGUF architecture {arch!r}; "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
+    try:
+        family(header.architecture)
+    except ModelError as exc:
+        raise ModelError(f"{path.name}: {exc}") from None
     bad = Counter(t.type_name for t in header.tensors if t.type_name not in SUPPORTED_TENSOR_TYPES)
     if bad:
         example = next(t.name for t in header.tensors if t.type_name in bad)
@@ -91,65 +72,6 @@ def check_supported(header: GGUFHeader, path: Path) -> None:
         raise ModelError(f"{path.name}: per-frequency RoPE scaling (rope_freqs) is not supported")
 
 
-def _meta_int(meta: Mapping[str, Any], key: str, default: int | None = None) -> int:
-    value = meta_value(meta, key, default)
-    if value is None:
-        raise ModelError(f"GGUF metadata lacks {key}")
-    return int(value)
-
-
-def _meta_float(meta: Mapping[str, Any], key: str, default: float | None = None) -> float:
-    """A float32 metadata value as its shortest decimal (1e-05, not 9.99999974e-06)."""
-    value = meta_value(meta, key, default)
-    if value is None:
-        raise ModelError(f"GGUF metadata lacks {key}")
-    return float(str(np.float32(value)))
-
-
-def _rope_scaling(meta: Mapping[str, Any], arch: str) -> dict | None:
-    kind = meta_value(meta, f"{arch}.rope.scaling.type")
-    if kind in (None, "none"):
-        return None
-    if kind != "linear":
-        raise ModelError(f"unsupported GGUF RoPE scaling type {kind!r}; supported: linear")
-    return {"type": "linear", "factor": _meta_float(meta, f"{arch}.rope.scaling.factor")}
-
-
-def llama_config(meta: Mapping[str, Any], tensors: Mapping[str, mx.array]) -> dict[str, Any]:
-    """config.json for mlx-lm's llama model from the GGUF's hyper-parameters."""
-    a = "llama"
-    hidden = _meta_int(meta, f"{a}.embedding_length")
-    heads = _meta_int(meta, f"{a}.attention.head_count")
-    head_dim = _meta_int(meta, f"{a}.attention.key_length", hidden // heads)
-    rope_dim = _meta_int(meta, f"{a}.rope.dimension_count", head_dim)
-    if rope_dim != head_dim:
-        raise ModelError(f"partial rotary embedding ({rope_dim} of {head_dim} dims) is not supported")
-    embed = tensors["token_embd.weight"]
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": hidden,
-        "intermediate_size": _meta_int(meta, f"{a}.feed_forward_length"),
-        "num_hidden_layers": _meta_int(meta, f"{a}.block_count"),
-        "num_attention_heads": heads,
-        "num_key_value_heads": _meta_int(meta, f"{a}.attention.head_count_kv", heads),
-        "head_dim": head_dim,
-        "rms_norm_eps": _meta_float(meta, f"{a}.attention.layer_norm_rms_epsilon"),
-        "rope_theta": _meta_float(meta, f"{a}.rope.freq_base", 10000.0),
-        "rope_scaling": _rope_scaling(meta, a),
-        "vocab_size": int(embed.shape[0]),
-        "max_position_embeddings": _meta_int(meta, f"{a}.context_length", 2048),
-        "tie_word_embeddings": "output.weight" not in tensors,
-        "attention_bias": "blk.0.attn_q.bias" in tensors,
-        "mlp_bias": False,
-    }
-    for name in ("bos", "eos", "padding"):
-        value = meta_value(meta, f"tokenizer.ggml.{name}_token_id")
-        if value is not None:
-            config[f"{'pad' if name == 'padding' else name}_token_id"] = int(value)
-    return config
-
-
 def unpermute_rows(a: mx.array, heads: int) -> mx.array:
     """Undo llama.cpp's rotary row order for Q or K: per head, rows [half, 2] -> [2, half].
 
@@ -159,16 +81,6 @@ def unpermute_rows(a: mx.array, heads: int) -> mx.array:
     if rows % (2 * heads):
         raise ModelError(f"cannot un-permute {rows} rows over {heads} heads")
     return a.reshape(heads, rows // heads // 2, 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
-
-
-def hf_module_name(gguf_base: str) -> str:
-    """`blk.3.attn_q` -> `model.layers.3.self_attn.q_proj`; ModelError for unknown names."""
-    if gguf_base in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_base]
-    parts = gguf_base.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
-    raise ModelError(f"unexpected GGUF tensor {gguf_base!r} for the llama architecture")
 
 
 def _group_tensors(tensors: Mapping[str, mx.array]) -> dict[str, dict[str, mx.array]]:
@@ -210,8 +122,10 @@ def _convert_module(parts: dict[str, mx.array], heads: int | None, dtype: str | 
     return {k: v.astype(DTYPES[dtype]) for k, v in parts.items()}
 
 
-def _qk_heads(gguf_base: str, config: Mapping[str, Any]) -> int | None:
-    """Head count to un-permute by for attn_q / attn_k, None for any other tensor."""
+def _qk_heads(gguf_base: str, config: Mapping[str, Any], fam: Family) -> int | None:
+    """Head count to un-permute by for a permuted attn_q / attn_k, None for any other tensor."""
+    if not fam.permuted_qk:
+        return None
     if gguf_base.endswith(".attn_q"):
         return config["num_attention_heads"]
     if gguf_base.endswith(".attn_k"):
@@ -222,6 +136,7 @@ def _qk_heads(gguf_base: str, config: Mapping[str, Any]) -> int | None:
 def convert_tensors(
     tensors: Mapping[str, mx.array],
     config: Mapping[str, Any],
+    fam: Family,
     dtype: str | None,
     progress: Progress,
 ) -> tuple[dict[str, mx.array], dict[str, int]]:
@@ -230,8 +145,8 @@ def convert_tensors(
     weights: dict[str, mx.array] = {}
     bits: dict[str, int] = {}
     for i, (base, parts) in enumerate(sorted(groups.items()), 1):
-        module = hf_module_name(base)
-        converted = _convert_module(parts, _qk_heads(base, config), dtype)
+        module = fam.module_name(base)
+        converted = _convert_module(parts, _qk_heads(base, config, fam), dtype)
         if "scales" in converted:
             bits[module] = _bits(converted)
         mx.eval(converted)
@@ -341,7 +256,7 @@ def _describe(config: Mapping[str, Any], quant: Mapping[str, Any] | None, dtype:
         weights = f"{quant['bits']}-bit" + (f" ({len(overrides)} overrides)" if overrides else "")
     else:
         weights = "as stored"
-    return (f"llama: {config['num_hidden_layers']} layers, hidden {config['hidden_size']}, "
+    return (f"{config['model_type']}: {config['num_hidden_layers']} layers, hidden {config['hidden_size']}, "
             f"{config['num_attention_heads']}/{config['num_key_value_heads']} heads, "
             f"vocab {config['vocab_size']}; weights {weights}")
 
@@ -367,10 +282,13 @@ def convert_gguf(
     start = time.perf_counter()
     say(f"reading {gguf_path} ({gguf_path.stat().st_size / 1e6:.1f} MB)" if gguf_path.is_file()
         else f"reading {gguf_path}")
-    check_supported(read_gguf_header(gguf_path), gguf_path)
+    header = read_gguf_header(gguf_path)
+    check_supported(header, gguf_path)
     tensors, meta = _load_gguf(gguf_path)
-    config = llama_config(meta, tensors)
-    weights, bits = convert_tensors(tensors, config, target, say)
+    tokenizer = build_tokenizer(meta)
+    fam = family(header.architecture)
+    config = model_config(header.architecture, meta, tensors)
+    weights, bits = convert_tensors(tensors, config, fam, target, say)
     quant = quantization_config(bits)
     if quant:
         config["quantization"] = quant
@@ -382,7 +300,7 @@ def convert_gguf(
         _write_json(tmp / "config.json", config)
         _write_json(tmp / "generation_config.json", generation_config(config, meta))
         say("writing tokenizer")
-        write_tokenizer(meta, tmp, max_length=config["max_position_embeddings"])
+        write_tokenizer(meta, tmp, tokenizer, max_length=config["max_position_embeddings"])
         _write_json(tmp / SOURCE_FILE, _source_record(gguf_path, dtype, target))
     size = sum(p.stat().st_size for p in out_dir.iterdir())
     say(f"wrote {out_dir} ({size / 1e6:.1f} MB) in {time.perf_counter() - start:.1f}s")

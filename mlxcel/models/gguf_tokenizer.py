@@ -170,9 +170,15 @@ def tokenizer_config(meta: Mapping[str, Any], tok: Tokenizer, max_length: int | 
     return config
 
 
-def write_tokenizer(meta: Mapping[str, Any], out_dir: Path, *, max_length: int | None = None) -> Tokenizer:
+def write_tokenizer(
+    meta: Mapping[str, Any],
+    out_dir: Path,
+    tok: Tokenizer | None = None,
+    *,
+    max_length: int | None = None,
+) -> Tokenizer:
     """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json into `out_dir`."""
-    tok = build_tokenizer(meta)
+    tok = tok or build_tokenizer(meta)
     tok.save(str(out_dir / "tokenizer.json"))
     files = {
         "tokenizer_config.json": tokenizer_config(meta, tok, max_length),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
 
@@ -9,11 +10,11 @@ import mlx.core as mx
 import mlx_lm
 import numpy as np
 import pytest
-from mlx_lm.models import llama
 
 from mlxcel.models import gguf_import
 from mlxcel.models.errors import ModelError
-from mlxcel.models.gguf_import import convert_gguf, hf_module_name, unpermute_rows
+from mlxcel.models.gguf_arch import FAMILIES
+from mlxcel.models.gguf_import import convert_gguf, unpermute_rows
 from tests.models.tiny_gguf import Q, TinySpec, llama_cpp_permute, reference_weights, write_tiny_gguf
 
 TOKENS = [[1, 40, 41, 42, 200, 7, 266, 3, 9, 120]]
@@ -26,23 +27,28 @@ CASES = {
     "q8_0": TinySpec(embed_type=Q.Q8_0, linear_type=Q.Q8_0),
     "q8_embed_q4_1_linears": TinySpec(embed_type=Q.Q8_0, linear_type=Q.Q4_1),
     "untied_f16_head": TinySpec(embed_type=Q.Q8_0, linear_type=Q.Q4_0, output_type=Q.F16),
+    "qwen2_q4_0": TinySpec(arch="qwen2", pre="qwen2", embed_type=Q.Q8_0, linear_type=Q.Q4_0),
+    "qwen3_q8_0": TinySpec(arch="qwen3", pre="qwen2", embed_type=Q.Q8_0, linear_type=Q.Q8_0),
 }
 
 
 def reference_logits(spec: TinySpec) -> np.ndarray:
-    """Logits of mlx-lm's llama built directly from the HF-order reference weights."""
+    """Logits of mlx-lm's model family built directly from the HF-order reference weights."""
     d = spec.dims
-    args = llama.ModelArgs(
-        model_type="llama", hidden_size=d.hidden, num_hidden_layers=d.layers,
-        intermediate_size=d.ffn, num_attention_heads=d.heads, num_key_value_heads=d.kv_heads,
-        rms_norm_eps=1e-5, vocab_size=len(reference_weights(spec)["token_embd.weight"]),
-        rope_theta=10000.0, tie_word_embeddings=spec.output_type is None, head_dim=d.head_dim,
-    )
-    model = llama.Model(args)
-    weights = {
-        f"{hf_module_name(k.rsplit('.', 1)[0])}.weight": mx.array(v)
-        for k, v in reference_weights(spec).items()
-    }
+    ref = reference_weights(spec)
+    family = FAMILIES[spec.arch]
+    args = importlib.import_module(f"mlx_lm.models.{spec.arch}").ModelArgs.from_dict({
+        "model_type": spec.arch, "hidden_size": d.hidden, "num_hidden_layers": d.layers,
+        "intermediate_size": d.ffn, "num_attention_heads": d.heads, "num_key_value_heads": d.kv_heads,
+        "rms_norm_eps": 1e-5, "vocab_size": len(ref["token_embd.weight"]), "rope_theta": 10000.0,
+        "tie_word_embeddings": spec.output_type is None, "head_dim": d.head_dim,
+        "max_position_embeddings": d.context,
+    })
+    model = importlib.import_module(f"mlx_lm.models.{spec.arch}").Model(args)
+    weights = {}
+    for name, value in ref.items():
+        base, part = name.rsplit(".", 1)
+        weights[f"{family.module_name(base)}.{part}"] = mx.array(value)
     model.load_weights(list(weights.items()))
     return np.array(model(mx.array(TOKENS)).astype(mx.float32))
 
@@ -139,7 +145,7 @@ def test_checkpoint_files_and_metadata(tmp_path: Path) -> None:
 
 def test_refuses_unknown_architecture(tmp_path: Path) -> None:
     gguf = write_tiny_gguf(tmp_path / "m.gguf", TinySpec(arch="falcon"))
-    with pytest.raises(ModelError, match=r"unsupported GGUF architecture 'falcon'; supported: llama"):
+    with pytest.raises(ModelError, match=r"unsupported GGUF architecture .falcon.; supported: llama, qwen2, qwen3"):
         convert_gguf(gguf, tmp_path / "ckpt")
     assert not (tmp_path / "ckpt").exists()
 

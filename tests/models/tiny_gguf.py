@@ -1,8 +1,8 @@
-"""Build tiny llama GGUF files for tests, the way llama.cpp's converter lays them out.
+"""Build tiny GGUF files (llama, qwen2, qwen3) for tests, laid out as llama.cpp's converter does.
 
-Weights start in Hugging Face order; attn_q/attn_k rows are permuted with llama.cpp's
-formula before writing. `reference_weights` gives what a faithful import must recover:
-the HF-order weights after the GGUF type's quantization round trip (row permutation
+Weights start in Hugging Face order; for llama, attn_q/attn_k rows are permuted with
+llama.cpp's formula before writing (its converter leaves qwen2/qwen3 unpermuted).
+`reference_weights` gives what a faithful import must recover: the HF-order weights after the GGUF type's quantization round trip (row permutation
 commutes with row-wise block quantization, so no permutation code is involved).
 """
 
@@ -89,11 +89,17 @@ def hf_weights(spec: TinySpec) -> dict[str, np.ndarray]:
         w[f"blk.{i}.ffn_norm.weight"] = 1 + rng.normal(0, 0.1, d.hidden)
         for name, shape in LAYER_TENSORS.items():
             w[f"blk.{i}.{name}.weight"] = rng.normal(0, 0.15, shape(d))
+        if spec.arch == "qwen2":  # q/k/v biases
+            for name in ("attn_q", "attn_k", "attn_v"):
+                w[f"blk.{i}.{name}.bias"] = rng.normal(0, 0.1, LAYER_TENSORS[name](d)[0])
+        if spec.arch == "qwen3":  # per-head RMS norms on q and k
+            for name in ("attn_q_norm", "attn_k_norm"):
+                w[f"blk.{i}.{name}.weight"] = 1 + rng.normal(0, 0.1, d.head_dim)
     return {k: v.astype(np.float32) for k, v in w.items()}
 
 
 def tensor_type(name: str, spec: TinySpec) -> Q:
-    if name.endswith("norm.weight"):
+    if name.endswith("norm.weight") or name.endswith(".bias"):
         return Q.F32
     if name == "token_embd.weight":
         return spec.embed_type
@@ -154,9 +160,9 @@ def write_tiny_gguf(path: Path, spec: TinySpec | None = None) -> Path:
     writer = gguf.GGUFWriter(str(path), spec.arch)
     _add_metadata(writer, spec)
     for name, w in hf_weights(spec).items():
-        if name.endswith("attn_q.weight"):
+        if spec.arch == "llama" and ".attn_q." in name:
             w = llama_cpp_permute(w, d.heads)
-        elif name.endswith("attn_k.weight"):
+        elif spec.arch == "llama" and ".attn_k." in name:
             w = llama_cpp_permute(w, d.kv_heads)
         qtype = tensor_type(name, spec)
         data = encode(w, qtype)
