@@ -31,6 +31,7 @@ from mlxcel.models.gguf_tokenizer import build_tokenizer, meta_value, write_toke
 Progress = Callable[[str], None]
 
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "Q4_0", "Q4_1", "Q8_0")
+KEEP_DTYPES = (None, "none", "quantized")  # keep GGUF types: quantized stays quantized
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 GROUP_SIZE = 32  # every GGUF block type MLX reads has 32 weights per block
 SOURCE_FILE = "mlxcel_source.json"
@@ -45,12 +46,12 @@ def resolve_dtype(dtype: str | None) -> str | None:
     On MLX's CPU backend float32 is the fastest (quantized matmuls are slower there);
     on a GPU the quantized weights are kept.
     """
-    if dtype is None or dtype == "none":
+    if dtype in KEEP_DTYPES:
         return None
     if dtype == "auto":
         return "float32" if mx.default_device().type == mx.DeviceType.cpu else None
     if dtype not in DTYPES:
-        raise ModelError(f"unknown dtype {dtype!r}; choose auto, {', '.join(DTYPES)} or none")
+        raise ModelError(f"unknown dtype {dtype!r}; choose auto, {', '.join(DTYPES)} or quantized")
     return dtype
 
 
