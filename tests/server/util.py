@@ -1,0 +1,90 @@
+"""Helpers for server tests: a real server subprocess, SSE and /metrics parsing."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+MODEL = "tiny"
+_URL = re.compile(r"serving \S+ on (http://[\d.]+:\d+)")
+
+
+class ServerProcess:
+    """One ``mlxcel serve`` subprocess; ``url`` once it listens, stderr kept in ``lines``."""
+
+    def __init__(self, model: Path, *flags: str, env: dict | None = None):
+        cmd = [sys.executable, "-m", "mlxcel.cli", "serve", "-m", str(model), "--port", "0",
+               "--served-model-name", MODEL, "--log-level", "warning", *flags]
+        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                                     env={**os.environ, **(env or {})})
+        self.lines: list[str] = []
+        self._listening = threading.Event()
+        self.url = ""
+        threading.Thread(target=self._drain, daemon=True).start()
+        if not self._listening.wait(60):
+            self.stop()
+            raise RuntimeError("server did not start:\n" + "".join(self.lines))
+
+    def _drain(self) -> None:
+        for line in self.proc.stderr:
+            self.lines.append(line)
+            m = _URL.search(line)
+            if m:
+                self.url = m.group(1)
+                self._listening.set()
+        self._listening.set()
+
+    def wait_ready(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError("server not ready:\n" + "".join(self.lines))
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        return self.proc.returncode
+
+
+def metrics(url: str) -> dict[str, float]:
+    """Every sample of /metrics as {'name{label="v",...}': value}."""
+    out = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+def sse_events(response: httpx.Response) -> list:
+    """Parse an SSE body into JSON payloads, with the literal '[DONE]' kept as a string."""
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def chat_body(content: str = "hello", **kw) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], **kw}
