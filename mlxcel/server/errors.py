@@ -85,8 +85,19 @@ def _reply(status: int, message: str, type_: str, param: str | None = None, code
     return ErrorReply(status, ErrorResponse(error=detail), headers or {})
 
 
+_TYPE_TAGS = {"int", "float", "str", "bool", "none"}
+
+
+def _is_field(part: object) -> bool:
+    """Locations also name union members ('int', 'list[str]', 'TextPart'); our fields are snake_case."""
+    if isinstance(part, int):
+        return True
+    text = str(part)
+    return text != "body" and text not in _TYPE_TAGS and text == text.lower() and not set(text) & set("[-")
+
+
 def _validation_param(loc: tuple) -> str | None:
-    parts = [p for p in loc if p != "body"]
+    parts = [p for p in loc if _is_field(p)]
     text = ""
     for p in parts:
         text += f"[{p}]" if isinstance(p, int) else (f".{p}" if text else str(p))
