@@ -111,7 +111,9 @@ def _dequantize(parts: Mapping[str, mx.array]) -> mx.array:
     )
 
 
-def _convert_module(parts: dict[str, mx.array], heads: int | None, dtype: str | None) -> dict[str, mx.array]:
+def _convert_module(
+    parts: dict[str, mx.array], heads: int | None, dtype: str | None
+) -> dict[str, mx.array]:
     """One module's arrays: un-permuted if Q/K, dequantized if a dtype is asked for."""
     if heads is not None:
         parts = {k: unpermute_rows(v, heads) for k, v in parts.items()}
@@ -207,7 +209,7 @@ def check_out_dir(out_dir: Path, overwrite: bool) -> None:
     if out_dir.exists() and not out_dir.is_dir():
         raise ModelError(f"{out_dir} exists and is not a directory")
     if out_dir.exists() and not overwrite and not _is_empty_dir(out_dir):
-        raise ModelError(f"{out_dir} is not empty; pass overwrite=True (--force) to replace it")
+        raise ModelError(f"{out_dir} is not empty; pass overwrite=True (--overwrite) to replace it")
 
 
 @contextmanager
@@ -254,10 +256,12 @@ def _describe(config: Mapping[str, Any], quant: Mapping[str, Any] | None, dtype:
         weights = dtype
     elif quant:
         overrides = {k: v["bits"] for k, v in quant.items() if isinstance(v, dict)}
-        weights = f"{quant['bits']}-bit" + (f" ({len(overrides)} overrides)" if overrides else "")
+        extra = "".join(f", {k} {b}-bit" for k, b in overrides.items())
+        weights = f"{quant['bits']}-bit{extra}"
     else:
         weights = "as stored"
-    return (f"{config['model_type']}: {config['num_hidden_layers']} layers, hidden {config['hidden_size']}, "
+    return (f"{config['model_type']}: {config['num_hidden_layers']} layers, "
+            f"hidden {config['hidden_size']}, "
             f"{config['num_attention_heads']}/{config['num_key_value_heads']} heads, "
             f"vocab {config['vocab_size']}; weights {weights}")
 
