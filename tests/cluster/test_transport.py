@@ -1,0 +1,243 @@
+"""Transport behaviour over real sockets: messages, fragments, RPC, streams, pool, shutdown."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+
+import pytest
+
+from mlxcel.cluster.errors import (
+    ConnectionLost,
+    LocalProtocolError,
+    PeerUnreachable,
+    RequestFailed,
+    RequestTimeout,
+    SequenceExhausted,
+    TransportClosed,
+)
+from mlxcel.cluster.identity import PeerId
+from mlxcel.cluster.transport import Transport
+from mlxcel.cluster.wire import Kind, Suite
+
+from .conftest import CLIENT_IP, HONEST_IP, SERVER_IP, Inbox, wait_until
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.mark.parametrize("suite", list(Suite))
+def test_messages_in_every_suite(make_transport, suite):
+    inbox = Inbox()
+    srv = make_transport(SERVER_IP, suite=suite)
+    srv.serve(inbox.on_message, inbox.on_request)
+    cli = make_transport(CLIENT_IP, suite=suite, chunk_len=4096)
+    payloads = [b"", b"x", os.urandom(4096), os.urandom(4097), os.urandom(100_000)]
+    for p in payloads:
+        cli.send(srv.identity, Kind.TENSOR_DATA, p)
+    for p in payloads:
+        msg = inbox.get()
+        assert bytes(msg.payload) == p and msg.kind == Kind.TENSOR_DATA
+        assert msg.peer == cli.identity  # the handshake-bound identity, port included
+    assert bytes(cli.request(srv.identity, b"hi")) == b"echo:hi"
+
+
+def test_large_message_is_fragmented_and_reassembled(make_transport):
+    inbox = Inbox()
+    srv = make_transport(SERVER_IP)
+    srv.serve(inbox.on_message, lambda m: bytes(m.payload[::-1]))
+    cli = make_transport(CLIENT_IP, chunk_len=65536)
+    big = os.urandom(3 * 1024 * 1024 + 7)
+    cli.send(srv.identity, Kind.CONTROL, memoryview(big))
+    msg = inbox.get()
+    assert msg.kind == Kind.CONTROL and bytes(msg.payload) == big
+    assert bytes(cli.request(srv.identity, big)) == big[::-1]
+
+
+def test_rpc_errors_and_timeouts(make_transport):
+    release = threading.Event()
+
+    def on_request(msg):
+        if bytes(msg.payload) == b"slow":
+            release.wait(5)
+            return b"late"
+        raise KeyError("no such sequence")
+
+    srv = make_transport(SERVER_IP)
+    srv.serve(None, on_request)
+    cli = make_transport(CLIENT_IP)
+    with pytest.raises(RequestFailed, match="KeyError"):
+        cli.request(srv.identity, b"x")
+    with pytest.raises(RequestTimeout):
+        cli.request(srv.identity, b"slow", timeout=0.2)
+    release.set()
+    with pytest.raises(RequestFailed):  # the late response was dropped, the connection still works
+        cli.request(srv.identity, b"y")
+
+
+def test_no_request_handler_answers_with_an_error(make_transport):
+    srv = make_transport(SERVER_IP)
+    srv.serve(lambda m: None)
+    with pytest.raises(RequestFailed, match="serves no requests"):
+        make_transport(CLIENT_IP).request(srv.identity, b"x")
+
+
+def test_concurrent_requests_share_one_connection(make_transport):
+    srv = make_transport(SERVER_IP)
+    srv.serve(None, lambda m: bytes(m.payload) * 2)
+    cli = make_transport(CLIENT_IP)
+    results: dict[int, bytes] = {}
+
+    def worker(i: int) -> None:
+        for j in range(20):
+            body = f"{i}-{j}".encode() * (1 + (j * 500) % 3000)
+            results[(i, j)] = bytes(cli.request(srv.identity, body)) == body * 2
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(results) == 120 and all(results.values())
+    assert srv.authenticated_connections == 1
+
+
+def test_streams(make_transport):
+    inbox = Inbox()
+    srv = make_transport(SERVER_IP)
+    srv.serve(inbox.on_message)
+    cli = make_transport(CLIENT_IP)
+    with cli.open_stream(srv.identity) as stream:
+        stream.write(b"kv-0")
+        stream.write(os.urandom(10_000))
+    msgs = [inbox.get() for _ in range(3)]
+    assert [m.kind for m in msgs] == [Kind.STREAM_DATA, Kind.STREAM_DATA, Kind.STREAM_END]
+    assert len({m.id for m in msgs}) == 1 and msgs[-1].status == 0
+    with pytest.raises(LocalProtocolError):
+        stream.write(b"after close")
+
+
+def test_handler_exception_does_not_kill_the_connection(make_transport, caplog):
+    seen = []
+
+    def on_message(msg):
+        seen.append(bytes(msg.payload))
+        if msg.payload == b"bad":
+            raise RuntimeError("handler bug")
+
+    srv = make_transport(SERVER_IP)
+    srv.serve(on_message)
+    cli = make_transport(CLIENT_IP)
+    with caplog.at_level(logging.ERROR, "mlxcel.cluster"):
+        cli.send(srv.identity, Kind.CONTROL, b"bad")
+        cli.send(srv.identity, Kind.CONTROL, b"good")
+        assert wait_until(lambda: seen == [b"bad", b"good"])
+
+
+def test_send_rejects_non_message_kinds(make_transport):
+    srv = make_transport(SERVER_IP)
+    srv.serve(lambda m: None)
+    with pytest.raises(LocalProtocolError):
+        make_transport(CLIENT_IP).send(srv.identity, Kind.RPC_RESPONSE, b"x")
+
+
+def test_reconnects_after_the_peer_restarts(make_transport, secret):
+    inbox = Inbox()
+    srv = make_transport(SERVER_IP)
+    port = srv.serve(inbox.on_message).port
+    cli = make_transport(CLIENT_IP)
+    cli.send(srv.identity, Kind.CONTROL, b"1")
+    inbox.get()
+    srv.close()
+    srv2 = Transport(f"{SERVER_IP}:{port}", secret)
+    try:
+        srv2.serve(inbox.on_message)
+        assert wait_until(lambda: cli._outbound.get(PeerId(SERVER_IP, port)) is None)
+        cli.send(f"{SERVER_IP}:{port}", Kind.CONTROL, b"2")
+        assert bytes(inbox.get().payload) == b"2"
+    finally:
+        srv2.close()
+
+
+def test_unreachable_peer_after_backoff(make_transport):
+    with socket.socket() as s:
+        s.bind((SERVER_IP, 0))
+        port = s.getsockname()[1]  # bound, not listening: connection refused
+        cli = make_transport(CLIENT_IP, max_reconnect_attempts=2, reconnect_base_delay=0.01)
+        with pytest.raises(PeerUnreachable, match="after 3 attempts") as info:
+            cli.connect(f"{SERVER_IP}:{port}")
+        assert isinstance(info.value.__cause__, ConnectionRefusedError)
+
+
+def test_sequence_exhaustion_closes_the_connection(make_transport):
+    inbox = Inbox()
+    srv = make_transport(SERVER_IP)
+    srv.serve(inbox.on_message)
+    cli = make_transport(CLIENT_IP, seq_limit=3)
+    for i in range(3):
+        cli.send(srv.identity, Kind.CONTROL, b"%d" % i)
+    with pytest.raises(SequenceExhausted):
+        cli.send(srv.identity, Kind.CONTROL, b"3")
+    assert [bytes(inbox.get().payload) for _ in range(3)] == [b"0", b"1", b"2"]
+    cli.send(srv.identity, Kind.CONTROL, b"fresh")  # a new connection starts at sequence 0
+    assert bytes(inbox.get().payload) == b"fresh"
+
+
+def test_close_fails_pending_requests_and_is_idempotent(make_transport):
+    gate = threading.Event()
+    srv = make_transport(SERVER_IP)
+    srv.serve(None, lambda m: gate.wait(5) and b"x")
+    cli = make_transport(CLIENT_IP)
+    errors = []
+
+    def call():
+        try:
+            cli.request(srv.identity, b"x", timeout=10)
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    t = threading.Thread(target=call)
+    t.start()
+    assert wait_until(lambda: srv.authenticated_connections == 1)
+    cli.close()
+    t.join(5)
+    gate.set()
+    assert len(errors) == 1 and isinstance(errors[0], ConnectionLost)
+    cli.close()
+    with pytest.raises(TransportClosed):
+        cli.send(srv.identity, Kind.CONTROL, b"x")
+
+
+def test_serve_port_zero_updates_identity_and_ipv6(make_transport, secret):
+    srv = make_transport(SERVER_IP)
+    ident = srv.serve(lambda m: None)
+    assert ident.port != 0 and srv.identity == ident == srv.listen_address
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback")
+    inbox = Inbox()
+    v6 = Transport("[::1]:0", secret)
+    v6c = Transport("[::1]:0", secret)
+    try:
+        v6.serve(inbox.on_message)
+        v6c.send(v6.identity, Kind.CONTROL, b"six")
+        msg = inbox.get()
+        assert bytes(msg.payload) == b"six" and msg.peer.host == "::1"
+    finally:
+        v6c.close()
+        v6.close()
+
+
+def test_both_directions_use_separate_connections(make_transport):
+    a_in, b_in = Inbox(), Inbox()
+    a = make_transport(SERVER_IP)
+    b = make_transport(CLIENT_IP)
+    a.serve(a_in.on_message)
+    b.serve(b_in.on_message)
+    a.send(b.identity, Kind.TENSOR_DATA, b"to-b")
+    b.send(a.identity, Kind.TENSOR_DATA, b"to-a")
+    assert b_in.get().peer == a.identity and a_in.get().peer == b.identity
+    assert a.authenticated_connections == b.authenticated_connections == 1
