@@ -18,6 +18,7 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
+import mlxcel  # noqa: F401  (before mlx.core: picks up OpenBLAS, see mlxcel/blas.py)
 import mlx.core as mx
 
 from bench.environment import write_jsonl

@@ -49,10 +49,13 @@ def generate_tokens(
             return sampler(logprobs), logprobs[0]
 
     with mx.stream(_stream):
-        while tokens.size > prefill_chunk:
-            forward(tokens[None, :prefill_chunk], cache)
+        # All but the last prompt token only fill the cache: evaluating just the
+        # cache state leaves the (lazy) head unevaluated for those positions.
+        while tokens.size > 1:
+            n = min(prefill_chunk, tokens.size - 1)
+            forward(tokens[None, :n], cache)
             mx.eval([c.state for c in cache])
-            tokens = tokens[prefill_chunk:]
+            tokens = tokens[n:]
     y, logprobs = step(tokens)
     mx.async_eval(y, logprobs)
     for n in range(max_tokens):
