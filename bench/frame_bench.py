@@ -1,0 +1,296 @@
+"""Frame protection benchmark: one-way latency and bandwidth of the cluster transport.
+
+One-way latency is half the round trip of a TensorData message that the peer echoes
+back over a second authenticated connection (its own pooled connection to our
+listener), so it includes both ends' frame work.  Candidates: unprotected, HMAC-SHA256,
+AES-256-GCM (the cluster's suite) and ChaCha20-Poly1305.
+
+    python -m bench.frame_bench                       # local: echo peer in a subprocess
+    python -m bench.frame_bench --quick               # 1/10 of the iterations
+    python -m bench.frame_bench --serve-echo 0.0.0.0:19100 --cluster-secret-file S
+    python -m bench.frame_bench --remote 10.0.0.2:19100 --cluster-secret-file S
+
+``--serve-echo BIND`` listens for suite i (the order above) at BIND's port + i (port 0:
+any ports, printed as JSON).  Both hosts need the same cluster secret (the usual
+sources: --cluster-secret-file, MLXCEL_CLUSTER_SECRET_FILE, MLXCEL_CLUSTER_SECRET).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import secrets
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.environment import write_jsonl
+from mlxcel.cluster import ClusterSecret, Kind, Message, PeerId, Suite, Transport, load_secret
+
+SUITES = [Suite.UNPROTECTED, Suite.HMAC_SHA256, Suite.AES_256_GCM, Suite.CHACHA20_POLY1305]
+MODE_NAMES = {
+    Suite.UNPROTECTED: "unprotected",
+    Suite.HMAC_SHA256: "candidate 1: HMAC-SHA256",
+    Suite.AES_256_GCM: "candidate 2: AES-256-GCM (chosen)",
+    Suite.CHACHA20_POLY1305: "candidate 2: ChaCha20-Poly1305",
+}
+SIZES = [(8 * 1024, 4000), (64 * 1024, 2000), (1024 * 1024, 400), (2 * 1024 * 1024, 200), (16 * 1024 * 1024, 60)]
+SUITE_BY_NAME = {"unprotected": Suite.UNPROTECTED, "hmac": Suite.HMAC_SHA256, "aes": Suite.AES_256_GCM, "chacha": Suite.CHACHA20_POLY1305}
+COLUMNS = ["mode", "suite", "payload_bytes", "iterations", "p50_us", "p95_us", "p99_us", "mean_us", "one_way_gib_s", "chunk_len", "remote"]
+
+
+# --- echo peer ----------------------------------------------------------------------------
+
+
+def serve_echo(bind: str, secret: ClusterSecret, chunk_len: int | None) -> list[Transport]:
+    """One echo transport per suite; each sends every TensorData back to its sender."""
+    base = PeerId.parse(bind)
+    transports = []
+    for i, suite in enumerate(SUITES):
+        kw: dict[str, Any] = {"suite": suite}
+        if chunk_len:
+            kw["chunk_len"] = chunk_len
+        t = Transport(PeerId(base.host, base.port + i if base.port else 0), secret, **kw)
+
+        def echo(msg: Message, t: Transport = t) -> None:
+            t.send(msg.peer, Kind.TENSOR_DATA, msg.payload)
+
+        t.serve(echo)
+        transports.append(t)
+    return transports
+
+
+def _echo_main(args: argparse.Namespace, secret: ClusterSecret) -> None:
+    transports = serve_echo(args.serve_echo, secret, args.chunk_len)
+    print(json.dumps({SUITE_BY_NAME_INV[t.options.suite]: str(t.identity) for t in transports}), flush=True)
+    try:
+        sys.stdin.read()  # run until the parent closes our stdin (or Ctrl-D / Ctrl-C)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for t in transports:
+            t.close()
+
+
+SUITE_BY_NAME_INV = {v: k for k, v in SUITE_BY_NAME.items()}
+
+
+# --- measuring side ---------------------------------------------------------------------------
+
+
+class PingPong:
+    """Drives the round trips from the receive handler (no thread hand-off per message)."""
+
+    def __init__(self, transport: Transport, peer: PeerId, payload: bytes, total: int) -> None:
+        self.transport, self.peer, self.payload, self.total = transport, peer, payload, total
+        self.samples: list[int] = []
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        self._t0 = 0
+
+    def start(self) -> None:
+        self._t0 = time.perf_counter_ns()
+        self.transport.send(self.peer, Kind.TENSOR_DATA, self.payload)
+
+    def on_message(self, msg: Message) -> None:
+        now = time.perf_counter_ns()
+        try:
+            if len(msg.payload) != len(self.payload):
+                raise RuntimeError("echo returned a different length")
+            self.samples.append(now - self._t0)
+            if len(self.samples) >= self.total:
+                self.done.set()
+                return
+            self.start()
+        except BaseException as exc:  # noqa: BLE001 - surfaced by run()
+            self.error = exc
+            self.done.set()
+
+
+def _percentile(sorted_ns: list[int], q: float) -> float:
+    idx = min(len(sorted_ns) - 1, max(0, int(round(q * (len(sorted_ns) - 1)))))
+    return sorted_ns[idx] / 1000.0
+
+
+def measure(local: Transport, router: dict[str, PingPong], peer: PeerId, size: int, iterations: int, warmup: int) -> dict[str, Any]:
+    """Round trips of one payload size; returns one-way statistics in microseconds."""
+    payload = secrets.token_bytes(size)
+    pp = PingPong(local, peer, payload, iterations + warmup)
+    router["current"] = pp
+    pp.start()
+    timeout = 60 + iterations * size / 2e8
+    if not pp.done.wait(timeout):
+        raise TimeoutError(f"echo of {size} bytes did not finish within {timeout:.0f}s")
+    if pp.error:
+        raise pp.error
+    one_way = sorted(s // 2 for s in pp.samples[warmup:])
+    p50 = _percentile(one_way, 0.50)
+    return {
+        "payload_bytes": size,
+        "iterations": iterations,
+        "p50_us": p50,
+        "p95_us": _percentile(one_way, 0.95),
+        "p99_us": _percentile(one_way, 0.99),
+        "mean_us": statistics.fmean(one_way) / 1000.0,
+        "one_way_gib_s": size / (p50 * 1e-6) / 2**30,
+    }
+
+
+def run_suite(suite: Suite, echo_addr: PeerId, advertise: str, secret: ClusterSecret, sizes: list[tuple[int, int]], args: argparse.Namespace) -> list[dict[str, Any]]:
+    router: dict[str, PingPong] = {}
+    kw: dict[str, Any] = {"suite": suite}
+    if args.chunk_len:
+        kw["chunk_len"] = args.chunk_len
+    local = Transport(f"{advertise}:0" if ":" not in advertise else f"[{advertise}]:0", secret, **kw)
+    rows = []
+    try:
+        local.serve(lambda msg: router["current"].on_message(msg))
+        local.connect(echo_addr)
+        for size, iterations in sizes:
+            n = max(10, iterations // 10) if args.quick else iterations
+            row = measure(local, router, echo_addr, size, n, warmup=max(5, n // 10))
+            row.update(mode=MODE_NAMES[suite], suite=suite.name.lower(), chunk_len=local.options.chunk_len, remote=args.remote)
+            rows.append(row)
+            print(_fmt_row(row), flush=True)
+    finally:
+        local.close()
+    return rows
+
+
+# --- output -------------------------------------------------------------------------------------
+
+
+def _fmt_time(us: float) -> str:
+    return f"{us:.1f} us" if us < 1000 else f"{us / 1000:.3f} ms" if us < 10000 else f"{us / 1000:.2f} ms"
+
+
+def _fmt_size(n: int) -> str:
+    return f"{n // (1024 * 1024)} MiB" if n >= 1024 * 1024 else f"{n // 1024} KiB"
+
+
+def _fmt_row(r: dict[str, Any]) -> str:
+    return (
+        f"{r['mode']:<36} {_fmt_size(r['payload_bytes']):>7} {r['iterations']:>6} {_fmt_time(r['p50_us']):>10} "
+        f"{_fmt_time(r['p95_us']):>10} {_fmt_time(r['p99_us']):>10} {r['one_way_gib_s']:>8.2f} GiB/s"
+    )
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    print(f"\n{'Mode':<36} {'Payload':>7} {'Iters':>6} {'p50':>10} {'p95':>10} {'p99':>10} {'One-way bandwidth':>14}")
+    for r in rows:
+        print(_fmt_row(r))
+    base = {r["payload_bytes"]: r["p50_us"] for r in rows if r["suite"] == "unprotected"}
+    if base:
+        print("\np50 relative to unprotected:")
+        for r in rows:
+            if r["suite"] != "unprotected" and r["payload_bytes"] in base:
+                print(f"  {r['mode']:<36} {_fmt_size(r['payload_bytes']):>7} {r['p50_us'] / base[r['payload_bytes']]:.2f}x")
+
+
+def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=COLUMNS, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+
+
+# --- orchestration --------------------------------------------------------------------------------
+
+
+def _local_ip_towards(host: str) -> str:
+    """The source IP this host uses to reach ``host`` (UDP connect sends nothing)."""
+    fam = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(fam, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))
+        return s.getsockname()[0]
+
+
+def _spawn_local_echo(args: argparse.Namespace, secret_file: Path) -> tuple[subprocess.Popen[str], dict[str, str]]:
+    cmd = [sys.executable, "-m", "bench.frame_bench", "--serve-echo", "127.0.0.1:0"]
+    if args.chunk_len:
+        cmd += ["--chunk-len", str(args.chunk_len)]
+    env = {k: v for k, v in os.environ.items() if k != "MLXCEL_CLUSTER_SECRET"}
+    env["MLXCEL_CLUSTER_SECRET_FILE"] = str(secret_file)  # a path, never the value, on the command line
+    repo = Path(__file__).resolve().parent.parent
+    proc = subprocess.Popen(cmd, cwd=repo, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline() if proc.stdout else ""
+    if not line:
+        proc.kill()
+        raise RuntimeError("the echo subprocess did not start")
+    return proc, json.loads(line)
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.frame_bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path("results/frame_bench.jsonl"), help="JSONL output (appended)")
+    p.add_argument("--csv", type=Path, default=None, help="CSV output (default: --out with .csv)")
+    p.add_argument("--quick", action="store_true", help="1/10 of the iterations (at least 10)")
+    p.add_argument("--suites", default="unprotected,hmac,aes,chacha", help="comma list of unprotected,hmac,aes,chacha")
+    p.add_argument("--sizes", default=None, help="comma list of payload sizes in bytes (default: the reference's five)")
+    p.add_argument("--chunk-len", type=int, default=None, help="override the transport's fragment size")
+    p.add_argument("--remote", default=None, metavar="HOST:PORT", help="echo peer started with --serve-echo on another host")
+    p.add_argument("--advertise", default=None, metavar="IP", help="this host's IP as the remote peer sees it")
+    p.add_argument("--serve-echo", default=None, metavar="BIND", help="run the echo peer on BIND (suite i at port + i)")
+    p.add_argument("--cluster-secret-file", default=None, metavar="PATH")
+    return p.parse_args(argv)
+
+
+def _sizes(args: argparse.Namespace) -> list[tuple[int, int]]:
+    if not args.sizes:
+        return SIZES
+    table = dict(SIZES)
+    return [(int(s), table.get(int(s), 400)) for s in args.sizes.split(",")]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    if args.serve_echo:
+        _echo_main(args, load_secret(args.cluster_secret_file))
+        return 0
+    suites = [SUITE_BY_NAME[s.strip()] for s in args.suites.split(",")]
+    proc = None
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.remote:
+            secret = load_secret(args.cluster_secret_file)
+            base = PeerId.parse(args.remote)
+            addrs = {SUITE_BY_NAME_INV[s]: str(PeerId(base.host, base.port + i)) for i, s in enumerate(SUITES)}
+            advertise = args.advertise or _local_ip_towards(base.host)
+        else:
+            secret_file = Path(tmp) / "cluster.secret"
+            fd = os.open(secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            os.write(fd, secrets.token_hex(32).encode() + b"\n")
+            os.close(fd)
+            secret = load_secret(secret_file, env={})
+            proc, addrs = _spawn_local_echo(args, secret_file)
+            advertise = "127.0.0.1"
+        rows: list[dict[str, Any]] = []
+        try:
+            for suite in suites:
+                rows += run_suite(suite, PeerId.parse(addrs[SUITE_BY_NAME_INV[suite]]), advertise, secret, _sizes(args), args)
+        finally:
+            if proc is not None:
+                assert proc.stdin is not None
+                proc.stdin.close()
+                proc.wait(10)
+    print_table(rows)
+    for r in rows:
+        r["bench"] = "frame_bench"
+        r["quick"] = args.quick
+    write_jsonl(args.out, rows)
+    csv_path = args.csv or args.out.with_suffix(".csv")
+    write_csv(csv_path, rows)
+    print(f"\nwrote {args.out} and {csv_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
