@@ -47,18 +47,17 @@ def _split_then_bytes(pattern: str) -> Callable[[], pre_tokenizers.PreTokenizer]
     return build
 
 
-# tokenizer.ggml.pre -> pre-tokenizer factory. Types that share a regex set in llama.cpp
-# share an entry; anything else is refused rather than guessed.
-PRE_TOKENIZERS: dict[str, Callable[[], pre_tokenizers.PreTokenizer]] = {
-    "smollm": _digits_then_gpt2,
-    "starcoder": _digits_then_gpt2,
-    "refact": _digits_then_gpt2,
-    "gpt2": _gpt2,
-    "llama-bpe": _split_then_bytes(_LLAMA3_SPLIT),
-    "qwen2": _split_then_bytes(_QWEN2_SPLIT),
+# tokenizer.ggml.pre -> pre-tokenizer factory. Names that share a regex set in llama.cpp
+# (llama-vocab.cpp) share a factory; each is checked against llama.cpp in the tests.
+_FAMILIES: dict[Callable[[], pre_tokenizers.PreTokenizer], tuple[str, ...]] = {
+    _digits_then_gpt2: ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone"),
+    _gpt2: ("gpt-2", "phi-2", "mpt", "olmo", "jais"),
+    _split_then_bytes(_LLAMA3_SPLIT): ("llama-bpe", "llama3", "llama-v3"),
+    _split_then_bytes(_QWEN2_SPLIT): ("qwen2", "stablelm2"),
 }
+PRE_TOKENIZERS = {name: build for build, names in _FAMILIES.items() for name in names}
 # llama.cpp keeps a whole pre-token that is itself in the vocabulary for these types.
-_IGNORE_MERGES = {"llama-bpe"}
+_IGNORE_MERGES = {"llama-bpe", "llama3", "llama-v3"}
 
 
 def meta_value(meta: Mapping[str, Any], key: str, default: Any = None) -> Any:

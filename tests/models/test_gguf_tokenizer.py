@@ -14,7 +14,9 @@ from mlxcel.models.gguf_import import convert_gguf
 from mlxcel.models.gguf_tokenizer import build_tokenizer
 from tests.models.tiny_gguf import TinySpec, write_tiny_gguf
 
-GOLDEN = Path(__file__).parents[1] / "fixtures" / "smollm2_tokenizer_golden.json"
+FIXTURES = Path(__file__).parents[1] / "fixtures"
+GOLDEN = FIXTURES / "smollm2_tokenizer_golden.json"
+PRE_GOLDEN = json.loads((FIXTURES / "pretokenizer_golden.json").read_text())
 
 
 def gguf_metadata(path: Path) -> dict:
@@ -73,6 +75,24 @@ def test_transformers_loads_the_written_tokenizer(golden: dict, default_gguf: Pa
                                    tokenize=False)
     assert chat.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
     assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 2
+
+
+@pytest.mark.parametrize("pre", sorted(PRE_GOLDEN["ids"]))
+def test_pre_tokenizer_types_match_llama_cpp(pre: str) -> None:
+    vocab = PRE_GOLDEN["vocab"]
+    tok = build_tokenizer({
+        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre,
+        "tokenizer.ggml.tokens": vocab["tokens"], "tokenizer.ggml.token_type": vocab["token_types"],
+        "tokenizer.ggml.merges": vocab["merges"],
+    })
+    got = [tok.encode(text).ids for text in PRE_GOLDEN["texts"]]
+    assert got == PRE_GOLDEN["ids"][pre]
+
+
+def test_every_supported_pre_type_has_golden_ids() -> None:
+    from mlxcel.models.gguf_tokenizer import PRE_TOKENIZERS
+
+    assert set(PRE_TOKENIZERS) == set(PRE_GOLDEN["ids"])
 
 
 def test_tiny_tokenizer_specials_and_merges(tmp_path: Path) -> None:
