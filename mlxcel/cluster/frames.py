@@ -118,6 +118,10 @@ class FrameOpener(_Direction):
     def open_into(self, header: Buffer, body: Buffer, out: Buffer) -> int:
         """Authenticate ``body`` (ciphertext || tag) and write the payload to ``out``; returns the kind."""
         kind, n = self.parse_header(header)
+        return self.open_parsed(kind, n, header, body, out)
+
+    def open_parsed(self, kind: int, n: int, header: Buffer, body: Buffer, out: Buffer) -> int:
+        """``open_into`` for a header already checked by ``parse_header`` (the hot path)."""
         if len(body) != n + self.tag_len or len(out) < n:
             raise LocalProtocolError("body or output buffer has the wrong length")
         if self._aead is not None:

@@ -46,7 +46,7 @@ from .errors import (
 from .frames import Buffer, FrameOpener, FrameSealer
 from .handshake import MSG_CLOSED_AFTER_AUTH, NEED_DATA, ClientHandshake, Established, HelloReceived, Rejected, ServerHandshake, ServerVerified
 from .identity import PeerId, source_key
-from .messages import Assembler, Message, plan
+from .messages import Assembler, Message, alloc, plan
 from .ratelimit import RateLimitedLog, WarnClass, cluster_warnings
 from .secret import ClusterSecret
 from .wire import (
@@ -202,6 +202,71 @@ def server_handshake(sock: socket.socket, hs: ServerHandshake, timeout: float, a
 # --- one connection -----------------------------------------------------------------------
 
 
+class _SocketReader:
+    """Buffered exact reads off a blocking socket.
+
+    Small records (a header, a whole small frame, a tag) come from one opportunistic
+    ``recv_into`` that may also pick up the next header; large bodies are read with
+    MSG_WAITALL straight into their destination.  Views returned by ``take`` are valid
+    until the next call.
+    """
+
+    BIG = 65536
+
+    def __init__(self, sock: socket.socket, capacity: int) -> None:
+        self.sock = sock
+        self.capacity = capacity
+        self._buf = bytearray(capacity)
+        self._view = memoryview(self._buf)
+        self._start = 0
+        self._end = 0
+
+    def _recv(self, view: memoryview, flags: int = 0) -> int:
+        r = self.sock.recv_into(view, len(view), flags)
+        if r == 0:
+            raise EOFError
+        return r
+
+    def take(self, n: int) -> memoryview:
+        """The next ``n`` bytes (n <= capacity), consumed."""
+        if self._end - self._start < n:
+            self._fill(n)
+        start = self._start
+        self._start = start + n
+        if self._start == self._end:
+            self._start = self._end = 0
+        return self._view[start : start + n]
+
+    def _fill(self, n: int) -> None:
+        if self._start + n > self.capacity:
+            have = self._end - self._start
+            self._buf[:have] = self._buf[self._start : self._end]
+            self._start, self._end = 0, have
+        while self._end - self._start < n:
+            need = n - (self._end - self._start)
+            if need >= self.BIG:
+                self._end += self._recv(self._view[self._end : self._end + need], socket.MSG_WAITALL)
+            else:
+                self._end += self._recv(self._view[self._end :])
+
+    def read_into(self, dst: memoryview) -> None:
+        """Fill ``dst`` exactly: buffered bytes first, the rest straight from the socket."""
+        k = min(self._end - self._start, len(dst))
+        if k:
+            dst[:k] = self._view[self._start : self._start + k]
+            self._start += k
+            if self._start == self._end:
+                self._start = self._end = 0
+        while k < len(dst):
+            k += self._recv(dst[k:], socket.MSG_WAITALL)
+
+    def read_large(self, n: int) -> memoryview:
+        """``n`` bytes (n > capacity) in a one-off buffer (not retained)."""
+        view = alloc(n)
+        self.read_into(view)
+        return view
+
+
 class _Waiter:
     __slots__ = ("event", "message", "error")
 
@@ -245,7 +310,12 @@ class Connection:
 
     def send(self, kind: Kind, payload: Buffer, *, id: int = 0, status: int = 0) -> None:
         """Seal and send one message (fragmented as needed) under the write lock."""
-        frames = plan(kind, payload, id=id, status=status, chunk_len=self.transport.options.chunk_len)
+        chunk_len = self.transport.options.chunk_len
+        view = payload if isinstance(payload, (bytes, bytearray)) else memoryview(payload).cast("B")
+        if kind in MESSAGE_KINDS and len(view) <= chunk_len:
+            frames: Iterable[tuple[Kind, Buffer]] = ((kind, view),)
+        else:
+            frames = plan(kind, view, id=id, status=status, chunk_len=chunk_len)
         with self._wlock:
             if self._closed.is_set():
                 raise ConnectionLost(f"connection to {self.peer} is closed")
@@ -275,38 +345,25 @@ class Connection:
 
     # -- receiving --
 
-    def _recv_exact(self, view: memoryview) -> None:
-        got, n = 0, len(view)
-        while got < n:
-            r = self.sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
-            if r == 0:
-                raise EOFError
-            got += r
-
-    def _read_frame(self, header: memoryview, tag: memoryview, scratch: list[bytearray]) -> Message | None:
-        self._recv_exact(header)
-        kind, n = self.opener.parse_header(header)
+    def _read_frame(self, rd: "_SocketReader") -> Message | None:
+        header = rd.take(FRAME_HEADER_LEN).tobytes()
+        opener = self.opener
+        kind, n = opener.parse_header(header)
         dst = self.assembler.destination(kind, n)
-        if self.opener.plaintext_on_wire:
-            self._recv_exact(dst[:n])
-            self._recv_exact(tag)
-            kind = self.opener.verify_in_place(header, dst[:n], tag)
+        if opener.plaintext_on_wire:
+            rd.read_into(dst[:n])
+            kind = opener.verify_in_place(header, dst[:n], rd.take(opener.tag_len))
         else:
-            total = n + self.opener.tag_len
-            if len(scratch[0]) < total:
-                scratch[0] = bytearray(max(total, 2 * len(scratch[0])))
-            body = memoryview(scratch[0])[:total]
-            self._recv_exact(body)
-            kind = self.opener.open_into(header, body, dst)
+            total = n + opener.tag_len
+            body = rd.take(total) if total <= rd.capacity else rd.read_large(total)
+            kind = opener.open_parsed(kind, n, header, body, dst)
         return self.assembler.frame_done(kind, n)
 
     def _read_loop(self) -> None:
-        header = memoryview(bytearray(FRAME_HEADER_LEN))
-        tag = memoryview(bytearray(self.opener.tag_len))
-        scratch = [bytearray(self.transport.options.chunk_len + 64)]
+        rd = _SocketReader(self.sock, max(self.transport.options.chunk_len, 65536) + 64)
         try:
             while True:
-                msg = self._read_frame(header, tag, scratch)
+                msg = self._read_frame(rd)
                 if msg is not None:
                     self._dispatch(msg)
         except EOFError:
