@@ -120,22 +120,26 @@ def _percentile(sorted_ns: list[int], q: float) -> float:
     return sorted_ns[idx] / 1000.0
 
 
-def measure(local: Transport, router: dict[str, PingPong], peer: PeerId, size: int, iterations: int, warmup: int) -> dict[str, Any]:
-    """Round trips of one payload size; returns one-way statistics in microseconds."""
-    payload = secrets.token_bytes(size)
-    pp = PingPong(local, peer, payload, iterations + warmup)
+def round_trips(local: Transport, router: dict[str, PingPong], peer: PeerId, payload: bytes, count: int) -> list[int]:
+    """``count`` echo round trips of ``payload``; nanoseconds each."""
+    pp = PingPong(local, peer, payload, count)
     router["current"] = pp
     pp.start()
-    timeout = 60 + iterations * size / 2e8
+    timeout = 60 + count * len(payload) / 2e8
     if not pp.done.wait(timeout):
-        raise TimeoutError(f"echo of {size} bytes did not finish within {timeout:.0f}s")
+        raise TimeoutError(f"echo of {len(payload)} bytes did not finish within {timeout:.0f}s")
     if pp.error:
         raise pp.error
-    one_way = sorted(s // 2 for s in pp.samples[warmup:])
+    return pp.samples
+
+
+def summarize(samples_ns: list[int], size: int) -> dict[str, Any]:
+    """One-way statistics (half the round trip) in microseconds, bandwidth at p50."""
+    one_way = sorted(s / 2 for s in samples_ns)
     p50 = _percentile(one_way, 0.50)
     return {
         "payload_bytes": size,
-        "iterations": iterations,
+        "iterations": len(one_way),
         "p50_us": p50,
         "p95_us": _percentile(one_way, 0.95),
         "p99_us": _percentile(one_way, 0.99),
@@ -144,24 +148,43 @@ def measure(local: Transport, router: dict[str, PingPong], peer: PeerId, size: i
     }
 
 
-def run_suite(suite: Suite, echo_addr: PeerId, advertise: str, secret: ClusterSecret, sizes: list[tuple[int, int]], args: argparse.Namespace) -> list[dict[str, Any]]:
-    router: dict[str, PingPong] = {}
-    kw: dict[str, Any] = {"suite": suite}
-    if args.chunk_len:
-        kw["chunk_len"] = args.chunk_len
-    local = Transport(f"{advertise}:0" if ":" not in advertise else f"[{advertise}]:0", secret, **kw)
-    rows = []
-    try:
-        local.serve(lambda msg: router["current"].on_message(msg))
-        local.connect(echo_addr)
-        for size, iterations in sizes:
-            n = max(10, iterations // 10) if args.quick else iterations
-            row = measure(local, router, echo_addr, size, n, warmup=max(5, n // 10))
-            row.update(mode=MODE_NAMES[suite], suite=suite.name.lower(), chunk_len=local.options.chunk_len, remote=args.remote)
+class Side:
+    """The measuring transport of one suite, connected to its echo listener."""
+
+    def __init__(self, suite: Suite, echo_addr: PeerId, advertise: str, secret: ClusterSecret, chunk_len: int | None) -> None:
+        kw: dict[str, Any] = {"suite": suite}
+        if chunk_len:
+            kw["chunk_len"] = chunk_len
+        self.suite, self.peer = suite, echo_addr
+        self.router: dict[str, PingPong] = {}
+        host = f"[{advertise}]" if ":" in advertise else advertise
+        self.transport = Transport(f"{host}:0", secret, **kw)
+        self.transport.serve(lambda msg: self.router["current"].on_message(msg))
+        self.transport.connect(echo_addr)
+
+    def run(self, payload: bytes, count: int) -> list[int]:
+        return round_trips(self.transport, self.router, self.peer, payload, count)
+
+
+def run_all(sides: list[Side], sizes: list[tuple[int, int]], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Per size, interleave the suites in rounds so load drift hits every candidate alike."""
+    rows: list[dict[str, Any]] = []
+    for size, iterations in sizes:
+        n = max(10, iterations // 10) if args.quick else iterations
+        payload = secrets.token_bytes(size)
+        rounds = max(1, min(args.rounds, n // 5))
+        samples: dict[Suite, list[int]] = {side.suite: [] for side in sides}
+        for side in sides:  # warm-up: connection buffers, allocator, caches
+            side.run(payload, max(3, n // 20))
+        for r in range(rounds):
+            per = n // rounds + (1 if r < n % rounds else 0)
+            for side in sides:
+                samples[side.suite] += side.run(payload, per)
+        for side in sides:
+            row = summarize(samples[side.suite], size)
+            row.update(mode=MODE_NAMES[side.suite], suite=side.suite.name.lower(), chunk_len=side.transport.options.chunk_len, remote=args.remote)
             rows.append(row)
             print(_fmt_row(row), flush=True)
-    finally:
-        local.close()
     return rows
 
 
@@ -236,6 +259,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="1/10 of the iterations (at least 10)")
     p.add_argument("--suites", default="unprotected,hmac,aes,chacha", help="comma list of unprotected,hmac,aes,chacha")
     p.add_argument("--sizes", default=None, help="comma list of payload sizes in bytes (default: the reference's five)")
+    p.add_argument("--rounds", type=int, default=10, help="interleaving rounds per payload size")
     p.add_argument("--chunk-len", type=int, default=None, help="override the transport's fragment size")
     p.add_argument("--remote", default=None, metavar="HOST:PORT", help="echo peer started with --serve-echo on another host")
     p.add_argument("--advertise", default=None, metavar="IP", help="this host's IP as the remote peer sees it")
@@ -272,11 +296,14 @@ def main(argv: list[str] | None = None) -> int:
             secret = load_secret(secret_file, env={})
             proc, addrs = _spawn_local_echo(args, secret_file)
             advertise = "127.0.0.1"
-        rows: list[dict[str, Any]] = []
+        sides: list[Side] = []
         try:
             for suite in suites:
-                rows += run_suite(suite, PeerId.parse(addrs[SUITE_BY_NAME_INV[suite]]), advertise, secret, _sizes(args), args)
+                sides.append(Side(suite, PeerId.parse(addrs[SUITE_BY_NAME_INV[suite]]), advertise, secret, args.chunk_len))
+            rows = run_all(sides, _sizes(args), args)
         finally:
+            for side in sides:
+                side.transport.close()
             if proc is not None:
                 assert proc.stdin is not None
                 proc.stdin.close()
