@@ -14,6 +14,7 @@ import os
 import socket
 import sys
 from pathlib import Path
+from typing import Any
 
 DEFAULT_MODEL_DIR = "models/smollm2-135m-instruct"
 DEFAULT_PARALLEL = 4
@@ -117,6 +118,19 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn, except that SIGINT/SIGTERM end in a clean exit 0 instead of being re-raised."""
+
+        def handle_exit(self, sig, frame) -> None:  # type: ignore[no-untyped-def]
+            super().handle_exit(sig, frame)
+            self._captured_signals.clear()
+
+    return Server
+
+
 def run_server(args: argparse.Namespace) -> int:
     """Serve until interrupted; returns only for preflight errors (raised), otherwise exits the process."""
     import uvicorn
@@ -129,7 +143,7 @@ def run_server(args: argparse.Namespace) -> int:
     sock = bind_socket(args.host, args.port)
     host, port = sock.getsockname()[:2]
     exit_code = {"code": 0}
-    server: uvicorn.Server | None = None
+    server: Any = None
 
     def fatal(message: str) -> None:
         print(f"mlxcel: error: {message}", file=sys.stderr, flush=True)
@@ -138,7 +152,7 @@ def run_server(args: argparse.Namespace) -> int:
             server.should_exit = True
 
     app = create_app(ServerRuntime(config), on_fatal=fatal)
-    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+    server = _server_class()(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
                                            access_log=args.log_level == "debug"))
     print(f"mlxcel: serving {config.served_model_name} on http://{host}:{port} "
           f"(parallel {config.parallel}, batch {config.max_batch_size})", file=sys.stderr, flush=True)

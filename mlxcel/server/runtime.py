@@ -92,15 +92,22 @@ class ServerRuntime:
             loaded = load_checkpoint(self.config.model)
             self.state = "warming" if self.config.warmup else "starting"
             self.engine = self._factory(loaded.model, loaded.tokenizer, context_length(loaded.config), self.config)
-        except (ModelError, OSError, ValueError) as exc:
-            self.state, self.error = "failed", str(exc)
-            on_fatal(self.error)
+        except ModelError as exc:
+            self._fail(str(exc), on_fatal)
+            return
+        except Exception as exc:  # anything else a broken checkpoint raises: still one line, still fatal
+            self._fail(f"{self.config.model}: cannot load checkpoint: {exc}", on_fatal)
             return
         delay = float(os.environ.get(WARMUP_DELAY_ENV, "0") or 0)
         if delay and self.config.warmup:
             time.sleep(delay)
         self.state = "ready"
         log.info("model %s ready in %.1fs", self.config.served_model_name, time.perf_counter() - start)
+
+    def _fail(self, message: str, on_fatal: Callable[[str], None]) -> None:
+        self.state = "failed"
+        self.error = message.strip().splitlines()[0] if message.strip() else "cannot load the model"
+        on_fatal(self.error)
 
     def close(self) -> None:
         self.state = "closed"

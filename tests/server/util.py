@@ -16,6 +16,8 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 MODEL = "tiny"
+# Not "-m mlxcel.cli": that runs cli.py as __main__, a second copy whose CLIError is another class.
+CLI = [sys.executable, "-c", "import sys; from mlxcel.cli import main; sys.exit(main())"]
 _URL = re.compile(r"serving \S+ on (http://[\d.]+:\d+)")
 
 
@@ -23,7 +25,7 @@ class ServerProcess:
     """One ``mlxcel serve`` subprocess; ``url`` once it listens, stderr kept in ``lines``."""
 
     def __init__(self, model: Path, *flags: str, env: dict | None = None):
-        cmd = [sys.executable, "-m", "mlxcel.cli", "serve", "-m", str(model), "--port", "0",
+        cmd = [*CLI, "serve", "-m", str(model), "--port", "0",
                "--served-model-name", MODEL, "--log-level", "warning", *flags]
         self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
                                      env={**os.environ, **(env or {})})
