@@ -1,0 +1,271 @@
+"""Serving load benchmark: N concurrent streaming chat clients against any OpenAI-compatible server.
+
+    python -m bench.serve_bench --url http://127.0.0.1:8080 --concurrency 1,2,4,8
+    python -m bench.serve_bench --launch mlxcel,mlx_lm --model-dir models/smollm2-135m-instruct
+
+Each concurrency level runs N closed-loop clients, each sending ``--requests``
+streaming chat requests one after another. Per request it records the time to
+first token (TTFT), the gaps between streamed tokens (ITL) and output tok/s;
+per level the percentiles, aggregate output tok/s (all tokens / wall time) and
+errors. Rows go to JSONL (with the environment) and CSV. ``--launch`` starts
+each named server on the same checkpoint, one after the other, so one command
+compares them side by side; mlx_lm.server is started with the same BLAS as mlxcel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+
+from bench.environment import write_jsonl
+
+PROMPTS = [
+    "Explain in a few sentences why the sky is blue.",
+    "Write a short poem about the sea.",
+    "List three tips for learning a new programming language.",
+    "What is the difference between a list and a tuple in Python?",
+    "Describe how a bicycle works.",
+    "Give me a recipe for a simple tomato soup.",
+    "Why do cats purr?",
+    "Summarize the plot of a detective story in three sentences.",
+]
+DEFAULT_OUT = Path("bench/results")
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    ttft: float = 0.0
+    e2e: float = 0.0
+    tokens: int = 0
+    gaps: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Linear-interpolated percentile (q in 0..100); None for no values."""
+    if not values:
+        return None
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> RequestResult:
+    """Stream one chat completion; a content chunk counts as a token unless usage says otherwise."""
+    start = time.perf_counter()
+    times: list[float] = []
+    usage_tokens = None
+    try:
+        async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                return RequestResult(False, error=f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                data = json.loads(line[6:])
+                if "error" in data:
+                    return RequestResult(False, error=str(data["error"])[:200])
+                if data.get("usage"):
+                    usage_tokens = data["usage"].get("completion_tokens")
+                for choice in data.get("choices") or []:
+                    if (choice.get("delta") or {}).get("content"):
+                        times.append(time.perf_counter())
+    except httpx.HTTPError as exc:
+        return RequestResult(False, error=f"{type(exc).__name__}: {exc}")
+    if not times:
+        return RequestResult(False, error="no tokens streamed")
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    return RequestResult(True, ttft=times[0] - start, e2e=times[-1] - start,
+                         tokens=usage_tokens or len(times), gaps=gaps)
+
+
+async def run_level(url: str, model: str, concurrency: int, requests: int, max_tokens: int,
+                    ignore_eos: bool) -> tuple[list[RequestResult], float]:
+    """N closed-loop clients, each sending ``requests`` requests; returns results and wall time."""
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600), limits=limits) as client:
+
+        async def worker(idx: int) -> list[RequestResult]:
+            out = []
+            for k in range(requests):
+                body = {"model": model, "stream": True, "stream_options": {"include_usage": True},
+                        "messages": [{"role": "user", "content": PROMPTS[(idx + k * concurrency) % len(PROMPTS)]}],
+                        "max_tokens": max_tokens, "temperature": 0.0}
+                if ignore_eos:
+                    body["ignore_eos"] = True
+                out.append(await one_request(client, url, body))
+            return out
+
+        start = time.perf_counter()
+        per_worker = await asyncio.gather(*(worker(i) for i in range(concurrency)))
+        wall = time.perf_counter() - start
+    return [r for rs in per_worker for r in rs], wall
+
+
+def summarize(server: str, url: str, concurrency: int, results: list[RequestResult], wall: float,
+              max_tokens: int) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    gaps = [g for r in ok for g in r.gaps]
+    per_req = [r.tokens / r.e2e for r in ok if r.e2e > 0]
+    tokens = sum(r.tokens for r in ok)
+    ms = lambda v: None if v is None else round(v * 1000, 1)  # noqa: E731
+    return {
+        "bench": "serve", "server": server, "url": url, "concurrency": concurrency,
+        "requests": len(results), "errors": len(results) - len(ok),
+        "error_sample": next((r.error for r in results if not r.ok), ""),
+        "max_tokens": max_tokens, "output_tokens": tokens, "wall_s": round(wall, 2),
+        "ttft_p50_ms": ms(percentile([r.ttft for r in ok], 50)), "ttft_p95_ms": ms(percentile([r.ttft for r in ok], 95)),
+        "itl_p50_ms": ms(percentile(gaps, 50)), "itl_p95_ms": ms(percentile(gaps, 95)),
+        "req_tps_mean": round(sum(per_req) / len(per_req), 2) if per_req else None,
+        "agg_tps": round(tokens / wall, 2) if wall > 0 else None,
+    }
+
+
+# -- launching servers ----------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_command(kind: str, model_dir: str, port: int, parallel: int) -> list[str]:
+    if kind == "mlxcel":
+        return [sys.executable, "-c", "import sys; from mlxcel.cli import main; sys.exit(main())", "serve",
+                "-m", model_dir, "--port", str(port), "--parallel", str(parallel), "--log-level", "warning"]
+    if kind == "mlx_lm":
+        # importing mlxcel first loads the same OpenBLAS mlxcel uses (see mlxcel/blas.py): a fair comparison
+        code = ("import mlxcel, runpy, sys; sys.argv = ['mlx_lm.server'] + sys.argv[1:]; "
+                "runpy.run_module('mlx_lm.server', run_name='__main__')")
+        return [sys.executable, "-c", code, "--model", model_dir, "--port", str(port), "--host", "127.0.0.1",
+                "--decode-concurrency", str(parallel), "--prompt-concurrency", str(parallel),
+                "--log-level", "WARNING"]
+    raise SystemExit(f"serve_bench: unknown server kind {kind!r} (mlxcel, mlx_lm)")
+
+
+def wait_until_serving(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
+    """Until /health (ours) or /v1/models (others) answers 200."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"serve_bench: server exited with {proc.returncode}")
+        for path in ("/health", "/v1/models"):
+            try:
+                if httpx.get(url + path, timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+        time.sleep(0.5)
+    raise SystemExit("serve_bench: server did not become ready")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def model_name(url: str, kind: str | None, model_dir: str | None) -> str:
+    if kind == "mlx_lm":
+        return "default_model"  # mlx_lm.server's name for the model given on its command line
+    if kind == "mlxcel" and model_dir:
+        return Path(model_dir).resolve().name
+    models = httpx.get(f"{url}/v1/models", timeout=10).json().get("data") or []
+    if not models:
+        raise SystemExit(f"serve_bench: {url}/v1/models lists no model; pass --model-name")
+    return models[0]["id"]
+
+
+# -- driver -------------------------------------------------------------------------------------
+
+
+def bench_server(label: str, url: str, model: str, args: argparse.Namespace) -> Iterator[dict[str, Any]]:
+    asyncio.run(run_level(url, model, 1, 1, 8, False))  # warm the path and the model
+    for n in args.concurrency:
+        results, wall = asyncio.run(run_level(url, model, n, args.requests, args.max_tokens, args.ignore_eos))
+        row = summarize(label, url, n, results, wall, args.max_tokens)
+        print(format_row(row), file=sys.stderr, flush=True)
+        yield row
+
+
+def format_row(row: dict[str, Any]) -> str:
+    return (f"{row['server']:>8} c={row['concurrency']:<2} req={row['requests']:<3} err={row['errors']:<2} "
+            f"ttft p50/p95 {row['ttft_p50_ms']}/{row['ttft_p95_ms']} ms  itl p50/p95 {row['itl_p50_ms']}/"
+            f"{row['itl_p95_ms']} ms  per-req {row['req_tps_mean']} tok/s  aggregate {row['agg_tps']} tok/s")
+
+
+def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    new = not path.exists()
+    with path.open("a", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        if new:
+            writer.writeheader()
+        writer.writerows(rows)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="serve_bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--url", default="http://127.0.0.1:8080", help="server to load (ignored with --launch)")
+    p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8],
+                   help="comma-separated client counts (default 1,2,4,8)")
+    p.add_argument("--requests", type=int, default=3, help="requests per client per level (default 3)")
+    p.add_argument("--max-tokens", type=int, default=64, help="max_tokens per request (default 64)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="send ignore_eos (mlxcel/vLLM extension) for fixed output lengths")
+    p.add_argument("--model-name", default=None, help="model id to request (default: from /v1/models)")
+    p.add_argument("--launch", default=None, help="start these servers in turn: mlxcel, mlx_lm or both (comma)")
+    p.add_argument("--model-dir", default="models/smollm2-135m-instruct", help="checkpoint for --launch")
+    p.add_argument("--parallel", type=int, default=8, help="concurrent sequences of launched servers (default 8)")
+    p.add_argument("--label", default=None, help="server label in the rows (default: the launch kind or 'server')")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    rows: list[dict[str, Any]] = []
+    if args.launch:
+        for kind in args.launch.split(","):
+            port = _free_port()
+            url = f"http://127.0.0.1:{port}"
+            proc = subprocess.Popen(launch_command(kind, args.model_dir, port, args.parallel),
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            try:
+                wait_until_serving(url, proc)
+                name = args.model_name or model_name(url, kind, args.model_dir)
+                rows += [{**r, "model_dir": args.model_dir} for r in bench_server(kind, url, name, args)]
+            finally:
+                stop(proc)
+    else:
+        name = args.model_name or model_name(args.url, None, None)
+        rows += list(bench_server(args.label or "server", args.url, name, args))
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    write_jsonl(args.out / "serve_bench.jsonl", [{**r, "run": stamp} for r in rows])
+    write_csv(args.out / f"serve_bench-{stamp}.csv", rows)
+    print(f"serve_bench: {len(rows)} rows -> {args.out}/serve_bench.jsonl, serve_bench-{stamp}.csv", file=sys.stderr)
+    return 1 if any(r["errors"] for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
