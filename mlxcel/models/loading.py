@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,10 @@ class LoadedModel:
     def name(self) -> str:
         return self.path.name
 
+    def sampling_defaults(self) -> dict[str, float | int]:
+        """temperature / top_p / top_k from generation_config.json, for requests that name none."""
+        return read_sampling_defaults(self.path)
+
     def describe_weights(self) -> str:
         """Human summary of the weight representation, e.g. 'float32' or '4-bit (group 32), embedding 8-bit'."""
         quant = self.config.get("quantization")
@@ -48,6 +53,20 @@ class LoadedModel:
             short = module.rsplit(".", 1)[-1].replace("embed_tokens", "embedding")
             text += f", {short} {spec.get('bits')}-bit"
         return text
+
+
+SAMPLING_KEYS = ("temperature", "top_p", "top_k")
+
+
+def read_sampling_defaults(model_dir: Path) -> dict[str, float | int]:
+    """The sampling values a checkpoint's generation_config.json recommends (may be empty)."""
+    try:
+        config = json.loads((Path(model_dir) / "generation_config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(config, dict):
+        return {}
+    return {k: config[k] for k in SAMPLING_KEYS if isinstance(config.get(k), (int, float)) and not isinstance(config.get(k), bool)}
 
 
 def check_checkpoint(model_dir: str | Path) -> dict:
