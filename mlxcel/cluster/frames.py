@@ -21,6 +21,7 @@ from .errors import FrameAuthError, FrameTooLarge, LocalProtocolError, SequenceE
 from .wire import FRAME_HEADER, FRAME_HEADER_LEN, KEY_LEN, KNOWN_KINDS, MAX_FRAME_LEN, NONCE_BYTES, SEQ_LIMIT, TAG_LEN, Suite
 
 Buffer = Union[bytes, bytearray, memoryview]
+_pack_header = FRAME_HEADER.pack
 
 
 def _aead(suite: Suite, key: bytes) -> AESGCM | ChaCha20Poly1305 | None:
@@ -67,30 +68,35 @@ class FrameSealer(_Direction):
         super().__init__(suite, key, seq_limit)
         self.max_frame_len = max_frame_len
         self._scratch = bytearray()
+        self._view = memoryview(self._scratch)
 
-    def seal_parts(self, kind: int, payload: Buffer) -> tuple[Buffer, ...]:
-        """The frame as buffers for ``sendmsg``; valid until the next call."""
+    def seal_parts(self, kind: int, payload: Buffer) -> tuple[tuple[Buffer, ...], int]:
+        """(buffers for ``sendmsg``, their total length); valid until the next call."""
         n = len(payload)
         if n > self.max_frame_len:
             raise LocalProtocolError(f"frame of {n} bytes exceeds the cap of {self.max_frame_len}")
-        header = FRAME_HEADER.pack(kind, n)
-        nonce = self._nonce()
-        self.seq += 1
-        if self._aead is not None:
+        seq = self.seq
+        if seq >= self.seq_limit:
+            raise SequenceExhausted("this direction used its last sequence number; the connection must close")
+        self.seq = seq + 1
+        header = _pack_header(kind, n)
+        aead = self._aead
+        if aead is not None:
             total = FRAME_HEADER_LEN + n + self.tag_len
             if len(self._scratch) < total:
                 self._scratch = bytearray(total)
-            out = memoryview(self._scratch)[:total]
+                self._view = memoryview(self._scratch)
+            out = self._view[:total]
             out[:FRAME_HEADER_LEN] = header
-            self._aead.encrypt_into(nonce, payload, header, out[FRAME_HEADER_LEN:])
-            return (out,)
+            aead.encrypt_into(seq.to_bytes(NONCE_BYTES, "big"), payload, header, out[FRAME_HEADER_LEN:])
+            return (out,), total
         if self.suite == Suite.HMAC_SHA256:
-            return (header, payload, self._hmac(nonce, header, payload))
-        return (header, payload)
+            return (header, payload, self._hmac(seq.to_bytes(NONCE_BYTES, "big"), header, payload)), n + FRAME_HEADER_LEN + self.tag_len
+        return (header, payload), n + FRAME_HEADER_LEN
 
     def seal(self, kind: int, payload: Buffer) -> bytes:
         """The whole frame as one bytes object."""
-        return b"".join(bytes(p) for p in self.seal_parts(kind, payload))
+        return b"".join(bytes(p) for p in self.seal_parts(kind, payload)[0])
 
 
 class FrameOpener(_Direction):
@@ -149,7 +155,7 @@ class FrameOpener(_Direction):
     def _decrypt(self, header: Buffer, body: Buffer, out: Buffer, n: int) -> None:
         nonce = self._nonce()
         try:
-            self._aead.decrypt_into(nonce, body, header, memoryview(out)[:n])  # type: ignore[union-attr]
+            self._aead.decrypt_into(nonce, body, header, out if len(out) == n else memoryview(out)[:n])  # type: ignore[union-attr]
         except InvalidTag:
             self.failed = True
             raise FrameAuthError(f"frame {self.seq} failed authentication (altered, replayed, reordered or from another connection)") from None

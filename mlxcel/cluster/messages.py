@@ -9,7 +9,6 @@ receiver opens every chunk straight into the final buffer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Iterator
 
 import numpy as np
@@ -39,22 +38,32 @@ PREFIX = {
 SMALL_COPY_LEN = 4096
 
 
-@dataclass(frozen=True, slots=True)
 class Message:
     """A delivered message: the authenticated sender, the kind and the payload.
 
     ``payload`` is a memoryview of a buffer the handler owns from then on.  ``id``
     is the RPC request id or stream id, ``status`` the RPC/stream status byte.
+    (A plain slotted class: built once per message on the hot path.)
     """
 
-    peer: PeerId
-    kind: Kind
-    payload: memoryview = field(repr=False)
-    id: int = 0
-    status: int = 0
+    __slots__ = ("peer", "kind", "payload", "id", "status")
+
+    def __init__(self, peer: PeerId, kind: Kind, payload: memoryview, id: int = 0, status: int = 0) -> None:
+        self.peer = peer
+        self.kind = kind
+        self.payload = payload
+        self.id = id
+        self.status = status
 
     def __repr__(self) -> str:
         return f"Message(peer={self.peer}, kind={self.kind.name}, len={len(self.payload)}, id={self.id})"
+
+
+#: int -> Kind without the enum constructor's cost
+KIND_OF = {int(k): k for k in Kind}
+_CONTINUE = int(Kind.MESSAGE_CONTINUE)
+_BEGIN = int(Kind.MESSAGE_BEGIN)
+_PREFIX_BY_INT = {int(k): v for k, v in PREFIX.items()}
 
 
 def alloc(n: int) -> memoryview:
@@ -125,32 +134,37 @@ class Assembler:
 
     def destination(self, kind: int, n: int) -> memoryview:
         """Where to open the payload of a frame with this (unauthenticated) header."""
-        if kind == Kind.MESSAGE_CONTINUE:
-            if self._body is None:
+        body = self._body
+        if kind == _CONTINUE:
+            if body is None:
                 raise MessageError("MESSAGE_CONTINUE without a message in progress")
-            if self._off + n > len(self._body) or n == 0:
+            off = self._off
+            if off + n > len(body) or n == 0:
                 raise MessageError("MESSAGE_CONTINUE runs past the announced message length")
-            return self._body[self._off : self._off + n]
-        if self._body is not None:
+            return body[off : off + n]
+        if body is not None:
             raise MessageError(f"frame of kind 0x{kind:02x} inside a fragmented message")
-        if kind == Kind.MESSAGE_BEGIN:
+        if kind == _BEGIN:
             if not MESSAGE_BEGIN.size <= n <= len(self._small):
                 raise MessageError("MESSAGE_BEGIN of the wrong length")
             return self._small[:n]
-        self._single = alloc(n)
-        return self._single
+        self._single = buf = memoryview(bytearray(n)) if n <= 65536 else alloc(n)
+        return buf
 
     def frame_done(self, kind: int, n: int) -> Message | None:
         """Commit an authenticated frame; a complete message or None."""
-        if kind == Kind.MESSAGE_CONTINUE:
+        if kind == _CONTINUE:
             self._off += n
             return self._finish() if self._off == len(self._body or b"") else None
-        if kind == Kind.MESSAGE_BEGIN:
+        if kind == _BEGIN:
             return self._begin(self._small[:n])
         buf, self._single = self._single, None
         assert buf is not None
-        payload, id_, status = _unprefix(Kind(kind), buf[:n])
-        return Message(self.peer, Kind(kind), payload, id_, status)
+        st = _PREFIX_BY_INT.get(kind)
+        if st is None:
+            return Message(self.peer, KIND_OF[kind], buf)
+        payload, id_, status = _unprefix(KIND_OF[kind], buf)
+        return Message(self.peer, KIND_OF[kind], payload, id_, status)
 
     def _begin(self, rec: memoryview) -> Message | None:
         inner, total = MESSAGE_BEGIN.unpack_from(rec)

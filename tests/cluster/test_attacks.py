@@ -492,3 +492,30 @@ def test_flood_cannot_take_established_slots(make_transport, secret):
     finally:
         for s in flood:
             s.close()
+
+
+def test_reset_after_the_server_authenticator_counts_as_secret_mismatch(server, secret, other_secret, caplog):
+    srv, _ = server
+    with caplog.at_level(logging.WARNING, "mlxcel.cluster"):
+        s = socket.create_connection(srv.identity.address, source_address=(CLIENT_IP, 0))
+        s.sendall(encode_client_hello(Suite.AES_256_GCM, Channel.TRANSPORT, bytes(32), f"{CLIENT_IP}:1"))
+        assert len(_recv_n(s, 72)) == 72
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        s.close()  # RST instead of FIN
+        assert wait_until(lambda: _has(caplog, MSG_CLOSED_AFTER_AUTH))
+    assert_serves(srv, secret)
+
+
+def test_assignment_channel_options_and_isolation(make_transport, secret):
+    from mlxcel.cluster.transport import TransportOptions
+
+    opts = TransportOptions.for_assignment()
+    assert (opts.channel, opts.max_pending_handshakes, opts.max_pending_handshakes_per_ip) == (Channel.ASSIGNMENT, 8, 4)
+    peer = make_transport(SERVER_IP, options=opts)
+    got = []
+    peer.serve(got.append, lambda m: b"accepted")
+    coordinator = make_transport(CLIENT_IP, options=TransportOptions.for_assignment())
+    assert bytes(coordinator.request(peer.identity, b"offer")) == b"accepted"
+    stage_traffic = make_transport(HONEST_IP)  # transport channel cannot talk to the assignment listener
+    with pytest.raises(Exception, match="channel"):
+        stage_traffic.connect(peer.identity)
