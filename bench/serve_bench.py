@@ -97,14 +97,18 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> Reques
 async def run_level(url: str, model: str, concurrency: int, requests: int, max_tokens: int,
                     ignore_eos: bool) -> tuple[list[RequestResult], float]:
     """N closed-loop clients, each sending ``requests`` requests; returns results and wall time."""
+    tag = f"{concurrency}.{time.monotonic_ns() % 100000}"
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600), limits=limits) as client:
 
         async def worker(idx: int) -> list[RequestResult]:
             out = []
             for k in range(requests):
+                # a unique tag first: no server may answer from a cached copy of the same prompt,
+                # yet the chat template's preamble (system prompt) stays shared, as in real traffic
+                text = f"[{tag}-{idx}-{k}] {PROMPTS[(idx + k * concurrency) % len(PROMPTS)]}"
                 body = {"model": model, "stream": True, "stream_options": {"include_usage": True},
-                        "messages": [{"role": "user", "content": PROMPTS[(idx + k * concurrency) % len(PROMPTS)]}],
+                        "messages": [{"role": "user", "content": text}],
                         "max_tokens": max_tokens, "temperature": 0.0}
                 if ignore_eos:
                     body["ignore_eos"] = True
@@ -160,17 +164,17 @@ def launch_command(kind: str, model_dir: str, port: int, parallel: int) -> list[
 
 
 def wait_until_serving(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
-    """Until /health (ours) or /v1/models (others) answers 200."""
+    """Until /health answers 200 (ours: 503 while loading), or /v1/models where there is no /health."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise SystemExit(f"serve_bench: server exited with {proc.returncode}")
-        for path in ("/health", "/v1/models"):
-            try:
-                if httpx.get(url + path, timeout=5).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
+        try:
+            health = httpx.get(url + "/health", timeout=5).status_code
+            if health == 200 or (health == 404 and httpx.get(url + "/v1/models", timeout=5).status_code == 200):
+                return
+        except httpx.HTTPError:
+            pass
         time.sleep(0.5)
     raise SystemExit("serve_bench: server did not become ready")
 

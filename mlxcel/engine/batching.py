@@ -18,7 +18,7 @@ import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import mlx.core as mx
@@ -32,6 +32,7 @@ from mlxcel.engine.interface import (
     FinishEvent,
     TokenEvent,
 )
+from mlxcel.engine.prefix_cache import PrefixCache
 from mlxcel.engine.sampling import make_sampler
 from mlxcel.engine.textstream import SequenceText
 
@@ -39,6 +40,7 @@ log = logging.getLogger("mlxcel.engine")
 
 PREFILL_STEP = 512  # prompt tokens per prefill chunk; bounds the stall a long prompt causes others
 IDLE_WAIT_S = 0.5
+PREFIX_CACHE_BYTES = 256 << 20
 
 
 @dataclass(eq=False)
@@ -63,7 +65,6 @@ class EngineCounters:
     running: int = 0  # sequences admitted to the generator (prefilling or decoding)
     decoding: int = 0  # rows of the last decode step
     waiting: int = 0  # queued, not yet admitted
-    extra: dict = field(default_factory=dict)
 
 
 class BatchingEngine:
@@ -80,6 +81,7 @@ class BatchingEngine:
         max_queue: int = 64,
         prefill_step: int = PREFILL_STEP,
         warmup: bool = True,
+        prefix_cache_bytes: int = PREFIX_CACHE_BYTES,
     ):
         self.model = model
         self._tokenizer = tokenizer
@@ -99,6 +101,7 @@ class BatchingEngine:
         self._by_uid: dict[int, _Sequence] = {}
         self._waiting: deque[_Sequence] = deque()
         self.counters = EngineCounters()
+        self.prefix = PrefixCache(prefix_cache_bytes)
         self._gen: BatchGenerator | None = None
         self._thread = threading.Thread(target=self._run, name="mlxcel-scheduler", daemon=True)
 
@@ -138,6 +141,8 @@ class BatchingEngine:
             "decode_steps": c.decode_steps, "decode_rows": c.decode_rows, "shared_steps": c.shared_steps,
             "max_rows": c.max_rows, "prompt_tokens": c.prompt_tokens, "generated_tokens": c.generated_tokens,
             "running": c.running, "decoding": c.decoding, "waiting": c.waiting,
+            "prefix_hits": self.prefix.hits, "prefix_tokens": self.prefix.reused_tokens,
+            "prefix_bytes": self.prefix.nbytes,
             "parallel": self.parallel, "max_batch_size": self.max_batch_size,
         }
 
@@ -190,16 +195,31 @@ class BatchingEngine:
         )
 
     def _warm(self) -> None:
-        """Run two tiny sequences through prefill and batched decode so the first request is not slow."""
+        """Run tiny sequences through prefill and batched decode so the first request is not slow.
+
+        With a chat template, the first prompt is a templated dummy chat: its cache seeds the prefix
+        cache with the template's preamble (system prompt), which every chat request shares.
+        """
         start = time.perf_counter()
-        prompts = [[1, 2, 3, 4], [5, 6, 7]]
-        uids = set(self._gen.insert(prompts, max_tokens=[3, 3]))
+        prompts = [self._template_preamble() or [1, 2, 3, 4], [5, 6, 7]]
+        uids = set(self._gen.insert(prompts, max_tokens=[2, 2]))
         while uids:
             for r in self._gen.next_generated():
                 if r.finish_reason is not None:
                     uids.discard(r.uid)
+                    self.prefix.store(r.all_tokens, r.prompt_cache)
         self._gen = self._new_generator()
         log.info("warmup done in %.2fs", time.perf_counter() - start)
+
+    def _template_preamble(self) -> list[int] | None:
+        from mlxcel.engine.prompts import encode_chat, has_chat_template
+
+        if not has_chat_template(self._tokenizer):
+            return None
+        try:
+            return encode_chat(self._tokenizer, [{"role": "user", "content": "Hi"}])
+        except Exception:  # a template that needs more than a user turn: no seed, no harm
+            return None
 
     def _drain(self, *, block: bool) -> bool:
         """Apply queued commands; False when asked to stop."""
@@ -238,7 +258,9 @@ class BatchingEngine:
             req = seq.request
             sampler = None if req.params.greedy else make_sampler(req.params)  # None: the shared batched argmax
             stops = StopSequences(None if req.ignore_eos else self._eos)
-            (uid,) = self._gen.insert([list(req.prompt)], max_tokens=[req.params.max_tokens],
+            cache, n = self.prefix.lookup(req.prompt)
+            (uid,) = self._gen.insert([list(req.prompt[n:])], max_tokens=[req.params.max_tokens],
+                                      caches=[cache] if cache else None, all_tokens=[list(req.prompt[:n])],
                                       samplers=[sampler], stop_sequences=[stops])
             seq.uid = uid
             self._by_uid[uid] = seq
@@ -267,6 +289,7 @@ class BatchingEngine:
 
     def _on_token(self, seq: _Sequence, r: Any) -> None:
         if r.finish_reason == "stop":  # an EOS token: not part of the output
+            self.prefix.store(r.all_tokens, r.prompt_cache)
             self._finish(seq, "stop")
             return
         seq.generated += 1
@@ -274,9 +297,13 @@ class BatchingEngine:
         text = seq.text.feed(r.token)
         seq.stream.push(TokenEvent(r.token, text, *self._logprobs(seq.request, r)))
         if seq.text.stopped:
-            self._gen.remove([r.uid])
+            kept = self._gen.remove([r.uid], return_prompt_caches=True)
+            if r.uid in kept:
+                cache, tokens = kept[r.uid]
+                self.prefix.store(tokens, cache)
             self._finish(seq, "stop")
         elif r.finish_reason == "length":
+            self.prefix.store(r.all_tokens, r.prompt_cache)
             self._finish(seq, "length")
 
     @staticmethod

@@ -70,6 +70,8 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"requests waiting beyond --parallel before 503 (default {DEFAULT_MAX_QUEUE})")
     parser.add_argument("--request-timeout", type=_seconds, default=None,
                         help="seconds a request may take, queueing included (default: no limit)")
+    parser.add_argument("--prefix-cache-mb", type=_non_negative_int, default=256,
+                        help="MiB of KV cache kept to reuse shared prompt prefixes (default 256; 0 = off)")
     parser.add_argument("--no-warmup", dest="warmup", action="store_false",
                         help="report ready right after loading, without a warmup generation")
     parser.add_argument("--served-model-name", default=None,
@@ -93,7 +95,8 @@ def build_config(args: argparse.Namespace):
     if not name.strip():
         raise CLIError("--served-model-name must not be empty")
     return ServerConfig(model=model, served_model_name=name, parallel=args.parallel, max_batch_size=batch,
-                        max_queue=args.max_queue, request_timeout=args.request_timeout, warmup=args.warmup)
+                        max_queue=args.max_queue, request_timeout=args.request_timeout, warmup=args.warmup,
+                        prefix_cache_mb=args.prefix_cache_mb)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

@@ -20,11 +20,14 @@ _ENGINE_GAUGES = {
     "decoding": ("mlxcel_batch_size", "Rows in the most recent decode step"),
     "parallel": ("mlxcel_parallel_slots", "Configured concurrent sequences (--parallel)"),
     "max_batch_size": ("mlxcel_max_batch_size", "Configured rows per decode step (--max-batch-size)"),
+    "prefix_bytes": ("mlxcel_prefix_cache_bytes", "Bytes of KV cache kept for prefix reuse"),
 }
 _ENGINE_COUNTERS = {
     "decode_steps": ("mlxcel_decode_steps", "Batched decode steps run"),
     "decode_rows": ("mlxcel_decode_rows", "Sequence-steps decoded (sum of batch sizes over steps)"),
     "shared_steps": ("mlxcel_decode_shared_steps", "Decode steps that served two or more sequences"),
+    "prefix_hits": ("mlxcel_prefix_cache_hits", "Prompts that started from a cached prefix"),
+    "prefix_tokens": ("mlxcel_prefix_cache_reused_tokens", "Prompt tokens taken from the prefix cache, not prefilled"),
 }
 
 

@@ -33,6 +33,7 @@ class ServerConfig:
     max_queue: int = 64
     request_timeout: float | None = None
     warmup: bool = True
+    prefix_cache_mb: int = 256
 
 
 def context_length(config: dict) -> int:
@@ -53,7 +54,7 @@ def local_engine(model: Any, tokenizer: Any, ctx: int, config: ServerConfig) -> 
 
     engine = BatchingEngine(model, tokenizer, context_length=ctx, parallel=config.parallel,
                             max_batch_size=config.max_batch_size, max_queue=config.max_queue,
-                            warmup=config.warmup)
+                            warmup=config.warmup, prefix_cache_bytes=config.prefix_cache_mb << 20)
     engine.start().wait_ready()
     return engine
 
