@@ -11,9 +11,7 @@ import time
 import pytest
 
 from mlxcel.cluster.errors import (
-    HandshakeAborted,
     IdentityRejected,
-    MalformedHandshake,
     PeerUnreachable,
     SecretMismatch,
     ServerAtCapacity,

@@ -79,7 +79,7 @@ def test_bytes_needed_never_overreads():
     server = ServerHandshake(SECRET, "10.0.0.2")
     hello = client.hello()
     got = 0
-    while (ev := server.next_event()) is NEED_DATA:
+    while server.next_event() is NEED_DATA:
         n = server.bytes_needed()
         assert 0 < n <= len(hello) - got
         server.receive_data(hello[got : got + n])
@@ -171,7 +171,7 @@ def test_version_rejection_names_both_versions():
 
 
 def test_at_capacity_verdict_and_forged_verdicts():
-    _, err = None, None
+
     client, server = ClientHandshake(SECRET, "10.0.0.2:1"), ServerHandshake(SECRET, "10.0.0.2")
     with pytest.raises(ServerAtCapacity, match="already holds its maximum number of authenticated connections; retry later"):
         run(client, server, accept=False)

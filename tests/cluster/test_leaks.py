@@ -12,7 +12,7 @@ from mlxcel.cluster.handshake import ClientHandshake, ServerHandshake
 from mlxcel.cluster.keys import derive_keys
 from mlxcel.cluster.wire import Channel, Kind, Suite
 
-from .conftest import CLIENT_IP, OTHER_BYTES, SECRET_BYTES, SERVER_IP, RawClient, wait_until
+from .conftest import CLIENT_IP, OTHER_BYTES, SECRET_BYTES, RawClient, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 

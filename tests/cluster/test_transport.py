@@ -22,7 +22,7 @@ from mlxcel.cluster.identity import PeerId
 from mlxcel.cluster.transport import Transport
 from mlxcel.cluster.wire import Kind, Suite
 
-from .conftest import CLIENT_IP, HONEST_IP, SERVER_IP, Inbox, wait_until
+from .conftest import CLIENT_IP, SERVER_IP, Inbox, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
