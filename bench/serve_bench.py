@@ -8,8 +8,9 @@ streaming chat requests one after another. Per request it records the time to
 first token (TTFT), the gaps between streamed tokens (ITL) and output tok/s;
 per level the percentiles, aggregate output tok/s (all tokens / wall time) and
 errors. Rows go to JSONL (with the environment) and CSV. ``--launch`` starts
-each named server on the same checkpoint, one after the other, so one command
-compares them side by side; mlx_lm.server is started with the same BLAS as mlxcel.
+every named server on the same checkpoint and alternates them level by level, so
+one command compares them side by side under the same background load; mlx_lm.server is
+started with the same BLAS as mlxcel.
 """
 
 from __future__ import annotations
@@ -203,13 +204,16 @@ def model_name(url: str, kind: str | None, model_dir: str | None) -> str:
 # -- driver -------------------------------------------------------------------------------------
 
 
-def bench_server(label: str, url: str, model: str, args: argparse.Namespace) -> Iterator[dict[str, Any]]:
-    asyncio.run(run_level(url, model, 1, 1, 8, False))  # warm the path and the model
-    for n in args.concurrency:
-        results, wall = asyncio.run(run_level(url, model, n, args.requests, args.max_tokens, args.ignore_eos))
-        row = summarize(label, url, n, results, wall, args.max_tokens)
-        print(format_row(row), file=sys.stderr, flush=True)
-        yield row
+def warm(url: str, model: str) -> None:
+    """One short request: loads lazy weights and code paths before anything is measured."""
+    asyncio.run(run_level(url, model, 1, 1, 8, False))
+
+
+def bench_level(label: str, url: str, model: str, n: int, args: argparse.Namespace) -> dict[str, Any]:
+    results, wall = asyncio.run(run_level(url, model, n, args.requests, args.max_tokens, args.ignore_eos))
+    row = summarize(label, url, n, results, wall, args.max_tokens)
+    print(format_row(row), file=sys.stderr, flush=True)
+    return row
 
 
 def format_row(row: dict[str, Any]) -> str:
@@ -241,29 +245,50 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--launch", default=None, help="start these servers in turn: mlxcel, mlx_lm or both (comma)")
     p.add_argument("--model-dir", default="models/smollm2-135m-instruct", help="checkpoint for --launch")
     p.add_argument("--parallel", type=int, default=8, help="concurrent sequences of launched servers (default 8)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="repeat all levels; launched servers alternate order every round (default 1)")
     p.add_argument("--label", default=None, help="server label in the rows (default: the launch kind or 'server')")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def run_launched(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Start every named server, then alternate them level by level (ABBA over rounds): on a shared
+    machine, load from elsewhere then hits both alike instead of whichever ran during a busy minute."""
+    kinds = args.launch.split(",")
+    servers: dict[str, tuple[subprocess.Popen, str, str]] = {}
     rows: list[dict[str, Any]] = []
-    if args.launch:
-        for kind in args.launch.split(","):
+    try:
+        for kind in kinds:
             port = _free_port()
             url = f"http://127.0.0.1:{port}"
             proc = subprocess.Popen(launch_command(kind, args.model_dir, port, args.parallel),
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            try:
-                wait_until_serving(url, proc)
-                name = args.model_name or model_name(url, kind, args.model_dir)
-                rows += [{**r, "model_dir": args.model_dir} for r in bench_server(kind, url, name, args)]
-            finally:
-                stop(proc)
+            servers[kind] = (proc, url, "")
+            wait_until_serving(url, proc)
+            name = args.model_name or model_name(url, kind, args.model_dir)
+            servers[kind] = (proc, url, name)
+            warm(url, name)
+        for rnd in range(args.rounds):
+            for n in args.concurrency:
+                for kind in kinds if rnd % 2 == 0 else kinds[::-1]:
+                    _, url, name = servers[kind]
+                    rows.append({**bench_level(kind, url, name, n, args), "round": rnd, "model_dir": args.model_dir})
+    finally:
+        for proc, _, _ in servers.values():
+            stop(proc)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.launch:
+        rows = run_launched(args)
     else:
         name = args.model_name or model_name(args.url, None, None)
-        rows += list(bench_server(args.label or "server", args.url, name, args))
+        warm(args.url, name)
+        rows = [{**bench_level(args.label or "server", args.url, name, n, args), "round": rnd}
+                for rnd in range(args.rounds) for n in args.concurrency]
     stamp = time.strftime("%Y%m%d-%H%M%S")
     write_jsonl(args.out / "serve_bench.jsonl", [{**r, "run": stamp} for r in rows])
     write_csv(args.out / f"serve_bench-{stamp}.csv", rows)
