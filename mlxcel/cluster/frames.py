@@ -137,6 +137,28 @@ class FrameOpener(_Direction):
             self._verify_plain(header, out[:n], body[n:])
         return self._accept(kind)
 
+    def open_frame(self, frame: memoryview, kind: int, n: int, out: Buffer) -> int:
+        """Hot path: ``frame`` is header || ciphertext || tag, its header already
+        checked by ``parse_header`` (or the same bound); opens into ``out`` (n bytes)."""
+        if self.failed:
+            raise LocalProtocolError("this direction already failed; the connection must close")
+        seq = self.seq
+        if seq >= self.seq_limit:
+            raise SequenceExhausted("this direction used its last sequence number; the connection must close")
+        aead = self._aead
+        if aead is None:
+            return self.open_parsed(kind, n, frame[:FRAME_HEADER_LEN], frame[FRAME_HEADER_LEN:], out)
+        try:
+            aead.decrypt_into(seq.to_bytes(NONCE_BYTES, "big"), frame[FRAME_HEADER_LEN:], frame[:FRAME_HEADER_LEN], out)
+        except InvalidTag:
+            self.failed = True
+            raise FrameAuthError(f"frame {seq} failed authentication (altered, replayed, reordered or from another connection)") from None
+        self.seq = seq + 1
+        if kind not in KNOWN_KINDS:
+            self.failed = True
+            raise UnknownFrameKind(f"authenticated frame of unknown kind 0x{kind:02x}")
+        return kind
+
     def verify_in_place(self, header: Buffer, payload: Buffer, tag: Buffer) -> int:
         """For ``plaintext_on_wire`` suites: authenticate a payload read straight into place."""
         kind, n = self.parse_header(header)

@@ -53,6 +53,7 @@ from .messages import Assembler, Message, alloc, plan
 from .ratelimit import RateLimitedLog, WarnClass, cluster_warnings
 from .secret import ClusterSecret
 from .wire import (
+    FRAME_HEADER,
     ASSIGNMENT_MAX_PENDING_HANDSHAKES,
     ASSIGNMENT_MAX_PENDING_HANDSHAKES_PER_SOURCE,
     DEFAULT_CHUNK_LEN,
@@ -217,6 +218,9 @@ def server_handshake(sock: socket.socket, hs: ServerHandshake, timeout: float, a
 # --- one connection -----------------------------------------------------------------------
 
 
+_unpack_header = FRAME_HEADER.unpack_from
+
+
 class _SocketReader:
     """Buffered exact reads off a blocking socket.
 
@@ -241,6 +245,27 @@ class _SocketReader:
         if r == 0:
             raise EOFError
         return r
+
+    def frame(self, tag_len: int, max_len: int) -> tuple[int, int, memoryview | None]:
+        """Hot path: (kind, len, view of the whole frame, consumed) when the frame fits
+        the buffer and its len is within ``max_len``; else (kind, len, None) with
+        nothing consumed and nothing read past the header."""
+        if self._end - self._start < FRAME_HEADER_LEN:
+            self._fill(FRAME_HEADER_LEN)
+        start = self._start
+        kind, n = _unpack_header(self._buf, start)
+        total = FRAME_HEADER_LEN + n + tag_len
+        if n > max_len or total > self.capacity:
+            return kind, n, None
+        if self._end - start < total:
+            self._fill(total)
+            start = self._start
+        end = start + total
+        if end == self._end:
+            self._start = self._end = 0
+        else:
+            self._start = end
+        return kind, n, self._view[start:end]
 
     def peek(self, n: int) -> memoryview:
         """The next ``n`` bytes without consuming them (valid until the next call)."""
@@ -368,6 +393,11 @@ class Connection:
 
     def _read_frame(self, rd: "_SocketReader") -> Message | None:
         opener = self.opener
+        if not opener.plaintext_on_wire:
+            kind, n, frame = rd.frame(opener.tag_len, opener.max_frame_len)
+            if frame is not None:
+                dst = self.assembler.destination(kind, n)
+                return self.assembler.frame_done(opener.open_frame(frame, kind, n, dst), n)
         kind, n = opener.parse_header(rd.peek(FRAME_HEADER_LEN))
         dst = self.assembler.destination(kind, n)
         tag_len = opener.tag_len
@@ -403,9 +433,10 @@ class Connection:
             self._finalize()
 
     def _dispatch(self, msg: Message) -> None:
-        if msg.kind == Kind.RPC_RESPONSE:
+        kind = msg.kind
+        if kind is Kind.RPC_RESPONSE:
             self._resolve(msg)
-        elif msg.kind == Kind.RPC_REQUEST:
+        elif kind is Kind.RPC_REQUEST:
             self._answer(msg)
         else:
             self.transport._deliver(msg)
