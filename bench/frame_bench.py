@@ -50,15 +50,22 @@ COLUMNS = ["mode", "suite", "payload_bytes", "iterations", "p50_us", "p95_us", "
 # --- echo peer ----------------------------------------------------------------------------
 
 
-def serve_echo(bind: str, secret: ClusterSecret, chunk_len: int | None) -> list[Transport]:
+def transport_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """Transport overrides from the command line (both ends use the same)."""
+    kw: dict[str, Any] = {}
+    if args.chunk_len:
+        kw["chunk_len"] = args.chunk_len
+    if args.socket_buffer is not None:
+        kw["socket_buffer"] = args.socket_buffer or None
+    return kw
+
+
+def serve_echo(bind: str, secret: ClusterSecret, overrides: dict[str, Any]) -> list[Transport]:
     """One echo transport per suite; each sends every TensorData back to its sender."""
     base = PeerId.parse(bind)
     transports = []
     for i, suite in enumerate(SUITES):
-        kw: dict[str, Any] = {"suite": suite}
-        if chunk_len:
-            kw["chunk_len"] = chunk_len
-        t = Transport(PeerId(base.host, base.port + i if base.port else 0), secret, **kw)
+        t = Transport(PeerId(base.host, base.port + i if base.port else 0), secret, suite=suite, **overrides)
 
         def echo(msg: Message, t: Transport = t) -> None:
             t.send(msg.peer, Kind.TENSOR_DATA, msg.payload)
@@ -69,7 +76,7 @@ def serve_echo(bind: str, secret: ClusterSecret, chunk_len: int | None) -> list[
 
 
 def _echo_main(args: argparse.Namespace, secret: ClusterSecret) -> None:
-    transports = serve_echo(args.serve_echo, secret, args.chunk_len)
+    transports = serve_echo(args.serve_echo, secret, transport_kwargs(args))
     print(json.dumps({SUITE_BY_NAME_INV[t.options.suite]: str(t.identity) for t in transports}), flush=True)
     try:
         sys.stdin.read()  # run until the parent closes our stdin (or Ctrl-D / Ctrl-C)
@@ -151,10 +158,8 @@ def summarize(samples_ns: list[int], size: int) -> dict[str, Any]:
 class Side:
     """The measuring transport of one suite, connected to its echo listener."""
 
-    def __init__(self, suite: Suite, echo_addr: PeerId, advertise: str, secret: ClusterSecret, chunk_len: int | None) -> None:
-        kw: dict[str, Any] = {"suite": suite}
-        if chunk_len:
-            kw["chunk_len"] = chunk_len
+    def __init__(self, suite: Suite, echo_addr: PeerId, advertise: str, secret: ClusterSecret, overrides: dict[str, Any]) -> None:
+        kw: dict[str, Any] = {"suite": suite, **overrides}
         self.suite, self.peer = suite, echo_addr
         self.router: dict[str, PingPong] = {}
         host = f"[{advertise}]" if ":" in advertise else advertise
@@ -241,6 +246,8 @@ def _spawn_local_echo(args: argparse.Namespace, secret_file: Path) -> tuple[subp
     cmd = [sys.executable, "-m", "bench.frame_bench", "--serve-echo", "127.0.0.1:0"]
     if args.chunk_len:
         cmd += ["--chunk-len", str(args.chunk_len)]
+    if args.socket_buffer is not None:
+        cmd += ["--socket-buffer", str(args.socket_buffer)]
     env = {k: v for k, v in os.environ.items() if k != "MLXCEL_CLUSTER_SECRET"}
     env["MLXCEL_CLUSTER_SECRET_FILE"] = str(secret_file)  # a path, never the value, on the command line
     repo = Path(__file__).resolve().parent.parent
@@ -260,6 +267,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--suites", default="unprotected,hmac,aes,chacha", help="comma list of unprotected,hmac,aes,chacha")
     p.add_argument("--sizes", default=None, help="comma list of payload sizes in bytes (default: the reference's five)")
     p.add_argument("--rounds", type=int, default=10, help="interleaving rounds per payload size")
+    p.add_argument("--socket-buffer", type=int, default=None, help="SO_SNDBUF/SO_RCVBUF bytes (default: the transport's; 0: kernel autotuning)")
     p.add_argument("--chunk-len", type=int, default=None, help="override the transport's fragment size")
     p.add_argument("--remote", default=None, metavar="HOST:PORT", help="echo peer started with --serve-echo on another host")
     p.add_argument("--advertise", default=None, metavar="IP", help="this host's IP as the remote peer sees it")
@@ -299,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         sides: list[Side] = []
         try:
             for suite in suites:
-                sides.append(Side(suite, PeerId.parse(addrs[SUITE_BY_NAME_INV[suite]]), advertise, secret, args.chunk_len))
+                sides.append(Side(suite, PeerId.parse(addrs[SUITE_BY_NAME_INV[suite]]), advertise, secret, transport_kwargs(args)))
             rows = run_all(sides, _sizes(args), args)
         finally:
             for side in sides:

