@@ -169,7 +169,3 @@ def server_main(argv: Sequence[str] | None = None) -> int:
     add_server_arguments(parser)
     args = parser.parse_args(argv)
     return _run(_cmd_serve, args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -68,6 +68,8 @@ class ServerRuntime:
         self.state = "loading"
         self.error: str | None = None
         self.engine: Engine | None = None
+        # temperature/top_p/top_k the checkpoint recommends, for requests that name none
+        self.sampling_defaults: dict[str, float | int] = {}
         self.created = int(time.time())
         self._thread: threading.Thread | None = None
 
@@ -91,6 +93,7 @@ class ServerRuntime:
         start = time.perf_counter()
         try:
             loaded = load_checkpoint(self.config.model)
+            self.sampling_defaults = loaded.sampling_defaults()
             self.state = "warming" if self.config.warmup else "starting"
             self.engine = self._factory(loaded.model, loaded.tokenizer, context_length(loaded.config), self.config)
         except ModelError as exc:

@@ -165,11 +165,12 @@ class OpenAIServing:
         stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
         if len(stop) > MAX_STOP_STRINGS:
             raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop sequences are allowed", param="stop")
+        defaults = self.runtime.sampling_defaults
         params = SamplingParams(
             max_tokens=max_tokens or ctx - n,
-            temperature=float(1.0 if req.temperature is None else req.temperature),
-            top_p=float(1.0 if req.top_p is None else req.top_p),
-            top_k=req.top_k or 0,
+            temperature=float(_given(req.temperature, defaults, "temperature", 1.0)),
+            top_p=float(_given(req.top_p, defaults, "top_p", 1.0)),
+            top_k=int(_given(req.top_k, defaults, "top_k", 0)),
             seed=req.seed,
             stop=stop,
             logprobs=logprobs,
@@ -367,3 +368,9 @@ def _completion_logprobs(tokens: list[TokenEvent], tokenizer: Any) -> p.Completi
         offset += len(ev.text)
     return out
 
+
+def _given(value: float | int | None, defaults: dict[str, float | int], key: str, fallback: float | int) -> float | int:
+    """The request's value, else the checkpoint's recommendation, else OpenAI's default."""
+    if value is not None:
+        return value
+    return defaults.get(key, fallback)

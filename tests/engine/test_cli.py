@@ -9,7 +9,7 @@ import pytest
 
 
 def mlxcel(*args, stdin=None):
-    return subprocess.run([sys.executable, "-m", "mlxcel.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "mlxcel", *args], capture_output=True, text=True,
                           input=stdin, timeout=120)
 
 

@@ -1,4 +1,4 @@
-"""Real servers in subprocesses (``python -m mlxcel.cli serve --port 0``), reached over loopback HTTP."""
+"""Real servers in subprocesses (``python -m mlxcel serve --port 0``), reached over loopback HTTP."""
 
 from __future__ import annotations
 

@@ -16,8 +16,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 MODEL = "tiny"
-# Not "-m mlxcel.cli": that runs cli.py as __main__, a second copy whose CLIError is another class.
-CLI = [sys.executable, "-c", "import sys; from mlxcel.cli import main; sys.exit(main())"]
+CLI = [sys.executable, "-m", "mlxcel"]
 _URL = re.compile(r"serving \S+ on (http://[\d.]+:\d+)")
 
 
