@@ -96,14 +96,20 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> Reques
 
 
 async def run_level(url: str, model: str, concurrency: int, requests: int, max_tokens: int,
-                    ignore_eos: bool) -> tuple[list[RequestResult], float]:
-    """N closed-loop clients, each sending ``requests`` requests; returns results and wall time."""
+                    ignore_eos: bool, stagger_s: float = 0.0) -> tuple[list[RequestResult], float]:
+    """N closed-loop clients, each sending ``requests`` requests; returns results and wall time.
+
+    With ``stagger_s`` > 0 client i starts i * stagger_s / N seconds late, so arrivals are spread
+    as in steady-state traffic instead of landing together (a "herd" whose prompts all prefill
+    at once: then the last TTFT is at least N single prefills, whatever the server does).
+    """
     tag = f"{concurrency}.{time.monotonic_ns() % 100000}"
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600), limits=limits) as client:
 
         async def worker(idx: int) -> list[RequestResult]:
             out = []
+            await asyncio.sleep(idx * stagger_s / concurrency)
             for k in range(requests):
                 # a unique tag first: no server may answer from a cached copy of the same prompt,
                 # yet the chat template's preamble (system prompt) stays shared, as in real traffic
@@ -209,9 +215,17 @@ def warm(url: str, model: str) -> None:
     asyncio.run(run_level(url, model, 1, 1, 8, False))
 
 
+def single_request_seconds(url: str, model: str, args: argparse.Namespace) -> float:
+    """End-to-end time of one request alone: the period over which --arrival staggered spreads clients."""
+    results, wall = asyncio.run(run_level(url, model, 1, 1, args.max_tokens, args.ignore_eos))
+    return wall
+
+
 def bench_level(label: str, url: str, model: str, n: int, args: argparse.Namespace) -> dict[str, Any]:
-    results, wall = asyncio.run(run_level(url, model, n, args.requests, args.max_tokens, args.ignore_eos))
+    stagger = single_request_seconds(url, model, args) if args.arrival == "staggered" and n > 1 else 0.0
+    results, wall = asyncio.run(run_level(url, model, n, args.requests, args.max_tokens, args.ignore_eos, stagger))
     row = summarize(label, url, n, results, wall, args.max_tokens)
+    row["arrival"] = args.arrival
     print(format_row(row), file=sys.stderr, flush=True)
     return row
 
@@ -241,6 +255,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=64, help="max_tokens per request (default 64)")
     p.add_argument("--ignore-eos", action="store_true",
                    help="send ignore_eos (mlxcel/vLLM extension) for fixed output lengths")
+    p.add_argument("--arrival", choices=["herd", "staggered"], default="herd",
+                   help="herd: all clients start together; staggered: client starts spread over one "
+                        "single-stream request time (steady-state arrivals)")
     p.add_argument("--model-name", default=None, help="model id to request (default: from /v1/models)")
     p.add_argument("--launch", default=None, help="start these servers in turn: mlxcel, mlx_lm or both (comma)")
     p.add_argument("--model-dir", default="models/smollm2-135m-instruct", help="checkpoint for --launch")
