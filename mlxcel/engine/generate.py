@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
 
+from mlxcel.engine.model_slice import ModelSlice
 from mlxcel.engine.sampling import SamplingParams, make_sampler
 from mlxcel.engine.stops import StopMatcher
 
@@ -22,10 +24,8 @@ _stream = mx.new_stream(mx.default_device())
 
 
 def make_cache(model: Any) -> list:
-    """A fresh KV cache for a whole model (or a ModelSlice)."""
-    from mlx_lm.models.cache import make_prompt_cache
-
-    if hasattr(model, "make_cache") and not hasattr(model, "args"):
+    """A fresh KV cache for a whole model or for a ModelSlice (its layers only)."""
+    if isinstance(model, ModelSlice):
         return model.make_cache()
     return make_prompt_cache(model)
 
