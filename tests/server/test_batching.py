@@ -114,3 +114,12 @@ def test_non_streaming_disconnect_cancels_generation(small):
     r = httpx.post(f"{small.url}/v1/chat/completions", json=chat_body(max_tokens=2), timeout=30)
     assert r.status_code == 200
     assert metrics(small.url).get('mlxcel_requests_total{endpoint="/v1/chat/completions",status="499"}') == 1
+
+
+def test_first_token_comes_from_the_prefill(small, tiny_llama):
+    """A one-token request needs no decode step: its token is sampled from the prefill's last logits."""
+    before = metrics(small.url)
+    result = complete(small.url, PROMPTS[2], max_tokens=1)
+    after = metrics(small.url)
+    assert result["choices"][0]["text"] == reference_text(tiny_llama, PROMPTS[2], 1)
+    assert after["mlxcel_decode_steps_total"] == before["mlxcel_decode_steps_total"]
