@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Frame benchmark between two "hosts": two network namespaces joined by a veth pair, so the
 # echo peer and the client have distinct IPs on a real (virtual) Ethernet link instead of loopback.
-# Needs root (ip netns). Creates mlxcel-bench-a/b and removes them on exit, whatever happens.
+# Needs root (ip netns). Creates mlxcel-fb-a-<pid>/mlxcel-fb-b-<pid> and removes them on exit, whatever happens.
 #   sudo bash bench/netns_frame_bench.sh [frame_bench options, e.g. --quick --suites unprotected,aes]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
-A=mlxcel-bench-a B=mlxcel-bench-b
+A=mlxcel-fb-a-$$ B=mlxcel-fb-b-$$
+VA=mxfa$$ VB=mxfb$$   # link names: at most 15 characters
 IP_A=10.231.0.1 IP_B=10.231.0.2 PORT=19100
 work=$(mktemp -d)
 echo_pid=""
@@ -17,6 +18,7 @@ cleanup() {
     kill "$echo_pid" 2>/dev/null
     wait "$echo_pid" 2>/dev/null
   fi
+  ip link del "$VA" 2>/dev/null || true   # only still here if it never moved into a namespace
   ip netns del "$A" 2>/dev/null || true
   ip netns del "$B" 2>/dev/null || true
   rm -rf "$work"
@@ -25,14 +27,14 @@ trap cleanup EXIT INT TERM
 
 ip netns add "$A"
 ip netns add "$B"
-ip link add mlxcel-va type veth peer name mlxcel-vb
-ip link set mlxcel-va netns "$A"
-ip link set mlxcel-vb netns "$B"
-ip -n "$A" addr add "$IP_A/24" dev mlxcel-va
-ip -n "$B" addr add "$IP_B/24" dev mlxcel-vb
+ip link add $VA type veth peer name $VB
+ip link set $VA netns "$A"
+ip link set $VB netns "$B"
+ip -n "$A" addr add "$IP_A/24" dev $VA
+ip -n "$B" addr add "$IP_B/24" dev $VB
 for ns in "$A" "$B"; do ip -n "$ns" link set lo up; done
-ip -n "$A" link set mlxcel-va up
-ip -n "$B" link set mlxcel-vb up
+ip -n "$A" link set $VA up
+ip -n "$B" link set $VB up
 
 secret="$work/cluster.secret"
 (umask 077; head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$secret")

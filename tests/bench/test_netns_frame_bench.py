@@ -38,6 +38,6 @@ def test_two_namespace_run_writes_rows_and_cleans_up(tmp_path):
     assert {r["suite"] for r in rows} == {"unprotected", "aes_256_gcm"}
     assert all(r["p50_us"] > 0 for r in rows)
     namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    assert "mlxcel-bench" not in namespaces
+    assert "mlxcel-fb-" not in namespaces
     links = subprocess.run(["ip", "link"], capture_output=True, text=True).stdout
-    assert "mlxcel-v" not in links
+    assert "mxfa" not in links and "mxfb" not in links
