@@ -94,6 +94,7 @@ class ServerRuntime:
         try:
             loaded = load_checkpoint(self.config.model)
             self.sampling_defaults = loaded.sampling_defaults()
+            self._describe(loaded)
             self.state = "warming" if self.config.warmup else "starting"
             self.engine = self._factory(loaded.model, loaded.tokenizer, context_length(loaded.config), self.config)
         except ModelError as exc:
@@ -107,6 +108,16 @@ class ServerRuntime:
             time.sleep(delay)
         self.state = "ready"
         log.info("model %s ready in %.1fs", self.config.served_model_name, time.perf_counter() - start)
+
+    def _describe(self, loaded: Any) -> None:
+        """One line saying what is being served and how: family, weights, device, BLAS, sampling."""
+        import mlx.core as mx
+
+        from mlxcel.blas import blas_in_use
+
+        log.info("model %s: %s, %d layers | weights: %s | device: %s | blas: %s | default sampling: %s",
+                 self.config.served_model_name, loaded.model_type, loaded.num_layers, loaded.describe_weights(),
+                 mx.default_device(), blas_in_use(), self.sampling_defaults or "OpenAI's (temperature 1, top_p 1)")
 
     def _fail(self, message: str, on_fatal: Callable[[str], None]) -> None:
         self.state = "failed"
