@@ -73,7 +73,8 @@ def _cmd_make_random(args: argparse.Namespace) -> int:
     from mlxcel.models.random_checkpoint import make_random_checkpoint
 
     out = make_random_checkpoint(args.out_dir, family=args.family, layers=args.layers, hidden=args.hidden,
-                                 seed=args.seed, quantize_bits=args.bits)
+                                 heads=args.heads, kv_heads=args.kv_heads, intermediate=args.intermediate,
+                                 vocab=args.vocab, seed=args.seed, quantize_bits=args.bits)
     print(out)
     return 0
 
@@ -129,6 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--family", choices=["llama", "qwen3"], default="llama")
     r.add_argument("--layers", type=positive_int, default=4)
     r.add_argument("--hidden", type=positive_int, default=64)
+    r.add_argument("--heads", type=positive_int, default=4)
+    r.add_argument("--kv-heads", type=positive_int, default=2)
+    r.add_argument("--intermediate", type=positive_int, default=None, help="MLP width (default 2 x hidden)")
+    r.add_argument("--vocab", type=positive_int, default=320, help="embedding/head rows (>= 259)")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--bits", type=int, choices=[4, 8], default=None, help="quantize to this many bits")
     r.set_defaults(func=_cmd_make_random)

@@ -35,11 +35,12 @@ def _tokenizer_json() -> dict:
     return json.loads(tok.to_str())
 
 
-def _config(family: str, layers: int, hidden: int, heads: int, kv_heads: int, vocab: int) -> dict:
+def _config(family: str, layers: int, hidden: int, heads: int, kv_heads: int, vocab: int,
+            intermediate: int | None) -> dict:
     config = {
         "model_type": family,
         "hidden_size": hidden,
-        "intermediate_size": hidden * 2,
+        "intermediate_size": intermediate or hidden * 2,
         "num_hidden_layers": layers,
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
@@ -65,14 +66,21 @@ def make_random_checkpoint(
     kv_heads: int = 2,
     seed: int = 0,
     quantize_bits: int | None = None,
+    intermediate: int | None = None,
+    vocab: int = 320,
 ) -> Path:
-    """Write config.json, model.safetensors and tokenizer files for a random model; return the dir."""
+    """Write config.json, model.safetensors and tokenizer files for a random model; return the dir.
+
+    The tokenizer knows 259 tokens; a larger ``vocab`` (e.g. 49152 for SmolLM2's shape) only
+    widens the embedding and head, which is what benchmarks of a model's shape need.
+    """
     from mlx_lm.utils import _get_classes
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    vocab = 320  # 259 tokenizer entries, padded
-    config = _config(family, layers, hidden, heads, kv_heads, vocab)
+    if vocab < 259:
+        raise ValueError(f"vocab must cover the tokenizer's 259 tokens, got {vocab}")
+    config = _config(family, layers, hidden, heads, kv_heads, vocab, intermediate)
     model_cls, args_cls = _get_classes(config)
     mx.random.seed(seed)
     model = model_cls(args_cls.from_dict(config))
