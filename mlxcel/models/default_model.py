@@ -29,9 +29,14 @@ VERSION = "0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 DEFAULT_OUT_DIR = "models/smollm2-135m-instruct"
-# The sampling SmolLM2's authors recommend for the instruct model; the GGUF carries none.
 # Servers use a checkpoint's generation_config.json values when a request names none.
-RECOMMENDED_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
+# Greedy, not the 0.2 / 0.9 SmolLM2's authors suggest for the full-precision model: the Q4_1
+# weights flatten the first-token distribution (for "What is the capital of France?":
+# P("The") = 0.15, P("L") = 0.15, P("La") = 0.10, the same in llama.cpp), and at 0.2 two of
+# three sampled answers started in French nonsense, while greedy answers "...is Paris."
+RECOMMENDED_SAMPLING = {"temperature": 0.0, "top_p": 1.0}
+# Values earlier mlxcel versions wrote; replaced, unlike values a user set.
+_EARLIER_RECOMMENDATIONS = ({"temperature": 0.2, "top_p": 0.9},)
 
 
 def cache_dir() -> Path:
@@ -159,10 +164,13 @@ def fetch_default_model(
 
 
 def add_recommended_sampling(out_dir: Path) -> Path:
-    """Record RECOMMENDED_SAMPLING in generation_config.json (kept if already there)."""
+    """Record RECOMMENDED_SAMPLING in generation_config.json; values a user set are kept."""
     path = out_dir / "generation_config.json"
     config = json.loads(path.read_text()) if path.is_file() else {}
-    if all(key in config for key in RECOMMENDED_SAMPLING):
+    current = {key: config[key] for key in RECOMMENDED_SAMPLING if key in config}
+    if current in _EARLIER_RECOMMENDATIONS:
+        config = {k: v for k, v in config.items() if k not in current}
+    elif all(key in config for key in RECOMMENDED_SAMPLING):
         return out_dir
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps({**RECOMMENDED_SAMPLING, **config}, indent=2) + "\n")

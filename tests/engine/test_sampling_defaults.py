@@ -29,3 +29,17 @@ def test_recommended_sampling_is_added_once_and_keeps_other_fields(tmp_path, tin
     assert config["temperature"] == 0.5  # an explicit value is kept
     assert config["top_p"] == RECOMMENDED_SAMPLING["top_p"]
     assert load_checkpoint(ckpt).sampling_defaults() == {"temperature": 0.5, "top_p": RECOMMENDED_SAMPLING["top_p"]}
+
+
+def test_an_earlier_mlxcel_recommendation_is_replaced(tmp_path):
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.2, "top_p": 0.9, "eos_token_id": 2}))
+    add_recommended_sampling(tmp_path)
+    config = json.loads((tmp_path / "generation_config.json").read_text())
+    assert {k: config[k] for k in RECOMMENDED_SAMPLING} == RECOMMENDED_SAMPLING
+    assert config["eos_token_id"] == 2
+
+
+def test_user_values_are_kept(tmp_path):
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.7, "top_p": 0.95}))
+    add_recommended_sampling(tmp_path)
+    assert json.loads((tmp_path / "generation_config.json").read_text()) == {"temperature": 0.7, "top_p": 0.95}
