@@ -2,7 +2,8 @@
 
 Layered like mlx-lm: ``generate_tokens`` yields (token, logprobs) from any
 forward callable (a whole model or a pipeline of slices); ``stream_generate``
-adds detokenization, stop handling and statistics.
+adds detokenization and stop handling (``SequenceText``, shared with the
+batching engine) and statistics.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlxcel.engine.model_slice import ModelSlice
 from mlxcel.engine.sampling import SamplingParams, make_sampler
-from mlxcel.engine.stops import StopMatcher
+from mlxcel.engine.textstream import SequenceText
 
 Forward = Callable[[mx.array, list], mx.array]
 PREFILL_CHUNK = 2048
@@ -113,8 +114,7 @@ def stream_generate(
     stats = stats if stats is not None else GenerationStats()
     stats.prompt_tokens = len(prompt)
     forward = forward or (lambda x, c: model(x, cache=c))
-    detok = tokenizer.detokenizer
-    stops = StopMatcher(params.stop)
+    text_out = SequenceText(tokenizer, params.stop)
     eos = set(tokenizer.eos_token_ids)
     mx.reset_peak_memory()
     tokens = generate_tokens(forward, prompt, make_cache(model), make_sampler(params), params.max_tokens)
@@ -132,16 +132,14 @@ def stream_generate(
         if token in eos:
             finish = "stop"
             break
-        detok.add_token(token)
-        text = stops.feed(detok.last_segment)
+        text = text_out.feed(token)
         logprob = float(logprobs[token].item()) if params.logprobs else None
-        if stops.stopped:
+        if text_out.stopped:
             yield GenerationChunk(text=text, token=token, logprob=logprob)
             finish = "stop"
             break
         if text or params.logprobs:
             yield GenerationChunk(text=text, token=token, logprob=logprob)
-    detok.finalize()
-    tail = "" if stops.stopped else stops.feed(detok.last_segment) + stops.flush()
+    tail = text_out.finish()
     stats.peak_memory_gb = mx.get_peak_memory() / 1e9
     yield GenerationChunk(text=tail, token=None, finish_reason=finish)
