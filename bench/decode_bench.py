@@ -22,19 +22,13 @@ import mlxcel  # noqa: F401  (before mlx.core: picks up OpenBLAS, see mlxcel/bla
 import mlx.core as mx
 
 from bench.environment import write_jsonl
+from bench.stats import percentile
 from mlxcel.engine.generate import GenerationStats, stream_generate
 from mlxcel.engine.prompts import encode_prompt
 from mlxcel.engine.sampling import SamplingParams
 from mlxcel.models.loading import LoadedModel, load_checkpoint
 
 DEFAULT_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
 @contextmanager
@@ -70,6 +64,10 @@ def run_mlx_lm(loaded: LoadedModel, prompt: list[int], tokens: int) -> dict:
     return _row(len(prompt), prompt_seconds, gaps, mx.get_peak_memory() / 1e9)
 
 
+def _ms(seconds: float | None) -> float:
+    return float("nan") if seconds is None else seconds * 1e3
+
+
 def _row(prompt_tokens: int, prompt_seconds: float, gaps: list[float], peak_gb: float) -> dict:
     decode_seconds = sum(gaps)
     return {
@@ -77,8 +75,8 @@ def _row(prompt_tokens: int, prompt_seconds: float, gaps: list[float], peak_gb: 
         "generated_tokens": len(gaps) + 1,
         "prompt_tps": prompt_tokens / prompt_seconds,
         "decode_tps": len(gaps) / decode_seconds if decode_seconds else 0.0,
-        "token_latency_p50_ms": percentile(gaps, 50) * 1e3,
-        "token_latency_p95_ms": percentile(gaps, 95) * 1e3,
+        "token_latency_p50_ms": _ms(percentile(gaps, 50)),
+        "token_latency_p95_ms": _ms(percentile(gaps, 95)),
         "peak_memory_gb": peak_gb,
     }
 

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.environment import write_jsonl
+from bench.stats import percentile
 from mlxcel.cluster import ClusterSecret, Kind, Message, PeerId, Suite, Transport, load_secret
 
 SUITES = [Suite.UNPROTECTED, Suite.HMAC_SHA256, Suite.AES_256_GCM, Suite.CHACHA20_POLY1305]
@@ -122,9 +123,8 @@ class PingPong:
             self.done.set()
 
 
-def _percentile(sorted_ns: list[int], q: float) -> float:
-    idx = min(len(sorted_ns) - 1, max(0, int(round(q * (len(sorted_ns) - 1)))))
-    return sorted_ns[idx] / 1000.0
+def _percentile_us(ns: list[float], q: float) -> float:
+    return percentile(ns, q) / 1000.0
 
 
 def round_trips(local: Transport, router: dict[str, PingPong], peer: PeerId, payload: bytes, count: int) -> list[int]:
@@ -143,13 +143,13 @@ def round_trips(local: Transport, router: dict[str, PingPong], peer: PeerId, pay
 def summarize(samples_ns: list[int], size: int) -> dict[str, Any]:
     """One-way statistics (half the round trip) in microseconds, bandwidth at p50."""
     one_way = sorted(s / 2 for s in samples_ns)
-    p50 = _percentile(one_way, 0.50)
+    p50 = _percentile_us(one_way, 50)
     return {
         "payload_bytes": size,
         "iterations": len(one_way),
         "p50_us": p50,
-        "p95_us": _percentile(one_way, 0.95),
-        "p99_us": _percentile(one_way, 0.99),
+        "p95_us": _percentile_us(one_way, 95),
+        "p99_us": _percentile_us(one_way, 99),
         "mean_us": statistics.fmean(one_way) / 1000.0,
         "one_way_gib_s": size / (p50 * 1e-6) / 2**30,
     }

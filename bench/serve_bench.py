@@ -31,6 +31,7 @@ from typing import Any
 import httpx
 
 from bench.environment import write_jsonl
+from bench.stats import percentile
 
 PROMPTS = [
     "Explain in a few sentences why the sky is blue.",
@@ -53,17 +54,6 @@ class RequestResult:
     tokens: int = 0
     gaps: list[float] = field(default_factory=list)
     error: str = ""
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """Linear-interpolated percentile (q in 0..100); None for no values."""
-    if not values:
-        return None
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> RequestResult:
