@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from mlxcel.engine.interface import Engine, EngineFailure, EngineRequest, EventStream, FinishEvent, TokenEvent
 from mlxcel.engine.prompts import PromptError, encode_chat, encode_raw
-from mlxcel.engine.sampling import MAX_STOP_STRINGS, SamplingParams
+from mlxcel.engine.sampling import SamplingParams
 from mlxcel.server import protocol as p
 from mlxcel.server.errors import (
     ClientDisconnected,
@@ -163,8 +163,6 @@ class OpenAIServing:
                                         f"requested {asked}. Please reduce the length of the prompt or completion.",
                                         param="messages" if isinstance(req, p.ChatCompletionRequest) else "prompt")
         stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
-        if len(stop) > MAX_STOP_STRINGS:
-            raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop sequences are allowed", param="stop")
         defaults = self.runtime.sampling_defaults
         params = SamplingParams(
             max_tokens=max_tokens or ctx - n,
