@@ -10,23 +10,12 @@ import sys
 from typing import Callable, Sequence
 
 from mlxcel import __version__
+from mlxcel.config import DEFAULT_MODEL_DIR, positive_int
+from mlxcel.errors import CLIError
 
-DEFAULT_MODEL_DIR = "models/smollm2-135m-instruct"
+__all__ = ["CLIError", "DEFAULT_MODEL_DIR", "build_parser", "main", "positive_int", "server_main"]
+
 EXIT_ERROR = 1
-
-
-class CLIError(Exception):
-    """An error already phrased for the operator."""
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
 
 
 def _add_sampling_arguments(p: argparse.ArgumentParser) -> None:

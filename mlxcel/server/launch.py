@@ -16,72 +16,54 @@ import sys
 from pathlib import Path
 from typing import Any
 
-DEFAULT_MODEL_DIR = "models/smollm2-135m-instruct"
-DEFAULT_PARALLEL = 4
-DEFAULT_MAX_QUEUE = 64
+from mlxcel.config import (
+    DEFAULT_HOST,
+    DEFAULT_MAX_QUEUE,
+    DEFAULT_MODEL_DIR,
+    DEFAULT_PARALLEL,
+    DEFAULT_PORT,
+    DEFAULT_PREFIX_CACHE_MB,
+    non_negative_int,
+    positive_int,
+    seconds,
+)
+from mlxcel.config import port as tcp_port
+from mlxcel.errors import CLIError
+
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 GRACEFUL_SHUTDOWN_S = 5
-
-
-def _positive_int(text: str) -> int:
-    from mlxcel.cli import positive_int
-
-    return positive_int(text)
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def _port(text: str) -> int:
-    value = _non_negative_int(text)
-    if value > 65535:
-        raise argparse.ArgumentTypeError(f"must be a TCP port (0-65535), got {value}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
-    return value
 
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     """The server's flags (shared by ``mlxcel serve`` and ``mlxcel-server``)."""
     parser.add_argument("-m", "--model", default=DEFAULT_MODEL_DIR,
                         help=f"checkpoint directory (default {DEFAULT_MODEL_DIR})")
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    parser.add_argument("--port", type=_port, default=8080, help="TCP port (default 8080; 0 = any free port)")
-    parser.add_argument("--parallel", type=_positive_int, default=DEFAULT_PARALLEL,
+    parser.add_argument("--host", default=DEFAULT_HOST, help=f"address to listen on (default {DEFAULT_HOST})")
+    parser.add_argument("--port", type=tcp_port, default=DEFAULT_PORT,
+                        help=f"TCP port (default {DEFAULT_PORT}; 0 = any free port)")
+    parser.add_argument("--parallel", type=positive_int, default=DEFAULT_PARALLEL,
                         help=f"concurrent sequences with a KV cache (default {DEFAULT_PARALLEL})")
-    parser.add_argument("--max-batch-size", type=_positive_int, default=None,
+    parser.add_argument("--max-batch-size", type=positive_int, default=None,
                         help="sequences per decode step, at most --parallel (default: --parallel)")
-    parser.add_argument("--max-queue", type=_non_negative_int, default=DEFAULT_MAX_QUEUE,
+    parser.add_argument("--max-queue", type=non_negative_int, default=DEFAULT_MAX_QUEUE,
                         help=f"requests waiting beyond --parallel before 503 (default {DEFAULT_MAX_QUEUE})")
-    parser.add_argument("--request-timeout", type=_seconds, default=None,
+    parser.add_argument("--request-timeout", type=seconds, default=None,
                         help="seconds a request may take, queueing included (default: no limit)")
-    parser.add_argument("--prefix-cache-mb", type=_non_negative_int, default=256,
-                        help="MiB of KV cache kept to reuse shared prompt prefixes (default 256; 0 = off)")
+    parser.add_argument("--prefix-cache-mb", type=non_negative_int, default=DEFAULT_PREFIX_CACHE_MB,
+                        help=("MiB of KV cache kept to reuse shared prompt prefixes "
+                              f"(default {DEFAULT_PREFIX_CACHE_MB}; 0 = off)"))
     parser.add_argument("--no-warmup", dest="warmup", action="store_false",
                         help="report ready right after loading, without a warmup generation")
     parser.add_argument("--served-model-name", default=None,
                         help="model id clients send and /v1/models lists (default: the directory name)")
     parser.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="log verbosity (default info)")
+    from mlxcel.server.access import add_access_arguments
+
+    add_access_arguments(parser)
 
 
 def build_config(args: argparse.Namespace):
     """Check flag combinations and the checkpoint; return a ServerConfig. Raises CLIError/ModelError."""
-    from mlxcel.cli import CLIError
     from mlxcel.models.loading import check_checkpoint
     from mlxcel.server.runtime import ServerConfig
 
@@ -101,8 +83,6 @@ def build_config(args: argparse.Namespace):
 
 def bind_socket(host: str, port: int) -> socket.socket:
     """Listen before loading anything, so a taken port fails in milliseconds."""
-    from mlxcel.cli import CLIError
-
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
@@ -143,6 +123,9 @@ def run_server(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = build_config(args)
+    from mlxcel.server.access import prepare_access
+
+    access = prepare_access(args)  # keys, TLS files and the fail-closed bind policy, before anything listens
     sock = bind_socket(args.host, args.port)
     host, port = sock.getsockname()[:2]
     exit_code = {"code": 0}
@@ -154,10 +137,10 @@ def run_server(args: argparse.Namespace) -> int:
         if server is not None:
             server.should_exit = True
 
-    app = create_app(ServerRuntime(config), on_fatal=fatal)
+    app = create_app(ServerRuntime(config), on_fatal=fatal, access=access)
     server = _server_class()(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-                                           access_log=args.log_level == "debug"))
-    print(f"mlxcel: serving {config.served_model_name} on http://{host}:{port} "
+                                           access_log=args.log_level == "debug", **access.uvicorn_options()))
+    print(f"mlxcel: serving {config.served_model_name} on {access.scheme}://{host}:{port} "
           f"(parallel {config.parallel}, batch {config.max_batch_size})", file=sys.stderr, flush=True)
     server.run(sockets=[sock])
     sys.stdout.flush()

@@ -1,0 +1,70 @@
+"""Flags' defaults and bounds: one source of truth for the CLI, the server, the cluster TOML and the docs.
+
+Plain constants and argparse ``type=`` helpers only; nothing here imports MLX or
+any other mlxcel module, so every layer can import it.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+# Checkpoints
+DEFAULT_MODEL_DIR = "models/smollm2-135m-instruct"
+
+# Server
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8080
+DEFAULT_PARALLEL = 4  # concurrent sequences holding a KV cache
+DEFAULT_MAX_QUEUE = 64  # requests waiting beyond --parallel before 503
+DEFAULT_PREFIX_CACHE_MB = 256  # MiB of KV cache kept for shared prompt prefixes (0 = off)
+PREFILL_STEP = 512  # prompt tokens per prefill chunk; bounds the stall a long prompt causes others
+
+# Pipeline parallelism (cluster TOML and flags)
+DEFAULT_PP_SIZE = 1  # 1 = no pipeline
+DEFAULT_PP_MAX_BATCH = 8  # most rows a stage accepts in one activation
+MAX_ACTIVATION_TOKENS = 2**20  # bound on n in a [rows, n, width] hidden-state activation
+DEFAULT_STARTUP_S = 60.0  # coordinator waits this long for every stage at start-up
+DEFAULT_EXCHANGE_S = 30.0  # absolute deadline of one exchange, RunEntry -> RunResult
+DEFAULT_HEARTBEAT_S = 2.0  # coordinator probes each stage this often
+DEFAULT_CLUSTER_NAME = "mlxcel-cluster"
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def port(text: str) -> int:
+    """argparse type: a TCP port, 0 (any free port) to 65535."""
+    value = non_negative_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port (0-65535), got {value}")
+    return value
+
+
+def seconds(text: str) -> float:
+    """argparse type: a positive, finite number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
+    return value
