@@ -1,11 +1,13 @@
-"""The environment record every benchmark row carries: versions, host, CPU, date, git commit."""
+"""The environment record every benchmark row carries: versions, host, machine, CPU, date, git commit."""
 
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
 import json
 import os
 import platform
+import re
 import socket
 import subprocess
 from importlib import metadata
@@ -22,22 +24,58 @@ def _version(name: str) -> str | None:
         return None
 
 
-def _git_commit() -> str | None:
-    repo = Path(__file__).resolve().parent.parent
+COMMIT_ENV = "MLXCEL_GIT_COMMIT"
+_COMMIT_RE = re.compile(r"^[0-9a-f]{7,40}(-dirty)?$")
+
+
+def _git(repo: Path, *args: str) -> subprocess.CompletedProcess[str] | None:
     try:
-        out = subprocess.run(
-            ["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5
-        )
+        return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=5)
     except (OSError, subprocess.SubprocessError):
         return None
-    commit = out.stdout.strip()
-    if not commit:
+
+
+def _commit_from_checkout(repo: Path) -> str | None:
+    """The checkout's commit (plus "-dirty"), or None outside a git checkout or before its first commit.
+
+    ``git rev-parse HEAD`` prints "HEAD" (exit 128) in a repository without commits, so the exit
+    status and the shape of the answer are both checked.
+    """
+    out = _git(repo, "rev-parse", "--verify", "--quiet", "HEAD^{commit}")
+    commit = out.stdout.strip() if out is not None and out.returncode == 0 else ""
+    if not re.fullmatch(r"[0-9a-f]{40}", commit):
         return None
-    dirty = subprocess.run(
-        ["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
-        capture_output=True, text=True, timeout=5,
-    ).stdout.strip()
+    status = _git(repo, "status", "--porcelain", "--untracked-files=no")
+    dirty = status is not None and status.returncode == 0 and bool(status.stdout.strip())
     return commit + ("-dirty" if dirty else "")
+
+
+def _commit_from_package() -> str | None:
+    """The commit pip recorded when mlxcel was installed from a git URL (direct_url.json), if any."""
+    try:
+        text = metadata.distribution("mlxcel").read_text("direct_url.json")
+        commit = json.loads(text or "{}").get("vcs_info", {}).get("commit_id", "")
+    except (metadata.PackageNotFoundError, ValueError, AttributeError):
+        return None
+    return commit if re.fullmatch(r"[0-9a-f]{40}", commit) else None
+
+
+def git_commit(environ: dict[str, str] | None = None) -> str | None:
+    """The commit these benchmarks run from: the git checkout, else $MLXCEL_GIT_COMMIT (set by the
+    Ansible bench role on copies without .git), else pip's record of a git install; never "HEAD".
+
+    Raises ValueError for a malformed $MLXCEL_GIT_COMMIT, so a typo never lands in the rows.
+    """
+    env = os.environ if environ is None else environ
+    commit = _commit_from_checkout(Path(__file__).resolve().parent.parent)
+    if commit:
+        return commit
+    value = env.get(COMMIT_ENV, "").strip().lower()
+    if value:
+        if not _COMMIT_RE.fullmatch(value):
+            raise ValueError(f"{COMMIT_ENV}={value!r} is not a git commit (7-40 hex digits, optional -dirty)")
+        return value
+    return _commit_from_package()
 
 
 def _cpu_model() -> str:
@@ -58,6 +96,45 @@ def _mlx_device() -> str | None:
     return str(mx.default_device())
 
 
+def _memory_gb() -> float | None:
+    try:
+        return round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _machine_id() -> str | None:
+    """A short hash of /etc/machine-id: tells apart hosts that share a hostname, reveals nothing."""
+    for path in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
+        try:
+            raw = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if raw:
+            return hashlib.sha256(raw.encode()).hexdigest()[:12]
+    return None
+
+
+def _accelerator() -> str | None:
+    """MLX's name for the device it computes on (a GPU model, or the CPU on mlx[cpu])."""
+    try:
+        import mlx.core as mx
+
+        return str(mx.device_info().get("device_name") or "") or None
+    except Exception:  # noqa: BLE001 - older MLX or no device: the record just lacks it
+        return None
+
+
+def machine() -> dict[str, Any]:
+    """What tells one machine from another in the rows, beyond its hostname."""
+    return {
+        "arch": platform.machine(),
+        "memory_gb": _memory_gb(),
+        "machine_id": _machine_id(),
+        "accelerator": _accelerator(),
+    }
+
+
 def environment() -> dict[str, Any]:
     """Describe where and with what a benchmark ran."""
     return {
@@ -68,7 +145,8 @@ def environment() -> dict[str, Any]:
         "cpu": _cpu_model(),
         "cpu_count": os.cpu_count(),
         "mlx_device": _mlx_device(),
-        "git_commit": _git_commit(),
+        "git_commit": git_commit(),
+        "machine": machine(),
         "versions": {name: v for name in _PACKAGES if (v := _version(name))},
     }
 
