@@ -8,6 +8,7 @@ from typing import Any, AsyncIterator, Callable
 from fastapi import FastAPI
 
 from mlxcel import __version__
+from mlxcel.server.access import AccessConfig, install_access
 from mlxcel.server.errors import install_error_handlers
 from mlxcel.server.metrics import ServerMetrics
 from mlxcel.server.router import router
@@ -43,8 +44,12 @@ class RequestCounter:
             self.metrics.requests.labels(endpoint, str(status["code"])).inc()
 
 
-def create_app(runtime: ServerRuntime, on_fatal: Callable[[str], None] = lambda _: None) -> FastAPI:
-    """The server app; loading starts with the app's lifespan and the runtime closes with it."""
+def create_app(runtime: ServerRuntime, on_fatal: Callable[[str], None] = lambda _: None,
+               access: AccessConfig | None = None) -> FastAPI:
+    """The server app; loading starts with the app's lifespan and the runtime closes with it.
+
+    ``access`` adds the API key check (inside the request counter, so 401s are counted).
+    """
     metrics = ServerMetrics(lambda: runtime.engine.stats() if runtime.engine is not None else None)
 
     @contextlib.asynccontextmanager
@@ -59,5 +64,6 @@ def create_app(runtime: ServerRuntime, on_fatal: Callable[[str], None] = lambda 
     app.state.serving = OpenAIServing(runtime, metrics)
     app.include_router(router)
     install_error_handlers(app)
+    install_access(app, access)
     app.add_middleware(RequestCounter, metrics=metrics)
     return app

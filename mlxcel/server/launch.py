@@ -139,7 +139,8 @@ def run_server(args: argparse.Namespace) -> int:
 
     app = create_app(ServerRuntime(config), on_fatal=fatal, access=access)
     server = _server_class()(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-                                           access_log=args.log_level == "debug", **access.uvicorn_options()))
+                                           access_log=args.log_level == "debug",
+                                           **access.uvicorn_options()))
     print(f"mlxcel: serving {config.served_model_name} on {access.scheme}://{host}:{port} "
           f"(parallel {config.parallel}, batch {config.max_batch_size})", file=sys.stderr, flush=True)
     server.run(sockets=[sock])
