@@ -60,14 +60,14 @@ def _commit_from_package() -> str | None:
     return commit if re.fullmatch(r"[0-9a-f]{40}", commit) else None
 
 
-def git_commit(environ: dict[str, str] | None = None) -> str | None:
+def git_commit(environ: dict[str, str] | None = None, repo: Path | None = None) -> str | None:
     """The commit these benchmarks run from: the git checkout, else $MLXCEL_GIT_COMMIT (set by the
     Ansible bench role on copies without .git), else pip's record of a git install; never "HEAD".
 
     Raises ValueError for a malformed $MLXCEL_GIT_COMMIT, so a typo never lands in the rows.
     """
     env = os.environ if environ is None else environ
-    commit = _commit_from_checkout(Path(__file__).resolve().parent.parent)
+    commit = _commit_from_checkout(repo or Path(__file__).resolve().parent.parent)
     if commit:
         return commit
     value = env.get(COMMIT_ENV, "").strip().lower()

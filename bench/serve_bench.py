@@ -8,9 +8,15 @@ streaming chat requests one after another. Per request it records the time to
 first token (TTFT), the gaps between streamed tokens (ITL) and output tok/s;
 per level the percentiles, aggregate output tok/s (all tokens / wall time) and
 errors. Rows go to JSONL (with the environment) and CSV. ``--launch`` starts
-every named server on the same checkpoint and alternates them level by level, so
-one command compares them side by side under the same background load; mlx_lm.server is
-started with the same BLAS as mlxcel.
+every named server on the same checkpoint and compares them side by side under the
+same background load; mlx_lm.server is started with the same BLAS as mlxcel.
+
+Fairness: every server gets the same prompts (request texts depend only on the round,
+level, client and request index, never on the server or the clock; rows carry their
+SHA-256 as ``prompts_sha256``), and the order alternates at every level, ABBA: a level's
+first server in one round goes second in the next, and consecutive levels flip too
+(``order`` in the rows is the position within the level). The default two rounds give
+every level one A-B and one B-A measurement.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import csv
+import hashlib
 import json
 import signal
 import socket
@@ -85,15 +92,38 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> Reques
                          tokens=usage_tokens or len(times), gaps=gaps)
 
 
+def request_text(tag: str, concurrency: int, idx: int, k: int) -> str:
+    """Request ``k`` of client ``idx``: a tag unique within one server's run, then a stock prompt.
+
+    The tag keeps any server from answering from a cached copy of an earlier prompt, while the chat
+    template's preamble (system prompt) stays shared, as in real traffic. It depends only on its
+    arguments, so every server of a side-by-side run gets exactly the same texts.
+    """
+    return f"[{tag}-{idx}-{k}] {PROMPTS[(idx + k * concurrency) % len(PROMPTS)]}"
+
+
+def prompts_sha256(tag: str, concurrency: int, requests: int) -> str:
+    """SHA-256 over every request text of one level, in client and request order."""
+    h = hashlib.sha256()
+    for idx in range(concurrency):
+        for k in range(requests):
+            h.update(request_text(tag, concurrency, idx, k).encode() + b"\n")
+    return h.hexdigest()
+
+
+def level_order(kinds: list[str], rnd: int, level_index: int) -> list[str]:
+    """Which server goes first at this level: flips every level and every round (ABBA)."""
+    return list(kinds) if (rnd + level_index) % 2 == 0 else list(kinds)[::-1]
+
+
 async def run_level(url: str, model: str, concurrency: int, requests: int, max_tokens: int,
-                    ignore_eos: bool, stagger_s: float = 0.0) -> tuple[list[RequestResult], float]:
+                    ignore_eos: bool, stagger_s: float = 0.0, tag: str = "level") -> tuple[list[RequestResult], float]:
     """N closed-loop clients, each sending ``requests`` requests; returns results and wall time.
 
     With ``stagger_s`` > 0 client i starts i * stagger_s / N seconds late, so arrivals are spread
     as in steady-state traffic instead of landing together (a "herd" whose prompts all prefill
     at once: then the last TTFT is at least N single prefills, whatever the server does).
     """
-    tag = f"{concurrency}.{time.monotonic_ns() % 100000}"
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600), limits=limits) as client:
 
@@ -101,9 +131,7 @@ async def run_level(url: str, model: str, concurrency: int, requests: int, max_t
             out = []
             await asyncio.sleep(idx * stagger_s / concurrency)
             for k in range(requests):
-                # a unique tag first: no server may answer from a cached copy of the same prompt,
-                # yet the chat template's preamble (system prompt) stays shared, as in real traffic
-                text = f"[{tag}-{idx}-{k}] {PROMPTS[(idx + k * concurrency) % len(PROMPTS)]}"
+                text = request_text(tag, concurrency, idx, k)
                 body = {"model": model, "stream": True, "stream_options": {"include_usage": True},
                         "messages": [{"role": "user", "content": text}],
                         "max_tokens": max_tokens, "temperature": 0.0}
@@ -202,20 +230,21 @@ def model_name(url: str, kind: str | None, model_dir: str | None) -> str:
 
 def warm(url: str, model: str) -> None:
     """One short request: loads lazy weights and code paths before anything is measured."""
-    asyncio.run(run_level(url, model, 1, 1, 8, False))
+    asyncio.run(run_level(url, model, 1, 1, 8, False, tag="warm"))
 
 
-def single_request_seconds(url: str, model: str, args: argparse.Namespace) -> float:
+def single_request_seconds(url: str, model: str, args: argparse.Namespace, tag: str) -> float:
     """End-to-end time of one request alone: the period over which --arrival staggered spreads clients."""
-    results, wall = asyncio.run(run_level(url, model, 1, 1, args.max_tokens, args.ignore_eos))
+    results, wall = asyncio.run(run_level(url, model, 1, 1, args.max_tokens, args.ignore_eos, tag=tag))
     return wall
 
 
-def bench_level(label: str, url: str, model: str, n: int, args: argparse.Namespace) -> dict[str, Any]:
-    stagger = single_request_seconds(url, model, args) if args.arrival == "staggered" and n > 1 else 0.0
-    results, wall = asyncio.run(run_level(url, model, n, args.requests, args.max_tokens, args.ignore_eos, stagger))
+def bench_level(label: str, url: str, model: str, n: int, args: argparse.Namespace, tag: str) -> dict[str, Any]:
+    """One concurrency level against one server; ``tag`` names the prompts (same tag, same texts)."""
+    stagger = single_request_seconds(url, model, args, f"{tag}-solo") if args.arrival == "staggered" and n > 1 else 0.0
+    results, wall = asyncio.run(run_level(url, model, n, args.requests, args.max_tokens, args.ignore_eos, stagger, tag))
     row = summarize(label, url, n, results, wall, args.max_tokens)
-    row["arrival"] = args.arrival
+    row.update(arrival=args.arrival, prompt_tag=tag, prompts_sha256=prompts_sha256(tag, n, args.requests))
     print(format_row(row), file=sys.stderr, flush=True)
     return row
 
@@ -252,39 +281,48 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--launch", default=None, help="start these servers in turn: mlxcel, mlx_lm or both (comma)")
     p.add_argument("--model-dir", default="models/smollm2-135m-instruct", help="checkpoint for --launch")
     p.add_argument("--parallel", type=int, default=8, help="concurrent sequences of launched servers (default 8)")
-    p.add_argument("--rounds", type=int, default=1,
-                   help="repeat all levels; launched servers alternate order every round (default 1)")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="repeat all levels; launched servers alternate order at every level and round, "
+                        "so two rounds give each level an A-B and a B-A run (default 2)")
     p.add_argument("--label", default=None, help="server label in the rows (default: the launch kind or 'server')")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
     return p.parse_args(argv)
 
 
-def run_launched(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Start every named server, then alternate them level by level (ABBA over rounds): on a shared
-    machine, load from elsewhere then hits both alike instead of whichever ran during a busy minute."""
-    kinds = args.launch.split(",")
-    servers: dict[str, tuple[subprocess.Popen, str, str]] = {}
+def run_side_by_side(servers: dict[str, tuple[str, str]], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every level against every server ``{label: (url, model)}``, same prompts, ABBA order: on a
+    shared machine, load from elsewhere then hits all alike instead of whichever ran during a busy minute."""
+    labels = list(servers)
     rows: list[dict[str, Any]] = []
+    for rnd in range(args.rounds):
+        for j, n in enumerate(args.concurrency):
+            for order, label in enumerate(level_order(labels, rnd, j)):
+                url, name = servers[label]
+                row = bench_level(label, url, name, n, args, tag=f"r{rnd}-c{n}")
+                rows.append({**row, "round": rnd, "order": order})
+    return rows
+
+
+def run_launched(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Start every named server on the same checkpoint, warm each, then run_side_by_side."""
+    kinds = args.launch.split(",")
+    procs: list[subprocess.Popen] = []
+    servers: dict[str, tuple[str, str]] = {}
     try:
         for kind in kinds:
             port = _free_port()
             url = f"http://127.0.0.1:{port}"
             proc = subprocess.Popen(launch_command(kind, args.model_dir, port, args.parallel),
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            servers[kind] = (proc, url, "")
+            procs.append(proc)
             wait_until_serving(url, proc)
-            name = args.model_name or model_name(url, kind, args.model_dir)
-            servers[kind] = (proc, url, name)
-            warm(url, name)
-        for rnd in range(args.rounds):
-            for n in args.concurrency:
-                for kind in kinds if rnd % 2 == 0 else kinds[::-1]:
-                    _, url, name = servers[kind]
-                    rows.append({**bench_level(kind, url, name, n, args), "round": rnd, "model_dir": args.model_dir})
+            servers[kind] = (url, args.model_name or model_name(url, kind, args.model_dir))
+            warm(*servers[kind])
+        rows = run_side_by_side(servers, args)
     finally:
-        for proc, _, _ in servers.values():
+        for proc in procs:
             stop(proc)
-    return rows
+    return [{**r, "model_dir": args.model_dir} for r in rows]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -294,8 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         name = args.model_name or model_name(args.url, None, None)
         warm(args.url, name)
-        rows = [{**bench_level(args.label or "server", args.url, name, n, args), "round": rnd}
-                for rnd in range(args.rounds) for n in args.concurrency]
+        rows = run_side_by_side({args.label or "server": (args.url, name)}, args)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     write_jsonl(args.out / "serve_bench.jsonl", [{**r, "run": stamp} for r in rows])
     write_csv(args.out / f"serve_bench-{stamp}.csv", rows)
