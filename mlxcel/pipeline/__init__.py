@@ -1,0 +1,1 @@
+"""Pipeline parallelism: partitioning, stage service, coordinator, cluster TOML."""

@@ -1,0 +1,384 @@
+"""Split a model's layers into contiguous pipeline stages: explicit ranges, or priced by parameter bytes.
+
+No MLX here: costs come from the safetensors headers (the JSON before the data),
+so ``mlxcel plan`` prices a checkpoint of any size in milliseconds.
+
+Ranges are written inclusive ("0-11,12-29", as operators and the cluster TOML
+write them) and held as half-open ``(start, end)`` pairs. Stages count from 0,
+as ``mlxcel plan`` prints them and the cluster TOML names them (stage-0, ...).
+
+What a stage is charged:
+- every tensor of its layers (``model.layers.<i>.``) at its real size in the
+  file, so a quantized layer (weight, scales, biases) or a layer of another
+  type weighs what it really does;
+- the first stage: the embedding (``model.embed_tokens.``);
+- the last stage: the final norm (``model.norm.``) and the head (``lm_head.``).
+  With tied embeddings there is no head tensor: the last stage computes its
+  logits with the embedding matrix, so it holds a copy and is charged the
+  embedding's bytes too (once when one stage is both first and last).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
+EMBED_PREFIX = "model.embed_tokens."
+NORM_PREFIX = "model.norm."
+HEAD_PREFIX = "lm_head."
+MAX_HEADER_BYTES = 100 << 20  # the safetensors reference refuses headers above 100 MB
+_RANGE = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+)\s*)?$")
+
+
+class PartitionError(ValueError):
+    """A layer split that cannot be used; the message is one line for the operator."""
+
+
+# ---------------------------------------------------------------------------
+# Explicit ranges
+
+
+def parse_range_text(text: str, source: str = "--pp-layers") -> list[tuple[int, int]]:
+    """"0-11,12-29" -> [(0, 12), (12, 30)]: syntax, order, contiguity and start at 0; not the model's size.
+
+    A stage of one layer may be written "7" or "7-7". ``source`` names the flag
+    or TOML key in the messages.
+    """
+    if not text.strip():
+        raise PartitionError(f"{source}: empty (expected inclusive ranges such as 0-11,12-29)")
+    ranges: list[tuple[int, int]] = []
+    for stage, item in enumerate(text.split(",")):
+        if not item.strip():
+            raise PartitionError(f"{source}: stage {stage} is empty (expected inclusive ranges such as 0-11,12-29)")
+        match = _RANGE.match(item)
+        if match is None:
+            raise PartitionError(f"{source}: stage {stage}: {item.strip()!r} is not a layer range "
+                                 "(expected START-END, e.g. 0-11)")
+        first = int(match.group(1))
+        last = int(match.group(2)) if match.group(2) is not None else first
+        if last < first:
+            raise PartitionError(f"{source}: stage {stage}: range {first}-{last} is reversed (start must be <= end)")
+        _check_follows(ranges, stage, first, source)
+        ranges.append((first, last + 1))
+    return ranges
+
+
+def _check_follows(ranges: list[tuple[int, int]], stage: int, first: int, source: str) -> None:
+    if not ranges:
+        if first != 0:
+            raise PartitionError(f"{source}: stage 0 starts at {first}, but the first stage must start at layer 0")
+        return
+    previous_last = ranges[-1][1] - 1
+    if first <= previous_last:
+        raise PartitionError(f"{source}: stage {stage} starts at {first} but stage {stage - 1} ended at "
+                             f"{previous_last} (ranges must not overlap)")
+    if first > previous_last + 1:
+        raise PartitionError(f"{source}: stage {stage} starts at {first} but stage {stage - 1} ended at "
+                             f"{previous_last} (ranges must be contiguous)")
+
+
+def check_coverage(ranges: Sequence[tuple[int, int]], num_layers: int, source: str = "--pp-layers") -> None:
+    """Ranges from ``parse_range_text`` must end exactly at the model's last layer."""
+    end = ranges[-1][1]
+    if end > num_layers:
+        stage = next(i for i, (_, e) in enumerate(ranges) if e > num_layers)
+        raise PartitionError(f"{source}: stage {stage} ends at {ranges[stage][1] - 1} but the model has only "
+                             f"{num_layers} layers (0-{num_layers - 1})")
+    if end < num_layers:
+        raise PartitionError(f"{source}: the last stage ends at {end - 1} but the model has {num_layers} layers "
+                             f"(0-{num_layers - 1}): the ranges must cover every layer")
+
+
+def parse_layer_ranges(text: str, num_layers: int, source: str = "--pp-layers") -> list[tuple[int, int]]:
+    """Inclusive ranges text -> contiguous half-open (start, end) pairs covering layers 0..num_layers-1."""
+    ranges = parse_range_text(text, source)
+    check_coverage(ranges, num_layers, source)
+    return ranges
+
+
+def format_range(start: int, end: int) -> str:
+    """(12, 30) -> "12-29", the inclusive form that parse_range_text reads."""
+    return f"{start}-{end - 1}"
+
+
+# ---------------------------------------------------------------------------
+# Costs from safetensors headers
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """Parameter bytes of a checkpoint, grouped the way stages are charged."""
+
+    model: str
+    layers: tuple[int, ...]  # bytes of layer i's tensors
+    embed: int  # model.embed_tokens.* (first stage)
+    norm: int  # model.norm.* (last stage)
+    head: int  # lm_head.*, or the embedding's bytes again when tied (last stage)
+    tied: bool
+    other: int = 0  # tensors outside these groups: not charged to any stage
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def total(self) -> int:
+        """Bytes of all the checkpoint's tensors (a tied embedding counted once)."""
+        return sum(self.layers) + self.embed + self.norm + (0 if self.tied else self.head) + self.other
+
+    def stage_bytes(self, start: int, end: int) -> int:
+        """What the stage holding layers [start, end) loads."""
+        cost = sum(self.layers[start:end])
+        if start == 0:
+            cost += self.embed
+        if end == self.num_layers:
+            cost += self.norm
+            if not (self.tied and start == 0):
+                cost += self.head
+        return cost
+
+
+def read_safetensors_header(path: Path) -> dict:
+    """The JSON header of a .safetensors file (8-byte little-endian length, then JSON); no tensor data."""
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) != 8:
+            raise PartitionError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
+        (size,) = struct.unpack("<Q", prefix)
+        if size > MAX_HEADER_BYTES:
+            raise PartitionError(f"{path}: not a safetensors file (header length {size} is over 100 MB)")
+        raw = f.read(size)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        header = None
+    if len(raw) != size or not isinstance(header, dict):
+        raise PartitionError(f"{path}: not a safetensors file (unreadable JSON header)")
+    return header
+
+
+def _tensor_bytes(path: Path, name: str, info: object) -> int:
+    try:
+        start, end = info["data_offsets"]  # type: ignore[index]
+        if not 0 <= start <= end:
+            raise ValueError
+        return int(end) - int(start)
+    except (TypeError, KeyError, ValueError):
+        raise PartitionError(f"{path}: tensor {name!r} has no valid data_offsets") from None
+
+
+def _num_layers(model_dir: Path) -> int | None:
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    value = config.get("num_hidden_layers")
+    return value if isinstance(value, int) else None
+
+
+def layer_costs(model_dir: str | Path) -> StageCosts:
+    """Bytes per layer, embedding, final norm and head, from the headers of ``model_dir/*.safetensors``."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise PartitionError(f"no such model directory: {model_dir}")
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise PartitionError(f"{model_dir}: no *.safetensors files")
+    per_layer: dict[int, int] = {}
+    groups = {"embed": 0, "norm": 0, "head": 0, "other": 0}
+    for path in files:
+        for name, info in read_safetensors_header(path).items():
+            if name == "__metadata__":
+                continue
+            size = _tensor_bytes(path, name, info)
+            match = LAYER_KEY.match(name)
+            if match:
+                index = int(match.group(1))
+                per_layer[index] = per_layer.get(index, 0) + size
+            else:
+                groups[_group(name)] += size
+    layers = _ordered_layers(model_dir, per_layer)
+    if groups["embed"] == 0:
+        raise PartitionError(f"{model_dir}: no {EMBED_PREFIX}* tensors (not a llama-style checkpoint)")
+    tied = groups["head"] == 0
+    head = groups["embed"] if tied else groups["head"]
+    return StageCosts(model=model_dir.resolve().name, layers=tuple(layers), embed=groups["embed"],
+                      norm=groups["norm"], head=head, tied=tied, other=groups["other"])
+
+
+def _group(name: str) -> str:
+    for prefix, group in ((EMBED_PREFIX, "embed"), (NORM_PREFIX, "norm"), (HEAD_PREFIX, "head")):
+        if name.startswith(prefix):
+            return group
+    return "other"
+
+
+def _ordered_layers(model_dir: Path, per_layer: dict[int, int]) -> list[int]:
+    if not per_layer:
+        raise PartitionError(f"{model_dir}: no model.layers.<i>.* tensors (not a llama-style checkpoint)")
+    count = max(per_layer) + 1
+    missing = [i for i in range(count) if i not in per_layer]
+    if missing:
+        raise PartitionError(f"{model_dir}: no tensors for layer {missing[0]} (layers 0-{count - 1} expected)")
+    expected = _num_layers(model_dir)
+    if expected is not None and expected != count:
+        raise PartitionError(f"{model_dir}: config.json says {expected} layers but the weights hold {count}")
+    return [per_layer[i] for i in range(count)]
+
+
+# ---------------------------------------------------------------------------
+# Automatic split
+
+
+@dataclass(frozen=True)
+class Stage:
+    """Stage ``index`` holds layers [start, end) and loads ``bytes`` of parameters."""
+
+    index: int
+    start: int
+    end: int
+    bytes: int
+
+    @property
+    def layers(self) -> str:
+        return format_range(self.start, self.end)
+
+
+def stages_for_ranges(costs: StageCosts, ranges: Sequence[tuple[int, int]]) -> list[Stage]:
+    """Price given ranges (e.g. from --pp-layers) as stages."""
+    check_coverage(ranges, costs.num_layers, "layer ranges")
+    return [Stage(i, a, b, costs.stage_bytes(a, b)) for i, (a, b) in enumerate(ranges)]
+
+
+def plan_stages(costs: StageCosts, n: int, memory: Sequence[int] | None = None) -> list[Stage]:
+    """Contiguous split into ``n`` stages that minimizes the heaviest stage's bytes.
+
+    Exact dynamic programme over split points. Ties on the heaviest stage are
+    broken by the smaller sum of squared stage bytes (the more even split),
+    then by the earlier split point, so the result is deterministic.
+    ``memory``: each stage's usable bytes (one value per stage); a stage never
+    gets more than its memory, and an impossible fit names the stage.
+    """
+    num_layers = costs.num_layers
+    if not 1 <= n <= num_layers:
+        raise PartitionError(f"cannot split {num_layers} layers into {n} stages (1 to {num_layers})")
+    limits = _limits(memory, n)
+    _check_total(costs, limits)
+    # best[k][j]: (heaviest, sum of squares, previous split) for layers [0, j) in k stages; None if impossible.
+    best: list[list[tuple[int, int, int] | None]] = [[None] * (num_layers + 1) for _ in range(n + 1)]
+    best[0][0] = (0, 0, 0)
+    for k in range(1, n + 1):
+        ends = [num_layers] if k == n else range(k, num_layers - (n - k) + 1)
+        for j in ends:
+            best[k][j] = _best_split(costs, best[k - 1], k - 1, j, limits[k - 1])
+        if not any(best[k]):
+            raise _no_fit(costs, best[k - 1], k - 1, limits[k - 1], ends)
+    return _backtrack(costs, best, n)
+
+
+def _limits(memory: Sequence[int] | None, n: int) -> list[int | None]:
+    if memory is None:
+        return [None] * n
+    if len(memory) != n:
+        raise PartitionError(f"memory: {len(memory)} values for {n} stages (give one value, or one per stage)")
+    if any(m <= 0 for m in memory):
+        raise PartitionError("memory: every stage needs a positive amount of memory")
+    return list(memory)
+
+
+def _check_total(costs: StageCosts, limits: list[int | None]) -> None:
+    if any(m is None for m in limits):
+        return
+    available = sum(m for m in limits if m is not None)
+    one_stage = len(limits) == 1
+    needed = sum(costs.layers) + costs.embed + costs.norm + (0 if costs.tied and one_stage else costs.head)
+    if needed > available:
+        raise PartitionError(f"the model needs {human_bytes(needed)} across {len(limits)} stages, "
+                             f"but their memory adds up to {human_bytes(available)}")
+
+
+def _best_split(costs: StageCosts, previous: list, stage: int, j: int,
+                limit: int | None) -> tuple[int, int, int] | None:
+    best = None
+    for i in range(stage, j):
+        if previous[i] is None:
+            continue
+        cost = costs.stage_bytes(i, j)
+        if limit is not None and cost > limit:
+            continue
+        candidate = (max(previous[i][0], cost), previous[i][1] + cost * cost, i)
+        if best is None or candidate[:2] < best[:2]:
+            best = candidate
+    return best
+
+
+def _no_fit(costs: StageCosts, previous: list, stage: int, limit: int | None,
+            ends: Sequence[int]) -> PartitionError:
+    """Name the stage that no layer range fits, with the least it would need."""
+    needs = [(costs.stage_bytes(i, j), i, j) for j in ends for i in range(stage, j) if previous[i] is not None]
+    need, i, j = min(needs)
+    what = f"layer {i}" if j == i + 1 else f"layers {format_range(i, j)}"
+    if i == 0:
+        what += " and the embedding"
+    if j == costs.num_layers:
+        what += " and the final norm and head"
+    return PartitionError(f"stage {stage} needs at least {human_bytes(need)} ({what}) "
+                          f"but has {human_bytes(limit or 0)} of memory")
+
+
+def _backtrack(costs: StageCosts, best: list, n: int) -> list[Stage]:
+    bounds, j = [], costs.num_layers
+    for k in range(n, 0, -1):
+        entry = best[k][j]
+        assert entry is not None
+        bounds.append((entry[2], j))
+        j = entry[2]
+    bounds.reverse()
+    return [Stage(index, a, b, costs.stage_bytes(a, b)) for index, (a, b) in enumerate(bounds)]
+
+
+# ---------------------------------------------------------------------------
+# Sizes for operators
+
+_UNITS = {
+    "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str) -> int:
+    """"8GiB" -> 8589934592; units B, KB/KiB, MB/MiB, GB/GiB, TB/TiB (any case); a bare number is bytes."""
+    match = _SIZE.match(text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _UNITS and unit != "":
+        raise PartitionError(f"memory: {text.strip()!r} is not a size (expected e.g. 8GiB, 512MiB, 16GB)")
+    value = int(float(match.group(1)) * _UNITS.get(unit, 1))
+    if value <= 0:
+        raise PartitionError(f"memory: {text.strip()!r} must be more than 0 bytes")
+    return value
+
+
+def parse_memory_list(text: str, n: int) -> list[int]:
+    """"8GiB,16GiB" -> bytes per stage: one value per stage, or one value for every stage."""
+    values = [parse_size(item) for item in text.split(",")]
+    if len(values) == 1:
+        return values * n
+    if len(values) != n:
+        raise PartitionError(f"memory: {len(values)} values for {n} stages (give one value, or one per stage)")
+    return values
+
+
+def human_bytes(size: int) -> str:
+    """1536 -> "1.5 KiB" (binary units, one decimal)."""
+    value = float(size)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{size} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
