@@ -21,6 +21,10 @@ _ENGINE_GAUGES = {
     "parallel": ("mlxcel_parallel_slots", "Configured concurrent sequences (--parallel)"),
     "max_batch_size": ("mlxcel_max_batch_size", "Configured rows per decode step (--max-batch-size)"),
     "prefix_bytes": ("mlxcel_prefix_cache_bytes", "Bytes of KV cache kept for prefix reuse"),
+    "inflight_steps": ("mlxcel_inflight_steps", "Steps (prefill chunks or decode micro-batches) in flight now"),
+    "micro_batch_size": ("mlxcel_micro_batch_size", "Rows per decode micro-batch"),
+    "pipeline_depth": ("mlxcel_pipeline_depth", "Steps that may be in flight at once (pipeline stages)"),
+    "stages_down": ("mlxcel_pipeline_stages_down", "Pipeline stages that do not answer now"),
 }
 _ENGINE_COUNTERS = {
     "decode_steps": ("mlxcel_decode_steps", "Batched decode steps run"),
@@ -28,6 +32,10 @@ _ENGINE_COUNTERS = {
     "shared_steps": ("mlxcel_decode_shared_steps", "Decode steps that served two or more sequences"),
     "prefix_hits": ("mlxcel_prefix_cache_hits", "Prompts that started from a cached prefix"),
     "prefix_tokens": ("mlxcel_prefix_cache_reused_tokens", "Prompt tokens taken from the prefix cache, not prefilled"),
+    "overlapped_steps": ("mlxcel_overlapped_steps", "Steps submitted while another was in flight (micro-batching)"),
+    "failed_steps": ("mlxcel_failed_steps", "Steps that failed (their requests ended with an error)"),
+    "wire_frames": ("mlxcel_pipeline_frames", "Cluster frames the coordinator sent and received for pipeline steps"),
+    "wire_bytes": ("mlxcel_pipeline_wire_bytes", "Payload bytes the coordinator sent and received for pipeline steps"),
 }
 
 

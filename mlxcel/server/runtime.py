@@ -50,11 +50,11 @@ EngineFactory = Callable[[Any, Any, int, ServerConfig], Engine]
 
 def local_engine(model: Any, tokenizer: Any, ctx: int, config: ServerConfig) -> Engine:
     """The default backend: continuous batching on this host."""
-    from mlxcel.engine.batching import BatchingEngine
+    from mlxcel.engine.scheduler import local_scheduler
 
-    engine = BatchingEngine(model, tokenizer, context_length=ctx, parallel=config.parallel,
-                            max_batch_size=config.max_batch_size, max_queue=config.max_queue,
-                            warmup=config.warmup, prefix_cache_bytes=config.prefix_cache_mb << 20)
+    engine = local_scheduler(model, tokenizer, context_length=ctx, parallel=config.parallel,
+                             max_batch_size=config.max_batch_size, max_queue=config.max_queue,
+                             warmup=config.warmup, prefix_cache_bytes=config.prefix_cache_mb << 20)
     engine.start().wait_ready()
     return engine
 

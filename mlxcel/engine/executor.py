@@ -1,0 +1,162 @@
+"""The seam between the scheduler and the compute: ``Executor`` runs steps the scheduler plans.
+
+The scheduler (``mlxcel.engine.scheduler``) decides *what* runs: which request is admitted, which
+prompt chunk is prefilled, which rows form a decode micro-batch, when a request ends. An executor
+decides *where*: ``LocalExecutor`` runs the model (or an in-process chain of slices) on this
+host; ``mlxcel.pipeline.coordinator.PipelineExecutor`` drives remote pipeline stages. Up to
+``depth`` steps may be in flight at once (micro-batching: with two stages, one micro-batch is on
+stage 1 while the next is on stage 0). Every submitted step completes exactly once through its
+``done`` callback, with a list of ``Sampled`` (one per row), ``None`` (an intermediate prompt
+chunk) or an exception; callbacks may come from any thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, Sequence, Union
+
+import mlx.core as mx
+from mlx_lm.generate import generation_stream
+
+from mlxcel.engine.model_slice import ModelSlice
+from mlxcel.engine.prefix_cache import PrefixCache
+from mlxcel.engine.runner import RowSampler, Sampled, SliceRunner
+from mlxcel.engine.sampling import SamplingParams
+
+_steps = itertools.count(1)
+
+
+@dataclass(eq=False)
+class Step:
+    """One unit of work: a prompt chunk of one sequence, or one decode step of a micro-batch.
+
+    ``tokens`` is [rows][positions]: one row of prompt tokens for a prefill, one token per row for a
+    decode. ``sample`` asks the last stage to sample (the final chunk of a prompt, every decode).
+    """
+
+    kind: str  # "prefill" | "decode"
+    rids: list[str]
+    tokens: list[list[int]]
+    slot: int = -1  # the micro-batch of a decode step
+    sample: bool = True
+    id: int = field(default_factory=lambda: next(_steps))
+
+    @property
+    def rows(self) -> int:
+        return len(self.rids)
+
+
+StepOutcome = Union[list[Sampled], None, BaseException]
+Done = Callable[[Step, StepOutcome], None]
+
+
+class ExecutorError(Exception):
+    """A step or a command failed in the executor; ``code`` classifies it (e.g. "stage_unreachable")."""
+
+    def __init__(self, message: str, code: str = "internal"):
+        super().__init__(message)
+        self.code = code
+
+
+class Executor(Protocol):
+    """What the scheduler needs from the compute."""
+
+    depth: int  # steps that may be in flight at once
+    micro_batch_size: int  # rows per decode step at most
+
+    def prepare(self, rid: str, params: SamplingParams, top_logprobs: int, prompt: Sequence[int]) -> int:
+        """Make room for a sequence; returns how many leading prompt tokens are already cached."""
+
+    def submit(self, step: Step, done: Done) -> None:
+        """Start a step; ``done`` is called exactly once when it finishes or fails."""
+
+    def release(self, rid: str, tokens: Sequence[int] | None = None) -> None:
+        """Free a sequence everywhere; ``tokens`` offers its KV to the prefix cache under those tokens."""
+
+    def stats(self) -> dict[str, float]:
+        """Executor counters for /metrics."""
+
+    def health(self) -> dict[str, Any]:
+        """{"status": "ok" | "degraded", ...} for /health."""
+
+    def close(self) -> None:
+        """Release everything; fail nothing (the scheduler already did)."""
+
+
+class LocalExecutor:
+    """Runs steps synchronously on this host: the whole model, or an in-process chain of slices."""
+
+    depth = 1
+
+    def __init__(self, model: Any, *, max_batch_size: int, prefix_cache_bytes: int = 0,
+                 stages: Sequence[tuple[int, int]] | None = None):
+        self.micro_batch_size = max_batch_size
+        self.runners = build_runners(model, stages, max_rows=max_batch_size)
+        self.prefix = PrefixCache(prefix_cache_bytes if len(self.runners) == 1 else 0)
+
+    def prepare(self, rid: str, params: SamplingParams, top_logprobs: int, prompt: Sequence[int]) -> int:
+        cache, n = self.prefix.lookup(prompt)
+        for i, runner in enumerate(self.runners):
+            row = RowSampler(params, top_logprobs) if runner.is_last else None
+            runner.prepare(rid, row, cache=cache if i == 0 else None, length=n)
+        return n
+
+    def submit(self, step: Step, done: Done) -> None:
+        try:
+            outcome: StepOutcome = self.run(step)
+        except Exception as exc:  # noqa: BLE001 - reported to the scheduler, which fails the rows
+            outcome = exc
+        done(step, outcome)
+
+    def run(self, step: Step) -> list[Sampled] | None:
+        with mx.stream(generation_stream):
+            x: Any = mx.array(step.tokens, dtype=mx.uint32)
+            for runner in self.runners:
+                if step.kind == "prefill":
+                    x = runner.prefill(step.rids[0], x, sample=step.sample)
+                else:
+                    x = runner.decode(step.slot, step.rids, x)
+        return x
+
+    def release(self, rid: str, tokens: Sequence[int] | None = None) -> None:
+        if tokens is not None and self.prefix.max_bytes > 0:
+            taken = self.runners[0].take_cache(rid)
+            if taken is not None:
+                cache, length = taken
+                self.prefix.store(list(tokens)[:length], cache)
+        for runner in self.runners:
+            runner.release(rid)
+
+    def stats(self) -> dict[str, float]:
+        return {"prefix_hits": self.prefix.hits, "prefix_tokens": self.prefix.reused_tokens,
+                "prefix_bytes": self.prefix.nbytes}
+
+    def health(self) -> dict[str, Any]:
+        return {"status": "ok"}
+
+    def close(self) -> None:
+        for runner in self.runners:
+            runner.release_all()
+        mx.synchronize(generation_stream)
+
+
+def whole_model_runner(model: Any, *, max_rows: int) -> SliceRunner:
+    """The whole model as one runner: mlx-lm's own forward, so every family it supports works."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    return SliceRunner(lambda x, c: model(x, cache=c), lambda: make_prompt_cache(model),
+                       is_first=True, is_last=True, max_rows=max_rows)
+
+
+def slice_runner(model: Any, start: int, end: int, *, max_rows: int) -> SliceRunner:
+    """Layers [start, end) of ``model`` as a runner (a pipeline stage)."""
+    piece = ModelSlice(model, start, end)
+    return SliceRunner(lambda x, c: piece(x, c), piece.make_cache, is_first=piece.is_first,
+                       is_last=piece.is_last, max_rows=max_rows)
+
+
+def build_runners(model: Any, stages: Sequence[tuple[int, int]] | None, *, max_rows: int) -> list[SliceRunner]:
+    if not stages or len(stages) == 1:
+        return [whole_model_runner(model, max_rows=max_rows)]
+    return [slice_runner(model, a, b, max_rows=max_rows) for a, b in stages]

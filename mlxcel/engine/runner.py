@@ -1,0 +1,261 @@
+"""Run one model slice for many sequences: per-sequence prefill, batched decode per micro-batch.
+
+A ``SliceRunner`` is the compute of one pipeline stage (or of the whole model on a single
+device). It owns the KV caches of every sequence prepared on it, keyed by request id:
+
+- while a sequence is being prefilled its cache is its own (one row, mlx-lm's per-layer caches);
+- once it decodes, its cache lives in the batched cache of its **micro-batch slot**. A decode
+  step names the slot and the rows in order; the runner reconciles the slot first: rows of the
+  slot that the step no longer names are dropped (finished or cancelled sequences), rows it names
+  for the first time are appended (their own caches merged in). So every stage that sees the same
+  sequence of steps holds the same rows in the same order, with no extra messages.
+
+The last slice applies the final norm and head to the last position only and, when asked,
+samples there with each sequence's own sampler (``RowSampler``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import mlx.core as mx
+
+from mlxcel.engine.sampling import SamplingParams, make_sampler
+
+Forward = Callable[[mx.array, list], mx.array]
+MAX_TOP_LOGPROBS = 20
+
+
+class RunnerError(Exception):
+    """A step names rows or shapes this runner cannot accept; the message says which."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """One sampled token of one row, with its log-probability and alternatives when asked."""
+
+    token: int
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass
+class RowSampler:
+    """A sequence's sampling state: parameters, its own seeded sampler, how many alternatives to report."""
+
+    params: SamplingParams
+    top_logprobs: int = 0
+    sampler: Callable[[mx.array], mx.array] | None = None
+
+    def __post_init__(self) -> None:
+        self.top_logprobs = max(0, min(self.top_logprobs, MAX_TOP_LOGPROBS))
+        if self.sampler is None and not self.params.greedy:
+            self.sampler = make_sampler(self.params)
+
+
+def sample_rows(logits: mx.array, rows: Sequence[RowSampler]) -> list[Sampled]:
+    """Sample one token per row from last-position logits [B, V]."""
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    if all(r.sampler is None for r in rows):
+        tokens = mx.argmax(logprobs, axis=-1)
+    else:
+        tokens = mx.concatenate([
+            (r.sampler(logprobs[i : i + 1]) if r.sampler else mx.argmax(logprobs[i : i + 1], axis=-1)).reshape(1)
+            for i, r in enumerate(rows)
+        ])
+    mx.eval(tokens)
+    ids = tokens.tolist()
+    out = []
+    for i, (token, row) in enumerate(zip(ids, rows)):
+        if not row.params.logprobs:
+            out.append(Sampled(int(token)))
+            continue
+        lp = logprobs[i]
+        top: tuple[tuple[int, float], ...] = ()
+        if row.top_logprobs:
+            k = min(row.top_logprobs, lp.shape[-1])
+            idx = mx.argpartition(-lp, kth=k - 1)[:k]
+            pairs = sorted(zip(idx.tolist(), lp[idx].tolist()), key=lambda p: -p[1])
+            top = tuple((int(t), float(v)) for t, v in pairs)
+        out.append(Sampled(int(token), float(lp[token].item()), top))
+    return out
+
+
+@dataclass(eq=False)
+class _Seq:
+    rid: str
+    cache: list | None  # own cache while prefilling; None once it lives in a slot
+    row: RowSampler | None = None
+    slot: int | None = None
+    length: int = 0  # tokens in its cache
+
+
+@dataclass(eq=False)
+class _Slot:
+    rids: list[str] = field(default_factory=list)
+    cache: list = field(default_factory=list)  # per layer: one row's cache, or a batched cache
+
+
+class SliceRunner:
+    """The caches and the compute of one slice for every sequence prepared on it."""
+
+    def __init__(self, forward: Forward, make_cache: Callable[[], list], *, is_first: bool, is_last: bool,
+                 max_rows: int = 64):
+        self.forward = forward
+        self._make_cache = make_cache
+        self.is_first = is_first
+        self.is_last = is_last
+        self.max_rows = max_rows
+        self._seqs: dict[str, _Seq] = {}
+        self._slots: dict[int, _Slot] = {}
+
+    # -- sequences -------------------------------------------------------------------------
+
+    def __contains__(self, rid: str) -> bool:
+        return rid in self._seqs
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    def prepare(self, rid: str, row: RowSampler | None = None, cache: list | None = None, length: int = 0) -> None:
+        """A fresh sequence (any earlier state under this id is discarded), optionally seeded with a cache."""
+        self.release(rid)
+        self._seqs[rid] = _Seq(rid, cache if cache is not None else self._make_cache(), row, length=length)
+
+    def release(self, rid: str) -> None:
+        """Forget a sequence and free its cache (its row leaves its slot at once)."""
+        seq = self._seqs.pop(rid, None)
+        if seq is None or seq.slot is None:
+            return
+        slot = self._slots[seq.slot]
+        if rid in slot.rids:
+            self._filter(slot, [i for i, r in enumerate(slot.rids) if r != rid])
+
+    def release_all(self) -> None:
+        self._seqs.clear()
+        self._slots.clear()
+
+    def take_cache(self, rid: str) -> tuple[list, int] | None:
+        """A standalone copy of a sequence's cache and its length (for the prefix cache)."""
+        seq = self._seqs.get(rid)
+        if seq is None:
+            return None
+        if seq.slot is None:
+            return seq.cache, seq.length
+        slot = self._slots[seq.slot]
+        if len(slot.rids) == 1 and not _is_batched(slot.cache):
+            return slot.cache, seq.length
+        i = slot.rids.index(rid)
+        return [c.extract(i) for c in slot.cache], seq.length
+
+    # -- compute ---------------------------------------------------------------------------
+
+    def prefill(self, rid: str, inputs: mx.array, *, sample: bool) -> mx.array | list[Sampled] | None:
+        """One chunk of one sequence's prompt: token ids [1, L] (first slice) or hidden [1, L, D].
+
+        Returns the hidden states to pass on (not last), the sampled first token (last, ``sample``),
+        or None (last, an intermediate chunk: only the cache is evaluated).
+        """
+        seq = self._require(rid)
+        if seq.slot is not None:
+            raise RunnerError("bad_request", f"sequence {rid} is already decoding; it cannot be prefilled again")
+        out = self.forward(inputs, seq.cache)
+        seq.length += inputs.shape[1]
+        if not self.is_last:
+            mx.eval(out)
+            return out
+        if not sample:
+            mx.eval([c.state for c in seq.cache])
+            return None
+        return self._sample(out[:, -1, :], [seq])
+
+    def decode(self, slot_id: int, rids: Sequence[str], inputs: mx.array) -> mx.array | list[Sampled]:
+        """One decode step of micro-batch ``slot_id``: rows ``rids`` in order, inputs [B, 1] or [B, 1, D]."""
+        if not rids or len(rids) > self.max_rows:
+            raise RunnerError("bad_request", f"a decode step needs 1 to {self.max_rows} rows, got {len(rids)}")
+        if inputs.shape[0] != len(rids):
+            raise RunnerError("bad_tensor", f"{inputs.shape[0]} input rows for {len(rids)} request ids")
+        slot = self._reconcile(slot_id, list(rids))
+        out = self.forward(inputs, slot.cache)
+        for rid in rids:
+            self._seqs[rid].length += 1
+        if not self.is_last:
+            mx.eval(out)
+            return out
+        return self._sample(out[:, -1, :], [self._seqs[r] for r in rids])
+
+    def logits(self, out: mx.array) -> mx.array:
+        """Last-position logits as float32 [B, V] (for the full-logits return)."""
+        return out[:, -1, :].astype(mx.float32)
+
+    def _sample(self, logits: mx.array, seqs: list[_Seq]) -> list[Sampled]:
+        rows = [s.row or RowSampler(SamplingParams()) for s in seqs]
+        return sample_rows(logits, rows)
+
+    # -- slots -----------------------------------------------------------------------------
+
+    def _require(self, rid: str) -> _Seq:
+        seq = self._seqs.get(rid)
+        if seq is None:
+            raise RunnerError("unknown_request", f"request {rid} was not prepared on this stage")
+        return seq
+
+    def _reconcile(self, slot_id: int, rids: list[str]) -> _Slot:
+        """Make slot ``slot_id`` hold exactly ``rids``: drop rows it no longer names, append new ones."""
+        slot = self._slots.setdefault(slot_id, _Slot())
+        if slot.rids == rids:
+            return slot
+        wanted = set(rids)
+        if len(wanted) != len(rids):
+            raise RunnerError("bad_request", "a request id appears twice in one micro-batch")
+        keep = [r for r in slot.rids if r in wanted]
+        new = rids[len(keep):]
+        if keep != rids[: len(keep)] or any(r in keep for r in new):
+            raise RunnerError("bad_request", f"micro-batch {slot_id}: rows out of order (expected {keep} first)")
+        joining = [self._require(r) for r in new]
+        for seq in joining:
+            if seq.slot is not None:
+                raise RunnerError("bad_request", f"request {seq.rid} already decodes in micro-batch {seq.slot}")
+        if len(keep) != len(slot.rids):
+            for r in slot.rids:
+                if r not in wanted and r in self._seqs:
+                    del self._seqs[r]  # dropped by the coordinator: finished or cancelled
+            self._filter(slot, [i for i, r in enumerate(slot.rids) if r in wanted])
+        if joining:
+            self._append(slot, joining)
+        for seq in joining:
+            seq.slot, seq.cache = slot_id, None
+        return slot
+
+    def _filter(self, slot: _Slot, indices: list[int]) -> None:
+        slot.rids = [slot.rids[i] for i in indices]
+        if not slot.rids:
+            slot.cache = []
+        elif _is_batched(slot.cache):
+            for c in slot.cache:
+                c.filter(indices)
+
+    def _append(self, slot: _Slot, joining: list[_Seq]) -> None:
+        caches = [s.cache for s in joining]
+        if not slot.rids and len(joining) == 1:
+            slot.cache = caches[0]  # one row: its own cache, exactly as single-sequence generation
+        else:
+            per_layer = list(zip(*caches))
+            merged = [layer[0].merge(list(layer)) for layer in per_layer]
+            if not slot.rids:
+                slot.cache = merged
+            else:
+                if not _is_batched(slot.cache):
+                    slot.cache = [c.merge([c]) for c in slot.cache]
+                for c, m in zip(slot.cache, merged):
+                    c.extend(m)
+        slot.rids = slot.rids + [s.rid for s in joining]
+
+
+def _is_batched(cache: list) -> bool:
+    return bool(cache) and hasattr(cache[0], "left_padding")

@@ -1,0 +1,482 @@
+"""Continuous batching: a scheduler thread plans steps, an ``Executor`` runs them.
+
+The scheduler owns the requests: admission (``parallel`` slots, a bounded queue beyond them,
+``EngineOverloaded`` past that), the prefill budget (prompts go through in chunks of at most
+``prefill_step`` tokens, one sequence at a time), decode micro-batches, cancellation, token
+emission (text, stop strings, EOS, ``max_tokens``, logprobs) and the prefix-cache policy (which
+finished sequences offer their KV for reuse). It never touches a model: each step goes to the
+executor, which runs it locally or on pipeline stages and reports back through ``done``.
+
+Decode rows live in ``depth`` micro-batch groups of at most ``micro_batch_size`` rows. A group is
+either idle or has one step in flight; whenever fewer than ``depth`` steps are in flight the
+scheduler submits the next one, alternating prefill chunks and decode steps so neither starves.
+A prefilled sequence sends its first token at once and joins the next idle group with room.
+With the local executor (``depth`` 1) this is one batch decoding every running sequence per step;
+with a two-stage pipeline two micro-batches keep both stages busy.
+
+Everything but ``submit``/``cancel``/``stats``/``close`` runs on the scheduler thread, which takes
+its inputs (new requests, cancellations, finished steps) from one queue, so nothing needs locks.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from mlxcel.engine.executor import Executor, Step, StepOutcome
+from mlxcel.engine.interface import (
+    EngineOverloaded,
+    EngineRequest,
+    EngineUnavailable,
+    EventStream,
+    FinishEvent,
+    TokenEvent,
+)
+from mlxcel.engine.runner import Sampled
+from mlxcel.engine.sampling import SamplingParams
+from mlxcel.engine.textstream import SequenceText
+
+log = logging.getLogger("mlxcel.engine")
+
+PREFILL_STEP = 512  # prompt tokens per prefill chunk; bounds the stall a long prompt causes others
+IDLE_WAIT_S = 0.5
+
+
+@dataclass(eq=False)
+class _Sequence:
+    request: EngineRequest
+    stream: Any  # EventStream (or a sink during warmup)
+    text: SequenceText
+    todo: list[int] = field(default_factory=list)  # prompt tokens not yet prefilled
+    generated: list[int] = field(default_factory=list)
+    group: int | None = None  # decode micro-batch, once joined
+    busy: bool = False  # a prefill step of it is in flight
+    admitted: bool = False
+
+    @property
+    def rid(self) -> str:
+        return self.request.request_id
+
+
+@dataclass
+class EngineCounters:
+    """Monotonic counters and current gauges, read by /metrics and tests."""
+
+    decode_steps: int = 0
+    decode_rows: int = 0  # sum over steps of sequences decoded in that step
+    shared_steps: int = 0  # steps that decoded two or more sequences
+    max_rows: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    running: int = 0  # sequences admitted (prefilling or decoding)
+    decoding: int = 0  # rows of the last decode step
+    waiting: int = 0  # queued, not yet admitted
+    inflight_steps: int = 0
+    overlapped_steps: int = 0  # steps submitted while another was in flight (micro-batching at work)
+    failed_steps: int = 0
+
+
+class Scheduler:
+    """The ``Engine`` the HTTP front talks to, over any ``Executor``."""
+
+    def __init__(self, executor: Executor, tokenizer: Any, *, context_length: int, parallel: int = 4,
+                 max_queue: int = 64, prefill_step: int = PREFILL_STEP, warmup: bool = True):
+        self.executor = executor
+        self._tokenizer = tokenizer
+        self._context_length = context_length
+        self.parallel = parallel
+        self.max_batch_size = executor.micro_batch_size * executor.depth
+        self.max_queue = max_queue
+        self.prefill_step = prefill_step
+        self._warmup = warmup
+        self._eos = set(tokenizer.eos_token_ids)
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._inflight_requests = 0
+        self._closed = False
+        self._ready = threading.Event()
+        self._seqs: dict[str, _Sequence] = {}
+        self._waiting: deque[_Sequence] = deque()
+        self._prefilling: deque[_Sequence] = deque()
+        self._joining: deque[_Sequence] = deque()  # first token sent, waiting for a group
+        self._groups: list[list[str]] = [[] for _ in range(executor.depth)]
+        self._group_busy = [False] * executor.depth
+        self._steps_inflight = 0
+        self._deferred: list[tuple[str, list[int] | None, int | None]] = []  # (rid, tokens, slot or None)
+        self._last_kind = "decode"
+        self.counters = EngineCounters()
+        self._thread = threading.Thread(target=self._run, name="mlxcel-scheduler", daemon=True)
+
+    # -- the Engine interface (event loop side) -------------------------------------------------
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    @property
+    def context_length(self) -> int:
+        return self._context_length
+
+    def start(self) -> "Scheduler":
+        self._thread.start()
+        return self
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        return self._ready.wait(timeout)
+
+    def submit(self, request: EngineRequest) -> EventStream:
+        with self._lock:
+            if self._closed:
+                raise EngineUnavailable("the engine is shutting down")
+            if self._inflight_requests >= self.parallel + self.max_queue:
+                raise EngineOverloaded(
+                    f"server is at capacity ({self.parallel} running, {self.max_queue} queued); retry later")
+            self._inflight_requests += 1
+        stream = EventStream(request, self._cancel)
+        self._inbox.put(("add", stream))
+        return stream
+
+    def stats(self) -> dict[str, float]:
+        c = self.counters
+        out = {k: float(v) for k, v in vars(c).items()}
+        out.update(self.executor.stats())
+        out.update(parallel=self.parallel, max_batch_size=self.max_batch_size,
+                   micro_batch_size=self.executor.micro_batch_size, pipeline_depth=self.executor.depth)
+        return out
+
+    def health(self) -> dict[str, Any]:
+        return self.executor.health()
+
+    def close(self, timeout: float = 10.0) -> None:
+        with self._lock:
+            self._closed = True
+        self._inbox.put(("stop", None))
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        self.executor.close()
+
+    def _cancel(self, request_id: str) -> None:
+        self._inbox.put(("cancel", request_id))
+
+    def _step_done(self, step: Step, outcome: StepOutcome) -> None:
+        self._inbox.put(("done", (step, outcome)))
+
+    # -- the scheduler thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            if self._warmup:
+                self._warm()
+        except Exception:  # a model that cannot run fails every request instead of hanging
+            log.exception("warmup failed")
+            self._fail_all("warmup failed")
+        self._ready.set()
+        while self._handle(block=self._idle()):
+            self._admit()
+            self._submit_work()
+        self._fail_all("the server is shutting down")
+
+    def _idle(self) -> bool:
+        return self._steps_inflight > 0 or not self._seqs
+
+    def _handle(self, *, block: bool) -> bool:
+        """Apply queued inputs (blocking for the first one if asked); False when told to stop."""
+        try:
+            item = self._inbox.get(timeout=IDLE_WAIT_S) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            kind, arg = item
+            if kind == "stop":
+                return False
+            if kind == "add":
+                self._add(arg)
+            elif kind == "cancel":
+                self._remove(arg)
+            elif kind == "done":
+                self._apply(*arg)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _warm(self) -> None:
+        """Run tiny sequences through prefill and batched decode so the first request is not slow.
+
+        With a chat template the first prompt is a templated dummy chat: its KV seeds the prefix
+        cache with the template's preamble, which every chat request shares.
+        """
+        start = time.perf_counter()
+        prompts = [self._template_preamble() or [1, 2, 3, 4], [5, 6, 7]]
+        for prompt in prompts:
+            req = EngineRequest(tuple(prompt), SamplingParams(max_tokens=2), ignore_eos=True)
+            self._add(_Sink(req))
+        with self._lock:
+            self._inflight_requests += len(prompts)
+        self._admit()
+        self._submit_work()
+        while self._seqs:
+            self._handle(block=True)
+            self._admit()
+            self._submit_work()
+        self.counters = EngineCounters()  # warmup is not traffic
+        log.info("warmup done in %.2fs", time.perf_counter() - start)
+
+    def _template_preamble(self) -> list[int] | None:
+        from mlxcel.engine.prompts import encode_chat, has_chat_template
+
+        if not has_chat_template(self._tokenizer):
+            return None
+        try:
+            return encode_chat(self._tokenizer, [{"role": "user", "content": "Hi"}])
+        except Exception:  # a template that needs more than a user turn: no seed, no harm
+            return None
+
+    # -- admission -------------------------------------------------------------------------------
+
+    def _add(self, stream: Any) -> None:
+        req = stream.request
+        if getattr(stream, "cancelled", False):
+            self._release_slot()
+            return
+        seq = _Sequence(req, stream, SequenceText(self._tokenizer, req.params.stop))
+        self._seqs[req.request_id] = seq
+        self._waiting.append(seq)
+        self.counters.waiting = len(self._waiting)
+
+    def _admit(self) -> None:
+        """Give waiting requests a slot: room on the executor, then a place in the prefill queue."""
+        while self._waiting and self._admitted() < self.parallel:
+            seq = self._waiting.popleft()
+            req = seq.request
+            try:
+                cached = self.executor.prepare(seq.rid, req.params, req.top_logprobs, req.prompt)
+            except Exception as exc:
+                log.warning("cannot start request %s: %s", seq.rid, exc)
+                self._finish(seq, "error", error=str(exc))
+                continue
+            seq.admitted = True
+            seq.todo = list(req.prompt[cached:])
+            self._prefilling.append(seq)
+            self.counters.prompt_tokens += len(req.prompt)
+        self._gauges()
+
+    def _admitted(self) -> int:
+        return len(self._seqs) - len(self._waiting)
+
+    def _gauges(self) -> None:
+        self.counters.waiting = len(self._waiting)
+        self.counters.running = self._admitted()
+        self.counters.inflight_steps = self._steps_inflight
+
+    # -- planning steps --------------------------------------------------------------------------
+
+    def _submit_work(self) -> None:
+        while self._steps_inflight < self.executor.depth:
+            step = self._next_step()
+            if step is None:
+                return
+            self._last_kind = step.kind
+            if self._steps_inflight:
+                self.counters.overlapped_steps += 1
+            self._steps_inflight += 1
+            self.counters.inflight_steps = self._steps_inflight
+            self.executor.submit(step, self._step_done)
+
+    def _next_step(self) -> Step | None:
+        """Alternate: after a decode step prefer a prompt chunk, after a chunk prefer decoding."""
+        order = (self._prefill_step, self._decode_step)
+        if self._last_kind == "prefill":
+            order = order[::-1]
+        for plan in order:
+            step = plan()
+            if step is not None:
+                return step
+        return None
+
+    def _prefill_step(self) -> Step | None:
+        if not self._prefilling or any(s.busy for s in self._prefilling):
+            return None  # one prompt at a time: its chunks are sequential
+        seq = self._prefilling[0]
+        n = min(len(seq.todo), self.prefill_step)
+        chunk, seq.todo = seq.todo[:n], seq.todo[n:]
+        seq.busy = True
+        return Step("prefill", [seq.rid], [chunk], sample=not seq.todo)
+
+    def _decode_step(self) -> Step | None:
+        for g, busy in enumerate(self._group_busy):
+            if busy:
+                continue
+            members = self._groups[g]
+            while self._joining and len(members) < self.executor.micro_batch_size:
+                seq = self._joining.popleft()
+                seq.group = g
+                members.append(seq.rid)
+            if not members:
+                continue
+            self._group_busy[g] = True
+            tokens = [[self._seqs[r].generated[-1]] for r in members]
+            self._count_decode(len(members))
+            return Step("decode", list(members), tokens, slot=g)
+        return None
+
+    def _count_decode(self, rows: int) -> None:
+        c = self.counters
+        c.decode_steps += 1
+        c.decode_rows += rows
+        c.shared_steps += rows >= 2
+        c.max_rows = max(c.max_rows, rows)
+        c.decoding = rows
+
+    # -- results ---------------------------------------------------------------------------------
+
+    def _apply(self, step: Step, outcome: StepOutcome) -> None:
+        self._steps_inflight -= 1
+        self.counters.inflight_steps = self._steps_inflight
+        if step.kind == "decode":
+            self._group_busy[step.slot] = False
+        self._flush_releases(step)
+        if isinstance(outcome, BaseException):
+            self._step_failed(step, outcome)
+            return
+        if step.kind == "prefill":
+            self._prefilled(step, outcome)
+            return
+        assert outcome is not None
+        for rid, sampled in zip(step.rids, outcome):
+            seq = self._seqs.get(rid)
+            if seq is not None and seq.group == step.slot:
+                self._on_token(seq, sampled)
+        self._groups[step.slot] = [r for r in self._groups[step.slot] if r in self._seqs]
+
+    def _prefilled(self, step: Step, outcome: list[Sampled] | None) -> None:
+        seq = self._seqs.get(step.rids[0])
+        if seq is None:  # cancelled while its chunk was in flight
+            return
+        seq.busy = False
+        if outcome is None:
+            return  # an intermediate chunk; the next one follows
+        self._prefilling.remove(seq)
+        if self._on_token(seq, outcome[0]):
+            self._joining.append(seq)
+
+    def _step_failed(self, step: Step, exc: BaseException) -> None:
+        self.counters.failed_steps += 1
+        log.warning("%s step of %s failed: %s", step.kind, ", ".join(step.rids), exc)
+        message = f"generation failed: {exc}"
+        for rid in step.rids:
+            seq = self._seqs.get(rid)
+            if seq is not None:
+                self._finish(seq, "error", error=message)
+        if step.kind == "decode":
+            self._groups[step.slot] = [r for r in self._groups[step.slot] if r in self._seqs]
+
+    def _on_token(self, seq: _Sequence, sampled: Sampled) -> bool:
+        """Send one token (or finish on EOS, a stop string, max_tokens); True if the sequence goes on."""
+        req = seq.request
+        token = sampled.token
+        if token in self._eos and not req.ignore_eos:  # EOS is not part of the output
+            self._finish(seq, "stop", keep=True)
+            return False
+        seq.generated.append(token)
+        self.counters.generated_tokens += 1
+        text = seq.text.feed(token)
+        logprob = sampled.logprob if req.params.logprobs else None
+        top = sampled.top_logprobs if req.params.logprobs else ()
+        seq.stream.push(TokenEvent(token, text, logprob, top))
+        if seq.text.stopped:
+            self._finish(seq, "stop", keep=True)
+            return False
+        if len(seq.generated) >= req.params.max_tokens:
+            self._finish(seq, "length", keep=True)
+            return False
+        return True
+
+    # -- ending requests ---------------------------------------------------------------------------
+
+    def _finish(self, seq: _Sequence, reason: str, error: str | None = None, keep: bool = False) -> None:
+        tail = seq.text.finish() if error is None else ""
+        seq.stream.push(FinishEvent(reason, tail, len(seq.request.prompt), len(seq.generated), error))
+        self._forget(seq, keep=keep)
+
+    def _remove(self, request_id: str) -> None:
+        """Drop a cancelled request wherever it is; every copy of its KV cache is freed."""
+        seq = self._seqs.get(request_id)
+        if seq is not None:
+            self._forget(seq, keep=False)
+
+    def _forget(self, seq: _Sequence, *, keep: bool) -> None:
+        self._seqs.pop(seq.rid, None)
+        if seq in self._waiting:
+            self._waiting.remove(seq)
+        if seq in self._prefilling:
+            self._prefilling.remove(seq)
+        if seq in self._joining:
+            self._joining.remove(seq)
+        if seq.group is not None and not self._group_busy[seq.group]:
+            self._groups[seq.group] = [r for r in self._groups[seq.group] if r != seq.rid]
+        if seq.admitted:
+            tokens = list(seq.request.prompt) + seq.generated if keep else None
+            if seq.busy or (seq.group is not None and self._group_busy[seq.group]):
+                # a step naming it is in flight: release after it, so no stage sees it vanish mid-step
+                self._deferred.append((seq.rid, tokens, seq.group if not seq.busy else None))
+            else:
+                self._release(seq.rid, tokens)
+        self._gauges()
+        self._release_slot()
+
+    def _release(self, rid: str, tokens: list[int] | None) -> None:
+        try:
+            self.executor.release(rid, tokens)
+        except Exception as exc:  # a failing stage must not take the scheduler down
+            log.warning("releasing %s failed: %s", rid, exc)
+
+    def _flush_releases(self, step: Step) -> None:
+        if not self._deferred:
+            return
+        ready = [d for d in self._deferred
+                 if (d[2] is None and step.kind == "prefill" and d[0] == step.rids[0])
+                 or (d[2] is not None and step.kind == "decode" and d[2] == step.slot)]
+        for item in ready:
+            self._deferred.remove(item)
+            self._release(item[0], item[1])
+
+    def _release_slot(self) -> None:
+        with self._lock:
+            self._inflight_requests -= 1
+
+    def _fail_all(self, message: str) -> None:
+        for seq in list(self._seqs.values()):
+            self._finish(seq, "error", error=message)
+        self.counters.decoding = 0
+        self._gauges()
+
+
+class _Sink:
+    """The event stream of a warmup sequence: discards everything."""
+
+    cancelled = False
+
+    def __init__(self, request: EngineRequest):
+        self.request = request
+
+    def push(self, event: Any) -> None:
+        pass
+
+
+def local_scheduler(model: Any, tokenizer: Any, *, context_length: int, parallel: int = 4,
+                    max_batch_size: int | None = None, max_queue: int = 64, prefill_step: int = PREFILL_STEP,
+                    warmup: bool = True, prefix_cache_bytes: int = 256 << 20,
+                    stages: Sequence[tuple[int, int]] | None = None) -> Scheduler:
+    """A scheduler over a ``LocalExecutor`` (whole model, or in-process stages)."""
+    from mlxcel.engine.executor import LocalExecutor
+
+    executor = LocalExecutor(model, max_batch_size=max_batch_size or parallel,
+                             prefix_cache_bytes=prefix_cache_bytes, stages=stages)
+    return Scheduler(executor, tokenizer, context_length=context_length, parallel=parallel,
+                     max_queue=max_queue, prefill_step=prefill_step, warmup=warmup)
