@@ -10,7 +10,7 @@ import sys
 from typing import Callable, Sequence
 
 from mlxcel import __version__
-from mlxcel.config import DEFAULT_MODEL_DIR, positive_int
+from mlxcel.config import DEFAULT_MODEL_DIR, DEFAULT_PP_SIZE, positive_int
 from mlxcel.errors import CLIError
 
 __all__ = ["CLIError", "DEFAULT_MODEL_DIR", "build_parser", "main", "positive_int", "server_main"]
@@ -27,10 +27,44 @@ def _add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
 
 
+def _add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pp-size", type=positive_int, default=DEFAULT_PP_SIZE, metavar="N",
+                   help=f"pipeline stages in this process (default {DEFAULT_PP_SIZE} = no pipeline)")
+    p.add_argument("--pp-layers", default=None, metavar="RANGES",
+                   help="inclusive layer ranges per stage, e.g. 0-11,12-29 (default: split by parameter bytes)")
+    p.add_argument("--pp-micro-batch-size", type=positive_int, default=None, metavar="M",
+                   help="rows per micro-batch (needs --pp-size 2 or more)")
+    p.add_argument("--cluster-secret-file", default=None, metavar="PATH",
+                   help="file holding the cluster secret (else MLXCEL_CLUSTER_SECRET_FILE, MLXCEL_CLUSTER_SECRET)")
+
+
+def check_pipeline_flags(args: argparse.Namespace) -> None:
+    """Flag combinations of ``generate``'s pipeline flags; the model's layer count is checked once it loads."""
+    from mlxcel.pipeline.partition import PartitionError, parse_range_text
+
+    if args.pp_layers is not None:
+        try:
+            stages = len(parse_range_text(args.pp_layers))
+        except PartitionError as exc:
+            raise CLIError(str(exc)) from None
+        if stages != args.pp_size:
+            raise CLIError(f"--pp-layers names {stages} stage{'s' if stages != 1 else ''} "
+                           f"but --pp-size is {args.pp_size}")
+    if args.pp_micro_batch_size is not None and args.pp_size < 2:
+        raise CLIError("--pp-micro-batch-size needs --pp-size 2 or more")
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     from mlxcel.commands.generate import run_generate
 
+    check_pipeline_flags(args)
     return run_generate(args)
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from mlxcel.commands.plan import run_plan
+
+    return run_plan(args)
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
@@ -94,7 +128,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     g.add_argument("--system", default=None, help="system message for the chat template")
     _add_sampling_arguments(g)
+    _add_pipeline_arguments(g)
     g.set_defaults(func=_cmd_generate)
+
+    pl = sub.add_parser("plan", help="show how a checkpoint's layers split into pipeline stages, with bytes per stage")
+    pl.add_argument("-m", "--model", default=DEFAULT_MODEL_DIR, help=f"checkpoint directory (default {DEFAULT_MODEL_DIR})")
+    pl.add_argument("--pp-size", type=positive_int, required=True, metavar="N", help="number of stages")
+    pl.add_argument("--memory", default=None, metavar="SIZES",
+                    help="usable memory per stage, e.g. 8GiB,16GiB (or one value for all; B, KB/KiB, MB/MiB, GB/GiB)")
+    pl.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    pl.set_defaults(func=_cmd_plan)
 
     c = sub.add_parser("convert", help="convert a GGUF file into an MLX checkpoint directory")
     c.add_argument("gguf", help="input .gguf file")

@@ -352,25 +352,25 @@ _UNITS = {
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_size(text: str) -> int:
+def parse_size(text: str, source: str = "--memory") -> int:
     """"8GiB" -> 8589934592; units B, KB/KiB, MB/MiB, GB/GiB, TB/TiB (any case); a bare number is bytes."""
     match = _SIZE.match(text)
     unit = match.group(2).lower() if match else ""
     if match is None or unit not in _UNITS and unit != "":
-        raise PartitionError(f"memory: {text.strip()!r} is not a size (expected e.g. 8GiB, 512MiB, 16GB)")
+        raise PartitionError(f"{source}: {text.strip()!r} is not a size (expected e.g. 8GiB, 512MiB, 16GB)")
     value = int(float(match.group(1)) * _UNITS.get(unit, 1))
     if value <= 0:
-        raise PartitionError(f"memory: {text.strip()!r} must be more than 0 bytes")
+        raise PartitionError(f"{source}: {text.strip()!r} must be more than 0 bytes")
     return value
 
 
-def parse_memory_list(text: str, n: int) -> list[int]:
+def parse_memory_list(text: str, n: int, source: str = "--memory") -> list[int]:
     """"8GiB,16GiB" -> bytes per stage: one value per stage, or one value for every stage."""
-    values = [parse_size(item) for item in text.split(",")]
+    values = [parse_size(item, source) for item in text.split(",")]
     if len(values) == 1:
         return values * n
     if len(values) != n:
-        raise PartitionError(f"memory: {len(values)} values for {n} stages (give one value, or one per stage)")
+        raise PartitionError(f"{source}: {len(values)} values for {n} stages (give one value, or one per stage)")
     return values
 
 

@@ -57,9 +57,34 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None,
                         help="model id clients send and /v1/models lists (default: the directory name)")
     parser.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="log verbosity (default info)")
+    _add_cluster_arguments(parser)
     from mlxcel.server.access import add_access_arguments
 
     add_access_arguments(parser)
+
+
+def _add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("pipeline cluster")
+    group.add_argument("--distributed-config", default=None, metavar="FILE",
+                       help="cluster TOML: nodes, roles, addresses, stage layers (needs --node-id)")
+    group.add_argument("--node-id", default=None, metavar="ID", help="this process's node in --distributed-config")
+    group.add_argument("--cluster-secret-file", default=None, metavar="PATH",
+                       help="file holding the cluster secret (else MLXCEL_CLUSTER_SECRET_FILE, "
+                            "MLXCEL_CLUSTER_SECRET, [cluster] secret_file)")
+    group.add_argument("--pp-micro-batch-size", type=positive_int, default=None, metavar="M",
+                       help="rows per pipeline micro-batch (default: the TOML's, else ceil(batch / stages))")
+
+
+def check_cluster_flags(args: argparse.Namespace) -> None:
+    """--distributed-config and --node-id come together; pipeline-only flags need them."""
+    if args.node_id is not None and args.distributed_config is None:
+        raise CLIError("--node-id needs --distributed-config (the cluster TOML that defines the node)")
+    if args.distributed_config is not None and args.node_id is None:
+        raise CLIError("--distributed-config needs --node-id (which node of the cluster this process is)")
+    if args.node_id is not None and not args.node_id.strip():
+        raise CLIError("--node-id must not be empty")
+    if args.pp_micro_batch_size is not None and args.distributed_config is None:
+        raise CLIError("--pp-micro-batch-size needs --distributed-config (it sizes a pipeline's micro-batches)")
 
 
 def build_config(args: argparse.Namespace):
@@ -67,6 +92,7 @@ def build_config(args: argparse.Namespace):
     from mlxcel.models.loading import check_checkpoint
     from mlxcel.server.runtime import ServerConfig
 
+    check_cluster_flags(args)
     batch = args.max_batch_size or args.parallel
     if batch > args.parallel:
         raise CLIError(f"--max-batch-size ({batch}) cannot exceed --parallel ({args.parallel}): "

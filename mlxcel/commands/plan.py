@@ -1,0 +1,57 @@
+"""``mlxcel plan``: print how a checkpoint's layers split into pipeline stages, with bytes per stage.
+
+Reads only the safetensors headers (no weights, no MLX). The JSON form is the
+one in the pipeline contract: {"model", "num_layers", "stages": [{"stage",
+"layers", "start", "end", "bytes"}]}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from mlxcel.errors import CLIError
+from mlxcel.pipeline.partition import (
+    PartitionError,
+    Stage,
+    StageCosts,
+    human_bytes,
+    layer_costs,
+    parse_memory_list,
+    plan_stages,
+)
+
+
+def plan_json(costs: StageCosts, stages: list[Stage]) -> dict:
+    return {
+        "model": costs.model,
+        "num_layers": costs.num_layers,
+        "stages": [{"stage": s.index, "layers": s.layers, "start": s.start, "end": s.end, "bytes": s.bytes}
+                   for s in stages],
+    }
+
+
+def plan_table(costs: StageCosts, stages: list[Stage], memory: list[int] | None) -> str:
+    """Stage, inclusive layers, bytes (readable and exact), share of all stages' bytes, memory if given."""
+    total = sum(s.bytes for s in stages)
+    head = "tied to the embedding, also charged to the last stage" if costs.tied else "a separate lm_head"
+    lines = [f"model: {costs.model} ({costs.num_layers} layers, {human_bytes(costs.total)} of tensors; head {head})"]
+    header = ["stage", "layers", "bytes", "exact bytes", "share"] + (["memory"] if memory else [])
+    rows = [[str(s.index), s.layers, human_bytes(s.bytes), str(s.bytes), f"{100 * s.bytes / total:.1f}%"]
+            + ([human_bytes(memory[s.index])] if memory else []) for s in stages]
+    widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
+    for row in [header, *rows]:
+        cells = [cell.ljust(w) if c < 2 else cell.rjust(w) for c, (cell, w) in enumerate(zip(row, widths))]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    try:
+        costs = layer_costs(args.model)
+        memory = parse_memory_list(args.memory, args.pp_size) if args.memory else None
+        stages = plan_stages(costs, args.pp_size, memory)
+    except PartitionError as exc:
+        raise CLIError(str(exc)) from None
+    print(json.dumps(plan_json(costs, stages)) if args.json else plan_table(costs, stages, memory))
+    return 0
