@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, NoReturn
 
-from mlxcel.cli import CLIError
+from mlxcel.errors import CLIError
 from mlxcel.server.tls import TLSConfig, add_tls_arguments, load_tls
 
 log = logging.getLogger("mlxcel.server.access")

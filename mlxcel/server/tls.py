@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mlxcel.cli import CLIError
+from mlxcel.errors import CLIError
 
 log = logging.getLogger("mlxcel.server.tls")
 
