@@ -1,0 +1,251 @@
+"""The cluster TOML: who is in the cluster, where they listen, which layers each stage serves.
+
+Schema (docs/pipeline.md has the commented example, ``examples/cluster-loopback.toml`` a file):
+
+    [cluster]   name, pipeline_parallel_size, secret_file (a path; never the value)
+    [pipeline]  micro_batch_size, max_batch_size
+    [timeouts]  startup_s, exchange_s, heartbeat_s
+    [[nodes]]   id, role ("coordinator" | "stage"), address ("ip:port"), layers ("a-b", stages only)
+
+Every problem is a ``ClusterConfigError`` naming the file and the key.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mlxcel import config as defaults
+from mlxcel.cluster.identity import PeerId
+
+ROLES = ("coordinator", "stage")
+_TOP_KEYS = {"cluster", "pipeline", "timeouts", "nodes"}
+_CLUSTER_KEYS = {"name", "pipeline_parallel_size", "secret_file"}
+_PIPELINE_KEYS = {"micro_batch_size", "max_batch_size"}
+_TIMEOUT_KEYS = {"startup_s", "exchange_s", "heartbeat_s"}
+_NODE_KEYS = {"id", "role", "address", "layers"}
+_ONE_RANGE = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+)\s*)?$")
+
+
+class ClusterConfigError(ValueError):
+    """The cluster TOML is unreadable or inconsistent; the message names the file and the key."""
+
+
+@dataclass(frozen=True)
+class Node:
+    """One process of the cluster."""
+
+    id: str
+    role: str
+    address: PeerId
+    layers: tuple[int, int] | None = None  # [start, end) for stages, once known
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    startup_s: float = defaults.DEFAULT_STARTUP_S
+    exchange_s: float = defaults.DEFAULT_EXCHANGE_S
+    heartbeat_s: float = defaults.DEFAULT_HEARTBEAT_S
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """A loaded, validated cluster TOML."""
+
+    path: Path
+    name: str
+    pipeline_parallel_size: int
+    coordinator: Node
+    stages: tuple[Node, ...]
+    secret_file: Path | None = None
+    micro_batch_size: int | None = None
+    max_batch_size: int = defaults.DEFAULT_PP_MAX_BATCH
+    timeouts: Timeouts = field(default_factory=Timeouts)
+
+    def node(self, node_id: str) -> Node:
+        for node in (self.coordinator, *self.stages):
+            if node.id == node_id:
+                return node
+        known = ", ".join(n.id for n in (self.coordinator, *self.stages))
+        raise ClusterConfigError(f"{self.path}: no node with id {node_id!r} (nodes: {known})")
+
+    def stage_index(self, node_id: str) -> int:
+        for i, node in enumerate(self.stages):
+            if node.id == node_id:
+                return i
+        raise ClusterConfigError(f"{self.path}: {node_id!r} is not a stage")
+
+    def with_layers(self, ranges: list[tuple[int, int]]) -> "ClusterConfig":
+        """The same cluster with every stage's layer range set."""
+        stages = tuple(Node(n.id, n.role, n.address, r) for n, r in zip(self.stages, ranges))
+        return ClusterConfig(self.path, self.name, self.pipeline_parallel_size, self.coordinator, stages,
+                             self.secret_file, self.micro_batch_size, self.max_batch_size, self.timeouts)
+
+    def check_layers(self, num_layers: int) -> None:
+        """Stage ranges must be contiguous from 0 and cover every layer of the model."""
+        ranges = [n.layers for n in self.stages]
+        if all(r is None for r in ranges):
+            return
+        if any(r is None for r in ranges):
+            raise ClusterConfigError(f"{self.path}: give layers for every stage or for none")
+        from mlxcel.pipeline.partition import PartitionError, format_range, parse_layer_ranges
+
+        text = ",".join(format_range(a, b) for a, b in ranges)  # type: ignore[misc]
+        try:
+            parse_layer_ranges(text, num_layers, source=f"{self.path}: stage layers")
+        except PartitionError as exc:
+            raise ClusterConfigError(str(exc)) from None
+
+    def micro_batch(self, max_batch_size: int) -> int:
+        """Rows per micro-batch: configured, else the running rows shared evenly by the stages."""
+        if self.micro_batch_size:
+            return self.micro_batch_size
+        return max(1, math.ceil(max_batch_size / len(self.stages)))
+
+
+def load_cluster_config(path: str | Path) -> ClusterConfig:
+    """Read and validate a cluster TOML; raises ``ClusterConfigError``."""
+    path = Path(path)
+    try:
+        doc = tomllib.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ClusterConfigError(f"cannot read the cluster TOML {path}: {exc.strerror or type(exc).__name__}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ClusterConfigError(f"{path} is not valid TOML: {exc}") from None
+    return parse_cluster_config(doc, path)
+
+
+def parse_cluster_config(doc: dict[str, Any], path: Path) -> ClusterConfig:
+    _no_unknown(doc, _TOP_KEYS, path, "the top level")
+    cluster = _table(doc, "cluster", path)
+    pipeline = _table(doc, "pipeline", path)
+    timeouts = _table(doc, "timeouts", path)
+    _no_unknown(cluster, _CLUSTER_KEYS, path, "[cluster]")
+    _no_unknown(pipeline, _PIPELINE_KEYS, path, "[pipeline]")
+    _no_unknown(timeouts, _TIMEOUT_KEYS, path, "[timeouts]")
+    for forbidden in ("secret", "cluster_secret"):
+        if forbidden in cluster:
+            raise ClusterConfigError(f"{path}: the secret value never goes into the TOML; set secret_file under [cluster]")
+    name = cluster.get("name", defaults.DEFAULT_CLUSTER_NAME)
+    if not isinstance(name, str) or not name.strip():
+        raise ClusterConfigError(f"{path}: name under [cluster] must be a non-empty string")
+    nodes = _nodes(doc, path)
+    coordinators = [n for n in nodes if n.role == "coordinator"]
+    stages = tuple(n for n in nodes if n.role == "stage")
+    if len(coordinators) != 1:
+        raise ClusterConfigError(f"{path}: a pipeline cluster needs exactly one node with role = \"coordinator\", found {len(coordinators)}")
+    if not stages:
+        raise ClusterConfigError(f"{path}: no node with role = \"stage\"")
+    size = cluster.get("pipeline_parallel_size", len(stages))
+    if not _is_int(size) or size < 1:
+        raise ClusterConfigError(f"{path}: pipeline_parallel_size under [cluster] must be a positive integer")
+    if size != len(stages):
+        raise ClusterConfigError(f"{path}: pipeline_parallel_size is {size} but {len(stages)} stage node(s) are listed")
+    return ClusterConfig(
+        path=path, name=name, pipeline_parallel_size=size, coordinator=coordinators[0], stages=stages,
+        secret_file=_secret_file(cluster, path),
+        micro_batch_size=_positive(pipeline, "micro_batch_size", path, None),
+        max_batch_size=_positive(pipeline, "max_batch_size", path, defaults.DEFAULT_PP_MAX_BATCH),
+        timeouts=Timeouts(
+            startup_s=_seconds(timeouts, "startup_s", path, defaults.DEFAULT_STARTUP_S),
+            exchange_s=_seconds(timeouts, "exchange_s", path, defaults.DEFAULT_EXCHANGE_S),
+            heartbeat_s=_seconds(timeouts, "heartbeat_s", path, defaults.DEFAULT_HEARTBEAT_S),
+        ),
+    )
+
+
+def _nodes(doc: dict[str, Any], path: Path) -> list[Node]:
+    raw = doc.get("nodes")
+    if not isinstance(raw, list) or not raw:
+        raise ClusterConfigError(f"{path}: no [[nodes]] entries")
+    nodes: list[Node] = []
+    seen_ids: set[str] = set()
+    seen_addr: set[PeerId] = set()
+    for i, entry in enumerate(raw):
+        where = f"{path}: [[nodes]] entry {i + 1}"
+        if not isinstance(entry, dict):
+            raise ClusterConfigError(f"{where} must be a table")
+        _no_unknown(entry, _NODE_KEYS, path, f"[[nodes]] entry {i + 1}")
+        node_id, role, address = entry.get("id"), entry.get("role"), entry.get("address")
+        if not isinstance(node_id, str) or not node_id.strip():
+            raise ClusterConfigError(f"{where}: id must be a non-empty string")
+        if node_id in seen_ids:
+            raise ClusterConfigError(f"{where}: duplicate id {node_id!r}")
+        if role not in ROLES:
+            raise ClusterConfigError(f"{where} ({node_id}): role must be one of {', '.join(ROLES)}, got {role!r}")
+        try:
+            peer = PeerId.parse(address)
+        except ValueError:
+            raise ClusterConfigError(f"{where} ({node_id}): address must be a numeric ip:port, got {address!r}") from None
+        if peer in seen_addr:
+            raise ClusterConfigError(f"{where} ({node_id}): address {peer} is used by another node")
+        if peer.port == 0:
+            raise ClusterConfigError(f"{where} ({node_id}): address {peer} needs a fixed port")
+        layers = _layers(entry, node_id, role, where)
+        seen_ids.add(node_id)
+        seen_addr.add(peer)
+        nodes.append(Node(node_id, role, peer, layers))
+    return nodes
+
+
+def _layers(entry: dict[str, Any], node_id: str, role: str, where: str) -> tuple[int, int] | None:
+    text = entry.get("layers")
+    if text is None:
+        return None
+    if role != "stage":
+        raise ClusterConfigError(f"{where} ({node_id}): only stages have layers")
+    match = _ONE_RANGE.match(str(text))
+    if match is None:
+        raise ClusterConfigError(f"{where} ({node_id}): layers must be one inclusive range like \"0-14\", got {text!r}")
+    first = int(match.group(1))
+    last = int(match.group(2)) if match.group(2) is not None else first
+    if last < first:
+        raise ClusterConfigError(f"{where} ({node_id}): layers {first}-{last} is reversed (start must be <= end)")
+    return first, last + 1
+
+
+def _secret_file(cluster: dict[str, Any], path: Path) -> Path | None:
+    value = cluster.get("secret_file")
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise ClusterConfigError(f"{path}: secret_file under [cluster] must be a non-empty path")
+    p = Path(value).expanduser()
+    return p if p.is_absolute() else path.parent / p
+
+
+def _table(doc: dict[str, Any], key: str, path: Path) -> dict[str, Any]:
+    value = doc.get(key, {})
+    if not isinstance(value, dict):
+        raise ClusterConfigError(f"{path}: [{key}] must be a table")
+    return value
+
+
+def _no_unknown(table: dict[str, Any], known: set[str], path: Path, where: str) -> None:
+    unknown = sorted(set(table) - known)
+    if unknown:
+        raise ClusterConfigError(f"{path}: unknown key(s) {', '.join(unknown)} in {where} (known: {', '.join(sorted(known))})")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _positive(table: dict[str, Any], key: str, path: Path, default: Any) -> Any:
+    value = table.get(key, default)
+    if value is default:
+        return value
+    if not _is_int(value) or value < 1:
+        raise ClusterConfigError(f"{path}: {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _seconds(table: dict[str, Any], key: str, path: Path, default: float) -> float:
+    value = table.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise ClusterConfigError(f"{path}: {key} under [timeouts] must be a positive number of seconds, got {value!r}")
+    return float(value)
