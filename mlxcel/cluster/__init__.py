@@ -8,10 +8,17 @@ Module map (one concept each; the protocol core is sans-I/O):
 - ``identity``   ``PeerId`` and identity binding to the TCP source IP
 - ``keys``       HKDF-SHA256 directional frame keys
 - ``handshake``  client/server handshake state machines (bytes in, bytes out)
-- ``frames``     frame sealer/opener and the bounded incremental reader
+- ``frames``     frame sealer/opener
+- ``reader``     frame reading off a socket
 - ``messages``   message kinds, fragmentation and reassembly over frames
 - ``ratelimit``  the four rate-limited warning classes
-- ``transport``  blocking sockets, thread per connection: ``Transport``
+- ``options``    ``TransportOptions``: every bound and default of a transport
+- ``sockets``    socket options of every connection
+- ``socket_handshake``  the handshake machines driven over a blocking socket
+- ``connection`` one connection: reader thread, RPC waiters, ``StreamWriter``
+- ``listener``   accept loop, pending-handshake pool, admission
+- ``pool``       dialler with backoff, pooled outbound connections
+- ``transport``  ``Transport``: one node (listener + pool), the public API
 
 See docs/protocol.md for the wire format.
 """

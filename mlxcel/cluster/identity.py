@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 from dataclasses import dataclass
+from typing import Union
 
 from .errors import IdentityRejected
 
@@ -80,3 +81,16 @@ def source_key(ip: str) -> str:
     if isinstance(addr, ipaddress.IPv6Address):
         return str(ipaddress.IPv6Network((int(addr) >> 64 << 64, 64)))
     return str(addr)
+
+
+PeerLike = Union["PeerId", str, tuple]
+
+
+def as_peer(peer: PeerLike) -> PeerId:
+    """Accept a PeerId, ``"host:port"`` or ``(host, port)``."""
+    if isinstance(peer, PeerId):
+        return peer
+    if isinstance(peer, str):
+        return PeerId.parse(peer)
+    host, port = peer[0], peer[1]
+    return PeerId.of(host, int(port))

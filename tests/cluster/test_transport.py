@@ -153,7 +153,7 @@ def test_reconnects_after_the_peer_restarts(make_transport, secret):
     srv2 = Transport(f"{SERVER_IP}:{port}", secret)
     try:
         srv2.serve(inbox.on_message)
-        assert wait_until(lambda: cli._outbound.get(PeerId(SERVER_IP, port)) is None)
+        assert wait_until(lambda: cli._pool.get(PeerId(SERVER_IP, port)) is None)
         cli.send(f"{SERVER_IP}:{port}", Kind.CONTROL, b"2")
         assert bytes(inbox.get().payload) == b"2"
     finally:

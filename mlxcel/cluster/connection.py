@@ -1,0 +1,268 @@
+"""One authenticated connection: a sealer under a write lock, a reader thread, RPC waiters.
+
+The reader thread opens frames, reassembles messages and dispatches them: RPC
+responses wake their waiter, RPC requests are answered by the request handler, every
+other message goes to the message handler, all on this thread and in frame order.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from typing import Callable, Iterable
+
+from .errors import ClusterError, ConnectionLost, FrameError, LocalProtocolError, RequestFailed, RequestTimeout, SequenceExhausted
+from .frames import Buffer, FrameOpener, FrameSealer
+from .handshake import Established
+from .identity import PeerId
+from .messages import Assembler, Message, plan
+from .options import TransportOptions
+from .ratelimit import RateLimitedLog, WarnClass
+from .reader import SocketReader
+from .wire import FRAME_HEADER_LEN, MESSAGE_KINDS, RPC_ERROR, RPC_OK, Kind
+
+log = logging.getLogger("mlxcel.cluster.transport")
+
+
+class _Waiter:
+    __slots__ = ("event", "message", "error")
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.message: Message | None = None
+        self.error: BaseException | None = None
+
+
+class Connection:
+    """One authenticated connection: a sealer and write lock, an opener and reader thread.
+
+    ``deliver`` gets one-way and stream messages, ``handle_request`` answers RPC
+    requests (its return value is the response body), ``forget`` is called once the
+    connection closed.
+    """
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        peer: PeerId,
+        est: Established,
+        inbound: bool,
+        *,
+        options: TransportOptions,
+        warnings: RateLimitedLog,
+        deliver: Callable[[Message], None],
+        handle_request: Callable[[Message], Buffer],
+        forget: Callable[["Connection"], None],
+    ) -> None:
+        self.sock = sock
+        self.peer = peer
+        self.inbound = inbound
+        self.options = options
+        self.warnings = warnings
+        self._deliver, self._handle_request, self._forget = deliver, handle_request, forget
+        self.sealer = FrameSealer(est.suite, est.send_key, max_frame_len=options.max_frame_len, seq_limit=options.seq_limit)
+        self.opener = FrameOpener(est.suite, est.recv_key, max_frame_len=options.max_frame_len, seq_limit=options.seq_limit)
+        self.assembler = Assembler(peer, max_message_len=options.max_message_len)
+        self._wlock = threading.Lock()
+        self._closed = threading.Event()
+        self._waiters: dict[int, _Waiter] = {}
+        self._waiters_lock = threading.Lock()
+        self.thread: threading.Thread | None = None
+
+    def __repr__(self) -> str:
+        return f"Connection(peer={self.peer}, inbound={self.inbound}, alive={self.alive})"
+
+    @property
+    def alive(self) -> bool:
+        return not self._closed.is_set()
+
+    def start(self) -> None:
+        """Run the reader on a new thread (outbound connections)."""
+        name = f"mlxcel-cluster-{'in' if self.inbound else 'out'}-{self.peer}"
+        self.thread = threading.Thread(target=self.read_loop, name=name, daemon=True)
+        self.thread.start()
+
+    # -- sending --
+
+    def send(self, kind: Kind, payload: Buffer, *, id: int = 0, status: int = 0) -> None:
+        """Seal and send one message (fragmented as needed) under the write lock."""
+        chunk_len = self.options.chunk_len
+        view = payload if isinstance(payload, (bytes, bytearray)) else memoryview(payload).cast("B")
+        if kind in MESSAGE_KINDS and len(view) <= chunk_len:
+            frames: Iterable[tuple[Kind, Buffer]] = ((kind, view),)
+        else:
+            frames = plan(kind, view, id=id, status=status, chunk_len=chunk_len)
+        with self._wlock:
+            if self._closed.is_set():
+                raise ConnectionLost(f"connection to {self.peer} is closed")
+            try:
+                for fkind, fpayload in frames:
+                    self._sendmsg(self.sealer.seal_parts(fkind, fpayload))
+            except SequenceExhausted:
+                self.close()
+                raise
+            except OSError as exc:
+                self.close()
+                raise ConnectionLost(f"sending to {self.peer} failed: {exc.strerror or type(exc).__name__}") from None
+
+    def _sendmsg(self, parts: tuple[tuple[Buffer, ...], int]) -> None:
+        bufs, total = parts
+        sent = self.sock.sendmsg(bufs)
+        if sent == total:
+            return
+        views = [memoryview(p).cast("B") for p in bufs]
+        while sent < total:
+            total -= sent
+            while sent and sent >= len(views[0]):
+                sent -= len(views.pop(0))
+            if sent:
+                views[0] = views[0][sent:]
+            sent = self.sock.sendmsg(views)
+
+    # -- receiving --
+
+    def _read_frame(self, rd: SocketReader) -> Message | None:
+        opener = self.opener
+        if not opener.plaintext_on_wire:
+            kind, n, frame = rd.frame(opener.tag_len, opener.max_frame_len)
+            if frame is not None:
+                dst = self.assembler.destination(kind, n)
+                return self.assembler.frame_done(opener.open_frame(frame, kind, n, dst), n)
+        kind, n = opener.parse_header(rd.peek(FRAME_HEADER_LEN))
+        dst = self.assembler.destination(kind, n)
+        tag_len = opener.tag_len
+        if opener.plaintext_on_wire:
+            header = rd.take(FRAME_HEADER_LEN).tobytes()
+            rd.read_into(dst)
+            kind = opener.verify_in_place(header, dst, rd.take(tag_len))
+        elif FRAME_HEADER_LEN + n + tag_len <= rd.capacity:
+            frame = rd.take(FRAME_HEADER_LEN + n + tag_len)
+            kind = opener.open_parsed(kind, n, frame[:FRAME_HEADER_LEN], frame[FRAME_HEADER_LEN:], dst)
+        else:
+            header = rd.take(FRAME_HEADER_LEN).tobytes()
+            kind = opener.open_parsed(kind, n, header, rd.read_large(n + tag_len), dst)
+        return self.assembler.frame_done(kind, n)
+
+    def read_loop(self) -> None:
+        """Read, open and dispatch until EOF or an error; then close and forget."""
+        rd = SocketReader(self.sock, max(self.options.chunk_len, 65536) + 64)
+        try:
+            while True:
+                msg = self._read_frame(rd)
+                if msg is not None:
+                    self._dispatch(msg)
+        except EOFError:
+            log.debug("cluster connection %s closed by the peer", self.peer)
+        except (FrameError, LocalProtocolError) as exc:
+            self.warnings.warning(WarnClass.DIAGNOSTIC, "closing cluster connection with %s: %s", self.peer, exc)
+        except OSError as exc:
+            if not self._closed.is_set():
+                log.debug("cluster connection %s failed: %s", self.peer, exc.strerror or type(exc).__name__)
+        except Exception:  # a bug must cost one connection, never the process
+            log.exception("closing cluster connection with %s after an internal error", self.peer)
+        finally:
+            self._finalize()
+
+    def _dispatch(self, msg: Message) -> None:
+        kind = msg.kind
+        if kind is Kind.RPC_RESPONSE:
+            self._resolve(msg)
+        elif kind is Kind.RPC_REQUEST:
+            self._answer(msg)
+        else:
+            self._deliver(msg)
+
+    def _answer(self, msg: Message) -> None:
+        try:
+            reply, status = self._handle_request(msg), RPC_OK
+        except Exception as exc:  # a failing handler answers with an error, never kills the loop
+            log.debug("request handler failed for %s", msg, exc_info=True)
+            reply, status = f"{type(exc).__name__}: {exc}"[:500].encode(), RPC_ERROR
+        try:
+            self.send(Kind.RPC_RESPONSE, reply if reply is not None else b"", id=msg.id, status=status)
+        except ClusterError as exc:
+            log.debug("cannot answer request %d from %s: %s", msg.id, self.peer, exc)
+
+    def _resolve(self, msg: Message) -> None:
+        with self._waiters_lock:
+            waiter = self._waiters.pop(msg.id, None)
+        if waiter is None:
+            log.debug("dropping a response to unknown or expired request %d from %s", msg.id, self.peer)
+            return
+        waiter.message = msg
+        waiter.event.set()
+
+    # -- rpc --
+
+    def request(self, payload: Buffer, request_id: int, timeout: float) -> memoryview:
+        """Send an RPC request and wait for its response on this connection."""
+        waiter = _Waiter()
+        with self._waiters_lock:
+            self._waiters[request_id] = waiter
+        try:
+            self.send(Kind.RPC_REQUEST, payload, id=request_id)
+            if not waiter.event.wait(timeout):
+                raise RequestTimeout(f"no response from {self.peer} within {timeout:g}s")
+        finally:
+            with self._waiters_lock:
+                self._waiters.pop(request_id, None)
+        if waiter.error is not None:
+            raise waiter.error
+        msg = waiter.message
+        assert msg is not None
+        if msg.status != RPC_OK:
+            raise RequestFailed(f"{self.peer} failed the request: {bytes(msg.payload).decode('utf-8', 'replace')}")
+        return msg.payload
+
+    # -- closing --
+
+    def close(self) -> None:
+        """Shut the socket down (wakes the reader and any blocked sender) and fail
+        pending requests; idempotent.  The reader thread closes the descriptor."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        with self._waiters_lock:
+            waiters, self._waiters = self._waiters, {}
+        for waiter in waiters.values():
+            waiter.error = ConnectionLost(f"connection to {self.peer} closed before the response arrived")
+            waiter.event.set()
+
+    def _finalize(self) -> None:
+        self.close()
+        with self._wlock:  # a sender blocked before the shutdown has returned by now
+            self.sock.close()
+        self._forget(self)
+
+
+class StreamWriter:
+    """An outbound stream: ordered STREAM_DATA messages ended by one STREAM_END."""
+
+    def __init__(self, conn: Connection, stream_id: int) -> None:
+        self._conn = conn
+        self.id = stream_id
+        self.closed = False
+
+    def write(self, data: Buffer) -> None:
+        if self.closed:
+            raise LocalProtocolError(f"stream {self.id} is closed")
+        self._conn.send(Kind.STREAM_DATA, data, id=self.id)
+
+    def close(self, status: int = RPC_OK, payload: Buffer = b"") -> None:
+        if not self.closed:
+            self.closed = True
+            self._conn.send(Kind.STREAM_END, payload, id=self.id, status=status)
+
+    def __enter__(self) -> "StreamWriter":
+        return self
+
+    def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: object) -> None:
+        if exc is None:
+            self.close()
+        elif not self.closed and self._conn.alive:
+            self.close(RPC_ERROR, f"{type(exc).__name__}"[:200].encode())

@@ -1,0 +1,60 @@
+"""``TransportOptions``: every bound and default of one transport (docs/protocol.md §8)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from .wire import (
+    ASSIGNMENT_MAX_PENDING_HANDSHAKES,
+    ASSIGNMENT_MAX_PENDING_HANDSHAKES_PER_SOURCE,
+    DEFAULT_CHUNK_LEN,
+    DEFAULT_SOCKET_BUFFER,
+    DEFAULT_SUITE,
+    HANDSHAKE_TIMEOUT_S,
+    MAX_CONNECTIONS,
+    MAX_FRAME_LEN,
+    MAX_MESSAGE_LEN,
+    MAX_PENDING_HANDSHAKES,
+    MAX_PENDING_HANDSHAKES_PER_SOURCE,
+    MAX_RECONNECT_ATTEMPTS,
+    RECONNECT_BASE_DELAY_S,
+    RECONNECT_MAX_DELAY_S,
+    SEQ_LIMIT,
+    Channel,
+    Suite,
+)
+
+
+@dataclass(frozen=True)
+class TransportOptions:
+    """Bounds and defaults of one transport (reference defaults)."""
+
+    suite: Suite = DEFAULT_SUITE
+    channel: Channel = Channel.TRANSPORT
+    max_connections: int = MAX_CONNECTIONS
+    max_pending_handshakes: int = MAX_PENDING_HANDSHAKES
+    max_pending_handshakes_per_ip: int = MAX_PENDING_HANDSHAKES_PER_SOURCE
+    handshake_timeout: float = HANDSHAKE_TIMEOUT_S
+    connect_timeout: float = HANDSHAKE_TIMEOUT_S
+    max_frame_len: int = MAX_FRAME_LEN
+    max_message_len: int = MAX_MESSAGE_LEN
+    chunk_len: int = DEFAULT_CHUNK_LEN
+    max_reconnect_attempts: int = MAX_RECONNECT_ATTEMPTS
+    reconnect_base_delay: float = RECONNECT_BASE_DELAY_S
+    reconnect_max_delay: float = RECONNECT_MAX_DELAY_S
+    send_timeout: float = 60.0
+    request_timeout: float = 30.0
+    seq_limit: int = SEQ_LIMIT
+    bind_outbound: bool = True
+    #: SO_SNDBUF/SO_RCVBUF in bytes (capped by the kernel); None keeps its autotuning
+    socket_buffer: int | None = DEFAULT_SOCKET_BUFFER
+
+    @classmethod
+    def for_assignment(cls, **overrides: object) -> "TransportOptions":
+        """The --pp-auto stage assignment channel: its own keys and a pending pool of 8 (4 per source)."""
+        base = cls(
+            channel=Channel.ASSIGNMENT,
+            max_pending_handshakes=ASSIGNMENT_MAX_PENDING_HANDSHAKES,
+            max_pending_handshakes_per_ip=ASSIGNMENT_MAX_PENDING_HANDSHAKES_PER_SOURCE,
+        )
+        return replace(base, **overrides)  # type: ignore[arg-type]

@@ -1,0 +1,124 @@
+"""The connecting side: one pooled outbound connection per peer, dialled with backoff.
+
+A dial retries a refused connect, a close before the server sent any record and the
+at-capacity verdict (``HandshakeError.retryable``) with exponential backoff; every
+other handshake failure is terminal.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from typing import Callable
+
+from .connection import Connection
+from .errors import HandshakeError, PeerUnreachable, ServerAtCapacity, TransportClosed
+from .handshake import ClientHandshake, Established
+from .identity import PeerId
+from .options import TransportOptions
+from .ratelimit import RateLimitedLog, WarnClass
+from .secret import ClusterSecret
+from .socket_handshake import client_handshake
+from .sockets import family, set_send_timeout, tune
+
+log = logging.getLogger("mlxcel.cluster.transport")
+
+MakeConnection = Callable[[socket.socket, PeerId, Established], Connection]
+
+
+class Pool:
+    """Outbound connections of one transport, keyed by peer identity."""
+
+    def __init__(
+        self,
+        secret: ClusterSecret,
+        options: TransportOptions,
+        warnings: RateLimitedLog,
+        closing: threading.Event,
+        make_connection: MakeConnection,
+    ) -> None:
+        self._secret, self.options, self.warnings = secret, options, warnings
+        self._closing, self._make_connection = closing, make_connection
+        self._lock = threading.Lock()
+        self._conns: dict[PeerId, Connection] = {}
+        self._dial_locks: dict[PeerId, threading.Lock] = {}
+
+    def get(self, peer: PeerId) -> Connection | None:
+        """The live pooled connection to ``peer``, if any (no dialling)."""
+        conn = self._conns.get(peer)
+        return conn if conn is not None and conn.alive else None
+
+    def discard(self, conn: Connection) -> None:
+        """Forget a closed connection (the next acquire dials again)."""
+        with self._lock:
+            if self._conns.get(conn.peer) is conn:
+                del self._conns[conn.peer]
+
+    def acquire(self, peer: PeerId, identity: PeerId) -> Connection:
+        """The pooled connection to ``peer``, dialled (as ``identity``) when needed."""
+        if self._closing.is_set():
+            raise TransportClosed("transport is closed")
+        conn = self._conns.get(peer)
+        if conn is not None and conn.alive:
+            return conn
+        with self._lock:
+            dial_lock = self._dial_locks.setdefault(peer, threading.Lock())
+        with dial_lock:
+            conn = self._conns.get(peer)
+            if conn is not None and conn.alive:
+                return conn
+            conn = self._dial_with_backoff(peer, identity)
+            with self._lock:
+                if self._closing.is_set():
+                    conn.close()
+                    raise TransportClosed("transport is closed")
+                self._conns[peer] = conn
+            conn.start()
+            return conn
+
+    def _dial_with_backoff(self, peer: PeerId, identity: PeerId) -> Connection:
+        opts = self.options
+        last: BaseException | None = None
+        for attempt in range(opts.max_reconnect_attempts + 1):
+            if attempt:
+                delay = min(opts.reconnect_base_delay * 2 ** (attempt - 1), opts.reconnect_max_delay)
+                if isinstance(last, ServerAtCapacity):
+                    self.warnings.warning(WarnClass.AT_CAPACITY, "cluster peer %s is at capacity; retrying in %.2fs (attempt %d of %d)", peer, delay, attempt, opts.max_reconnect_attempts)
+                if self._closing.wait(delay):
+                    raise TransportClosed("transport is closed")
+            try:
+                return self._dial(peer, identity)
+            except HandshakeError as exc:
+                if not exc.retryable:
+                    raise
+                last = exc
+            except OSError as exc:
+                last = exc
+        raise PeerUnreachable(f"cannot reach cluster peer {peer} after {opts.max_reconnect_attempts + 1} attempts: {last}") from last
+
+    def _dial(self, peer: PeerId, identity: PeerId) -> Connection:
+        opts = self.options
+        sock = socket.socket(family(peer.host), socket.SOCK_STREAM)
+        try:
+            if opts.bind_outbound and not identity.ip.is_unspecified and family(identity.host) == family(peer.host):
+                sock.bind((identity.host, 0))
+            tune(sock, opts)
+            sock.settimeout(opts.connect_timeout)
+            sock.connect(peer.address)
+            hs = ClientHandshake(self._secret, identity, suite=opts.suite, channel=opts.channel)
+            est = client_handshake(sock, hs, opts.handshake_timeout)
+            set_send_timeout(sock, opts.send_timeout)
+        except BaseException:
+            sock.close()
+            raise
+        log.debug("connected to cluster peer %s", peer)
+        return self._make_connection(sock, peer, est)
+
+    def close_all(self) -> list[threading.Thread]:
+        """Close every pooled connection; returns their reader threads to join."""
+        with self._lock:
+            conns = list(self._conns.values())
+        for conn in conns:
+            conn.close()
+        return [c.thread for c in conns if c.thread is not None]
