@@ -211,10 +211,15 @@ def add_access_arguments(parser: argparse.ArgumentParser) -> None:
     add_tls_arguments(g)
 
 
-def prepare_access(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> AccessConfig:
-    """Load keys and TLS and apply the bind policy; call before binding. Raises AccessError/CLIError."""
+def prepare_access(args: argparse.Namespace, env: Mapping[str, str] | None = None, *,
+                   health_only: bool = False) -> AccessConfig:
+    """Load keys and TLS and apply the bind policy; call before binding. Raises AccessError/CLIError.
+
+    ``health_only``: the port serves nothing but /health (a pipeline stage), so no key is needed on it.
+    """
     keys = load_api_keys(args.api_key_file, env=env)
-    check_bind_policy(args.host, keys, args.allow_unauthenticated)
+    if not health_only:
+        check_bind_policy(args.host, keys, args.allow_unauthenticated)
     access = AccessConfig(keys=keys, metrics_public=args.metrics_public,
                           allow_unauthenticated=args.allow_unauthenticated,
                           tls=load_tls(args.ssl_certfile, args.ssl_keyfile))

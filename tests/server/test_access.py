@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import pickle
@@ -361,3 +362,15 @@ def test_allow_unauthenticated_starts_open_and_warns(start_server, tiny_llama, m
 def test_loopback_quick_start_stays_key_free(server):
     """The shared server of this package (no key flags, 127.0.0.1) still answers without a key."""
     assert httpx.get(f"{server.url}/v1/models", timeout=10).status_code == 200
+
+
+def test_prepare_access_applies_the_policy_unless_the_port_serves_only_health(tmp_path):
+    args = argparse.Namespace(host="0.0.0.0", api_key_file=None, metrics_public=False, allow_unauthenticated=False,
+                              ssl_certfile=None, ssl_keyfile=None)
+    with pytest.raises(AccessError, match="refusing to listen on 0.0.0.0"):
+        access.prepare_access(args, env={})
+    stage = access.prepare_access(args, env={}, health_only=True)
+    assert stage.keys is None and stage.scheme == "http" and stage.uvicorn_options() == {}
+    args.api_key_file, args.metrics_public = str(key_file(tmp_path, KEY)), True
+    keyed = access.prepare_access(args, env={})
+    assert keyed.keys.matches(KEY.encode()) and keyed.open_paths() == {"/health", "/metrics"}
