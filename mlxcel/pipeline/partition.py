@@ -260,7 +260,8 @@ def plan_stages(costs: StageCosts, n: int, memory: Sequence[int] | None = None) 
 
     Exact dynamic programme over split points. Ties on the heaviest stage are
     broken by the smaller sum of squared stage bytes (the more even split),
-    then by the earlier split point, so the result is deterministic.
+    then by the later split point (later stages, which also run the head, get
+    the fewer layers), so the result is deterministic.
     ``memory``: each stage's usable bytes (one value per stage); a stage never
     gets more than its memory, and an impossible fit names the stage.
     """
@@ -312,7 +313,7 @@ def _best_split(costs: StageCosts, previous: list, stage: int, j: int,
         if limit is not None and cost > limit:
             continue
         candidate = (max(previous[i][0], cost), previous[i][1] + cost * cost, i)
-        if best is None or candidate[:2] < best[:2]:
+        if best is None or candidate[:2] <= best[:2]:
             best = candidate
     return best
 
