@@ -2,12 +2,21 @@
 
 Pipeline stages run one slice each; a single device runs the whole model as
 the slice [0, num_layers). Slices wrap mlx-lm's modules without copying them.
+
+A slice re-implements the part of a family's forward pass around its decoder
+layers (embedding, attention masks, norm and head), so it is only right for
+families whose forward it reproduces. Those are listed in ``FAMILIES`` by the
+mlx-lm module that implements them (a checkpoint's ``model_type`` may map onto
+one, e.g. mistral onto llama), each tested against the whole model. Any other
+family is refused by name: gemma3, for one, scales its embeddings by
+sqrt(hidden) and picks sliding layers by index, which a generic slice would
+silently get wrong.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import mlx.core as mx
 from mlx_lm.models.base import create_attention_mask
@@ -15,13 +24,57 @@ from mlx_lm.models.cache import KVCache
 
 from mlxcel.models.errors import ModelError
 
+MLX_LM_MODELS = "mlx_lm.models."
 
-def _inner(model: Any) -> Any:
-    inner = getattr(model, "model", None)
-    if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm")):
-        kind = getattr(model, "model_type", type(model).__name__)
-        raise ModelError(f"model family {kind!r} cannot be sliced into stages (no embed_tokens/layers/norm)")
-    return inner
+
+@dataclass(frozen=True)
+class Family:
+    """How one mlx-lm family begins and ends its forward pass around the decoder layers."""
+
+    embed: Callable[[Any, mx.array], mx.array]  # (model, token ids [B, L]) -> hidden states [B, L, D]
+    head: Callable[[Any, mx.array], mx.array]  # (model, hidden states) -> logits (final norm included)
+    window: Callable[[Any, Any], int | None]  # (model, layer) -> its sliding window, None for full attention
+
+
+def _embed_tokens(model: Any, inputs: mx.array) -> mx.array:
+    return model.model.embed_tokens(inputs)
+
+
+def _norm_and_head(model: Any, h: mx.array) -> mx.array:
+    """Final RMSNorm, then lm_head, or the embedding as the head when the checkpoint ties them."""
+    h = model.model.norm(h)
+    if model.args.tie_word_embeddings:
+        return model.model.embed_tokens.as_linear(h)
+    return model.lm_head(h)
+
+
+def _full_attention(model: Any, layer: Any) -> int | None:
+    return None
+
+
+def _llama_window(model: Any, layer: Any) -> int | None:
+    """llama's layer_types may mark layers "sliding_attention" (TransformerBlock.use_sliding)."""
+    return model.model.sliding_window if layer.use_sliding else None
+
+
+# Keyed by the mlx-lm module (mlx_lm.models.<name>) whose Model the checkpoint loads into.
+FAMILIES: dict[str, Family] = {
+    "llama": Family(_embed_tokens, _norm_and_head, _llama_window),
+    "qwen2": Family(_embed_tokens, _norm_and_head, _full_attention),
+    "qwen3": Family(_embed_tokens, _norm_and_head, _full_attention),
+}
+
+
+def family_of(model: Any) -> Family:
+    """The slicing hooks of ``model``'s family; ModelError naming the family when it is not supported."""
+    module = type(model).__module__
+    name = module[len(MLX_LM_MODELS):] if module.startswith(MLX_LM_MODELS) else None
+    family = FAMILIES.get(name) if name is not None and type(model).__name__ == "Model" else None
+    if family is None:
+        kind = getattr(model, "model_type", None) or name or type(model).__name__
+        raise ModelError(f"model family {kind!r} cannot be sliced into pipeline stages "
+                         f"(supported: {', '.join(sorted(FAMILIES))})")
+    return family
 
 
 @dataclass
@@ -31,9 +84,11 @@ class ModelSlice:
     model: Any
     start: int
     end: int
+    family: Family = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        total = len(_inner(self.model).layers)
+        self.family = family_of(self.model)
+        total = len(self.model.model.layers)
         if not 0 <= self.start < self.end <= total:
             raise ModelError(f"layer range {self.start}-{self.end - 1} is outside the model's 0-{total - 1}")
 
@@ -43,11 +98,11 @@ class ModelSlice:
 
     @property
     def is_last(self) -> bool:
-        return self.end == len(_inner(self.model).layers)
+        return self.end == len(self.model.model.layers)
 
     @property
     def layers(self) -> list:
-        return _inner(self.model).layers[self.start:self.end]
+        return self.model.model.layers[self.start:self.end]
 
     def make_cache(self) -> list:
         """One KV cache per layer of the slice, of the type the family asks for."""
@@ -58,20 +113,15 @@ class ModelSlice:
 
     def __call__(self, inputs: mx.array, cache: list | None = None) -> mx.array:
         """Token ids [B, L] (first slice) or hidden states [B, L, D] -> hidden states or logits."""
-        inner = _inner(self.model)
-        h = inner.embed_tokens(inputs) if self.is_first else inputs
+        h = self.family.embed(self.model, inputs) if self.is_first else inputs
         cache = cache if cache is not None else [None] * (self.end - self.start)
-        masks: dict[Any, Any] = {}
+        masks: dict[int | None, Any] = {}
         for layer, layer_cache in zip(self.layers, cache):
-            window = inner.sliding_window if getattr(layer, "use_sliding", False) else None
-            if window not in masks:
+            window = self.family.window(self.model, layer)
+            if window not in masks:  # as mlx-lm: one mask per attention kind, from its first layer's cache
                 masks[window] = create_attention_mask(h, layer_cache, window_size=window)
             h = layer(h, masks[window], cache=layer_cache)
-        if not self.is_last:
-            return h
-        h = inner.norm(h)
-        head = getattr(self.model, "lm_head", None)
-        return head(h) if head is not None else inner.embed_tokens.as_linear(h)
+        return self.family.head(self.model, h) if self.is_last else h
 
 
 def split_layers(num_layers: int, stages: int) -> list[tuple[int, int]]:
@@ -85,4 +135,3 @@ def split_layers(num_layers: int, stages: int) -> list[tuple[int, int]]:
         ranges.append((start, end))
         start = end
     return ranges
-
