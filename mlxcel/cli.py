@@ -102,6 +102,12 @@ def _cmd_make_random(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_report(args: argparse.Namespace) -> int:
+    from mlxcel.commands.report import run_report
+
+    return run_report(args)
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from mlxcel.server.launch import run_server
 
@@ -169,6 +175,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--bits", type=int, choices=[4, 8], default=None, help="quantize to this many bits")
     r.set_defaults(func=_cmd_make_random)
+
+    from mlxcel.commands.report import add_report_arguments
+
+    rp = sub.add_parser("report", help="benchmark results -> tidy CSVs and a self-contained HTML report with charts")
+    add_report_arguments(rp)
+    rp.set_defaults(func=_cmd_report)
 
     try:
         _add_server_parser(sub)

@@ -1,0 +1,249 @@
+"""Build a report directory: tidy CSVs, one self-contained index.html, and a report.json marker."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import pandas as pd
+
+from mlxcel import __version__
+from mlxcel.report import baseline as _baseline
+from mlxcel.report import html, plots, reference, tables
+from mlxcel.report.load import REPORT_MARKER, Loaded, ReportInputError, load
+
+
+class ReportError(Exception):
+    """The report cannot be built as asked (one line, or a list of input problems)."""
+
+    def __init__(self, message: str, problems: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.problems = list(problems)
+
+
+@dataclass
+class ReportResult:
+    out_dir: Path
+    index: Path
+    csv_files: list[str]
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    regressions: int = 0
+    rows: int = 0
+
+
+def summarize(loaded: Loaded) -> dict[str, pd.DataFrame]:
+    """Every summary table of the report, by name."""
+    return {
+        "decode": tables.decode_summary(loaded.table("decode")),
+        "decode_comparison": tables.decode_comparison(loaded.table("decode")),
+        "frame": tables.frame_summary(loaded.table("frame")),
+        "pipeline": tables.pipeline_summary(loaded.table("pipeline")),
+        "serve": tables.serve_summary(loaded.table("serve")),
+        "environment": tables.environment_table(loaded.tables),
+    }
+
+
+def _baseline_metrics(path: Path) -> pd.DataFrame:
+    """A previous report's metrics.csv, or the metrics of a previous run's raw results."""
+    if (path / REPORT_MARKER).is_file() and (path / "metrics.csv").is_file():
+        return pd.read_csv(path / "metrics.csv")
+    try:
+        loaded = load([path])
+    except ReportInputError as exc:
+        raise ReportError(f"baseline: {exc}") from None
+    if loaded.problems:
+        raise ReportError(f"baseline {path}: {len(loaded.problems)} invalid rows", loaded.problems)
+    return tables.metrics(summarize(loaded))
+
+
+def _write_csvs(out: Path, frames: dict[str, pd.DataFrame]) -> list[str]:
+    written = []
+    for name, df in frames.items():
+        if df is None or df.empty:
+            continue
+        df.to_csv(out / f"{name}.csv", index=False)
+        written.append(f"{name}.csv")
+    return written
+
+
+# -- sections -------------------------------------------------------------------------------------
+
+def _frame_sections(df: pd.DataFrame) -> list[dict[str, Any]]:
+    cols: list[html.Column] = [
+        ("mode", "mode", html.text), ("payload", "payload_bytes", html.size), ("iterations", "iterations", html.num(0)),
+        ("p50", "p50_us", html.micros), ("p95", "p95_us", html.micros), ("p99", "p99_us", html.micros),
+        ("one-way bandwidth (GiB/s)", "one_way_gib_s", html.num(2)),
+        ("overhead vs unprotected", "overhead_vs_unprotected", html.ratio),
+        ("reference p50 (other hw)", "reference_p50_us", html.micros),
+        ("reference GiB/s (other hw)", "reference_gib_s", html.num(2)),
+    ]
+    out = []
+    for (session, machine, link), g in df.groupby(["session", "machine", "link"], sort=False):
+        g = g.sort_values(["suite", "payload_bytes"], key=lambda s: s.map(_SUITE_ORDER) if s.name == "suite" else s)
+        title = f"{machine}, {link}{' (quick)' if g['quick'].any() else ''} — {session}"
+        out.append({"title": title, "plot": plots.frame_plot(g, title),
+                    "table": html.table(g, cols, lambda r: "chosen" if r["suite"] == "aes_256_gcm" else "")})
+    return out
+
+
+_SUITE_ORDER = {"unprotected": 0, "hmac_sha256": 1, "aes_256_gcm": 2, "chacha20_poly1305": 3}
+
+
+def _pipeline_sections(df: pd.DataFrame) -> list[dict[str, Any]]:
+    cols: list[html.Column] = [
+        ("mode", "mode", html.text), ("stages", "stages", html.num(0)), ("streams", "streams", html.num(0)),
+        ("return", "return", html.text), ("runs", "tok_s_n", html.num(0)), ("tok/s (median)", "tok_s_median", html.num(1)),
+        ("tok/s range", ("tok_s_min", "tok_s_max"), html.spread(1)),
+        ("per-token p50 (ms)", "per_token_ms_p50_median", html.num(2)),
+        ("frames/token", "frames_per_token_median", html.num(1)), ("bytes/token", "bytes_per_token_median", html.kib),
+        ("identical", "all_identical", html.text), ("ABBA positions", "order_positions", html.text),
+    ]
+    out = []
+    for (session, machine, model), g in df.groupby(["session", "machine", "model"], sort=False):
+        g = g.sort_values(["stages", "mode", "streams"])
+        title = f"{model} on {machine} — {session}"
+        out.append({"title": title, "plot": plots.pipeline_plot(g, title), "table": html.table(g, cols)})
+    return out
+
+
+def _serve_sections(df: pd.DataFrame) -> list[dict[str, Any]]:
+    cols: list[html.Column] = [
+        ("server", "server", html.text), ("clients", "concurrency", html.num(0)), ("rounds", "rounds", html.num(0)),
+        ("went first", "went_first", html.num(0)), ("same prompts", "same_prompts", html.text),
+        ("TTFT p50 (ms)", "ttft_p50_ms_median", html.num(1)), ("TTFT p50 range", ("ttft_p50_ms_min", "ttft_p50_ms_max"), html.spread(1)),
+        ("TTFT p95 (ms)", "ttft_p95_ms_median", html.num(1)),
+        ("ITL p50 (ms)", "itl_p50_ms_median", html.num(1)), ("ITL p50 range", ("itl_p50_ms_min", "itl_p50_ms_max"), html.spread(1)),
+        ("ITL p95 (ms)", "itl_p95_ms_median", html.num(1)),
+        ("aggregate tok/s", "agg_tps_median", html.num(2)), ("aggregate range", ("agg_tps_min", "agg_tps_max"), html.spread(2)),
+        ("requests", "requests", html.num(0)), ("errors", "errors", html.num(0)),
+    ]
+    out = []
+    for (session, machine, arrival, max_tokens), g in df.groupby(["session", "machine", "arrival", "max_tokens"], sort=False):
+        g = g.sort_values(["concurrency", "server"])
+        title = f"{machine}, {arrival} arrivals, max_tokens {max_tokens} — {session}"
+        out.append({"title": title, "plot": plots.serve_plot(g, title),
+                    "table": html.table(g, cols, lambda r: "regression" if r["errors"] else "")})
+    return out
+
+
+def _decode_table(cmp: pd.DataFrame) -> html.Table:
+    return html.table(cmp, [
+        ("session", "session", html.text), ("machine", "machine", html.text), ("model", "model", html.text),
+        ("weights", "weights", html.text), ("runs", "runs", html.num(0)),
+        ("mlxcel decode tok/s", "mlxcel_decode_tps_median", html.num(2)),
+        ("mlxcel range", ("mlxcel_decode_tps_min", "mlxcel_decode_tps_max"), html.spread(2)),
+        ("mlx-lm decode tok/s", "mlx_lm_decode_tps_median", html.num(2)),
+        ("mlx-lm range", ("mlx_lm_decode_tps_min", "mlx_lm_decode_tps_max"), html.spread(2)),
+        ("ratio (medians)", "decode_ratio", html.num(3)), ("median per-run ratio", "median_run_ratio", html.num(3)),
+        ("prompt ratio", "prompt_ratio", html.num(3)),
+    ])
+
+
+def _env_table(env: pd.DataFrame) -> html.Table | None:
+    if env.empty:
+        return None
+    cols: list[html.Column] = [(name, name, html.text) for name in (
+        "machine", "cpu", "cpu_count", "memory_gb", "accelerator", "mlx_device", "platform", "python", "mlx",
+        "mlx_lm", "mlxcel", "git_commits", "rows_without_commit", "first_run", "last_run", "benches", "sessions", "rows")]
+    return html.table(env, cols)
+
+
+def _comparison_table(cmp: pd.DataFrame) -> html.Table:
+    return html.table(cmp, [
+        ("status", "status", html.text), ("bench", "bench", html.text), ("configuration", "key", html.text),
+        ("metric", "metric", html.text), ("unit", "unit", html.text), ("better", "better", html.text),
+        ("baseline", "baseline_median", html.num(2)), ("baseline range", ("baseline_min", "baseline_max"), html.spread(2)),
+        ("current", "current_median", html.num(2)), ("current range", ("current_min", "current_max"), html.spread(2)),
+        ("change", "change", html.pct), ("judged by", "basis", html.text),
+    ], lambda r: r["status"] if r["status"] in ("regression", "improvement") else "")
+
+
+def _reference_context() -> dict[str, Any]:
+    ref_frame = reference.frame_table()
+    ref_pipe = reference.pipeline_table()
+    return {
+        "ref_hardware": reference.HARDWARE, "ref_source": reference.SOURCE, "ref_pipeline_model": reference.PIPELINE_MODEL,
+        "ref_pipeline_plot": plots.reference_pipeline_plot(ref_pipe, "Reference two-stage pipeline decode (other hardware: "
+                                                                      + reference.HARDWARE + ")"),
+        "ref_pipeline_table": html.table(ref_pipe, [
+            ("variant", "variant", html.text), ("runs", "runs", html.num(0)), ("tok/s (median)", "tok_s_median", html.num(1)),
+            ("range", ("tok_s_min", "tok_s_max"), html.spread(1))]),
+        "ref_frame_plot": plots.frame_plot(ref_frame, "Reference frame protection (other hardware: " + reference.HARDWARE + ")"),
+        "ref_frame_table": html.table(ref_frame, [
+            ("mode", "mode", html.text), ("payload", "payload_bytes", html.size), ("iterations", "iterations", html.num(0)),
+            ("p50", "p50_us", html.micros), ("p95", "p95_us", html.micros), ("p99", "p99_us", html.micros),
+            ("one-way bandwidth (GiB/s)", "one_way_gib_s", html.num(2)),
+            ("overhead vs unprotected", "overhead_vs_unprotected", html.ratio)],
+            lambda r: "chosen" if r["suite"] == "aes_256_gcm" else ""),
+    }
+
+
+# -- entry point ----------------------------------------------------------------------------------
+
+def build_report(inputs: Sequence[str | Path], out_dir: str | Path, *, baseline: str | Path | None = None,
+                 tolerance: float = _baseline.DEFAULT_TOLERANCE, keep_going: bool = False,
+                 title: str = "mlxcel benchmark report") -> ReportResult:
+    """Read, validate and summarize ``inputs``; write CSVs, index.html and report.json into ``out_dir``.
+
+    Invalid rows raise ReportError listing every problem, unless ``keep_going``: then the report is
+    written with the rejected rows listed at its top (and in rejected.csv), and the result carries them.
+    """
+    out = Path(out_dir)
+    try:
+        loaded = load(inputs, exclude=out)
+    except ReportInputError as exc:
+        raise ReportError(str(exc)) from None
+    if loaded.problems and not keep_going:
+        raise ReportError(f"{len(loaded.problems)} invalid rows or files; nothing written", loaded.problems)
+    if not loaded.tables:
+        raise ReportError("no valid benchmark rows in the inputs", loaded.problems)
+    summaries = summarize(loaded)
+    metrics = tables.metrics(summaries)
+    comparison = None
+    if baseline is not None:
+        if not Path(baseline).is_dir():
+            raise ReportError(f"baseline: no such directory: {baseline}")
+        comparison = _baseline.compare(metrics, _baseline_metrics(Path(baseline)), tolerance)
+    regressions = 0 if comparison is None else int((comparison["status"] == "regression").sum())
+
+    out.mkdir(parents=True, exist_ok=True)
+    csvs = _write_csvs(out, {
+        **{f"rows_{name}": df for name, df in loaded.tables.items()},
+        "environment": summaries["environment"], "decode_summary": summaries["decode"],
+        "decode_comparison": summaries["decode_comparison"], "frame_summary": summaries["frame"],
+        "pipeline_summary": summaries["pipeline"], "serve_summary": summaries["serve"], "metrics": metrics,
+        "reference_frame": reference.frame_table(), "reference_pipeline": reference.pipeline_table(),
+        "baseline_comparison": comparison,
+        "rejected": pd.DataFrame({"problem": loaded.problems}) if loaded.problems else None,
+    })
+    cmp = summaries["decode_comparison"]
+    context = {
+        "title": title, "version": __version__, "generated": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "files": loaded.files, "row_count": sum(len(df) for df in loaded.tables.values()),
+        "files_table": html.table(pd.DataFrame(loaded.files), [
+            ("file", "file", html.text), ("benchmarks", "benches", html.text), ("rows", "rows", html.num(0)),
+            ("rejected", "rejected", html.num(0))], lambda r: "regression" if r["rejected"] else ""),
+        "problems": loaded.problems, "notes": loaded.notes, "warnings": tables.commit_warnings(loaded.tables),
+        "csv_files": csvs, "env_table": _env_table(summaries["environment"]),
+        "decode_table": _decode_table(cmp) if not cmp.empty else None,
+        "decode_plot": plots.decode_plot(cmp) if not cmp.empty else None,
+        "frame_sections": _frame_sections(summaries["frame"]) if not summaries["frame"].empty else [],
+        "pipeline_sections": _pipeline_sections(summaries["pipeline"]) if not summaries["pipeline"].empty else [],
+        "serve_sections": _serve_sections(summaries["serve"]) if not summaries["serve"].empty else [],
+        "baseline": str(baseline) if baseline is not None else None,
+        "comparison": _comparison_table(comparison) if comparison is not None else None,
+        "regressions": regressions, "tolerance_pct": f"{tolerance:.0%}",
+        **_reference_context(),
+    }
+    index = out / "index.html"
+    index.write_text(html.render(context), encoding="utf-8")
+    (out / REPORT_MARKER).write_text(json.dumps({
+        "generator": "mlxcel report", "version": __version__, "generated": context["generated"],
+        "inputs": [str(p) for p in inputs], "baseline": context["baseline"], "files": loaded.files,
+        "rows": context["row_count"], "rejected": loaded.problems, "regressions": regressions, "csv": csvs,
+    }, indent=2) + "\n")
+    return ReportResult(out, index, csvs, loaded.problems, loaded.notes, regressions, context["row_count"])

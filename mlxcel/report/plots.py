@@ -1,0 +1,189 @@
+"""Charts for the report: matplotlib figures (no pyplot state, Agg canvas) as base64 PNG.
+
+Every chart has a title, axis labels with units and a legend; the spread of repeated runs is
+drawn as min-to-max error bars around the median.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from dataclasses import dataclass
+
+import pandas as pd
+from matplotlib.figure import Figure
+from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+
+SUITE_LABELS = {"unprotected": "unprotected", "hmac_sha256": "HMAC-SHA256", "aes_256_gcm": "AES-256-GCM",
+                "chacha20_poly1305": "ChaCha20-Poly1305"}
+_PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
+_COLORS = {"unprotected": "#7f7f7f", "hmac_sha256": "#ff7f0e", "aes_256_gcm": "#2ca02c",
+           "chacha20_poly1305": "#9467bd", "mlxcel": "#1f77b4", "mlx-lm": "#d62728", "mlx_lm": "#d62728"}
+
+
+@dataclass(frozen=True)
+class Plot:
+    title: str
+    alt: str
+    png_base64: str
+
+
+def color(name: str, i: int = 0) -> str:
+    return _COLORS.get(name, _PALETTE[i % len(_PALETTE)])
+
+
+def _render(fig: Figure, title: str, alt: str) -> Plot:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=96, bbox_inches="tight")
+    return Plot(title, alt, base64.b64encode(buf.getvalue()).decode("ascii"))
+
+
+def _size_label(n: float) -> str:
+    return f"{int(n // 2**20)} MiB" if n >= 2**20 else f"{int(n // 1024)} KiB" if n >= 1024 else f"{int(n)} B"
+
+
+def _payload_axis(ax, sizes: list[int]) -> None:
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_locator(FixedLocator(sorted(set(sizes))))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: _size_label(v)))
+    ax.tick_params(axis="x", labelrotation=35, labelsize=8)
+    ax.set_xlabel("payload per message")
+    ax.grid(True, which="major", alpha=0.3)
+
+
+def _errorbar(ax, x, med, lo, hi, **kw) -> None:
+    yerr = [(med - lo).clip(lower=0).values, (hi - med).clip(lower=0).values]
+    ax.errorbar(x, med, yerr=yerr, capsize=3, marker="o", markersize=4, **kw)
+
+
+def frame_plot(df: pd.DataFrame, title: str) -> Plot:
+    """Latency, bandwidth and p50 overhead against payload, one line per candidate."""
+    fig = Figure(figsize=(13, 3.9), layout="constrained")
+    ax_lat, ax_bw, ax_ov = fig.subplots(1, 3)
+    for i, (suite, g) in enumerate(df.sort_values("payload_bytes").groupby("suite", sort=False)):
+        label, c = SUITE_LABELS.get(suite, suite), color(suite, i)
+        ax_lat.plot(g["payload_bytes"], g["p50_us"], marker="o", color=c, label=f"{label} p50")
+        if "p95_us" in g:
+            ax_lat.plot(g["payload_bytes"], g["p95_us"], linestyle=":", color=c, alpha=0.7, label=f"{label} p95")
+        ax_bw.plot(g["payload_bytes"], g["one_way_gib_s"], marker="o", color=c, label=label)
+        if suite != "unprotected":
+            ax_ov.plot(g["payload_bytes"], g["overhead_vs_unprotected"], marker="o", color=c, label=label)
+    sizes = list(df["payload_bytes"])
+    for ax in (ax_lat, ax_bw, ax_ov):
+        _payload_axis(ax, sizes)
+    ax_lat.set_yscale("log")
+    ax_lat.set_ylabel("one-way latency (us, log scale)")
+    ax_lat.set_title("latency vs payload")
+    ax_lat.legend(fontsize=7, ncol=2)
+    ax_bw.set_ylabel("one-way bandwidth at p50 (GiB/s)")
+    ax_bw.set_title("bandwidth vs payload")
+    ax_bw.legend(fontsize=8)
+    ax_ov.axhline(1.0, color="#7f7f7f", linewidth=1, linestyle="--")
+    ax_ov.set_ylabel("p50 latency / unprotected p50 (x)")
+    ax_ov.set_title("protection overhead ratio")
+    if ax_ov.lines[1:]:
+        ax_ov.legend(fontsize=8)
+    fig.suptitle(title, fontsize=11)
+    return _render(fig, title, f"Frame latency, bandwidth and overhead against payload size: {title}")
+
+
+def decode_plot(cmp: pd.DataFrame) -> Plot:
+    """Decode tok/s of mlxcel and mlx-lm per session, median with min-max bars; one panel per machine
+    (each with its own scale: a GPU and a 2-core CPU differ by 10x and more)."""
+    machines = list(dict.fromkeys(cmp["machine"]))
+    widths = [cmp["machine"].eq(m).sum() for m in machines]
+    fig = Figure(figsize=(max(6.5, 1.9 * sum(widths) + 1.5 * len(machines)), 4.4), layout="constrained")
+    axes = fig.subplots(1, len(machines), squeeze=False, width_ratios=widths)[0]
+    for ax, machine in zip(axes, machines):
+        part = cmp[cmp["machine"] == machine].reset_index(drop=True)
+        x = pd.Series(range(len(part)), dtype=float)
+        for off, (impl, label) in ((-0.2, ("mlxcel", "mlxcel")), (0.2, ("mlx_lm", "mlx-lm"))):
+            med, lo, hi = (part[f"{impl}_decode_tps_{s}"] for s in ("median", "min", "max"))
+            ax.bar(x + off, med, width=0.38, color=color(impl), label=label, alpha=0.85)
+            ax.errorbar(x + off, med, yerr=[(med - lo).clip(lower=0), (hi - med).clip(lower=0)], fmt="none",
+                        ecolor="black", capsize=3, linewidth=1)
+        labels = [f"{r.model}, {r.weights}\n{str(r.session).split('@')[-1].strip()[:16]}" for r in part.itertuples()]
+        ax.set_xticks(list(x), labels, fontsize=7)
+        ax.set_title(machine, fontsize=10)
+        ax.grid(True, axis="y", alpha=0.3)
+    axes[0].set_ylabel("decode throughput (tok/s, median; bars: min-max)")
+    axes[0].legend()
+    fig.suptitle("Single-device decode: mlxcel vs mlx-lm", fontsize=11)
+    return _render(fig, "decode", "Decode tokens per second of mlxcel and mlx-lm per benchmark session and machine")
+
+
+def _concurrency_axis(ax, values, label: str) -> None:
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_locator(FixedLocator(sorted(set(values))))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{int(v)}"))
+    ax.set_xlabel(label)
+    ax.grid(True, alpha=0.3)
+
+
+def serve_plot(df: pd.DataFrame, title: str) -> Plot:
+    """TTFT, ITL and aggregate throughput against concurrency, one line per server."""
+    fig = Figure(figsize=(13, 3.9), layout="constrained")
+    axes = fig.subplots(1, 3)
+    panels = (("ttft_p50_ms", "ttft_p95_ms_median", "time to first token (ms)", "TTFT"),
+              ("itl_p50_ms", "itl_p95_ms_median", "inter-token latency (ms)", "ITL"),
+              ("agg_tps", None, "aggregate output (tok/s)", "throughput"))
+    for i, (server, g) in enumerate(df.sort_values("concurrency").groupby("server", sort=False)):
+        c = color(server, i)
+        for ax, (col, p95, _, _) in zip(axes, panels):
+            _errorbar(ax, g["concurrency"], g[f"{col}_median"], g[f"{col}_min"], g[f"{col}_max"], color=c,
+                      label=f"{server} p50" if p95 else server)
+            if p95:
+                ax.plot(g["concurrency"], g[p95], linestyle=":", color=c, alpha=0.8, label=f"{server} p95")
+    for ax, (_, _, ylabel, name) in zip(axes, panels):
+        _concurrency_axis(ax, df["concurrency"], "concurrent clients")
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"{name} vs concurrency")
+        ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=11)
+    return _render(fig, title, f"Serving TTFT, ITL and throughput against concurrency: {title}")
+
+
+def pipeline_plot(df: pd.DataFrame, title: str) -> Plot:
+    """tok/s against streams per topology (median, min-max bars), and bytes per token."""
+    fig = Figure(figsize=(12, 3.9), layout="constrained")
+    ax_t, ax_b = fig.subplots(1, 2)
+    topo = df.assign(topology=df["mode"] + " (" + df["stages"].astype(str) + " stage" +
+                     df["stages"].map(lambda s: "s" if s > 1 else "") + ", " + df["return"] + ")")
+    for i, (name, g) in enumerate(topo.sort_values("streams").groupby("topology", sort=False)):
+        _errorbar(ax_t, g["streams"], g["tok_s_median"], g["tok_s_min"], g["tok_s_max"], color=color(name, i),
+                  label=name)
+    _concurrency_axis(ax_t, df["streams"], "concurrent streams")
+    ax_t.set_ylabel("decode throughput (tok/s, aggregate)")
+    ax_t.set_title("tok/s per topology (median; bars: min-max)")
+    ax_t.legend(fontsize=7)
+    per = topo.dropna(subset=["bytes_per_token_median"]).groupby("topology", sort=False)["bytes_per_token_median"].median()
+    if len(per):
+        ax_b.barh(list(per.index), list(per.values / 1024), color=[color(n, i) for i, n in enumerate(per.index)])
+        ax_b.set_xlabel("wire bytes per decoded token (KiB)")
+        ax_b.set_title("bytes per token (median over streams)")
+        ax_b.tick_params(axis="y", labelsize=7)
+        ax_b.grid(True, axis="x", alpha=0.3)
+    else:
+        ax_b.text(0.5, 0.5, "no bytes-per-token measured", ha="center", va="center")
+        ax_b.set_axis_off()
+    fig.suptitle(title, fontsize=11)
+    return _render(fig, title, f"Pipeline throughput per topology and bytes per token: {title}")
+
+
+def reference_pipeline_plot(ref: pd.DataFrame, title: str) -> Plot:
+    """The reference's published pipeline rows as horizontal bars with their min-max range."""
+    fig = Figure(figsize=(10, 2.8), layout="constrained")
+    ax = fig.subplots()
+    y = list(range(len(ref)))[::-1]
+    med = ref["tok_s_median"]
+    ax.barh(y, med, color=["#bbbbbb", "#bbbbbb", "#7f7f7f", "#2ca02c"][: len(ref)],
+            xerr=[med - ref["tok_s_min"], ref["tok_s_max"] - med], capsize=3)
+    for yi, v in zip(y, med):
+        ax.text(v + 2, yi + 0.15, f"{v:.1f}", fontsize=8)
+    ax.set_yticks(y, list(ref["variant"]), fontsize=8)
+    ax.set_xlabel("decode throughput (tok/s, median of per-run medians; bars: min-max)")
+    ax.grid(True, axis="x", alpha=0.3)
+    ax.set_title(title, fontsize=10)
+    return _render(fig, title, "The reference's published two-stage pipeline decode throughput (other hardware)")

@@ -1,0 +1,197 @@
+"""The rows every benchmark writes: which fields, of which types, per benchmark.
+
+One ``Schema`` per value of a row's ``bench`` field. ``validate_row`` turns a raw row (a JSON
+object, or a CSV record of strings) into typed values or raises ``RowError`` with one line that
+says what is wrong. Fields a schema does not name are kept as they are (newer benchmarks may add
+some); a ``bench`` no schema knows is an error, so nothing is silently left out of a report.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+
+class RowError(ValueError):
+    """A row that does not match its benchmark's schema (message without file and line)."""
+
+
+@dataclass(frozen=True)
+class Field:
+    name: str
+    kind: str  # "int" | "num" | "str" | "bool"
+    required: bool = True
+    nullable: bool = False
+    choices: tuple[str, ...] | None = None
+    default: Any = None
+
+
+@dataclass(frozen=True)
+class Schema:
+    bench: str
+    table: str  # name of the tidy table (CSV) its rows go to
+    fields: tuple[Field, ...]
+    variant_field: str | None = None  # a field whose value picks extra fields and another table
+    variants: Mapping[str, tuple[str, tuple[Field, ...]]] = field(default_factory=dict)
+
+
+def _num(name: str, **kw: Any) -> Field:
+    return Field(name, "num", **kw)
+
+
+def _int(name: str, **kw: Any) -> Field:
+    return Field(name, "int", **kw)
+
+
+def _str(name: str, **kw: Any) -> Field:
+    return Field(name, "str", **kw)
+
+
+_DECODE_RUN = (
+    _int("run"), _str("weights", required=False, nullable=True), _int("prompt_tokens"), _int("generated_tokens"),
+    _num("prompt_tps"), _num("decode_tps"), _num("token_latency_p50_ms", nullable=True),
+    _num("token_latency_p95_ms", nullable=True), _num("peak_memory_gb"),
+)
+_DECODE_SUMMARY = (
+    _num("mlxcel_decode_tps"), _num("mlx_lm_decode_tps"), _num("decode_ratio"),
+    _num("median_run_ratio"), _num("prompt_ratio"),
+)
+
+SCHEMAS: dict[str, Schema] = {s.bench: s for s in (
+    Schema("decode", "decode", (_str("impl"), _str("model")), variant_field="impl", variants={
+        "mlxcel": ("decode", _DECODE_RUN),
+        "mlx-lm": ("decode", _DECODE_RUN),
+        "summary": ("decode_recorded_summary", _DECODE_SUMMARY),
+    }),
+    Schema("frame_bench", "frame", (
+        _str("mode"), _str("suite"), _int("payload_bytes"), _int("iterations"), _num("p50_us"), _num("p95_us"),
+        _num("p99_us"), _num("mean_us"), _num("one_way_gib_s"), _int("chunk_len", required=False, nullable=True),
+        _str("remote", required=False, nullable=True), Field("quick", "bool", required=False, default=False),
+    )),
+    Schema("serve", "serve", (
+        _str("server"), _str("url", required=False, nullable=True), _int("concurrency"), _int("requests"),
+        _int("errors"), _str("error_sample", required=False, nullable=True), _int("max_tokens"),
+        _int("output_tokens"), _num("wall_s"), _num("ttft_p50_ms", nullable=True), _num("ttft_p95_ms", nullable=True),
+        _num("itl_p50_ms", nullable=True), _num("itl_p95_ms", nullable=True), _num("req_tps_mean", nullable=True),
+        _num("agg_tps", nullable=True), _str("arrival", required=False, choices=("herd", "staggered"), default="herd"),
+        _int("round", required=False, default=0), _int("order", required=False, nullable=True),
+        _str("model_dir", required=False, nullable=True), _str("run", required=False, nullable=True),
+        _str("prompt_tag", required=False, nullable=True), _str("prompts_sha256", required=False, nullable=True),
+    )),
+    Schema("pipeline", "pipeline", (
+        _str("mode"), _int("stages"), _int("streams"), _int("run"), _int("order"), _int("tokens"), _num("tok_s"),
+        _num("per_token_ms_p50"), _num("frames_per_token", nullable=True), _num("bytes_per_token", nullable=True),
+        _str("return", choices=("token", "logits")), Field("identical", "bool"), _str("model"),
+    )),
+)}
+
+ENV_FIELDS = (_str("host"), _str("date"), _str("git_commit", nullable=True))
+
+# frame_bench.py's CSV has no "bench" column: these columns identify it
+FRAME_CSV_COLUMNS = frozenset({"mode", "suite", "payload_bytes", "iterations", "p50_us", "one_way_gib_s"})
+
+
+def known_benches() -> str:
+    return ", ".join(sorted(SCHEMAS))
+
+
+def _missing(value: Any) -> bool:
+    return value is None or (isinstance(value, float) and math.isnan(value)) or value == ""
+
+
+def _coerce(f: Field, value: Any, from_text: bool) -> Any:
+    """One field's value in its type; raises RowError naming the field."""
+    if _missing(value) and not (f.kind == "str" and value == "" and not from_text):
+        if f.nullable:
+            return None
+        raise RowError(f"field {f.name!r} is empty")
+    try:
+        if f.kind == "str":
+            if not isinstance(value, str):
+                raise TypeError
+            out: Any = value
+        elif f.kind == "bool":
+            out = _bool(value, from_text)
+        elif f.kind == "int":
+            out = _int_value(value, from_text)
+        else:
+            out = _num_value(value, from_text)
+    except (TypeError, ValueError):
+        raise RowError(f"field {f.name!r}: expected {_KIND_WORDS[f.kind]}, got {value!r}") from None
+    if f.choices and out not in f.choices:
+        raise RowError(f"field {f.name!r}: {out!r} is not one of {', '.join(f.choices)}")
+    if f.kind in ("int", "num") and out < 0:
+        raise RowError(f"field {f.name!r}: negative value {out!r}")
+    return out
+
+
+_KIND_WORDS = {"int": "an integer", "num": "a finite number", "str": "a string", "bool": "true or false"}
+
+
+def _bool(value: Any, from_text: bool) -> bool:
+    if isinstance(value, bool):
+        return value
+    if from_text and isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    raise ValueError
+
+
+def _int_value(value: Any, from_text: bool) -> int:
+    if from_text and isinstance(value, str):
+        value = float(value) if any(c in value for c in ".eE") else int(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError
+    if isinstance(value, float) and not value.is_integer():
+        raise ValueError
+    return int(value)
+
+
+def _num_value(value: Any, from_text: bool) -> float:
+    if from_text and isinstance(value, str):
+        value = float(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError
+    return float(value)
+
+
+def _apply(fields: tuple[Field, ...], raw: Mapping[str, Any], out: dict[str, Any], from_text: bool) -> None:
+    for f in fields:
+        if f.name in raw:
+            out[f.name] = _coerce(f, raw[f.name], from_text)
+        elif f.required:
+            raise RowError(f"missing field {f.name!r}")
+        else:
+            out[f.name] = f.default
+
+
+def validate_env(env: Any) -> dict[str, Any]:
+    """The environment record of a JSONL row (bench/environment.py), checked for what reports use."""
+    if not isinstance(env, dict):
+        raise RowError("field 'env' must be an object (the benchmark environment)")
+    checked = dict(env)
+    try:
+        _apply(ENV_FIELDS, env, checked, from_text=False)
+    except RowError as exc:
+        raise RowError(f"env: {exc}") from None
+    return checked
+
+
+def validate_row(raw: Mapping[str, Any], *, from_text: bool = False) -> tuple[str, dict[str, Any]]:
+    """(table name, typed row) for one raw row; ``from_text``: values are CSV strings."""
+    bench = raw.get("bench")
+    if not isinstance(bench, str) or not bench:
+        raise RowError("no 'bench' field: cannot tell which benchmark wrote this row")
+    schema = SCHEMAS.get(bench)
+    if schema is None:
+        raise RowError(f"unknown benchmark {bench!r} (known: {known_benches()})")
+    out: dict[str, Any] = {k: v for k, v in raw.items() if k != "env"}
+    _apply(schema.fields, raw, out, from_text)
+    table = schema.table
+    if schema.variant_field:
+        value = out[schema.variant_field]
+        if value not in schema.variants:
+            raise RowError(f"field {schema.variant_field!r}: {value!r} is not one of {', '.join(schema.variants)}")
+        table, extra = schema.variants[value]
+        _apply(extra, raw, out, from_text)
+    return table, out

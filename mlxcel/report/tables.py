@@ -1,0 +1,230 @@
+"""Tidy summary tables from the validated rows: one function per report section.
+
+Spread is always the range (min to max) over the repeated measurements of one configuration
+(runs, rounds); the headline value is their median.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pandas as pd
+
+from mlxcel.report import reference
+
+ENV_COLUMNS = {
+    "env_host": "host", "env_cpu": "cpu", "env_cpu_count": "cpu_count", "env_machine_memory_gb": "memory_gb",
+    "env_machine_arch": "arch", "env_platform": "platform", "env_python": "python", "env_mlx_device": "mlx_device",
+    "env_machine_accelerator": "accelerator", "env_versions_mlx": "mlx", "env_versions_mlx-lm": "mlx_lm",
+    "env_versions_mlxcel": "mlxcel",
+}
+_COMMIT = re.compile(r"^[0-9a-f]{7,40}(-dirty)?$")
+
+
+def _spread(df: pd.DataFrame, keys: list[str], value: str, prefix: str | None = None) -> pd.DataFrame:
+    """median/min/max/n of ``value`` per ``keys`` group (NaN values ignored)."""
+    p = prefix or value
+    g = df.groupby(keys, dropna=False, sort=False)[value]
+    return g.agg(**{f"{p}_median": "median", f"{p}_min": "min", f"{p}_max": "max", f"{p}_n": "count"}).reset_index()
+
+
+def all_rows(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
+    """Every row of every table, with its bench, session, machine and environment columns only."""
+    frames = []
+    for df in tables.values():
+        cols = [c for c in df.columns if c in ("bench", "session", "machine", "source_file") or c.startswith("env_")]
+        frames.append(df[cols])
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
+def environment_table(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
+    """One row per machine: what it is, what ran there, from which commits and when."""
+    rows = all_rows(tables)
+    if rows.empty:
+        return pd.DataFrame()
+    out = []
+    for machine, g in rows.groupby("machine", sort=True):
+        rec: dict = {"machine": machine}
+        for col, name in ENV_COLUMNS.items():
+            vals = g[col].dropna().astype(str).unique() if col in g else []
+            rec[name] = ", ".join(sorted(vals)) if len(vals) else ""
+        commits = g["env_git_commit"].fillna("").astype(str) if "env_git_commit" in g else pd.Series([""] * len(g))
+        rec["git_commits"] = ", ".join(sorted({c[:12] + ("-dirty" if c.endswith("-dirty") else "")
+                                              for c in commits if _COMMIT.match(c)})) or "unknown"
+        rec["rows_without_commit"] = int(sum(not _COMMIT.match(c) for c in commits))
+        dates = g["env_date"].dropna().astype(str) if "env_date" in g else pd.Series(dtype=str)
+        rec["first_run"] = dates.min() if len(dates) else ""
+        rec["last_run"] = dates.max() if len(dates) else ""
+        rec["benches"] = ", ".join(sorted(g["bench"].unique()))
+        rec["sessions"] = g["session"].nunique()
+        rec["rows"] = len(g)
+        out.append(rec)
+    return pd.DataFrame(out)
+
+
+def commit_warnings(tables: dict[str, pd.DataFrame]) -> list[str]:
+    """Rows whose environment has no real commit (old rows say "HEAD"), per file."""
+    rows = all_rows(tables)
+    if rows.empty or "env_date" not in rows:
+        return []
+    jsonl = rows[rows["env_date"].notna()]
+    commits = (jsonl["env_git_commit"] if "env_git_commit" in jsonl else pd.Series(None, index=jsonl.index))
+    bad = jsonl.assign(_c=commits.fillna("none").astype(str))
+    bad = bad[~bad["_c"].str.match(_COMMIT.pattern)]
+    return [f"{src}: {len(g)} rows record no git commit (recorded: {', '.join(sorted(map(repr, g['_c'].unique())))})"
+            for src, g in bad.groupby("source_file")]
+
+
+def decode_summary(df: pd.DataFrame) -> pd.DataFrame:
+    """Per session and implementation: decode tok/s median and range, prompt tok/s, latency, memory."""
+    if df.empty:
+        return pd.DataFrame()
+    keys = ["session", "machine", "model", "weights", "impl"]
+    df = df.assign(weights=df["weights"].fillna("?"))
+    out = _spread(df, keys, "decode_tps")
+    for col in ("prompt_tps", "token_latency_p50_ms", "token_latency_p95_ms", "peak_memory_gb"):
+        out[f"{col}_median"] = df.groupby(keys, sort=False)[col].median().values
+    return out
+
+
+def decode_comparison(df: pd.DataFrame) -> pd.DataFrame:
+    """Per session: mlxcel against mlx-lm, ratio of medians and median of per-run ratios."""
+    if df.empty:
+        return pd.DataFrame()
+    out = []
+    keys = ["session", "machine", "model", "weights"]
+    for key, g in df.assign(weights=df["weights"].fillna("?")).groupby(keys, sort=False):
+        ours, theirs = g[g["impl"] == "mlxcel"], g[g["impl"] == "mlx-lm"]
+        rec = dict(zip(keys, key))
+        rec["runs"] = min(len(ours), len(theirs))
+        for name, part in (("mlxcel", ours), ("mlx_lm", theirs)):
+            rec[f"{name}_decode_tps_median"] = part["decode_tps"].median()
+            rec[f"{name}_decode_tps_min"] = part["decode_tps"].min()
+            rec[f"{name}_decode_tps_max"] = part["decode_tps"].max()
+            rec[f"{name}_prompt_tps_median"] = part["prompt_tps"].median()
+        rec["decode_ratio"] = rec["mlxcel_decode_tps_median"] / rec["mlx_lm_decode_tps_median"]
+        paired = ours.set_index("run")["decode_tps"] / theirs.set_index("run")["decode_tps"]
+        rec["median_run_ratio"] = paired.dropna().median()
+        rec["prompt_ratio"] = rec["mlxcel_prompt_tps_median"] / rec["mlx_lm_prompt_tps_median"]
+        out.append(rec)
+    return pd.DataFrame(out)
+
+
+def frame_summary(df: pd.DataFrame) -> pd.DataFrame:
+    """Every frame row with its link, p50 overhead against unprotected (same session and payload)
+    and the reference's p50 for the same suite and payload (other hardware)."""
+    if df.empty:
+        return pd.DataFrame()
+    out = df.copy()
+    out["link"] = out["remote"].map(lambda r: f"remote {r}" if isinstance(r, str) and r else "loopback")
+    base = out[out["suite"] == "unprotected"].set_index(["session", "payload_bytes"])["p50_us"]
+    idx = pd.MultiIndex.from_frame(out[["session", "payload_bytes"]])
+    out["overhead_vs_unprotected"] = out["p50_us"].values / base.reindex(idx).values
+    ref = reference.frame_table().set_index(["suite", "payload_bytes"])
+    ridx = pd.MultiIndex.from_frame(out[["suite", "payload_bytes"]])
+    out["reference_p50_us"] = ref["p50_us"].reindex(ridx).values
+    out["reference_gib_s"] = ref["one_way_gib_s"].reindex(ridx).values
+    cols = ["session", "machine", "link", "mode", "suite", "payload_bytes", "iterations", "p50_us", "p95_us",
+            "p99_us", "mean_us", "one_way_gib_s", "overhead_vs_unprotected", "reference_p50_us", "reference_gib_s",
+            "quick"]
+    return out[cols]
+
+
+def pipeline_summary(df: pd.DataFrame) -> pd.DataFrame:
+    """Per session and topology (mode, stages, streams, return): tok/s median and range, step
+    latency, frames and bytes per token, and whether every run matched the single-device output."""
+    if df.empty:
+        return pd.DataFrame()
+    keys = ["session", "machine", "model", "mode", "stages", "streams", "return"]
+    out = _spread(df, keys, "tok_s")
+    g = df.groupby(keys, sort=False, dropna=False)
+    out["per_token_ms_p50_median"] = g["per_token_ms_p50"].median().values
+    out["frames_per_token_median"] = g["frames_per_token"].median().values
+    out["bytes_per_token_median"] = g["bytes_per_token"].median().values
+    out["tokens"] = g["tokens"].max().values
+    out["all_identical"] = g["identical"].all().values
+    out["order_positions"] = g["order"].agg(lambda s: ",".join(map(str, sorted(s.unique())))).values
+    return out
+
+
+def serve_summary(df: pd.DataFrame) -> pd.DataFrame:
+    """Per session, server, arrival and concurrency: TTFT, ITL and throughput over the rounds,
+    errors, and whether every server of the session got the same prompts at that level."""
+    if df.empty:
+        return pd.DataFrame()
+    df = df.copy()
+    df["arrival"] = df["arrival"].fillna("herd")
+    keys = ["session", "machine", "server", "arrival", "max_tokens", "concurrency"]
+    out = _spread(df, keys, "ttft_p50_ms")
+    for value in ("itl_p50_ms", "agg_tps"):
+        out = out.merge(_spread(df, keys, value), on=keys, how="left")
+    g = df.groupby(keys, sort=False, dropna=False)
+    extra = pd.DataFrame({
+        "ttft_p95_ms_median": g["ttft_p95_ms"].median(), "itl_p95_ms_median": g["itl_p95_ms"].median(),
+        "req_tps_mean_median": g["req_tps_mean"].median(), "requests": g["requests"].sum(),
+        "errors": g["errors"].sum(), "rounds": g["round"].nunique(),
+        "went_first": g["order"].agg(lambda s: int((s == 0).sum())),
+    }).reset_index()
+    out = out.merge(extra, on=keys, how="left")
+    out["same_prompts"] = out.apply(lambda r: _same_prompts(df, r), axis=1)
+    return out
+
+
+def _same_prompts(df: pd.DataFrame, row: pd.Series) -> str:
+    """"yes" when every server of the session sent identical prompts at this level and round."""
+    if "prompts_sha256" not in df:
+        return "not recorded"
+    level = df[(df["session"] == row["session"]) & (df["concurrency"] == row["concurrency"])
+               & (df["arrival"] == row["arrival"])]
+    if level["prompts_sha256"].isna().all():
+        return "not recorded"
+    per_round = level.groupby("round")["prompts_sha256"].nunique()
+    return "yes" if (per_round == 1).all() else "no"
+
+
+# -- metrics for baseline comparison --------------------------------------------------------------
+
+_METRICS = {
+    # table: (key columns, [(metric, value column prefix, unit, better)])
+    "decode": (["machine", "model", "weights", "impl"],
+               [("decode tok/s", "decode_tps", "tok/s", "higher")]),
+    "pipeline": (["machine", "model", "mode", "stages", "streams", "return"],
+                 [("tok/s", "tok_s", "tok/s", "higher")]),
+    "serve": (["machine", "server", "arrival", "max_tokens", "concurrency"],
+              [("TTFT p50", "ttft_p50_ms", "ms", "lower"), ("ITL p50", "itl_p50_ms", "ms", "lower"),
+               ("aggregate throughput", "agg_tps", "tok/s", "higher")]),
+}
+
+
+def _latest(df: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
+    """Where several sessions measured the same configuration, keep the latest (sessions end in their date)."""
+    order = df["session"].str.rsplit("@", n=1).str[-1]
+    return df.assign(_when=order).sort_values("_when").groupby(keys, dropna=False, sort=False).tail(1)
+
+
+def metrics(summaries: dict[str, pd.DataFrame]) -> pd.DataFrame:
+    """Headline metrics as one long table: bench, key, metric, unit, better, median, min, max, n, session."""
+    out = []
+    for bench, (keys, specs) in _METRICS.items():
+        df = summaries.get(bench, pd.DataFrame())
+        if df.empty:
+            continue
+        for _, r in _latest(df, keys).iterrows():
+            key = " | ".join(f"{k}={r[k]}" for k in keys)
+            for metric, col, unit, better in specs:
+                if pd.isna(r[f"{col}_median"]):
+                    continue
+                out.append({"bench": bench, "key": key, "metric": metric, "unit": unit, "better": better,
+                            "median": r[f"{col}_median"], "min": r[f"{col}_min"], "max": r[f"{col}_max"],
+                            "n": int(r[f"{col}_n"]), "session": r["session"]})
+    frame = summaries.get("frame", pd.DataFrame())
+    if not frame.empty:
+        keys = ["machine", "link", "suite", "payload_bytes"]
+        for _, r in _latest(frame, keys).iterrows():
+            key = " | ".join(f"{k}={r[k]}" for k in keys)
+            for metric, col, unit, better in (("one-way p50", "p50_us", "us", "lower"),
+                                              ("one-way bandwidth", "one_way_gib_s", "GiB/s", "higher")):
+                out.append({"bench": "frame", "key": key, "metric": metric, "unit": unit, "better": better,
+                            "median": r[col], "min": r[col], "max": r[col], "n": 1, "session": r["session"]})
+    return pd.DataFrame(out, columns=["bench", "key", "metric", "unit", "better", "median", "min", "max", "n",
+                                      "session"])
