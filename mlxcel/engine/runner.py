@@ -17,7 +17,7 @@ samples there with each sequence's own sampler (``RowSampler``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import mlx.core as mx
 
@@ -155,11 +155,12 @@ class SliceRunner:
 
     # -- compute ---------------------------------------------------------------------------
 
-    def prefill(self, rid: str, inputs: mx.array, *, sample: bool) -> mx.array | list[Sampled] | None:
+    def prefill(self, rid: str, inputs: mx.array, *, sample: bool, logits: bool = False) -> mx.array | list[Sampled] | None:
         """One chunk of one sequence's prompt: token ids [1, L] (first slice) or hidden [1, L, D].
 
-        Returns the hidden states to pass on (not last), the sampled first token (last, ``sample``),
-        or None (last, an intermediate chunk: only the cache is evaluated).
+        Returns the hidden states to pass on (not last), the sampled first token (last, ``sample``;
+        its last-position logits [1, V] instead when ``logits``), or None (last, an intermediate
+        chunk: only the cache is evaluated).
         """
         seq = self._require(rid)
         if seq.slot is not None:
@@ -172,9 +173,11 @@ class SliceRunner:
         if not sample:
             mx.eval([c.state for c in seq.cache])
             return None
+        if logits:
+            return self._logits(out)
         return self._sample(out[:, -1, :], [seq])
 
-    def decode(self, slot_id: int, rids: Sequence[str], inputs: mx.array) -> mx.array | list[Sampled]:
+    def decode(self, slot_id: int, rids: Sequence[str], inputs: mx.array, *, logits: bool = False) -> mx.array | list[Sampled]:
         """One decode step of micro-batch ``slot_id``: rows ``rids`` in order, inputs [B, 1] or [B, 1, D]."""
         if not rids or len(rids) > self.max_rows:
             raise RunnerError("bad_request", f"a decode step needs 1 to {self.max_rows} rows, got {len(rids)}")
@@ -187,11 +190,16 @@ class SliceRunner:
         if not self.is_last:
             mx.eval(out)
             return out
+        if logits:
+            return self._logits(out)
         return self._sample(out[:, -1, :], [self._seqs[r] for r in rids])
 
-    def logits(self, out: mx.array) -> mx.array:
-        """Last-position logits as float32 [B, V] (for the full-logits return)."""
-        return out[:, -1, :].astype(mx.float32)
+    @staticmethod
+    def _logits(out: mx.array) -> mx.array:
+        """Last-position logits as float32 [B, V] (the full-logits return)."""
+        x = out[:, -1, :].astype(mx.float32)
+        mx.eval(x)
+        return x
 
     def _sample(self, logits: mx.array, seqs: list[_Seq]) -> list[Sampled]:
         rows = [s.row or RowSampler(SamplingParams()) for s in seqs]

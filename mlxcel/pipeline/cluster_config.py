@@ -92,7 +92,11 @@ class ClusterConfig:
             return
         if any(r is None for r in ranges):
             raise ClusterConfigError(f"{self.path}: give layers for every stage or for none")
-        from mlxcel.pipeline.partition import PartitionError, format_range, parse_layer_ranges
+        from mlxcel.pipeline.partition import (
+            PartitionError,
+            format_range,
+            parse_layer_ranges,
+        )
 
         text = ",".join(format_range(a, b) for a, b in ranges)  # type: ignore[misc]
         try:

@@ -13,6 +13,7 @@ import logging
 import os
 import socket
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +74,9 @@ def _add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
                             "MLXCEL_CLUSTER_SECRET, [cluster] secret_file)")
     group.add_argument("--pp-micro-batch-size", type=positive_int, default=None, metavar="M",
                        help="rows per pipeline micro-batch (default: the TOML's, else ceil(batch / stages))")
+    group.add_argument("--pp-return-logits", action="store_true",
+                       help="coordinator: the last stage returns full logits and the coordinator samples "
+                            "(default: the last stage samples and returns token ids, a few bytes per token)")
 
 
 def check_cluster_flags(args: argparse.Namespace) -> None:
@@ -149,11 +153,24 @@ def run_server(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = build_config(args)
+    from mlxcel.pipeline.runtime import coordinator_factory, prepare_distributed
     from mlxcel.server.access import prepare_access
 
-    access = prepare_access(args)  # keys, TLS files and the fail-closed bind policy, before anything listens
+    dist = prepare_distributed(args, config.model)  # cluster TOML, node, secret (fail closed), stage ranges
+    # keys, TLS files and the fail-closed bind policy, before anything listens
+    access = prepare_access(args, health_only=dist is not None and dist.is_stage)
     sock = bind_socket(args.host, args.port)
     host, port = sock.getsockname()[:2]
+    if dist is not None and dist.is_stage:
+        from mlxcel.pipeline.stage_server import run_stage
+
+        code = run_stage(dist, config.model, sock, log_level=args.log_level,
+                         uvicorn_options=access.uvicorn_options(), server_class=_server_class())
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    if dist is not None:
+        config = replace(config, lazy_weights=True)
     exit_code = {"code": 0}
     server: Any = None
 
@@ -163,11 +180,13 @@ def run_server(args: argparse.Namespace) -> int:
         if server is not None:
             server.should_exit = True
 
-    app = create_app(ServerRuntime(config), on_fatal=fatal, access=access)
+    runtime = ServerRuntime(config) if dist is None else ServerRuntime(config, coordinator_factory(dist))
+    app = create_app(runtime, on_fatal=fatal, access=access)
     server = _server_class()(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
                                            access_log=args.log_level == "debug",
                                            **access.uvicorn_options()))
-    print(f"mlxcel: serving {config.served_model_name} on {access.scheme}://{host}:{port} "
+    role = "" if dist is None else f" as coordinator of {len(dist.cluster.stages)} pipeline stages"
+    print(f"mlxcel: serving {config.served_model_name} on {access.scheme}://{host}:{port}{role} "
           f"(parallel {config.parallel}, batch {config.max_batch_size})", file=sys.stderr, flush=True)
     server.run(sockets=[sock])
     sys.stdout.flush()

@@ -34,9 +34,15 @@ async def models(request: Request) -> dict:
 @router.get("/health")
 async def health(request: Request) -> JSONResponse:
     runtime = _serving(request).runtime
-    status = 200 if runtime.ready else 503
-    return JSONResponse({"status": runtime.state}, status_code=status,
-                        headers={} if runtime.ready else {"Retry-After": "1"})
+    body: dict = {"status": runtime.state}
+    if runtime.ready and runtime.engine is not None and hasattr(runtime.engine, "health"):
+        health = runtime.engine.health()  # a pipeline: "degraded" while a stage does not answer
+        if health.get("status") != "ok":
+            body = {**health, "status": health.get("status", "degraded")}
+        elif "stages" in health:
+            body["stages"] = health["stages"]
+    ok = body["status"] == "ready"
+    return JSONResponse(body, status_code=200 if ok else 503, headers={} if ok else {"Retry-After": "1"})
 
 
 @router.get("/metrics")

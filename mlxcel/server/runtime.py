@@ -34,6 +34,7 @@ class ServerConfig:
     request_timeout: float | None = None
     warmup: bool = True
     prefix_cache_mb: int = 256
+    lazy_weights: bool = False  # a pipeline coordinator holds no layers: never read the weights
 
 
 def context_length(config: dict) -> int:
@@ -87,17 +88,20 @@ class ServerRuntime:
         self._thread.start()
 
     def _load(self, on_fatal: Callable[[str], None]) -> None:
+        from mlxcel.cluster.errors import ClusterError
+        from mlxcel.engine.executor import ExecutorError
+        from mlxcel.errors import CLIError
         from mlxcel.models.errors import ModelError
         from mlxcel.models.loading import load_checkpoint
 
         start = time.perf_counter()
         try:
-            loaded = load_checkpoint(self.config.model)
+            loaded = load_checkpoint(self.config.model, lazy=self.config.lazy_weights)
             self.sampling_defaults = loaded.sampling_defaults()
             self._describe(loaded)
             self.state = "warming" if self.config.warmup else "starting"
             self.engine = self._factory(loaded.model, loaded.tokenizer, context_length(loaded.config), self.config)
-        except ModelError as exc:
+        except (ModelError, ExecutorError, ClusterError, CLIError) as exc:
             self._fail(str(exc), on_fatal)
             return
         except Exception as exc:  # anything else a broken checkpoint raises: still one line, still fatal

@@ -1,0 +1,218 @@
+"""The stage protocol's messages: a type byte, a JSON header, raw tensor bytes (docs/pipeline.md §3).
+
+    offset 0   u8       message type (``MsgType``)
+    offset 1   u32 BE   H, the header length
+    offset 5   H bytes  header: a UTF-8 JSON object (fields per type, docs/pipeline.md)
+    offset 5+H          tensors, back to back, in the order of header["tensors"]:
+                        [{"name", "dtype", "shape"}], little-endian, row-major
+
+Sans-I/O: ``encode`` returns bytes, ``decode`` checks the envelope and every tensor's dtype, rank
+and byte count against the payload before anything is allocated; shape bounds that depend on the
+model are checked by the receiver (``check_hidden``, ``check_ids``).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from mlxcel.config import MAX_ACTIVATION_TOKENS
+
+ENVELOPE = struct.Struct(">BI")
+MAX_HEADER_LEN = 1 << 20
+FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+INT_DTYPES = ("int32", "uint32")
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int32": 4, "uint32": 4}
+_NUMPY = {"float32": "<f4", "float16": "<f2", "bfloat16": "<u2", "int32": "<i4", "uint32": "<u4"}
+
+
+class MsgType(enum.IntEnum):
+    """Stage protocol message types (byte 0 of every payload)."""
+
+    PREPARE = 1  # coordinator -> every stage: a new sequence (sampling parameters for the last)
+    RUN_ENTRY = 2  # coordinator -> first stage: token ids of one step
+    ACTIVATION = 3  # stage i -> stage i+1: hidden states of one step
+    RUN_RESULT = 4  # last stage -> coordinator: sampled tokens (or logits) of one step
+    CANCEL = 5  # coordinator -> every stage: stop a sequence now and free it
+    RELEASE = 6  # coordinator -> every stage: free a finished sequence
+    BEGIN_DRAIN = 7  # coordinator -> stage: accept no new sequence
+    SHUTDOWN = 8  # coordinator -> stage: exit after answering
+    GET_STATE = 9  # coordinator -> stage: report identity, layers and load
+    ACK = 16  # stage -> coordinator: a command succeeded
+    STATE = 17  # stage -> coordinator: the answer to GET_STATE
+    ERROR = 18  # stage -> owner: a command or a step failed (code, message)
+
+
+COMMANDS = frozenset({MsgType.PREPARE, MsgType.RUN_ENTRY, MsgType.CANCEL, MsgType.RELEASE,
+                      MsgType.BEGIN_DRAIN, MsgType.SHUTDOWN, MsgType.GET_STATE})
+REPLIES = frozenset({MsgType.ACK, MsgType.STATE, MsgType.ERROR})
+
+
+class ErrorCode(str, enum.Enum):
+    """The ``code`` of an ERROR message."""
+
+    UNAUTHORIZED = "unauthorized"  # sender is not the coordinator / not the request's owner / not upstream
+    UNKNOWN_REQUEST = "unknown_request"  # no such prepared sequence on this stage
+    BAD_REQUEST = "bad_request"  # malformed header, wrong fields, rows out of order
+    BAD_TENSOR = "bad_tensor"  # dtype, rank, shape or length outside the bounds
+    DRAINING = "draining"  # the stage accepts no new sequence
+    NO_DOWNSTREAM = "no_downstream"  # the next stage cannot be reached
+    INTERNAL = "internal"  # the forward pass failed
+
+
+class ProtocolError(Exception):
+    """A message that breaks the stage protocol; ``code`` says how."""
+
+    def __init__(self, code: ErrorCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class StageMessage:
+    """A decoded message: its type, header fields and tensors (numpy views of the payload)."""
+
+    type: MsgType
+    header: dict[str, Any]
+    tensors: dict[str, np.ndarray] = field(default_factory=dict)
+    dtypes: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def nonce(self) -> str:
+        return str(self.header.get("nonce", ""))
+
+    @property
+    def request_ids(self) -> list[str]:
+        return list(self.header.get("request_ids") or [])
+
+
+def new_nonce() -> str:
+    """A fresh, unpredictable 64-bit exchange nonce as 16 hex digits."""
+    return os.urandom(8).hex()
+
+
+def encode(mtype: MsgType, header: dict[str, Any], tensors: dict[str, tuple[str, np.ndarray]] | None = None) -> bytes:
+    """One message: ``tensors`` maps name -> (wire dtype, array)."""
+    specs, blobs = [], []
+    for name, (dtype, array) in (tensors or {}).items():
+        arr = np.ascontiguousarray(array, dtype=_NUMPY[dtype])
+        specs.append({"name": name, "dtype": dtype, "shape": list(arr.shape)})
+        blobs.append(arr.tobytes())
+    if specs:
+        header = {**header, "tensors": specs}
+    body = json.dumps(header, separators=(",", ":")).encode()
+    return b"".join([ENVELOPE.pack(int(mtype), len(body)), body, *blobs])
+
+
+def decode(payload: memoryview | bytes) -> StageMessage:
+    """Parse one message; raises ``ProtocolError`` (nothing is allocated from claimed sizes)."""
+    view = memoryview(payload).cast("B") if not isinstance(payload, bytes) else memoryview(payload)
+    if len(view) < ENVELOPE.size:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "message shorter than its 5-byte envelope")
+    mtype_raw, hlen = ENVELOPE.unpack_from(view)
+    try:
+        mtype = MsgType(mtype_raw)
+    except ValueError:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"unknown message type {mtype_raw}") from None
+    if hlen > MAX_HEADER_LEN or ENVELOPE.size + hlen > len(view):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"header length {hlen} runs past the message")
+    try:
+        header = json.loads(bytes(view[ENVELOPE.size: ENVELOPE.size + hlen]))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "header is not UTF-8 JSON") from None
+    if not isinstance(header, dict):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "header is not a JSON object")
+    msg = StageMessage(mtype, header)
+    _tensors(msg, view[ENVELOPE.size + hlen:])
+    return msg
+
+
+def _tensors(msg: StageMessage, data: memoryview) -> None:
+    specs = msg.header.pop("tensors", [])
+    if not isinstance(specs, list) or len(specs) > 4:
+        raise ProtocolError(ErrorCode.BAD_TENSOR, "tensors must be a list of at most 4 descriptors")
+    offset = 0
+    for spec in specs:
+        name, dtype, shape = _spec(spec)
+        count = 1
+        for dim in shape:
+            count *= dim
+        nbytes = count * _ITEMSIZE[dtype]
+        if offset + nbytes > len(data):
+            raise ProtocolError(ErrorCode.BAD_TENSOR, f"tensor {name} claims {nbytes} bytes; {len(data) - offset} remain")
+        arr = np.frombuffer(data[offset: offset + nbytes], dtype=_NUMPY[dtype]).reshape(shape)
+        msg.tensors[name], msg.dtypes[name] = arr, dtype
+        offset += nbytes
+    if offset != len(data):
+        raise ProtocolError(ErrorCode.BAD_TENSOR, f"{len(data) - offset} bytes after the last tensor")
+
+
+def _spec(spec: Any) -> tuple[str, str, list[int]]:
+    if not isinstance(spec, dict):
+        raise ProtocolError(ErrorCode.BAD_TENSOR, "a tensor descriptor must be an object")
+    name, dtype, shape = spec.get("name"), spec.get("dtype"), spec.get("shape")
+    if not isinstance(name, str):
+        raise ProtocolError(ErrorCode.BAD_TENSOR, "a tensor descriptor needs a name")
+    if dtype not in _ITEMSIZE:
+        raise ProtocolError(ErrorCode.BAD_TENSOR, f"tensor {name}: dtype {dtype!r} is not accepted "
+                            f"(compressed or quantized activations are refused)")
+    if (not isinstance(shape, list) or not 1 <= len(shape) <= 3
+            or not all(isinstance(d, int) and not isinstance(d, bool) and 0 < d <= MAX_ACTIVATION_TOKENS << 6
+                       for d in shape)):
+        raise ProtocolError(ErrorCode.BAD_TENSOR, f"tensor {name}: shape must be 1 to 3 positive dimensions")
+    return name, dtype, shape
+
+
+def check_ids(msg: StageMessage, *, max_rows: int, vocab_size: int | None = None) -> np.ndarray:
+    """The token ids of a RUN_ENTRY: int32/uint32 [rows, n], rows == len(request_ids) <= max_rows."""
+    ids = msg.tensors.get("input_ids")
+    if ids is None or msg.dtypes.get("input_ids") not in INT_DTYPES or ids.ndim != 2:
+        raise ProtocolError(ErrorCode.BAD_TENSOR, "input_ids must be an int32 or uint32 tensor [rows, n]")
+    _check_rows(msg, ids.shape[0], ids.shape[1], max_rows)
+    if vocab_size is not None and ids.size and (int(ids.max()) >= vocab_size or int(ids.min()) < 0):
+        raise ProtocolError(ErrorCode.BAD_TENSOR, f"input_ids outside the vocabulary (0-{vocab_size - 1})")
+    return ids
+
+
+def check_hidden(msg: StageMessage, *, max_rows: int, width: int) -> np.ndarray:
+    """The hidden states of an ACTIVATION: float [rows, n, width], n <= 2^20, rows <= max_rows."""
+    hidden = msg.tensors.get("hidden")
+    if hidden is None or msg.dtypes.get("hidden") not in FLOAT_DTYPES or hidden.ndim != 3:
+        raise ProtocolError(ErrorCode.BAD_TENSOR, "hidden must be a float tensor [rows, n, width]")
+    if hidden.shape[2] != width:
+        raise ProtocolError(ErrorCode.BAD_TENSOR, f"hidden width {hidden.shape[2]} is not the model's {width}")
+    _check_rows(msg, hidden.shape[0], hidden.shape[1], max_rows)
+    return hidden
+
+
+def _check_rows(msg: StageMessage, rows: int, n: int, max_rows: int) -> None:
+    rids = msg.header.get("request_ids")
+    if not isinstance(rids, list) or not all(isinstance(r, str) and 0 < len(r) <= 128 for r in rids):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "request_ids must be a list of request id strings")
+    if rows != len(rids):
+        raise ProtocolError(ErrorCode.BAD_TENSOR, f"{rows} tensor rows for {len(rids)} request ids")
+    if not 1 <= rows <= max_rows:
+        raise ProtocolError(ErrorCode.BAD_TENSOR, f"{rows} rows; a stage accepts 1 to {max_rows}")
+    if not 1 <= n <= MAX_ACTIVATION_TOKENS:
+        raise ProtocolError(ErrorCode.BAD_TENSOR, f"{n} positions; at most {MAX_ACTIVATION_TOKENS}")
+    phase = msg.header.get("phase")
+    if phase == "decode" and n != 1:
+        raise ProtocolError(ErrorCode.BAD_TENSOR, "a decode step carries one position per row")
+    if phase == "prefill" and rows != 1:
+        raise ProtocolError(ErrorCode.BAD_TENSOR, "a prefill step carries one row")
+    if phase not in ("prefill", "decode"):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"phase must be prefill or decode, got {phase!r}")
+
+
+def wire_dtype(mx_dtype: Any) -> str:
+    """The wire name of an MLX float dtype."""
+    name = str(mx_dtype).rsplit(".", 1)[-1]
+    if name not in FLOAT_DTYPES:
+        raise ValueError(f"activations travel as {', '.join(FLOAT_DTYPES)}, not {name}")
+    return name

@@ -1,0 +1,337 @@
+"""A pipeline stage process: its layer slice behind the authenticated transport.
+
+Authorization (docs/pipeline.md §4, as the reference specifies):
+
+- commands (PREPARE, RUN_ENTRY, CANCEL, RELEASE, BEGIN_DRAIN, SHUTDOWN, GET_STATE) are accepted
+  only from the cluster's coordinator identity (any identity on its port when its configured IP is
+  unspecified); anything else is answered with ERROR ``unauthorized`` and changes nothing;
+- the authenticated source of a PREPARE owns that request id here; a PREPARE, RUN_ENTRY, CANCEL
+  or RELEASE for it from another identity is answered with ERROR ``unauthorized``;
+- activations are accepted only from the upstream stage; one from anywhere else (a reverse
+  activation, a rogue member) is dropped with a warning;
+- replies and results go to the authenticated owner, never to an address named in a payload;
+- tensors are checked against the bounds before use; a violation is answered with ERROR
+  ``bad_tensor`` to the owner, carrying the exchange nonce, so the request fails at once.
+
+Transport reader threads only decode, authorize, check bounds and enqueue; one worker thread runs
+every MLX operation in arrival order.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from mlxcel import __version__
+from mlxcel.cluster.identity import PeerId
+from mlxcel.cluster.messages import Message
+from mlxcel.cluster.ratelimit import WarnClass, cluster_warnings
+from mlxcel.cluster.secret import ClusterSecret
+from mlxcel.cluster.transport import Transport
+from mlxcel.cluster.wire import Kind
+from mlxcel.engine.runner import RowSampler, RunnerError, Sampled, SliceRunner
+from mlxcel.engine.sampling import SamplingError
+from mlxcel.pipeline.cluster_config import ClusterConfig
+from mlxcel.pipeline.outbox import Outbox
+from mlxcel.pipeline.params import params_from_wire
+from mlxcel.pipeline.protocol import (
+    COMMANDS,
+    ErrorCode,
+    MsgType,
+    ProtocolError,
+    StageMessage,
+    check_hidden,
+    check_ids,
+    decode,
+    encode,
+)
+
+log = logging.getLogger("mlxcel.pipeline.stage")
+_STOP = object()
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What a stage and the coordinator compare: identity and the shapes that bound tensors."""
+
+    identity: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+
+
+def is_coordinator(peer: PeerId, coordinator: PeerId) -> bool:
+    """The coordinator check: its exact identity, or any identity on its port when its IP is unspecified."""
+    if coordinator.ip.is_unspecified:
+        return peer.port == coordinator.port
+    return peer == coordinator
+
+
+class StageService:
+    """Serves one stage of a cluster until closed."""
+
+    def __init__(self, cluster: ClusterConfig, node_id: str, runner: SliceRunner, secret: ClusterSecret,
+                 model: ModelFacts, *, on_shutdown: Callable[[], None] | None = None):
+        self.cluster = cluster
+        self.index = cluster.stage_index(node_id)
+        self.node = cluster.stages[self.index]
+        self.runner = runner
+        self.model = model
+        self.coordinator = cluster.coordinator.address
+        self.upstream = cluster.stages[self.index - 1].address if self.index > 0 else None
+        self.downstream = cluster.stages[self.index + 1].address if self.index + 1 < len(cluster.stages) else None
+        self.max_rows = cluster.max_batch_size
+        self.transport = Transport(self.node.address, secret)
+        self.outbox = Outbox(self.transport)
+        self.boot_id = os.urandom(8).hex()
+        self.draining = False
+        self._owners: dict[str, PeerId] = {}
+        self._returns: dict[str, str] = {}  # request id -> "token" | "logits"
+        self._lock = threading.Lock()
+        self._work: queue.SimpleQueue = queue.SimpleQueue()
+        self._on_shutdown = on_shutdown
+        self._worker = threading.Thread(target=self._run, name=f"mlxcel-stage-{node_id}", daemon=True)
+        self.steps = 0
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.downstream is None
+
+    def start(self) -> PeerId:
+        self._worker.start()
+        return self.transport.serve(self._on_message)
+
+    def close(self) -> None:
+        self._work.put(_STOP)
+        self.transport.close()
+        self.outbox.close()
+        if self._worker.is_alive() and self._worker is not threading.current_thread():
+            self._worker.join(5.0)
+
+    # -- reader threads: decode, authorize, bound, enqueue ----------------------------------------
+
+    def _on_message(self, msg: Message) -> None:
+        try:
+            m = decode(msg.payload)
+        except ProtocolError as exc:
+            cluster_warnings.warning(WarnClass.DIAGNOSTIC, "stage %s: dropping a malformed message from %s: %s",
+                                     self.node.id, msg.peer, exc)
+            return
+        if m.type is MsgType.ACTIVATION:
+            self._on_activation(msg.peer, m)
+        elif m.type in COMMANDS:
+            self._on_command(msg.peer, m)
+        else:
+            cluster_warnings.warning(WarnClass.DIAGNOSTIC, "stage %s: dropping %s from %s (a stage takes no replies)",
+                                     self.node.id, m.type.name, msg.peer)
+
+    def _on_command(self, peer: PeerId, m: StageMessage) -> None:
+        if not is_coordinator(peer, self.coordinator):
+            self._reply_error(peer, m, ErrorCode.UNAUTHORIZED, f"{m.type.name} accepted only from the coordinator")
+            return
+        try:
+            handler = getattr(self, f"_cmd_{m.type.name.lower()}")
+            handler(peer, m)
+        except ProtocolError as exc:
+            self._reply_error(peer, m, exc.code, str(exc))
+
+    def _cmd_get_state(self, peer: PeerId, m: StageMessage) -> None:
+        self._reply(peer, MsgType.STATE, {"nonce": m.nonce, **self.state()})
+
+    def _cmd_prepare(self, peer: PeerId, m: StageMessage) -> None:
+        rid = _rid(m.header.get("request_id"))
+        if self.draining:
+            raise ProtocolError(ErrorCode.DRAINING, f"stage {self.node.id} is draining; it accepts no new sequence")
+        try:
+            params, top = params_from_wire(m.header.get("params"))
+        except (SamplingError, TypeError, ValueError) as exc:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"bad sampling parameters: {exc}") from None
+        ret = m.header.get("return", "token")
+        if ret not in ("token", "logits"):
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"return must be token or logits, got {ret!r}")
+        with self._lock:
+            owner = self._owners.get(rid)
+            if owner is not None and owner != peer:
+                raise ProtocolError(ErrorCode.UNAUTHORIZED, f"request {rid} belongs to another identity")
+            self._owners[rid] = peer
+            self._returns[rid] = ret
+        self._work.put(("prepare", peer, m, RowSampler(params, top) if self.is_last else None))
+
+    def _cmd_run_entry(self, peer: PeerId, m: StageMessage) -> None:
+        if not self.is_first:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"stage {self.node.id} is not the first stage")
+        self._check_owned(peer, m.request_ids)
+        check_ids(m, max_rows=self.max_rows, vocab_size=self.model.vocab_size)
+        self._work.put(("run", peer, m, "input_ids"))
+
+    def _cmd_cancel(self, peer: PeerId, m: StageMessage) -> None:
+        self._release(peer, m, ack=True)
+
+    def _cmd_release(self, peer: PeerId, m: StageMessage) -> None:
+        self._release(peer, m, ack=False)
+
+    def _release(self, peer: PeerId, m: StageMessage, *, ack: bool) -> None:
+        rid = _rid(m.header.get("request_id"))
+        with self._lock:
+            owner = self._owners.get(rid)
+            if owner is not None and owner != peer:
+                raise ProtocolError(ErrorCode.UNAUTHORIZED, f"request {rid} belongs to another identity")
+            self._owners.pop(rid, None)
+            self._returns.pop(rid, None)
+        self._work.put(("release", peer, m, ack))
+
+    def _cmd_begin_drain(self, peer: PeerId, m: StageMessage) -> None:
+        self.draining = True
+        log.info("stage %s: draining (no new sequences)", self.node.id)
+        self._reply(peer, MsgType.ACK, {"nonce": m.nonce})
+
+    def _cmd_shutdown(self, peer: PeerId, m: StageMessage) -> None:
+        log.info("stage %s: shutdown requested by the coordinator", self.node.id)
+        self._reply(peer, MsgType.ACK, {"nonce": m.nonce})
+        if self._on_shutdown is not None:
+            threading.Timer(0.2, self._on_shutdown).start()
+
+    def _on_activation(self, peer: PeerId, m: StageMessage) -> None:
+        if peer != self.upstream:
+            cluster_warnings.warning(WarnClass.DIAGNOSTIC, "stage %s: dropping an activation from %s (only %s, the "
+                                     "upstream stage, sends activations here)", self.node.id, peer, self.upstream)
+            return
+        owner = self._owner_of(m.request_ids)
+        if owner is None or not m.nonce:
+            log.warning("stage %s: dropping an activation nobody can be told about (no owner or no nonce)", self.node.id)
+            return
+        try:
+            check_hidden(m, max_rows=self.max_rows, width=self.model.hidden_size)
+        except ProtocolError as exc:
+            self._reply_error(owner, m, exc.code, str(exc))
+            return
+        self._work.put(("run", owner, m, "hidden"))
+
+    def _check_owned(self, peer: PeerId, rids: list[str]) -> None:
+        if not rids:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "request_ids must name at least one request")
+        with self._lock:
+            for rid in rids:
+                owner = self._owners.get(rid)
+                if owner is None:
+                    raise ProtocolError(ErrorCode.UNKNOWN_REQUEST, f"request {rid} was not prepared on stage {self.node.id}")
+                if owner != peer:
+                    raise ProtocolError(ErrorCode.UNAUTHORIZED, f"request {rid} belongs to another identity")
+
+    def _owner_of(self, rids: list[str]) -> PeerId | None:
+        with self._lock:
+            owners = {self._owners.get(r) for r in rids} if rids else {None}
+        return owners.pop() if len(owners) == 1 else None
+
+    # -- the worker: every MLX operation -----------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            item = self._work.get()
+            if item is _STOP:
+                return
+            op, peer, m, arg = item
+            try:
+                if op == "prepare":
+                    self.runner.prepare(m.header["request_id"], arg)
+                    self._reply(peer, MsgType.ACK, {"nonce": m.nonce})
+                elif op == "release":
+                    self.runner.release(m.header["request_id"])
+                    if arg:
+                        self._reply(peer, MsgType.ACK, {"nonce": m.nonce})
+                else:
+                    self._step(peer, m, arg)
+            except RunnerError as exc:
+                self._reply_error(peer, m, ErrorCode(exc.code), str(exc))
+            except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, never the stage
+                log.exception("stage %s: %s failed", self.node.id, m.type.name)
+                self._reply_error(peer, m, ErrorCode.INTERNAL, f"stage {self.node.id}: {type(exc).__name__}: {exc}")
+
+    def _step(self, owner: PeerId, m: StageMessage, tensor: str) -> None:
+        from mlxcel.pipeline.tensors import from_wire, to_wire
+
+        h = m.header
+        rids = m.request_ids
+        phase, sample = h.get("phase"), bool(h.get("sample", True))
+        with self._lock:
+            if any(r not in self._owners for r in rids):
+                raise RunnerError("unknown_request", "a request of this step was released")
+            logits = self._returns.get(rids[0]) == "logits"
+        x = from_wire(m.dtypes[tensor], m.tensors[tensor])
+        if phase == "prefill":
+            out = self.runner.prefill(rids[0], x, sample=sample, logits=logits)
+        else:
+            out = self.runner.decode(int(h.get("micro_batch", 0)), rids, x, logits=logits)
+        self.steps += 1
+        fwd = {k: h[k] for k in ("nonce", "phase", "micro_batch", "request_ids", "sample") if k in h}
+        if not self.is_last:
+            self._send(self.downstream, MsgType.ACTIVATION, fwd, {"hidden": to_wire(out)}, owner, m)
+            return
+        self._send(owner, MsgType.RUN_RESULT, {**fwd, **_result_fields(out, logits)},
+                   {"logits": ("float32", _np(out))} if logits and out is not None else None, owner, m)
+
+    # -- replies -----------------------------------------------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        start, end = self.node.layers or (0, 0)
+        return {
+            "node_id": self.node.id, "cluster": self.cluster.name, "stage": self.index, "layers": [start, end],
+            "model_identity": self.model.identity, "num_layers": self.model.num_layers,
+            "hidden_size": self.model.hidden_size, "vocab_size": self.model.vocab_size,
+            "sequences": len(self.runner), "draining": self.draining, "version": __version__,
+            "boot_id": self.boot_id, "steps": self.steps,
+            "sent_frames": self.outbox.frames, "sent_bytes": self.outbox.bytes,
+        }
+
+    def _send(self, peer: PeerId | None, mtype: MsgType, header: dict, tensors: dict | None,
+              owner: PeerId, m: StageMessage) -> None:
+        assert peer is not None
+        payload = encode(mtype, header, tensors)
+
+        def failed(exc: BaseException) -> None:
+            if peer != owner:  # the next stage is gone: tell the owner, so the request fails now
+                self._reply_error(owner, m, ErrorCode.NO_DOWNSTREAM, f"stage {self.node.id} cannot reach {peer}: {exc}")
+
+        kind = Kind.TENSOR_DATA if tensors else Kind.CONTROL
+        self.outbox.send(peer, kind, payload, failed)
+
+    def _reply(self, peer: PeerId, mtype: MsgType, header: dict) -> None:
+        self.outbox.send(peer, Kind.CONTROL, encode(mtype, header))
+
+    def _reply_error(self, peer: PeerId, m: StageMessage, code: ErrorCode, message: str) -> None:
+        log.info("stage %s: %s %s from %s: %s", self.node.id, code.value, m.type.name, peer, message)
+        self._reply(peer, MsgType.ERROR, {"nonce": m.nonce, "code": code.value, "message": message,
+                                          "request_ids": m.request_ids or ([m.header["request_id"]]
+                                                                          if isinstance(m.header.get("request_id"), str) else [])})
+
+
+def _rid(value: Any) -> str:
+    if not isinstance(value, str) or not 0 < len(value) <= 128:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "request_id must be a string of 1 to 128 characters")
+    return value
+
+
+def _np(x: Any) -> Any:
+    import numpy as np
+
+    return np.array(x, copy=False)
+
+
+def _result_fields(out: list[Sampled] | Any | None, logits: bool) -> dict[str, Any]:
+    if out is None:
+        return {"tokens": None}
+    if logits:
+        return {"tokens": None}
+    return {
+        "tokens": [s.token for s in out],
+        "logprobs": [s.logprob for s in out] if any(s.logprob is not None for s in out) else None,
+        "top_logprobs": [[list(p) for p in s.top_logprobs] for s in out] if any(s.top_logprobs for s in out) else None,
+    }

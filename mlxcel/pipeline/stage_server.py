@@ -1,0 +1,106 @@
+"""The process of one pipeline stage: its slice on the cluster transport, /health on --host/--port."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+
+from mlxcel.pipeline.runtime import Distributed, load_stage_runner, model_facts
+from mlxcel.pipeline.stage import StageService
+
+log = logging.getLogger("mlxcel.pipeline.stage")
+
+
+class StageProcess:
+    """Loading -> ready (serving on the transport) | failed; /health reports which."""
+
+    def __init__(self, dist: Distributed, model_dir: Path):
+        self.dist = dist
+        self.model_dir = model_dir
+        self.state = "loading"
+        self.error: str | None = None
+        self.service: StageService | None = None
+
+    def load(self, on_fatal: Callable[[str], None], on_shutdown: Callable[[], None]) -> None:
+        start = time.perf_counter()
+        node = self.dist.node
+        layers = node.layers
+        assert layers is not None and self.dist.secret is not None
+        try:
+            runner, loaded = load_stage_runner(self.model_dir, *layers, max_rows=self.dist.cluster.max_batch_size)
+            service = StageService(self.dist.cluster, node.id, runner, self.dist.secret, model_facts(self.model_dir),
+                                   on_shutdown=on_shutdown)
+            service.start()
+        except OSError as exc:
+            self._fail(f"stage {node.id}: cannot listen on {node.address}: {exc.strerror or exc}", on_fatal)
+            return
+        except Exception as exc:  # noqa: BLE001 - one line, then exit
+            self._fail(f"stage {node.id}: {exc}", on_fatal)
+            return
+        self.service = service
+        self.state = "ready"
+        log.info("stage %s serving layers %d-%d of %s (%s) on %s in %.1fs", node.id, layers[0], layers[1] - 1,
+                 loaded.name, loaded.describe_weights(), node.address, time.perf_counter() - start)
+
+    def _fail(self, message: str, on_fatal: Callable[[str], None]) -> None:
+        self.state, self.error = "failed", message
+        on_fatal(message)
+
+    def health(self) -> JSONResponse:
+        node = self.dist.node
+        body: dict[str, Any] = {"status": self.state, "role": "stage", "node_id": node.id,
+                                "layers": list(node.layers or ())}
+        if self.service is not None:
+            body.update(sequences=len(self.service.runner), draining=self.service.draining)
+        return JSONResponse(body, status_code=200 if self.state == "ready" else 503)
+
+    def close(self) -> None:
+        if self.service is not None:
+            self.service.close()
+
+
+def stage_app(process: StageProcess) -> FastAPI:
+    app = FastAPI(title="mlxcel stage", docs_url=None, redoc_url=None, openapi_url=None)
+    app.get("/health")(lambda: process.health())
+    return app
+
+
+def run_stage(dist: Distributed, model_dir: Path, sock: socket.socket, *, log_level: str,
+              uvicorn_options: dict[str, Any], server_class: Any) -> int:
+    """Serve until SIGINT/SIGTERM or the coordinator's SHUTDOWN; returns the exit code."""
+    import uvicorn
+
+    process = StageProcess(dist, model_dir)
+    code = {"value": 0}
+    server: Any = None
+
+    def fatal(message: str) -> None:
+        print(f"mlxcel: error: {message}", file=sys.stderr, flush=True)
+        code["value"] = 1
+        if server is not None:
+            server.should_exit = True
+
+    def shutdown() -> None:
+        if server is not None:
+            server.should_exit = True
+
+    server = server_class(uvicorn.Config(stage_app(process), log_level=log_level, access_log=log_level == "debug",
+                                         **uvicorn_options))
+    threading.Thread(target=process.load, args=(fatal, shutdown), name="mlxcel-stage-load", daemon=True).start()
+    host, port = sock.getsockname()[:2]
+    layers = dist.node.layers or (0, 0)
+    print(f"mlxcel: stage {dist.node.id} (layers {layers[0]}-{layers[1] - 1}) on cluster address {dist.node.address}, "
+          f"health on http://{host}:{port}/health", file=sys.stderr, flush=True)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        process.close()
+    return code["value"] or (0 if server.started else 1)
