@@ -218,8 +218,9 @@ def run_serve(model: Path, *flags: str, env: dict | None = None) -> subprocess.C
                           text=True, timeout=60, env=env or clean_env())
 
 
-@pytest.mark.parametrize("host", ["0.0.0.0", "::"])
-def test_cli_refuses_wildcard_without_key_before_binding(tiny_llama, host):
+def test_cli_refuses_wildcard_without_key_before_binding(tiny_llama):
+    """The other wildcard (::) and LAN addresses go through the same check (tests above)."""
+    host = "0.0.0.0"
     r = run_serve(tiny_llama, "--host", host)
     assert r.returncode == 1
     lines = r.stderr.strip().splitlines()
@@ -357,11 +358,6 @@ def test_allow_unauthenticated_starts_open_and_warns(start_server, tiny_llama, m
         server.stop()
     assert any("WARNING" in line and "serving without an API key on 127.0.0.1 (--allow-unauthenticated)" in line
                for line in server.lines)
-
-
-def test_loopback_quick_start_stays_key_free(server):
-    """The shared server of this package (no key flags, 127.0.0.1) still answers without a key."""
-    assert httpx.get(f"{server.url}/v1/models", timeout=10).status_code == 200
 
 
 def test_prepare_access_applies_the_policy_unless_the_port_serves_only_health(tmp_path):

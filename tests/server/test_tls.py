@@ -139,12 +139,11 @@ def test_encrypted_key_is_refused_without_prompting(tmp_path, certificate):
         load_tls(str(cert), str(locked))
 
 
-@pytest.mark.parametrize("case", ["cert-only", "mismatch", "wildcard-tls-no-key"])
+@pytest.mark.parametrize("case", ["mismatch", "wildcard-tls-no-key"])
 def test_cli_tls_errors_are_one_line_before_binding(tiny_llama, certificate, tmp_path, case):
     cert, key = certificate
     _, other_key = make_certificate(tmp_path, "other")
     flags, expected = {
-        "cert-only": (["--ssl-certfile", str(cert)], "--ssl-certfile and --ssl-keyfile go together"),
         "mismatch": (["--ssl-certfile", str(cert), "--ssl-keyfile", str(other_key)], "does not match"),
         "wildcard-tls-no-key": (["--host", "0.0.0.0", "--ssl-certfile", str(cert), "--ssl-keyfile", str(key)],
                                 "refusing to listen on 0.0.0.0 without an API key"),
