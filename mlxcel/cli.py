@@ -190,13 +190,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run(func: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    from mlxcel.cluster.errors import SecretError
     from mlxcel.engine.prompts import PromptError
     from mlxcel.engine.sampling import SamplingError
     from mlxcel.models.errors import ModelError
 
     try:
         return func(args)
-    except (CLIError, ModelError, PromptError, SamplingError, FileNotFoundError, PermissionError) as exc:
+    except (CLIError, ModelError, PromptError, SamplingError, SecretError, FileNotFoundError, PermissionError) as exc:
         print(f"mlxcel: error: {exc}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:

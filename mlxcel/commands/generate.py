@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 import mlx.core as mx
 
 from mlxcel.blas import blas_in_use
+from mlxcel.cluster.secret import load_secret
 from mlxcel.engine.generate import GenerationStats, stream_generate
 from mlxcel.engine.prompts import PromptError, encode_chat, encode_raw
 from mlxcel.engine.sampling import SamplingParams
+from mlxcel.errors import CLIError
 from mlxcel.models.loading import load_checkpoint
+from mlxcel.pipeline.inprocess import InProcessPipeline, stage_ranges
+from mlxcel.pipeline.partition import PartitionError
 
 
 def _prompt_text(args: argparse.Namespace) -> str:
@@ -29,6 +34,21 @@ def format_stats(stats: GenerationStats) -> str:
     )
 
 
+def _pipeline(args: argparse.Namespace, loaded: Any) -> Any:
+    """The whole model, or with --pp-size/--pp-layers an in-process chain of stages."""
+    if getattr(args, "cluster_secret_file", None) is not None:
+        load_secret(args.cluster_secret_file)  # checked like the server does; in-process stages need no transport
+    if getattr(args, "pp_size", 1) < 2 and getattr(args, "pp_layers", None) is None:
+        return loaded.model
+    try:
+        ranges = stage_ranges(loaded.path, loaded.num_layers, args.pp_size, args.pp_layers)
+    except PartitionError as exc:
+        raise CLIError(str(exc)) from None
+    print("pipeline: " + ", ".join(f"stage {i} layers {a}-{b - 1}" for i, (a, b) in enumerate(ranges))
+          + " (in process)", file=sys.stderr)
+    return InProcessPipeline(loaded.model, ranges)
+
+
 def run_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -44,8 +64,9 @@ def run_generate(args: argparse.Namespace) -> int:
     else:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         prompt = encode_chat(loaded.tokenizer, messages + [{"role": "user", "content": text}])
+    model = _pipeline(args, loaded)
     stats = GenerationStats()
-    for chunk in stream_generate(loaded.model, loaded.tokenizer, prompt, params, stats=stats):
+    for chunk in stream_generate(model, loaded.tokenizer, prompt, params, stats=stats):
         sys.stdout.write(chunk.text)
         sys.stdout.flush()
     sys.stdout.write("\n")
