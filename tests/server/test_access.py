@@ -8,6 +8,7 @@ import os
 import pickle
 import re
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -27,12 +28,14 @@ SECOND_KEY = "sk-mlxcel-second-9d0e1f2a3b4c5d6e"
 WRONG_KEY = "sk-mlxcel-wrong-77aa88bb99cc00dd"
 NO_KEY_ENV = {access.ENV_KEY_FILE: None, access.ENV_KEY: None}
 _URL = re.compile(r"serving \S+ on (https?://[\d.]+:\d+)")
+_STAGE_URL = re.compile(r"health on (https?://[\d.]+:\d+)/health")
 
 
 class LoggedServer:
     """A server subprocess keeping stdout and stderr both (uvicorn's access log goes to stdout)."""
 
-    def __init__(self, model: Path, *flags: str, env: dict | None = None):
+    def __init__(self, model: Path, *flags: str, env: dict | None = None, url: re.Pattern = _URL):
+        self._url_pattern = url
         cmd = [*CLI, "serve", "-m", str(model), "--port", "0", "--served-model-name", MODEL, *flags]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env=env or clean_env())
@@ -48,7 +51,7 @@ class LoggedServer:
     def _drain(self) -> None:
         for line in self.proc.stdout:
             self.lines.append(line)
-            m = _URL.search(line)
+            m = self._url_pattern.search(line)
             if m and not self.url:
                 self.url = m.group(1)
                 self._listening.set()
@@ -370,3 +373,65 @@ def test_prepare_access_applies_the_policy_unless_the_port_serves_only_health(tm
     args.api_key_file, args.metrics_public = str(key_file(tmp_path, KEY)), True
     keyed = access.prepare_access(args, env={})
     assert keyed.keys.matches(KEY.encode()) and keyed.open_paths() == {"/health", "/metrics"}
+
+
+# --- the pipeline coordinator: same entry point, same app, same flags ------------------------------------
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def write_cluster(directory: Path) -> Path:
+    secret = directory / "cluster.secret"
+    secret.write_text(os.urandom(32).hex())
+    secret.chmod(0o600)
+    nodes = zip(("coordinator", "stage-0", "stage-1"), ("coordinator", "stage", "stage"), free_ports(3))
+    toml = '[cluster]\npipeline_parallel_size = 2\nsecret_file = "cluster.secret"\n' + "".join(
+        f'\n[[nodes]]\nid = "{i}"\nrole = "{r}"\naddress = "127.0.0.1:{p}"\n' for i, r, p in nodes)
+    path = directory / "cluster.toml"
+    path.write_text(toml)
+    return path
+
+
+def test_coordinator_refuses_wildcard_without_key(tiny_llama, tmp_path):
+    toml = write_cluster(tmp_path)
+    r = run_serve(tiny_llama, "--distributed-config", str(toml), "--node-id", "coordinator", "--host", "0.0.0.0")
+    assert r.returncode == 1 and r.stderr.strip().splitlines() == [
+        "mlxcel: error: " + access.REFUSE_MESSAGE.format(host="0.0.0.0")]
+
+
+def test_pipeline_coordinator_requires_the_key(tiny_llama, tmp_path):
+    """Two stages (health-only ports, no key) and a coordinator with --api-key-file, all on loopback."""
+    toml = write_cluster(tmp_path)
+    cluster = ["--distributed-config", str(toml)]
+    servers = []
+    try:
+        for stage in ("stage-0", "stage-1"):
+            servers.append(LoggedServer(tiny_llama, *cluster, "--node-id", stage, url=_STAGE_URL))
+        coordinator = LoggedServer(tiny_llama, *cluster, "--node-id", "coordinator",
+                                   "--api-key-file", str(key_file(tmp_path, KEY)))
+        servers.append(coordinator)
+        assert "as coordinator of 2 pipeline stages" in coordinator.log
+        with httpx.Client(timeout=30) as c:
+            coordinator.wait_ready(c)
+            for stage in servers[:2]:
+                assert c.get(f"{stage.url}/health").status_code == 200
+            assert_unauthorized(c.get(f"{coordinator.url}/v1/models"))
+            assert_unauthorized(c.get(f"{coordinator.url}/metrics"))
+            assert_unauthorized(c.get(f"{coordinator.url}/v1/models", headers={"Authorization": f"Bearer {WRONG_KEY}"}))
+        oa = openai.OpenAI(base_url=f"{coordinator.url}/v1", api_key=KEY, max_retries=0)
+        chunks = list(oa.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=3, stream=True))
+        assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    finally:
+        for server in reversed(servers):
+            server.stop()
+    assert all(KEY not in server.log for server in servers)
