@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -143,13 +144,20 @@ def _decode_table(cmp: pd.DataFrame) -> html.Table:
     ])
 
 
+_ENV_FIELDS = {
+    "cpu": "CPU", "cpu_count": "CPU count", "memory_gb": "memory (GiB)", "accelerator": "MLX device name",
+    "mlx_device": "MLX device", "arch": "architecture", "platform": "platform", "python": "Python", "mlx": "MLX",
+    "mlx_lm": "mlx-lm", "mlxcel": "mlxcel", "git_commits": "git commits", "rows_without_commit": "rows without commit",
+    "first_run": "first run", "last_run": "last run", "benches": "benchmarks", "sessions": "sessions", "rows": "rows",
+}
+
+
 def _env_table(env: pd.DataFrame) -> html.Table | None:
+    """Transposed: one column per machine, one row per attribute (machines are few, attributes many)."""
     if env.empty:
         return None
-    cols: list[html.Column] = [(name, name, html.text) for name in (
-        "machine", "cpu", "cpu_count", "memory_gb", "accelerator", "mlx_device", "platform", "python", "mlx",
-        "mlx_lm", "mlxcel", "git_commits", "rows_without_commit", "first_run", "last_run", "benches", "sessions", "rows")]
-    return html.table(env, cols)
+    rows = [[label, *(html.text(v) or "–" for v in env[col])] for col, label in _ENV_FIELDS.items() if col in env]
+    return html.Table(["machine", *env["machine"]], rows, [""] * len(rows), [False] * (len(env) + 1))
 
 
 def _comparison_table(cmp: pd.DataFrame) -> html.Table:
@@ -162,13 +170,15 @@ def _comparison_table(cmp: pd.DataFrame) -> html.Table:
     ], lambda r: r["status"] if r["status"] in ("regression", "improvement") else "")
 
 
+@functools.lru_cache(maxsize=1)
 def _reference_context() -> dict[str, Any]:
+    """The reference section; the same for every report, so drawn once per process."""
     ref_frame = reference.frame_table()
     ref_pipe = reference.pipeline_table()
     return {
         "ref_hardware": reference.HARDWARE, "ref_source": reference.SOURCE, "ref_pipeline_model": reference.PIPELINE_MODEL,
-        "ref_pipeline_plot": plots.reference_pipeline_plot(ref_pipe, "Reference two-stage pipeline decode (other hardware: "
-                                                                      + reference.HARDWARE + ")"),
+        "ref_pipeline_plot": plots.reference_pipeline_plot(ref_pipe, "Reference two-stage pipeline decode "
+                                                                      "(other hardware: NVIDIA GB10)"),
         "ref_pipeline_table": html.table(ref_pipe, [
             ("variant", "variant", html.text), ("runs", "runs", html.num(0)), ("tok/s (median)", "tok_s_median", html.num(1)),
             ("range", ("tok_s_min", "tok_s_max"), html.spread(1))]),

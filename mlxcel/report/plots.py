@@ -34,7 +34,7 @@ def color(name: str, i: int = 0) -> str:
 
 def _render(fig: Figure, title: str, alt: str) -> Plot:
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=96, bbox_inches="tight")
+    fig.savefig(buf, format="png", dpi=96)  # constrained layout already fits the labels
     return Plot(title, alt, base64.b64encode(buf.getvalue()).decode("ascii"))
 
 
@@ -93,18 +93,19 @@ def decode_plot(cmp: pd.DataFrame) -> Plot:
     (each with its own scale: a GPU and a 2-core CPU differ by 10x and more)."""
     machines = list(dict.fromkeys(cmp["machine"]))
     widths = [cmp["machine"].eq(m).sum() for m in machines]
-    fig = Figure(figsize=(max(6.5, 1.9 * sum(widths) + 1.5 * len(machines)), 4.4), layout="constrained")
+    fig = Figure(figsize=(max(5.0, 2.4 * sum(widths) + 1.2 * len(machines)), 4.4), layout="constrained")
     axes = fig.subplots(1, len(machines), squeeze=False, width_ratios=widths)[0]
     for ax, machine in zip(axes, machines):
         part = cmp[cmp["machine"] == machine].reset_index(drop=True)
         x = pd.Series(range(len(part)), dtype=float)
         for off, (impl, label) in ((-0.2, ("mlxcel", "mlxcel")), (0.2, ("mlx_lm", "mlx-lm"))):
             med, lo, hi = (part[f"{impl}_decode_tps_{s}"] for s in ("median", "min", "max"))
-            ax.bar(x + off, med, width=0.38, color=color(impl), label=label, alpha=0.85)
+            ax.bar(x + off, med, width=0.36, color=color(impl), label=label, alpha=0.85)
             ax.errorbar(x + off, med, yerr=[(med - lo).clip(lower=0), (hi - med).clip(lower=0)], fmt="none",
                         ecolor="black", capsize=3, linewidth=1)
         labels = [f"{r.model}, {r.weights}\n{str(r.session).split('@')[-1].strip()[:16]}" for r in part.itertuples()]
         ax.set_xticks(list(x), labels, fontsize=7)
+        ax.set_xlim(-0.7, len(part) - 0.3)
         ax.set_title(machine, fontsize=10)
         ax.grid(True, axis="y", alpha=0.3)
     axes[0].set_ylabel("decode throughput (tok/s, median; bars: min-max)")
@@ -148,7 +149,7 @@ def serve_plot(df: pd.DataFrame, title: str) -> Plot:
 def pipeline_plot(df: pd.DataFrame, title: str) -> Plot:
     """tok/s against streams per topology (median, min-max bars), and bytes per token."""
     fig = Figure(figsize=(12, 3.9), layout="constrained")
-    ax_t, ax_b = fig.subplots(1, 2)
+    ax_t, ax_b = fig.subplots(1, 2, width_ratios=[3, 2])
     topo = df.assign(topology=df["mode"] + " (" + df["stages"].astype(str) + " stage" +
                      df["stages"].map(lambda s: "s" if s > 1 else "") + ", " + df["return"] + ")")
     for i, (name, g) in enumerate(topo.sort_values("streams").groupby("topology", sort=False)):
@@ -160,7 +161,9 @@ def pipeline_plot(df: pd.DataFrame, title: str) -> Plot:
     ax_t.legend(fontsize=7)
     per = topo.dropna(subset=["bytes_per_token_median"]).groupby("topology", sort=False)["bytes_per_token_median"].median()
     if len(per):
-        ax_b.barh(list(per.index), list(per.values / 1024), color=[color(n, i) for i, n in enumerate(per.index)])
+        ax_b.barh(list(per.index), list(per.values / 1024), height=0.5,
+                  color=[color(n, i) for i, n in enumerate(per.index)])
+        ax_b.set_ylim(-0.75, len(per) - 0.25)
         ax_b.set_xlabel("wire bytes per decoded token (KiB)")
         ax_b.set_title("bytes per token (median over streams)")
         ax_b.tick_params(axis="y", labelsize=7)
@@ -185,5 +188,5 @@ def reference_pipeline_plot(ref: pd.DataFrame, title: str) -> Plot:
     ax.set_yticks(y, list(ref["variant"]), fontsize=8)
     ax.set_xlabel("decode throughput (tok/s, median of per-run medians; bars: min-max)")
     ax.grid(True, axis="x", alpha=0.3)
-    ax.set_title(title, fontsize=10)
+    fig.suptitle(title, fontsize=10)
     return _render(fig, title, "The reference's published two-stage pipeline decode throughput (other hardware)")
