@@ -10,6 +10,7 @@ import platform
 import re
 import socket
 import subprocess
+import sys
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Iterable
@@ -135,9 +136,19 @@ def machine() -> dict[str, Any]:
     }
 
 
+def _commit_or_problem() -> tuple[str | None, str | None]:
+    """A bad $MLXCEL_GIT_COMMIT must not throw away a finished run's rows: recorded, and said on stderr."""
+    try:
+        return git_commit(), None
+    except ValueError as exc:
+        print(f"bench: warning: {exc}; rows record no commit", file=sys.stderr)
+        return None, str(exc)
+
+
 def environment() -> dict[str, Any]:
     """Describe where and with what a benchmark ran."""
-    return {
+    commit, problem = _commit_or_problem()
+    env = {
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "host": socket.gethostname(),
         "platform": platform.platform(),
@@ -145,10 +156,13 @@ def environment() -> dict[str, Any]:
         "cpu": _cpu_model(),
         "cpu_count": os.cpu_count(),
         "mlx_device": _mlx_device(),
-        "git_commit": git_commit(),
+        "git_commit": commit,
         "machine": machine(),
         "versions": {name: v for name in _PACKAGES if (v := _version(name))},
     }
+    if problem:
+        env["git_commit_problem"] = problem
+    return env
 
 
 def write_jsonl(path: str | os.PathLike[str], rows: Iterable[dict[str, Any]]) -> Path:

@@ -46,3 +46,15 @@ def test_rows_carry_commit_and_machine(tmp_path: Path):
     assert machine["arch"] and machine["memory_gb"] > 0
     assert set(machine) >= {"arch", "memory_gb", "machine_id", "accelerator"}
     assert environment()["host"] == row["env"]["host"]
+
+
+def test_a_bad_env_var_keeps_the_rows_and_says_why(monkeypatch, capsys):
+    import bench.environment as benv
+
+    monkeypatch.setattr(benv, "_commit_from_checkout", lambda repo: None)  # as on a copy without .git
+    monkeypatch.setenv(COMMIT_ENV, "HEAD")
+    env = benv.environment()
+    assert env["git_commit"] is None and COMMIT_ENV in env["git_commit_problem"]
+    assert "rows record no commit" in capsys.readouterr().err
+    monkeypatch.setenv(COMMIT_ENV, "0123abc")
+    assert benv.environment()["git_commit"] == "0123abc"
