@@ -163,7 +163,7 @@ def serve_summary(df: pd.DataFrame) -> pd.DataFrame:
         "ttft_p95_ms_median": g["ttft_p95_ms"].median(), "itl_p95_ms_median": g["itl_p95_ms"].median(),
         "req_tps_mean_median": g["req_tps_mean"].median(), "requests": g["requests"].sum(),
         "errors": g["errors"].sum(), "rounds": g["round"].nunique(),
-        "went_first": g["order"].agg(lambda s: int((s == 0).sum())),
+        "went_first": g["order"].agg(lambda s: int((s == 0).sum()) if s.notna().any() else None),
     }).reset_index()
     out = out.merge(extra, on=keys, how="left")
     out["same_prompts"] = out.apply(lambda r: _same_prompts(df, r), axis=1)
