@@ -23,6 +23,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -52,6 +53,8 @@ from mlxcel.pipeline.protocol import (
 
 log = logging.getLogger("mlxcel.pipeline.stage")
 _STOP = object()
+# Test and rehearsal aid: sleep this many seconds per step (simulates a slow stage, e.g. for cancellation tests).
+STEP_DELAY_ENV = "MLXCEL_STAGE_STEP_DELAY_S"
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,7 @@ class StageService:
         self._on_shutdown = on_shutdown
         self._worker = threading.Thread(target=self._run, name=f"mlxcel-stage-{node_id}", daemon=True)
         self.steps = 0
+        self._delay = float(os.environ.get(STEP_DELAY_ENV, "0") or 0)
 
     @property
     def is_first(self) -> bool:
@@ -266,6 +270,8 @@ class StageService:
                 raise RunnerError("unknown_request", "a request of this step was released")
             logits = self._returns.get(rids[0]) == "logits"
         x = from_wire(m.dtypes[tensor], m.tensors[tensor])
+        if self._delay:
+            time.sleep(self._delay)
         if phase == "prefill":
             out = self.runner.prefill(rids[0], x, sample=sample, logits=logits)
         else:
