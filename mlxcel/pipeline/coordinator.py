@@ -35,7 +35,7 @@ from mlxcel.engine.executor import Done, ExecutorError, Step
 from mlxcel.engine.runner import RowSampler, Sampled, sample_rows
 from mlxcel.engine.sampling import SamplingParams
 from mlxcel.pipeline.cluster_config import ClusterConfig, Node
-from mlxcel.pipeline.outbox import FRAME_OVERHEAD, Outbox
+from mlxcel.pipeline.outbox import FRAME_OVERHEAD, Outbox, fast_handoffs
 from mlxcel.pipeline.params import params_to_wire
 from mlxcel.pipeline.protocol import (
     MsgType,
@@ -106,6 +106,7 @@ class PipelineExecutor:
 
     def start(self, timeout: float | None = None) -> None:
         """Listen, then wait until every stage answers with the same model; raises ExecutorError."""
+        fast_handoffs()
         self.transport.serve(self._on_message)
         deadline = time.monotonic() + (timeout or self.cluster.timeouts.startup_s)
         for node in self.cluster.stages:

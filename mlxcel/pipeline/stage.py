@@ -37,7 +37,7 @@ from mlxcel.cluster.wire import Kind
 from mlxcel.engine.runner import RowSampler, RunnerError, Sampled, SliceRunner
 from mlxcel.engine.sampling import SamplingError
 from mlxcel.pipeline.cluster_config import ClusterConfig
-from mlxcel.pipeline.outbox import Outbox
+from mlxcel.pipeline.outbox import Outbox, fast_handoffs
 from mlxcel.pipeline.params import params_from_wire
 from mlxcel.pipeline.protocol import (
     COMMANDS,
@@ -110,6 +110,7 @@ class StageService:
         return self.downstream is None
 
     def start(self) -> PeerId:
+        fast_handoffs()
         self._worker.start()
         return self.transport.serve(self._on_message)
 
