@@ -122,3 +122,30 @@ def test_stage_killed_mid_generation_then_restarted(tmp_path, tiny_llama):
     finally:
         c.stop()
 
+
+
+@pytest.mark.slow
+def test_default_model_remote_two_stages_equal_single_device(tmp_path, default_model):
+    """The issue's 'done when': two stage processes and a coordinator serve the default model, greedy == one node."""
+    from openai import OpenAI
+
+    from tests.server.util import ServerProcess
+
+    single = ServerProcess(default_model)
+    c = LocalCluster(tmp_path, default_model)
+    try:
+        single.wait_ready(120)
+        c.start()
+        question = [{"role": "user", "content": "What is the capital of France?"}]
+        answers = []
+        for url in (single.url, c.url):
+            client = OpenAI(base_url=f"{url}/v1", api_key="unused")
+            reply = client.chat.completions.create(model="tiny", messages=question, max_tokens=16, temperature=0)
+            answers.append(reply.choices[0].message.content)
+        assert answers[0] == answers[1]
+        assert "Paris" in answers[1]
+        prompt = [1, 504, 3458, 282, 4649, 314]
+        assert remote_tokens(c.url, prompt, 16) == remote_tokens(single.url, prompt, 16)
+    finally:
+        single.stop()
+        c.stop()
