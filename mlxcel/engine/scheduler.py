@@ -314,11 +314,14 @@ class Scheduler:
         return Step("prefill", [seq.rid], [chunk], sample=not seq.todo)
 
     def _decode_step(self) -> Step | None:
+        # Spread rows evenly over the groups (2 streams on 2 stages: one row each, both stages busy).
+        rows = sum(len(m) for m in self._groups) + len(self._joining)
+        share = min(self.executor.micro_batch_size, -(-rows // self.executor.depth))
         for g, busy in enumerate(self._group_busy):
             if busy:
                 continue
             members = self._groups[g]
-            while self._joining and len(members) < self.executor.micro_batch_size:
+            while self._joining and len(members) < share:
                 seq = self._joining.popleft()
                 seq.group = g
                 members.append(seq.rid)
