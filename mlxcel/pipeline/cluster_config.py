@@ -128,12 +128,12 @@ def parse_cluster_config(doc: dict[str, Any], path: Path) -> ClusterConfig:
     cluster = _table(doc, "cluster", path)
     pipeline = _table(doc, "pipeline", path)
     timeouts = _table(doc, "timeouts", path)
-    _no_unknown(cluster, _CLUSTER_KEYS, path, "[cluster]")
-    _no_unknown(pipeline, _PIPELINE_KEYS, path, "[pipeline]")
-    _no_unknown(timeouts, _TIMEOUT_KEYS, path, "[timeouts]")
     for forbidden in ("secret", "cluster_secret"):
         if forbidden in cluster:
             raise ClusterConfigError(f"{path}: the secret value never goes into the TOML; set secret_file under [cluster]")
+    _no_unknown(cluster, _CLUSTER_KEYS, path, "[cluster]")
+    _no_unknown(pipeline, _PIPELINE_KEYS, path, "[pipeline]")
+    _no_unknown(timeouts, _TIMEOUT_KEYS, path, "[timeouts]")
     name = cluster.get("name", defaults.DEFAULT_CLUSTER_NAME)
     if not isinstance(name, str) or not name.strip():
         raise ClusterConfigError(f"{path}: name under [cluster] must be a non-empty string")
