@@ -1,0 +1,129 @@
+"""deploy.yml / status.yml / teardown.yml on the loopback inventory: 3 real processes on 127.0.0.2-4.
+
+The tests run in file order on one deployment: deploy, chat, redeploy (changed=0), status, secrets,
+API key, teardown.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import tomllib
+
+import openai
+import pytest
+
+from tests.ansible.playbook import HOSTS, Deployment
+
+pytestmark = pytest.mark.timeout(600)
+NODES = tuple(HOSTS)
+
+
+def _deployed(deployment: Deployment) -> None:
+    if not (deployment.home("coordinator") / "node.pid").exists():
+        pytest.skip("the deployment did not come up (see test_deploy_starts_three_nodes)")
+
+
+def test_deploy_starts_three_nodes(deployment: Deployment) -> None:
+    result = deployment.run("deploy.yml")
+    assert result.rc == 0, result.output[-4000:]
+    recap = result.recap()
+    assert set(recap) == {"local-coordinator", "local-stage-0", "local-stage-1"}, result.output[-2000:]
+    assert all(r["failed"] == 0 and r["unreachable"] == 0 for r in recap.values())
+    assert f"OpenAI API: {deployment.url}/v1" in result.output
+    assert "answer: " in result.output
+    for node, address in HOSTS.items():
+        pid = int((deployment.home(node) / "node.pid").read_text())
+        cmdline = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+        assert cmdline[cmdline.index(b"--host") + 1].decode() == address  # its own address, never 0.0.0.0
+        assert cmdline[cmdline.index(b"--node-id") + 1].decode() == node
+    print(f"first deploy: {result.seconds:.1f} s")
+
+
+def test_chat_through_the_coordinator_with_openai(deployment: Deployment) -> None:
+    _deployed(deployment)
+    client = openai.OpenAI(base_url=f"{deployment.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    model = client.models.list().data[0].id
+    reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hello"}],
+                                           max_tokens=8, temperature=0)
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    assert reply.usage.completion_tokens >= 1
+    stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
+                                            max_tokens=4, temperature=0, stream=True)
+    assert any(chunk.choices and chunk.choices[0].finish_reason for chunk in stream)
+
+
+def test_redeploy_changes_nothing(deployment: Deployment) -> None:
+    _deployed(deployment)
+    pids = {n: (deployment.home(n) / "node.pid").read_text() for n in NODES}
+    result = deployment.run("deploy.yml")
+    assert result.rc == 0, result.output[-4000:]
+    assert {h: r["changed"] for h, r in result.recap().items()} == \
+        {"local-coordinator": 0, "local-stage-0": 0, "local-stage-1": 0}, result.output[-4000:]
+    assert pids == {n: (deployment.home(n) / "node.pid").read_text() for n in NODES}  # nothing restarted
+    print(f"re-run: {result.seconds:.1f} s")
+
+
+def test_status_reports_role_pid_port_and_health(deployment: Deployment) -> None:
+    _deployed(deployment)
+    result = deployment.run("status.yml")
+    assert result.rc == 0, result.output[-4000:]
+    for node, address in HOSTS.items():
+        pid = (deployment.home(node) / "node.pid").read_text().strip()
+        role = "coordinator" if node == "coordinator" else "stage"
+        line = next((ln for ln in result.output.splitlines() if f" {node} " in f" {ln.strip(' -')} "), "")
+        assert role in line and pid in line and f"{address}:{deployment.http_port}" in line, result.output[-3000:]
+        assert str(deployment.cluster_port) in line and "200 " in line, line
+
+
+def test_secret_is_0600_everywhere_and_never_leaks(deployment: Deployment) -> None:
+    _deployed(deployment)
+    controller_secret = deployment.controller / "cluster.secret"
+    secret = controller_secret.read_text().strip()
+    assert len(bytes.fromhex(secret)) == 32
+    assert stat.S_IMODE(controller_secret.stat().st_mode) == 0o600
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert secret not in ps
+    for node in NODES:
+        home = deployment.home(node)
+        assert (home / "cluster.secret").read_text().strip() == secret
+        assert stat.S_IMODE((home / "cluster.secret").stat().st_mode) == 0o600
+        toml = (home / "cluster.toml").read_text()
+        assert tomllib.loads(toml)["cluster"]["secret_file"] == str(home / "cluster.secret")
+        for name in ("cluster.toml", "node.log", "nodectl"):
+            assert secret not in (home / name).read_text(), f"{node}: the secret is in {name}"
+        environ = open(f"/proc/{int((home / 'node.pid').read_text())}/environ", "rb").read().decode(errors="replace")
+        assert secret not in environ
+
+
+def test_api_key_closes_the_openai_port(deployment: Deployment) -> None:
+    _deployed(deployment)
+    stage_pids = {n: (deployment.home(n) / "node.pid").read_text() for n in ("stage-0", "stage-1")}
+    result = deployment.run("deploy.yml", mlxcel_api_key_enabled=True)
+    assert result.rc == 0, result.output[-4000:]
+    key_file = deployment.controller / "api.key"
+    key = key_file.read_text().strip()
+    assert f"API key: {key_file}" in result.output and key not in result.output
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+    installed = deployment.home("coordinator") / "api.key"
+    assert installed.read_text().strip() == key and stat.S_IMODE(installed.stat().st_mode) == 0o600
+    assert not (deployment.home("stage-0") / "api.key").exists()  # only hosts that serve the OpenAI API
+    assert stage_pids == {n: (deployment.home(n) / "node.pid").read_text() for n in stage_pids}
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{deployment.url}/v1", api_key="wrong", max_retries=0).models.list()
+    client = openai.OpenAI(base_url=f"{deployment.url}/v1", api_key=key, max_retries=0, timeout=60)
+    assert client.models.list().data
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert key not in ps and key not in (deployment.home("coordinator") / "node.log").read_text()
+
+
+def test_teardown_leaves_no_process(deployment: Deployment) -> None:
+    assert deployment.pids(), "nothing to tear down: the deployment never started"
+    result = deployment.run("teardown.yml")
+    assert result.rc == 0, result.output[-4000:]
+    assert deployment.pids() == []
+    assert not any((deployment.home(n) / "node.pid").exists() for n in NODES)
+    again = deployment.run("teardown.yml")  # what is already gone is fine
+    assert again.rc == 0 and all(r["changed"] == 0 for r in again.recap().values()), again.output[-3000:]
+    assert os.path.isdir(deployment.home("coordinator"))
