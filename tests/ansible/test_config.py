@@ -1,0 +1,80 @@
+"""The config and checkpoint roles without starting anything: deploy.yml --tags, --check, other inventories."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mlxcel.models.random_checkpoint import make_random_checkpoint
+from mlxcel.pipeline.cluster_config import load_cluster_config
+from tests.ansible.playbook import HOSTS, REPO, Deployment
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _inventory(path: Path, host_vars: dict[str, dict]) -> str:
+    """The loopback inventory as one file, with extra variables per host (node id -> vars)."""
+    hosts = {f"local-{n}": {"ansible_host": a, "mlxcel_node_id": n, **host_vars.get(n, {})} for n, a in HOSTS.items()}
+    inventory = {"mlxcel_cluster": {
+        "vars": {"ansible_connection": "local", "ansible_python_interpreter": "{{ ansible_playbook_python }}",
+                 "mlxcel_home": "{{ mlxcel_state_root }}/{{ mlxcel_node_id }}", "mlxcel_install_method": "reuse",
+                 "mlxcel_venv": str(REPO / ".venv"), "mlxcel_node_supervisor": "pidfile"},
+        "children": {"coordinator": {"hosts": {"local-coordinator": hosts["local-coordinator"]}},
+                     "stages": {"hosts": {h: v for h, v in hosts.items() if h != "local-coordinator"}}}}}
+    path.write_text(json.dumps(inventory))  # JSON is YAML
+    return str(path)
+
+
+def test_rendered_toml_loads_with_the_engine(deployment: Deployment) -> None:
+    result = deployment.run("deploy.yml", "--tags", "config", mlxcel_model_dir=str(deployment.model))
+    assert result.rc == 0, result.output[-4000:]
+    rendered = {n: deployment.home(n) / "cluster.toml" for n in HOSTS}
+    for node, path in rendered.items():
+        config = load_cluster_config(path)
+        assert config.pipeline_parallel_size == 2
+        assert config.secret_file == deployment.home(node) / "cluster.secret"
+        assert (config.coordinator.id, str(config.coordinator.address)) == \
+            ("coordinator", f"{HOSTS['coordinator']}:{deployment.cluster_port}")
+        assert [(s.id, str(s.address)) for s in config.stages] == \
+            [(n, f"{HOSTS[n]}:{deployment.cluster_port}") for n in ("stage-0", "stage-1")]
+        assert [s.layers for s in config.stages] == [(0, 2), (2, 4)]  # mlxcel plan on the 4-layer checkpoint
+    bodies = {p.read_text().split("\n", 3)[-1] for p in rendered.values()}
+    assert len({b.replace(str(deployment.state), "") for b in bodies}) <= 3  # same cluster, own secret path
+    assert not any((deployment.home(n) / "node.pid").exists() for n in HOSTS)  # --tags config starts nothing
+
+
+def test_explicit_layers_override_the_plan(deployment: Deployment, tmp_path: Path) -> None:
+    inventory = _inventory(tmp_path / "hosts.yml", {"stage-0": {"mlxcel_config_layers": "0-0"},
+                                                    "stage-1": {"mlxcel_config_layers": "1-3"}})
+    result = deployment.run("deploy.yml", "--tags", "config", inventory=inventory,
+                            mlxcel_model_dir=str(deployment.model))
+    assert result.rc == 0, result.output[-4000:]
+    config = load_cluster_config(deployment.home("stage-1") / "cluster.toml")
+    assert [s.layers for s in config.stages] == [(0, 1), (1, 4)]
+
+
+def test_check_mode_changes_nothing(deployment: Deployment, tmp_path: Path) -> None:
+    fresh = Deployment(root=tmp_path, model=deployment.model, http_port=deployment.http_port,
+                       cluster_port=deployment.cluster_port)
+    result = fresh.run("deploy.yml", "--check", mlxcel_model_dir=str(deployment.model))
+    assert result.rc == 0, result.output[-4000:]
+    assert not (fresh.controller / "cluster.secret").exists()
+    assert not any(fresh.home(n).exists() for n in HOSTS)
+
+
+def test_checkpoint_is_copied_where_missing_and_a_different_one_fails_naming_the_host(
+        deployment: Deployment, tmp_path: Path) -> None:
+    other = make_random_checkpoint(tmp_path / "other", family="llama", layers=2)
+    missing = tmp_path / "stage-0-models" / "tiny"
+    inventory = _inventory(tmp_path / "hosts.yml", {"coordinator": {"mlxcel_model_dir": str(deployment.model)},
+                                                    "stage-0": {"mlxcel_model_dir": str(missing)},
+                                                    "stage-1": {"mlxcel_model_dir": str(other)}})
+    result = deployment.run("deploy.yml", "--tags", "checkpoint", inventory=inventory)
+    assert result.rc != 0
+    failed = {h for h, r in result.recap().items() if r["failed"]}
+    assert failed == {"local-stage-1"}, result.output[-4000:]
+    assert f"local-stage-1: {other} holds a different checkpoint" in result.output.replace("\n", " ")
+    # stage-0 lacked it: it got a copy, with the controller's identity
+    assert sorted(p.name for p in missing.iterdir()) == sorted(p.name for p in deployment.model.iterdir())
