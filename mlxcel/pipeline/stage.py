@@ -124,25 +124,30 @@ class StageService:
     # -- reader threads: decode, authorize, bound, enqueue ----------------------------------------
 
     def _on_message(self, msg: Message) -> None:
+        refused: ProtocolError | None = None
         try:
             m = decode(msg.payload)
         except ProtocolError as exc:
-            cluster_warnings.warning(WarnClass.DIAGNOSTIC, "stage %s: dropping a malformed message from %s: %s",
-                                     self.node.id, msg.peer, exc)
-            return
+            if exc.partial is None:  # no type or no header: nothing to authorize or answer
+                cluster_warnings.warning(WarnClass.DIAGNOSTIC, "stage %s: dropping a malformed message from %s: %s",
+                                         self.node.id, msg.peer, exc)
+                return
+            m, refused = exc.partial, exc  # a tensor out of bounds: answered like any other refusal of its kind
         if m.type is MsgType.ACTIVATION:
-            self._on_activation(msg.peer, m)
+            self._on_activation(msg.peer, m, refused)
         elif m.type in COMMANDS:
-            self._on_command(msg.peer, m)
+            self._on_command(msg.peer, m, refused)
         else:
             cluster_warnings.warning(WarnClass.DIAGNOSTIC, "stage %s: dropping %s from %s (a stage takes no replies)",
                                      self.node.id, m.type.name, msg.peer)
 
-    def _on_command(self, peer: PeerId, m: StageMessage) -> None:
+    def _on_command(self, peer: PeerId, m: StageMessage, refused: ProtocolError | None = None) -> None:
         if not is_coordinator(peer, self.coordinator):
             self._reply_error(peer, m, ErrorCode.UNAUTHORIZED, f"{m.type.name} accepted only from the coordinator")
             return
         try:
+            if refused is not None:
+                raise refused
             handler = getattr(self, f"_cmd_{m.type.name.lower()}")
             handler(peer, m)
         except ProtocolError as exc:
@@ -204,7 +209,7 @@ class StageService:
         if self._on_shutdown is not None:
             threading.Timer(0.2, self._on_shutdown).start()
 
-    def _on_activation(self, peer: PeerId, m: StageMessage) -> None:
+    def _on_activation(self, peer: PeerId, m: StageMessage, refused: ProtocolError | None = None) -> None:
         if peer != self.upstream:
             cluster_warnings.warning(WarnClass.DIAGNOSTIC, "stage %s: dropping an activation from %s (only %s, the "
                                      "upstream stage, sends activations here)", self.node.id, peer, self.upstream)
@@ -214,6 +219,8 @@ class StageService:
             log.warning("stage %s: dropping an activation nobody can be told about (no owner or no nonce)", self.node.id)
             return
         try:
+            if refused is not None:
+                raise refused
             check_hidden(m, max_rows=self.max_rows, width=self.model.hidden_size)
         except ProtocolError as exc:
             self._reply_error(owner, m, exc.code, str(exc))
