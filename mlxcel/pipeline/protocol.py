@@ -67,11 +67,16 @@ class ErrorCode(str, enum.Enum):
 
 
 class ProtocolError(Exception):
-    """A message that breaks the stage protocol; ``code`` says how."""
+    """A message that breaks the stage protocol; ``code`` says how.
+
+    ``partial`` is the message without its tensors when the envelope and header decoded but a tensor
+    broke the bounds, so the receiver can still authorize it and answer its owner with its nonce.
+    """
 
     def __init__(self, code: ErrorCode, message: str):
         super().__init__(message)
         self.code = code
+        self.partial: StageMessage | None = None
 
 
 @dataclass
@@ -124,12 +129,18 @@ def decode(payload: memoryview | bytes) -> StageMessage:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"header length {hlen} runs past the message")
     try:
         header = json.loads(bytes(view[ENVELOPE.size: ENVELOPE.size + hlen]))
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (ValueError, RecursionError):  # not UTF-8, not JSON, nested too deep, an integer too long
         raise ProtocolError(ErrorCode.BAD_REQUEST, "header is not UTF-8 JSON") from None
     if not isinstance(header, dict):
         raise ProtocolError(ErrorCode.BAD_REQUEST, "header is not a JSON object")
     msg = StageMessage(mtype, header)
-    _tensors(msg, view[ENVELOPE.size + hlen:])
+    try:
+        _tensors(msg, view[ENVELOPE.size + hlen:])
+    except ProtocolError as exc:
+        msg.tensors.clear()
+        msg.dtypes.clear()
+        exc.partial = msg
+        raise
     return msg
 
 
