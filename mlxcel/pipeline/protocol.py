@@ -94,7 +94,9 @@ class StageMessage:
 
     @property
     def request_ids(self) -> list[str]:
-        return list(self.header.get("request_ids") or [])
+        """The header's request ids; empty unless they are a list of strings (bounds: ``check_ids``)."""
+        rids = self.header.get("request_ids")
+        return list(rids) if isinstance(rids, list) and all(isinstance(r, str) for r in rids) else []
 
 
 def new_nonce() -> str:
