@@ -94,6 +94,7 @@ class StageService:
         self.draining = False
         self._owners: dict[str, PeerId] = {}
         self._returns: dict[str, str] = {}  # request id -> "token" | "logits"
+        self._slots: dict[tuple[PeerId, int], int] = {}  # (owner, micro-batch) -> the runner's slot
         self._lock = threading.Lock()
         self._work: queue.SimpleQueue = queue.SimpleQueue()
         self._on_shutdown = on_shutdown
@@ -238,6 +239,12 @@ class StageService:
                 if owner != peer:
                     raise ProtocolError(ErrorCode.UNAUTHORIZED, f"request {rid} belongs to another identity")
 
+    def _slot(self, owner: PeerId, micro_batch: int) -> int:
+        """Micro-batches are per owner: a decode step reconciles its slot (dropping the rows it does not
+        name), so a shared slot would let one identity evict the sequences of another."""
+        with self._lock:
+            return self._slots.setdefault((owner, micro_batch), len(self._slots))
+
     def _owner_of(self, rids: list[str]) -> PeerId | None:
         with self._lock:
             owners = {self._owners.get(r) for r in rids} if rids else {None}
@@ -283,7 +290,7 @@ class StageService:
         if phase == "prefill":
             out = self.runner.prefill(rids[0], x, sample=sample, logits=logits)
         else:
-            out = self.runner.decode(int(h.get("micro_batch", 0)), rids, x, logits=logits)
+            out = self.runner.decode(self._slot(owner, int(h.get("micro_batch", 0))), rids, x, logits=logits)
         self.steps += 1
         fwd = {k: h[k] for k in ("nonce", "phase", "micro_batch", "request_ids", "sample") if k in h}
         if not self.is_last:
