@@ -19,8 +19,8 @@ from .identity import PeerId
 from .messages import Assembler, Message, plan
 from .options import TransportOptions
 from .ratelimit import RateLimitedLog, WarnClass
-from .reader import SocketReader
-from .wire import FRAME_HEADER_LEN, MESSAGE_KINDS, RPC_ERROR, RPC_OK, Kind
+from .reader import FrameReader
+from .wire import MESSAGE_KINDS, RPC_ERROR, RPC_OK, Kind
 
 log = logging.getLogger("mlxcel.cluster.transport")
 
@@ -122,34 +122,25 @@ class Connection:
 
     # -- receiving --
 
-    def _read_frame(self, rd: SocketReader) -> Message | None:
-        opener = self.opener
-        if not opener.plaintext_on_wire:
-            kind, n, frame = rd.frame(opener.tag_len, opener.max_frame_len)
-            if frame is not None:
-                dst = self.assembler.destination(kind, n)
-                return self.assembler.frame_done(opener.open_frame(frame, kind, n, dst), n)
-        kind, n = opener.parse_header(rd.peek(FRAME_HEADER_LEN))
-        dst = self.assembler.destination(kind, n)
-        tag_len = opener.tag_len
-        if opener.plaintext_on_wire:
-            header = rd.take(FRAME_HEADER_LEN).tobytes()
-            rd.read_into(dst)
-            kind = opener.verify_in_place(header, dst, rd.take(tag_len))
-        elif FRAME_HEADER_LEN + n + tag_len <= rd.capacity:
-            frame = rd.take(FRAME_HEADER_LEN + n + tag_len)
-            kind = opener.open_parsed(kind, n, frame[:FRAME_HEADER_LEN], frame[FRAME_HEADER_LEN:], dst)
-        else:
-            header = rd.take(FRAME_HEADER_LEN).tobytes()
-            kind = opener.open_parsed(kind, n, header, rd.read_large(n + tag_len), dst)
-        return self.assembler.frame_done(kind, n)
-
     def read_loop(self) -> None:
-        """Read, open and dispatch until EOF or an error; then close and forget."""
-        rd = SocketReader(self.sock, max(self.options.chunk_len, 65536) + 64)
+        """Read, open and dispatch until EOF or an error; then close and forget.
+
+        Drives the sans-I/O ``FrameReader``: it says where the next bytes go, the
+        socket fills that view, the assembler turns opened frames into messages."""
+        rd = FrameReader(self.opener, destination=self.assembler.destination, capacity=max(self.options.chunk_len, 65536) + 64)
+        read_frame, recv_target, received = rd.read_frame, rd.recv_target, rd.received
+        recv_into, frame_done = self.sock.recv_into, self.assembler.frame_done
         try:
             while True:
-                msg = self._read_frame(rd)
+                got = read_frame()
+                if got is None:
+                    view, exact = recv_target()
+                    n = recv_into(view, len(view), socket.MSG_WAITALL if exact else 0)
+                    if not n:
+                        raise EOFError
+                    received(n)
+                    continue
+                msg = frame_done(*got)
                 if msg is not None:
                     self._dispatch(msg)
         except EOFError:

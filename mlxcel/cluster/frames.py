@@ -3,15 +3,14 @@
 A frame is ``kind(u8) || len(u32 BE) || ciphertext(len) || tag``.  The clear header
 is the associated data; the 96-bit nonce is the direction's sequence number (big
 endian, starting at 0, never sent, never wrapped).  ``FrameSealer`` and
-``FrameOpener`` each own one direction of one connection; ``FrameReader`` is the
-bounded incremental reader that returns None until a whole frame is buffered.
+``FrameOpener`` each own one direction of one connection; ``reader.FrameReader``
+reads frames off a byte stream.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-from dataclasses import dataclass
 from typing import Union
 
 from cryptography.exceptions import InvalidTag
@@ -194,56 +193,3 @@ class FrameOpener(_Direction):
             self.failed = True
             raise UnknownFrameKind(f"authenticated frame of unknown kind 0x{kind:02x}")
         return kind
-
-
-@dataclass(frozen=True, slots=True)
-class Frame:
-    """One opened frame."""
-
-    kind: int
-    payload: bytes
-
-
-class FrameReader:
-    """Bounded incremental reader: feed bytes, get whole frames or None.
-
-    The buffer never holds more than one frame's header, body and tag, plus what the
-    caller fed past it; an oversize ``len`` is refused as soon as its header is in.
-    """
-
-    def __init__(self, opener: FrameOpener) -> None:
-        self._opener = opener
-        self._buf = bytearray()
-        self._pending: tuple[int, int] | None = None
-
-    def receive_data(self, data: Buffer) -> None:
-        """Buffer bytes (any split); checks a newly complete header at once."""
-        self._buf += data
-        self._check_header()
-
-    def _check_header(self) -> None:
-        if self._pending is None and len(self._buf) >= FRAME_HEADER_LEN:
-            self._pending = self._opener.parse_header(self._buf[:FRAME_HEADER_LEN])
-
-    def next_frame(self) -> Frame | None:
-        """The next whole frame, authenticated, or None until it is buffered."""
-        self._check_header()
-        if self._pending is None:
-            return None
-        _, n = self._pending
-        total = FRAME_HEADER_LEN + n + self._opener.tag_len
-        if len(self._buf) < total:
-            return None
-        view = memoryview(self._buf)
-        out = bytearray(n)
-        try:
-            kind = self._opener.open_into(view[:FRAME_HEADER_LEN], view[FRAME_HEADER_LEN:total], out)
-        finally:
-            view.release()
-        del self._buf[:total]
-        self._pending = None
-        return Frame(kind, bytes(out))
-
-    @property
-    def buffered(self) -> int:
-        return len(self._buf)

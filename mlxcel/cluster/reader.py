@@ -1,102 +1,256 @@
-"""Buffered exact reads of frames off a blocking socket."""
+"""Sans-I/O frame reader (docs/protocol.md §4): bytes in, authenticated frames out.
+
+One ``FrameReader`` per receiving direction.  The socket connection drives it the
+same way the byte-by-byte tests do:
+
+* ``read_frame()`` returns ``(kind, n)`` for the next frame once it authenticated,
+  its payload opened into ``destination(kind, n)`` (the message assembler's buffer),
+  or None while bytes are missing;
+* then ``recv_target()`` says where the next bytes go (a writable view, and whether
+  the driver should fill it exactly, e.g. with MSG_WAITALL), and ``received(n)``
+  commits the ``n`` bytes written there.
+
+``receive_data(bytes)`` / ``next_frame()`` feed the same machine from bytes already
+read (tests, fuzzing, other I/O).  An oversize ``len`` is refused as soon as its
+header is in, before any body byte is read or allocated.
+
+How bytes travel (the hot path matters: a decode step sends a few KiB per token):
+an AEAD frame that fits the fixed buffer (``capacity``) is read there, header and
+body usually by one opportunistic receive that may also pick up the next header,
+then opened straight into its destination.  A larger AEAD frame goes into a one-off
+buffer of its exact size.  With a plaintext suite (unprotected, HMAC) the body is
+read straight into its destination and authenticated in place.
+"""
 
 from __future__ import annotations
 
-import socket
+from dataclasses import dataclass
+from typing import Callable
 
+from .frames import Buffer, FrameOpener
 from .messages import alloc
-from .wire import FRAME_HEADER, FRAME_HEADER_LEN
+from .wire import DEFAULT_CHUNK_LEN, FRAME_HEADER, FRAME_HEADER_LEN
 
 _unpack_header = FRAME_HEADER.unpack_from
 
+#: a missing stretch at least this long is received exactly (one MSG_WAITALL call)
+BIG = 65536
+DEFAULT_CAPACITY = DEFAULT_CHUNK_LEN + 64
 
-class SocketReader:
-    """Buffered exact reads off a blocking socket.
+# states of the frame in progress
+_HEADER = 0  # waiting for the 5-byte header
+_BUFFERED = 1  # header checked; waiting for the whole frame in the buffer
+_DIRECT = 2  # header consumed; body (plaintext) or body || tag (AEAD) goes into ``_direct``
+_TAG = 3  # plaintext suites: body in place; waiting for the tag in the buffer
 
-    Small records (a header, a whole small frame, a tag) come from one opportunistic
-    ``recv_into`` that may also pick up the next header; large bodies are read with
-    MSG_WAITALL straight into their destination.  Views returned by ``take`` are valid
-    until the next call.
-    """
+Destination = Callable[[int, int], memoryview]
 
-    BIG = 65536
 
-    def __init__(self, sock: socket.socket, capacity: int) -> None:
-        self.sock = sock
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """One opened frame (the ``next_frame`` convenience API)."""
+
+    kind: int
+    payload: bytes
+
+
+def _fresh(kind: int, n: int) -> memoryview:
+    return memoryview(bytearray(n))
+
+
+class FrameReader:
+    """Reads the frames of one direction; see the module docstring for the protocol."""
+
+    def __init__(self, opener: FrameOpener, *, destination: Destination | None = None, capacity: int = DEFAULT_CAPACITY) -> None:
+        if capacity < FRAME_HEADER_LEN + opener.tag_len:
+            raise ValueError(f"capacity must hold at least a header and a tag ({FRAME_HEADER_LEN + opener.tag_len} bytes)")
+        self._opener = opener
+        self._destination = destination or _fresh
+        self._plain = opener.plaintext_on_wire
+        self._tag_len = opener.tag_len
+        self._max_len = opener.max_frame_len
         self.capacity = capacity
         self._buf = bytearray(capacity)
         self._view = memoryview(self._buf)
-        self._start = 0
-        self._end = 0
+        self._start = self._end = 0  # buffered bytes are _buf[_start:_end]
+        self._state = _HEADER
+        self._kind = self._n = self._total = 0
+        self._dst: memoryview | None = None
+        self._header = b""
+        self._direct: memoryview | None = None
+        self._doff = 0
+        self._backlog = bytearray()  # receive_data bytes not yet moved into a target
 
-    def _recv(self, view: memoryview, flags: int = 0) -> int:
-        r = self.sock.recv_into(view, len(view), flags)
-        if r == 0:
-            raise EOFError
-        return r
+    def __repr__(self) -> str:
+        return f"FrameReader(state={self._state}, buffered={self.buffered})"
 
-    def frame(self, tag_len: int, max_len: int) -> tuple[int, int, memoryview | None]:
-        """Hot path: (kind, len, view of the whole frame, consumed) when the frame fits
-        the buffer and its len is within ``max_len``; else (kind, len, None) with
-        nothing consumed and nothing read past the header."""
-        if self._end - self._start < FRAME_HEADER_LEN:
-            self._fill(FRAME_HEADER_LEN)
+    # -- the driver API --
+
+    def read_frame(self) -> tuple[int, int] | None:
+        """(kind, payload length) of the next authenticated frame, or None until it is in.
+
+        Raises ``FrameError`` (authentication, oversize len, unknown kind) or
+        ``SequenceExhausted``; the direction is then failed for good."""
+        start = self._start
+        if self._state == _HEADER and self._end - start >= FRAME_HEADER_LEN:
+            # hot path: the whole frame is buffered (one receive brought it in)
+            kind, n = _unpack_header(self._buf, start)
+            end = start + FRAME_HEADER_LEN + n + self._tag_len
+            if end <= self._end and n <= self._max_len:
+                dst = self._destination(kind, n)
+                if end == self._end:
+                    self._start = self._end = 0
+                else:
+                    self._start = end
+                return self._opener.open_frame(self._view[start:end], kind, n, dst), n
+        if not self._advance():
+            return None
+        return self._finish()
+
+    def bytes_needed(self) -> int:
+        """Bytes still missing before the frame in progress can be returned (its
+        header while the length is unknown)."""
+        self._advance()
+        have = self._end - self._start
+        state = self._state
+        if state == _HEADER:
+            return FRAME_HEADER_LEN - have
+        if state == _BUFFERED:
+            return max(0, self._total - have)
+        if state == _DIRECT:
+            assert self._direct is not None
+            return len(self._direct) - self._doff + (self._tag_len if self._plain else 0)
+        return max(0, self._tag_len - have)
+
+    def recv_target(self) -> tuple[memoryview, bool]:
+        """(where the next bytes go, whether to fill it exactly); call after
+        ``read_frame`` returned None, then ``received``."""
+        if self._state == _DIRECT:
+            assert self._direct is not None
+            return self._direct[self._doff :], True
+        state = self._state
+        want = FRAME_HEADER_LEN if state == _HEADER else self._total if state == _BUFFERED else self._tag_len
+        start, end = self._start, self._end
+        if start + want > self.capacity:  # move the partial record to the front
+            have = end - start
+            self._buf[:have] = self._buf[start:end]
+            self._start, self._end = start, end = 0, have
+        need = want - (end - start)
+        if need >= BIG:
+            return self._view[end : end + need], True
+        return self._view[end:], False
+
+    def received(self, n: int) -> None:
+        """Commit ``n`` bytes written at the start of the last ``recv_target`` view."""
+        if self._state == _DIRECT:
+            self._doff += n
+        else:
+            self._end += n
+
+    # -- the bytes API --
+
+    def receive_data(self, data: Buffer) -> None:
+        """Buffer bytes (any split); a newly complete header is checked at once."""
+        self._backlog += data
+        self._pump()
+
+    def next_frame(self) -> Frame | None:
+        """The next whole frame, authenticated, or None until it is buffered."""
+        self._pump()
+        if not self._advance():
+            return None
+        payload = self._dst
+        assert payload is not None
+        kind, n = self._finish()
+        return Frame(kind, bytes(payload[:n]))
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received and not yet returned as part of a frame."""
+        n = self._end - self._start + len(self._backlog)
+        if self._state in (_DIRECT, _TAG):
+            n += FRAME_HEADER_LEN + self._doff
+        return n
+
+    def _pump(self) -> None:
+        backlog = self._backlog
+        while not self._advance() and backlog:
+            target, _ = self.recv_target()
+            k = min(len(target), len(backlog))
+            target[:k] = backlog[:k]
+            del backlog[:k]
+            self.received(k)
+
+    # -- the state machine --
+
+    def _advance(self) -> bool:
+        """Move as far as the buffered bytes allow; True when the frame is complete."""
+        state = self._state
+        if state == _HEADER:
+            if self._end - self._start < FRAME_HEADER_LEN:
+                return False
+            state = self._parse_header()
+        if state == _BUFFERED:
+            return self._end - self._start >= self._total
+        if state == _DIRECT:
+            direct = self._direct
+            assert direct is not None
+            off = self._doff
+            want = len(direct) - off
+            have = self._end - self._start
+            if want and have:
+                k = min(have, want)
+                direct[off : off + k] = self._view[self._start : self._start + k]
+                self._consume(k)
+                self._doff = off = off + k
+            if off < len(direct):
+                return False
+            if not self._plain:
+                return True
+            self._state = _TAG
+        return self._end - self._start >= self._tag_len
+
+    def _parse_header(self) -> int:
         start = self._start
         kind, n = _unpack_header(self._buf, start)
-        total = FRAME_HEADER_LEN + n + tag_len
-        if n > max_len or total > self.capacity:
-            return kind, n, None
-        if self._end - start < total:
-            self._fill(total)
+        opener = self._opener
+        if n > self._max_len or opener.failed:
+            opener.parse_header(self._view[start : start + FRAME_HEADER_LEN])  # raises
+        self._dst = self._destination(kind, n)
+        self._kind, self._n = kind, n
+        total = FRAME_HEADER_LEN + n + self._tag_len
+        if not self._plain and total <= self.capacity:
+            self._total = total
+            self._state = _BUFFERED
+            return _BUFFERED
+        self._header = bytes(self._view[start : start + FRAME_HEADER_LEN])
+        self._consume(FRAME_HEADER_LEN)
+        self._direct = self._dst if self._plain else alloc(n + self._tag_len)
+        self._doff = 0
+        self._state = _DIRECT
+        return _DIRECT
+
+    def _finish(self) -> tuple[int, int]:
+        state, kind, n, dst = self._state, self._kind, self._n, self._dst
+        assert dst is not None
+        self._state, self._dst = _HEADER, None
+        if state == _BUFFERED:
             start = self._start
-        end = start + total
-        if end == self._end:
+            frame = self._view[start : start + self._total]
+            self._consume(self._total)
+            return self._opener.open_frame(frame, kind, n, dst), n
+        body, self._direct, self._doff = self._direct, None, 0
+        if state == _DIRECT:  # AEAD frame larger than the buffer
+            assert body is not None
+            return self._opener.open_parsed(kind, n, self._header, body, dst), n
+        start = self._start
+        tag = self._view[start : start + self._tag_len]
+        self._consume(self._tag_len)
+        return self._opener.verify_in_place(self._header, dst, tag), n
+
+    def _consume(self, k: int) -> None:
+        start = self._start + k
+        if start == self._end:
             self._start = self._end = 0
         else:
-            self._start = end
-        return kind, n, self._view[start:end]
-
-    def peek(self, n: int) -> memoryview:
-        """The next ``n`` bytes without consuming them (valid until the next call)."""
-        if self._end - self._start < n:
-            self._fill(n)
-        return self._view[self._start : self._start + n]
-
-    def take(self, n: int) -> memoryview:
-        """The next ``n`` bytes (n <= capacity), consumed."""
-        if self._end - self._start < n:
-            self._fill(n)
-        start = self._start
-        self._start = start + n
-        if self._start == self._end:
-            self._start = self._end = 0
-        return self._view[start : start + n]
-
-    def _fill(self, n: int) -> None:
-        if self._start + n > self.capacity:
-            have = self._end - self._start
-            self._buf[:have] = self._buf[self._start : self._end]
-            self._start, self._end = 0, have
-        while self._end - self._start < n:
-            need = n - (self._end - self._start)
-            if need >= self.BIG:
-                self._end += self._recv(self._view[self._end : self._end + need], socket.MSG_WAITALL)
-            else:
-                self._end += self._recv(self._view[self._end :])
-
-    def read_into(self, dst: memoryview) -> None:
-        """Fill ``dst`` exactly: buffered bytes first, the rest straight from the socket."""
-        k = min(self._end - self._start, len(dst))
-        if k:
-            dst[:k] = self._view[self._start : self._start + k]
-            self._start += k
-            if self._start == self._end:
-                self._start = self._end = 0
-        while k < len(dst):
-            k += self._recv(dst[k:], socket.MSG_WAITALL)
-
-    def read_large(self, n: int) -> memoryview:
-        """``n`` bytes (n > capacity) in a one-off buffer (not retained)."""
-        view = alloc(n)
-        self.read_into(view)
-        return view
+            self._start = start

@@ -9,7 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mlxcel.cluster.errors import FrameAuthError, FrameTooLarge, LocalProtocolError, SequenceExhausted, UnknownFrameKind
-from mlxcel.cluster.frames import FrameOpener, FrameReader, FrameSealer
+from mlxcel.cluster.frames import FrameOpener, FrameSealer
+from mlxcel.cluster.reader import FrameReader
 from mlxcel.cluster.wire import FRAME_HEADER, FRAME_HEADER_LEN, TAG_LEN, Kind, Suite
 
 KEY = bytes(range(32))
