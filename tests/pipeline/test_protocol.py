@@ -1,0 +1,247 @@
+"""The stage protocol's codec: round trips, malformed envelopes and tensors, and a fuzz test of ``decode``."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mlxcel.pipeline.protocol import (
+    ENVELOPE,
+    MAX_HEADER_LEN,
+    ErrorCode,
+    MsgType,
+    ProtocolError,
+    check_hidden,
+    check_ids,
+    decode,
+    encode,
+)
+from mlxcel.pipeline.tensors import from_wire, ids_to_wire, to_wire
+
+
+def envelope(mtype: int, body: bytes, rest: bytes = b"") -> bytes:
+    return ENVELOPE.pack(mtype, len(body)) + body + rest
+
+
+def with_specs(specs: list, data: bytes, mtype: MsgType = MsgType.ACTIVATION, **header) -> bytes:
+    return envelope(int(mtype), json.dumps({**header, "tensors": specs}).encode(), data)
+
+
+def refused(payload: bytes, code: ErrorCode) -> ProtocolError:
+    with pytest.raises(ProtocolError) as exc:
+        decode(payload)
+    assert exc.value.code is code, exc.value
+    return exc.value
+
+
+# -- round trips ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_float_tensors_round_trip_bit_exactly(dtype):
+    x = (mx.random.normal((2, 3, 8)) * 100).astype(dtype)
+    header = {"nonce": "00ff", "phase": "decode", "micro_batch": 1, "request_ids": ["a", "b"], "sample": True}
+    m = decode(encode(MsgType.ACTIVATION, header, {"hidden": to_wire(x)}))
+    assert m.type is MsgType.ACTIVATION and m.header == header and m.nonce == "00ff" and m.request_ids == ["a", "b"]
+    y = from_wire(m.dtypes["hidden"], m.tensors["hidden"])
+    assert y.dtype == dtype and y.shape == x.shape
+    assert mx.array_equal(y.view(mx.uint16 if dtype != mx.float32 else mx.uint32),
+                          x.view(mx.uint16 if dtype != mx.float32 else mx.uint32)).item()
+
+
+def test_int32_ids_and_several_tensors_round_trip():
+    ids = ids_to_wire([[1, 2, 3]])
+    scale = ("float32", np.array([0.5, -2.0], dtype=np.float32))
+    payload = encode(MsgType.RUN_ENTRY, {"nonce": "n"}, {"input_ids": ids, "scale": scale})
+    m = decode(payload)
+    assert m.dtypes == {"input_ids": "int32", "scale": "float32"}
+    assert m.tensors["input_ids"].tolist() == [[1, 2, 3]] and m.tensors["scale"].tolist() == [0.5, -2.0]
+    assert "tensors" not in m.header  # descriptors are consumed, not handed to the receiver
+    assert len(payload) == ENVELOPE.size + len(json.dumps({"nonce": "n", "tensors": [
+        {"name": "input_ids", "dtype": "int32", "shape": [1, 3]},
+        {"name": "scale", "dtype": "float32", "shape": [2]}]}, separators=(",", ":"))) + 12 + 8
+
+
+def test_tensors_are_little_endian_row_major_on_the_wire():
+    payload = encode(MsgType.RUN_ENTRY, {}, {"input_ids": ("int32", np.array([[1, 256]], dtype=np.int32))})
+    assert payload.endswith(struct.pack("<ii", 1, 256))
+
+
+@pytest.mark.parametrize("mtype", list(MsgType), ids=lambda t: t.name)
+def test_every_message_type_without_tensors(mtype):
+    m = decode(encode(mtype, {"nonce": "x", "code": "internal"}))
+    assert (m.type, m.header, m.tensors) == (mtype, {"nonce": "x", "code": "internal"}, {})
+
+
+def test_decode_takes_a_memoryview_and_does_not_copy_tensors():
+    buf = bytearray(encode(MsgType.ACTIVATION, {}, {"hidden": ("float32", np.ones((1, 1, 4), np.float32))}))
+    m = decode(memoryview(buf))
+    buf[-4:] = struct.pack("<f", 7.0)
+    assert m.tensors["hidden"][0, 0, 3] == 7.0
+
+
+# -- malformed envelopes -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("payload", [b"", b"\x01", b"\x01\x00\x00\x00"], ids=["empty", "1 byte", "4 bytes"])
+def test_shorter_than_the_envelope(payload):
+    assert refused(payload, ErrorCode.BAD_REQUEST).partial is None
+
+
+@pytest.mark.parametrize("mtype", [0, 10, 15, 19, 255])
+def test_unknown_message_type(mtype):
+    refused(envelope(mtype, b"{}"), ErrorCode.BAD_REQUEST)
+
+
+def test_header_past_the_end():
+    refused(ENVELOPE.pack(1, 10) + b"{}", ErrorCode.BAD_REQUEST)
+    refused(ENVELOPE.pack(1, MAX_HEADER_LEN + 1) + b"{}", ErrorCode.BAD_REQUEST)
+    refused(ENVELOPE.pack(1, 2**32 - 1) + b"{}", ErrorCode.BAD_REQUEST)
+
+
+@pytest.mark.parametrize("body", [
+    b"not json", b"\xff\xfe{}", b"{'a': 1}", b"{\"a\": 1", b"[" * 100_000, b"{\"a\": " + b"1" * 5000 + b"}",
+], ids=["text", "not utf-8", "single quotes", "truncated", "nested too deep", "integer too long"])
+def test_header_not_json(body):
+    assert refused(envelope(1, body), ErrorCode.BAD_REQUEST).partial is None
+
+
+@pytest.mark.parametrize("body", [b"[]", b"1", b"\"s\"", b"null"])
+def test_header_not_an_object(body):
+    refused(envelope(1, body), ErrorCode.BAD_REQUEST)
+
+
+def test_trailing_bytes():
+    refused(envelope(1, b"{}", b"\x00"), ErrorCode.BAD_TENSOR)
+    payload = encode(MsgType.RUN_ENTRY, {}, {"input_ids": ids_to_wire([[1]])})
+    refused(payload + b"\x00", ErrorCode.BAD_TENSOR)
+
+
+# -- malformed tensors: refused before anything is allocated, the header kept for the answer -------
+
+
+@pytest.mark.parametrize("specs,data", [
+    ([{"name": "hidden", "dtype": "int8", "shape": [1, 1, 4]}], bytes(4)),
+    ([{"name": "hidden", "dtype": "q4", "shape": [1, 1, 8]}], bytes(4)),
+    ([{"name": "hidden", "dtype": "float64", "shape": [1, 1, 1]}], bytes(8)),
+    ([{"name": "hidden", "shape": [1, 1, 1]}], bytes(4)),
+    ([{"name": "hidden", "dtype": "float32", "shape": [1, 2**30, 2**20]}], bytes(4)),
+    ([{"name": "hidden", "dtype": "float32", "shape": [1, 2, 4]}], bytes(16)),
+    ([{"name": "hidden", "dtype": "float32", "shape": []}], bytes(4)),
+    ([{"name": "hidden", "dtype": "float32", "shape": [1, 1, 1, 1]}], bytes(4)),
+    ([{"name": "hidden", "dtype": "float32", "shape": [1, 0, 4]}], b""),
+    ([{"name": "hidden", "dtype": "float32", "shape": [1, -1, 4]}], bytes(4)),
+    ([{"name": "hidden", "dtype": "float32", "shape": [1, True, 4]}], bytes(16)),
+    ([{"name": "hidden", "dtype": "float32", "shape": [1, 1.0, 4]}], bytes(16)),
+    ([{"name": "hidden", "dtype": "float32", "shape": "1,1,4"}], bytes(16)),
+    ([{"dtype": "float32", "shape": [1]}], bytes(4)),
+    (["hidden"], b""),
+    ({"name": "hidden"}, b""),
+    ([{"name": f"t{i}", "dtype": "int32", "shape": [1]} for i in range(5)], bytes(20)),
+], ids=["int8", "q4", "float64", "no dtype", "huge claim", "short data", "rank 0", "rank 4", "zero dim",
+        "negative dim", "bool dim", "float dim", "shape string", "no name", "spec not object",
+        "specs not list", "five tensors"])
+def test_bad_tensor_descriptors(specs, data):
+    exc = refused(with_specs(specs, data, nonce="abc", request_ids=["r"]), ErrorCode.BAD_TENSOR)
+    assert exc.partial is not None and exc.partial.type is MsgType.ACTIVATION
+    assert exc.partial.nonce == "abc" and exc.partial.request_ids == ["r"] and exc.partial.tensors == {}
+
+
+def test_request_ids_that_are_not_a_list_of_strings_read_as_none():
+    for value in (5, "abc", [1], [{"id": 1}], None, {"a": 1}):
+        assert decode(encode(MsgType.RUN_ENTRY, {"request_ids": value})).request_ids == []
+
+
+# -- receiver bounds ------------------------------------------------------------------------------
+
+
+def _activation(x: np.ndarray, dtype: str = "float32", **header):
+    h = {"phase": "decode", "request_ids": [f"r{i}" for i in range(x.shape[0])], **header}
+    return decode(encode(MsgType.ACTIVATION, h, {"hidden": (dtype, x)}))
+
+
+def test_check_hidden_accepts_the_bounds():
+    assert check_hidden(_activation(np.zeros((4, 1, 8), np.float32)), max_rows=4, width=8).shape == (4, 1, 8)
+    m = _activation(np.zeros((1, 9, 8), np.float32), phase="prefill")
+    assert check_hidden(m, max_rows=4, width=8).shape == (1, 9, 8)
+
+
+@pytest.mark.parametrize("make,code", [
+    (lambda: _activation(np.zeros((1, 1, 7), np.float32)), ErrorCode.BAD_TENSOR),
+    (lambda: _activation(np.zeros((5, 1, 8), np.float32)), ErrorCode.BAD_TENSOR),
+    (lambda: _activation(np.zeros((2, 1, 8), np.float32), request_ids=["a"]), ErrorCode.BAD_TENSOR),
+    (lambda: _activation(np.zeros((1, 2, 8), np.float32)), ErrorCode.BAD_TENSOR),
+    (lambda: _activation(np.zeros((2, 2, 8), np.float32), phase="prefill"), ErrorCode.BAD_TENSOR),
+    (lambda: _activation(np.zeros((1, 1, 8), np.int32), dtype="int32"), ErrorCode.BAD_TENSOR),
+    (lambda: _activation(np.zeros((1, 1, 8), np.float32), phase="other"), ErrorCode.BAD_REQUEST),
+    (lambda: _activation(np.zeros((1, 1, 8), np.float32), request_ids="r0"), ErrorCode.BAD_REQUEST),
+    (lambda: _activation(np.zeros((1, 1, 8), np.float32), request_ids=["x" * 129]), ErrorCode.BAD_REQUEST),
+], ids=["width", "rows > max", "rows != ids", "decode n=2", "prefill 2 rows", "int32", "phase", "ids string",
+        "id too long"])
+def test_check_hidden_refuses(make, code):
+    with pytest.raises(ProtocolError) as exc:
+        check_hidden(make(), max_rows=4, width=8)
+    assert exc.value.code is code
+
+
+@pytest.mark.parametrize("ids,dtype,code", [
+    (np.array([[1.0]], np.float32), "float32", ErrorCode.BAD_TENSOR),
+    (np.array([1], np.int32), "int32", ErrorCode.BAD_TENSOR),
+    (np.array([[[1]]], np.int32), "int32", ErrorCode.BAD_TENSOR),
+    (np.array([[10]], np.int32), "int32", ErrorCode.BAD_TENSOR),
+    (np.array([[-1]], np.int32), "int32", ErrorCode.BAD_TENSOR),
+    (np.array([[1, 2]], np.int32), "int32", ErrorCode.BAD_TENSOR),
+])
+def test_check_ids_refuses(ids, dtype, code):
+    m = decode(encode(MsgType.RUN_ENTRY, {"phase": "decode", "request_ids": ["r"]}, {"input_ids": (dtype, ids)}))
+    with pytest.raises(ProtocolError) as exc:
+        check_ids(m, max_rows=4, vocab_size=10)
+    assert exc.value.code is code
+
+
+def test_check_ids_accepts_uint32_within_the_vocabulary():
+    m = decode(encode(MsgType.RUN_ENTRY, {"phase": "prefill", "request_ids": ["r"]},
+                      {"input_ids": ("uint32", np.array([[0, 9]], np.uint32))}))
+    assert check_ids(m, max_rows=4, vocab_size=10).tolist() == [[0, 9]]
+
+
+# -- fuzz -------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.binary(max_size=256))
+def test_decode_raises_only_protocol_error_on_random_bytes(data):
+    try:
+        decode(data)
+    except ProtocolError:
+        pass
+
+
+_json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+                     max_leaves=12)
+_spec = st.fixed_dictionaries({}, optional={
+    "name": st.text(max_size=6) | st.integers(),
+    "dtype": st.sampled_from(["float32", "float16", "bfloat16", "int32", "uint32", "int8", "q4", ""]) | _json,
+    "shape": st.lists(st.integers(min_value=-2, max_value=2**27), max_size=4) | _json,
+})
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(mtype=st.integers(0, 255), header=st.dictionaries(st.text(max_size=8), _json, max_size=4),
+       specs=st.lists(_spec, max_size=5) | _json, data=st.binary(max_size=64))
+def test_decode_raises_only_protocol_error_on_structured_garbage(mtype, header, specs, data):
+    """Well-formed envelopes around adversarial headers and descriptors: the paths random bytes rarely reach."""
+    try:
+        m = decode(envelope(mtype, json.dumps({**header, "tensors": specs}).encode(), data))
+    except ProtocolError:
+        return
+    _ = (m.nonce, m.request_ids)
+    for name, arr in m.tensors.items():
+        assert arr.nbytes <= len(data) and isinstance(name, str)
