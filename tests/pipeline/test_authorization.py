@@ -1,0 +1,797 @@
+"""Every authorization rule of the stage protocol, attacked by a rogue member that holds the secret.
+
+The rules are the reference's "Command and reply authorization" (issue 7, Deliver item 4). Each
+test runs in-process over real transports on loopback addresses (coordinator 127.0.0.2, stages
+127.0.0.3 and .4, the rogue 127.0.0.9), asserts the refusal, and then that nothing changed: the
+stages still hold (or never got) the sequence and a later legitimate step gives the right tokens.
+
+Three pipelines of the 4-layer tiny llama (layers 0-1 and 2-3):
+
+- ``strict``: coordinator configured at 127.0.0.2:P, two real stages, a real PipelineExecutor;
+- ``wildcard``: coordinator configured at 0.0.0.0:P, so "alice" (the real executor on 127.0.0.2:P)
+  and "mallory" (the rogue on 127.0.0.9:P) both pass the coordinator check;
+- ``scripted``: the real executor and last stage, with the first stage played by the test (a
+  ``Peer`` at stage 0's address that forwards genuine or crafted activations by hand), so the
+  coordinator's side can be attacked with exchanges whose genuine result has not come yet.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pytest
+
+from mlxcel.cluster.identity import PeerId
+from mlxcel.cluster.wire import Kind
+from mlxcel.engine.executor import ExecutorError, LocalExecutor, Step, slice_runner
+from mlxcel.engine.sampling import SamplingParams
+from mlxcel.pipeline.cluster_config import ClusterConfig
+from mlxcel.pipeline.coordinator import PipelineExecutor
+from mlxcel.pipeline.params import params_to_wire
+from mlxcel.pipeline.protocol import ENVELOPE, MsgType, StageMessage, encode
+from mlxcel.pipeline.runtime import model_facts
+from mlxcel.pipeline.stage import StageService
+from tests.pipeline.members import (
+    COORDINATOR_IP,
+    LAYERS,
+    MAX_ROWS,
+    ROGUE_IP,
+    STAGE_IPS,
+    GreedyRun,
+    Peer,
+    Pending,
+    Tap,
+    answer_as_stage,
+    cluster_config,
+    forward_as_stage0,
+    free_port,
+    stage_state,
+    start_coordinator,
+    start_stage,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+PROMPT = [1, 40, 41, 42, 43]
+N = 5  # tokens per sequence: prefill + 4 decode steps
+EXCHANGE_S = 5.0  # real stages answer in milliseconds; nothing here should ever wait this long
+SCRIPTED_EXCHANGE_S = 2.0  # the scripted pipeline's deadline (one test waits it out)
+AT_ONCE_S = 1.0  # "fails at once": well before the deadline
+SETTLE_S = 0.15  # after a barrier, how long a late (wrong) message gets to show up
+HIDDEN = 64  # the tiny llama's width
+VOCAB = 320
+GREEDY = params_to_wire(SamplingParams(), 0)
+
+_rids = iter(range(10**6))
+
+
+def rid(tag: str) -> str:
+    return f"{tag}-{next(_rids)}"
+
+
+def wait_until(pred: Callable[[], bool], timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.005)
+    return pred()
+
+
+def hidden(rows: int = 1, n: int = 1, width: int = HIDDEN, dtype: str = "float32") -> dict[str, Any]:
+    return {"hidden": (dtype, np.zeros((rows, n, width), dtype=np.float32))}
+
+
+def raw_message(mtype: MsgType, header: dict, specs: list, data: bytes) -> bytes:
+    """A message with hand-written tensor descriptors (what ``encode`` would never produce)."""
+    import json
+
+    body = json.dumps({**header, "tensors": specs}).encode()
+    return ENVELOPE.pack(int(mtype), len(body)) + body + data
+
+
+def codes(received: list[tuple[PeerId, StageMessage]]) -> list[str]:
+    return [m.header.get("code") for _, m in received if m.type is MsgType.ERROR]
+
+
+# -- fixtures --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Pipeline:
+    config: ClusterConfig
+    coordinator: PipelineExecutor
+    tap: Tap
+    stages: list[Any]  # StageService, or a scripted Peer
+    shutdowns: list[int] = field(default_factory=list)
+    extra: list[Any] = field(default_factory=list)
+
+    def addr(self, i: int) -> PeerId:
+        return self.config.stages[i].address
+
+    def real(self) -> list[StageService]:
+        return [s for s in self.stages if isinstance(s, StageService)]
+
+    def close(self) -> None:
+        self.coordinator.close()
+        for node in [*self.stages, *self.extra]:
+            node.close()
+
+
+@pytest.fixture(scope="module")
+def model(tiny_llama):
+    from mlxcel.models.loading import load_checkpoint
+
+    return load_checkpoint(tiny_llama).model
+
+
+@pytest.fixture(scope="module")
+def facts(tiny_llama):
+    f = model_facts(tiny_llama)
+    assert (f.hidden_size, f.vocab_size) == (HIDDEN, VOCAB)
+    return f
+
+
+@pytest.fixture(scope="module")
+def expected(model) -> list[int]:
+    """The whole model's greedy tokens for PROMPT, in this process."""
+    return GreedyRun(LocalExecutor(model, max_batch_size=MAX_ROWS), "reference", PROMPT).run(N)
+
+
+def _stage_addrs() -> list[str]:
+    return [f"{ip}:{free_port(ip)}" for ip in STAGE_IPS]
+
+
+def _real_pipeline(model, facts, stage_config: ClusterConfig, coordinator_config: ClusterConfig) -> Pipeline:
+    shutdowns: list[int] = []
+    stages = [start_stage(stage_config, i, slice_runner(model, a, b, max_rows=MAX_ROWS), facts, shutdowns)
+              for i, (a, b) in enumerate(LAYERS)]
+    try:
+        coordinator, tap = start_coordinator(coordinator_config, facts)
+    except BaseException:
+        for s in stages:
+            s.close()
+        raise
+    return Pipeline(stage_config, coordinator, tap, stages, shutdowns)
+
+
+@pytest.fixture(scope="module")
+def strict(model, facts) -> Iterator[Pipeline]:
+    port = free_port(COORDINATOR_IP, ROGUE_IP)
+    config = cluster_config(f"{COORDINATOR_IP}:{port}", _stage_addrs(), exchange_s=EXCHANGE_S)
+    p = _real_pipeline(model, facts, config, config)
+    yield p
+    p.close()
+
+
+@pytest.fixture(scope="module")
+def wildcard(model, facts) -> Iterator[Pipeline]:
+    """Stages told the coordinator is 0.0.0.0:P; the executor (alice) listens on 127.0.0.2:P, mallory on 127.0.0.9:P."""
+    port = free_port(COORDINATOR_IP, ROGUE_IP)
+    addrs = _stage_addrs()
+    stage_config = cluster_config(f"0.0.0.0:{port}", addrs, exchange_s=EXCHANGE_S)
+    alice_config = cluster_config(f"{COORDINATOR_IP}:{port}", addrs, exchange_s=EXCHANGE_S)
+    p = _real_pipeline(model, facts, stage_config, alice_config)
+    p.extra.append(Peer(f"{ROGUE_IP}:{port}"))
+    yield p
+    p.close()
+
+
+@pytest.fixture(scope="module")
+def scripted(model, facts) -> Iterator[Pipeline]:
+    """Stage 0 is a Peer the test drives (it answers GET_STATE and PREPARE); stage 1 and the executor are real."""
+    config = cluster_config(f"{COORDINATOR_IP}:{free_port(COORDINATOR_IP)}", _stage_addrs(),
+                            exchange_s=SCRIPTED_EXCHANGE_S)
+    first = Peer(str(config.stages[0].address), answer=answer_as_stage(stage_state(config, 0, facts)))
+    last = start_stage(config, 1, slice_runner(model, *LAYERS[1], max_rows=MAX_ROWS), facts)
+    try:
+        coordinator, tap = start_coordinator(config, facts)
+    except BaseException:
+        first.close()
+        last.close()
+        raise
+    p = Pipeline(config, coordinator, tap, [first, last])
+    p.extra.append(slice_runner(model, *LAYERS[0], max_rows=MAX_ROWS))  # the scripted stage's genuine compute
+    yield p
+    p.extra.pop().release_all()
+    p.close()
+
+
+@pytest.fixture
+def rogue() -> Iterator[Peer]:
+    peer = Peer(f"{ROGUE_IP}:0")
+    yield peer
+    peer.close()
+
+
+# -- the strict pipeline: who may send commands and activations -------------------------------------
+
+
+def start_victim(p: Pipeline, expected: list[int], tokens: int = 2) -> GreedyRun:
+    """A sequence of the coordinator, prefilled and decoding (its rows sit in micro-batch 0)."""
+    run = GreedyRun(p.coordinator, rid("victim"), PROMPT)
+    assert run.run(tokens) == expected[:tokens]
+    return run
+
+
+def finish_victim(p: Pipeline, run: GreedyRun, expected: list[int]) -> None:
+    """The victim's remaining steps give the whole model's tokens: nothing an attacker sent changed its caches."""
+    assert all(run.rid in s.runner for s in p.real())
+    assert run.run(N) == expected
+    run.release()
+    assert wait_until(lambda: all(run.rid not in s.runner for s in p.real()))
+
+
+def _command(mtype: MsgType, victim: str) -> tuple[dict, dict | None, tuple[int, ...]]:
+    """(header, tensors, stages to send it to) of a command aimed at the victim's sequence."""
+    if mtype is MsgType.PREPARE:
+        return {"request_id": victim, "params": GREEDY}, None, (0, 1)
+    if mtype is MsgType.RUN_ENTRY:
+        return ({"phase": "decode", "micro_batch": 0, "request_ids": [victim], "sample": True},
+                {"input_ids": ("int32", np.array([[7]], dtype=np.int32))}, (0,))
+    if mtype in (MsgType.CANCEL, MsgType.RELEASE):
+        return {"request_id": victim}, None, (0, 1)
+    return {}, None, (0, 1)
+
+
+COMMANDS = [MsgType.PREPARE, MsgType.RUN_ENTRY, MsgType.CANCEL, MsgType.RELEASE, MsgType.BEGIN_DRAIN,
+            MsgType.SHUTDOWN, MsgType.GET_STATE]
+
+
+@pytest.mark.parametrize("where", ["rogue", "rogue on the coordinator's port", "the last stage"])
+@pytest.mark.parametrize("mtype", COMMANDS, ids=lambda t: t.name)
+def test_commands_only_from_the_coordinator(strict, expected, mtype, where):
+    """A command from any identity but the configured coordinator's is answered 'unauthorized' and changes nothing.
+
+    The last stage is a member holding the secret but not the coordinator; its replies are dropped
+    by its own handler, so for it only the unchanged state is checked.
+    """
+    rogue = None
+    if where != "the last stage":
+        rogue = Peer(f"{ROGUE_IP}:{0 if where == 'rogue' else strict.config.coordinator.address.port}")
+
+    def send(i: int, mtype: MsgType, header: dict, tensors: dict | None = None) -> None:
+        payload = encode(mtype, header, tensors)
+        sender = strict.stages[1].transport if rogue is None else rogue.transport
+        sender.send(strict.addr(i), Kind.TENSOR_DATA, payload)
+    try:
+        victim = start_victim(strict, expected)
+        steps = [s.steps for s in strict.stages]
+        fresh = rid("fresh")
+        header, tensors, targets = _command(mtype, victim.rid)
+        targets = (0,) if rogue is None else targets
+        sent = {f"{victim.rid}-{i}": i for i in targets}
+        for nonce, i in sent.items():
+            send(i, mtype, {**header, "nonce": nonce}, tensors)
+        if mtype is MsgType.PREPARE:
+            sent[fresh] = 0
+            send(0, mtype, {"request_id": fresh, "params": GREEDY, "nonce": fresh})
+        for nonce, i in sent.items() if rogue is not None else ():
+            sender, m = rogue.wait_for(lambda p, m, n=nonce: m.nonce == n)
+            assert sender == strict.addr(i) and m.type is MsgType.ERROR, (sender, m)
+            assert m.header["code"] == "unauthorized" and "only from the coordinator" in m.header["message"]
+        finish_victim(strict, victim, expected)  # queued behind anything the commands would have queued
+        assert [s.steps for s in strict.stages] == [n + N - 2 for n in steps]
+        assert all(fresh not in s.runner for s in strict.stages)
+        time.sleep(SETTLE_S)
+        assert strict.shutdowns == [] and not any(s.draining for s in strict.stages)
+        if rogue is not None:
+            assert {m.type for _, m in rogue.received} == {MsgType.ERROR}, rogue.received
+    finally:
+        if rogue is not None:
+            rogue.close()
+
+
+ACTIVATION_SENDERS = {
+    "rogue to the last stage": ("rogue", 1),
+    "rogue to the first stage": ("rogue", 0),
+    "coordinator to the last stage": ("coordinator", 1),
+    "reverse: last stage to the first": ("stage-1", 0),
+    "first stage to itself": ("stage-0", 0),
+}
+
+
+@pytest.mark.parametrize("case", list(ACTIVATION_SENDERS))
+def test_activations_only_from_the_upstream_stage(strict, expected, rogue, case):
+    """An activation from anyone but the upstream stage is dropped: no RUN_RESULT, no ERROR, no step."""
+    who, target = ACTIVATION_SENDERS[case]
+    victim = start_victim(strict, expected)
+    steps = [s.steps for s in strict.stages]
+    forged = rid("forged")
+    header = {"nonce": forged, "phase": "decode", "micro_batch": 0, "request_ids": [victim.rid], "sample": True}
+    payload = encode(MsgType.ACTIVATION, header, hidden())
+    if who == "rogue":
+        rogue.send_raw(strict.addr(target), payload)
+    elif who == "coordinator":
+        strict.coordinator.transport.send(strict.addr(target), Kind.TENSOR_DATA, payload)
+    else:
+        strict.stages[int(who[-1])].transport.send(strict.addr(target), Kind.TENSOR_DATA, payload)
+    finish_victim(strict, victim, expected)  # its steps queue behind whatever the forged frame caused
+    time.sleep(SETTLE_S)
+    assert [s.steps for s in strict.stages] == [n + N - 2 for n in steps]
+    assert strict.tap.about(forged) == [] and rogue.about(forged) == []
+
+
+def test_replies_go_to_the_authenticated_source_not_to_a_named_address(strict, expected, rogue):
+    """A 'reply_to'/'owner' field in a header is ignored: ACK, RUN_RESULT and ERROR all go to the sender."""
+    coord = strict.coordinator
+    r = rid("named")
+    decoy = {"reply_to": str(rogue.identity), "owner": str(rogue.identity), "coordinator": str(rogue.identity)}
+
+    def send(i: int, mtype: MsgType, header: dict, tensors: dict | None = None) -> None:
+        coord.transport.send(strict.addr(i), Kind.TENSOR_DATA, encode(mtype, {**header, **decoy}, tensors))
+
+    for i in (0, 1):
+        send(i, MsgType.PREPARE, {"request_id": r, "params": GREEDY, "nonce": f"prep{i}"})
+    for i in (0, 1):
+        assert wait_until(lambda i=i: [m.type for _, m in strict.tap.about(f"prep{i}")] == [MsgType.ACK])
+    ids = {"input_ids": ("int32", np.array([PROMPT], dtype=np.int32))}
+    send(0, MsgType.RUN_ENTRY, {"nonce": "run", "phase": "prefill", "micro_batch": 0, "request_ids": [r],
+                                "sample": True}, ids)
+    assert wait_until(lambda: strict.tap.about("run"))
+    (sender, result), = strict.tap.about("run")
+    assert sender == strict.addr(1) and result.type is MsgType.RUN_RESULT and result.header["tokens"] == expected[:1]
+    bad = {"input_ids": ("int32", np.array([[VOCAB]], dtype=np.int32))}
+    send(0, MsgType.RUN_ENTRY, {"nonce": "bad", "phase": "decode", "micro_batch": 0, "request_ids": [r]}, bad)
+    assert wait_until(lambda: strict.tap.about("bad"))
+    assert codes(strict.tap.about("bad")) == ["bad_tensor"]
+    for i in (0, 1):
+        send(i, MsgType.RELEASE, {"request_id": r, "nonce": f"rel{i}"})
+    assert wait_until(lambda: all(r not in s.runner for s in strict.stages))
+    time.sleep(SETTLE_S)
+    assert rogue.received == []
+
+
+# -- the strict pipeline: tensor bounds on RUN_ENTRY --------------------------------------------------
+
+I32 = np.int32
+
+
+def _ids(arr: np.ndarray, dtype: str = "int32") -> dict:
+    return {"input_ids": (dtype, arr)}
+
+
+# name -> (header overrides, tensors | raw (specs, data), rows to prepare, expected code)
+ENTRY_BOUNDS: dict[str, tuple[dict, Any, int, str]] = {
+    "ids float32": ({}, {"input_ids": ("float32", np.array([[7]], dtype=np.float32))}, 1, "bad_tensor"),
+    "ids rank 1": ({}, _ids(np.array([7], dtype=I32)), 1, "bad_tensor"),
+    "ids rank 3": ({}, _ids(np.array([[[7]]], dtype=I32)), 1, "bad_tensor"),
+    "ids int8": ({}, ([{"name": "input_ids", "dtype": "int8", "shape": [1, 1]}], b"\x07"), 1, "bad_tensor"),
+    "ids q4": ({}, ([{"name": "input_ids", "dtype": "q4", "shape": [1, 2]}], b"\x07"), 1, "bad_tensor"),
+    "ids unknown dtype": ({}, ([{"name": "input_ids", "dtype": "complex64", "shape": [1, 1]}], bytes(8)), 1,
+                          "bad_tensor"),
+    "claims 2**21 positions": ({}, ([{"name": "input_ids", "dtype": "int32", "shape": [1, 2**21]}], bytes(4)), 1,
+                               "bad_tensor"),
+    "claims more bytes than sent": ({}, ([{"name": "input_ids", "dtype": "int32", "shape": [1, 8]}], bytes(16)), 1,
+                                    "bad_tensor"),
+    "rows != request ids": ({}, _ids(np.array([[7], [8]], dtype=I32)), 1, "bad_tensor"),
+    "more rows than max_batch_size": ({}, _ids(np.full((MAX_ROWS + 1, 1), 7, dtype=I32)), MAX_ROWS + 1,
+                                      "bad_tensor"),
+    "decode with n=2": ({}, _ids(np.array([[7, 8]], dtype=I32)), 1, "bad_tensor"),
+    "prefill of 2 rows": ({"phase": "prefill"}, _ids(np.array([[7], [8]], dtype=I32)), 2, "bad_tensor"),
+    "id == vocab_size": ({}, _ids(np.array([[VOCAB]], dtype=I32)), 1, "bad_tensor"),
+    "negative id": ({}, _ids(np.array([[-1]], dtype=I32)), 1, "bad_tensor"),
+    "no input_ids": ({}, {"hidden": ("float32", np.zeros((1, 1, HIDDEN), dtype=np.float32))}, 1, "bad_tensor"),
+    "unknown phase": ({"phase": "sideways"}, _ids(np.array([[7]], dtype=I32)), 1, "bad_request"),
+    "request_ids not a list": ({"request_ids": 5}, _ids(np.array([[7]], dtype=I32)), 1, "bad_request"),
+    "request_ids of objects": ({"request_ids": [{"id": 1}]}, _ids(np.array([[7]], dtype=I32)), 1, "bad_request"),
+}
+
+
+@pytest.mark.parametrize("case", list(ENTRY_BOUNDS))
+def test_run_entry_tensor_bounds(strict, expected, rogue, case):
+    """A RUN_ENTRY outside the bounds gets ERROR (with its nonce) back to the coordinator; nothing runs."""
+    overrides, tensors, rows, code = ENTRY_BOUNDS[case]
+    victim = start_victim(strict, expected)
+    others = [GreedyRun(strict.coordinator, rid("row"), PROMPT) for _ in range(rows - 1)]
+    steps = [s.steps for s in strict.stages]
+    nonce = rid("entry")
+    header = {"nonce": nonce, "phase": "decode", "micro_batch": 0,
+              "request_ids": [victim.rid, *(o.rid for o in others)], "sample": True, **overrides}
+    if isinstance(tensors, tuple):
+        payload = raw_message(MsgType.RUN_ENTRY, header, *tensors)
+    else:
+        payload = encode(MsgType.RUN_ENTRY, header, tensors)
+    strict.coordinator.transport.send(strict.addr(0), Kind.TENSOR_DATA, payload)
+    assert wait_until(lambda: strict.tap.about(nonce)), "no answer to a RUN_ENTRY outside the bounds"
+    (sender, m), = strict.tap.about(nonce)
+    assert sender == strict.addr(0) and m.type is MsgType.ERROR and m.header["code"] == code, m.header
+    for o in others:
+        o.release()
+    finish_victim(strict, victim, expected)
+    assert [s.steps for s in strict.stages] == [n + N - 2 for n in steps]
+    assert rogue.received == []
+
+
+STEP_BOUNDS = {
+    "id outside the vocabulary": lambda r: Step("prefill", [r], [[1, VOCAB + 3]]),
+    "decode of 2 positions": lambda r: Step("decode", [r], [[1, 2]], slot=0),
+    "more rows than request ids": lambda r: Step("decode", [r], [[1], [2]], slot=0),
+}
+
+
+@pytest.mark.parametrize("case", list(STEP_BOUNDS))
+def test_a_refused_step_fails_the_request_at_once(strict, expected, case):
+    """Through the executor's own API: the stage's ERROR carries the nonce, so the step fails long before its deadline."""
+    run = GreedyRun(strict.coordinator, rid("refused"), PROMPT)
+    outcome = Pending(strict.coordinator, STEP_BOUNDS[case](run.rid))
+    error = outcome.result()
+    assert isinstance(error, ExecutorError) and error.code == "bad_tensor", error
+    assert outcome.elapsed < AT_ONCE_S, outcome.elapsed
+    assert run.run(N) == expected  # the refused step changed nothing
+    run.release()
+
+
+# -- the wildcard pipeline: the coordinator check passes, ownership still holds ----------------------
+
+
+def mallory(p: Pipeline) -> Peer:
+    return p.extra[0]
+
+
+def test_wildcard_port_passes_the_coordinator_check(wildcard):
+    """With the coordinator at 0.0.0.0:P, another IP on port P is accepted as a coordinator (GET_STATE answered)."""
+    m = mallory(wildcard)
+    nonce = rid("state")
+    m.send(wildcard.addr(0), MsgType.GET_STATE, {"nonce": nonce})
+    _, state = m.wait_for(lambda p, msg: msg.nonce == nonce)
+    assert state.type is MsgType.STATE and state.header["node_id"] == "stage-0"
+
+
+@pytest.mark.parametrize("mtype", [MsgType.PREPARE, MsgType.RUN_ENTRY, MsgType.CANCEL, MsgType.RELEASE],
+                         ids=lambda t: t.name)
+def test_wildcard_rogue_cannot_touch_a_sequence_another_identity_prepared(wildcard, expected, mtype):
+    m = mallory(wildcard)
+    victim = start_victim(wildcard, expected)
+    steps = [s.steps for s in wildcard.stages]
+    header, tensors, targets = _command(mtype, victim.rid)
+    for i in targets:
+        m.send(wildcard.addr(i), mtype, {**header, "nonce": f"{victim.rid}-{i}"}, tensors)
+    for i in targets:
+        _, reply = m.wait_for(lambda p, msg, i=i: msg.nonce == f"{victim.rid}-{i}")
+        assert reply.type is MsgType.ERROR and reply.header["code"] == "unauthorized", reply.header
+        assert "belongs to another identity" in reply.header["message"]
+    assert [s.steps for s in wildcard.stages] == steps
+    finish_victim(wildcard, victim, expected)
+    assert m.matching(lambda p, msg: msg.type is not MsgType.ERROR and msg.type is not MsgType.STATE) == []
+
+
+def _prepare_as(peer: Peer, p: Pipeline, r: str) -> None:
+    for i in (0, 1):
+        peer.send(p.addr(i), MsgType.PREPARE, {"request_id": r, "params": GREEDY, "nonce": f"{r}-p{i}"})
+    for i in (0, 1):
+        _, ack = peer.wait_for(lambda _p, msg, i=i: msg.nonce == f"{r}-p{i}")
+        assert ack.type is MsgType.ACK, ack.header
+
+
+def _entry_as(peer: Peer, p: Pipeline, r: str, nonce: str, tokens: list[int], phase: str, **extra: Any) -> StageMessage:
+    header = {"nonce": nonce, "phase": phase, "micro_batch": 0, "request_ids": [r], "sample": True, **extra}
+    peer.send(p.addr(0), MsgType.RUN_ENTRY, header, {"input_ids": ("int32", np.array([tokens], dtype=np.int32))})
+    return peer.wait_for(lambda _p, msg: msg.nonce == nonce)[1]
+
+
+def test_wildcard_a_request_the_rogue_prepared_belongs_to_the_rogue(wildcard, expected):
+    """Mallory owns what it prepared: its results go to it (not to an 'owner' it names), alice cannot touch it."""
+    m, alice = mallory(wildcard), wildcard.coordinator
+    r = rid("mallory")
+    _prepare_as(m, wildcard, r)
+    named = {"owner": str(alice.transport.identity), "reply_to": str(alice.transport.identity)}
+    first = _entry_as(m, wildcard, r, "m-run1", PROMPT, "prefill", **named)
+    assert first.type is MsgType.RUN_RESULT and first.header["tokens"] == expected[:1]
+    for i in (0, 1):
+        for mtype in (MsgType.PREPARE, MsgType.CANCEL, MsgType.RELEASE):
+            header = {"request_id": r, "params": GREEDY} if mtype is MsgType.PREPARE else {"request_id": r}
+            with pytest.raises(ExecutorError) as refused:
+                alice.command(wildcard.addr(i), mtype, header, timeout=3)
+            assert refused.value.code == "unauthorized", refused.value
+    entry = {"nonce": "alice-run", "phase": "decode", "micro_batch": 0, "request_ids": [r], "sample": True}
+    alice.transport.send(wildcard.addr(0), Kind.TENSOR_DATA,
+                         encode(MsgType.RUN_ENTRY, entry, {"input_ids": ("int32", np.array([[7]], dtype=np.int32))}))
+    assert wait_until(lambda: wildcard.tap.about("alice-run"))
+    assert codes(wildcard.tap.about("alice-run")) == ["unauthorized"]
+    second = _entry_as(m, wildcard, r, "m-run2", expected[:1], "decode")
+    assert second.type is MsgType.RUN_RESULT and second.header["tokens"] == expected[1:2]
+    assert wildcard.tap.about("m-run1") == [] and wildcard.tap.about("m-run2") == []
+    for i in (0, 1):
+        m.send(wildcard.addr(i), MsgType.RELEASE, {"request_id": r, "nonce": f"{r}-rel"})
+    assert wait_until(lambda: all(r not in s.runner for s in wildcard.stages))
+
+
+def test_wildcard_rogue_cannot_evict_rows_through_a_shared_micro_batch(wildcard, expected):
+    """Mallory's decode step in 'micro-batch 0' must not drop alice's rows that decode in her micro-batch 0."""
+    m = mallory(wildcard)
+    victim = start_victim(wildcard, expected, tokens=3)
+    r = rid("evict")
+    _prepare_as(m, wildcard, r)
+    got = _entry_as(m, wildcard, r, "evict-run", [7], "decode")
+    assert got.type in (MsgType.RUN_RESULT, MsgType.ERROR)
+    finish_victim(wildcard, victim, expected)
+    for i in (0, 1):
+        m.send(wildcard.addr(i), MsgType.RELEASE, {"request_id": r, "nonce": "evict-rel"})
+
+
+# -- the scripted pipeline: what the coordinator accepts -------------------------------------------
+
+
+@dataclass
+class Exchange:
+    """A step the executor submitted; ``entry`` is its RUN_ENTRY as the scripted first stage saw it."""
+
+    pending: Pending
+    entry: StageMessage
+
+    @property
+    def nonce(self) -> str:
+        return self.entry.nonce
+
+
+def submit(p: Pipeline, step: Step) -> Exchange:
+    first: Peer = p.stages[0]
+    pending = Pending(p.coordinator, step)
+    _, entry = first.wait_for(lambda _p, m: m.type is MsgType.RUN_ENTRY and m.request_ids == step.rids
+                              and m.header.get("phase") == step.kind and m.nonce not in _used)
+    _used.add(entry.nonce)
+    return Exchange(pending, entry)
+
+
+_used: set[str] = set()
+
+
+def forward(p: Pipeline, ex: Exchange) -> None:
+    """The scripted first stage does its genuine work and forwards it to the real last stage."""
+    header, tensors = forward_as_stage0(p.extra[0], ex.entry)
+    p.stages[0].send(p.addr(1), MsgType.ACTIVATION, header, tensors)
+
+
+@dataclass
+class Scripted:
+    """One sequence through the scripted pipeline (prepared on the executor and the scripted stage's runner)."""
+
+    p: Pipeline
+    rid: str
+
+    def __post_init__(self) -> None:
+        self.p.coordinator.prepare(self.rid, SamplingParams(), 0, PROMPT)
+        self.p.extra[0].prepare(self.rid)
+
+    def prefill(self) -> Exchange:
+        return submit(self.p, Step("prefill", [self.rid], [PROMPT]))
+
+    def decode(self, token: int) -> Exchange:
+        return submit(self.p, Step("decode", [self.rid], [[token]], slot=0))
+
+    def release(self) -> None:
+        self.p.coordinator.release(self.rid)
+        self.p.extra[0].release(self.rid)
+
+
+def _sender(p: Pipeline, who: str, rogue: Peer) -> Callable[[MsgType, dict], None]:
+    if who == "rogue":
+        return lambda t, h: rogue.send(p.coordinator.transport.identity, t, h)
+    if who == "stage-0":
+        return lambda t, h: p.stages[0].send(p.coordinator.transport.identity, t, h)
+    last: StageService = p.stages[1]
+    return lambda t, h: last.transport.send(p.coordinator.transport.identity, Kind.CONTROL, encode(t, h))
+
+
+def _result(ex: Exchange, **changes: Any) -> dict:
+    h = ex.entry.header
+    return {"nonce": h["nonce"], "phase": h["phase"], "micro_batch": h["micro_batch"],
+            "request_ids": h["request_ids"], "sample": True, "tokens": [7], **changes}
+
+
+# name -> (sender, message type, header changes)
+FORGED_RESULTS: dict[str, tuple[str, MsgType, dict]] = {
+    "RUN_RESULT from a non-member": ("rogue", MsgType.RUN_RESULT, {}),
+    "RUN_RESULT from the first stage": ("stage-0", MsgType.RUN_RESULT, {}),
+    "RUN_RESULT with an unknown nonce": ("stage-1", MsgType.RUN_RESULT, {"nonce": "0123456789abcdef"}),
+    "RUN_RESULT for other request ids": ("stage-1", MsgType.RUN_RESULT, {"request_ids": ["someone-else"]}),
+    "RUN_RESULT for another micro-batch": ("stage-1", MsgType.RUN_RESULT, {"micro_batch": 1}),
+    "RUN_RESULT with two tokens for one row": ("stage-1", MsgType.RUN_RESULT, {"tokens": [7, 8]}),
+    "RUN_RESULT with no token": ("stage-1", MsgType.RUN_RESULT, {"tokens": []}),
+    "RUN_RESULT with token == vocab_size": ("stage-1", MsgType.RUN_RESULT, {"tokens": [VOCAB]}),
+    "RUN_RESULT with a negative token": ("stage-1", MsgType.RUN_RESULT, {"tokens": [-1]}),
+    "RUN_RESULT with a string token": ("stage-1", MsgType.RUN_RESULT, {"tokens": ["7"]}),
+    "RUN_RESULT with logprobs of the wrong length": ("stage-1", MsgType.RUN_RESULT, {"logprobs": [0.0, 0.0]}),
+    "ERROR for the step from a non-member": ("rogue", MsgType.ERROR, {"code": "internal", "message": "x"}),
+    "ACK for the step from the last stage": ("stage-1", MsgType.ACK, {}),
+    "STATE for the step from the last stage": ("stage-1", MsgType.STATE, {}),
+}
+
+
+@pytest.mark.parametrize("case", list(FORGED_RESULTS))
+def test_coordinator_accepts_a_result_only_from_the_last_stage_for_its_exchange(scripted, expected, rogue, case):
+    """Forged answers are dropped while the exchange keeps waiting; the genuine result then completes it."""
+    who, mtype, changes = FORGED_RESULTS[case]
+    seq = Scripted(scripted, rid("forged"))
+    ex = seq.prefill()
+    forged = _result(ex, **changes)
+    _sender(scripted, who, rogue)(mtype, forged)
+    assert wait_until(lambda: scripted.tap.about(forged["nonce"]))
+    time.sleep(SETTLE_S)
+    assert not ex.pending.done, ex.pending.outcomes
+    forward(scripted, ex)
+    outcome = ex.pending.result()
+    assert not isinstance(outcome, BaseException), outcome
+    assert [s.token for s in outcome] == expected[:1] and len(ex.pending.outcomes) == 1
+    seq.release()
+
+
+def test_a_replayed_run_result_is_refused(scripted, expected):
+    """The nonce is single-use: the last stage's genuine RUN_RESULT, sent again, completes nothing."""
+    seq = Scripted(scripted, rid("replay"))
+    first = seq.prefill()
+    forward(scripted, first)
+    assert [s.token for s in first.pending.result()] == expected[:1]
+    captured = scripted.tap.raw(MsgType.RUN_RESULT, first.nonce)
+    second = seq.decode(expected[0])
+    last: StageService = scripted.stages[1]
+    last.transport.send(scripted.coordinator.transport.identity, Kind.CONTROL, captured)
+    assert wait_until(lambda: len(scripted.tap.about(first.nonce)) == 2)
+    time.sleep(SETTLE_S)
+    assert not second.pending.done and len(first.pending.outcomes) == 1
+    forward(scripted, second)
+    assert [s.token for s in second.pending.result()] == expected[1:2]
+    seq.release()
+
+
+REPLY_FORGERIES = [("stage-1", MsgType.ACK), ("stage-1", MsgType.STATE), ("stage-1", MsgType.ERROR),
+                   ("rogue", MsgType.ACK), ("rogue", MsgType.ERROR)]
+
+
+@pytest.mark.parametrize("who,mtype", REPLY_FORGERIES, ids=lambda x: getattr(x, "name", x))
+def test_coordinator_accepts_a_reply_only_from_the_addressed_stage(scripted, rogue, who, mtype):
+    """An ACK/STATE/ERROR for a command from a node that was not addressed is dropped; the addressee's answer counts."""
+    import threading
+
+    first: Peer = scripted.stages[0]
+    r = rid("cmd")
+    box: list[Any] = []
+    waiter = threading.Thread(target=lambda: box.append(
+        scripted.coordinator.command(scripted.addr(0), MsgType.CANCEL, {"request_id": r}, timeout=5)))
+    waiter.start()
+    _, cmd = first.wait_for(lambda _p, m: m.type is MsgType.CANCEL and m.header.get("request_id") == r)
+    header = {"nonce": cmd.nonce, "code": "unauthorized", "message": "forged"} if mtype is MsgType.ERROR \
+        else {"nonce": cmd.nonce}
+    _sender(scripted, who, rogue)(mtype, header)
+    assert wait_until(lambda: scripted.tap.about(cmd.nonce))
+    time.sleep(SETTLE_S)
+    assert waiter.is_alive() and box == []
+    first.send(scripted.coordinator.transport.identity, MsgType.ACK, {"nonce": cmd.nonce})
+    waiter.join(5)
+    assert len(box) == 1 and box[0].type is MsgType.ACK
+
+
+# name -> (header changes, tensors | raw (specs, data), rows, code)
+HIDDEN_BOUNDS: dict[str, tuple[dict, Any, int, str]] = {
+    "hidden of the wrong width": ({}, hidden(width=HIDDEN - 1), 1, "bad_tensor"),
+    "hidden rank 2": ({}, {"hidden": ("float32", np.zeros((1, HIDDEN), dtype=np.float32))}, 1, "bad_tensor"),
+    "hidden int32": ({}, {"hidden": ("int32", np.zeros((1, 1, HIDDEN), dtype=np.int32))}, 1, "bad_tensor"),
+    "hidden int8 (quantized)": ({}, ([{"name": "hidden", "dtype": "int8", "shape": [1, 1, HIDDEN]}], bytes(HIDDEN)),
+                                1, "bad_tensor"),
+    "hidden q4 (compressed)": ({}, ([{"name": "hidden", "dtype": "q4", "shape": [1, 1, HIDDEN]}], bytes(HIDDEN // 2)),
+                               1, "bad_tensor"),
+    "hidden of an unknown dtype": ({}, ([{"name": "hidden", "dtype": "fp8", "shape": [1, 1, HIDDEN]}], bytes(HIDDEN)),
+                                   1, "bad_tensor"),
+    "claims n > 2**20": ({}, ([{"name": "hidden", "dtype": "float32", "shape": [1, 2**20 + 1, HIDDEN]}], bytes(256)),
+                         1, "bad_tensor"),
+    "claims more bytes than sent": ({}, ([{"name": "hidden", "dtype": "float16", "shape": [1, 4, HIDDEN]}],
+                                         bytes(2 * HIDDEN)), 1, "bad_tensor"),
+    "more rows than max_batch_size": ({"phase": "decode"}, hidden(rows=MAX_ROWS + 1), MAX_ROWS + 1, "bad_tensor"),
+    "rows != request ids": ({"phase": "decode"}, hidden(rows=2), 1, "bad_tensor"),
+    "decode with n=2": ({"phase": "decode"}, hidden(n=2), 1, "bad_tensor"),
+    "prefill of 2 rows": ({}, hidden(rows=2, n=3), 2, "bad_tensor"),
+    "no hidden tensor": ({}, {"input_ids": ("int32", np.array([[7]], dtype=np.int32))}, 1, "bad_tensor"),
+}
+
+
+@pytest.mark.parametrize("case", list(HIDDEN_BOUNDS))
+def test_activation_bounds_fail_the_request_at_once(scripted, expected, case):
+    """An out-of-bounds activation from the upstream stage: ERROR with the exchange nonce to the owner, at once."""
+    changes, tensors, rows, code = HIDDEN_BOUNDS[case]
+    last: StageService = scripted.stages[1]
+    seqs = [Scripted(scripted, rid("bounds")) for _ in range(rows)]
+    ex = seqs[0].prefill()
+    steps, held = last.steps, len(last.runner)
+    header = {**{k: ex.entry.header[k] for k in ("nonce", "phase", "micro_batch", "sample")},
+              "request_ids": [s.rid for s in seqs], **changes}
+    if isinstance(tensors, tuple):
+        payload = raw_message(MsgType.ACTIVATION, header, *tensors)
+    else:
+        payload = encode(MsgType.ACTIVATION, header, tensors)
+    scripted.stages[0].send_raw(scripted.addr(1), payload)
+    error = ex.pending.result(timeout=SCRIPTED_EXCHANGE_S + 2)
+    assert isinstance(error, ExecutorError) and error.code == code, error
+    assert ex.pending.elapsed < AT_ONCE_S, ex.pending.elapsed
+    (sender, m), = scripted.tap.about(ex.nonce)
+    assert sender == scripted.addr(1) and m.type is MsgType.ERROR
+    assert scripted.stages[0].about(ex.nonce) == [(scripted.coordinator.transport.identity, ex.entry)]
+    assert (last.steps, len(last.runner)) == (steps, held)
+    for s in seqs[1:]:
+        s.release()
+    retry = seqs[0].prefill()  # the same sequence, prefilled for real: the last stage's caches are untouched
+    forward(scripted, retry)
+    assert [s.token for s in retry.pending.result()] == expected[:1]
+    seqs[0].release()
+
+
+UNCORRELATED = {
+    "activation for a request nobody prepared": {"request_ids": ["nobody"]},
+    "activation without a nonce": {"nonce": ""},
+}
+
+
+@pytest.mark.parametrize("case", list(UNCORRELATED))
+def test_an_activation_nobody_can_be_told_about_is_dropped(scripted, expected, case):
+    """No owner or no nonce: the frame is dropped (no fallback to the configured coordinator), the exchange waits on."""
+    last: StageService = scripted.stages[1]
+    seq = Scripted(scripted, rid("uncorrelated"))
+    ex = seq.prefill()
+    steps = last.steps
+    header = {**{k: ex.entry.header[k] for k in ("nonce", "phase", "micro_batch", "request_ids", "sample")},
+              **UNCORRELATED[case]}
+    scripted.stages[0].send(scripted.addr(1), MsgType.ACTIVATION, header, hidden(width=HIDDEN - 1))
+    time.sleep(SETTLE_S * 2)
+    assert not ex.pending.done and scripted.tap.about(ex.nonce) == [] and last.steps == steps
+    forward(scripted, ex)
+    assert [s.token for s in ex.pending.result()] == expected[:1]
+    seq.release()
+
+
+def test_every_exchange_has_an_absolute_deadline(scripted):
+    """A stage that never answers: the step fails with 'timeout' at exchange_s, a command at its timeout."""
+    seq = Scripted(scripted, rid("silent"))
+    ex = seq.prefill()  # the scripted first stage never forwards it
+    error = ex.pending.result(timeout=SCRIPTED_EXCHANGE_S + 3)
+    assert isinstance(error, ExecutorError) and error.code == "timeout", error
+    assert SCRIPTED_EXCHANGE_S - 0.1 <= ex.pending.elapsed < SCRIPTED_EXCHANGE_S + 1.0, ex.pending.elapsed
+    start = time.monotonic()
+    with pytest.raises(ExecutorError) as waited:
+        scripted.coordinator.command(scripted.addr(0), MsgType.BEGIN_DRAIN, {}, timeout=0.5)
+    assert waited.value.code == "timeout" and time.monotonic() - start < 1.5
+    seq.release()
+
+
+def test_logits_of_the_wrong_shape_are_dropped(model, facts, rogue):
+    """With full-logits return, a RUN_RESULT must carry float32 [rows, vocab_size]; anything else is dropped."""
+    config = cluster_config(f"{COORDINATOR_IP}:{free_port(COORDINATOR_IP)}", _stage_addrs(),
+                            exchange_s=SCRIPTED_EXCHANGE_S)
+    stages = [Peer(str(n.address), answer=answer_as_stage(stage_state(config, i, facts)))
+              for i, n in enumerate(config.stages)]
+    try:
+        executor, tap = start_coordinator(config, facts, return_logits=True)
+    except BaseException:
+        for s in stages:
+            s.close()
+        raise
+    try:
+        r = rid("logits")
+        executor.prepare(r, SamplingParams(), 0, PROMPT)
+        pending = Pending(executor, Step("prefill", [r], [PROMPT]))
+        _, entry = stages[0].wait_for(lambda _p, m: m.type is MsgType.RUN_ENTRY)
+        base = {"nonce": entry.nonce, "phase": "prefill", "micro_batch": 0, "request_ids": [r], "sample": True,
+                "tokens": None}
+        me = executor.transport.identity
+        forged = [("float32", np.zeros((1, VOCAB - 1), np.float32)), ("float32", np.zeros((2, VOCAB), np.float32)),
+                  ("float32", np.zeros((1, 1, VOCAB), np.float32)), ("float16", np.zeros((1, VOCAB), np.float16)),
+                  ("int32", np.zeros((1, VOCAB), np.int32))]
+        for dtype, logits in forged:
+            stages[1].send(me, MsgType.RUN_RESULT, base, {"logits": (dtype, logits)})
+        stages[1].send(me, MsgType.RUN_RESULT, base)  # no logits at all
+        assert wait_until(lambda: len(tap.about(entry.nonce)) == len(forged) + 1)
+        time.sleep(SETTLE_S)
+        assert not pending.done, pending.outcomes
+        good = np.zeros((1, VOCAB), np.float32)
+        good[0, 123] = 5.0
+        stages[1].send(me, MsgType.RUN_RESULT, base, {"logits": ("float32", good)})
+        outcome = pending.result()
+        assert [s.token for s in outcome] == [123]
+        assert tap.about(entry.nonce)[-1][0] == config.stages[1].address
+    finally:
+        executor.close()
+        for s in stages:
+            s.close()
