@@ -12,6 +12,7 @@ Module map (one concept each; the protocol core is sans-I/O):
 - ``reader``     frame reading off a socket
 - ``messages``   message kinds, fragmentation and reassembly over frames
 - ``ratelimit``  the four rate-limited warning classes
+- ``rpc``        response waiters, typed RPC errors
 - ``options``    ``TransportOptions``: every bound and default of a transport
 - ``sockets``    socket options of every connection
 - ``socket_handshake``  the handshake machines driven over a blocking socket
@@ -23,23 +24,26 @@ Module map (one concept each; the protocol core is sans-I/O):
 See docs/protocol.md for the wire format.
 """
 
-from .errors import ClusterError, LocalError, RemoteError
+from .errors import ClusterError, LocalError, RemoteError, RequestError, RequestFailed
 from .identity import PeerId
 from .messages import Message
 from .secret import ClusterSecret, load_secret
 from .transport import StreamWriter, Transport, TransportOptions
-from .wire import PROTOCOL_VERSION, Channel, Kind, Suite
+from .wire import PROTOCOL_VERSION, Channel, ErrorCode, Kind, Suite
 
 __all__ = [
     "PROTOCOL_VERSION",
     "Channel",
     "ClusterError",
     "ClusterSecret",
+    "ErrorCode",
     "Kind",
     "LocalError",
     "Message",
     "PeerId",
     "RemoteError",
+    "RequestError",
+    "RequestFailed",
     "StreamWriter",
     "Suite",
     "Transport",

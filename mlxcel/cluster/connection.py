@@ -1,4 +1,4 @@
-"""One authenticated connection: a sealer under a write lock, a reader thread, RPC waiters.
+"""One authenticated connection: a sealer under a write lock, a reader thread, RPC waiters, streams.
 
 The reader thread opens frames, reassembles messages and dispatches them: RPC
 responses wake their waiter, RPC requests are answered by the request handler, every
@@ -12,26 +12,18 @@ import socket
 import threading
 from typing import Callable, Iterable
 
-from .errors import ClusterError, ConnectionLost, FrameError, LocalProtocolError, RequestFailed, RequestTimeout, SequenceExhausted
+from .errors import ClusterError, ConnectionLost, FrameError, LocalProtocolError, RequestError, RequestTimeout, SequenceExhausted
 from .frames import Buffer, FrameOpener, FrameSealer
 from .handshake import Established
 from .identity import PeerId
-from .messages import Assembler, Message, plan
+from .messages import Assembler, Message, encode_error, plan
 from .options import TransportOptions
 from .ratelimit import RateLimitedLog, WarnClass
 from .reader import FrameReader
-from .wire import MESSAGE_KINDS, RPC_ERROR, RPC_OK, Kind
+from .rpc import Waiter, answer, outcome
+from .wire import MESSAGE_KINDS, STREAM_ABORTED, STREAM_OK, ErrorCode, Kind
 
 log = logging.getLogger("mlxcel.cluster.transport")
-
-
-class _Waiter:
-    __slots__ = ("event", "message", "error")
-
-    def __init__(self) -> None:
-        self.event = threading.Event()
-        self.message: Message | None = None
-        self.error: BaseException | None = None
 
 
 class Connection:
@@ -66,7 +58,7 @@ class Connection:
         self.assembler = Assembler(peer, max_message_len=options.max_message_len)
         self._wlock = threading.Lock()
         self._closed = threading.Event()
-        self._waiters: dict[int, _Waiter] = {}
+        self._waiters: dict[int, Waiter] = {}
         self._waiters_lock = threading.Lock()
         self.thread: threading.Thread | None = None
 
@@ -165,13 +157,9 @@ class Connection:
             self._deliver(msg)
 
     def _answer(self, msg: Message) -> None:
+        reply, status = answer(self._handle_request, msg)
         try:
-            reply, status = self._handle_request(msg), RPC_OK
-        except Exception as exc:  # a failing handler answers with an error, never kills the loop
-            log.debug("request handler failed for %s", msg, exc_info=True)
-            reply, status = f"{type(exc).__name__}: {exc}"[:500].encode(), RPC_ERROR
-        try:
-            self.send(Kind.RPC_RESPONSE, reply if reply is not None else b"", id=msg.id, status=status)
+            self.send(Kind.RPC_RESPONSE, reply, id=msg.id, status=status)
         except ClusterError as exc:
             log.debug("cannot answer request %d from %s: %s", msg.id, self.peer, exc)
 
@@ -187,8 +175,9 @@ class Connection:
     # -- rpc --
 
     def request(self, payload: Buffer, request_id: int, timeout: float) -> memoryview:
-        """Send an RPC request and wait for its response on this connection."""
-        waiter = _Waiter()
+        """Send an RPC request and wait for its response on this connection; raises
+        ``RequestFailed`` (with its ``code``) for an error response."""
+        waiter = Waiter()
         with self._waiters_lock:
             self._waiters[request_id] = waiter
         try:
@@ -200,11 +189,8 @@ class Connection:
                 self._waiters.pop(request_id, None)
         if waiter.error is not None:
             raise waiter.error
-        msg = waiter.message
-        assert msg is not None
-        if msg.status != RPC_OK:
-            raise RequestFailed(f"{self.peer} failed the request: {bytes(msg.payload).decode('utf-8', 'replace')}")
-        return msg.payload
+        assert waiter.message is not None
+        return outcome(waiter.message, self.peer)
 
     # -- closing --
 
@@ -232,7 +218,10 @@ class Connection:
 
 
 class StreamWriter:
-    """An outbound stream: ordered STREAM_DATA messages ended by one STREAM_END."""
+    """An outbound stream: ordered STREAM_DATA messages ended by one STREAM_END.
+
+    ``close()`` ends it as completed (status 0); ``abort(code, text)`` or an exception
+    inside ``with`` ends it as aborted (status 1, an error body)."""
 
     def __init__(self, conn: Connection, stream_id: int) -> None:
         self._conn = conn
@@ -244,10 +233,15 @@ class StreamWriter:
             raise LocalProtocolError(f"stream {self.id} is closed")
         self._conn.send(Kind.STREAM_DATA, data, id=self.id)
 
-    def close(self, status: int = RPC_OK, payload: Buffer = b"") -> None:
+    def close(self, status: int = STREAM_OK, payload: Buffer = b"") -> None:
+        """Send STREAM_END with ``status`` and ``payload`` (once)."""
         if not self.closed:
             self.closed = True
             self._conn.send(Kind.STREAM_END, payload, id=self.id, status=status)
+
+    def abort(self, code: ErrorCode = ErrorCode.INTERNAL, text: str = "") -> None:
+        """End the stream as aborted, with a typed error body."""
+        self.close(STREAM_ABORTED, encode_error(code, text))
 
     def __enter__(self) -> "StreamWriter":
         return self
@@ -256,4 +250,7 @@ class StreamWriter:
         if exc is None:
             self.close()
         elif not self.closed and self._conn.alive:
-            self.close(RPC_ERROR, f"{type(exc).__name__}"[:200].encode())
+            if isinstance(exc, RequestError):
+                self.abort(exc.code, exc.message)
+            else:  # the type only: the text may quote payload
+                self.abort(ErrorCode.INTERNAL, type(exc).__name__)

@@ -8,6 +8,8 @@ secret material or payload bytes.
 
 from __future__ import annotations
 
+from .wire import ErrorCode
+
 
 class ClusterError(Exception):
     """Base of every error raised by ``mlxcel.cluster``."""
@@ -127,11 +129,29 @@ class PeerUnreachable(RemoteError):
 
 
 class RequestFailed(RemoteError):
-    """The peer's request handler raised; carries its one-line error text."""
+    """The peer answered a request with an error: ``code`` (an ``ErrorCode``) and its
+    one-line ``detail`` text."""
+
+    def __init__(self, message: str, code: ErrorCode = ErrorCode.UNKNOWN, detail: str = "") -> None:
+        super().__init__(message)
+        self.code = code
+        self.detail = detail
 
 
 class RequestTimeout(RemoteError, TimeoutError):
     """No response arrived before the request's deadline."""
+
+
+class RequestError(ClusterError):
+    """Raised by a request handler to answer with a typed error.
+
+    The caller's ``request`` raises ``RequestFailed`` with the same ``code`` and
+    ``message``; any other exception from a handler answers ``INTERNAL``."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(f"{ErrorCode(code).name}: {message}")
+        self.code = ErrorCode(code)
+        self.message = message
 
 
 class ClosedBeforeHandshake(HandshakeAborted):

@@ -17,13 +17,16 @@ from .errors import LocalProtocolError, MessageError
 from .frames import Buffer
 from .identity import PeerId
 from .wire import (
+    ERROR_BODY,
     FRAGMENTABLE_KINDS,
+    MAX_ERROR_TEXT,
     MAX_MESSAGE_LEN,
     MESSAGE_BEGIN,
     RPC_REQUEST,
     RPC_RESPONSE,
     STREAM_DATA,
     STREAM_END,
+    ErrorCode,
     Kind,
 )
 
@@ -98,6 +101,28 @@ def plan(kind: Kind, payload: Buffer, *, id: int = 0, status: int = 0, chunk_len
     view = memoryview(body)
     for off in range(0, n, chunk_len):
         yield Kind.MESSAGE_CONTINUE, view[off : off + chunk_len]
+
+
+def encode_error(code: ErrorCode, text: str) -> bytes:
+    """Error body: code (u16 BE) || UTF-8 text cut to MAX_ERROR_TEXT bytes (on a character boundary)."""
+    raw = text.encode("utf-8", "replace")
+    if len(raw) > MAX_ERROR_TEXT:
+        raw = raw[:MAX_ERROR_TEXT].decode("utf-8", "ignore").encode()
+    return ERROR_BODY.pack(int(code)) + raw
+
+
+_CODES = {int(c): c for c in ErrorCode}
+
+
+def decode_error(body: Buffer) -> tuple[ErrorCode, str]:
+    """(code, text) of an error body; a body shorter than 2 bytes or a code this node
+    does not know reads as UNKNOWN (the text is kept)."""
+    view = memoryview(body).cast("B")
+    if len(view) < ERROR_BODY.size:
+        return ErrorCode.UNKNOWN, ""
+    (value,) = ERROR_BODY.unpack_from(view)
+    text = bytes(view[ERROR_BODY.size : ERROR_BODY.size + MAX_ERROR_TEXT]).decode("utf-8", "replace")
+    return _CODES.get(value, ErrorCode.UNKNOWN), text
 
 
 def _unprefix(kind: Kind, buf: memoryview) -> tuple[memoryview, int, int]:

@@ -17,7 +17,7 @@ buffers; hand such sends to a worker thread (a stalled send fails after
 faster than asyncio streams on this machine.
 
 The parts: ``socket_handshake`` (handshake I/O), ``reader`` (frame reading),
-``connection`` (one connection, RPC waiters, streams), ``listener`` (accept,
+``connection`` (one connection, streams), ``rpc`` (waiters, typed errors), ``listener`` (accept,
 pending pool, admission), ``pool`` (dialler and outbound pool).
 """
 
@@ -31,7 +31,7 @@ from dataclasses import replace
 from typing import Callable, Iterable
 
 from .connection import Connection, StreamWriter
-from .errors import LocalProtocolError, PeerUnreachable, ServerAtCapacity, TransportClosed
+from .errors import LocalProtocolError, PeerUnreachable, RequestError, ServerAtCapacity, TransportClosed
 from .frames import Buffer
 from .handshake import Established
 from .identity import PeerId, PeerLike, as_peer
@@ -42,7 +42,7 @@ from .pool import Pool
 from .ratelimit import RateLimitedLog, WarnClass, cluster_warnings
 from .secret import ClusterSecret
 from .socket_handshake import client_handshake, server_handshake
-from .wire import MESSAGE_KINDS, Kind
+from .wire import MESSAGE_KINDS, ErrorCode, Kind
 
 log = logging.getLogger("mlxcel.cluster.transport")
 
@@ -155,7 +155,7 @@ class Transport:
     def _handle_request(self, msg: Message) -> Buffer:
         handler = self._on_request
         if handler is None:
-            raise LocalProtocolError("this node serves no requests")
+            raise RequestError(ErrorCode.UNSUPPORTED, "this node serves no requests")
         return handler(msg)
 
     def _forget(self, conn: Connection) -> None:

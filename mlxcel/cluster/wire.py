@@ -121,14 +121,38 @@ FRAGMENTABLE_KINDS = frozenset(k for k in Kind if k < Kind.MESSAGE_BEGIN)
 MESSAGE_BEGIN = struct.Struct(">BQ")
 #: RPC_REQUEST payload prefix: request id(u64 BE)
 RPC_REQUEST = struct.Struct(">Q")
-#: RPC_RESPONSE payload prefix: request id(u64 BE) || status(u8: 0 ok, 1 error)
+#: RPC_RESPONSE payload prefix: request id(u64 BE) || status(u8: 0 ok, 1 error with an error body)
 RPC_RESPONSE = struct.Struct(">QB")
 #: STREAM_DATA prefix: stream id(u64 BE); STREAM_END: stream id || status(u8)
 STREAM_DATA = struct.Struct(">Q")
 STREAM_END = struct.Struct(">QB")
+#: status byte of RPC_RESPONSE and STREAM_END: 0 ok / stream completed, 1 error / stream aborted
 RPC_OK = 0
 RPC_ERROR = 1
+STREAM_OK = RPC_OK
+STREAM_ABORTED = RPC_ERROR
 MAX_MESSAGE_LEN = MAX_FRAME_LEN
+
+
+class ErrorCode(enum.IntEnum):
+    """Typed error code of an error body (RPC_RESPONSE or STREAM_END with status 1)."""
+
+    UNKNOWN = 0  # no code given, or a code this node does not know
+    INTERNAL = 1  # the handler failed unexpectedly (a bug on the answering node)
+    BAD_REQUEST = 2  # malformed or out-of-bounds request (shape, dtype, length, field)
+    UNAUTHORIZED = 3  # the authenticated sender may not make this request
+    NOT_FOUND = 4  # unknown request id, sequence or resource
+    CONFLICT = 5  # state conflict: id already in use, stale epoch or exchange nonce
+    OVERLOADED = 6  # at capacity; retry later
+    TIMEOUT = 7  # a deadline passed while handling the request
+    UNAVAILABLE = 8  # draining, shutting down or not ready yet
+    UNSUPPORTED = 9  # this node serves no such request
+    CANCELLED = 10  # the request was cancelled
+
+
+#: error body: code (u16 BE) || UTF-8 text of at most MAX_ERROR_TEXT bytes
+ERROR_BODY = struct.Struct(">H")
+MAX_ERROR_TEXT = 1024
 
 # --- transport defaults ---------------------------------------------------------------
 
