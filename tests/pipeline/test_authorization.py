@@ -346,6 +346,40 @@ def test_replies_go_to_the_authenticated_source_not_to_a_named_address(strict, e
     assert rogue.received == []
 
 
+def test_a_step_for_a_request_nobody_prepared_is_refused(strict, rogue):
+    """RUN_ENTRY for an id that was never prepared: ERROR unknown_request, and the stages hold nothing under it."""
+    nonce = r = rid("unprepared")
+    entry = {"nonce": nonce, "phase": "prefill", "micro_batch": 0, "request_ids": [r], "sample": True}
+    ids = {"input_ids": ("int32", np.array([PROMPT], dtype=np.int32))}
+    strict.coordinator.transport.send(strict.addr(0), Kind.TENSOR_DATA, encode(MsgType.RUN_ENTRY, entry, ids))
+    assert wait_until(lambda: strict.tap.about(nonce))
+    assert codes(strict.tap.about(nonce)) == ["unknown_request"]
+    assert all(r not in s.runner for s in strict.stages)
+
+
+def test_the_coordinator_may_drain_and_shut_a_stage_down(model, facts):
+    """The positive control of the rogue tests: the same BEGIN_DRAIN and SHUTDOWN from the coordinator's identity work."""
+    config = cluster_config(f"{COORDINATOR_IP}:{free_port(COORDINATOR_IP)}", _stage_addrs(), exchange_s=EXCHANGE_S)
+    shutdowns: list[int] = []
+    stage = start_stage(config, 1, slice_runner(model, *LAYERS[1], max_rows=MAX_ROWS), facts, shutdowns)
+    coordinator = Peer(str(config.coordinator.address))
+    try:
+        def ask(mtype: MsgType, header: dict) -> StageMessage:
+            nonce = rid("ctl")
+            coordinator.send(config.stages[1].address, mtype, {**header, "nonce": nonce})
+            return coordinator.wait_for(lambda p, m: m.nonce == nonce)[1]
+
+        assert ask(MsgType.PREPARE, {"request_id": "before", "params": GREEDY}).type is MsgType.ACK
+        assert ask(MsgType.BEGIN_DRAIN, {}).type is MsgType.ACK and stage.draining
+        refused = ask(MsgType.PREPARE, {"request_id": "after", "params": GREEDY})
+        assert refused.type is MsgType.ERROR and refused.header["code"] == "draining"
+        assert ask(MsgType.SHUTDOWN, {}).type is MsgType.ACK
+        assert wait_until(lambda: shutdowns == [1])
+    finally:
+        coordinator.close()
+        stage.close()
+
+
 # -- the strict pipeline: tensor bounds on RUN_ENTRY --------------------------------------------------
 
 I32 = np.int32
@@ -433,13 +467,17 @@ def mallory(p: Pipeline) -> Peer:
     return p.extra[0]
 
 
-def test_wildcard_port_passes_the_coordinator_check(wildcard):
-    """With the coordinator at 0.0.0.0:P, another IP on port P is accepted as a coordinator (GET_STATE answered)."""
+def test_wildcard_port_passes_the_coordinator_check(wildcard, rogue):
+    """With the coordinator at 0.0.0.0:P, any IP on port P is accepted as a coordinator (GET_STATE answered),
+    any other port still is not."""
     m = mallory(wildcard)
     nonce = rid("state")
-    m.send(wildcard.addr(0), MsgType.GET_STATE, {"nonce": nonce})
+    for peer in (m, rogue):
+        peer.send(wildcard.addr(0), MsgType.GET_STATE, {"nonce": nonce})
     _, state = m.wait_for(lambda p, msg: msg.nonce == nonce)
     assert state.type is MsgType.STATE and state.header["node_id"] == "stage-0"
+    _, refused = rogue.wait_for(lambda p, msg: msg.nonce == nonce)
+    assert refused.type is MsgType.ERROR and refused.header["code"] == "unauthorized"
 
 
 @pytest.mark.parametrize("mtype", [MsgType.PREPARE, MsgType.RUN_ENTRY, MsgType.CANCEL, MsgType.RELEASE],
@@ -640,7 +678,7 @@ def test_a_replayed_run_result_is_refused(scripted, expected):
 
 
 REPLY_FORGERIES = [("stage-1", MsgType.ACK), ("stage-1", MsgType.STATE), ("stage-1", MsgType.ERROR),
-                   ("rogue", MsgType.ACK), ("rogue", MsgType.ERROR)]
+                   ("rogue", MsgType.ACK), ("rogue", MsgType.ERROR), ("stage-0", MsgType.RUN_RESULT)]
 
 
 @pytest.mark.parametrize("who,mtype", REPLY_FORGERIES, ids=lambda x: getattr(x, "name", x))

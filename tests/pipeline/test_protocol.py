@@ -233,7 +233,7 @@ _spec = st.fixed_dictionaries({}, optional={
 })
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(mtype=st.integers(0, 255), header=st.dictionaries(st.text(max_size=8), _json, max_size=4),
        specs=st.lists(_spec, max_size=5) | _json, data=st.binary(max_size=64))
 def test_decode_raises_only_protocol_error_on_structured_garbage(mtype, header, specs, data):
