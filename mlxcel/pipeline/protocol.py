@@ -26,6 +26,7 @@ from mlxcel.config import MAX_ACTIVATION_TOKENS
 
 ENVELOPE = struct.Struct(">BI")
 MAX_HEADER_LEN = 1 << 20
+MAX_MICRO_BATCHES = 64  # micro-batch numbers 0..63 (a coordinator uses one per stage)
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 INT_DTYPES = ("int32", "uint32")
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int32": 4, "uint32": 4}
@@ -205,6 +206,9 @@ def check_hidden(msg: StageMessage, *, max_rows: int, width: int) -> np.ndarray:
 
 
 def _check_rows(msg: StageMessage, rows: int, n: int, max_rows: int) -> None:
+    mb = msg.header.get("micro_batch", 0)
+    if not isinstance(mb, int) or isinstance(mb, bool) or not 0 <= mb < MAX_MICRO_BATCHES:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"micro_batch must be an integer from 0 to {MAX_MICRO_BATCHES - 1}")
     rids = msg.header.get("request_ids")
     if not isinstance(rids, list) or not all(isinstance(r, str) and 0 < len(r) <= 128 for r in rids):
         raise ProtocolError(ErrorCode.BAD_REQUEST, "request_ids must be a list of request id strings")
