@@ -91,7 +91,8 @@ class Connection:
             try:
                 for fkind, fpayload in frames:
                     self._sendmsg(self.sealer.seal_parts(fkind, fpayload))
-            except SequenceExhausted:
+            except SequenceExhausted as exc:
+                log.info("closing cluster connection to %s: %s", self.peer, exc)
                 self.close()
                 raise
             except OSError as exc:
@@ -137,6 +138,8 @@ class Connection:
                     self._dispatch(msg)
         except EOFError:
             log.debug("cluster connection %s closed by the peer", self.peer)
+        except SequenceExhausted as exc:  # the protocol's orderly end of a connection
+            log.info("closing cluster connection with %s: %s", self.peer, exc)
         except (FrameError, LocalProtocolError) as exc:
             self.warnings.warning(WarnClass.DIAGNOSTIC, "closing cluster connection with %s: %s", self.peer, exc)
         except OSError as exc:

@@ -18,6 +18,7 @@ from .wire import (
     MAX_PENDING_HANDSHAKES_PER_SOURCE,
     MAX_RECONNECT_ATTEMPTS,
     RECONNECT_BASE_DELAY_S,
+    RECONNECT_MARGIN_S,
     RECONNECT_MAX_DELAY_S,
     SEQ_LIMIT,
     Channel,
@@ -42,12 +43,22 @@ class TransportOptions:
     max_reconnect_attempts: int = MAX_RECONNECT_ATTEMPTS
     reconnect_base_delay: float = RECONNECT_BASE_DELAY_S
     reconnect_max_delay: float = RECONNECT_MAX_DELAY_S
+    #: seconds a dial keeps retrying retryable failures (beyond max_reconnect_attempts);
+    #: None: handshake_timeout + RECONNECT_MARGIN_S; 0: the attempt count alone
+    reconnect_budget: float | None = None
     send_timeout: float = 60.0
     request_timeout: float = 30.0
     seq_limit: int = SEQ_LIMIT
     bind_outbound: bool = True
     #: SO_SNDBUF/SO_RCVBUF in bytes (capped by the kernel); None keeps its autotuning
     socket_buffer: int | None = DEFAULT_SOCKET_BUFFER
+
+    @property
+    def dial_budget(self) -> float:
+        """Seconds from a dial's first attempt during which retryable failures are retried."""
+        if self.reconnect_budget is None:
+            return self.handshake_timeout + RECONNECT_MARGIN_S
+        return self.reconnect_budget
 
     @classmethod
     def for_assignment(cls, **overrides: object) -> "TransportOptions":

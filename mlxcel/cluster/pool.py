@@ -1,8 +1,10 @@
 """The connecting side: one pooled outbound connection per peer, dialled with backoff.
 
-A dial retries a refused connect, a close before the server sent any record and the
-at-capacity verdict (``HandshakeError.retryable``) with exponential backoff; every
-other handshake failure is terminal.
+A dial retries a refused connect, a close before the server sent any record (a full
+pending pool closes at accept) and the at-capacity verdict
+(``HandshakeError.retryable``) with exponential backoff, for ``max_reconnect_attempts``
+retries and at least ``dial_budget`` seconds; every other handshake failure is
+terminal.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from typing import Callable
 
 from .connection import Connection
@@ -78,24 +81,34 @@ class Pool:
             return conn
 
     def _dial_with_backoff(self, peer: PeerId, identity: PeerId) -> Connection:
+        """Retry retryable failures for ``max_reconnect_attempts`` retries and at least
+        ``dial_budget`` seconds, whichever ends later."""
         opts = self.options
-        last: BaseException | None = None
-        for attempt in range(opts.max_reconnect_attempts + 1):
-            if attempt:
-                delay = min(opts.reconnect_base_delay * 2 ** (attempt - 1), opts.reconnect_max_delay)
-                if isinstance(last, ServerAtCapacity):
-                    self.warnings.warning(WarnClass.AT_CAPACITY, "cluster peer %s is at capacity; retrying in %.2fs (attempt %d of %d)", peer, delay, attempt, opts.max_reconnect_attempts)
-                if self._closing.wait(delay):
-                    raise TransportClosed("transport is closed")
+        start = time.monotonic()
+        deadline = start + opts.dial_budget
+        attempt = 0
+        while True:
             try:
                 return self._dial(peer, identity)
             except HandshakeError as exc:
                 if not exc.retryable:
                     raise
-                last = exc
+                last: BaseException = exc
             except OSError as exc:
                 last = exc
-        raise PeerUnreachable(f"cannot reach cluster peer {peer} after {opts.max_reconnect_attempts + 1} attempts: {last}") from last
+            attempt += 1
+            left = deadline - time.monotonic()
+            if attempt > opts.max_reconnect_attempts and left <= 0:
+                break
+            delay = min(opts.reconnect_base_delay * 2 ** (attempt - 1), opts.reconnect_max_delay)
+            if attempt > opts.max_reconnect_attempts:
+                delay = min(delay, left)  # the last retry lands on the deadline
+            if isinstance(last, ServerAtCapacity):
+                self.warnings.warning(WarnClass.AT_CAPACITY, "cluster peer %s is at capacity; retrying in %.2fs (attempt %d)", peer, delay, attempt)
+            if self._closing.wait(delay):
+                raise TransportClosed("transport is closed")
+        elapsed = time.monotonic() - start
+        raise PeerUnreachable(f"cannot reach cluster peer {peer} after {attempt} attempts in {elapsed:.1f}s: {last}") from last
 
     def _dial(self, peer: PeerId, identity: PeerId) -> Connection:
         opts = self.options

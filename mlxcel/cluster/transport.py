@@ -170,7 +170,8 @@ class Transport:
         """Establish the pooled connection now (fail fast at startup).
 
         Returns False (after a warning) when the peer stayed at capacity for the whole
-        retry budget; raises every other failure.
+        retry budget (``max_reconnect_attempts`` and ``dial_budget``); raises every
+        other failure (``PeerUnreachable`` with the last cause chained).
         """
         try:
             self._acquire(peer)

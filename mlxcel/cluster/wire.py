@@ -165,6 +165,10 @@ ASSIGNMENT_MAX_PENDING_HANDSHAKES_PER_SOURCE = 4
 MAX_RECONNECT_ATTEMPTS = 5
 RECONNECT_BASE_DELAY_S = 0.1
 RECONNECT_MAX_DELAY_S = 5.0
+#: a dial keeps retrying retryable failures for at least handshake_timeout + this long,
+#: so a listener whose pending pool is full (each socket held <= its handshake
+#: timeout) delays a peer instead of failing it
+RECONNECT_MARGIN_S = 2.0
 DEFAULT_CHUNK_LEN = 256 * 1024
 #: SO_SNDBUF/SO_RCVBUF: 1 MiB messages after an idle gap were 25-30% faster on
 #: loopback than with autotuning (which restarts from 16 KiB send buffers)

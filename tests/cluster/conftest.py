@@ -78,6 +78,7 @@ def make_transport(secret: ClusterSecret) -> Iterator[Callable[..., Transport]]:
     def make(ip: str = SERVER_IP, sec: ClusterSecret | None = None, **kw: object) -> Transport:
         kw.setdefault("reconnect_base_delay", 0.01)
         kw.setdefault("max_reconnect_attempts", 2)
+        kw.setdefault("reconnect_budget", 0)  # the attempt count alone: fast failures
         kw.setdefault("warnings", RateLimitedLog(logging.getLogger("mlxcel.cluster")))
         t = Transport(f"{ip}:0", sec or secret, **kw)
         made.append(t)

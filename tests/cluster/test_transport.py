@@ -6,11 +6,13 @@ import logging
 import os
 import socket
 import threading
+import time
 
 import pytest
 
 from mlxcel.cluster.errors import (
     ConnectionLost,
+    HandshakeAborted,
     LocalProtocolError,
     PeerUnreachable,
     RequestFailed,
@@ -19,10 +21,10 @@ from mlxcel.cluster.errors import (
     TransportClosed,
 )
 from mlxcel.cluster.identity import PeerId
-from mlxcel.cluster.transport import Transport
+from mlxcel.cluster.transport import Transport, TransportOptions
 from mlxcel.cluster.wire import Kind, Suite
 
-from .conftest import CLIENT_IP, SERVER_IP, Inbox, wait_until
+from .conftest import CLIENT_IP, SERVER_IP, Inbox, RawClient, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -241,3 +243,84 @@ def test_both_directions_use_separate_connections(make_transport):
     b.send(a.identity, Kind.TENSOR_DATA, b"to-a")
     assert b_in.get().peer == a.identity and a_in.get().peer == b.identity
     assert a.authenticated_connections == b.authenticated_connections == 1
+
+
+def test_peer_reaching_its_last_sequence_number_is_an_orderly_close(make_transport, secret, raw_clients, caplog):
+    """The receiving side of an exhausted direction closes at info, without a traceback."""
+    inbox = Inbox()
+    srv = make_transport(SERVER_IP, seq_limit=3)
+    srv.serve(inbox.on_message)
+    raw = RawClient(srv, secret).handshake()  # its own sealer does not stop at 3
+    raw_clients.append(raw)
+    with caplog.at_level(logging.DEBUG, "mlxcel.cluster"):
+        raw.send(b"".join(raw.seal(Kind.CONTROL, b"%d" % i) for i in range(4)))
+        assert [bytes(inbox.get().payload) for _ in range(3)] == [b"0", b"1", b"2"]
+        assert raw.closed_by_peer()
+        assert wait_until(lambda: any("last sequence number" in r.getMessage() for r in caplog.records))
+    closing = [r for r in caplog.records if "last sequence number" in r.getMessage()]
+    assert [r.levelno for r in closing] == [logging.INFO] and closing[0].exc_info is None
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert inbox.q.empty()
+
+
+def test_sending_side_exhaustion_logs_no_error(make_transport, caplog):
+    inbox = Inbox()
+    srv = make_transport(SERVER_IP)
+    srv.serve(inbox.on_message)
+    cli = make_transport(CLIENT_IP, seq_limit=1)
+    with caplog.at_level(logging.DEBUG, "mlxcel.cluster"):
+        cli.send(srv.identity, Kind.CONTROL, b"only")
+        with pytest.raises(SequenceExhausted):
+            cli.send(srv.identity, Kind.CONTROL, b"one too many")
+        assert bytes(inbox.get().payload) == b"only"
+        assert wait_until(lambda: srv.authenticated_connections == 0)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info]
+    assert any(r.levelno == logging.INFO and "last sequence number" in r.getMessage() for r in caplog.records)
+
+
+def _hold_pending_pool(srv: Transport, ip: str, n: int) -> list[socket.socket]:
+    """Idle sockets from ``ip`` that fill its share of the pending pool until the
+    server's handshake timeout closes them."""
+    held = [socket.create_connection(srv.identity.address, source_address=(ip, 0)) for _ in range(n)]
+    assert wait_until(lambda: srv.pending_handshakes == n)
+    return held
+
+
+def test_full_pending_pool_delays_a_dial_instead_of_failing_it(make_transport, secret):
+    """The dial budget covers the handshake timeout, so it outlasts a full pending pool."""
+    srv = make_transport(SERVER_IP, handshake_timeout=1.0, max_pending_handshakes_per_ip=2)
+    srv.serve(None, lambda m: b"ok")
+    held = _hold_pending_pool(srv, CLIENT_IP, 2)
+    try:
+        # the attempt count alone (one retry after 50 ms) would give up long before 1 s
+        cli = make_transport(CLIENT_IP, handshake_timeout=1.0, max_reconnect_attempts=1, reconnect_base_delay=0.05, reconnect_budget=None)
+        assert cli.options.dial_budget == 3.0
+        start = time.monotonic()
+        assert cli.connect(srv.identity) is True
+        assert 0.5 < time.monotonic() - start < 3.0
+        assert bytes(cli.request(srv.identity, b"x")) == b"ok"
+    finally:
+        for s in held:
+            s.close()
+
+
+def test_dial_budget_zero_keeps_the_attempt_count_alone(make_transport):
+    srv = make_transport(SERVER_IP, handshake_timeout=2.0, max_pending_handshakes_per_ip=1)
+    srv.serve(None, lambda m: b"ok")
+    held = _hold_pending_pool(srv, CLIENT_IP, 1)
+    try:
+        cli = make_transport(CLIENT_IP, max_reconnect_attempts=1, reconnect_base_delay=0.05, reconnect_budget=0)
+        start = time.monotonic()
+        with pytest.raises(PeerUnreachable, match="after 2 attempts") as info:
+            cli.connect(srv.identity)
+        assert time.monotonic() - start < 1.0
+        assert isinstance(info.value.__cause__, (HandshakeAborted, ConnectionError))
+    finally:
+        for s in held:
+            s.close()
+
+
+def test_default_dial_budget_outlasts_the_handshake_timeout():
+    opts = TransportOptions()
+    assert opts.reconnect_budget is None and opts.dial_budget == opts.handshake_timeout + 2.0 == 7.0
+    assert TransportOptions(reconnect_budget=0).dial_budget == 0
