@@ -69,6 +69,7 @@ class FinishEvent:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
+    unavailable: bool = False  # the error is the backend's, not the request's (e.g. a pipeline stage is down): 503
 
 
 Event = Union[TokenEvent, FinishEvent]

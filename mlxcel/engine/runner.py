@@ -10,8 +10,9 @@ device). It owns the KV caches of every sequence prepared on it, keyed by reques
   for the first time are appended (their own caches merged in). So every stage that sees the same
   sequence of steps holds the same rows in the same order, with no extra messages.
 
-The last slice applies the final norm and head to the last position only and, when asked,
-samples there with each sequence's own sampler (``RowSampler``).
+The last slice applies the final norm and head and, when asked, samples the last position with
+each sequence's own sampler (``RowSampler``); an intermediate prompt chunk evaluates only the cache,
+so its (lazy) head output is never computed.
 """
 
 from __future__ import annotations

@@ -263,7 +263,7 @@ class Scheduler:
                 cached = self.executor.prepare(seq.rid, req.params, req.top_logprobs, req.prompt)
             except Exception as exc:
                 log.warning("cannot start request %s: %s", seq.rid, exc)
-                self._finish(seq, "error", error=str(exc))
+                self._finish(seq, "error", error=str(exc), unavailable=_unavailable(exc))
                 continue
             seq.admitted = True
             seq.todo = list(req.prompt[cached:])
@@ -380,7 +380,7 @@ class Scheduler:
         for rid in step.rids:
             seq = self._seqs.get(rid)
             if seq is not None:
-                self._finish(seq, "error", error=message)
+                self._finish(seq, "error", error=message, unavailable=_unavailable(exc))
         if step.kind == "decode":
             self._groups[step.slot] = [r for r in self._groups[step.slot] if r in self._seqs]
 
@@ -407,9 +407,10 @@ class Scheduler:
 
     # -- ending requests ---------------------------------------------------------------------------
 
-    def _finish(self, seq: _Sequence, reason: str, error: str | None = None, keep: bool = False) -> None:
+    def _finish(self, seq: _Sequence, reason: str, error: str | None = None, keep: bool = False,
+                unavailable: bool = False) -> None:
         tail = seq.text.finish() if error is None else ""
-        seq.stream.push(FinishEvent(reason, tail, len(seq.request.prompt), len(seq.generated), error))
+        seq.stream.push(FinishEvent(reason, tail, len(seq.request.prompt), len(seq.generated), error, unavailable))
         self._forget(seq, keep=keep)
 
     def _remove(self, request_id: str) -> None:
@@ -463,6 +464,11 @@ class Scheduler:
             self._finish(seq, "error", error=message)
         self.counters.decoding = 0
         self._gauges()
+
+
+def _unavailable(exc: BaseException) -> bool:
+    """A failure of the backend (a stage down or silent), not of the request: the client should retry."""
+    return getattr(exc, "code", None) in ("stage_unreachable", "timeout", "no_downstream")
 
 
 class _Sink:

@@ -189,6 +189,9 @@ def _nodes(doc: dict[str, Any], path: Path) -> list[Node]:
             raise ClusterConfigError(f"{where} ({node_id}): address {peer} is used by another node")
         if peer.port == 0:
             raise ClusterConfigError(f"{where} ({node_id}): address {peer} needs a fixed port")
+        if role == "stage" and peer.ip.is_unspecified:
+            raise ClusterConfigError(f"{where} ({node_id}): a stage's address must be the IP its peers reach it at, "
+                                     f"not {peer.host}")
         layers = _layers(entry, node_id, role, where)
         seen_ids.add(node_id)
         seen_addr.add(peer)

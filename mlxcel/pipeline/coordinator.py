@@ -97,6 +97,8 @@ class PipelineExecutor:
         self._open: dict[str, _Exchange] = {}
         self._lock = threading.Lock()
         self._samplers: dict[str, RowSampler] = {}
+        self._prepared: set[str] = set()  # request ids prepared on every stage
+        self._lost: set[str] = set()  # prepared before a stage restarted: their state is gone
         self._closing = threading.Event()
         self._ticker = threading.Thread(target=self._tick, name="mlxcel-coordinator-timer", daemon=True)
         self.received_frames = 0
@@ -161,11 +163,18 @@ class PipelineExecutor:
         waits = [self._command_async(n.address, MsgType.PREPARE, header) for n in self.cluster.stages]
         for node, ex in zip(self.cluster.stages, waits):
             self._wait(ex, node.address, COMMAND_TIMEOUT_S)
+        with self._lock:
+            self._prepared.add(rid)
         if self.return_logits:
             self._samplers[rid] = RowSampler(params, top_logprobs)
         return 0
 
     def submit(self, step: Step, done: Done) -> None:
+        with self._lock:
+            lost = any(r in self._lost for r in step.rids)
+        if lost:
+            done(step, ExecutorError("a pipeline stage restarted and lost this request's state", "stage_unreachable"))
+            return
         nonce = new_nonce()
         ex = _Exchange(nonce, time.monotonic() + self.exchange_s, step=step, done=done)
         header = {"nonce": nonce, "phase": step.kind, "micro_batch": max(step.slot, 0),
@@ -178,9 +187,14 @@ class PipelineExecutor:
                          wanted=lambda: nonce in self._open)
 
     def release(self, rid: str, tokens: Sequence[int] | None = None) -> None:
+        """RELEASE on every stage; stages do not answer it, so no exchange stays open for it."""
         self._samplers.pop(rid, None)
+        with self._lock:
+            self._prepared.discard(rid)
+            self._lost.discard(rid)
+        payload = encode(MsgType.RELEASE, {"request_id": rid, "nonce": new_nonce()})
         for node in self.cluster.stages:
-            self._command_async(node.address, MsgType.RELEASE, {"request_id": rid}, quiet=True)
+            self.outbox.send(node.address, Kind.CONTROL, payload)
 
     def stats(self) -> dict[str, float]:
         frames = self.outbox.frames + self.received_frames
@@ -276,7 +290,7 @@ class PipelineExecutor:
             return
         try:
             outcome = self._outcome(step, m)
-        except ValueError as exc:
+        except (ValueError, TypeError) as exc:
             self._drop(peer, f"a RUN_RESULT of the wrong shape ({exc})")
             return
         self._resolve(ex, outcome=outcome)
@@ -365,10 +379,29 @@ class PipelineExecutor:
 
     def _mark_up(self, addr: PeerId, state: dict[str, Any]) -> None:
         status = self._status[addr]
+        try:
+            self._check_stage(status.node, state)  # a stage that came back must still be the same stage
+        except ExecutorError as exc:
+            cluster_warnings.warning(WarnClass.DIAGNOSTIC, "coordinator: not using %s: %s", addr, exc)
+            self._mark_down(addr, "it answers as a different stage or model")
+            return
+        booted = status.state.get("boot_id")
+        if booted is not None and state.get("boot_id") != booted:
+            self._stage_restarted(status.node)
         was_up = status.up
         status.state, status.last_seen, status.up = state, time.monotonic(), True
         if not was_up and status.last_down:
             log.warning("pipeline stage %s at %s answers again; the cluster is healthy", status.node.id, addr)
+
+    def _stage_restarted(self, node: Node) -> None:
+        """A restarted stage lost every sequence: fail their open steps, and any later step, at once."""
+        with self._lock:
+            self._lost |= self._prepared
+            self._prepared = set()
+            steps = [ex for ex in self._open.values() if ex.step is not None]
+        log.warning("pipeline stage %s restarted; its sequences are lost and their requests fail", node.id)
+        for ex in steps:
+            self._resolve(ex, error=ExecutorError(f"pipeline stage {node.id} restarted", "stage_unreachable"))
 
     def _mark_down(self, addr: PeerId, why: str) -> None:
         status = self._status[addr]

@@ -209,6 +209,8 @@ def _check_rows(msg: StageMessage, rows: int, n: int, max_rows: int) -> None:
     mb = msg.header.get("micro_batch", 0)
     if not isinstance(mb, int) or isinstance(mb, bool) or not 0 <= mb < MAX_MICRO_BATCHES:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"micro_batch must be an integer from 0 to {MAX_MICRO_BATCHES - 1}")
+    if not isinstance(msg.header.get("sample", True), bool):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "sample must be true or false")
     rids = msg.header.get("request_ids")
     if not isinstance(rids, list) or not all(isinstance(r, str) and 0 < len(r) <= 128 for r in rids):
         raise ProtocolError(ErrorCode.BAD_REQUEST, "request_ids must be a list of request id strings")

@@ -73,8 +73,8 @@ def prepare_distributed(args: argparse.Namespace, model_dir: Path) -> Distribute
         node = cluster.node(args.node_id)
     except ClusterConfigError as exc:
         raise CLIError(str(exc)) from None
-    secret = load_secret(args.cluster_secret_file, cluster_toml=cluster.path,
-                         required=cluster.pipeline_parallel_size >= 2)
+    # Fail closed: every cluster connection is authenticated, so no node starts without the secret.
+    secret = load_secret(args.cluster_secret_file, cluster_toml=cluster.path, required=True)
     return Distributed(cluster, node, secret, micro_batch_size=getattr(args, "pp_micro_batch_size", None),
                        return_logits=getattr(args, "pp_return_logits", False))
 
@@ -83,6 +83,7 @@ def coordinator_factory(dist: Distributed):
     """The server runtime's engine factory for the coordinator: a Scheduler over a PipelineExecutor."""
 
     def build(model: Any, tokenizer: Any, ctx: int, config: Any) -> Any:
+        from mlxcel.engine.executor import ExecutorError
         from mlxcel.engine.scheduler import Scheduler
         from mlxcel.pipeline.coordinator import PipelineExecutor
 
@@ -93,6 +94,10 @@ def coordinator_factory(dist: Distributed):
                                     return_logits=dist.return_logits)
         try:
             executor.start()
+        except OSError as exc:
+            executor.close()
+            raise ExecutorError(f"cannot listen on the cluster address {dist.cluster.coordinator.address}: "
+                                f"{exc.strerror or exc}", "bind") from None
         except BaseException:
             executor.close()
             raise
@@ -117,11 +122,13 @@ def load_stage_runner(model_dir: Path, start: int, end: int, *, max_rows: int):
     runner = slice_runner(model, start, end, max_rows=max_rows)
     inner = model.model
     keep = [layer.parameters() for layer in inner.layers[start:end]]
-    if start == 0 or end == len(inner.layers):
+    last = end == len(inner.layers)
+    head = getattr(model, "lm_head", None)
+    if start == 0 or (last and head is None):  # the first stage embeds; a tied head reuses the embedding
         keep.append(inner.embed_tokens.parameters())
-    if end == len(inner.layers):
+    if last:
         keep.append(inner.norm.parameters())
-        if getattr(model, "lm_head", None) is not None:
-            keep.append(model.lm_head.parameters())
+        if head is not None:
+            keep.append(head.parameters())
     mx.eval(keep)
     return runner, loaded

@@ -33,8 +33,9 @@ class StageProcess:
         start = time.perf_counter()
         node = self.dist.node
         layers = node.layers
-        assert layers is not None and self.dist.secret is not None
         try:
+            if layers is None or self.dist.secret is None:
+                raise ValueError("a stage needs its layer range and the cluster secret")
             runner, loaded = load_stage_runner(self.model_dir, *layers, max_rows=self.dist.cluster.max_batch_size)
             service = StageService(self.dist.cluster, node.id, runner, self.dist.secret, model_facts(self.model_dir),
                                    on_shutdown=on_shutdown)

@@ -16,7 +16,15 @@ from typing import Any, AsyncIterator, Union
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from mlxcel.engine.interface import Engine, EngineFailure, EngineRequest, EventStream, FinishEvent, TokenEvent
+from mlxcel.engine.interface import (
+    Engine,
+    EngineFailure,
+    EngineRequest,
+    EngineUnavailable,
+    EventStream,
+    FinishEvent,
+    TokenEvent,
+)
 from mlxcel.engine.prompts import PromptError, encode_chat, encode_raw
 from mlxcel.engine.sampling import SamplingParams
 from mlxcel.server import protocol as p
@@ -210,7 +218,7 @@ class OpenAIServing:
         self.metrics.completion_tokens.inc(event.completion_tokens)
         self.metrics.e2e.observe(seconds)
         if event.error:
-            raise EngineFailure(event.error)
+            raise (EngineUnavailable if event.unavailable else EngineFailure)(event.error)
 
     async def _collect(self, stream: EventStream, raw: Request) -> Outcome:
         """Gather a whole answer, cancelling generation if the client disconnects meanwhile."""
