@@ -45,16 +45,6 @@ def test_rendered_toml_loads_with_the_engine(deployment: Deployment) -> None:
     assert not any((deployment.home(n) / "node.pid").exists() for n in HOSTS)  # --tags config starts nothing
 
 
-def test_explicit_layers_override_the_plan(deployment: Deployment, tmp_path: Path) -> None:
-    inventory = _inventory(tmp_path / "hosts.yml", {"stage-0": {"mlxcel_config_layers": "0-0"},
-                                                    "stage-1": {"mlxcel_config_layers": "1-3"}})
-    result = deployment.run("deploy.yml", "--tags", "config", inventory=inventory,
-                            mlxcel_model_dir=str(deployment.model))
-    assert result.rc == 0, result.output[-4000:]
-    config = load_cluster_config(deployment.home("stage-1") / "cluster.toml")
-    assert [s.layers for s in config.stages] == [(0, 1), (1, 4)]
-
-
 def test_check_mode_changes_nothing(deployment: Deployment, tmp_path: Path) -> None:
     fresh = Deployment(root=tmp_path, model=deployment.model, http_port=deployment.http_port,
                        cluster_port=deployment.cluster_port)
@@ -64,17 +54,21 @@ def test_check_mode_changes_nothing(deployment: Deployment, tmp_path: Path) -> N
     assert not any(fresh.home(n).exists() for n in HOSTS)
 
 
-def test_checkpoint_is_copied_where_missing_and_a_different_one_fails_naming_the_host(
+def test_checkpoint_copied_where_missing_different_one_fails_naming_the_host_explicit_layers(
         deployment: Deployment, tmp_path: Path) -> None:
     other = make_random_checkpoint(tmp_path / "other", family="llama", layers=2)
     missing = tmp_path / "stage-0-models" / "tiny"
-    inventory = _inventory(tmp_path / "hosts.yml", {"coordinator": {"mlxcel_model_dir": str(deployment.model)},
-                                                    "stage-0": {"mlxcel_model_dir": str(missing)},
-                                                    "stage-1": {"mlxcel_model_dir": str(other)}})
-    result = deployment.run("deploy.yml", "--tags", "checkpoint", inventory=inventory)
+    inventory = _inventory(tmp_path / "hosts.yml", {
+        "coordinator": {"mlxcel_model_dir": str(deployment.model)},
+        "stage-0": {"mlxcel_model_dir": str(missing), "mlxcel_config_layers": "0-0"},
+        "stage-1": {"mlxcel_model_dir": str(other), "mlxcel_config_layers": "1-3"}})
+    result = deployment.run("deploy.yml", "--tags", "checkpoint,config", inventory=inventory)
     assert result.rc != 0
     failed = {h for h, r in result.recap().items() if r["failed"]}
     assert failed == {"local-stage-1"}, result.output[-4000:]
     assert f"local-stage-1: {other} holds a different checkpoint" in result.output.replace("\n", " ")
     # stage-0 lacked it: it got a copy, with the controller's identity
     assert sorted(p.name for p in missing.iterdir()) == sorted(p.name for p in deployment.model.iterdir())
+    # the others went on to render their TOML, with the explicit ranges instead of mlxcel plan's
+    config = load_cluster_config(deployment.home("stage-0") / "cluster.toml")
+    assert [s.layers for s in config.stages] == [(0, 1), (1, 4)]

@@ -1,11 +1,12 @@
 """deploy.yml / status.yml / teardown.yml on the loopback inventory: 3 real processes on 127.0.0.2-4.
 
 The tests run in file order on one deployment: deploy, chat, redeploy (changed=0), status, secrets,
-API key, teardown.
+bench, API key, teardown.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import subprocess
@@ -14,7 +15,7 @@ import tomllib
 import openai
 import pytest
 
-from tests.ansible.playbook import HOSTS, Deployment
+from tests.ansible.playbook import HOSTS, Deployment, free_port
 
 pytestmark = pytest.mark.timeout(600)
 NODES = tuple(HOSTS)
@@ -95,6 +96,22 @@ def test_secret_is_0600_everywhere_and_never_leaks(deployment: Deployment) -> No
             assert secret not in (home / name).read_text(), f"{node}: the secret is in {name}"
         environ = open(f"/proc/{int((home / 'node.pid').read_text())}/environ", "rb").read().decode(errors="replace")
         assert secret not in environ
+
+
+def test_bench_fetches_rows_and_builds_the_report(deployment: Deployment) -> None:
+    _deployed(deployment)
+    # pipeline_bench starts processes of its own (tests/bench covers it): frame and serving here
+    result = deployment.run("bench.yml", mlxcel_bench_run_id="t1", mlxcel_bench_suites=["frame", "serving"], mlxcel_bench_report_dir=str(deployment.root / "reports"),
+                            mlxcel_bench_frame_port=free_port(*HOSTS.values()), timeout=400,
+                            mlxcel_bench_frame_args=["--suites", "unprotected,aes", "--sizes", "8192,1048576"])
+    assert result.rc == 0, result.output[-4000:]
+    rows = deployment.controller / "bench" / "t1"
+    frame = [json.loads(line) for line in (rows / "coordinator" / "frame_bench.jsonl").read_text().splitlines()]
+    assert {r["payload_bytes"] for r in frame} == {8192, 1048576} and all(r["p50_us"] > 0 for r in frame)
+    assert list((rows / "controller").glob("serve_bench*.jsonl"))
+    report = deployment.root / "reports" / "t1"
+    assert (report / "index.html").stat().st_size > 1000
+    assert f"report: {report}/index.html" in result.output
 
 
 def test_api_key_closes_the_openai_port(deployment: Deployment) -> None:
