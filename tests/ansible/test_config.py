@@ -27,24 +27,6 @@ def _inventory(path: Path, host_vars: dict[str, dict]) -> str:
     return str(path)
 
 
-def test_rendered_toml_loads_with_the_engine(deployment: Deployment) -> None:
-    result = deployment.run("deploy.yml", "--tags", "config", mlxcel_model_dir=str(deployment.model))
-    assert result.rc == 0, result.output[-4000:]
-    rendered = {n: deployment.home(n) / "cluster.toml" for n in HOSTS}
-    for node, path in rendered.items():
-        config = load_cluster_config(path)
-        assert config.pipeline_parallel_size == 2
-        assert config.secret_file == deployment.home(node) / "cluster.secret"
-        assert (config.coordinator.id, str(config.coordinator.address)) == \
-            ("coordinator", f"{HOSTS['coordinator']}:{deployment.cluster_port}")
-        assert [(s.id, str(s.address)) for s in config.stages] == \
-            [(n, f"{HOSTS[n]}:{deployment.cluster_port}") for n in ("stage-0", "stage-1")]
-        assert [s.layers for s in config.stages] == [(0, 2), (2, 4)]  # mlxcel plan on the 4-layer checkpoint
-    bodies = {p.read_text().split("\n", 3)[-1] for p in rendered.values()}
-    assert len({b.replace(str(deployment.state), "") for b in bodies}) <= 3  # same cluster, own secret path
-    assert not any((deployment.home(n) / "node.pid").exists() for n in HOSTS)  # --tags config starts nothing
-
-
 def test_check_mode_changes_nothing(deployment: Deployment, tmp_path: Path) -> None:
     fresh = Deployment(root=tmp_path, model=deployment.model, http_port=deployment.http_port,
                        cluster_port=deployment.cluster_port)

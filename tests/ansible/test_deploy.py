@@ -1,28 +1,22 @@
 """deploy.yml / status.yml / teardown.yml on the loopback inventory: 3 real processes on 127.0.0.2-4.
 
 The tests run in file order on one deployment: deploy, chat, redeploy (changed=0), status, secrets,
-bench, API key and TLS, teardown.
+bench, teardown. The API key and TLS are tested on the namespace cluster
+(test_netns.py), where the OpenAI port is off loopback.
 """
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import json
 import os
-import ssl
 import stat
 import subprocess
 import tomllib
-from pathlib import Path
 
-import httpx
 import openai
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
+
+from mlxcel.pipeline.cluster_config import load_cluster_config
 
 from tests.ansible.playbook import HOSTS, Deployment, free_port
 
@@ -48,6 +42,14 @@ def test_deploy_starts_three_nodes(deployment: Deployment) -> None:
         cmdline = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
         assert cmdline[cmdline.index(b"--host") + 1].decode() == address  # its own address, never 0.0.0.0
         assert cmdline[cmdline.index(b"--node-id") + 1].decode() == node
+        # the rendered TOML is what the engine's loader (--distributed-config) reads
+        config = load_cluster_config(deployment.home(node) / "cluster.toml")
+        assert config.secret_file == deployment.home(node) / "cluster.secret"
+        assert (config.coordinator.id, str(config.coordinator.address)) == \
+            ("coordinator", f"{HOSTS['coordinator']}:{deployment.cluster_port}")
+        assert [(s.id, str(s.address), s.layers) for s in config.stages] == [  # ranges from mlxcel plan
+            ("stage-0", f"{HOSTS['stage-0']}:{deployment.cluster_port}", (0, 2)),
+            ("stage-1", f"{HOSTS['stage-1']}:{deployment.cluster_port}", (2, 4))]
     print(f"first deploy: {result.seconds:.1f} s")
 
 
@@ -121,55 +123,6 @@ def test_bench_fetches_rows_and_builds_the_report(deployment: Deployment) -> Non
     report = deployment.root / "reports" / "t1"
     assert (report / "index.html").stat().st_size > 1000
     assert f"report: {report}/index.html" in result.output
-
-
-def _self_signed(directory: Path, ip: str) -> tuple[Path, Path]:
-    """A self-signed certificate for ``ip`` (it is its own CA) and its key, as PEM files."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "mlxcel-test")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(ip))]), critical=False)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .sign(key, hashes.SHA256()))
-    cert_path, key_path = directory / "tls.crt", directory / "tls.key"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
-    return cert_path, key_path
-
-
-def test_api_key_and_tls_close_the_openai_port(deployment: Deployment) -> None:
-    """The LAN example's settings on loopback: a generated API key and HTTPS on the coordinator only."""
-    _deployed(deployment)
-    cert, key_pem = _self_signed(deployment.root, HOSTS["coordinator"])
-    stage_pids = {n: (deployment.home(n) / "node.pid").read_text() for n in ("stage-0", "stage-1")}
-    result = deployment.run("deploy.yml", mlxcel_api_key_enabled=True, mlxcel_tls_enabled=True,
-                            mlxcel_node_tls_cert_src=str(cert), mlxcel_node_tls_key_src=str(key_pem),
-                            mlxcel_smoke_ca_path=str(cert))
-    assert result.rc == 0, result.output[-4000:]
-    key_file = deployment.controller / "api.key"
-    key = key_file.read_text().strip()
-    assert f"API key: {key_file}" in result.output and key not in result.output
-    assert f"OpenAI API: https://{HOSTS['coordinator']}:{deployment.http_port}/v1" in result.output
-    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
-    home = deployment.home("coordinator")
-    assert (home / "api.key").read_text().strip() == key and stat.S_IMODE((home / "api.key").stat().st_mode) == 0o600
-    assert stat.S_IMODE((home / "tls.key").stat().st_mode) == 0o600
-    assert not (deployment.home("stage-0") / "api.key").exists()  # only hosts that serve the OpenAI API
-    assert stage_pids == {n: (deployment.home(n) / "node.pid").read_text() for n in stage_pids}
-    url = f"https://{HOSTS['coordinator']}:{deployment.http_port}/v1"
-    trusting = httpx.Client(verify=ssl.create_default_context(cafile=str(cert)))
-    with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=url, api_key="wrong", max_retries=0, http_client=trusting).models.list()
-    with pytest.raises(openai.APIConnectionError):  # a client that does not trust the certificate
-        openai.OpenAI(base_url=url, api_key=key, max_retries=0).models.list()
-    client = openai.OpenAI(base_url=url, api_key=key, max_retries=0, timeout=60, http_client=trusting)
-    assert client.models.list().data
-    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
-    assert key not in ps and key not in (home / "node.log").read_text()
 
 
 def test_teardown_leaves_no_process(deployment: Deployment) -> None:
