@@ -82,7 +82,7 @@ def _client(d: Deployment, key: str, trust: bool = True) -> openai.OpenAI:
 
 
 def _chat(client: openai.OpenAI) -> str:
-    reply = client.chat.completions.create(model="tiny-llama0", messages=[{"role": "user", "content": "Hi"}],
+    reply = client.chat.completions.create(model=client.models.list().data[0].id, messages=[{"role": "user", "content": "Hi"}],
                                            max_tokens=4, temperature=0)
     return reply.choices[0].finish_reason
 
