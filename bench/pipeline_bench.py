@@ -75,8 +75,10 @@ def timed_tokens(forward: Callable, model: Any, prompt: list[int], tokens: int) 
 class StageCluster:
     """Stage processes started through the CLI, and the TOML the coordinator side uses."""
 
-    def __init__(self, model_dir: Path, stages: int, workdir: Path, devices: list[str] | None = None):
+    def __init__(self, model_dir: Path, stages: int, workdir: Path, devices: list[str] | None = None,
+                 threads: int | None = None):
         self.model_dir = model_dir
+        self.threads = threads  # OPENBLAS_NUM_THREADS per stage process (stages sharing one host's cores)
         self.devices = devices  # CUDA_VISIBLE_DEVICES per stage process (one GPU each), if given
         self.secret = workdir / "cluster.secret"
         self.secret.write_text(os.urandom(32).hex() + "\n")
@@ -96,6 +98,8 @@ class StageCluster:
             cmd = [sys.executable, "-m", "mlxcel", "serve", "-m", str(self.model_dir), "--distributed-config",
                    str(self.toml), "--node-id", f"stage-{i}", "--host", host, "--port", "0", "--log-level", "warning"]
             env = dict(os.environ)
+            if self.threads:
+                env["OPENBLAS_NUM_THREADS"] = str(self.threads)
             if self.devices:
                 env["CUDA_VISIBLE_DEVICES"] = self.devices[i % len(self.devices)]
             self.procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env))
@@ -308,6 +312,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=2, help="ABBA rounds per concurrency level")
     p.add_argument("--stage-devices", type=lambda s: s.split(","), default=None,
                    help="CUDA_VISIBLE_DEVICES of each stage process, e.g. 0,1 for one GPU per stage")
+    p.add_argument("--stage-threads", type=int, default=None,
+                   help="OPENBLAS_NUM_THREADS of each stage process (stages that share one host's cores)")
     p.add_argument("--label", default=None, help="free-form label recorded in every row (e.g. h200-x2)")
     p.add_argument("--quick", action="store_true", help="2 runs of 16 tokens, streams 2, 16 tokens (smoke test)")
     p.add_argument("--out", type=Path, default=Path("bench/results") / time.strftime("%Y-%m-%d"))
@@ -325,10 +331,10 @@ def main(argv: list[str] | None = None) -> int:
     loaded = load_checkpoint(args.model)
     prompt = encode_chat(loaded.tokenizer, [{"role": "user", "content": DEFAULT_PROMPT}])
     with tempfile.TemporaryDirectory(prefix="mlxcel-pipeline-bench-") as tmp:
-        cluster = StageCluster(Path(args.model), args.stages, Path(tmp), args.stage_devices)
+        cluster = StageCluster(Path(args.model), args.stages, Path(tmp), args.stage_devices, args.stage_threads)
         cluster.start()
         try:
-            rows = single_stream(args, cluster, loaded, prompt)
+            rows = single_stream(args, cluster, loaded, prompt) if args.runs else []
             if args.streams:
                 rows += server_levels(args, cluster)
         finally:
@@ -336,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         row["label"] = args.label
         row["stage_devices"] = ",".join(args.stage_devices) if args.stage_devices else None
+        row["stage_threads"] = args.stage_threads
     path = write_jsonl(args.out / "pipeline_bench.jsonl", rows)
     print(f"\nrows: {path}")
     one = summarize([r for r in rows if r["streams"] == 1])
