@@ -81,8 +81,11 @@ SCHEMAS: dict[str, Schema] = {s.bench: s for s in (
     )),
     Schema("pipeline", "pipeline", (
         _str("mode"), _int("stages"), _int("streams"), _int("run"), _int("order"), _int("tokens"), _num("tok_s"),
-        _num("per_token_ms_p50"), _num("frames_per_token", nullable=True), _num("bytes_per_token", nullable=True),
-        _str("return", choices=("token", "logits")), Field("identical", "bool"), _str("model"),
+        _num("per_token_ms_p50", nullable=True), _num("per_token_ms_p95", required=False, nullable=True),
+        _num("frames_per_token", nullable=True), _num("bytes_per_token", nullable=True),
+        _str("return", choices=("token", "logits")), Field("identical", "bool", nullable=True), _str("model"),
+        _str("label", required=False, nullable=True), _str("stage_devices", required=False, nullable=True),
+        _int("stage_threads", required=False, nullable=True),
     )),
 )}
 
