@@ -1,7 +1,7 @@
 """deploy.yml / status.yml / teardown.yml on the loopback inventory: 3 real processes on 127.0.0.2-4.
 
 The tests run in file order on one deployment: deploy, chat, redeploy (changed=0), status, secrets,
-bench, teardown. The API key and TLS are tested on the namespace cluster
+secret rotation, bench, teardown. The API key and TLS are tested on the namespace cluster
 (test_netns.py), where the OpenAI port is off loopback.
 """
 
@@ -107,6 +107,20 @@ def test_secret_is_0600_everywhere_and_never_leaks(deployment: Deployment) -> No
             assert secret not in (home / name).read_text(), f"{node}: the secret is in {name}"
         environ = open(f"/proc/{int((home / 'node.pid').read_text())}/environ", "rb").read().decode(errors="replace")
         assert secret not in environ
+
+
+def test_secret_rotation_restarts_every_node_with_the_new_secret(deployment: Deployment) -> None:
+    _deployed(deployment)
+    old_secret = (deployment.controller / "cluster.secret").read_text()
+    pids = {n: (deployment.home(n) / "node.pid").read_text() for n in NODES}
+    result = deployment.run("deploy.yml", mlxcel_secret_rotate=True)
+    assert result.rc == 0, result.output[-4000:]
+    new_secret = (deployment.controller / "cluster.secret").read_text()
+    assert new_secret != old_secret and new_secret.strip() not in result.output
+    for node in NODES:
+        assert (deployment.home(node) / "cluster.secret").read_text() == new_secret
+        assert (deployment.home(node) / "node.pid").read_text() != pids[node], f"{node} did not restart"
+    assert "answer: " in result.output  # the restarted cluster serves
 
 
 def test_bench_fetches_rows_and_builds_the_report(deployment: Deployment) -> None:
