@@ -189,20 +189,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _run(func: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
-    from mlxcel.cluster.errors import SecretError
-    from mlxcel.engine.prompts import PromptError
-    from mlxcel.engine.sampling import SamplingError
-    from mlxcel.models.errors import ModelError
+#: errors phrased for the operator, by module: looked up only once raised, so a command that never
+#: imports a module (``mlxcel models info`` never loads mlx-lm) does not pay for importing it here
+_USER_ERRORS = (
+    ("mlxcel.cluster.errors", "SecretError"),
+    ("mlxcel.engine.prompts", "PromptError"),
+    ("mlxcel.engine.sampling", "SamplingError"),
+    ("mlxcel.models.errors", "ModelError"),
+)
 
+
+def _is_user_error(exc: BaseException) -> bool:
+    if isinstance(exc, (CLIError, FileNotFoundError, PermissionError)):
+        return True
+    for module, name in _USER_ERRORS:
+        loaded = sys.modules.get(module)
+        if loaded is not None and isinstance(exc, getattr(loaded, name)):
+            return True
+    return False
+
+
+def _run(func: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
     try:
         return func(args)
-    except (CLIError, ModelError, PromptError, SamplingError, SecretError, FileNotFoundError, PermissionError) as exc:
-        print(f"mlxcel: error: {exc}", file=sys.stderr)
-        return EXIT_ERROR
     except KeyboardInterrupt:
         print("mlxcel: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:
+        if not _is_user_error(exc):
+            raise
+        print(f"mlxcel: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
 from dataclasses import dataclass
@@ -69,6 +70,14 @@ def read_sampling_defaults(model_dir: Path) -> dict[str, float | int]:
     return {k: config[k] for k in SAMPLING_KEYS if isinstance(config.get(k), (int, float)) and not isinstance(config.get(k), bool)}
 
 
+def _family_module_exists(model_type: str) -> bool:
+    """mlx-lm ships ``mlx_lm/models/<model_type>.py`` (found without importing mlx-lm, which takes seconds)."""
+    spec = importlib.util.find_spec("mlx_lm")
+    if spec is None or not spec.submodule_search_locations or not model_type.isidentifier():
+        return False
+    return any((Path(root) / "models" / f"{model_type}.py").is_file() for root in spec.submodule_search_locations)
+
+
 def check_checkpoint(model_dir: str | Path) -> dict:
     """Validate that a directory looks like a supported checkpoint; return its config."""
     path = Path(model_dir)
@@ -82,12 +91,13 @@ def check_checkpoint(model_dir: str | Path) -> dict:
     model_type = config.get("model_type")
     if not model_type:
         raise ModelError(f"{path}/config.json: no model_type")
-    from mlx_lm.utils import _get_classes  # mlx-lm resolves families and their aliases
+    if not _family_module_exists(str(model_type)):
+        from mlx_lm.utils import _get_classes  # mlx-lm resolves families and their aliases
 
-    try:
-        _get_classes(config)
-    except (ValueError, ImportError):
-        raise ModelError(f"{path}: unknown architecture {model_type!r} (not a model family mlx-lm provides)") from None
+        try:
+            _get_classes(config)
+        except (ValueError, ImportError):
+            raise ModelError(f"{path}: unknown architecture {model_type!r} (not a model family mlx-lm provides)") from None
     if not any((path / name).exists() for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
         raise ModelError(f"{path}: no tokenizer files (tokenizer.json or tokenizer.model)")
     return config
