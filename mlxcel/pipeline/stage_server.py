@@ -79,23 +79,13 @@ def run_stage(dist: Distributed, model_dir: Path, sock: socket.socket, *, log_le
     """Serve until SIGINT/SIGTERM or the coordinator's SHUTDOWN; returns the exit code."""
     import uvicorn
 
+    from mlxcel.server.launch import ExitSwitch
+
     process = StageProcess(dist, model_dir)
-    code = {"value": 0}
-    server: Any = None
-
-    def fatal(message: str) -> None:
-        print(f"mlxcel: error: {message}", file=sys.stderr, flush=True)
-        code["value"] = 1
-        if server is not None:
-            server.should_exit = True
-
-    def shutdown() -> None:
-        if server is not None:
-            server.should_exit = True
-
-    server = server_class(uvicorn.Config(stage_app(process), log_level=log_level, access_log=log_level == "debug",
+    switch = ExitSwitch()
+    server = switch.server = server_class(uvicorn.Config(stage_app(process), log_level=log_level, access_log=log_level == "debug",
                                          **uvicorn_options))
-    threading.Thread(target=process.load, args=(fatal, shutdown), name="mlxcel-stage-load", daemon=True).start()
+    threading.Thread(target=process.load, args=(switch.fatal, switch.stop), name="mlxcel-stage-load", daemon=True).start()
     host, port = sock.getsockname()[:2]
     layers = dist.node.layers or (0, 0)
     print(f"mlxcel: stage {dist.node.id} (layers {layers[0]}-{layers[1] - 1}) on cluster address {dist.node.address}, "
@@ -104,4 +94,4 @@ def run_stage(dist: Distributed, model_dir: Path, sock: socket.socket, *, log_le
         server.run(sockets=[sock])
     finally:
         process.close()
-    return code["value"] or (0 if server.started else 1)
+    return switch.exit_code()

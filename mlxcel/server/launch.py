@@ -131,6 +131,26 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+class ExitSwitch:
+    """The process's exit code and its uvicorn server: ``fatal`` prints one line and stops serving."""
+
+    def __init__(self) -> None:
+        self.code = 0
+        self.server: Any = None
+
+    def fatal(self, message: str) -> None:
+        print(f"mlxcel: error: {message}", file=sys.stderr, flush=True)
+        self.code = 1
+        self.stop()
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.should_exit = True
+
+    def exit_code(self) -> int:
+        return self.code or (0 if self.server is not None and self.server.started else 1)
+
+
 def _server_class():
     import uvicorn
 
@@ -171,18 +191,10 @@ def run_server(args: argparse.Namespace) -> int:
         os._exit(code)
     if dist is not None:
         config = replace(config, lazy_weights=True)
-    exit_code = {"code": 0}
-    server: Any = None
-
-    def fatal(message: str) -> None:
-        print(f"mlxcel: error: {message}", file=sys.stderr, flush=True)
-        exit_code["code"] = 1
-        if server is not None:
-            server.should_exit = True
-
+    switch = ExitSwitch()
     runtime = ServerRuntime(config) if dist is None else ServerRuntime(config, coordinator_factory(dist))
-    app = create_app(runtime, on_fatal=fatal, access=access)
-    server = _server_class()(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+    app = create_app(runtime, on_fatal=switch.fatal, access=access)
+    server = switch.server = _server_class()(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
                                            access_log=args.log_level == "debug",
                                            **access.uvicorn_options()))
     role = "" if dist is None else f" as coordinator of {len(dist.cluster.stages)} pipeline stages"
@@ -193,4 +205,4 @@ def run_server(args: argparse.Namespace) -> int:
     sys.stderr.flush()
     # MLX aborts at interpreter exit after running compiled kernels on a non-main thread
     # (ml-explore/mlx#3126); the engine is closed by now, so leave without static destructors.
-    os._exit(exit_code["code"] or (0 if server.started else 1))
+    os._exit(switch.exit_code())
