@@ -18,6 +18,8 @@ from pathlib import Path
 
 import httpx
 
+from tests.server.util import stop_process
+
 CLI = [sys.executable, "-m", "mlxcel", "serve"]
 _URL = re.compile(r"(?:serving \S+ on |health on )(http://[\d.]+:\d+)")
 COORDINATOR_HOST = "127.0.0.2"
@@ -74,14 +76,7 @@ class Node:
         raise RuntimeError(f"{self.node_id} not ready:\n" + "".join(self.lines))
 
     def stop(self, sig: int = signal.SIGINT) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        return self.proc.returncode
+        return stop_process(self.proc, sig)
 
 
 class LocalCluster:

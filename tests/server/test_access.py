@@ -7,7 +7,6 @@ import logging
 import os
 import pickle
 import re
-import signal
 import socket
 import subprocess
 import threading
@@ -19,8 +18,15 @@ import openai
 import pytest
 
 from mlxcel.server import access
-from mlxcel.server.access import APIKeys, AccessError, bearer_token, check_bind_policy, is_loopback, load_api_keys
-from tests.server.util import CLI, MODEL, chat_body
+from mlxcel.server.access import (
+    AccessError,
+    APIKeys,
+    bearer_token,
+    check_bind_policy,
+    is_loopback,
+    load_api_keys,
+)
+from tests.server.util import CLI, MODEL, chat_body, stop_process
 
 pytestmark = pytest.mark.timeout(120)
 KEY = "sk-mlxcel-test-3f9a1c0d5e7b2a4468"
@@ -74,13 +80,7 @@ class LoggedServer:
 
     def stop(self) -> int:
         """SIGINT, wait, and read the rest of the output."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        stop_process(self.proc)
         self._reader.join(10)
         return self.proc.returncode
 

@@ -57,14 +57,19 @@ class ServerProcess:
         raise RuntimeError("server not ready:\n" + "".join(self.lines))
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        return self.proc.returncode
+        return stop_process(self.proc)
+
+
+def stop_process(proc: subprocess.Popen, sig: int = signal.SIGINT) -> int:
+    """Send ``sig`` (SIGINT: a clean shutdown), wait 15 s, then kill; the exit code."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+    return proc.returncode
 
 
 def metrics(url: str) -> dict[str, float]:
