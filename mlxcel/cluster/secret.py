@@ -119,6 +119,14 @@ def _toml_secret_path(toml_path: Path) -> Path | None:
     cluster = doc.get("cluster", {})
     if not isinstance(cluster, dict):
         raise SecretError(f"[cluster] in {toml_path} must be a table")
+    return secret_file_of(cluster, toml_path)
+
+
+def secret_file_of(cluster: Mapping[str, object], toml_path: Path) -> Path | None:
+    """The secret file a cluster TOML's [cluster] table names (relative to the TOML), or None.
+
+    Raises ``SecretError`` when the table holds the secret value itself or a malformed path.
+    """
     for forbidden in ("secret", "cluster_secret"):
         if forbidden in cluster:
             raise SecretError(f"{toml_path} sets {forbidden} under [cluster]; the secret value never goes into the TOML, set secret_file instead")

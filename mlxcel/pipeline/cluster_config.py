@@ -20,7 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from mlxcel import config as defaults
+from mlxcel.cluster.errors import SecretError
 from mlxcel.cluster.identity import PeerId
+from mlxcel.cluster.secret import secret_file_of
 
 ROLES = ("coordinator", "stage")
 _TOP_KEYS = {"cluster", "pipeline", "timeouts", "nodes"}
@@ -128,9 +130,10 @@ def parse_cluster_config(doc: dict[str, Any], path: Path) -> ClusterConfig:
     cluster = _table(doc, "cluster", path)
     pipeline = _table(doc, "pipeline", path)
     timeouts = _table(doc, "timeouts", path)
-    for forbidden in ("secret", "cluster_secret"):
-        if forbidden in cluster:
-            raise ClusterConfigError(f"{path}: the secret value never goes into the TOML; set secret_file under [cluster]")
+    try:
+        secret_file = secret_file_of(cluster, path)  # refuses a secret value before any other check
+    except SecretError as exc:
+        raise ClusterConfigError(str(exc)) from None
     _no_unknown(cluster, _CLUSTER_KEYS, path, "[cluster]")
     _no_unknown(pipeline, _PIPELINE_KEYS, path, "[pipeline]")
     _no_unknown(timeouts, _TIMEOUT_KEYS, path, "[timeouts]")
@@ -151,7 +154,7 @@ def parse_cluster_config(doc: dict[str, Any], path: Path) -> ClusterConfig:
         raise ClusterConfigError(f"{path}: pipeline_parallel_size is {size} but {len(stages)} stage node(s) are listed")
     return ClusterConfig(
         path=path, name=name, pipeline_parallel_size=size, coordinator=coordinators[0], stages=stages,
-        secret_file=_secret_file(cluster, path),
+        secret_file=secret_file,
         micro_batch_size=_positive(pipeline, "micro_batch_size", path, None),
         max_batch_size=_positive(pipeline, "max_batch_size", path, defaults.DEFAULT_PP_MAX_BATCH),
         timeouts=Timeouts(
@@ -213,16 +216,6 @@ def _layers(entry: dict[str, Any], node_id: str, role: str, where: str) -> tuple
     if last < first:
         raise ClusterConfigError(f"{where} ({node_id}): layers {first}-{last} is reversed (start must be <= end)")
     return first, last + 1
-
-
-def _secret_file(cluster: dict[str, Any], path: Path) -> Path | None:
-    value = cluster.get("secret_file")
-    if value is None:
-        return None
-    if not isinstance(value, str) or not value:
-        raise ClusterConfigError(f"{path}: secret_file under [cluster] must be a non-empty path")
-    p = Path(value).expanduser()
-    return p if p.is_absolute() else path.parent / p
 
 
 def _table(doc: dict[str, Any], key: str, path: Path) -> dict[str, Any]:
