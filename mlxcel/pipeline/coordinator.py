@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 
@@ -63,7 +63,7 @@ class _Exchange:
     event: threading.Event = field(default_factory=threading.Event)
     reply: StageMessage | None = None
     error: BaseException | None = None
-    quiet: bool = False  # fire-and-forget (RELEASE): nobody waits
+    then: Callable[["_Exchange"], None] | None = None  # a command's continuation (heartbeats), run on resolve
 
 
 @dataclass
@@ -225,10 +225,11 @@ class PipelineExecutor:
         """Send a command to one stage and wait for its ACK or STATE; raises ExecutorError on ERROR/timeout."""
         return self._wait(self._command_async(stage, mtype, header), stage, timeout)
 
-    def _command_async(self, stage: PeerId, mtype: MsgType, header: dict, *, quiet: bool = False,
+    def _command_async(self, stage: PeerId, mtype: MsgType, header: dict, *,
+                       then: Callable[[_Exchange], None] | None = None,
                        timeout: float = COMMAND_TIMEOUT_S) -> _Exchange:
         nonce = new_nonce()
-        ex = _Exchange(nonce, time.monotonic() + timeout, stage=stage, quiet=quiet)
+        ex = _Exchange(nonce, time.monotonic() + timeout, stage=stage, then=then)
         with self._lock:
             self._open[nonce] = ex
         self.outbox.send(stage, Kind.CONTROL, encode(mtype, {**header, "nonce": nonce}),
@@ -338,8 +339,8 @@ class PipelineExecutor:
         ex.event.set()
         if ex.step is not None and ex.done is not None:
             ex.done(ex.step, error if error is not None else outcome)
-        elif error is not None and ex.quiet:
-            log.debug("fire-and-forget command failed: %s", error)
+        elif ex.then is not None:
+            ex.then(ex)
 
     # -- deadlines and heartbeats ----------------------------------------------------------------------------
 
@@ -365,17 +366,16 @@ class PipelineExecutor:
                 status.probe = self._probe(addr)
 
     def _probe(self, addr: PeerId) -> str:
-        wait = max(2 * self.heartbeat_s, 1.0)
-        ex = self._command_async(addr, MsgType.GET_STATE, {}, quiet=True, timeout=wait)
+        """GET_STATE with a deadline of two heartbeats; the answer marks the stage up, its absence down."""
 
-        def watch() -> None:
-            if ex.event.wait(wait) and ex.reply is not None:
+        def answered(ex: _Exchange) -> None:
+            if ex.reply is not None:
                 self._mark_up(addr, ex.reply.header)
             elif not self._closing.is_set():
                 self._mark_down(addr, str(ex.error) if ex.error else "no answer to a heartbeat")
 
-        threading.Thread(target=watch, daemon=True, name=f"mlxcel-heartbeat-{addr}").start()
-        return ex.nonce
+        return self._command_async(addr, MsgType.GET_STATE, {}, then=answered,
+                                   timeout=max(2 * self.heartbeat_s, 1.0)).nonce
 
     def _mark_up(self, addr: PeerId, state: dict[str, Any]) -> None:
         status = self._status[addr]
