@@ -1,50 +1,99 @@
 """OpenAI request and response schemas (pydantic), fields in the order of OpenAI's API reference.
 
-Our extensions are fenced under "mlxcel extensions" in each request. Unknown
-fields are ignored (clients such as LangChain send many); fields we know but
-do not support are refused by the serving module when set to a non-default.
+Our extensions are fenced under "mlxcel extensions" in each request. The
+surface refuses what it does not implement: declared fields are implemented;
+each request object's ``UNSUPPORTED`` table lists the OpenAI fields we do not
+implement with the values that ask for nothing beyond what we do anyway (null
+always counts); any other value of those, and any field OpenAI does not define,
+is a 400 naming the field (``refusal``; docs/server.md, "Parameters").
 Numeric fields are strict: ``"max_tokens": "5"`` is a 400, as with OpenAI.
 """
 
 from __future__ import annotations
 
+import json
 import time
-from typing import Any, Literal, Optional, Union
+from typing import Any, ClassVar, Iterator, Literal, NamedTuple, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_serializer
 
 Number = Union[StrictInt, StrictFloat]
 
 
+class Refusal(NamedTuple):
+    """A field the server refuses: ``param`` as OpenAI spells it (``messages[0].tool_calls``)."""
+
+    param: str
+    message: str
+
+
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """A request object; undeclared fields are kept (``extra="allow"``) so that ``refusal`` can name them."""
+
+    model_config = ConfigDict(extra="allow")
+    # OpenAI field we do not implement -> the values accepted because they ask for nothing (null: always)
+    UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {}
+
+    def refusal(self, path: str = "") -> Optional[Refusal]:
+        """The first field of this object, or of the objects inside it, that the server refuses."""
+        for name, value in (self.model_extra or {}).items():
+            param = f"{path}.{name}" if path else name
+            if name not in self.UNSUPPORTED:
+                return Refusal(param, f"Unrecognized request argument supplied: {param}")
+            accepted = (None, *self.UNSUPPORTED[name])
+            if not any(_same(value, ok) for ok in accepted):
+                shown = " or ".join(json.dumps(ok) for ok in accepted)
+                return Refusal(param, f"'{param}' is not supported by this server; leave it out or send {shown}")
+        for name in type(self).model_fields:
+            for child_path, child in _children(getattr(self, name), f"{path}.{name}" if path else name):
+                found = child.refusal(child_path)
+                if found:
+                    return found
+        return None
+
+
+def _same(value: Any, accepted: Any) -> bool:
+    """JSON equality where true is not 1 and false is not 0 (0 and 0.0 stay equal)."""
+    return isinstance(value, bool) == isinstance(accepted, bool) and value == accepted
+
+
+def _children(value: Any, path: str) -> Iterator[tuple[str, _Request]]:
+    if isinstance(value, _Request):
+        yield path, value
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            if isinstance(item, _Request):
+                yield f"{path}[{i}]", item
 
 
 class StreamOptions(_Request):
     include_usage: Optional[StrictBool] = False
+    UNSUPPORTED = {"include_obfuscation": (False,)}  # we add no padding field to chunks
 
 
 class TextPart(_Request):
     type: Literal["text"]
     text: StrictStr
+    UNSUPPORTED = {"prompt_cache_breakpoint": ()}
 
 
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[StrictStr, list[TextPart], None] = None
-    name: Optional[StrictStr] = None
+    # name: chat templates do not render it; the rest: tools, audio, refusals. Echoed assistant
+    # messages (the openai client's ChatCompletionMessage) carry "refusal": null, "annotations": [].
+    UNSUPPORTED = {"name": (), "audio": (), "function_call": (), "refusal": (), "tool_calls": ([],),
+                   "tool_call_id": (), "annotations": ([],)}
 
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     model: StrictStr
-    frequency_penalty: Optional[Number] = 0
-    logit_bias: Optional[dict[str, Number]] = None
     logprobs: Optional[StrictBool] = False
     max_completion_tokens: Optional[StrictInt] = None
     max_tokens: Optional[StrictInt] = None
-    n: Optional[StrictInt] = 1
-    presence_penalty: Optional[Number] = 0
+    prompt_cache_key: Optional[StrictStr] = None  # accepted, no effect: our prefix cache needs no key
+    safety_identifier: Optional[StrictStr] = None  # accepted, no effect: no abuse monitoring here
     seed: Optional[StrictInt] = None
     stop: Union[StrictStr, list[StrictStr], None] = None
     stream: Optional[StrictBool] = False
@@ -52,34 +101,62 @@ class ChatCompletionRequest(_Request):
     temperature: Optional[Number] = None
     top_logprobs: Optional[StrictInt] = None
     top_p: Optional[Number] = None
-    user: Optional[StrictStr] = None
+    user: Optional[StrictStr] = None  # accepted, no effect (as safety_identifier)
     # --- mlxcel extensions (vLLM spells them the same) ---
     top_k: Optional[StrictInt] = None  # sample from the k most likely tokens; 0 = off
     ignore_eos: Optional[StrictBool] = False  # keep generating past EOS (benchmarks: fixed lengths)
+
+    UNSUPPORTED = {
+        "audio": (),
+        "frequency_penalty": (0,),
+        "function_call": ("none",),
+        "functions": ([],),
+        "logit_bias": ({},),
+        "metadata": ({},),  # only useful with store
+        "modalities": (["text"],),
+        "moderation": (),
+        "n": (1,),
+        "parallel_tool_calls": (True, False),  # no tools: either asks for nothing
+        "prediction": (),
+        "presence_penalty": (0,),
+        "prompt_cache_options": (),
+        "prompt_cache_retention": ("in_memory",),  # a maximum: our prefix cache lives in memory
+        "reasoning_effort": (),
+        "response_format": ({"type": "text"},),
+        "service_tier": ("auto", "default"),
+        "store": (False,),
+        "tool_choice": ("none", "auto"),  # no tools: "auto" calls none
+        "tools": ([],),
+        "verbosity": (),
+        "web_search_options": (),  # {} turns web search on
+    }
 
 
 class CompletionRequest(_Request):
     model: StrictStr
     prompt: Union[StrictStr, list[StrictStr], list[StrictInt]]
-    best_of: Optional[StrictInt] = None
-    echo: Optional[StrictBool] = False
-    frequency_penalty: Optional[Number] = 0
-    logit_bias: Optional[dict[str, Number]] = None
     logprobs: Optional[StrictInt] = None  # number of alternatives per token, 0-20
     max_tokens: Optional[StrictInt] = None
-    n: Optional[StrictInt] = 1
-    presence_penalty: Optional[Number] = 0
     seed: Optional[StrictInt] = None
     stop: Union[StrictStr, list[StrictStr], None] = None
     stream: Optional[StrictBool] = False
     stream_options: Optional[StreamOptions] = None
-    suffix: Optional[StrictStr] = None
     temperature: Optional[Number] = None
     top_p: Optional[Number] = None
-    user: Optional[StrictStr] = None
+    user: Optional[StrictStr] = None  # accepted, no effect
     # --- mlxcel extensions ---
     top_k: Optional[StrictInt] = None
     ignore_eos: Optional[StrictBool] = False
+
+    UNSUPPORTED = {
+        "best_of": (1,),
+        "echo": (False,),
+        "frequency_penalty": (0,),
+        "logit_bias": ({},),
+        "n": (1,),
+        "presence_penalty": (0,),
+        "suffix": ("",),
+    }
 
 
 # ---------------------------------------------------------------------------- responses

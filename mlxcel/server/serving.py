@@ -109,12 +109,6 @@ class OpenAIServing:
 
     async def completion(self, req: p.CompletionRequest, raw: Request) -> Response:
         engine = self._prepare(req)
-        if req.echo:
-            raise Unsupported("echo is not supported", param="echo")
-        if req.suffix:
-            raise Unsupported("suffix is not supported", param="suffix")
-        if req.best_of not in (None, 1):
-            raise Unsupported("only best_of=1 is supported", param="best_of")
         prompt = _completion_prompt(engine.tokenizer, req.prompt)
         if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidRequest(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}", param="logprobs")
@@ -135,16 +129,12 @@ class OpenAIServing:
     # -- validation ------------------------------------------------------------------------
 
     def _prepare(self, req: AnyRequest) -> Engine:
+        refused = req.refusal()  # fields we do not implement, and unknown ones (protocol.py's tables)
+        if refused:
+            raise Unsupported(refused.message, param=refused.param)
         if req.model != self.model_name:
             raise ModelNotFound(f"The model '{req.model}' does not exist; this server serves '{self.model_name}'.",
                                 param="model")
-        if req.n not in (None, 1):
-            raise Unsupported(f"only n=1 is supported, got n={req.n}", param="n")
-        for name in ("frequency_penalty", "presence_penalty"):
-            if getattr(req, name) not in (None, 0):
-                raise Unsupported(f"{name} is not supported (only 0)", param=name)
-        if req.logit_bias:
-            raise Unsupported("logit_bias is not supported", param="logit_bias")
         return self.runtime.require_engine()
 
     @staticmethod
