@@ -142,6 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--pp-size", type=positive_int, required=True, metavar="N", help="number of stages")
     pl.add_argument("--memory", default=None, metavar="SIZES",
                     help="usable memory per stage, e.g. 8GiB,16GiB (or one value for all; B, KB/KiB, MB/MiB, GB/GiB)")
+    pl.add_argument("--layers", default=None, metavar="RANGES",
+                    help="check these inclusive ranges (e.g. 0-11,12-29) against the checkpoint and price them")
     pl.add_argument("--json", action="store_true", help="print JSON instead of a table")
     pl.set_defaults(func=_cmd_plan)
 
@@ -181,6 +183,10 @@ def build_parser() -> argparse.ArgumentParser:
     rp = sub.add_parser("report", help="benchmark results -> tidy CSVs and a self-contained HTML report with charts")
     add_report_arguments(rp)
     rp.set_defaults(func=_cmd_report)
+
+    from mlxcel.commands.node import add_node_parser
+
+    add_node_parser(sub)
 
     try:
         _add_server_parser(sub)

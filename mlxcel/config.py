@@ -68,3 +68,8 @@ def seconds(text: str) -> float:
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
     return value
+
+
+# Node supervisor (``mlxcel node``, the pidfile mode of the Ansible role)
+DEFAULT_NODE_READY_TIMEOUT_S = 180.0  # a (re)started node loads its checkpoint before its readiness URL says 200
+DEFAULT_NODE_STOP_GRACE_S = 10.0  # SIGTERM, then SIGKILL after this long

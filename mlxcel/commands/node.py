@@ -1,0 +1,70 @@
+"""``mlxcel node start|stop|restart|status|show --config FILE``: supervise one node described by a node TOML.
+
+Every command prints one JSON object on stdout (the Ansible role parses it): ``changed`` says whether
+a process was started or stopped, ``failed`` marks a failure. Exit status: 0 done (``status`` always,
+running or not); 1 the node failed to start or get ready (the message ends with the log's last lines),
+or the TOML is invalid (one line on stderr); 2 usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from mlxcel.config import seconds
+from mlxcel.errors import CLIError
+from mlxcel.node import supervisor
+from mlxcel.node.spec import NodeSpec, NodeSpecError, load_node_spec
+
+EXIT_FAILED = 1
+
+
+def add_node_parser(sub: argparse._SubParsersAction) -> None:
+    """The ``node`` subcommand and its actions."""
+    n = sub.add_parser("node", help="start, stop or report one node process (pidfile, log, readiness) from a node TOML")
+    actions = n.add_subparsers(dest="node_command", required=True, metavar="ACTION")
+    helps = {
+        "start": "start unless running (restart if an input changed since), then wait until ready",
+        "stop": "SIGTERM, then SIGKILL after the grace period; nothing to do when it is gone",
+        "restart": "stop if running, start, wait until ready",
+        "status": "pid and what the readiness URL answers (exit 0 running or not)",
+        "show": "the resolved node TOML and its inputs fingerprint",
+    }
+    for action, text in helps.items():
+        p = actions.add_parser(action, help=text)
+        p.add_argument("--config", required=True, metavar="FILE", help="the node TOML (see mlxcel/node/spec.py)")
+        if action in ("start", "restart"):
+            p.add_argument("--timeout", type=seconds, default=None, metavar="S",
+                           help="seconds to wait for readiness (default: [ready] timeout_s of the TOML)")
+            p.add_argument("--no-wait", dest="wait", action="store_false", help="do not wait for readiness")
+        p.set_defaults(func=run_node)
+
+
+def describe(spec: NodeSpec) -> dict:
+    """The spec as JSON, with every default filled in, and its fingerprint."""
+    return {"name": spec.name, "command": list(spec.command), "directory": str(spec.directory),
+            "match": spec.match, "pidfile": str(spec.pidfile), "log": str(spec.log),
+            "inputs": [str(p) for p in spec.inputs], "environment": spec.environment,
+            "ready": {"url": spec.ready_url, "timeout_s": spec.ready_timeout_s}, "stop_grace_s": spec.stop_grace_s,
+            "fingerprint": supervisor.fingerprint(spec)}
+
+
+def run_node(args: argparse.Namespace) -> int:
+    try:
+        spec = load_node_spec(Path(args.config))
+    except NodeSpecError as exc:
+        raise CLIError(str(exc)) from None
+    action = args.node_command
+    if action == "start":
+        result = supervisor.start(spec, wait=args.wait, timeout_s=args.timeout)
+    elif action == "restart":
+        result = supervisor.restart(spec, wait=args.wait, timeout_s=args.timeout)
+    elif action == "stop":
+        result = supervisor.stop(spec)
+    elif action == "status":
+        result = supervisor.status(spec)
+    else:
+        result = describe(spec)
+    print(json.dumps(result), flush=True)
+    return EXIT_FAILED if result.get("failed") else 0

@@ -1,0 +1,221 @@
+"""mlxcel node: real child processes (a tiny HTTP server on loopback) started, probed and stopped."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from mlxcel.node import supervisor
+from mlxcel.node.spec import NodeSpec, NodeSpecError, load_node_spec
+
+pytestmark = pytest.mark.timeout(60)
+REPO = Path(__file__).resolve().parents[2]
+
+# argv: port, HTTP status to answer, 1 to ignore SIGTERM, a marker (the test's directory)
+CHILD = """
+import http.server, json, signal, sys
+port, code, ignore_term = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
+if ignore_term:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = json.dumps({"status": "ready" if code == 200 else "loading"}).encode()
+        self.send_response(code)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *args):
+        pass
+print("child serving on", port, flush=True)
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _pids_naming(marker: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and marker.encode() in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return [pid for pid in found if pid != os.getpid()]
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Iterator[Path]:
+    """The node's directory; every process still naming it is killed afterwards, by pid.
+
+    Children that ended become zombies of this process until ``subprocess`` reaps them at its next Popen.
+    """
+    yield tmp_path
+    for pid in _pids_naming(str(tmp_path)):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def write_spec(home: Path, *, code: int = 200, ignore_term: bool = False, script: str = CHILD,
+               url: bool = True, **extra: object) -> Path:
+    """A node TOML for the child; ``extra`` adds top-level keys or [ready] timeout_s (ready_timeout_s)."""
+    port = free_port()
+    command = [sys.executable, "-c", script, str(port), str(code), "1" if ignore_term else "0", str(home)]
+    ready = {"timeout_s": extra.pop("ready_timeout_s", 10)} | ({"url": f"http://127.0.0.1:{port}/health"} if url else {})
+    top = {"name": "test-node", "command": command, "stop_grace_s": 5, **extra}
+    lines = [f"{key} = {json.dumps(value)}" for key, value in top.items()]
+    lines += ["[ready]"] + [f"{key} = {json.dumps(value)}" for key, value in ready.items()]
+    path = home / "node.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def alive(pid: int) -> bool:
+    return supervisor._command_line(pid) is not None
+
+
+def test_start_status_start_again_stop(home: Path) -> None:
+    spec = load_node_spec(write_spec(home))
+    started = supervisor.start(spec)
+    assert started["changed"] and not started.get("failed"), started
+    pid = started["pid"]
+    assert int(spec.pidfile.read_text()) == pid and alive(pid)
+    assert os.getpgid(pid) == pid  # its own session
+    status = supervisor.status(spec)
+    assert (status["pid"], status["http_status"], status["health"]) == (pid, 200, {"status": "ready"})
+    again = supervisor.start(spec)
+    assert (again["changed"], again["pid"], again["restarted"]) == (False, pid, False), again
+    stopped = supervisor.stop(spec)
+    assert stopped["changed"] and not stopped["killed"] and not alive(pid)
+    assert not spec.pidfile.exists()
+    assert supervisor.status(spec)["pid"] is None and supervisor.status(spec)["http_status"] is None
+    assert supervisor.stop(spec)["changed"] is False
+    assert "child serving on" in spec.log.read_text() and "mlxcel node start" in spec.log.read_text()
+
+
+def test_stale_pidfile_is_ignored_and_never_signalled(home: Path) -> None:
+    spec = load_node_spec(write_spec(home))
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    spec.pidfile.write_text(f"{dead.pid}\n")
+    assert supervisor.status(spec)["pid"] is None
+    spec.pidfile.write_text(f"{os.getpid()}\n")  # alive, but another program (this test)
+    assert supervisor.stop(spec) == {"changed": False, "pid": None, "msg": "test-node not running"}
+    assert not spec.pidfile.exists()
+    spec.pidfile.write_text(f"{os.getpid()}\n")
+    started = supervisor.start(spec)
+    assert started["changed"] and started["pid"] != os.getpid()
+    assert int(spec.pidfile.read_text()) == started["pid"]
+    supervisor.stop(spec)
+
+
+def test_a_node_whose_pidfile_was_lost_is_found_by_its_command_line(home: Path) -> None:
+    spec = load_node_spec(write_spec(home))
+    pid = supervisor.start(spec)["pid"]
+    spec.pidfile.unlink()
+    assert supervisor.status(spec)["pid"] == pid
+    assert supervisor.start(spec)["changed"] is False  # no second copy on the same port
+    assert supervisor.stop(spec)["pid"] == pid and not alive(pid)
+
+
+def test_a_changed_input_restarts_the_node(home: Path) -> None:
+    secret = home / "cluster.secret"
+    secret.write_text("one\n")
+    spec = load_node_spec(write_spec(home, inputs=["cluster.secret"]))
+    first = supervisor.start(spec)["pid"]
+    assert supervisor.start(spec)["restarted"] is False
+    secret.write_text("two\n")
+    again = supervisor.start(spec)
+    assert again["restarted"] and again["changed_inputs"] == [str(secret)], again
+    assert again["pid"] != first and not alive(first) and alive(again["pid"])
+    assert again["msg"] == f"test-node restarted ({secret} changed)"
+    supervisor.stop(spec)
+
+
+def test_a_child_that_exits_at_once_fails_with_the_log_tail(home: Path) -> None:
+    script = "import sys; print('bad flag --frobnicate', flush=True); sys.exit(3)"
+    spec = load_node_spec(write_spec(home, script=script))
+    started = time.monotonic()
+    result = supervisor.start(spec)
+    assert result["failed"] and result["pid"] is None
+    assert "test-node exited during start-up" in result["msg"] and "bad flag --frobnicate" in result["msg"]
+    assert time.monotonic() - started < 5  # at once, not after the readiness timeout
+
+
+def test_readiness_timeout_names_the_url_and_the_last_answer(home: Path) -> None:
+    spec = load_node_spec(write_spec(home, code=503, ready_timeout_s=0.6))
+    started = time.monotonic()
+    result = supervisor.start(spec)
+    assert result["failed"] and alive(result["pid"])
+    assert f"{spec.ready_url} not ready after 0.6 s (last: 503 {{'status': 'loading'}})" in result["msg"], result
+    assert 0.6 <= time.monotonic() - started < 5
+    assert supervisor.stop(spec)["changed"]
+
+
+def test_stop_kills_a_process_that_ignores_sigterm_after_the_grace(home: Path) -> None:
+    spec = load_node_spec(write_spec(home, ignore_term=True, stop_grace_s=0.4))
+    pid = supervisor.start(spec)["pid"]
+    began = time.monotonic()
+    result = supervisor.stop(spec)
+    assert result["killed"] and result["msg"] == "test-node killed (SIGKILL after 0.4 s)"
+    assert 0.4 <= time.monotonic() - began < 3 and not alive(pid)
+
+
+def test_without_a_readiness_url_running_is_ready(home: Path) -> None:
+    spec = load_node_spec(write_spec(home, url=False))
+    result = supervisor.start(spec)
+    assert result["msg"] == "test-node started" and alive(result["pid"])
+    supervisor.stop(spec)
+
+
+def test_cli_prints_json_and_exits_1_on_a_failed_start(home: Path) -> None:
+    ok = write_spec(home)
+    cli = [sys.executable, "-m", "mlxcel", "node"]
+    status = subprocess.run([*cli, "status", "--config", str(ok)], capture_output=True, text=True, cwd=REPO)
+    assert status.returncode == 0 and json.loads(status.stdout)["pid"] is None
+    bad = write_spec(home, script="raise SystemExit('no model here')")
+    start = subprocess.run([*cli, "start", "--config", str(bad)], capture_output=True, text=True, cwd=REPO)
+    assert start.returncode == 1 and "no model here" in json.loads(start.stdout)["msg"]
+    (home / "broken.toml").write_text('command = ["x"]\nbogus = 1\n')
+    broken = subprocess.run([*cli, "stop", "--config", str(home / "broken.toml")], capture_output=True, text=True,
+                            cwd=REPO)
+    assert broken.returncode == 1 and "unknown key(s) bogus" in broken.stderr and broken.stdout == ""
+
+
+def test_spec_defaults_and_relative_paths(tmp_path: Path) -> None:
+    (tmp_path / "n.toml").write_text('command = ["/bin/sleep", "30"]\ninputs = ["a.toml"]\n')
+    spec = load_node_spec(tmp_path / "n.toml")
+    assert spec == NodeSpec(name="n", command=("/bin/sleep", "30"), directory=tmp_path, match="/bin/sleep 30",
+                            pidfile=tmp_path / "n.pid", log=tmp_path / "n.log", inputs=(tmp_path / "a.toml",))
+
+
+@pytest.mark.parametrize("body, message", [
+    ("name = 'x'\n", "command is missing"),
+    ("command = []\n", "command is empty"),
+    ("command = ['a']\n[environment]\nMLXCEL_CLUSTER_SECRET = 'abc'\n", "pass its path instead (MLXCEL_CLUSTER_SECRET_FILE)"),
+    ("command = ['a']\n[environment]\nMLXCEL_API_KEY = 'abc'\n", "pass its path instead (MLXCEL_API_KEY_FILE)"),
+    ("command = ['a']\nstop_grace_s = 0\n", "stop_grace_s must be a positive number of seconds"),
+    ("command = ['a']\n[ready]\nurl = 'localhost:80'\n", "url must be an http:// or https:// URL"),
+    ("command = ['a']\n[ready]\ntimeout = 3\n", "unknown key(s) timeout in [ready]"),
+    ("command = ['a'\n", "not valid TOML"),
+])
+def test_spec_errors_name_the_key(tmp_path: Path, body: str, message: str) -> None:
+    (tmp_path / "n.toml").write_text(body)
+    with pytest.raises(NodeSpecError, match="n.toml: ") as err:
+        load_node_spec(tmp_path / "n.toml")
+    assert message in str(err.value)
