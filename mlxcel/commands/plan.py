@@ -3,6 +3,10 @@
 Reads only the safetensors headers (no weights, no MLX). The JSON form is the
 one in the pipeline contract: {"model", "num_layers", "stages": [{"stage",
 "layers", "start", "end", "bytes"}]}.
+
+With ``--layers`` the ranges are not planned but checked: syntax, contiguity, one range per stage,
+coverage of the checkpoint's layers and (with ``--memory``) each stage's fit, the same rules the
+engine applies when it loads them; a problem exits 1 with one line naming the stage.
 """
 
 from __future__ import annotations
@@ -15,10 +19,13 @@ from mlxcel.pipeline.partition import (
     PartitionError,
     Stage,
     StageCosts,
+    check_coverage,
     human_bytes,
     layer_costs,
     parse_memory_list,
+    parse_range_text,
     plan_stages,
+    stages_for_ranges,
 )
 
 
@@ -46,11 +53,29 @@ def plan_table(costs: StageCosts, stages: list[Stage], memory: list[int] | None)
     return "\n".join(lines)
 
 
+def given_stages(costs: StageCosts, text: str, n: int, memory: list[int] | None) -> list[Stage]:
+    """``--layers`` checked against the checkpoint (and the memories), priced as stages."""
+    ranges = parse_range_text(text, "--layers")
+    if len(ranges) != n:
+        raise PartitionError(f"--layers names {len(ranges)} stage{'s' if len(ranges) != 1 else ''} "
+                             f"but --pp-size is {n}")
+    check_coverage(ranges, costs.num_layers, "--layers")
+    stages = stages_for_ranges(costs, ranges)
+    for stage in stages:
+        if memory and stage.bytes > memory[stage.index]:
+            raise PartitionError(f"--layers: stage {stage.index} ({stage.layers}) needs {human_bytes(stage.bytes)} "
+                                 f"but has {human_bytes(memory[stage.index])} of memory")
+    return stages
+
+
 def run_plan(args: argparse.Namespace) -> int:
     try:
         costs = layer_costs(args.model)
         memory = parse_memory_list(args.memory, args.pp_size) if args.memory else None
-        stages = plan_stages(costs, args.pp_size, memory)
+        if args.layers is not None:
+            stages = given_stages(costs, args.layers, args.pp_size, memory)
+        else:
+            stages = plan_stages(costs, args.pp_size, memory)
     except PartitionError as exc:
         raise CLIError(str(exc)) from None
     print(json.dumps(plan_json(costs, stages)) if args.json else plan_table(costs, stages, memory))
