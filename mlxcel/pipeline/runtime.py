@@ -1,4 +1,5 @@
-"""Bring a cluster node up from ``--distributed-config FILE --node-id ID``: a stage or the coordinator.
+"""Bring a cluster node up from ``--distributed-config FILE --node-id ID``: what a stage or the coordinator
+needs before it starts (the role table, ``mlxcel/roles.py``, picks which by the node's role).
 
 Order of checks, before anything listens: the TOML loads, the node exists, the secret is there
 (fail closed: a pipeline of 2 or more stages refuses to start without one, naming every source),
@@ -11,7 +12,6 @@ import argparse
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from mlxcel.cluster.secret import ClusterSecret, load_secret
 from mlxcel.errors import CLIError
@@ -35,10 +35,6 @@ class Distributed:
     secret: ClusterSecret | None
     micro_batch_size: int | None = None
     return_logits: bool = False
-
-    @property
-    def is_stage(self) -> bool:
-        return self.node.role == "stage"
 
 
 def model_facts(model_dir: Path) -> ModelFacts:
@@ -77,36 +73,6 @@ def prepare_distributed(args: argparse.Namespace, model_dir: Path) -> Distribute
     secret = load_secret(args.cluster_secret_file, cluster_toml=cluster.path, required=True)
     return Distributed(cluster, node, secret, micro_batch_size=getattr(args, "pp_micro_batch_size", None),
                        return_logits=getattr(args, "pp_return_logits", False))
-
-
-def coordinator_factory(dist: Distributed):
-    """The server runtime's engine factory for the coordinator: a Scheduler over a PipelineExecutor."""
-
-    def build(model: Any, tokenizer: Any, ctx: int, config: Any) -> Any:
-        from mlxcel.engine.executor import ExecutorError
-        from mlxcel.engine.scheduler import Scheduler
-        from mlxcel.pipeline.coordinator import PipelineExecutor
-
-        if dist.secret is None:
-            raise CLIError("a pipeline needs the cluster secret")
-        executor = PipelineExecutor(dist.cluster, dist.secret, model_facts(config.model),
-                                    max_batch_size=config.max_batch_size, micro_batch_size=dist.micro_batch_size,
-                                    return_logits=dist.return_logits)
-        try:
-            executor.start()
-        except OSError as exc:
-            executor.close()
-            raise ExecutorError(f"cannot listen on the cluster address {dist.cluster.coordinator.address}: "
-                                f"{exc.strerror or exc}", "bind") from None
-        except BaseException:
-            executor.close()
-            raise
-        engine = Scheduler(executor, tokenizer, context_length=ctx, parallel=config.parallel,
-                           max_queue=config.max_queue, warmup=config.warmup)
-        engine.start().wait_ready()
-        return engine
-
-    return build
 
 
 def load_stage_runner(model_dir: Path, start: int, end: int, *, max_rows: int):

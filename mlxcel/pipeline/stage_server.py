@@ -1,9 +1,8 @@
-"""The process of one pipeline stage: its slice on the cluster transport, /health on --host/--port."""
+"""Role ``stage``: one pipeline stage's slice on the cluster transport, /health on --host/--port."""
 
 from __future__ import annotations
 
 import logging
-import socket
 import sys
 import threading
 import time
@@ -13,8 +12,10 @@ from typing import Any, Callable
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
+from mlxcel.errors import CLIError
 from mlxcel.pipeline.runtime import Distributed, load_stage_runner, model_facts
 from mlxcel.pipeline.stage import StageService
+from mlxcel.process import ExitSwitch, RoleContext, http_server
 
 log = logging.getLogger("mlxcel.pipeline.stage")
 
@@ -74,24 +75,23 @@ def stage_app(process: StageProcess) -> FastAPI:
     return app
 
 
-def run_stage(dist: Distributed, model_dir: Path, sock: socket.socket, *, log_level: str,
-              uvicorn_options: dict[str, Any], server_class: Any) -> int:
-    """Serve until SIGINT/SIGTERM or the coordinator's SHUTDOWN; returns the exit code."""
-    import uvicorn
-
-    from mlxcel.server.launch import ExitSwitch
-
-    process = StageProcess(dist, model_dir)
+def run(context: RoleContext) -> int:
+    """Role ``stage``: serve this node's layers until SIGINT/SIGTERM or the coordinator's SHUTDOWN;
+    returns the exit code."""
+    dist = context.dist
+    if dist is None:
+        raise CLIError("the stage role needs --distributed-config and --node-id")
+    process = StageProcess(dist, context.config.model)
     switch = ExitSwitch()
-    server = switch.server = server_class(uvicorn.Config(stage_app(process), log_level=log_level, access_log=log_level == "debug",
-                                         **uvicorn_options))
+    server = http_server(stage_app(process), switch, log_level=context.args.log_level,
+                         uvicorn_options=context.access.uvicorn_options())
     threading.Thread(target=process.load, args=(switch.fatal, switch.stop), name="mlxcel-stage-load", daemon=True).start()
-    host, port = sock.getsockname()[:2]
+    host, port = context.address
     layers = dist.node.layers or (0, 0)
     print(f"mlxcel: stage {dist.node.id} (layers {layers[0]}-{layers[1] - 1}) on cluster address {dist.node.address}, "
           f"health on http://{host}:{port}/health", file=sys.stderr, flush=True)
     try:
-        server.run(sockets=[sock])
+        server.run(sockets=[context.sock])
     finally:
         process.close()
     return switch.exit_code()

@@ -1,21 +1,16 @@
-"""``mlxcel serve`` / ``mlxcel-server``: flags, preflight, socket, uvicorn.
+"""``mlxcel serve`` / ``mlxcel-server``: flags, preflight, then the role this configuration selects.
 
 Order of checks (cheap first, each a one-line error): flag combinations, the
-checkpoint directory, the listening socket; only then does the model load
-(in the background, /health answering 503 until it is ready).
+checkpoint directory, the cluster TOML, access control, the listening socket; only then does
+the role (``mlxcel/roles.py``) start and the model load (in the background, /health answering
+503 until it is ready). Socket, exit and uvicorn plumbing live in ``mlxcel/process.py``.
 """
 
 from __future__ import annotations
 
 import argparse
-import errno
 import logging
-import os
-import socket
-import sys
-from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 from mlxcel.config import (
     DEFAULT_HOST,
@@ -32,7 +27,6 @@ from mlxcel.config import port as tcp_port
 from mlxcel.errors import CLIError
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
-GRACEFUL_SHUTDOWN_S = 5
 
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
@@ -111,98 +105,18 @@ def build_config(args: argparse.Namespace):
                         prefix_cache_mb=args.prefix_cache_mb)
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
-    """Listen before loading anything, so a taken port fails in milliseconds."""
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as exc:
-        raise CLIError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
-    family, _, _, _, addr = infos[0]
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind(addr)
-        sock.listen(2048)
-    except OSError as exc:
-        sock.close()
-        reason = "address already in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
-        raise CLIError(f"cannot listen on {host}:{port}: {reason}") from None
-    sock.set_inheritable(True)
-    return sock
-
-
-class ExitSwitch:
-    """The process's exit code and its uvicorn server: ``fatal`` prints one line and stops serving."""
-
-    def __init__(self) -> None:
-        self.code = 0
-        self.server: Any = None
-
-    def fatal(self, message: str) -> None:
-        print(f"mlxcel: error: {message}", file=sys.stderr, flush=True)
-        self.code = 1
-        self.stop()
-
-    def stop(self) -> None:
-        if self.server is not None:
-            self.server.should_exit = True
-
-    def exit_code(self) -> int:
-        return self.code or (0 if self.server is not None and self.server.started else 1)
-
-
-def _server_class():
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        """uvicorn, except that SIGINT/SIGTERM end in a clean exit 0 instead of being re-raised."""
-
-        def handle_exit(self, sig, frame) -> None:  # type: ignore[no-untyped-def]
-            super().handle_exit(sig, frame)
-            self._captured_signals.clear()
-
-    return Server
-
-
 def run_server(args: argparse.Namespace) -> int:
-    """Serve until interrupted; returns only for preflight errors (raised), otherwise exits the process."""
-    import uvicorn
-
-    from mlxcel.server.app import create_app
-    from mlxcel.server.runtime import ServerRuntime
+    """Check, select the role, bind, run it; returns only for preflight errors (raised), else exits the process."""
+    from mlxcel.pipeline.runtime import prepare_distributed
+    from mlxcel.process import RoleContext, bind_socket, exit_process
+    from mlxcel.roles import select_role
+    from mlxcel.server.access import prepare_access
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = build_config(args)
-    from mlxcel.pipeline.runtime import coordinator_factory, prepare_distributed
-    from mlxcel.server.access import prepare_access
-
     dist = prepare_distributed(args, config.model)  # cluster TOML, node, secret (fail closed), stage ranges
+    role = select_role(args, dist)
     # keys, TLS files and the fail-closed bind policy, before anything listens
-    access = prepare_access(args, health_only=dist is not None and dist.is_stage)
+    access = prepare_access(args, health_only=not role.serves_api)
     sock = bind_socket(args.host, args.port)
-    host, port = sock.getsockname()[:2]
-    if dist is not None and dist.is_stage:
-        from mlxcel.pipeline.stage_server import run_stage
-
-        code = run_stage(dist, config.model, sock, log_level=args.log_level,
-                         uvicorn_options=access.uvicorn_options(), server_class=_server_class())
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    if dist is not None:
-        config = replace(config, lazy_weights=True)
-    switch = ExitSwitch()
-    runtime = ServerRuntime(config) if dist is None else ServerRuntime(config, coordinator_factory(dist))
-    app = create_app(runtime, on_fatal=switch.fatal, access=access)
-    server = switch.server = _server_class()(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-                                           access_log=args.log_level == "debug",
-                                           **access.uvicorn_options()))
-    role = "" if dist is None else f" as coordinator of {len(dist.cluster.stages)} pipeline stages"
-    print(f"mlxcel: serving {config.served_model_name} on {access.scheme}://{host}:{port}{role} "
-          f"(parallel {config.parallel}, batch {config.max_batch_size})", file=sys.stderr, flush=True)
-    server.run(sockets=[sock])
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # MLX aborts at interpreter exit after running compiled kernels on a non-main thread
-    # (ml-explore/mlx#3126); the engine is closed by now, so leave without static destructors.
-    os._exit(switch.exit_code())
+    exit_process(role.run(RoleContext(args, config, dist, access, sock)))

@@ -1,0 +1,61 @@
+"""The role table: which process this configuration starts, and where that role's code lives.
+
+``mlxcel serve`` / ``mlxcel-server`` checks flags, loads the cluster TOML if any, then asks
+``select_role`` and runs what it returns. Entries are tried in order and the first whose ``selects``
+holds wins, so a more specific entry goes before a more general one (``single`` is last).
+
+A role is one module with ``run(context: RoleContext) -> int`` (``mlxcel/process.py``) plus one entry
+here; the module is imported only when its role is selected, so roles never import each other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+from mlxcel.errors import CLIError
+
+if TYPE_CHECKING:
+    from mlxcel.pipeline.runtime import Distributed
+    from mlxcel.process import RoleContext
+
+Selector = Callable[[argparse.Namespace, "Distributed | None"], bool]
+
+
+@dataclass(frozen=True)
+class Role:
+    """One kind of process: when it is chosen, which module runs it, what its HTTP port serves."""
+
+    name: str
+    selects: Selector
+    module: str  # defines run(context: RoleContext) -> int
+    serves_api: bool = True  # False: the port answers only /health, so it needs no API key
+
+    def run(self, context: RoleContext) -> int:
+        return importlib.import_module(self.module).run(context)
+
+
+def _node_role(role: str) -> Selector:
+    return lambda args, dist: dist is not None and dist.node.role == role
+
+
+def _no_cluster(args: argparse.Namespace, dist: Distributed | None) -> bool:
+    return dist is None
+
+
+ROLES: tuple[Role, ...] = (
+    Role("stage", _node_role("stage"), "mlxcel.pipeline.stage_server", serves_api=False),
+    Role("coordinator", _node_role("coordinator"), "mlxcel.pipeline.coordinator_server"),
+    Role("single", _no_cluster, "mlxcel.server.single"),
+)
+
+
+def select_role(args: argparse.Namespace, dist: Distributed | None, roles: tuple[Role, ...] = ROLES) -> Role:
+    """The first role of ``roles`` whose selector holds; CLIError naming the node if none does."""
+    for role in roles:
+        if role.selects(args, dist):
+            return role
+    where = "this configuration" if dist is None else f"node {dist.node.id!r} (role {dist.node.role!r})"
+    raise CLIError(f"no process role for {where}; known roles: {', '.join(r.name for r in roles)}")

@@ -1,0 +1,65 @@
+"""The role table picks the process from the parsed flags and cluster TOML, before anything listens."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from mlxcel.cli import build_parser
+from mlxcel.errors import CLIError
+from mlxcel.pipeline.runtime import prepare_distributed
+from mlxcel.roles import ROLES, Role, select_role
+from tests.pipeline.cluster import LocalCluster
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, tiny_llama) -> LocalCluster:
+    """A rendered cluster TOML and secret for two stages (nothing started)."""
+    return LocalCluster(tmp_path_factory.mktemp("roles"), tiny_llama)
+
+
+def prepared(cluster: LocalCluster, node_id: str | None):
+    argv = ["serve", "-m", str(cluster.model)]
+    if node_id is not None:
+        argv += ["--distributed-config", str(cluster.toml), "--node-id", node_id]
+    args = build_parser().parse_args(argv)
+    return args, prepare_distributed(args, Path(args.model))
+
+
+@pytest.mark.parametrize("node_id,role,serves_api", [
+    (None, "single", True),
+    ("coordinator", "coordinator", True),
+    ("stage-0", "stage", False),
+    ("stage-1", "stage", False),
+])
+def test_configuration_selects_its_role(cluster, node_id, role, serves_api):
+    args, dist = prepared(cluster, node_id)
+    selected = select_role(args, dist)
+    assert (selected.name, selected.serves_api) == (role, serves_api)
+
+
+def test_every_role_names_a_module_with_run():
+    assert len({role.name for role in ROLES}) == len(ROLES)
+    for role in ROLES:
+        assert callable(importlib.import_module(role.module).run), role.module
+
+
+def test_a_node_no_role_serves_is_one_clear_error(cluster):
+    args, dist = prepared(cluster, "coordinator")
+    dist = replace(dist, node=replace(dist.node, role="router"))
+    with pytest.raises(CLIError, match=r"^no process role for node 'coordinator' \(role 'router'\); "
+                                       r"known roles: stage, coordinator, single$"):
+        select_role(args, dist)
+
+
+def test_first_matching_entry_wins(cluster):
+    """A new role is one entry placed before the more general ones it narrows."""
+    router = Role("router", lambda args, dist: dist is not None and dist.node.role == "router", "mlxcel.router")
+    args, dist = prepared(cluster, "coordinator")
+    as_router = replace(dist, node=replace(dist.node, role="router"))
+    assert select_role(args, as_router, (router, *ROLES)) is router
+    assert select_role(args, dist, (router, *ROLES)).name == "coordinator"
+    assert select_role(args, None, (router, *ROLES)).name == "single"
