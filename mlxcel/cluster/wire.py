@@ -5,6 +5,9 @@ from __future__ import annotations
 import enum
 import struct
 
+from mlxcel.error_codes import ErrorCode  # noqa: F401 - the one error vocabulary (mlxcel/error_codes.py)
+
+
 PROTOCOL_VERSION = 5
 MAGIC = b"MLXC"
 
@@ -132,22 +135,6 @@ RPC_ERROR = 1
 STREAM_OK = RPC_OK
 STREAM_ABORTED = RPC_ERROR
 MAX_MESSAGE_LEN = MAX_FRAME_LEN
-
-
-class ErrorCode(enum.IntEnum):
-    """Typed error code of an error body (RPC_RESPONSE or STREAM_END with status 1)."""
-
-    UNKNOWN = 0  # no code given, or a code this node does not know
-    INTERNAL = 1  # the handler failed unexpectedly (a bug on the answering node)
-    BAD_REQUEST = 2  # malformed or out-of-bounds request (shape, dtype, length, field)
-    UNAUTHORIZED = 3  # the authenticated sender may not make this request
-    NOT_FOUND = 4  # unknown request id, sequence or resource
-    CONFLICT = 5  # state conflict: id already in use, stale epoch or exchange nonce
-    OVERLOADED = 6  # at capacity; retry later
-    TIMEOUT = 7  # a deadline passed while handling the request
-    UNAVAILABLE = 8  # draining, shutting down or not ready yet
-    UNSUPPORTED = 9  # this node serves no such request
-    CANCELLED = 10  # the request was cancelled
 
 
 #: error body: code (u16 BE) || UTF-8 text of at most MAX_ERROR_TEXT bytes

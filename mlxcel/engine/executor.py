@@ -23,6 +23,7 @@ from mlxcel.engine.model_slice import ModelSlice
 from mlxcel.engine.prefix_cache import PrefixCache
 from mlxcel.engine.runner import RowSampler, Sampled, SliceRunner
 from mlxcel.engine.sampling import SamplingParams
+from mlxcel.error_codes import CodedError
 
 _steps = itertools.count(1)
 
@@ -51,12 +52,9 @@ StepOutcome = Union[list[Sampled], None, BaseException]
 Done = Callable[[Step, StepOutcome], None]
 
 
-class ExecutorError(Exception):
-    """A step or a command failed in the executor; ``code`` classifies it (e.g. "stage_unreachable")."""
-
-    def __init__(self, message: str, code: str = "internal"):
-        super().__init__(message)
-        self.code = code
+class ExecutorError(CodedError):
+    """A step or a command failed in the executor; ``code`` (an ``ErrorCode``) classifies it, and
+    ``peer_code`` keeps what a remote peer reported when that was turned into a local code."""
 
 
 class Executor(Protocol):

@@ -15,28 +15,45 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Union
 
 from mlxcel.engine.sampling import SamplingParams
+from mlxcel.error_codes import RETRY_AFTER_S, CodedError, ErrorCode
 
 _ids = itertools.count(1)
 
 
-class EngineError(Exception):
-    """Base of the errors a backend raises to the HTTP front."""
+class EngineError(CodedError):
+    """Base of the errors a backend raises to the HTTP front; ``code`` decides the HTTP status."""
+
+    default_code = ErrorCode.INTERNAL
+
+    def __init__(self, message: str, code: ErrorCode | None = None):
+        super().__init__(message, code if code is not None else self.default_code)
 
 
 class EngineOverloaded(EngineError):
     """No capacity for another request now; retry after ``retry_after`` seconds."""
 
-    def __init__(self, message: str, retry_after: int = 1):
+    default_code = ErrorCode.OVERLOADED
+
+    def __init__(self, message: str, retry_after: int = RETRY_AFTER_S):
         super().__init__(message)
         self.retry_after = retry_after
 
 
 class EngineUnavailable(EngineError):
-    """The backend is not ready (loading, warming up) or is shutting down."""
+    """The backend is not ready (loading, warming up), is shutting down, or lost a peer it needs."""
+
+    default_code = ErrorCode.UNAVAILABLE
 
 
 class EngineFailure(EngineError):
-    """The backend failed while generating for this request."""
+    """The backend failed while generating for this request (``code`` says how)."""
+
+
+def finish_error(event: "FinishEvent") -> EngineError:
+    """The exception a failed ``FinishEvent`` stands for: its code picks the type."""
+    code = event.code or ErrorCode.INTERNAL
+    kind = EngineUnavailable if code.retryable else EngineFailure
+    return kind(event.error or "generation failed", code)
 
 
 @dataclass(frozen=True)
@@ -69,7 +86,7 @@ class FinishEvent:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
-    unavailable: bool = False  # the error is the backend's, not the request's (e.g. a pipeline stage is down): 503
+    code: ErrorCode | None = None  # with ``error``: what failed (a retryable code means 503 + Retry-After)
 
 
 Event = Union[TokenEvent, FinishEvent]

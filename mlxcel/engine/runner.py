@@ -23,17 +23,17 @@ from typing import Callable, Sequence
 import mlx.core as mx
 
 from mlxcel.engine.sampling import SamplingParams, make_sampler
+from mlxcel.error_codes import CodedError, ErrorCode
 
 Forward = Callable[[mx.array, list], mx.array]
 MAX_TOP_LOGPROBS = 20
 
 
-class RunnerError(Exception):
+class RunnerError(CodedError):
     """A step names rows or shapes this runner cannot accept; the message says which."""
 
-    def __init__(self, code: str, message: str):
-        super().__init__(message)
-        self.code = code
+    def __init__(self, code: ErrorCode, message: str):
+        super().__init__(message, code)
 
 
 @dataclass(frozen=True)
@@ -165,7 +165,7 @@ class SliceRunner:
         """
         seq = self._require(rid)
         if seq.slot is not None:
-            raise RunnerError("bad_request", f"sequence {rid} is already decoding; it cannot be prefilled again")
+            raise RunnerError(ErrorCode.BAD_REQUEST, f"sequence {rid} is already decoding; it cannot be prefilled again")
         out = self.forward(inputs, seq.cache)
         seq.length += inputs.shape[1]
         if not self.is_last:
@@ -181,9 +181,9 @@ class SliceRunner:
     def decode(self, slot_id: int, rids: Sequence[str], inputs: mx.array, *, logits: bool = False) -> mx.array | list[Sampled]:
         """One decode step of micro-batch ``slot_id``: rows ``rids`` in order, inputs [B, 1] or [B, 1, D]."""
         if not rids or len(rids) > self.max_rows:
-            raise RunnerError("bad_request", f"a decode step needs 1 to {self.max_rows} rows, got {len(rids)}")
+            raise RunnerError(ErrorCode.BAD_REQUEST, f"a decode step needs 1 to {self.max_rows} rows, got {len(rids)}")
         if inputs.shape[0] != len(rids):
-            raise RunnerError("bad_tensor", f"{inputs.shape[0]} input rows for {len(rids)} request ids")
+            raise RunnerError(ErrorCode.BAD_TENSOR, f"{inputs.shape[0]} input rows for {len(rids)} request ids")
         slot = self._reconcile(slot_id, list(rids))
         out = self.forward(inputs, slot.cache)
         for rid in rids:
@@ -211,7 +211,7 @@ class SliceRunner:
     def _require(self, rid: str) -> _Seq:
         seq = self._seqs.get(rid)
         if seq is None:
-            raise RunnerError("unknown_request", f"request {rid} was not prepared on this stage")
+            raise RunnerError(ErrorCode.NOT_FOUND, f"request {rid} was not prepared on this stage")
         return seq
 
     def _reconcile(self, slot_id: int, rids: list[str]) -> _Slot:
@@ -221,15 +221,15 @@ class SliceRunner:
             return slot
         wanted = set(rids)
         if len(wanted) != len(rids):
-            raise RunnerError("bad_request", "a request id appears twice in one micro-batch")
+            raise RunnerError(ErrorCode.BAD_REQUEST, "a request id appears twice in one micro-batch")
         keep = [r for r in slot.rids if r in wanted]
         new = rids[len(keep):]
         if keep != rids[: len(keep)] or any(r in keep for r in new):
-            raise RunnerError("bad_request", f"micro-batch {slot_id}: rows out of order (expected {keep} first)")
+            raise RunnerError(ErrorCode.BAD_REQUEST, f"micro-batch {slot_id}: rows out of order (expected {keep} first)")
         joining = [self._require(r) for r in new]
         for seq in joining:
             if seq.slot is not None:
-                raise RunnerError("bad_request", f"request {seq.rid} already decodes in micro-batch {seq.slot}")
+                raise RunnerError(ErrorCode.BAD_REQUEST, f"request {seq.rid} already decodes in micro-batch {seq.slot}")
         if len(keep) != len(slot.rids):
             for r in slot.rids:
                 if r not in wanted and r in self._seqs:

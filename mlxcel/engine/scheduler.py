@@ -46,6 +46,7 @@ from mlxcel.engine.interface import (
 from mlxcel.engine.runner import Sampled
 from mlxcel.engine.sampling import SamplingParams
 from mlxcel.engine.textstream import SequenceText
+from mlxcel.error_codes import ErrorCode, code_of
 
 log = logging.getLogger("mlxcel.engine")
 
@@ -184,7 +185,7 @@ class Scheduler:
         while self._handle(block=self._idle()):
             self._admit()
             self._submit_work()
-        self._fail_all("the server is shutting down")
+        self._fail_all("the server is shutting down", ErrorCode.UNAVAILABLE)
 
     def _idle(self) -> bool:
         return self._steps_inflight > 0 or not self._seqs
@@ -263,7 +264,7 @@ class Scheduler:
                 cached = self.executor.prepare(seq.rid, req.params, req.top_logprobs, req.prompt)
             except Exception as exc:
                 log.warning("cannot start request %s: %s", seq.rid, exc)
-                self._finish(seq, "error", error=str(exc), unavailable=_unavailable(exc))
+                self._finish(seq, "error", error=str(exc), code=code_of(exc))
                 continue
             seq.admitted = True
             seq.todo = list(req.prompt[cached:])
@@ -380,7 +381,7 @@ class Scheduler:
         for rid in step.rids:
             seq = self._seqs.get(rid)
             if seq is not None:
-                self._finish(seq, "error", error=message, unavailable=_unavailable(exc))
+                self._finish(seq, "error", error=message, code=code_of(exc))
         if step.kind == "decode":
             self._groups[step.slot] = [r for r in self._groups[step.slot] if r in self._seqs]
 
@@ -408,9 +409,10 @@ class Scheduler:
     # -- ending requests ---------------------------------------------------------------------------
 
     def _finish(self, seq: _Sequence, reason: str, error: str | None = None, keep: bool = False,
-                unavailable: bool = False) -> None:
+                code: ErrorCode | None = None) -> None:
         tail = seq.text.finish() if error is None else ""
-        seq.stream.push(FinishEvent(reason, tail, len(seq.request.prompt), len(seq.generated), error, unavailable))
+        seq.stream.push(FinishEvent(reason, tail, len(seq.request.prompt), len(seq.generated), error,
+                                     (code or ErrorCode.INTERNAL) if error is not None else None))
         self._forget(seq, keep=keep)
 
     def _remove(self, request_id: str) -> None:
@@ -459,16 +461,11 @@ class Scheduler:
         with self._lock:
             self._inflight_requests -= 1
 
-    def _fail_all(self, message: str) -> None:
+    def _fail_all(self, message: str, code: ErrorCode = ErrorCode.INTERNAL) -> None:
         for seq in list(self._seqs.values()):
-            self._finish(seq, "error", error=message)
+            self._finish(seq, "error", error=message, code=code)
         self.counters.decoding = 0
         self._gauges()
-
-
-def _unavailable(exc: BaseException) -> bool:
-    """A failure of the backend (a stage down or silent), not of the request: the client should retry."""
-    return getattr(exc, "code", None) in ("stage_unreachable", "timeout", "no_downstream")
 
 
 class _Sink:

@@ -19,12 +19,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 
 from mlxcel.cluster.errors import ClusterError, HandshakeError
+from mlxcel.cluster.exchanges import Exchange, ExchangeTable, new_nonce
+from mlxcel.cluster.health import PeerMonitor
 from mlxcel.cluster.identity import PeerId
 from mlxcel.cluster.messages import Message
 from mlxcel.cluster.ratelimit import WarnClass, cluster_warnings
@@ -34,6 +35,7 @@ from mlxcel.cluster.wire import Kind
 from mlxcel.engine.executor import Done, ExecutorError, Step
 from mlxcel.engine.runner import RowSampler, Sampled, sample_rows
 from mlxcel.engine.sampling import SamplingParams
+from mlxcel.error_codes import ErrorCode
 from mlxcel.pipeline.cluster_config import ClusterConfig, Node
 from mlxcel.pipeline.outbox import FRAME_OVERHEAD, Outbox, fast_handoffs
 from mlxcel.pipeline.params import params_to_wire
@@ -41,43 +43,25 @@ from mlxcel.pipeline.protocol import (
     MsgType,
     ProtocolError,
     StageMessage,
+    check_state,
     decode,
     encode,
-    new_nonce,
+    is_int,
+    is_number,
 )
 from mlxcel.pipeline.stage import ModelFacts
 from mlxcel.pipeline.tensors import ids_to_wire
 
 log = logging.getLogger("mlxcel.pipeline.coordinator")
 COMMAND_TIMEOUT_S = 10.0
-TICK_S = 0.05
-
-
-@dataclass(eq=False)
-class _Exchange:
-    nonce: str
-    deadline: float
-    stage: PeerId | None = None  # a command's addressee; None for a step (any stage may report its error)
-    step: Step | None = None
-    done: Done | None = None
-    event: threading.Event = field(default_factory=threading.Event)
-    reply: StageMessage | None = None
-    error: BaseException | None = None
-    then: Callable[["_Exchange"], None] | None = None  # a command's continuation (heartbeats), run on resolve
-
-
-@dataclass
-class _StageStatus:
-    node: Node
-    up: bool = False
-    last_seen: float = 0.0
-    state: dict[str, Any] = field(default_factory=dict)
-    probe: str | None = None
-    last_down: float = 0.0
 
 
 class PipelineExecutor:
-    """Drives the stages of a cluster; implements ``mlxcel.engine.executor.Executor``."""
+    """Drives the stages of a cluster; implements ``mlxcel.engine.executor.Executor``.
+
+    Start-up, the Executor interface and reply validation live here; the open exchanges
+    (``ExchangeTable``) and stage health (``PeerMonitor``) are the cluster layer's shared pieces.
+    """
 
     def __init__(self, cluster: ClusterConfig, secret: ClusterSecret, model: ModelFacts, *,
                  max_batch_size: int, micro_batch_size: int | None = None, return_logits: bool = False):
@@ -87,20 +71,20 @@ class PipelineExecutor:
         self.micro_batch_size = min(micro_batch_size or cluster.micro_batch(max_batch_size), cluster.max_batch_size)
         self.return_logits = return_logits
         self.exchange_s = cluster.timeouts.exchange_s
-        self.heartbeat_s = cluster.timeouts.heartbeat_s
         self.first = cluster.stages[0].address
         self.last = cluster.stages[-1].address
-        self.stage_addrs = {n.address for n in cluster.stages}
+        self.stage_addrs = frozenset(n.address for n in cluster.stages)
+        self._nodes = {n.address: n for n in cluster.stages}
         self.transport = Transport(cluster.coordinator.address, secret)
         self.outbox = Outbox(self.transport)
-        self._status = {n.address: _StageStatus(n) for n in cluster.stages}
-        self._open: dict[str, _Exchange] = {}
+        self.exchanges = ExchangeTable(self._expired, on_tick=self._on_tick, name="mlxcel-coordinator-timer")
+        self.monitor = PeerMonitor(self._nodes, interval_s=cluster.timeouts.heartbeat_s, probe=self._probe,
+                                   check=self._check_state, on_up=self._stage_up, on_down=self._stage_down,
+                                   on_restart=self._stage_restarted)
         self._lock = threading.Lock()
         self._samplers: dict[str, RowSampler] = {}
         self._prepared: set[str] = set()  # request ids prepared on every stage
         self._lost: set[str] = set()  # prepared before a stage restarted: their state is gone
-        self._closing = threading.Event()
-        self._ticker = threading.Thread(target=self._tick, name="mlxcel-coordinator-timer", daemon=True)
         self.received_frames = 0
         self.received_bytes = 0
 
@@ -113,9 +97,9 @@ class PipelineExecutor:
         deadline = time.monotonic() + (timeout or self.cluster.timeouts.startup_s)
         for node in self.cluster.stages:
             self._await_stage(node, deadline)
-        self._ticker.start()
-        log.info("pipeline ready: %s", ", ".join(f"{n.id} {_layers(s.state)} at {n.address}"
-                                                  for n, s in ((s.node, s) for s in self._status.values())))
+        self.exchanges.start()
+        log.info("pipeline ready: %s", ", ".join(f"{self._nodes[p].id} {_layers(s.state)} at {p}"
+                                                  for p, s in self.monitor.status.items()))
 
     def _await_stage(self, node: Node, deadline: float) -> None:
         last: BaseException | None = None
@@ -123,22 +107,30 @@ class PipelineExecutor:
             try:
                 self.transport.connect(node.address)
                 state = self.command(node.address, MsgType.GET_STATE, {}, timeout=min(COMMAND_TIMEOUT_S, self.exchange_s))
-                self._check_stage(node, state.header)
-                self._mark_up(node.address, state.header)
+                problems = self._stage_problems(node, state.header)
+                if problems:
+                    raise ExecutorError(f"stage {node.id} at {node.address}: " + "; ".join(problems), ErrorCode.MISMATCH)
+                self.monitor.observe(node.address, state.header)
                 return
             except HandshakeError as exc:  # wrong secret, identity: retrying cannot help
-                raise ExecutorError(f"cannot join stage {node.id} at {node.address}: {exc}", "handshake") from None
+                raise ExecutorError(f"cannot join stage {node.id} at {node.address}: {exc}",
+                                    ErrorCode.UNAUTHORIZED) from None
             except ExecutorError as exc:
-                if exc.code == "mismatch":
+                if exc.code is ErrorCode.MISMATCH:
                     raise
                 last = exc
             except ClusterError as exc:
                 last = exc
             time.sleep(0.5)
         raise ExecutorError(f"stage {node.id} at {node.address} did not answer within "
-                            f"{self.cluster.timeouts.startup_s:g}s: {last}", "stage_unreachable")
+                            f"{self.cluster.timeouts.startup_s:g}s: {last}", ErrorCode.UNREACHABLE)
 
-    def _check_stage(self, node: Node, state: dict[str, Any]) -> None:
+    def _stage_problems(self, node: Node, state: dict[str, Any]) -> list[str]:
+        """What makes a STATE not the stage the cluster TOML names (empty: it is)."""
+        try:
+            check_state(state)
+        except ValueError as exc:
+            return [str(exc)]
         index = self.cluster.stage_index(node.id)
         problems = []
         if state.get("node_id") != node.id or state.get("stage") != index:
@@ -147,17 +139,16 @@ class PipelineExecutor:
             problems.append(f"its cluster name is {state.get('cluster')!r}, not {self.cluster.name!r}")
         if state.get("model_identity") != self.model.identity:
             problems.append("it holds a different model (identity mismatch: compare `mlxcel models info` on both hosts)")
-        if node.layers is not None and tuple(state.get("layers") or ()) != node.layers:
+        if node.layers is not None and tuple(state["layers"]) != node.layers:
             problems.append(f"it serves layers {state.get('layers')}, the cluster TOML says {list(node.layers)}")
-        if problems:
-            raise ExecutorError(f"stage {node.id} at {node.address}: " + "; ".join(problems), "mismatch")
+        return problems
 
     # -- the Executor interface (scheduler thread) ----------------------------------------------------
 
     def prepare(self, rid: str, params: SamplingParams, top_logprobs: int, prompt: Sequence[int]) -> int:
-        down = [s.node.id for s in self._status.values() if not s.up]
+        down = [self._nodes[p].id for p in self.monitor.down()]
         if down:
-            raise ExecutorError(f"pipeline stage {', '.join(down)} is unreachable; retry shortly", "stage_unreachable")
+            raise ExecutorError(f"pipeline stage {', '.join(down)} is unreachable; retry shortly", ErrorCode.UNREACHABLE)
         header = {"request_id": rid, "params": params_to_wire(params, top_logprobs),
                   "return": "logits" if self.return_logits else "token"}
         waits = [self._command_async(n.address, MsgType.PREPARE, header) for n in self.cluster.stages]
@@ -173,18 +164,16 @@ class PipelineExecutor:
         with self._lock:
             lost = any(r in self._lost for r in step.rids)
         if lost:
-            done(step, ExecutorError("a pipeline stage restarted and lost this request's state", "stage_unreachable"))
+            done(step, ExecutorError("a pipeline stage restarted and lost this request's state", ErrorCode.UNREACHABLE))
             return
-        nonce = new_nonce()
-        ex = _Exchange(nonce, time.monotonic() + self.exchange_s, step=step, done=done)
-        header = {"nonce": nonce, "phase": step.kind, "micro_batch": max(step.slot, 0),
+        # a step may be answered by the last stage (RUN_RESULT) or fail at any stage (ERROR)
+        ex = self.exchanges.open(self.exchange_s, senders=self.stage_addrs, context=step,
+                                 then=lambda e: done(step, e.error if e.error is not None else e.reply))
+        header = {"nonce": ex.nonce, "phase": step.kind, "micro_batch": max(step.slot, 0),
                   "request_ids": step.rids, "sample": step.sample}
         payload = encode(MsgType.RUN_ENTRY, header, {"input_ids": ids_to_wire(step.tokens)})
-        with self._lock:
-            self._open[nonce] = ex
-        self.outbox.send(self.first, Kind.TENSOR_DATA, payload,
-                         lambda exc: self._fail(nonce, ExecutorError(f"cannot reach the first stage: {exc}", "stage_unreachable")),
-                         wanted=lambda: nonce in self._open)
+        self.outbox.send(self.first, Kind.TENSOR_DATA, payload, self._undeliverable(ex.nonce, "the first stage"),
+                         wanted=lambda: self.exchanges.is_open(ex.nonce))
 
     def release(self, rid: str, tokens: Sequence[int] | None = None) -> None:
         """RELEASE on every stage; stages do not answer it, so no exchange stays open for it."""
@@ -199,23 +188,19 @@ class PipelineExecutor:
     def stats(self) -> dict[str, float]:
         frames = self.outbox.frames + self.received_frames
         nbytes = self.outbox.bytes + self.received_bytes
-        for s in self._status.values():
-            frames += int(s.state.get("sent_frames", 0)) if s.node.address != self.last else 0
-            nbytes += int(s.state.get("sent_bytes", 0)) if s.node.address != self.last else 0
-        return {"stages_down": float(sum(not s.up for s in self._status.values())),
-                "wire_frames": float(frames), "wire_bytes": float(nbytes)}
+        for peer, s in self.monitor.status.items():
+            if peer != self.last:
+                frames += int(s.state.get("sent_frames", 0))
+                nbytes += int(s.state.get("sent_bytes", 0))
+        return {"stages_down": float(len(self.monitor.down())), "wire_frames": float(frames), "wire_bytes": float(nbytes)}
 
     def health(self) -> dict[str, Any]:
-        stages = [{"id": s.node.id, "address": str(s.node.address), "up": s.up, "layers": s.state.get("layers")}
-                  for s in self._status.values()]
+        stages = [{"id": self._nodes[p].id, "address": str(p), "up": s.up, "layers": s.state.get("layers")}
+                  for p, s in self.monitor.status.items()]
         return {"status": "ok" if all(s["up"] for s in stages) else "degraded", "stages": stages}
 
     def close(self) -> None:
-        self._closing.set()
-        with self._lock:
-            open_, self._open = list(self._open.values()), {}
-        for ex in open_:
-            self._resolve(ex, error=ExecutorError("the coordinator is shutting down", "closed"))
+        self.exchanges.close(lambda ex: ExecutorError("the coordinator is shutting down", ErrorCode.UNAVAILABLE))
         self.outbox.close()
         self.transport.close()
 
@@ -226,25 +211,23 @@ class PipelineExecutor:
         return self._wait(self._command_async(stage, mtype, header), stage, timeout)
 
     def _command_async(self, stage: PeerId, mtype: MsgType, header: dict, *,
-                       then: Callable[[_Exchange], None] | None = None,
-                       timeout: float = COMMAND_TIMEOUT_S) -> _Exchange:
-        nonce = new_nonce()
-        ex = _Exchange(nonce, time.monotonic() + timeout, stage=stage, then=then)
-        with self._lock:
-            self._open[nonce] = ex
-        self.outbox.send(stage, Kind.CONTROL, encode(mtype, {**header, "nonce": nonce}),
-                         lambda exc: self._fail(nonce, ExecutorError(f"cannot reach stage {stage}: {exc}", "stage_unreachable")),
-                         wanted=None if mtype is MsgType.RELEASE else (lambda: nonce in self._open))
+                       then: Callable[[Exchange], None] | None = None,
+                       timeout: float = COMMAND_TIMEOUT_S) -> Exchange:
+        ex = self.exchanges.open(timeout, senders=(stage,), then=then)
+        self.outbox.send(stage, Kind.CONTROL, encode(mtype, {**header, "nonce": ex.nonce}),
+                         self._undeliverable(ex.nonce, f"stage {stage}"),
+                         wanted=lambda: self.exchanges.is_open(ex.nonce))
         return ex
 
-    def _wait(self, ex: _Exchange, stage: PeerId, timeout: float) -> StageMessage:
-        if not ex.event.wait(timeout):
-            with self._lock:
-                self._open.pop(ex.nonce, None)
-            raise ExecutorError(f"stage {stage} did not answer within {timeout:g}s", "timeout")
+    def _undeliverable(self, nonce: str, what: str) -> Callable[[BaseException], None]:
+        return lambda exc: self.exchanges.fail(nonce, ExecutorError(f"cannot reach {what}: {exc}", ErrorCode.UNREACHABLE))
+
+    def _wait(self, ex: Exchange, stage: PeerId, timeout: float) -> StageMessage:
+        if not self.exchanges.wait(ex, timeout):
+            raise ExecutorError(f"stage {stage} did not answer within {timeout:g}s", ErrorCode.TIMEOUT)
         if ex.error is not None:
             raise ex.error if isinstance(ex.error, ExecutorError) else ExecutorError(str(ex.error))
-        assert ex.reply is not None
+        assert isinstance(ex.reply, StageMessage)
         return ex.reply
 
     # -- replies (transport reader threads) --------------------------------------------------------------
@@ -257,36 +240,27 @@ class PipelineExecutor:
         except ProtocolError as exc:
             self._drop(msg.peer, f"a malformed message ({exc})")
             return
-        with self._lock:
-            ex = self._open.get(m.nonce)
+        ex = self.exchanges.get(m.nonce)
         if ex is None:
             self._drop(msg.peer, f"{m.type.name} for no open exchange")
-            return
-        if m.type is MsgType.RUN_RESULT:
-            self._on_result(msg.peer, m, ex)
-        elif m.type in (MsgType.ACK, MsgType.STATE) and ex.stage is not None:
-            if msg.peer != ex.stage:
-                self._drop(msg.peer, f"{m.type.name} for an exchange with {ex.stage}")
-                return
-            self._resolve(ex, reply=m)
+        elif not ex.accepts(msg.peer):
+            self._drop(msg.peer, f"{m.type.name} from a node this exchange does not involve")
         elif m.type is MsgType.ERROR:
-            allowed = (msg.peer == ex.stage) if ex.stage is not None else (msg.peer in self.stage_addrs)
-            if not allowed:
-                self._drop(msg.peer, "an ERROR from a node this exchange does not involve")
-                return
-            code = str(m.header.get("code", "internal"))
-            text = str(m.header.get("message", ""))[:500]
-            self._resolve(ex, error=ExecutorError(f"stage {msg.peer}: {text}", code))
+            self.exchanges.resolve(ex, error=_stage_error(msg.peer, m))
+        elif isinstance(ex.context, Step):
+            self._on_result(msg.peer, m, ex)
+        elif m.type in (MsgType.ACK, MsgType.STATE):
+            self.exchanges.resolve(ex, reply=m)
         else:
-            self._drop(msg.peer, f"{m.type.name}, which the coordinator does not accept")
+            self._drop(msg.peer, f"{m.type.name}, which the coordinator does not accept for a command")
 
-    def _on_result(self, peer: PeerId, m: StageMessage, ex: _Exchange) -> None:
-        step = ex.step
-        if step is None or peer != self.last:
-            self._drop(peer, "a RUN_RESULT not from the last stage or for a command")
+    def _on_result(self, peer: PeerId, m: StageMessage, ex: Exchange) -> None:
+        step: Step = ex.context
+        if m.type is not MsgType.RUN_RESULT or peer != self.last:
+            self._drop(peer, f"{m.type.name} for a step, not a RUN_RESULT from the last stage")
             return
         h = m.header
-        if h.get("request_ids") != step.rids or h.get("micro_batch") != max(step.slot, 0):
+        if not result_is_for(h, step.rids, max(step.slot, 0)):
             self._drop(peer, "a RUN_RESULT for other requests or another micro-batch")
             return
         try:
@@ -294,7 +268,7 @@ class PipelineExecutor:
         except (ValueError, TypeError) as exc:
             self._drop(peer, f"a RUN_RESULT of the wrong shape ({exc})")
             return
-        self._resolve(ex, outcome=outcome)
+        self.exchanges.resolve(ex, reply=outcome)
 
     def _outcome(self, step: Step, m: StageMessage) -> list[Sampled] | None:
         h = m.header
@@ -308,112 +282,102 @@ class PipelineExecutor:
                 raise ValueError(f"logits must be float32 [{step.rows}, {self.model.vocab_size}]")
             rows = [self._samplers.get(r) or RowSampler(SamplingParams()) for r in step.rids]
             return sample_rows(mx.array(logits), rows)
-        tokens = h.get("tokens")
-        if (not isinstance(tokens, list) or len(tokens) != step.rows
-                or not all(isinstance(t, int) and 0 <= t < self.model.vocab_size for t in tokens)):
-            raise ValueError(f"tokens must be {step.rows} ids below {self.model.vocab_size}")
-        lps = h.get("logprobs") or [None] * step.rows
-        tops = h.get("top_logprobs") or [[] for _ in tokens]
-        if len(lps) != step.rows or len(tops) != step.rows:
-            raise ValueError("logprobs do not match the rows")
-        return [Sampled(t, float(lp) if lp is not None else None, tuple((int(a), float(b)) for a, b in top))
-                for t, lp, top in zip(tokens, lps, tops)]
+        return result_tokens(h, step.rows, self.model.vocab_size)
 
     def _drop(self, peer: PeerId, what: str) -> None:
         cluster_warnings.warning(WarnClass.DIAGNOSTIC, "coordinator: dropping %s from %s", what, peer)
 
-    # -- completion ---------------------------------------------------------------------------------------
+    # -- deadlines and health ----------------------------------------------------------------------------
 
-    def _fail(self, nonce: str, error: BaseException) -> None:
-        with self._lock:
-            ex = self._open.get(nonce)
-        if ex is not None:
-            self._resolve(ex, error=error)
+    def _expired(self, ex: Exchange) -> ExecutorError:
+        what = "the pipeline" if isinstance(ex.context, Step) else f"stage {', '.join(map(str, ex.senders))}"
+        return ExecutorError(f"no answer from {what} before the exchange deadline", ErrorCode.TIMEOUT)
 
-    def _resolve(self, ex: _Exchange, *, outcome: Any = None, reply: StageMessage | None = None,
-                 error: BaseException | None = None) -> None:
-        with self._lock:
-            if self._open.pop(ex.nonce, None) is None and not self._closing.is_set():
-                return  # already resolved: a nonce is used once
-        ex.reply, ex.error = reply, error
-        ex.event.set()
-        if ex.step is not None and ex.done is not None:
-            ex.done(ex.step, error if error is not None else outcome)
-        elif ex.then is not None:
-            ex.then(ex)
+    def _on_tick(self, now: float) -> None:
+        self.monitor.beat(now)
 
-    # -- deadlines and heartbeats ----------------------------------------------------------------------------
-
-    def _tick(self) -> None:
-        next_beat = time.monotonic()
-        while not self._closing.wait(TICK_S):
-            now = time.monotonic()
-            with self._lock:
-                expired = [ex for ex in self._open.values() if ex.deadline <= now]
-            for ex in expired:
-                what = "the pipeline" if ex.step is not None else f"stage {ex.stage}"
-                self._resolve(ex, error=ExecutorError(f"no answer from {what} before the exchange deadline", "timeout"))
-            if now >= next_beat:
-                next_beat = now + self.heartbeat_s
-                self._heartbeat(now)
-
-    def _heartbeat(self, now: float) -> None:
-        """Probe every stage that has no probe outstanding (a dead peer's probe waits out its dial)."""
-        for addr, status in self._status.items():
-            with self._lock:
-                outstanding = status.probe is not None and status.probe in self._open
-            if not outstanding:
-                status.probe = self._probe(addr)
-
-    def _probe(self, addr: PeerId) -> str:
+    def _probe(self, addr: PeerId, answered: Callable[..., None]) -> None:
         """GET_STATE with a deadline of two heartbeats; the answer marks the stage up, its absence down."""
 
-        def answered(ex: _Exchange) -> None:
+        def then(ex: Exchange) -> None:
+            if self.exchanges.closing:
+                return
             if ex.reply is not None:
-                self._mark_up(addr, ex.reply.header)
-            elif not self._closing.is_set():
-                self._mark_down(addr, str(ex.error) if ex.error else "no answer to a heartbeat")
+                answered(ex.reply.header)
+            else:
+                answered(None, str(ex.error) if ex.error else "no answer to a heartbeat")
 
-        return self._command_async(addr, MsgType.GET_STATE, {}, then=answered,
-                                   timeout=max(2 * self.heartbeat_s, 1.0)).nonce
+        self._command_async(addr, MsgType.GET_STATE, {}, then=then, timeout=max(2 * self.monitor.interval_s, 1.0))
 
-    def _mark_up(self, addr: PeerId, state: dict[str, Any]) -> None:
-        status = self._status[addr]
-        try:
-            self._check_stage(status.node, state)  # a stage that came back must still be the same stage
-        except ExecutorError as exc:
-            cluster_warnings.warning(WarnClass.DIAGNOSTIC, "coordinator: not using %s: %s", addr, exc)
-            self._mark_down(addr, "it answers as a different stage or model")
-            return
-        booted = status.state.get("boot_id")
-        if booted is not None and state.get("boot_id") != booted:
-            self._stage_restarted(status.node)
-        was_up = status.up
-        status.state, status.last_seen, status.up = state, time.monotonic(), True
-        if not was_up and status.last_down:
-            log.warning("pipeline stage %s at %s answers again; the cluster is healthy", status.node.id, addr)
+    def _check_state(self, addr: PeerId, state: dict[str, Any]) -> None:
+        """A stage that answers must still be the same stage (ValueError otherwise)."""
+        problems = self._stage_problems(self._nodes[addr], state)
+        if problems:
+            cluster_warnings.warning(WarnClass.DIAGNOSTIC, "coordinator: not using %s: %s", addr, "; ".join(problems))
+            raise ValueError("; ".join(problems))
 
-    def _stage_restarted(self, node: Node) -> None:
+    def _stage_up(self, addr: PeerId, returned: bool) -> None:
+        if returned:
+            log.warning("pipeline stage %s at %s answers again; the cluster is healthy", self._nodes[addr].id, addr)
+
+    def _stage_restarted(self, addr: PeerId) -> None:
         """A restarted stage lost every sequence: fail their open steps, and any later step, at once."""
+        node = self._nodes[addr]
         with self._lock:
             self._lost |= self._prepared
             self._prepared = set()
-            steps = [ex for ex in self._open.values() if ex.step is not None]
         log.warning("pipeline stage %s restarted; its sequences are lost and their requests fail", node.id)
-        for ex in steps:
-            self._resolve(ex, error=ExecutorError(f"pipeline stage {node.id} restarted", "stage_unreachable"))
+        self._fail_steps(f"pipeline stage {node.id} restarted")
 
-    def _mark_down(self, addr: PeerId, why: str) -> None:
-        status = self._status[addr]
-        if not status.up:
-            return
-        status.up, status.last_down = False, time.monotonic()
+    def _stage_down(self, addr: PeerId, why: str) -> None:
+        node = self._nodes[addr]
         log.warning("pipeline stage %s at %s is unreachable (%s); failing its open exchanges, /health says degraded",
-                    status.node.id, addr, why)
-        with self._lock:
-            steps = [ex for ex in self._open.values() if ex.step is not None]
-        for ex in steps:
-            self._resolve(ex, error=ExecutorError(f"pipeline stage {status.node.id} at {addr} is unreachable", "stage_unreachable"))
+                    node.id, addr, why)
+        self._fail_steps(f"pipeline stage {node.id} at {addr} is unreachable")
+
+    def _fail_steps(self, message: str) -> None:
+        """Every step runs through every stage: one stage lost fails them all."""
+        for ex in self.exchanges.where(lambda e: isinstance(e.context, Step)):
+            self.exchanges.resolve(ex, error=ExecutorError(message, ErrorCode.UNREACHABLE))
+
+
+def result_is_for(h: dict[str, Any], rids: list[str], micro_batch: int) -> bool:
+    """Whether a RUN_RESULT names exactly these rows and this micro-batch (an integer, not ``true``)."""
+    return h.get("request_ids") == rids and is_int(h.get("micro_batch")) and h["micro_batch"] == micro_batch
+
+
+def result_tokens(h: dict[str, Any], rows: int, vocab_size: int) -> list[Sampled]:
+    """The sampled rows of a RUN_RESULT (token return); ValueError/TypeError if any field is off.
+
+    Booleans are not integers or numbers: ``"tokens": [true]`` is refused, not read as token 1.
+    """
+    tokens = h.get("tokens")
+    if not isinstance(tokens, list) or len(tokens) != rows or not all(is_int(t) and 0 <= t < vocab_size for t in tokens):
+        raise ValueError(f"tokens must be {rows} ids below {vocab_size}")
+    lps = h.get("logprobs")
+    lps = [None] * rows if lps is None else lps
+    tops = h.get("top_logprobs")
+    tops = [[] for _ in range(rows)] if tops is None else tops
+    if not isinstance(lps, list) or not isinstance(tops, list) or len(lps) != rows or len(tops) != rows:
+        raise ValueError("logprobs do not match the rows")
+    if not all(lp is None or is_number(lp) for lp in lps):
+        raise ValueError("logprobs must be numbers or null")
+    if not all(isinstance(top, list) and all(_is_pair(p, vocab_size) for p in top) for top in tops):
+        raise ValueError("top_logprobs must be lists of [token, logprob] pairs")
+    return [Sampled(t, float(lp) if lp is not None else None, tuple((int(a), float(b)) for a, b in top))
+            for t, lp, top in zip(tokens, lps, tops)]
+
+
+def _is_pair(pair: Any, vocab_size: int) -> bool:
+    return (isinstance(pair, list) and len(pair) == 2 and is_int(pair[0]) and 0 <= pair[0] < vocab_size
+            and is_number(pair[1]))
+
+
+def _stage_error(peer: PeerId, m: StageMessage) -> ExecutorError:
+    """A stage's ERROR as this node's failure: its complaint about our message is our internal error."""
+    code = ErrorCode.from_wire(m.header.get("code"))
+    text = str(m.header.get("message", ""))[:500]
+    return ExecutorError(f"stage {peer} ({code.wire_name}): {text}", code.as_local(), peer_code=code)
 
 
 def _layers(state: dict[str, Any]) -> str:

@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import enum
 import json
-import os
 import struct
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from mlxcel.cluster.exchanges import new_nonce  # noqa: F401 - the one nonce generator
 from mlxcel.config import MAX_ACTIVATION_TOKENS
+from mlxcel.error_codes import CodedError, ErrorCode
 
 ENVELOPE = struct.Struct(">BI")
 MAX_HEADER_LEN = 1 << 20
@@ -55,19 +56,7 @@ COMMANDS = frozenset({MsgType.PREPARE, MsgType.RUN_ENTRY, MsgType.CANCEL, MsgTyp
 REPLIES = frozenset({MsgType.ACK, MsgType.STATE, MsgType.ERROR})
 
 
-class ErrorCode(str, enum.Enum):
-    """The ``code`` of an ERROR message."""
-
-    UNAUTHORIZED = "unauthorized"  # sender is not the coordinator / not the request's owner / not upstream
-    UNKNOWN_REQUEST = "unknown_request"  # no such prepared sequence on this stage
-    BAD_REQUEST = "bad_request"  # malformed header, wrong fields, rows out of order
-    BAD_TENSOR = "bad_tensor"  # dtype, rank, shape or length outside the bounds
-    DRAINING = "draining"  # the stage accepts no new sequence
-    NO_DOWNSTREAM = "no_downstream"  # the next stage cannot be reached
-    INTERNAL = "internal"  # the forward pass failed
-
-
-class ProtocolError(Exception):
+class ProtocolError(CodedError):
     """A message that breaks the stage protocol; ``code`` says how.
 
     ``partial`` is the message without its tensors when the envelope and header decoded but a tensor
@@ -75,8 +64,7 @@ class ProtocolError(Exception):
     """
 
     def __init__(self, code: ErrorCode, message: str):
-        super().__init__(message)
-        self.code = code
+        super().__init__(message, code)
         self.partial: StageMessage | None = None
 
 
@@ -98,11 +86,6 @@ class StageMessage:
         """The header's request ids; empty unless they are a list of strings (bounds: ``check_ids``)."""
         rids = self.header.get("request_ids")
         return list(rids) if isinstance(rids, list) and all(isinstance(r, str) for r in rids) else []
-
-
-def new_nonce() -> str:
-    """A fresh, unpredictable 64-bit exchange nonce as 16 hex digits."""
-    return os.urandom(8).hex()
 
 
 def encode(mtype: MsgType, header: dict[str, Any], tensors: dict[str, tuple[str, np.ndarray]] | None = None) -> bytes:
@@ -173,11 +156,11 @@ def _spec(spec: Any) -> tuple[str, str, list[int]]:
     name, dtype, shape = spec.get("name"), spec.get("dtype"), spec.get("shape")
     if not isinstance(name, str):
         raise ProtocolError(ErrorCode.BAD_TENSOR, "a tensor descriptor needs a name")
-    if dtype not in _ITEMSIZE:
+    if not isinstance(dtype, str) or dtype not in _ITEMSIZE:
         raise ProtocolError(ErrorCode.BAD_TENSOR, f"tensor {name}: dtype {dtype!r} is not accepted "
                             f"(compressed or quantized activations are refused)")
     if (not isinstance(shape, list) or not 1 <= len(shape) <= 3
-            or not all(isinstance(d, int) and not isinstance(d, bool) and 0 < d <= MAX_ACTIVATION_TOKENS << 6
+            or not all(is_int(d) and 0 < d <= MAX_ACTIVATION_TOKENS << 6
                        for d in shape)):
         raise ProtocolError(ErrorCode.BAD_TENSOR, f"tensor {name}: shape must be 1 to 3 positive dimensions")
     return name, dtype, shape
@@ -207,13 +190,11 @@ def check_hidden(msg: StageMessage, *, max_rows: int, width: int) -> np.ndarray:
 
 def _check_rows(msg: StageMessage, rows: int, n: int, max_rows: int) -> None:
     mb = msg.header.get("micro_batch", 0)
-    if not isinstance(mb, int) or isinstance(mb, bool) or not 0 <= mb < MAX_MICRO_BATCHES:
+    if not is_int(mb) or not 0 <= mb < MAX_MICRO_BATCHES:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"micro_batch must be an integer from 0 to {MAX_MICRO_BATCHES - 1}")
     if not isinstance(msg.header.get("sample", True), bool):
         raise ProtocolError(ErrorCode.BAD_REQUEST, "sample must be true or false")
-    rids = msg.header.get("request_ids")
-    if not isinstance(rids, list) or not all(isinstance(r, str) and 0 < len(r) <= 128 for r in rids):
-        raise ProtocolError(ErrorCode.BAD_REQUEST, "request_ids must be a list of request id strings")
+    rids = check_request_ids(msg)
     if rows != len(rids):
         raise ProtocolError(ErrorCode.BAD_TENSOR, f"{rows} tensor rows for {len(rids)} request ids")
     if not 1 <= rows <= max_rows:
@@ -227,6 +208,51 @@ def _check_rows(msg: StageMessage, rows: int, n: int, max_rows: int) -> None:
         raise ProtocolError(ErrorCode.BAD_TENSOR, "a prefill step carries one row")
     if phase not in ("prefill", "decode"):
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"phase must be prefill or decode, got {phase!r}")
+
+
+# -- strict JSON types: booleans are neither integers nor numbers (docs/pipeline.md §3.2) -------------
+
+
+def is_int(value: Any) -> bool:
+    """A JSON integer (``true`` is not 1)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    """A finite JSON number (integer or float; ``true`` is not 1.0)."""
+    return (is_int(value) or isinstance(value, float)) and value == value and abs(value) != float("inf")
+
+
+def is_request_id(value: Any) -> bool:
+    return isinstance(value, str) and 0 < len(value) <= 128
+
+
+def check_request_ids(msg: StageMessage) -> list[str]:
+    """A step's ``request_ids``: 1 or more distinct strings of 1 to 128 characters (else bad_request)."""
+    rids = msg.header.get("request_ids")
+    if not isinstance(rids, list) or not rids or not all(is_request_id(r) for r in rids):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "request_ids must be a list of 1 or more request id strings "
+                                                   "of 1 to 128 characters")
+    if len(set(rids)) != len(rids):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "a request id appears twice in one step")
+    return rids
+
+
+#: STATE fields that are integers, and the minimum of each
+STATE_INTEGERS = {"stage": 0, "num_layers": 1, "hidden_size": 1, "vocab_size": 1, "sequences": 0, "steps": 0,
+                  "sent_frames": 0, "sent_bytes": 0}
+
+
+def check_state(header: dict[str, Any]) -> None:
+    """A STATE's typed fields (ValueError otherwise): integers are integers, layers two of them."""
+    for name, low in STATE_INTEGERS.items():
+        if name in header and not (is_int(header[name]) and header[name] >= low):
+            raise ValueError(f"STATE field {name} must be an integer >= {low}")
+    layers = header.get("layers")
+    if not (isinstance(layers, list) and len(layers) == 2 and all(is_int(v) and v >= 0 for v in layers)):
+        raise ValueError("STATE field layers must be [start, end], two integers")
+    if not isinstance(header.get("draining", False), bool):
+        raise ValueError("STATE field draining must be true or false")
 
 
 def wire_dtype(mx_dtype: Any) -> str:

@@ -47,6 +47,8 @@ from mlxcel.pipeline.protocol import (
     StageMessage,
     check_hidden,
     check_ids,
+    check_request_ids,
+    is_request_id,
     decode,
     encode,
 )
@@ -160,7 +162,7 @@ class StageService:
     def _cmd_prepare(self, peer: PeerId, m: StageMessage) -> None:
         rid = _rid(m.header.get("request_id"))
         if self.draining:
-            raise ProtocolError(ErrorCode.DRAINING, f"stage {self.node.id} is draining; it accepts no new sequence")
+            raise ProtocolError(ErrorCode.UNAVAILABLE, f"stage {self.node.id} is draining; it accepts no new sequence")
         try:
             params, top = params_from_wire(m.header.get("params"))
         except (SamplingError, TypeError, ValueError) as exc:
@@ -179,7 +181,7 @@ class StageService:
     def _cmd_run_entry(self, peer: PeerId, m: StageMessage) -> None:
         if not self.is_first:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"stage {self.node.id} is not the first stage")
-        self._check_owned(peer, m.request_ids)
+        self._check_owned(peer, check_request_ids(m))  # the ids' form (bad_request) before who owns them
         check_ids(m, max_rows=self.max_rows, vocab_size=self.model.vocab_size)
         self._work.put(("run", peer, m, "input_ids"))
 
@@ -235,7 +237,7 @@ class StageService:
             for rid in rids:
                 owner = self._owners.get(rid)
                 if owner is None:
-                    raise ProtocolError(ErrorCode.UNKNOWN_REQUEST, f"request {rid} was not prepared on stage {self.node.id}")
+                    raise ProtocolError(ErrorCode.NOT_FOUND, f"request {rid} was not prepared on stage {self.node.id}")
                 if owner != peer:
                     raise ProtocolError(ErrorCode.UNAUTHORIZED, f"request {rid} belongs to another identity")
 
@@ -269,7 +271,7 @@ class StageService:
                 else:
                     self._step(peer, m, arg)
             except RunnerError as exc:
-                self._reply_error(peer, m, ErrorCode(exc.code), str(exc))
+                self._reply_error(peer, m, exc.code, str(exc))
             except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, never the stage
                 log.exception("stage %s: %s failed", self.node.id, m.type.name)
                 self._reply_error(peer, m, ErrorCode.INTERNAL, f"stage {self.node.id}: {type(exc).__name__}: {exc}")
@@ -282,7 +284,7 @@ class StageService:
         phase, sample = h.get("phase"), bool(h.get("sample", True))
         with self._lock:
             if any(r not in self._owners for r in rids):
-                raise RunnerError("unknown_request", "a request of this step was released")
+                raise RunnerError(ErrorCode.NOT_FOUND, "a request of this step was released")
             logits = self._returns.get(rids[0]) == "logits"
         x = from_wire(m.dtypes[tensor], m.tensors[tensor])
         if self._delay:
@@ -319,7 +321,7 @@ class StageService:
 
         def failed(exc: BaseException) -> None:
             if peer != owner:  # the next stage is gone: tell the owner, so the request fails now
-                self._reply_error(owner, m, ErrorCode.NO_DOWNSTREAM, f"stage {self.node.id} cannot reach {peer}: {exc}")
+                self._reply_error(owner, m, ErrorCode.UNREACHABLE, f"stage {self.node.id} cannot reach {peer}: {exc}")
 
         kind = Kind.TENSOR_DATA if tensors else Kind.CONTROL
         self.outbox.send(peer, kind, payload, failed)
@@ -328,14 +330,14 @@ class StageService:
         self.outbox.send(peer, Kind.CONTROL, encode(mtype, header))
 
     def _reply_error(self, peer: PeerId, m: StageMessage, code: ErrorCode, message: str) -> None:
-        log.info("stage %s: %s %s from %s: %s", self.node.id, code.value, m.type.name, peer, message)
-        self._reply(peer, MsgType.ERROR, {"nonce": m.nonce, "code": code.value, "message": message,
+        log.info("stage %s: %s %s from %s: %s", self.node.id, code.wire_name, m.type.name, peer, message)
+        self._reply(peer, MsgType.ERROR, {"nonce": m.nonce, "code": int(code), "message": message,
                                           "request_ids": m.request_ids or ([m.header["request_id"]]
                                                                           if isinstance(m.header.get("request_id"), str) else [])})
 
 
 def _rid(value: Any) -> str:
-    if not isinstance(value, str) or not 0 < len(value) <= 128:
+    if not is_request_id(value):
         raise ProtocolError(ErrorCode.BAD_REQUEST, "request_id must be a string of 1 to 128 characters")
     return value
 

@@ -15,9 +15,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mlxcel.engine.interface import EngineFailure, EngineOverloaded, EngineUnavailable
+from mlxcel.engine.interface import EngineError, EngineOverloaded
 from mlxcel.engine.prompts import PromptError
 from mlxcel.engine.sampling import SamplingError
+from mlxcel.error_codes import RETRY_AFTER_S, ErrorClass
 from mlxcel.models.errors import ModelError
 from mlxcel.server.protocol import ErrorDetail, ErrorResponse
 
@@ -120,6 +121,26 @@ def _from_validation(exc: RequestValidationError) -> ErrorReply:
                   param, "invalid_type")
 
 
+#: OpenAI-style (type, code) of an engine error, by the class of its ErrorCode
+_ENGINE_TYPES = {
+    ErrorClass.UNAVAILABLE: ("service_unavailable", "service_unavailable"),
+    ErrorClass.BAD_INPUT: ("invalid_request_error", "invalid_value"),
+    ErrorClass.CANCELLED: ("client_closed_request", None),
+    ErrorClass.INTERNAL: ("server_error", "generation_failed"),
+}
+
+
+def _engine_reply(exc: EngineError) -> ErrorReply:
+    """An engine error by its code: 503 + Retry-After (unavailable), 400, 499 or 500."""
+    code = exc.code
+    if isinstance(exc, EngineOverloaded):  # the server's own queue is full
+        return _reply(503, str(exc), "server_overloaded", code="server_overloaded",
+                      headers={"Retry-After": str(exc.retry_after)})
+    type_, api_code = _ENGINE_TYPES[code.error_class]
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if code.retryable else {}
+    return _reply(code.http_status, str(exc), type_, code=api_code, headers=headers)
+
+
 def error_reply(exc: BaseException) -> ErrorReply:
     """The one mapping from an exception type to status, body and headers."""
     if isinstance(exc, APIError):
@@ -134,14 +155,8 @@ def error_reply(exc: BaseException) -> ErrorReply:
         return _reply(400, str(exc), "invalid_request_error", None, "invalid_prompt")
     if isinstance(exc, ModelError):
         return _reply(400, str(exc), "invalid_request_error", "model")
-    if isinstance(exc, EngineOverloaded):
-        return _reply(503, str(exc), "server_overloaded", code="server_overloaded",
-                      headers={"Retry-After": str(exc.retry_after)})
-    if isinstance(exc, EngineUnavailable):
-        return _reply(503, str(exc), "service_unavailable", code="service_unavailable",
-                      headers={"Retry-After": "1"})
-    if isinstance(exc, EngineFailure):
-        return _reply(500, str(exc), "server_error", code="generation_failed")
+    if isinstance(exc, EngineError):
+        return _engine_reply(exc)
     if isinstance(exc, StarletteHTTPException):
         type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
         return _reply(exc.status_code, str(exc.detail), type_, headers=dict(exc.headers or {}))
@@ -157,5 +172,5 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_reply(exc).response()
 
     for exc_type in (APIError, RequestValidationError, ClientDisconnected, SamplingError, PromptError, ModelError,
-                     EngineOverloaded, EngineUnavailable, EngineFailure, StarletteHTTPException, Exception):
+                     EngineError, StarletteHTTPException, Exception):
         app.add_exception_handler(exc_type, handle)

@@ -18,12 +18,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from mlxcel.engine.interface import (
     Engine,
-    EngineFailure,
     EngineRequest,
-    EngineUnavailable,
     EventStream,
     FinishEvent,
     TokenEvent,
+    finish_error,
 )
 from mlxcel.engine.prompts import PromptError, encode_chat, encode_raw
 from mlxcel.engine.sampling import SamplingParams
@@ -208,7 +207,7 @@ class OpenAIServing:
         self.metrics.completion_tokens.inc(event.completion_tokens)
         self.metrics.e2e.observe(seconds)
         if event.error:
-            raise (EngineUnavailable if event.unavailable else EngineFailure)(event.error)
+            raise finish_error(event)
 
     async def _collect(self, stream: EventStream, raw: Request) -> Outcome:
         """Gather a whole answer, cancelling generation if the client disconnects meanwhile."""

@@ -29,6 +29,7 @@ from mlxcel.cluster.identity import PeerId
 from mlxcel.cluster.wire import Kind
 from mlxcel.engine.executor import ExecutorError, LocalExecutor, Step, slice_runner
 from mlxcel.engine.sampling import SamplingParams
+from mlxcel.error_codes import ErrorCode
 from mlxcel.pipeline.cluster_config import ClusterConfig
 from mlxcel.pipeline.coordinator import PipelineExecutor
 from mlxcel.pipeline.params import params_to_wire
@@ -95,7 +96,13 @@ def raw_message(mtype: MsgType, header: dict, specs: list, data: bytes) -> bytes
 
 
 def codes(received: list[tuple[PeerId, StageMessage]]) -> list[str]:
-    return [m.header.get("code") for _, m in received if m.type is MsgType.ERROR]
+    """The ERROR codes received, by name (the wire carries the integer value)."""
+    return [code_name(m.header.get("code")) for _, m in received if m.type is MsgType.ERROR]
+
+
+def code_name(value: object) -> str:
+    assert type(value) is int, f"an ERROR code is a JSON integer, got {value!r}"
+    return ErrorCode(value).wire_name
 
 
 # -- fixtures --------------------------------------------------------------------------------------
@@ -273,7 +280,7 @@ def test_commands_only_from_the_coordinator(strict, expected, mtype, where):
         for nonce, i in sent.items() if rogue is not None else ():
             sender, m = rogue.wait_for(lambda p, m, n=nonce: m.nonce == n)
             assert sender == strict.addr(i) and m.type is MsgType.ERROR, (sender, m)
-            assert m.header["code"] == "unauthorized" and "only from the coordinator" in m.header["message"]
+            assert code_name(m.header["code"]) == "unauthorized" and "only from the coordinator" in m.header["message"]
         finish_victim(strict, victim, expected)  # queued behind anything the commands would have queued
         assert [s.steps for s in strict.stages] == [n + N - 2 for n in steps]
         assert all(fresh not in s.runner for s in strict.stages)
@@ -353,7 +360,7 @@ def test_a_step_for_a_request_nobody_prepared_is_refused(strict, rogue):
     ids = {"input_ids": ("int32", np.array([PROMPT], dtype=np.int32))}
     strict.coordinator.transport.send(strict.addr(0), Kind.TENSOR_DATA, encode(MsgType.RUN_ENTRY, entry, ids))
     assert wait_until(lambda: strict.tap.about(nonce))
-    assert codes(strict.tap.about(nonce)) == ["unknown_request"]
+    assert codes(strict.tap.about(nonce)) == ["not_found"]
     assert all(r not in s.runner for s in strict.stages)
 
 
@@ -372,7 +379,7 @@ def test_the_coordinator_may_drain_and_shut_a_stage_down(model, facts):
         assert ask(MsgType.PREPARE, {"request_id": "before", "params": GREEDY}).type is MsgType.ACK
         assert ask(MsgType.BEGIN_DRAIN, {}).type is MsgType.ACK and stage.draining
         refused = ask(MsgType.PREPARE, {"request_id": "after", "params": GREEDY})
-        assert refused.type is MsgType.ERROR and refused.header["code"] == "draining"
+        assert refused.type is MsgType.ERROR and code_name(refused.header["code"]) == "unavailable"
         assert ask(MsgType.SHUTDOWN, {}).type is MsgType.ACK
         assert wait_until(lambda: shutdowns == [1])
     finally:
@@ -413,6 +420,12 @@ ENTRY_BOUNDS: dict[str, tuple[dict, Any, int, str]] = {
     "unknown phase": ({"phase": "sideways"}, _ids(np.array([[7]], dtype=I32)), 1, "bad_request"),
     "request_ids not a list": ({"request_ids": 5}, _ids(np.array([[7]], dtype=I32)), 1, "bad_request"),
     "request_ids of objects": ({"request_ids": [{"id": 1}]}, _ids(np.array([[7]], dtype=I32)), 1, "bad_request"),
+    # the ids' form is checked before who owns them (docs/pipeline.md §4.5): bad_request, not not_found
+    "an empty request id": ({"request_ids": [""]}, _ids(np.array([[7]], dtype=I32)), 1, "bad_request"),
+    "a 129-character request id": ({"request_ids": ["r" * 129]}, _ids(np.array([[7]], dtype=I32)), 1, "bad_request"),
+    "no request ids": ({"request_ids": []}, _ids(np.array([[7]], dtype=I32)), 1, "bad_request"),
+    "micro_batch true": ({"micro_batch": True}, _ids(np.array([[7]], dtype=I32)), 1, "bad_request"),
+    "sample 1": ({"sample": 1}, _ids(np.array([[7]], dtype=I32)), 1, "bad_request"),
 }
 
 
@@ -433,7 +446,7 @@ def test_run_entry_tensor_bounds(strict, expected, rogue, case):
     strict.coordinator.transport.send(strict.addr(0), Kind.TENSOR_DATA, payload)
     assert wait_until(lambda: strict.tap.about(nonce)), "no answer to a RUN_ENTRY outside the bounds"
     (sender, m), = strict.tap.about(nonce)
-    assert sender == strict.addr(0) and m.type is MsgType.ERROR and m.header["code"] == code, m.header
+    assert sender == strict.addr(0) and m.type is MsgType.ERROR and code_name(m.header["code"]) == code, m.header
     for o in others:
         o.release()
     finish_victim(strict, victim, expected)
@@ -454,7 +467,7 @@ def test_a_refused_step_fails_the_request_at_once(strict, expected, case):
     run = GreedyRun(strict.coordinator, rid("refused"), PROMPT)
     outcome = Pending(strict.coordinator, STEP_BOUNDS[case](run.rid))
     error = outcome.result()
-    assert isinstance(error, ExecutorError) and error.code == "bad_tensor", error
+    assert isinstance(error, ExecutorError) and error.peer_code is ErrorCode.BAD_TENSOR and error.code is ErrorCode.INTERNAL, error
     assert outcome.elapsed < AT_ONCE_S, outcome.elapsed
     assert run.run(N) == expected  # the refused step changed nothing
     run.release()
@@ -477,7 +490,7 @@ def test_wildcard_port_passes_the_coordinator_check(wildcard, rogue):
     _, state = m.wait_for(lambda p, msg: msg.nonce == nonce)
     assert state.type is MsgType.STATE and state.header["node_id"] == "stage-0"
     _, refused = rogue.wait_for(lambda p, msg: msg.nonce == nonce)
-    assert refused.type is MsgType.ERROR and refused.header["code"] == "unauthorized"
+    assert refused.type is MsgType.ERROR and code_name(refused.header["code"]) == "unauthorized"
 
 
 @pytest.mark.parametrize("mtype", [MsgType.PREPARE, MsgType.RUN_ENTRY, MsgType.CANCEL, MsgType.RELEASE],
@@ -491,7 +504,7 @@ def test_wildcard_rogue_cannot_touch_a_sequence_another_identity_prepared(wildca
         m.send(wildcard.addr(i), mtype, {**header, "nonce": f"{victim.rid}-{i}"}, tensors)
     for i in targets:
         _, reply = m.wait_for(lambda p, msg, i=i: msg.nonce == f"{victim.rid}-{i}")
-        assert reply.type is MsgType.ERROR and reply.header["code"] == "unauthorized", reply.header
+        assert reply.type is MsgType.ERROR and code_name(reply.header["code"]) == "unauthorized", reply.header
         assert "belongs to another identity" in reply.header["message"]
     assert [s.steps for s in wildcard.stages] == steps
     finish_victim(wildcard, victim, expected)
@@ -525,7 +538,7 @@ def test_wildcard_a_request_the_rogue_prepared_belongs_to_the_rogue(wildcard, ex
             header = {"request_id": r, "params": GREEDY} if mtype is MsgType.PREPARE else {"request_id": r}
             with pytest.raises(ExecutorError) as refused:
                 alice.command(wildcard.addr(i), mtype, header, timeout=3)
-            assert refused.value.code == "unauthorized", refused.value
+            assert refused.value.peer_code is ErrorCode.UNAUTHORIZED, refused.value
     entry = {"nonce": "alice-run", "phase": "decode", "micro_batch": 0, "request_ids": [r], "sample": True}
     alice.transport.send(wildcard.addr(0), Kind.TENSOR_DATA,
                          encode(MsgType.RUN_ENTRY, entry, {"input_ids": ("int32", np.array([[7]], dtype=np.int32))}))
@@ -635,7 +648,7 @@ FORGED_RESULTS: dict[str, tuple[str, MsgType, dict]] = {
     "RUN_RESULT with a negative token": ("stage-1", MsgType.RUN_RESULT, {"tokens": [-1]}),
     "RUN_RESULT with a string token": ("stage-1", MsgType.RUN_RESULT, {"tokens": ["7"]}),
     "RUN_RESULT with logprobs of the wrong length": ("stage-1", MsgType.RUN_RESULT, {"logprobs": [0.0, 0.0]}),
-    "ERROR for the step from a non-member": ("rogue", MsgType.ERROR, {"code": "internal", "message": "x"}),
+    "ERROR for the step from a non-member": ("rogue", MsgType.ERROR, {"code": 1, "message": "x"}),
     "ACK for the step from the last stage": ("stage-1", MsgType.ACK, {}),
     "STATE for the step from the last stage": ("stage-1", MsgType.STATE, {}),
 }
@@ -693,7 +706,7 @@ def test_coordinator_accepts_a_reply_only_from_the_addressed_stage(scripted, rog
         scripted.coordinator.command(scripted.addr(0), MsgType.CANCEL, {"request_id": r}, timeout=5)))
     waiter.start()
     _, cmd = first.wait_for(lambda _p, m: m.type is MsgType.CANCEL and m.header.get("request_id") == r)
-    header = {"nonce": cmd.nonce, "code": "unauthorized", "message": "forged"} if mtype is MsgType.ERROR \
+    header = {"nonce": cmd.nonce, "code": 3, "message": "forged"} if mtype is MsgType.ERROR \
         else {"nonce": cmd.nonce}
     _sender(scripted, who, rogue)(mtype, header)
     assert wait_until(lambda: scripted.tap.about(cmd.nonce))
@@ -743,7 +756,7 @@ def test_activation_bounds_fail_the_request_at_once(scripted, expected, case):
         payload = encode(MsgType.ACTIVATION, header, tensors)
     scripted.stages[0].send_raw(scripted.addr(1), payload)
     error = ex.pending.result(timeout=SCRIPTED_EXCHANGE_S + 2)
-    assert isinstance(error, ExecutorError) and error.code == code, error
+    assert isinstance(error, ExecutorError) and error.peer_code is not None and error.peer_code.wire_name == code, error
     assert ex.pending.elapsed < AT_ONCE_S, ex.pending.elapsed
     (sender, m), = scripted.tap.about(ex.nonce)
     assert sender == scripted.addr(1) and m.type is MsgType.ERROR
@@ -785,12 +798,12 @@ def test_every_exchange_has_an_absolute_deadline(scripted):
     seq = Scripted(scripted, rid("silent"))
     ex = seq.prefill()  # the scripted first stage never forwards it
     error = ex.pending.result(timeout=SCRIPTED_EXCHANGE_S + 3)
-    assert isinstance(error, ExecutorError) and error.code == "timeout", error
+    assert isinstance(error, ExecutorError) and error.code is ErrorCode.TIMEOUT, error
     assert SCRIPTED_EXCHANGE_S - 0.1 <= ex.pending.elapsed < SCRIPTED_EXCHANGE_S + 1.0, ex.pending.elapsed
     start = time.monotonic()
     with pytest.raises(ExecutorError) as waited:
         scripted.coordinator.command(scripted.addr(0), MsgType.BEGIN_DRAIN, {}, timeout=0.5)
-    assert waited.value.code == "timeout" and time.monotonic() - start < 1.5
+    assert waited.value.code is ErrorCode.TIMEOUT and time.monotonic() - start < 1.5
     seq.release()
 
 
