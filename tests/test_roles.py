@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -63,3 +65,14 @@ def test_first_matching_entry_wins(cluster):
     assert select_role(args, as_router, (router, *ROLES)) is router
     assert select_role(args, dist, (router, *ROLES)).name == "coordinator"
     assert select_role(args, None, (router, *ROLES)).name == "single"
+
+
+def test_a_role_module_is_imported_only_when_selected():
+    """The table names modules; a stage process never loads the OpenAI app, nor the other roles."""
+    code = ("import sys, importlib, mlxcel.server.launch, mlxcel.roles as r\n"
+            "print(sorted(x.module for x in r.ROLES if x.module in sys.modules))\n"
+            "importlib.import_module(next(x.module for x in r.ROLES if x.name == 'stage'))\n"
+            "print(sorted(m for m in ('mlxcel.server.app', 'mlxcel.server.serve', *(x.module for x in r.ROLES))"
+            " if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.splitlines() == ["[]", "['mlxcel.pipeline.stage_server']"]

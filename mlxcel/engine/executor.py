@@ -2,8 +2,8 @@
 
 The scheduler (``mlxcel.engine.scheduler``) decides *what* runs: which request is admitted, which
 prompt chunk is prefilled, which rows form a decode micro-batch, when a request ends. An executor
-decides *where*: ``LocalExecutor`` runs the model (or an in-process chain of slices) on this
-host; ``mlxcel.pipeline.coordinator.PipelineExecutor`` drives remote pipeline stages. Up to
+decides *where*: ``LocalExecutor`` runs the whole model on this host;
+``mlxcel.pipeline.coordinator.PipelineExecutor`` drives remote pipeline stages. Up to
 ``depth`` steps may be in flight at once (micro-batching: with two stages, one micro-batch is on
 stage 1 while the next is on stage 0). Every submitted step completes exactly once through its
 ``done`` callback, with a list of ``Sampled`` (one per row), ``None`` (an intermediate prompt
@@ -83,15 +83,15 @@ class Executor(Protocol):
 
 
 class LocalExecutor:
-    """Runs steps synchronously on this host: the whole model, or an in-process chain of slices."""
+    """Runs steps synchronously on this host, on the whole model (in-process stages are
+    ``mlxcel.pipeline.inprocess.InProcessPipeline``, for ``mlxcel generate --pp-size``)."""
 
     depth = 1
 
-    def __init__(self, model: Any, *, max_batch_size: int, prefix_cache_bytes: int = 0,
-                 stages: Sequence[tuple[int, int]] | None = None):
+    def __init__(self, model: Any, *, max_batch_size: int, prefix_cache_bytes: int = 0):
         self.micro_batch_size = max_batch_size
-        self.runners = build_runners(model, stages, max_rows=max_batch_size)
-        self.prefix = PrefixCache(prefix_cache_bytes if len(self.runners) == 1 else 0)
+        self.runners = [whole_model_runner(model, max_rows=max_batch_size)]
+        self.prefix = PrefixCache(prefix_cache_bytes)
 
     def prepare(self, rid: str, params: SamplingParams, top_logprobs: int, prompt: Sequence[int]) -> int:
         cache, n = self.prefix.lookup(prompt)
@@ -152,9 +152,3 @@ def slice_runner(model: Any, start: int, end: int, *, max_rows: int) -> SliceRun
     piece = ModelSlice(model, start, end)
     return SliceRunner(lambda x, c: piece(x, c), piece.make_cache, is_first=piece.is_first,
                        is_last=piece.is_last, max_rows=max_rows)
-
-
-def build_runners(model: Any, stages: Sequence[tuple[int, int]] | None, *, max_rows: int) -> list[SliceRunner]:
-    if not stages or len(stages) == 1:
-        return [whole_model_runner(model, max_rows=max_rows)]
-    return [slice_runner(model, a, b, max_rows=max_rows) for a, b in stages]

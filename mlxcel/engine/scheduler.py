@@ -26,7 +26,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from mlxcel.config import (
     DEFAULT_MAX_QUEUE,
@@ -483,12 +483,11 @@ class _Sink:
 def local_scheduler(model: Any, tokenizer: Any, *, context_length: int, parallel: int = DEFAULT_PARALLEL,
                     max_batch_size: int | None = None, max_queue: int = DEFAULT_MAX_QUEUE,
                     prefill_step: int = PREFILL_STEP, warmup: bool = True,
-                    prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_MB << 20,
-                    stages: Sequence[tuple[int, int]] | None = None) -> Scheduler:
-    """A scheduler over a ``LocalExecutor`` (whole model, or in-process stages)."""
+                    prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_MB << 20) -> Scheduler:
+    """A scheduler over a ``LocalExecutor`` (the whole model in this process)."""
     from mlxcel.engine.executor import LocalExecutor
 
     executor = LocalExecutor(model, max_batch_size=max_batch_size or parallel,
-                             prefix_cache_bytes=prefix_cache_bytes, stages=stages)
+                             prefix_cache_bytes=prefix_cache_bytes)
     return Scheduler(executor, tokenizer, context_length=context_length, parallel=parallel,
                      max_queue=max_queue, prefill_step=prefill_step, warmup=warmup)
