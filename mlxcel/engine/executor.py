@@ -100,6 +100,17 @@ class LocalExecutor:
             runner.prepare(rid, row, cache=cache if i == 0 else None, length=n)
         return n
 
+    def adopt(self, rid: str, params: SamplingParams, top_logprobs: int, cache: list, length: int) -> None:
+        """Install a KV cache filled elsewhere (a prefill node's ``take_cache``) holding ``length`` tokens."""
+        runner = self.runners[0]
+        layers = len(runner._make_cache())  # noqa: SLF001 - the layer count a cache must have
+        if not isinstance(cache, list) or len(cache) != layers:
+            raise ValueError(f"the cache of {rid} must be a list of {layers} layer caches")
+        offset = getattr(cache[0], "offset", length)
+        if offset != length:
+            raise ValueError(f"the cache of {rid} holds {offset} tokens, its prompt has {length}")
+        runner.prepare(rid, RowSampler(params, top_logprobs), cache=cache, length=length)
+
     def submit(self, step: Step, done: Done) -> None:
         try:
             outcome: StepOutcome = self.run(step)

@@ -11,6 +11,9 @@ Decode rows live in ``depth`` micro-batch groups of at most ``micro_batch_size``
 either idle or has one step in flight; whenever fewer than ``depth`` steps are in flight the
 scheduler submits the next one, alternating prefill chunks and decode steps so neither starves.
 A prefilled sequence sends its first token at once and joins the next idle group with room.
+``submit_prefilled`` admits a sequence whose prompt was prefilled elsewhere (a disaggregated prefill
+node): once it has a slot, the executor's ``adopt`` installs its KV cache and it goes on exactly as
+if it had just been prefilled here.
 With the local executor (``depth`` 1) this is one batch decoding every running sequence per step;
 with a two-stage pipeline two micro-batches keep both stages busy.
 
@@ -26,7 +29,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, cast
 
 from mlxcel.config import (
     DEFAULT_MAX_QUEUE,
@@ -53,6 +56,21 @@ log = logging.getLogger("mlxcel.engine")
 IDLE_WAIT_S = 0.5
 
 
+class Adopter(Protocol):
+    """The optional executor hook behind ``Scheduler.submit_prefilled``."""
+
+    def adopt(self, rid: str, params: SamplingParams, top_logprobs: int, cache: Any, length: int) -> None:
+        """Install ``cache``, filled elsewhere with ``length`` prompt tokens, as a new sequence's KV cache."""
+
+
+@dataclass(frozen=True)
+class _Handoff:
+    """What a prefill node produced: the KV cache of the whole prompt and the token sampled after it."""
+
+    first: Sampled
+    cache: Any
+
+
 @dataclass(eq=False)
 class _Sequence:
     request: EngineRequest
@@ -63,6 +81,7 @@ class _Sequence:
     group: int | None = None  # decode micro-batch, once joined
     busy: bool = False  # a prefill step of it is in flight
     admitted: bool = False
+    handoff: _Handoff | None = None  # prefilled elsewhere: adopted on admission instead of prefilled
 
     @property
     def rid(self) -> str:
@@ -79,6 +98,7 @@ class EngineCounters:
     max_rows: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
+    adopted: int = 0  # sequences admitted with a KV cache filled elsewhere (submit_prefilled)
     running: int = 0  # sequences admitted (prefilling or decoding)
     decoding: int = 0  # rows of the last decode step
     waiting: int = 0  # queued, not yet admitted
@@ -136,6 +156,24 @@ class Scheduler:
         return self._ready.wait(timeout)
 
     def submit(self, request: EngineRequest) -> EventStream:
+        return self._enqueue(request, None)
+
+    def submit_prefilled(self, request: EngineRequest, first: Sampled, cache: Any) -> EventStream:
+        """Admit a sequence whose prompt was prefilled elsewhere (the decode side of a disaggregated pair).
+
+        ``cache`` holds the KV of every ``request.prompt`` token (in the executor's format: mlx-lm
+        per-layer caches for ``LocalExecutor``) and ``first`` the token sampled after them. It waits for
+        a slot like any request (``EngineOverloaded`` past the queue); once admitted, the executor's
+        ``adopt`` installs the cache, ``first`` is emitted (EOS, stop strings and ``max_tokens`` apply
+        to it) and the sequence joins a decode group. Call from the event loop.
+        """
+        if not callable(getattr(self.executor, "adopt", None)):
+            raise TypeError(f"{type(self.executor).__name__} has no adopt method: it cannot take prefilled sequences")
+        if not request.prompt:
+            raise ValueError("a prefilled sequence needs the prompt its cache was filled with")
+        return self._enqueue(request, _Handoff(first, cache))
+
+    def _enqueue(self, request: EngineRequest, handoff: _Handoff | None) -> EventStream:
         with self._lock:
             if self._closed:
                 raise EngineUnavailable("the engine is shutting down")
@@ -144,7 +182,7 @@ class Scheduler:
                     f"server is at capacity ({self.parallel} running, {self.max_queue} queued); retry later")
             self._inflight_requests += 1
         stream = EventStream(request, self._cancel)
-        self._inbox.put(("add", stream))
+        self._inbox.put(("add", (stream, handoff)))
         return stream
 
     def stats(self) -> dict[str, float]:
@@ -201,7 +239,7 @@ class Scheduler:
             if kind == "stop":
                 return False
             if kind == "add":
-                self._add(arg)
+                self._add(*arg)
             elif kind == "cancel":
                 self._remove(arg)
             elif kind == "done":
@@ -245,12 +283,12 @@ class Scheduler:
 
     # -- admission -------------------------------------------------------------------------------
 
-    def _add(self, stream: Any) -> None:
+    def _add(self, stream: Any, handoff: _Handoff | None = None) -> None:
         req = stream.request
         if getattr(stream, "cancelled", False):
             self._release_slot()
             return
-        seq = _Sequence(req, stream, SequenceText(self._tokenizer, req.params.stop))
+        seq = _Sequence(req, stream, SequenceText(self._tokenizer, req.params.stop), handoff=handoff)
         self._seqs[req.request_id] = seq
         self._waiting.append(seq)
         self.counters.waiting = len(self._waiting)
@@ -261,16 +299,36 @@ class Scheduler:
             seq = self._waiting.popleft()
             req = seq.request
             try:
-                cached = self.executor.prepare(seq.rid, req.params, req.top_logprobs, req.prompt)
+                cached = self._prepare(seq)
             except Exception as exc:
                 log.warning("cannot start request %s: %s", seq.rid, exc)
                 self._finish(seq, "error", error=str(exc), code=code_of(exc))
                 continue
             seq.admitted = True
+            if seq.handoff is not None:
+                self._adopted(seq)
+                continue
             seq.todo = list(req.prompt[cached:])
             self._prefilling.append(seq)
             self.counters.prompt_tokens += len(req.prompt)
         self._gauges()
+
+    def _prepare(self, seq: _Sequence) -> int:
+        """Make room on the executor; returns how many prompt tokens are already in the cache."""
+        req = seq.request
+        if seq.handoff is None:
+            return self.executor.prepare(seq.rid, req.params, req.top_logprobs, req.prompt)
+        adopter = cast(Adopter, self.executor)
+        adopter.adopt(seq.rid, req.params, req.top_logprobs, seq.handoff.cache, len(req.prompt))
+        return len(req.prompt)
+
+    def _adopted(self, seq: _Sequence) -> None:
+        """A prefilled-elsewhere sequence has its cache installed: send its first token, then decode."""
+        assert seq.handoff is not None
+        first, seq.handoff = seq.handoff.first, None  # the cache belongs to the executor now
+        self.counters.adopted += 1
+        if self._on_token(seq, first):
+            self._joining.append(seq)
 
     def _admitted(self) -> int:
         return len(self._seqs) - len(self._waiting)
@@ -438,8 +496,8 @@ class Scheduler:
                 self._deferred.append((seq.rid, tokens, seq.group if not seq.busy else None))
             else:
                 self._release(seq.rid, tokens)
-        self._gauges()
         self._release_slot()
+        self._gauges()  # after the slot is free: whoever sees the gauges drop may submit at once
 
     def _release(self, rid: str, tokens: list[int] | None) -> None:
         try:

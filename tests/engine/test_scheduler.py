@@ -1,0 +1,559 @@
+"""The scheduler on its own: a scripted fake executor, a fake tokenizer, no model.
+
+Admission and the queue bound, the prefill budget, micro-batch groups, cancellation, emission
+(text, EOS, max_tokens, logprobs, stop strings), failures and how they reach HTTP, and the
+admission of a sequence prefilled elsewhere (``submit_prefilled``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import pytest
+
+from mlxcel.engine.executor import ExecutorError
+from mlxcel.engine.interface import (
+    EngineOverloaded,
+    EngineRequest,
+    EngineUnavailable,
+    FinishEvent,
+    TokenEvent,
+    finish_error,
+)
+from mlxcel.engine.runner import Sampled
+from mlxcel.engine.sampling import SamplingParams
+from mlxcel.engine.scheduler import Scheduler
+from mlxcel.error_codes import ErrorCode
+from mlxcel.server.errors import error_reply
+from tests.engine.fakes import (
+    EOS,
+    FakeExecutor,
+    FakeTokenizer,
+    collect,
+    events_now,
+    logprob_of,
+    next_event,
+    run_async,
+    settle,
+    until,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def request(rid: str, prompt: tuple[int, ...] = (1, 2, 3), *, top_logprobs: int = 0, ignore_eos: bool = False,
+            **params) -> EngineRequest:
+    params.setdefault("max_tokens", 8)
+    return EngineRequest(prompt, SamplingParams(**params), top_logprobs=top_logprobs, ignore_eos=ignore_eos,
+                         request_id=rid)
+
+
+@contextlib.contextmanager
+def scheduler(executor: FakeExecutor, tokenizer: FakeTokenizer | None = None, **kw) -> Iterator[Scheduler]:
+    sched = Scheduler(executor, tokenizer or FakeTokenizer(), context_length=1024, warmup=False, **kw).start()
+    try:
+        yield sched
+    finally:
+        sched.close(timeout=5)
+    assert not executor.violations, executor.violations
+
+
+def texts(events: list[TokenEvent]) -> list[str]:
+    return [e.text for e in events]
+
+
+# -- admission --------------------------------------------------------------------------------------
+
+
+@run_async
+async def test_parallel_slots_are_filled_in_order_and_the_rest_waits():
+    ex = FakeExecutor()
+    with scheduler(ex, parallel=2, max_queue=4) as sched:
+        a, b, c = (sched.submit(request(r, max_tokens=1)) for r in "abc")
+        await until(lambda: sched.counters.waiting == 1 and len(ex.prepared) == 2, "two admitted, one waiting")
+        assert list(ex.prepared) == ["a", "b"] and sched.counters.running == 2
+        ex.complete()  # a's prompt: its only token, max_tokens 1
+        tokens, finish = await collect(a)
+        assert (len(tokens), finish.finish_reason) == (1, "length")
+        await until(lambda: "c" in ex.prepared, "c admitted once a finished")
+        for stream in (b, c):
+            await ex.next_step()
+            ex.complete()
+            assert (await collect(stream))[1].finish_reason == "length"
+
+
+@run_async
+async def test_the_queue_bound_refuses_with_overloaded_until_a_slot_frees():
+    ex = FakeExecutor()
+    with scheduler(ex, parallel=1, max_queue=1) as sched:
+        a = sched.submit(request("a", max_tokens=1))
+        sched.submit(request("b", max_tokens=1))
+        with pytest.raises(EngineOverloaded, match="at capacity"):
+            sched.submit(request("c"))
+        await ex.next_step()
+        ex.complete()
+        await collect(a)
+        await until(lambda: "b" in ex.prepared, "b admitted")
+        sched.submit(request("c"))  # a's slot is free again
+
+
+@run_async
+async def test_a_request_cancelled_while_waiting_never_reaches_the_executor():
+    ex = FakeExecutor()
+    with scheduler(ex, parallel=1, max_queue=1) as sched:
+        a = sched.submit(request("a", max_tokens=1))
+        b = sched.submit(request("b", max_tokens=1))
+        await until(lambda: sched.counters.waiting == 1, "b waiting")
+        b.cancel()
+        await until(lambda: sched.counters.waiting == 0, "b dropped")
+        sched.submit(request("c", max_tokens=1))  # b's place in the queue is free
+        await ex.next_step()
+        ex.complete()
+        await collect(a)
+        await until(lambda: "c" in ex.prepared, "c admitted")
+        await settle()
+        assert "b" not in ex.prepared and "b" not in ex.released_ids()
+        assert await events_now(b) == []
+
+
+# -- the prefill budget -------------------------------------------------------------------------------
+
+
+@run_async
+async def test_prompts_go_in_chunks_of_prefill_step_one_sequence_at_a_time():
+    ex = FakeExecutor(depth=2)  # room for two steps, yet prompt chunks of two sequences never overlap
+    with scheduler(ex, parallel=2, prefill_step=4) as sched:
+        a = sched.submit(request("a", tuple(range(10, 20)), max_tokens=1))
+        b = sched.submit(request("b", tuple(range(30, 35)), max_tokens=1))
+        for _ in range(5):
+            await ex.next_step()
+            await settle()
+            assert len(ex.pending) == 1  # nothing else to run while a chunk is in flight
+            ex.complete()
+        await collect(a)
+        await collect(b)
+    chunks = [(s.rids[0], s.tokens[0], s.sample) for s in ex.steps]
+    assert chunks == [
+        ("a", [10, 11, 12, 13], False), ("a", [14, 15, 16, 17], False), ("a", [18, 19], True),
+        ("b", [30, 31, 32, 33], False), ("b", [34], True),
+    ]
+    assert sched.counters.prompt_tokens == 15
+
+
+@run_async
+async def test_a_cached_prefix_is_not_prefilled_again():
+    ex = FakeExecutor(cached=6)
+    with scheduler(ex, prefill_step=4) as sched:
+        stream = sched.submit(request("a", tuple(range(10, 20)), max_tokens=1))
+        await ex.next_step()
+        ex.complete()
+        await collect(stream)
+    assert [s.tokens[0] for s in ex.steps] == [[16, 17, 18, 19]]
+
+
+# -- micro-batch groups and alternation ---------------------------------------------------------------
+
+
+@run_async
+async def test_two_micro_batches_of_at_most_micro_batch_size_rows():
+    script = {r: [10 * (i + 1) + k for k in range(6)] for i, r in enumerate("abcd")}
+    ex = FakeExecutor(depth=2, micro_batch_size=2, script=script)
+    with scheduler(ex, parallel=4) as sched:
+        streams = [sched.submit(request(r, (1, 2), max_tokens=6)) for r in "abcd"]
+        await until(lambda: len(ex.prepared) == 4, "all admitted")
+        await ex.drive(lambda: len(ex.released) == 4)
+        for rid, stream in zip("abcd", streams):
+            tokens, finish = await collect(stream)
+            assert [t.token for t in tokens] == script[rid] and finish.finish_reason == "length"
+    decodes = [s for s in ex.steps if s.kind == "decode"]
+    assert max(s.rows for s in decodes) == 2 and {s.slot for s in decodes} == {0, 1}
+    groups = {rid: {s.slot for s in decodes if rid in s.rids} for rid in "abcd"}
+    assert all(len(slots) == 1 for slots in groups.values()), groups  # a row never changes group
+    assert ex.max_inflight == 2 and sched.counters.overlapped_steps > 0
+    assert sched.counters.max_rows == 2 and sched.counters.decode_steps == len(decodes)
+
+
+@run_async
+async def test_prompt_chunks_and_decode_steps_alternate():
+    ex = FakeExecutor()
+    with scheduler(ex, parallel=2, prefill_step=2) as sched:
+        sched.submit(request("a", (1, 2), max_tokens=20))
+        await ex.next_step()
+        ex.complete()  # a decodes from now on
+        first_decode = await until_step(ex, "decode")
+        sched.submit(request("b", (5, 6, 7, 8, 9, 10), max_tokens=20))
+        await until(lambda: "b" in ex.prepared, "b admitted")
+        ex.complete(first_decode)
+        for _ in range(6):
+            await ex.next_step()
+            ex.complete()
+    kinds = [(s.kind, s.rids) for s in ex.steps[2:8]]
+    assert kinds == [("prefill", ["b"]), ("decode", ["a"]), ("prefill", ["b"]), ("decode", ["a"]),
+                     ("prefill", ["b"]), ("decode", ["a", "b"])]
+
+
+async def until_step(ex: FakeExecutor, kind: str):
+    step = await ex.next_step()
+    assert step.kind == kind, step
+    return step
+
+
+# -- cancellation ----------------------------------------------------------------------------------
+
+
+@run_async
+async def test_cancelling_a_decoding_sequence_releases_it_once_after_its_step_returns():
+    ex = FakeExecutor()
+    with scheduler(ex, parallel=2) as sched:
+        a = sched.submit(request("a", max_tokens=50))
+        b = sched.submit(request("b", max_tokens=50))
+        while not any(s.kind == "decode" and s.rows == 2 for s in ex.steps):
+            await ex.next_step()
+            ex.complete()
+        step = await ex.next_step()
+        assert step.rids == ["a", "b"]
+        await events_now(a)
+        a.cancel()
+        await settle()
+        assert "a" not in ex.released_ids()  # its row is still in the step in flight
+        ex.complete(step)
+        await until(lambda: "a" in ex.released_ids(), "a released")
+        assert ex.released == [("a", None)]  # cancelled: its KV is not offered to the prefix cache
+        assert (await ex.next_step()).rids == ["b"]
+        assert await events_now(a) == []  # the token of the returned step is not sent
+        b.cancel()
+    assert ex.released_ids().count("a") == 1
+
+
+@run_async
+async def test_cancelling_during_a_prompt_chunk_releases_after_the_chunk():
+    ex = FakeExecutor()
+    with scheduler(ex, prefill_step=2) as sched:
+        a = sched.submit(request("a", (1, 2, 3, 4, 5)))
+        chunk = await ex.next_step()
+        a.cancel()
+        await settle()
+        assert ex.released == []
+        ex.complete(chunk)
+        await until(lambda: ex.released == [("a", None)], "a released")
+        await settle()
+        assert ex.pending == [] and len(ex.steps) == 1  # no further chunk of a
+        assert sched.counters.running == 0
+
+
+# -- emission --------------------------------------------------------------------------------------
+
+
+@run_async
+async def test_tokens_carry_text_eos_is_not_emitted_and_max_tokens_ends_with_length():
+    tok = FakeTokenizer({10: "Hi", 11: " there", 12: "!"})
+    ex = FakeExecutor(auto=True, script={"eos": [10, 11, EOS, 12], "len": [10, 11, 12, 12], "ign": [10, EOS, 12]})
+    with scheduler(ex, tok) as sched:
+        tokens, finish = await collect(sched.submit(request("eos", (1, 2, 3))))
+        assert [(t.token, t.text) for t in tokens] == [(10, "Hi"), (11, " there")]
+        assert (finish.finish_reason, finish.completion_tokens, finish.prompt_tokens) == ("stop", 2, 3)
+        tokens, finish = await collect(sched.submit(request("len", max_tokens=3)))
+        assert texts(tokens) == ["Hi", " there", "!"] and finish.finish_reason == "length"
+        tokens, finish = await collect(sched.submit(request("ign", max_tokens=3, ignore_eos=True)))
+        assert [t.token for t in tokens] == [10, EOS, 12] and finish.finish_reason == "length"
+    # finished sequences offer their KV under prompt + generated tokens (EOS left out)
+    assert ("eos", [1, 2, 3, 10, 11]) in ex.released and ("len", [1, 2, 3, 10, 11, 12]) in ex.released
+    assert sched.counters.generated_tokens == 8
+
+
+@run_async
+async def test_logprobs_are_reported_only_when_asked():
+    ex = FakeExecutor(auto=True)  # the fake reports logprobs either way
+    with scheduler(ex) as sched:
+        plain, _ = await collect(sched.submit(request("plain", max_tokens=2)))
+        asked, _ = await collect(sched.submit(request("asked", max_tokens=2, logprobs=True, top_logprobs=2)))
+    assert all(t.logprob is None and t.top_logprobs == () for t in plain)
+    assert [t.logprob for t in asked] == [logprob_of(0), logprob_of(1)]
+    assert asked[0].top_logprobs == ((asked[0].token, logprob_of(0)), (7, -9.0))
+    assert ex.prepared["asked"][:2] == (SamplingParams(max_tokens=2, logprobs=True), 2)
+
+
+# -- stop strings -------------------------------------------------------------------------------------
+
+STOP_PIECES = {10: "ab", 11: "c#", 12: "#d", 13: "ef"}
+
+
+async def generate(script: list[int], **params) -> tuple[list[TokenEvent], FinishEvent]:
+    ex = FakeExecutor(auto=True, script={"s": script})
+    with scheduler(ex, FakeTokenizer(STOP_PIECES)) as sched:
+        return await collect(sched.submit(request("s", **params)))
+
+
+@run_async
+async def test_a_stop_string_cuts_the_text_and_finishes_with_stop():
+    tokens, finish = await generate([10, 11, 12, 13], stop=("##",))
+    assert texts(tokens) == ["ab", "c", ""]  # "#" held back until "#d" completes "##"
+    assert (finish.finish_reason, finish.text, finish.completion_tokens) == ("stop", "", 3)
+
+
+@run_async
+async def test_text_held_back_is_released_when_the_stop_string_does_not_follow():
+    tokens, finish = await generate([10, 11, 12, 13], stop=("#x",), max_tokens=4)
+    assert texts(tokens) == ["ab", "c", "##d", "ef"] and finish.finish_reason == "length"
+
+
+@run_async
+async def test_text_held_back_at_max_tokens_comes_with_the_finish():
+    tokens, finish = await generate([10, 11], stop=("#x",), max_tokens=2)
+    assert texts(tokens) == ["ab", "c"] and (finish.finish_reason, finish.text) == ("length", "#")
+
+
+# -- a sequence prefilled elsewhere ------------------------------------------------------------------
+
+
+@run_async
+async def test_a_prefilled_sequence_sends_its_first_token_at_once_then_decodes():
+    tok = FakeTokenizer({10: "Hi"})
+    ex = FakeExecutor(script={"a": [11, 12]})
+    with scheduler(ex, tok, parallel=2) as sched:
+        stream = sched.submit_prefilled(request("a", (1, 2, 3), max_tokens=3), Sampled(10), cache="kv-of-a")
+        first = await next_event(stream)
+        assert (first.token, first.text) == (10, "Hi")
+        assert ex.adopted == {"a": ("kv-of-a", 3)} and "a" not in ex.prepared
+        step = await ex.next_step()
+        assert (step.kind, step.rids, step.tokens) == ("decode", ["a"], [[10]])
+        ex.complete()
+        ex.complete(await ex.next_step())
+        tokens, finish = await collect(stream)
+        assert [t.token for t in tokens] == [11, 12] and finish.finish_reason == "length"
+    assert not any(s.kind == "prefill" for s in ex.steps)
+    assert ex.released == [("a", [1, 2, 3, 10, 11, 12])]
+    assert sched.counters.adopted == 1 and sched.counters.prompt_tokens == 0
+
+
+@run_async
+async def test_a_prefilled_sequence_joins_running_decodes_and_counts_against_parallel():
+    ex = FakeExecutor()
+    with scheduler(ex, parallel=1, max_queue=1) as sched:
+        a = sched.submit(request("a", max_tokens=2))
+        b = sched.submit_prefilled(request("b", max_tokens=3), Sampled(10), cache="kv-of-b")
+        with pytest.raises(EngineOverloaded):
+            sched.submit_prefilled(request("c"), Sampled(10), cache="kv-of-c")
+        await settle()
+        assert ex.adopted == {} and await events_now(b) == []  # waits for a's slot
+        while not a.finished:
+            await ex.next_step()
+            ex.complete()
+            await events_now(a)
+        await until(lambda: "b" in ex.adopted, "b adopted")
+        assert (await next_event(b)).token == 10
+        ex.complete(await ex.next_step())
+        ex.complete(await ex.next_step())
+        tokens, finish = await collect(b)
+        assert len(tokens) == 2 and finish.finish_reason == "length"
+
+
+@run_async
+async def test_a_prefilled_sequence_with_a_decode_partner_shares_its_steps():
+    ex = FakeExecutor(script={"a": [20, 21, 22, 23]})
+    with scheduler(ex, parallel=2) as sched:
+        a = sched.submit(request("a", max_tokens=4))
+        ex.complete(await ex.next_step())  # a's prompt
+        decode = await ex.next_step()
+        b = sched.submit_prefilled(request("b", max_tokens=3), Sampled(10), cache="kv-of-b")
+        await until(lambda: "b" in ex.adopted, "b adopted")
+        ex.complete(decode)
+        shared = await ex.next_step()
+        assert shared.rids == ["a", "b"] and shared.tokens == [[21], [10]]
+        b.cancel()
+        await settle()
+        assert "b" not in ex.released_ids()
+        ex.complete(shared)
+        await until(lambda: "b" in ex.released_ids(), "b released")
+        assert (await ex.next_step()).rids == ["a"]
+        ex.complete()
+        tokens, _ = await collect(a)
+        assert [t.token for t in tokens] == [20, 21, 22, 23]
+    assert ex.released_ids().count("b") == 1
+
+
+@run_async
+async def test_a_prefilled_sequence_cancelled_while_waiting_is_never_adopted():
+    ex = FakeExecutor()
+    with scheduler(ex, parallel=1) as sched:
+        sched.submit(request("a"))
+        b = sched.submit_prefilled(request("b"), Sampled(10), cache="kv-of-b")
+        await until(lambda: sched.counters.waiting == 1, "b waiting")
+        b.cancel()
+        await until(lambda: sched.counters.waiting == 0, "b dropped")
+    assert ex.adopted == {} and "b" not in ex.released_ids()
+
+
+@pytest.mark.parametrize("first, params, reason, emitted, text", [
+    (EOS, {}, "stop", [], ""),
+    (10, {"max_tokens": 1}, "length", [10], "Hi"),
+    (10, {"stop": ("i",)}, "stop", [10], "H"),
+])
+@run_async
+async def test_the_first_token_of_a_prefilled_sequence_can_end_it(first, params, reason, emitted, text):
+    ex = FakeExecutor()
+    with scheduler(ex, FakeTokenizer({10: "Hi"})) as sched:
+        tokens, finish = await collect(sched.submit_prefilled(request("a", (1, 2), **params), Sampled(first), "kv"))
+        assert [t.token for t in tokens] == emitted and "".join(texts(tokens)) == text
+        assert finish.finish_reason == reason
+        await until(lambda: ex.released, "a released")
+    assert ex.steps == [] and ex.released == [("a", [1, 2] + emitted)]
+
+
+@run_async
+async def test_prefilled_sequences_need_an_executor_that_adopts_and_a_prompt():
+    with scheduler(FakeExecutor(adopt=False)) as sched:
+        with pytest.raises(TypeError, match="no adopt method"):
+            sched.submit_prefilled(request("a"), Sampled(10), cache="kv")
+    with scheduler(FakeExecutor()) as sched:
+        with pytest.raises(ValueError, match="prompt"):
+            sched.submit_prefilled(request("a", ()), Sampled(10), cache="kv")
+
+
+# -- failures and their HTTP status (written last: against mlxcel.error_codes.ErrorCode) -----------------
+
+
+def http_of(finish: FinishEvent):
+    """The reply the serving layer sends for a failed FinishEvent (serving.py raises finish_error)."""
+    assert finish.finish_reason == "error" and finish.error
+    return error_reply(finish_error(finish))
+
+
+@pytest.mark.parametrize("exc, status, retry_after, type_", [
+    (ExecutorError("stage 1 did not answer in time", ErrorCode.TIMEOUT), 503, "1", "service_unavailable"),
+    (ExecutorError("stage 1 is down", ErrorCode.UNREACHABLE), 503, "1", "service_unavailable"),
+    (RuntimeError("shape mismatch in layer 3"), 500, None, "server_error"),
+])
+@run_async
+async def test_a_failed_step_ends_its_rows_with_an_error_and_the_other_group_goes_on(exc, status, retry_after,
+                                                                                      type_):
+    ex = FakeExecutor(depth=2, micro_batch_size=1)
+    with scheduler(ex, parallel=2) as sched:
+        a = sched.submit(request("a", max_tokens=4))
+        b = sched.submit(request("b", max_tokens=4))
+        ex.complete(await ex.next_step())  # a's prompt
+        await until(lambda: any(s.kind == "decode" and s.rids == ["a"] for s, _ in ex.pending), "a decoding")
+        failing = next(s for s, _ in ex.pending if s.rids == ["a"])
+        ex.complete(failing, exc)
+        tokens, finish = await collect(a)
+        assert finish.code == (exc.code if isinstance(exc, ExecutorError) else ErrorCode.INTERNAL)
+        assert str(exc) in finish.error and finish.completion_tokens == len(tokens)
+        await until(lambda: "a" in ex.released_ids(), "a released")
+        await ex.drive(lambda: b.finished or len(ex.released) == 2)
+        tokens, finish_b = await collect(b)
+        assert len(tokens) == 4 and finish_b.finish_reason == "length"
+        assert sched.counters.failed_steps == 1
+    assert ex.released_ids().count("a") == 1 and ("a", None) in ex.released
+    reply = http_of(finish)
+    assert (reply.status, reply.headers.get("Retry-After"), reply.json()["error"]["type"]) == (status, retry_after,
+                                                                                                 type_)
+
+
+@run_async
+async def test_a_request_the_executor_cannot_start_fails_alone():
+    ex = FakeExecutor(auto=True)
+    with scheduler(ex) as sched:
+        ex.fail_prepare = ExecutorError("no downstream stage", ErrorCode.UNREACHABLE)
+        _, finish = await collect(sched.submit(request("a")))
+        ex.fail_prepare = None
+        tokens, ok = await collect(sched.submit(request("b", max_tokens=2)))
+    assert (finish.code, "no downstream stage") == (ErrorCode.UNREACHABLE, finish.error)
+    assert http_of(finish).status == 503 and ok.finish_reason == "length" and len(tokens) == 2
+    assert "a" not in ex.released_ids()  # never prepared, nothing to free
+
+
+@run_async
+async def test_shutdown_fails_running_requests_as_unavailable_and_refuses_new_ones():
+    ex = FakeExecutor()
+    sched = Scheduler(ex, FakeTokenizer(), context_length=1024, warmup=False).start()
+    stream = sched.submit(request("a"))
+    await ex.next_step()
+    sched.close()
+    _, finish = await collect(stream)
+    reply = http_of(finish)
+    assert (finish.code, reply.status, reply.headers["Retry-After"]) == (ErrorCode.UNAVAILABLE, 503, "1")
+    with pytest.raises(EngineUnavailable) as refused:
+        sched.submit(request("b"))
+    assert error_reply(refused.value).status == 503 and ex.closed
+
+
+@run_async
+async def test_a_full_queue_is_a_503_with_retry_after():
+    ex = FakeExecutor()
+    with scheduler(ex, parallel=1, max_queue=0) as sched:
+        sched.submit(request("a"))
+        with pytest.raises(EngineOverloaded) as refused:
+            sched.submit(request("b"))
+    reply = error_reply(refused.value)
+    assert (reply.status, reply.headers["Retry-After"], reply.json()["error"]["code"]) == (503, "1",
+                                                                                           "server_overloaded")
+
+
+# -- a prefilled sequence on the real LocalExecutor ------------------------------------------------------
+
+PROMPT = (1, 40, 41, 42, 43, 44, 45, 46)
+OTHER = (1, 50, 51, 52)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama):
+    from mlxcel.models.loading import load_checkpoint
+
+    return load_checkpoint(tiny_llama)
+
+
+@contextlib.contextmanager
+def local(tiny) -> Iterator[Scheduler]:
+    from mlxcel.engine.executor import LocalExecutor
+
+    sched = Scheduler(LocalExecutor(tiny.model, max_batch_size=2), tiny.tokenizer, context_length=2048,
+                      parallel=2, warmup=False).start()
+    try:
+        yield sched
+    finally:
+        sched.close()
+
+
+def greedy(prompt: tuple[int, ...], rid: str, n: int = 12) -> EngineRequest:
+    return EngineRequest(prompt, SamplingParams(max_tokens=n), ignore_eos=True, request_id=rid)
+
+
+def prefill_elsewhere(tiny, request: EngineRequest):
+    """What a prefill node does: run the whole prompt, sample the first token, hand over the cache."""
+    from mlxcel.engine.executor import LocalExecutor, Step
+
+    node = LocalExecutor(tiny.model, max_batch_size=1)
+    node.prepare(request.request_id, request.params, 0, request.prompt)
+    [first] = node.run(Step("prefill", [request.request_id], [list(request.prompt)]))
+    cache, length = node.runners[0].take_cache(request.request_id)
+    assert length == len(request.prompt)
+    return first, cache
+
+
+@run_async
+async def test_a_sequence_prefilled_on_another_executor_continues_token_for_token(tiny):
+    with local(tiny) as sched:  # the reference: one scheduler does it all, one request after the other
+        ref = [await collect(sched.submit(greedy(p, f"ref{i}"))) for i, p in enumerate((PROMPT, OTHER))]
+    first, cache = prefill_elsewhere(tiny, greedy(PROMPT, "handoff"))
+    with local(tiny) as sched:
+        other = sched.submit(greedy(OTHER, "other"))  # decodes beside the adopted row
+        adopted = sched.submit_prefilled(greedy(PROMPT, "handoff"), first, cache)
+        results = [await collect(adopted), await collect(other)]
+        assert sched.counters.adopted == 1 and sched.counters.shared_steps > 0
+    for (tokens, finish), (ref_tokens, ref_finish) in zip(results, ref):
+        assert [t.token for t in tokens] == [t.token for t in ref_tokens]
+        assert "".join(texts(tokens)) == "".join(texts(ref_tokens))
+        assert finish.finish_reason == ref_finish.finish_reason == "length"
+
+
+@run_async
+async def test_a_cache_that_does_not_fit_the_prompt_fails_the_request(tiny):
+    first, cache = prefill_elsewhere(tiny, greedy(PROMPT, "handoff"))
+    with local(tiny) as sched:
+        _, finish = await collect(sched.submit_prefilled(greedy(PROMPT[:-1], "short"), first, cache))
+        assert finish.finish_reason == "error" and "holds 8 tokens, its prompt has 7" in finish.error
+        _, finish = await collect(sched.submit_prefilled(greedy(PROMPT, "layers"), first, cache[:-1]))
+        assert finish.finish_reason == "error" and "list of 4 layer caches" in finish.error
+        tokens, _ = await collect(sched.submit(greedy(OTHER, "after", 2)))  # the scheduler goes on
+        assert len(tokens) == 2
