@@ -1,7 +1,8 @@
 """A contiguous slice of a model: embedding? + layers[start:end] + final norm and head?
 
-Pipeline stages run one slice each; a single device runs the whole model as
-the slice [0, num_layers). Slices wrap mlx-lm's modules without copying them.
+Pipeline stages (remote ones, or ``InProcessPipeline`` for ``mlxcel generate --pp-size``)
+run one slice each; a single device runs mlx-lm's whole model, not a slice. Slices wrap
+mlx-lm's modules without copying them.
 
 A slice re-implements the part of a family's forward pass around its decoder
 layers (embedding, attention masks, norm and head), so it is only right for
@@ -123,15 +124,3 @@ class ModelSlice:
             h = layer(h, masks[window], cache=layer_cache)
         return self.family.head(self.model, h) if self.is_last else h
 
-
-def split_layers(num_layers: int, stages: int) -> list[tuple[int, int]]:
-    """Even contiguous [start, end) ranges, earlier stages taking the remainder."""
-    if not 1 <= stages <= num_layers:
-        raise ValueError(f"cannot split {num_layers} layers into {stages} stages")
-    base, extra = divmod(num_layers, stages)
-    ranges, start = [], 0
-    for i in range(stages):
-        end = start + base + (1 if i < extra else 0)
-        ranges.append((start, end))
-        start = end
-    return ranges

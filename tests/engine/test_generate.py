@@ -5,10 +5,11 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from mlxcel.engine.generate import GenerationStats, stream_generate
-from mlxcel.engine.model_slice import ModelSlice, split_layers
 from mlxcel.engine.sampling import SamplingError, SamplingParams
 from mlxcel.engine.stops import StopMatcher
 from mlxcel.models.loading import load_checkpoint
+from mlxcel.pipeline.inprocess import InProcessPipeline
+from mlxcel.pipeline.partition import layer_costs, plan_stages
 
 PROMPT = [1, 40, 41, 42, 43, 44]
 
@@ -34,18 +35,12 @@ def test_greedy_equals_mlx_lm_generate_step(loaded):
 
 
 def test_pipeline_of_slices_generates_the_same_tokens(loaded):
-    slices = [ModelSlice(loaded.model, a, b) for a, b in split_layers(loaded.num_layers, 2)]
-    caches: list = []
-
-    def forward(x, cache):
-        if not caches:
-            caches.extend(s.make_cache() for s in slices)
-        for s, c in zip(slices, caches):
-            x = s(x, c)
-        return x
-
+    ranges = [(s.start, s.end) for s in plan_stages(layer_costs(loaded.path), 2)]  # the engine's own split
+    assert ranges == [(0, 2), (2, 4)]
+    pipe = InProcessPipeline(loaded.model, ranges)
     params = SamplingParams(max_tokens=8, logprobs=True)
-    assert tokens_of(loaded, params, forward=forward) == tokens_of(loaded, params)
+    piped = [c.token for c in stream_generate(pipe, loaded.tokenizer, PROMPT, params) if c.token is not None]
+    assert piped == tokens_of(loaded, params)
 
 
 def test_seed_reproduces_and_differs(loaded):

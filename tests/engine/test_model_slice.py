@@ -12,12 +12,14 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
+from mlx.utils import tree_flatten
 from mlx_lm.utils import _get_classes
 
 from mlxcel.engine.generate import make_cache
-from mlxcel.engine.model_slice import FAMILIES, ModelSlice, split_layers
+from mlxcel.engine.model_slice import FAMILIES, ModelSlice
 from mlxcel.models.errors import ModelError
 from mlxcel.models.loading import load_checkpoint
+from mlxcel.pipeline.partition import StageCosts, layer_costs, plan_stages
 
 VOCAB = 96
 BASE = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -54,15 +56,30 @@ def test_every_claimed_family_is_tested():
     assert {_get_classes({**BASE, **c})[0].__module__.rsplit(".", 1)[1] for c in TINY.values()} == set(FAMILIES)
 
 
+def _nbytes(module) -> int:
+    return sum(v.nbytes for _, v in tree_flatten(module.parameters()))
+
+
+def planned(model, stages: int, costs: StageCosts | None = None) -> list[tuple[int, int]]:
+    """The engine's split (``plan_stages``), priced from a checkpoint's headers or the in-memory tensors."""
+    if costs is None:
+        inner, tied = model.model, not hasattr(model, "lm_head")
+        embed = _nbytes(inner.embed_tokens)
+        costs = StageCosts(model="tiny", layers=tuple(_nbytes(layer) for layer in inner.layers), embed=embed,
+                           norm=_nbytes(inner.norm), head=embed if tied else _nbytes(model.lm_head), tied=tied)
+    return [(s.start, s.end) for s in plan_stages(costs, stages)]
+
+
 def run_slices(slices, caches, x):
     for piece, cache in zip(slices, caches):
         x = piece(x, cache)
     return x
 
 
-def assert_pipeline_matches(model, num_layers: int, stages: int, steps: int = 6) -> None:
+def assert_pipeline_matches(model, ranges: list[tuple[int, int]], steps: int = 6) -> None:
     """Prefill 2 rows of 5 tokens, then greedy-decode ``steps`` tokens: same logits and tokens as the whole model."""
-    slices = [ModelSlice(model, a, b) for a, b in split_layers(num_layers, stages)]
+    assert len(ranges) >= 2 and ranges[0][0] == 0 and ranges[-1][1] == len(model.layers)
+    slices = [ModelSlice(model, a, b) for a, b in ranges]
     caches = [s.make_cache() for s in slices]
     whole_cache = make_prompt_cache(model)
     assert [type(c) for cache in caches for c in cache] == [type(c) for c in whole_cache]
@@ -84,21 +101,24 @@ def assert_pipeline_matches(model, num_layers: int, stages: int, steps: int = 6)
 @pytest.mark.parametrize("stages", [2, 3])
 def test_sliced_family_equals_whole_model(name, stages):
     model = tiny_model(name)
-    assert_pipeline_matches(model, len(model.layers), stages)
+    assert_pipeline_matches(model, planned(model, stages))
 
 
 def test_sliding_window_caches_wrap_and_still_match():
     model = tiny_model("llama-sliding")
-    slices = [ModelSlice(model, a, b) for a, b in split_layers(6, 3)]
-    assert [type(c) for c in slices[1].make_cache()] == [RotatingKVCache, type(slices[1].make_cache()[1])]
-    assert_pipeline_matches(model, 6, 3, steps=8)  # 13 positions through a window of 3
+    ranges = planned(model, 3)
+    assert ranges == [(0, 2), (2, 4), (4, 6)]
+    middle = ModelSlice(model, *ranges[1]).make_cache()
+    assert [type(c) for c in middle] == [RotatingKVCache, type(middle[1])] and type(middle[1]) is not RotatingKVCache
+    assert_pipeline_matches(model, ranges, steps=8)  # 13 positions through a window of 3
 
 
 @pytest.mark.parametrize("family", ["tiny_llama", "tiny_qwen3"])
 @pytest.mark.parametrize("stages", [2, 3])
 def test_make_random_checkpoints_slice_exactly(request, family, stages):
-    loaded = load_checkpoint(request.getfixturevalue(family))
-    assert_pipeline_matches(loaded.model, loaded.num_layers, stages)
+    path = request.getfixturevalue(family)
+    loaded = load_checkpoint(path)
+    assert_pipeline_matches(loaded.model, planned(loaded.model, stages, layer_costs(path)))
 
 
 def test_generate_make_cache_dispatches_on_slices(tiny_llama):
@@ -162,9 +182,3 @@ def test_models_outside_mlx_lm_are_refused():
 
     with pytest.raises(ModelError, match="model family 'homebrew' cannot be sliced"):
         ModelSlice(Model(), 0, 1)
-
-
-def test_split_layers_is_contiguous_and_complete():
-    assert split_layers(30, 4) == [(0, 8), (8, 16), (16, 23), (23, 30)]
-    with pytest.raises(ValueError):
-        split_layers(3, 4)
