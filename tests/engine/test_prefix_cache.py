@@ -1,0 +1,92 @@
+"""The prefix cache: longest-prefix reuse, copies that leave the stored entry intact, byte-bounded LRU."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+from mlxcel.engine.prefix_cache import MIN_PREFIX, PrefixCache
+
+LAYERS = 2
+BYTES_PER_TOKEN = LAYERS * 2 * (1 * 2 * 4) * 4  # layers x (keys, values) x [B=1, H=2, D=4] x float32
+
+
+def kv(n: int, start: float = 0.0) -> list[KVCache]:
+    """A filled cache of n positions; position i holds the value start + i."""
+    layers = []
+    for _ in range(LAYERS):
+        c = KVCache()
+        x = mx.broadcast_to((mx.arange(n, dtype=mx.float32) + start)[None, None, :, None], (1, 2, n, 4))
+        c.update_and_fetch(x, x)
+        layers.append(c)
+    return layers
+
+
+def positions(cache: list[KVCache]) -> list[float]:
+    return cache[0].keys[0, 0, : cache[0].offset, 0].tolist()
+
+
+def test_lookup_returns_the_longest_stored_prefix():
+    pc = PrefixCache(1 << 20)
+    pc.store(list(range(10)), kv(10))
+    pc.store(list(range(6)) + [99, 98], kv(8, start=100))
+    cache, n = pc.lookup(list(range(9)) + [50, 51])
+    assert n == 9 and positions(cache) == list(range(9)) and all(c.offset == 9 for c in cache)
+    cache, n = pc.lookup(list(range(6)) + [99, 7])
+    assert n == 7 and positions(cache) == [100.0 + i for i in range(7)]
+    assert (pc.hits, pc.reused_tokens) == (2, 16)
+
+
+def test_a_reused_copy_can_grow_without_touching_the_stored_entry():
+    pc = PrefixCache(1 << 20)
+    pc.store(list(range(8)), kv(8))
+    cache, n = pc.lookup(list(range(8)) + [40])
+    for c in cache:
+        c.update_and_fetch(mx.full((1, 2, 3, 4), -1.0), mx.full((1, 2, 3, 4), -1.0))
+    again, m = pc.lookup(list(range(8)) + [40])
+    assert (n, m) == (8, 8) and positions(again) == list(range(8)) and cache[0].offset == 11
+
+
+def test_at_least_one_prompt_token_is_left_to_prefill():
+    pc = PrefixCache(1 << 20)
+    pc.store(list(range(10)), kv(10))
+    cache, n = pc.lookup(list(range(10)))
+    assert n == 9 and cache[0].offset == 9
+
+
+def test_short_matches_and_caches_that_cannot_be_cut_are_not_used():
+    pc = PrefixCache(1 << 20)
+    pc.store(list(range(MIN_PREFIX - 1)), kv(MIN_PREFIX - 1))  # too short to be worth storing
+    assert len(pc) == 0
+    pc.store(list(range(10)), kv(10))
+    assert pc.lookup(list(range(MIN_PREFIX - 1)) + [77, 78]) == (None, 0)
+    rotating = RotatingKVCache(max_size=16)
+    x = mx.zeros((1, 2, 10, 4))
+    rotating.update_and_fetch(x, x)
+    pc.store(list(range(20, 30)), [rotating])
+    assert len(pc) == 1 and pc.hits == 0
+    off = PrefixCache(0)
+    off.store(list(range(10)), kv(10))
+    assert len(off) == 0 and off.lookup(list(range(10))) == (None, 0)
+
+
+def test_entries_are_kept_under_tokens_the_cache_holds():
+    pc = PrefixCache(1 << 20)
+    pc.store(list(range(12)), kv(10))  # prompt + generated: the last tokens were never fed
+    cache, n = pc.lookup(list(range(12)))
+    assert n == 10 and pc.nbytes == 10 * BYTES_PER_TOKEN
+
+
+def test_the_least_recently_used_entries_go_first_within_max_bytes():
+    pc = PrefixCache(25 * BYTES_PER_TOKEN)
+    a, b, c = ([k] * 10 for k in (1, 2, 3))
+    pc.store(a, kv(10))
+    pc.store(b, kv(10))
+    pc.lookup(a + [0])  # a is used: b is now the oldest
+    pc.store(a, kv(10))  # storing a known prefix again changes nothing
+    assert pc.nbytes == 20 * BYTES_PER_TOKEN
+    pc.store(c, kv(10))
+    assert len(pc) == 2 and pc.nbytes == 20 * BYTES_PER_TOKEN
+    assert pc.lookup(b + [0]) == (None, 0) and pc.lookup(a + [0])[1] == 10 and pc.lookup(c + [0])[1] == 10
+    pc.store(list(range(30)), kv(30))  # larger than the whole budget: not stored, nothing evicted
+    assert len(pc) == 2
