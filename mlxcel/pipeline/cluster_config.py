@@ -13,7 +13,6 @@ Every problem is a ``ClusterConfigError`` naming the file and the key.
 from __future__ import annotations
 
 import math
-import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +22,7 @@ from mlxcel import config as defaults
 from mlxcel.cluster.errors import SecretError
 from mlxcel.cluster.identity import PeerId
 from mlxcel.cluster.secret import secret_file_of
+from mlxcel.pipeline.partition import PartitionError, check_contiguous, check_coverage, parse_range
 
 ROLES = ("coordinator", "stage")
 _TOP_KEYS = {"cluster", "pipeline", "timeouts", "nodes"}
@@ -30,7 +30,6 @@ _CLUSTER_KEYS = {"name", "pipeline_parallel_size", "secret_file"}
 _PIPELINE_KEYS = {"micro_batch_size", "max_batch_size"}
 _TIMEOUT_KEYS = {"startup_s", "exchange_s", "heartbeat_s"}
 _NODE_KEYS = {"id", "role", "address", "layers"}
-_ONE_RANGE = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+)\s*)?$")
 
 
 class ClusterConfigError(ValueError):
@@ -94,15 +93,10 @@ class ClusterConfig:
             return
         if any(r is None for r in ranges):
             raise ClusterConfigError(f"{self.path}: give layers for every stage or for none")
-        from mlxcel.pipeline.partition import (
-            PartitionError,
-            format_range,
-            parse_layer_ranges,
-        )
-
-        text = ",".join(format_range(a, b) for a, b in ranges)  # type: ignore[misc]
+        source = f"{self.path}: stage layers"
         try:
-            parse_layer_ranges(text, num_layers, source=f"{self.path}: stage layers")
+            check_contiguous(ranges, source)  # type: ignore[arg-type]
+            check_coverage(ranges, num_layers, source)  # type: ignore[arg-type]
         except PartitionError as exc:
             raise ClusterConfigError(str(exc)) from None
 
@@ -208,14 +202,10 @@ def _layers(entry: dict[str, Any], node_id: str, role: str, where: str) -> tuple
         return None
     if role != "stage":
         raise ClusterConfigError(f"{where} ({node_id}): only stages have layers")
-    match = _ONE_RANGE.match(str(text))
-    if match is None:
-        raise ClusterConfigError(f"{where} ({node_id}): layers must be one inclusive range like \"0-14\", got {text!r}")
-    first = int(match.group(1))
-    last = int(match.group(2)) if match.group(2) is not None else first
-    if last < first:
-        raise ClusterConfigError(f"{where} ({node_id}): layers {first}-{last} is reversed (start must be <= end)")
-    return first, last + 1
+    try:
+        return parse_range(text, f"{where} ({node_id}): layers")
+    except PartitionError as exc:
+        raise ClusterConfigError(str(exc)) from None
 
 
 def _table(doc: dict[str, Any], key: str, path: Path) -> dict[str, Any]:

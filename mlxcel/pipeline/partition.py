@@ -32,7 +32,8 @@ EMBED_PREFIX = "model.embed_tokens."
 NORM_PREFIX = "model.norm."
 HEAD_PREFIX = "lm_head."
 MAX_HEADER_BYTES = 100 << 20  # the safetensors reference refuses headers above 100 MB
-_RANGE = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+)\s*)?$")
+_RANGE = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+)\s*)?$", re.ASCII)  # parse_range: the one grammar
+_RANGE_HINT = "one inclusive range START-END, e.g. 0-11, or one layer, e.g. 7"
 
 
 class PartitionError(ValueError):
@@ -43,43 +44,49 @@ class PartitionError(ValueError):
 # Explicit ranges
 
 
+def parse_range(text: object, where: str) -> tuple[int, int]:
+    """One inclusive layer range, "12-29" (or "7" for one layer), -> half-open (12, 30).
+
+    The one layer-range grammar: ``--pp-layers`` (each comma-separated stage), the cluster
+    TOML's ``layers`` and ``mlxcel plan`` all read ranges through it. ASCII digits, optional
+    spaces around them and the dash; not reversed. ``where`` (the flag, key or stage) starts
+    every message.
+    """
+    if isinstance(text, str) and not text.strip():
+        raise PartitionError(f"{where} is empty (expected {_RANGE_HINT})")
+    match = _RANGE.match(text) if isinstance(text, str) else None
+    if match is None:
+        shown = text.strip() if isinstance(text, str) else text
+        raise PartitionError(f"{where}: {shown!r} is not a layer range (expected {_RANGE_HINT})")
+    first = int(match.group(1))
+    last = int(match.group(2)) if match.group(2) is not None else first
+    if last < first:
+        raise PartitionError(f"{where}: range {first}-{last} is reversed (start must be <= end)")
+    return first, last + 1
+
+
 def parse_range_text(text: str, source: str = "--pp-layers") -> list[tuple[int, int]]:
     """"0-11,12-29" -> [(0, 12), (12, 30)]: syntax, order, contiguity and start at 0; not the model's size.
 
-    A stage of one layer may be written "7" or "7-7". ``source`` names the flag
-    or TOML key in the messages.
+    Each stage is one ``parse_range``; ``source`` names the flag or TOML key in the messages.
     """
     if not text.strip():
         raise PartitionError(f"{source}: empty (expected inclusive ranges such as 0-11,12-29)")
-    ranges: list[tuple[int, int]] = []
-    for stage, item in enumerate(text.split(",")):
-        if not item.strip():
-            raise PartitionError(f"{source}: stage {stage} is empty (expected inclusive ranges such as 0-11,12-29)")
-        match = _RANGE.match(item)
-        if match is None:
-            raise PartitionError(f"{source}: stage {stage}: {item.strip()!r} is not a layer range "
-                                 "(expected START-END, e.g. 0-11)")
-        first = int(match.group(1))
-        last = int(match.group(2)) if match.group(2) is not None else first
-        if last < first:
-            raise PartitionError(f"{source}: stage {stage}: range {first}-{last} is reversed (start must be <= end)")
-        _check_follows(ranges, stage, first, source)
-        ranges.append((first, last + 1))
+    ranges = [parse_range(item, f"{source}: stage {stage}") for stage, item in enumerate(text.split(","))]
+    check_contiguous(ranges, source)
     return ranges
 
 
-def _check_follows(ranges: list[tuple[int, int]], stage: int, first: int, source: str) -> None:
-    if not ranges:
-        if first != 0:
-            raise PartitionError(f"{source}: stage 0 starts at {first}, but the first stage must start at layer 0")
-        return
-    previous_last = ranges[-1][1] - 1
-    if first <= previous_last:
-        raise PartitionError(f"{source}: stage {stage} starts at {first} but stage {stage - 1} ended at "
-                             f"{previous_last} (ranges must not overlap)")
-    if first > previous_last + 1:
-        raise PartitionError(f"{source}: stage {stage} starts at {first} but stage {stage - 1} ended at "
-                             f"{previous_last} (ranges must be contiguous)")
+def check_contiguous(ranges: Sequence[tuple[int, int]], source: str = "--pp-layers") -> None:
+    """Stage ranges in order must start at layer 0 and follow each other without gap or overlap."""
+    if ranges and ranges[0][0] != 0:
+        raise PartitionError(f"{source}: stage 0 starts at {ranges[0][0]}, but the first stage must start at layer 0")
+    for stage in range(1, len(ranges)):
+        first, previous_last = ranges[stage][0], ranges[stage - 1][1] - 1
+        if first != previous_last + 1:
+            problem = "must not overlap" if first <= previous_last else "must be contiguous"
+            raise PartitionError(f"{source}: stage {stage} starts at {first} but stage {stage - 1} ended at "
+                                 f"{previous_last} (ranges {problem})")
 
 
 def check_coverage(ranges: Sequence[tuple[int, int]], num_layers: int, source: str = "--pp-layers") -> None:

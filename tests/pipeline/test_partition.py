@@ -79,7 +79,8 @@ def test_ranges_parse_inclusive_text_into_half_open_pairs():
     ("0-11,,12-29", "--pp-layers: stage 1 is empty"),
     ("0-11,", "--pp-layers: stage 1 is empty"),
     ("0-11,29-12", "--pp-layers: stage 1: range 29-12 is reversed (start must be <= end)"),
-    ("0-11,x", "--pp-layers: stage 1: 'x' is not a layer range (expected START-END, e.g. 0-11)"),
+    ("0-11,x", "--pp-layers: stage 1: 'x' is not a layer range (expected one inclusive range START-END, "
+               "e.g. 0-11, or one layer, e.g. 7)"),
     ("0-11;12-29", "stage 0: '0-11;12-29' is not a layer range"),
     ("-1-29", "stage 0: '-1-29' is not a layer range"),
     ("", "--pp-layers: empty"),
