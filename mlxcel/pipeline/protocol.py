@@ -1,14 +1,17 @@
-"""The stage protocol's messages: a type byte, a JSON header, raw tensor bytes (docs/pipeline.md §3).
+"""The stage protocol's messages: a type byte, a header, raw tensor bytes (docs/pipeline.md §3).
 
     offset 0   u8       message type (``MsgType``)
     offset 1   u32 BE   H, the header length
-    offset 5   H bytes  header: a UTF-8 JSON object (fields per type, docs/pipeline.md)
-    offset 5+H          tensors, back to back, in the order of header["tensors"]:
-                        [{"name", "dtype", "shape"}], little-endian, row-major
+    offset 5   H bytes  header: the step messages (RUN_ENTRY, ACTIVATION, RUN_RESULT) a fixed binary
+                        layout (``step_codec``); every other message a UTF-8 JSON object
+    offset 5+H          tensors, back to back, little-endian, row-major (JSON messages: in the order of
+                        header["tensors"]: [{"name", "dtype", "shape"}]; step messages: at most one,
+                        described in the binary header)
 
 Sans-I/O: ``encode`` returns bytes, ``decode`` checks the envelope and every tensor's dtype, rank
 and byte count against the payload before anything is allocated; shape bounds that depend on the
-model are checked by the receiver (``check_hidden``, ``check_ids``).
+model are checked by the receiver (``check_hidden``, ``check_ids``). Both sides see one shape: a
+field dict per message, whatever its header's encoding.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import numpy as np
 from mlxcel.cluster.exchanges import new_nonce  # noqa: F401 - the one nonce generator
 from mlxcel.config import MAX_ACTIVATION_TOKENS
 from mlxcel.error_codes import CodedError, ErrorCode
+from mlxcel.pipeline import step_codec
 
 ENVELOPE = struct.Struct(">BI")
 MAX_HEADER_LEN = 1 << 20
@@ -51,6 +55,8 @@ class MsgType(enum.IntEnum):
     ERROR = 18  # stage -> owner: a command or a step failed (code, message)
 
 
+STEPS = frozenset({MsgType.RUN_ENTRY, MsgType.ACTIVATION, MsgType.RUN_RESULT})  # binary headers
+STEP_TENSOR = {MsgType.RUN_ENTRY: "input_ids", MsgType.ACTIVATION: "hidden", MsgType.RUN_RESULT: "logits"}
 COMMANDS = frozenset({MsgType.PREPARE, MsgType.RUN_ENTRY, MsgType.CANCEL, MsgType.RELEASE,
                       MsgType.BEGIN_DRAIN, MsgType.SHUTDOWN, MsgType.GET_STATE})
 REPLIES = frozenset({MsgType.ACK, MsgType.STATE, MsgType.ERROR})
@@ -89,16 +95,19 @@ class StageMessage:
 
 
 def encode(mtype: MsgType, header: dict[str, Any], tensors: dict[str, tuple[str, np.ndarray]] | None = None) -> bytes:
-    """One message: ``tensors`` maps name -> (wire dtype, array)."""
-    specs, blobs = [], []
-    for name, (dtype, array) in (tensors or {}).items():
-        arr = np.ascontiguousarray(array, dtype=_NUMPY[dtype])
-        specs.append({"name": name, "dtype": dtype, "shape": list(arr.shape)})
-        blobs.append(arr.tobytes())
-    if specs:
-        header = {**header, "tensors": specs}
-    body = json.dumps(header, separators=(",", ":")).encode()
-    return b"".join([ENVELOPE.pack(int(mtype), len(body)), body, *blobs])
+    """One message: ``tensors`` maps name -> (wire dtype, array); a step message carries at most one."""
+    arrays = [(name, dtype, np.ascontiguousarray(array, dtype=_NUMPY[dtype]))
+              for name, (dtype, array) in (tensors or {}).items()]
+    if mtype in STEPS:
+        if len(arrays) > 1:
+            raise ValueError(f"a {mtype.name} carries at most one tensor")
+        tensor = (arrays[0][1], arrays[0][2].shape) if arrays else None
+        body = step_codec.encode_header(mtype.name, header, tensor)
+    else:
+        if arrays:
+            header = {**header, "tensors": [{"name": n, "dtype": d, "shape": list(a.shape)} for n, d, a in arrays]}
+        body = json.dumps(header, separators=(",", ":")).encode()
+    return b"".join([ENVELOPE.pack(int(mtype), len(body)), body, *(memoryview(a).cast("B") for _, _, a in arrays)])
 
 
 def decode(payload: memoryview | bytes) -> StageMessage:
@@ -113,15 +122,11 @@ def decode(payload: memoryview | bytes) -> StageMessage:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"unknown message type {mtype_raw}") from None
     if hlen > MAX_HEADER_LEN or ENVELOPE.size + hlen > len(view):
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"header length {hlen} runs past the message")
-    try:
-        header = json.loads(bytes(view[ENVELOPE.size: ENVELOPE.size + hlen]))
-    except (ValueError, RecursionError):  # not UTF-8, not JSON, nested too deep, an integer too long
-        raise ProtocolError(ErrorCode.BAD_REQUEST, "header is not UTF-8 JSON") from None
-    if not isinstance(header, dict):
-        raise ProtocolError(ErrorCode.BAD_REQUEST, "header is not a JSON object")
+    raw = view[ENVELOPE.size: ENVELOPE.size + hlen]
+    header, specs = _step_header(mtype, raw) if mtype in STEPS else _json_header(raw)
     msg = StageMessage(mtype, header)
     try:
-        _tensors(msg, view[ENVELOPE.size + hlen:])
+        _tensors(msg, specs, view[ENVELOPE.size + hlen:])
     except ProtocolError as exc:
         msg.tensors.clear()
         msg.dtypes.clear()
@@ -130,8 +135,29 @@ def decode(payload: memoryview | bytes) -> StageMessage:
     return msg
 
 
-def _tensors(msg: StageMessage, data: memoryview) -> None:
-    specs = msg.header.pop("tensors", [])
+def _json_header(raw: memoryview) -> tuple[dict[str, Any], Any]:
+    try:
+        header = json.loads(bytes(raw))
+    except (ValueError, RecursionError):  # not UTF-8, not JSON, nested too deep, an integer too long
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "header is not UTF-8 JSON") from None
+    if not isinstance(header, dict):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "header is not a JSON object")
+    return header, header.pop("tensors", [])
+
+
+def _step_header(mtype: MsgType, raw: memoryview) -> tuple[dict[str, Any], list]:
+    try:
+        header, tensor = step_codec.decode_header(mtype.name, raw)
+    except step_codec.StepFormatError as exc:
+        refused = ProtocolError(exc.code, str(exc))
+        if exc.header is not None:  # the ids decoded: the receiver can still answer their owner
+            refused.partial = StageMessage(mtype, exc.header)
+        raise refused from None
+    specs = [] if tensor is None else [{"name": STEP_TENSOR[mtype], "dtype": tensor[0], "shape": tensor[1]}]
+    return header, specs
+
+
+def _tensors(msg: StageMessage, specs: Any, data: memoryview) -> None:
     if not isinstance(specs, list) or len(specs) > 4:
         raise ProtocolError(ErrorCode.BAD_TENSOR, "tensors must be a list of at most 4 descriptors")
     offset = 0

@@ -28,3 +28,12 @@ def test_the_documented_run_entry_round_trips():
     assert ids.tolist() == [[504]]
     again = encode(MsgType.RUN_ENTRY, msg.header, {"input_ids": ("int32", np.array([[504]], dtype=np.int32))})
     assert again == raw
+
+
+def test_the_documented_run_result_round_trips():
+    raw = vectors()["run_result"]
+    msg = decode(raw)
+    assert msg.type is MsgType.RUN_RESULT and msg.tensors == {}
+    assert msg.header == {"nonce": "5f0c3a9e12d47b68", "phase": "decode", "micro_batch": 0, "request_ids": ["req-7"],
+                          "sample": True, "tokens": [3575], "logprobs": None, "top_logprobs": None}
+    assert encode(MsgType.RUN_RESULT, msg.header) == raw

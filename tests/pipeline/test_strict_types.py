@@ -1,8 +1,11 @@
 """Booleans are not integers or numbers: every numeric field of every stage message refuses them.
 
-Each row names a message, a numeric field, a valid message, and the receiver's check; the test puts
-``true`` (and ``false``) where the number goes and expects the check to refuse it, while the valid
-message passes. A second test keeps the table complete against the field tables of docs/pipeline.md.
+JSON messages (PREPARE, STATE, ERROR): each row names a message, a numeric field, a valid message,
+and the receiver's check; the test puts ``true`` (and ``false``) where the number goes and expects
+the check to refuse it, while the valid message passes. A second test keeps the table complete
+against the JSON field tables of docs/pipeline.md. The step messages (RUN_ENTRY, ACTIVATION,
+RUN_RESULT) have a binary header where a boolean cannot stand for a number on the wire; their
+encoder refuses one, and the coordinator's checks of a RUN_RESULT's fields refuse one too.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import pytest
 from mlxcel.error_codes import ErrorCode
 from mlxcel.pipeline.coordinator import result_is_for, result_tokens
 from mlxcel.pipeline.params import params_from_wire
-from mlxcel.pipeline.protocol import MsgType, ProtocolError, check_hidden, check_ids, check_state, decode, encode
+from mlxcel.pipeline.protocol import MsgType, ProtocolError, check_state, decode, encode
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "pipeline.md"
 VOCAB, WIDTH = 100, 8
@@ -27,20 +30,10 @@ def _params(h: dict) -> None:
     params_from_wire(h)
 
 
-def _entry(h: dict) -> None:
-    check_ids(decode(encode(MsgType.RUN_ENTRY, h, {"input_ids": ("int32", np.array([[7]], np.int32))})),
-              max_rows=4, vocab_size=VOCAB)
-
-
-def _activation(h: dict) -> None:
-    check_hidden(decode(encode(MsgType.ACTIVATION, h, {"hidden": ("float32", np.zeros((1, 1, WIDTH), np.float32))})),
-                 max_rows=4, width=WIDTH)
-
-
 def _descriptor(h: dict) -> None:
     import json
     body = json.dumps({"tensors": [{"name": "input_ids", "dtype": "int32", "shape": h["shape"]}]}).encode()
-    decode(bytes([MsgType.RUN_ENTRY]) + len(body).to_bytes(4, "big") + body + bytes(4))
+    decode(bytes([MsgType.PREPARE]) + len(body).to_bytes(4, "big") + body + bytes(4))
 
 
 def _result(h: dict) -> None:
@@ -54,7 +47,7 @@ def _error(h: dict) -> None:
         raise ValueError("unknown code")
 
 
-STEP = {"nonce": "n", "phase": "decode", "micro_batch": 0, "request_ids": ["r"], "sample": True}
+STEP = {"nonce": "0123456789abcdef", "phase": "decode", "micro_batch": 0, "request_ids": ["r"], "sample": True}
 STATE = {"node_id": "stage-0", "cluster": "c", "stage": 0, "layers": [0, 2], "num_layers": 2, "hidden_size": 8,
          "vocab_size": VOCAB, "sequences": 0, "draining": False, "steps": 0, "sent_frames": 0, "sent_bytes": 0}
 RESULT = {**STEP, "tokens": [5], "logprobs": [-0.5], "top_logprobs": [[[5, -0.5]]]}
@@ -66,8 +59,6 @@ FIELDS: list[tuple[str, tuple, dict, Callable[[dict], None]]] = [
     ("PREPARE", ("top_k",), {"top_k": 3}, _params),
     ("PREPARE", ("seed",), {"seed": 1}, _params),
     ("PREPARE", ("top_logprobs",), {"top_logprobs": 1, "logprobs": True}, _params),
-    ("RUN_ENTRY", ("micro_batch",), dict(STEP), _entry),
-    ("ACTIVATION", ("micro_batch",), dict(STEP), _activation),
     ("tensor descriptor", ("shape", 0), {"shape": [1, 1]}, _descriptor),
     ("RUN_RESULT", ("micro_batch",), dict(RESULT), _result),
     ("RUN_RESULT", ("tokens", 0), dict(RESULT), _result),
@@ -102,6 +93,23 @@ def test_a_boolean_is_refused_where_a_number_goes(message, path, valid, check, b
         assert refused.value.code in (ErrorCode.BAD_REQUEST, ErrorCode.BAD_TENSOR)
 
 
+@pytest.mark.parametrize("mtype,field,tensor", [
+    ("RUN_ENTRY", "micro_batch", {"input_ids": ("int32", np.array([[7]], np.int32))}),
+    ("ACTIVATION", "micro_batch", {"hidden": ("float32", np.zeros((1, 1, WIDTH), np.float32))}),
+    ("RUN_RESULT", "micro_batch", None),
+])
+def test_the_step_encoder_refuses_a_boolean(mtype, field, tensor):
+    header = {**STEP, "tokens": [5]} if mtype == "RUN_RESULT" else dict(STEP)
+    encode(MsgType[mtype], header, tensor)
+    with pytest.raises(TypeError):
+        encode(MsgType[mtype], {**header, field: True}, tensor)
+    with pytest.raises(TypeError):
+        encode(MsgType.RUN_RESULT, {**STEP, "tokens": [True]})
+
+
+JSON_MESSAGES = {"PREPARE", "STATE", "ERROR", "ACK", "GET_STATE", "CANCEL", "RELEASE", "BEGIN_DRAIN", "SHUTDOWN"}
+
+
 def _documented_numeric_fields() -> set[tuple[str, str]]:
     """(message, field) for every header field docs/pipeline.md §3.5 types as integer or number."""
     text = DOCS.read_text()
@@ -114,7 +122,7 @@ def _documented_numeric_fields() -> set[tuple[str, str]]:
         if line.startswith("**STATE**") or "**STATE**:" in line:
             message = "STATE"
         row = re.match(r"^\| (`[^|]+`) \| ([^|]+) \|", line)
-        if row and re.search(r"\b(integer|number)", row.group(2)) and message:
+        if row and re.search(r"\b(integer|number)", row.group(2)) and message in JSON_MESSAGES:
             for field in re.findall(r"`(\w+)`", row.group(1)):
                 found.add(("PREPARE" if message == "PREPARE" else message, field))
     return found
