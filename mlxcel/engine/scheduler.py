@@ -469,9 +469,9 @@ class Scheduler:
     def _finish(self, seq: _Sequence, reason: str, error: str | None = None, keep: bool = False,
                 code: ErrorCode | None = None) -> None:
         tail = seq.text.finish() if error is None else ""
+        self._forget(seq, keep=keep)  # the slot is free before the client hears of the end: no spurious 503
         seq.stream.push(FinishEvent(reason, tail, len(seq.request.prompt), len(seq.generated), error,
                                      (code or ErrorCode.INTERNAL) if error is not None else None))
-        self._forget(seq, keep=keep)
 
     def _remove(self, request_id: str) -> None:
         """Drop a cancelled request wherever it is; every copy of its KV cache is freed."""
