@@ -32,8 +32,8 @@ def _add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"pipeline stages in this process (default {DEFAULT_PP_SIZE} = no pipeline)")
     p.add_argument("--pp-layers", default=None, metavar="RANGES",
                    help="inclusive layer ranges per stage, e.g. 0-11,12-29 (default: split by parameter bytes)")
-    p.add_argument("--pp-micro-batch-size", type=positive_int, default=None, metavar="M",
-                   help="rows per micro-batch (needs --pp-size 2 or more)")
+    # removed: one generation is one row, so micro-batches changed nothing; named here only to say so
+    p.add_argument("--pp-micro-batch-size", default=None, help=argparse.SUPPRESS)
     p.add_argument("--cluster-secret-file", default=None, metavar="PATH",
                    help="file holding the cluster secret (else MLXCEL_CLUSTER_SECRET_FILE, MLXCEL_CLUSTER_SECRET)")
 
@@ -50,8 +50,9 @@ def check_pipeline_flags(args: argparse.Namespace) -> None:
         if stages != args.pp_size:
             raise CLIError(f"--pp-layers names {stages} stage{'s' if stages != 1 else ''} "
                            f"but --pp-size is {args.pp_size}")
-    if args.pp_micro_batch_size is not None and args.pp_size < 2:
-        raise CLIError("--pp-micro-batch-size needs --pp-size 2 or more")
+    if args.pp_micro_batch_size is not None:
+        raise CLIError("generate runs one sequence, which is one row: --pp-micro-batch-size applies to the "
+                       "pipeline server (mlxcel-server --distributed-config ... --pp-micro-batch-size M)")
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:

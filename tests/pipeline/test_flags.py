@@ -9,14 +9,13 @@ from mlxcel.cli import build_parser, check_pipeline_flags, main, server_main
 
 def test_generate_pipeline_flags_parse(tmp_path):
     args = build_parser().parse_args(["generate", "-p", "hi", "--pp-size", "2", "--pp-layers", "0-1,2-3",
-                                      "--pp-micro-batch-size", "2", "--cluster-secret-file", "s.secret"])
+                                      "--cluster-secret-file", "s.secret"])
     check_pipeline_flags(args)
-    assert (args.pp_size, args.pp_layers, args.pp_micro_batch_size, args.cluster_secret_file) == (
-        2, "0-1,2-3", 2, "s.secret")
+    assert (args.pp_size, args.pp_layers, args.cluster_secret_file) == (2, "0-1,2-3", "s.secret")
     plain = build_parser().parse_args(["generate", "-p", "hi"])
     check_pipeline_flags(plain)
-    assert (plain.pp_size, plain.pp_layers, plain.pp_micro_batch_size, plain.cluster_secret_file) == (
-        1, None, None, None)
+    assert (plain.pp_size, plain.pp_layers, plain.cluster_secret_file) == (1, None, None)
+    assert "--pp-micro-batch-size" not in build_parser()._subparsers._group_actions[0].choices["generate"].format_help()
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -25,7 +24,8 @@ def test_generate_pipeline_flags_parse(tmp_path):
     (["--pp-size", "2", "--pp-layers", "0-1,3-5"], "--pp-layers: stage 1 starts at 3 but stage 0 ended at 1 "
                                                    "(ranges must be contiguous)"),
     (["--pp-size", "2", "--pp-layers", "0-1,x"], "--pp-layers: stage 1: 'x' is not a layer range"),
-    (["--pp-micro-batch-size", "2"], "--pp-micro-batch-size needs --pp-size 2 or more"),
+    (["--pp-size", "2", "--pp-micro-batch-size", "2"], "generate runs one sequence, which is one row: "
+                                                       "--pp-micro-batch-size applies to the pipeline server"),
 ])
 def test_generate_flag_errors_come_before_loading(tmp_path, capsys, argv, message):
     code = main(["generate", "-m", str(tmp_path / "absent"), "-p", "hi", *argv])
@@ -33,7 +33,7 @@ def test_generate_flag_errors_come_before_loading(tmp_path, capsys, argv, messag
     assert code == 1 and err.startswith(f"mlxcel: error: {message}") and err.count("\n") == 1
 
 
-@pytest.mark.parametrize("argv", [["--pp-size", "0"], ["--pp-micro-batch-size", "-1"], ["--pp-size", "two"]])
+@pytest.mark.parametrize("argv", [["--pp-size", "0"], ["--pp-size", "two"]])
 def test_generate_numeric_flags_are_positive_integers(capsys, argv):
     with pytest.raises(SystemExit) as info:
         main(["generate", "-p", "hi", *argv])
