@@ -103,11 +103,14 @@ def _pipeline_sections(df: pd.DataFrame) -> list[dict[str, Any]]:
         ("frames/token", "frames_per_token_median", html.num(1)), ("bytes/token", "bytes_per_token_median", html.kib),
         ("identical", "all_identical", html.text), ("ABBA positions", "order_positions", html.text),
     ]
+    ratio: html.Column = ("vs baseline (fair runs only)", "vs_baseline", html.ratio)
     out = []
     for (session, machine, model), g in df.groupby(["session", "machine", "model"], sort=False):
         g = g.sort_values(["stages", "mode", "streams"])
         title = f"{model} on {machine} — {session}"
-        out.append({"title": title, "plot": plots.pipeline_plot(g, title), "table": html.table(g, cols)})
+        shown = cols + [ratio] if g["vs_baseline"].notna().any() else cols  # a ratio only where it is fair
+        note = tables.UNFAIR_SINGLE_NOTE if tables.unfair_single(g) else ""
+        out.append({"title": title, "plot": plots.pipeline_plot(g, title), "table": html.table(g, shown), "note": note})
     return out
 
 

@@ -86,6 +86,9 @@ SCHEMAS: dict[str, Schema] = {s.bench: s for s in (
         _str("return", choices=("token", "logits")), Field("identical", "bool", nullable=True), _str("model"),
         _str("label", required=False, nullable=True), _str("stage_devices", required=False, nullable=True),
         _int("stage_threads", required=False, nullable=True),
+        # true only where a ratio between this run's modes is fair: every mode ran in a fresh process, or
+        # the baseline is the deployed single-node server (see tables.pipeline_summary's vs_baseline)
+        Field("fair_comparison", "bool", required=False, nullable=True, default=False),
     )),
 )}
 

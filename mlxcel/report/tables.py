@@ -132,7 +132,8 @@ def frame_summary(df: pd.DataFrame) -> pd.DataFrame:
 
 def pipeline_summary(df: pd.DataFrame) -> pd.DataFrame:
     """Per session and topology (mode, stages, streams, return): tok/s median and range, step
-    latency, frames and bytes per token, and whether every run matched the single-device output."""
+    latency, frames and bytes per token, whether every run matched the single-device output, and
+    ``vs_baseline``, the tok/s ratio against the baseline mode where that comparison is fair."""
     if df.empty:
         return pd.DataFrame()
     keys = ["session", "machine", "model", "mode", "stages", "streams", "return"]
@@ -144,7 +145,50 @@ def pipeline_summary(df: pd.DataFrame) -> pd.DataFrame:
     out["tokens"] = g["tokens"].max().values
     out["all_identical"] = g["identical"].all().values
     out["order_positions"] = g["order"].agg(lambda s: ",".join(map(str, sorted(s.unique())))).values
-    return out
+    fair = df[FAIR_FIELD] if FAIR_FIELD in df else pd.Series(False, index=df.index)
+    out["fair_comparison"] = fair.eq(True).groupby([df[k] for k in keys], sort=False, dropna=False).all().values
+    return _with_ratios(out)
+
+
+# -- ratios between pipeline modes: only where fair ---------------------------------------------------
+
+FAIR_FIELD = "fair_comparison"
+UNFAIR_SINGLE_NOTE = (
+    "No ratio against the single mode: it runs inside the benchmark process, at about half the speed of "
+    "a fresh process (docs/benchmarks.md), so \"remote vs single\" would not be a fair comparison. Only rows "
+    "marked fair_comparison (every mode in a fresh process, or the deployed single-node server as the "
+    "baseline) get a ratio.")
+
+
+def baseline_mode(mode: str) -> str:
+    """The mode a pipeline mode is held against: the single-node server for server levels, else ``single``."""
+    return "server_single" if str(mode).startswith("server_") else "single"
+
+
+def _with_ratios(out: pd.DataFrame) -> pd.DataFrame:
+    """``vs_baseline``: tok/s median over the baseline mode's (same session, machine, model and streams),
+    only where the rows of both sides are marked fair; NaN everywhere else."""
+    keys = ["session", "machine", "model", "streams"]
+    base = (out[[*keys, "mode", "tok_s_median", "fair_comparison"]]
+            .rename(columns={"mode": "baseline", "tok_s_median": "_base_tps", "fair_comparison": "_base_fair"})
+            .drop_duplicates([*keys, "baseline"]))
+    merged = out.assign(baseline=out["mode"].map(baseline_mode)).merge(base, on=[*keys, "baseline"], how="left")
+    fair = merged["fair_comparison"] & merged["_base_fair"].eq(True) & (merged["mode"] != merged["baseline"])
+    merged["vs_baseline"] = (merged["tok_s_median"] / merged["_base_tps"]).where(fair)
+    return merged.drop(columns=["_base_tps", "_base_fair"])
+
+
+def unfair_single(summary: pd.DataFrame) -> bool:
+    """True where an unmarked in-process ``single`` row sits next to other modes at the same level:
+    the comparison a reader would draw from them is the one docs/benchmarks.md calls unfair."""
+    if summary.empty:
+        return False
+    keys = ["session", "machine", "model", "streams"]
+    for _, g in summary.groupby(keys, sort=False, dropna=False):
+        single = g[g["mode"] == "single"]
+        if len(single) and len(g) > len(single) and not single["fair_comparison"].all():
+            return True
+    return False
 
 
 def serve_summary(df: pd.DataFrame) -> pd.DataFrame:
