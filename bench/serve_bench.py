@@ -2,6 +2,7 @@
 
     python -m bench.serve_bench --url http://127.0.0.1:8080 --concurrency 1,2,4,8
     python -m bench.serve_bench --launch mlxcel,mlx_lm --model-dir models/smollm2-135m-instruct
+    python -m bench.serve_bench --url http://127.0.0.2:8080 --api-key-file api.key   # a keyed server
 
 Each concurrency level runs N closed-loop clients, each sending ``--requests``
 streaming chat requests one after another. Per request it records the time to
@@ -17,6 +18,10 @@ SHA-256 as ``prompts_sha256``), and the order alternates at every level, ABBA: a
 first server in one round goes second in the next, and consecutive levels flip too
 (``order`` in the rows is the position within the level). The default two rounds give
 every level one A-B and one B-A measurement.
+
+API keys: ``--api-key-file`` (else ``MLXCEL_API_KEY_FILE``) names a file in the server's format (one key
+a line, ``#`` comments); its first key goes out as ``Authorization: Bearer``. The key is never printed;
+a 401 stops the run with one line that says so.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import asyncio
 import csv
 import hashlib
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -51,6 +57,7 @@ PROMPTS = [
     "Summarize the plot of a detective story in three sentences.",
 ]
 DEFAULT_OUT = Path("bench/results")
+ENV_KEY_FILE = "MLXCEL_API_KEY_FILE"  # the server's variable for the same file
 
 
 @dataclass
@@ -117,7 +124,8 @@ def level_order(kinds: list[str], rnd: int, level_index: int) -> list[str]:
 
 
 async def run_level(url: str, model: str, concurrency: int, requests: int, max_tokens: int,
-                    ignore_eos: bool, stagger_s: float = 0.0, tag: str = "level") -> tuple[list[RequestResult], float]:
+                    ignore_eos: bool, stagger_s: float = 0.0, tag: str = "level",
+                    headers: dict[str, str] | None = None) -> tuple[list[RequestResult], float]:
     """N closed-loop clients, each sending ``requests`` requests; returns results and wall time.
 
     With ``stagger_s`` > 0 client i starts i * stagger_s / N seconds late, so arrivals are spread
@@ -125,7 +133,7 @@ async def run_level(url: str, model: str, concurrency: int, requests: int, max_t
     at once: then the last TTFT is at least N single prefills, whatever the server does).
     """
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600), limits=limits) as client:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600), limits=limits, headers=headers) as client:
 
         async def worker(idx: int) -> list[RequestResult]:
             out = []
@@ -163,6 +171,54 @@ def summarize(server: str, url: str, concurrency: int, results: list[RequestResu
         "req_tps_mean": round(sum(per_req) / len(per_req), 2) if per_req else None,
         "agg_tps": round(tokens / wall, 2) if wall > 0 else None,
     }
+
+
+# -- API key ------------------------------------------------------------------------------------
+
+
+def read_api_key(path: str | None, env: dict[str, str] | None = None) -> str | None:
+    """The first key of ``path``, else of $MLXCEL_API_KEY_FILE; None where neither is given.
+
+    The server's format: one key a line, blank lines and ``#`` comments skipped. Errors name the
+    file and where it came from, never its content.
+    """
+    env = os.environ if env is None else env
+    source = "--api-key-file"
+    if not path:
+        path, source = env.get(ENV_KEY_FILE) or None, ENV_KEY_FILE
+    if not path:
+        return None
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SystemExit(f"serve_bench: cannot read the API key file {path} (from {source}): "
+                         f"{getattr(exc, 'strerror', None) or type(exc).__name__}") from None
+    key = next((line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("#")), "")
+    if not key:
+        raise SystemExit(f"serve_bench: no API key in {path} (from {source})")
+    return key
+
+
+class AuthHeaders(dict):
+    """The request headers that carry the key: repr and str never show it (args, tracebacks)."""
+
+    def __repr__(self) -> str:
+        return f"AuthHeaders({'<redacted>' if self else ''})"
+
+    __str__ = __repr__
+
+
+def auth_headers(key: str | None) -> AuthHeaders:
+    return AuthHeaders({"Authorization": f"Bearer {key}"} if key else {})
+
+
+def unauthorized(url: str, keyed: bool) -> SystemExit:
+    """The one-line error for a 401: a wrong key, or a server that wants one."""
+    if keyed:
+        return SystemExit(f"serve_bench: {url} answered 401 Unauthorized: the server refused the API key "
+                          f"(--api-key-file / {ENV_KEY_FILE})")
+    return SystemExit(f"serve_bench: {url} answered 401 Unauthorized: the server needs an API key "
+                      f"(--api-key-file FILE or {ENV_KEY_FILE})")
 
 
 # -- launching servers ----------------------------------------------------------------------------
@@ -214,12 +270,15 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def model_name(url: str, kind: str | None, model_dir: str | None) -> str:
+def model_name(url: str, kind: str | None, model_dir: str | None, headers: dict[str, str] | None = None) -> str:
     if kind == "mlx_lm":
         return "default_model"  # mlx_lm.server's name for the model given on its command line
     if kind == "mlxcel" and model_dir:
         return Path(model_dir).resolve().name
-    models = httpx.get(f"{url}/v1/models", timeout=10).json().get("data") or []
+    reply = httpx.get(f"{url}/v1/models", timeout=10, headers=headers)
+    if reply.status_code == 401:
+        raise unauthorized(url, bool(headers))
+    models = reply.json().get("data") or []
     if not models:
         raise SystemExit(f"serve_bench: {url}/v1/models lists no model; pass --model-name")
     return models[0]["id"]
@@ -228,31 +287,35 @@ def model_name(url: str, kind: str | None, model_dir: str | None) -> str:
 # -- driver -------------------------------------------------------------------------------------
 
 
-def warm(url: str, model: str) -> None:
-    """One short request: loads lazy weights and code paths before anything is measured."""
-    asyncio.run(run_level(url, model, 1, 1, 8, False, tag="warm"))
+def warm(url: str, model: str, headers: dict[str, str] | None = None) -> None:
+    """One short request: loads lazy weights and code paths before anything is measured; a 401 stops here."""
+    results, _ = asyncio.run(run_level(url, model, 1, 1, 8, False, tag="warm", headers=headers))
+    if results and results[0].error.startswith("HTTP 401"):
+        raise unauthorized(url, bool(headers))
 
 
 def single_request_seconds(url: str, model: str, args: argparse.Namespace, tag: str) -> float:
     """End-to-end time of one request alone: the period over which --arrival staggered spreads clients."""
-    results, wall = asyncio.run(run_level(url, model, 1, 1, args.max_tokens, args.ignore_eos, tag=tag))
+    results, wall = asyncio.run(run_level(url, model, 1, 1, args.max_tokens, args.ignore_eos, tag=tag,
+                                          headers=args.headers))
     return wall
 
 
 def bench_level(label: str, url: str, model: str, n: int, args: argparse.Namespace, tag: str) -> dict[str, Any]:
     """One concurrency level against one server; ``tag`` names the prompts (same tag, same texts)."""
     stagger = single_request_seconds(url, model, args, f"{tag}-solo") if args.arrival == "staggered" and n > 1 else 0.0
-    results, wall = asyncio.run(run_level(url, model, n, args.requests, args.max_tokens, args.ignore_eos, stagger, tag))
+    results, wall = asyncio.run(run_level(url, model, n, args.requests, args.max_tokens, args.ignore_eos, stagger, tag,
+                                          headers=args.headers))
     row = summarize(label, url, n, results, wall, args.max_tokens)
     row.update(arrival=args.arrival, prompt_tag=tag, prompts_sha256=prompts_sha256(tag, n, args.requests))
-    print(format_row(row), file=sys.stderr, flush=True)
     return row
 
 
-def format_row(row: dict[str, Any]) -> str:
-    return (f"{row['server']:>8} c={row['concurrency']:<2} req={row['requests']:<3} err={row['errors']:<2} "
-            f"ttft p50/p95 {row['ttft_p50_ms']}/{row['ttft_p95_ms']} ms  itl p50/p95 {row['itl_p50_ms']}/"
-            f"{row['itl_p95_ms']} ms  per-req {row['req_tps_mean']} tok/s  aggregate {row['agg_tps']} tok/s")
+def format_row(row: dict[str, Any], rounds: int) -> str:
+    """One level's progress line, labelled with its round (the levels repeat once per round)."""
+    return (f"round {row['round'] + 1}/{rounds} {row['server']:>8} c={row['concurrency']:<2} req={row['requests']:<3} "
+            f"err={row['errors']:<2} ttft p50/p95 {row['ttft_p50_ms']}/{row['ttft_p95_ms']} ms  itl p50/p95 "
+            f"{row['itl_p50_ms']}/{row['itl_p95_ms']} ms  per-req {row['req_tps_mean']} tok/s  aggregate {row['agg_tps']} tok/s")
 
 
 def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
@@ -285,8 +348,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="repeat all levels; launched servers alternate order at every level and round, "
                         "so two rounds give each level an A-B and a B-A run (default 2)")
     p.add_argument("--label", default=None, help="server label in the rows (default: the launch kind or 'server')")
+    p.add_argument("--api-key-file", default=None,
+                   help=f"send the first key of this file as the Bearer token (default: ${ENV_KEY_FILE}, if set)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.headers = auth_headers(read_api_key(args.api_key_file))
+    return args
 
 
 def run_side_by_side(servers: dict[str, tuple[str, str]], args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -298,8 +365,9 @@ def run_side_by_side(servers: dict[str, tuple[str, str]], args: argparse.Namespa
         for j, n in enumerate(args.concurrency):
             for order, label in enumerate(level_order(labels, rnd, j)):
                 url, name = servers[label]
-                row = bench_level(label, url, name, n, args, tag=f"r{rnd}-c{n}")
-                rows.append({**row, "round": rnd, "order": order})
+                row = {**bench_level(label, url, name, n, args, tag=f"r{rnd}-c{n}"), "round": rnd, "order": order}
+                print(format_row(row, args.rounds), file=sys.stderr, flush=True)
+                rows.append(row)
     return rows
 
 
@@ -317,7 +385,7 @@ def run_launched(args: argparse.Namespace) -> list[dict[str, Any]]:
             procs.append(proc)
             wait_until_serving(url, proc)
             servers[kind] = (url, args.model_name or model_name(url, kind, args.model_dir))
-            warm(*servers[kind])
+            warm(*servers[kind], headers=args.headers)
         rows = run_side_by_side(servers, args)
     finally:
         for proc in procs:
@@ -330,8 +398,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.launch:
         rows = run_launched(args)
     else:
-        name = args.model_name or model_name(args.url, None, None)
-        warm(args.url, name)
+        name = args.model_name or model_name(args.url, None, None, args.headers)
+        warm(args.url, name, args.headers)
         rows = run_side_by_side({args.label or "server": (args.url, name)}, args)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     write_jsonl(args.out / "serve_bench.jsonl", [{**r, "run": stamp} for r in rows])
