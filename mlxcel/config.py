@@ -73,3 +73,7 @@ def seconds(text: str) -> float:
 # Node supervisor (``mlxcel node``, the pidfile mode of the Ansible role)
 DEFAULT_NODE_READY_TIMEOUT_S = 180.0  # a (re)started node loads its checkpoint before its readiness URL says 200
 DEFAULT_NODE_STOP_GRACE_S = 10.0  # SIGTERM, then SIGKILL after this long
+
+# Stopping a server (SIGINT/SIGTERM): requests in flight may finish for this long, new ones are refused.
+# Keep it below the supervisor's stop grace (DEFAULT_NODE_STOP_GRACE_S), or the drain is cut by SIGKILL.
+DEFAULT_DRAIN_TIMEOUT_S = 5.0

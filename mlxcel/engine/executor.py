@@ -72,6 +72,9 @@ class Executor(Protocol):
     def release(self, rid: str, tokens: Sequence[int] | None = None) -> None:
         """Free a sequence everywhere; ``tokens`` offers its KV to the prefix cache under those tokens."""
 
+    # optional: ``cancel(rid)`` frees a sequence whose client gave up (the pipeline sends CANCEL, which
+    # each stage acknowledges); without it the scheduler calls ``release(rid, None)``.
+
     def stats(self) -> dict[str, float]:
         """Executor counters for /metrics."""
 

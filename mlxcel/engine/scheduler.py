@@ -133,7 +133,7 @@ class Scheduler:
         self._groups: list[list[str]] = [[] for _ in range(executor.depth)]
         self._group_busy = [False] * executor.depth
         self._steps_inflight = 0
-        self._deferred: list[tuple[str, list[int] | None, int | None]] = []  # (rid, tokens, slot or None)
+        self._deferred: list[tuple[str, list[int] | None, int | None, bool]] = []  # (rid, tokens, slot or None, cancelled)
         self._last_kind = "decode"
         self.counters = EngineCounters()
         self._thread = threading.Thread(target=self._run, name="mlxcel-scheduler", daemon=True)
@@ -477,9 +477,9 @@ class Scheduler:
         """Drop a cancelled request wherever it is; every copy of its KV cache is freed."""
         seq = self._seqs.get(request_id)
         if seq is not None:
-            self._forget(seq, keep=False)
+            self._forget(seq, keep=False, cancelled=True)
 
-    def _forget(self, seq: _Sequence, *, keep: bool) -> None:
+    def _forget(self, seq: _Sequence, *, keep: bool, cancelled: bool = False) -> None:
         self._seqs.pop(seq.rid, None)
         if seq in self._waiting:
             self._waiting.remove(seq)
@@ -493,15 +493,20 @@ class Scheduler:
             tokens = list(seq.request.prompt) + seq.generated if keep else None
             if seq.busy or (seq.group is not None and self._group_busy[seq.group]):
                 # a step naming it is in flight: release after it, so no stage sees it vanish mid-step
-                self._deferred.append((seq.rid, tokens, seq.group if not seq.busy else None))
+                self._deferred.append((seq.rid, tokens, seq.group if not seq.busy else None, cancelled))
             else:
-                self._release(seq.rid, tokens)
+                self._release(seq.rid, tokens, cancelled)
         self._release_slot()
         self._gauges()  # after the slot is free: whoever sees the gauges drop may submit at once
 
-    def _release(self, rid: str, tokens: list[int] | None) -> None:
+    def _release(self, rid: str, tokens: list[int] | None, cancelled: bool = False) -> None:
+        """Free a sequence on the executor: ``cancel`` (when it has one) for a request its client gave up."""
         try:
-            self.executor.release(rid, tokens)
+            cancel = getattr(self.executor, "cancel", None) if cancelled else None
+            if cancel is not None:
+                cancel(rid)
+            else:
+                self.executor.release(rid, tokens)
         except Exception as exc:  # a failing stage must not take the scheduler down
             log.warning("releasing %s failed: %s", rid, exc)
 
@@ -513,7 +518,7 @@ class Scheduler:
                  or (d[2] is not None and step.kind == "decode" and d[2] == step.slot)]
         for item in ready:
             self._deferred.remove(item)
-            self._release(item[0], item[1])
+            self._release(item[0], item[1], item[3])
 
     def _release_slot(self) -> None:
         with self._lock:

@@ -64,12 +64,15 @@ class PipelineExecutor:
     """
 
     def __init__(self, cluster: ClusterConfig, secret: ClusterSecret, model: ModelFacts, *,
-                 max_batch_size: int, micro_batch_size: int | None = None, return_logits: bool = False):
+                 max_batch_size: int, micro_batch_size: int | None = None, return_logits: bool = False,
+                 stop_stages_on_close: bool = False):
         self.cluster = cluster
         self.model = model
         self.depth = len(cluster.stages)
         self.micro_batch_size = min(micro_batch_size or cluster.micro_batch(max_batch_size), cluster.max_batch_size)
         self.return_logits = return_logits
+        self.stop_stages_on_close = stop_stages_on_close  # SHUTDOWN every stage when this coordinator stops
+        self._started = False
         self.exchange_s = cluster.timeouts.exchange_s
         self.first = cluster.stages[0].address
         self.last = cluster.stages[-1].address
@@ -98,6 +101,7 @@ class PipelineExecutor:
         for node in self.cluster.stages:
             self._await_stage(node, deadline)
         self.exchanges.start()
+        self._started = True
         log.info("pipeline ready: %s", ", ".join(f"{self._nodes[p].id} {_layers(s.state)} at {p}"
                                                   for p, s in self.monitor.status.items()))
 
@@ -185,6 +189,33 @@ class PipelineExecutor:
         for node in self.cluster.stages:
             self.outbox.send(node.address, Kind.CONTROL, payload)
 
+    def cancel(self, rid: str) -> None:
+        """CANCEL on every stage (a request whose client gave up): like RELEASE, but each stage ACKs it,
+        and a stage that does not is logged; nothing waits for the answers."""
+        self._samplers.pop(rid, None)
+        with self._lock:
+            self._prepared.discard(rid)
+            self._lost.discard(rid)
+        for node in self.cluster.stages:
+            def answered(ex: Exchange, node: Node = node) -> None:
+                if ex.error is not None and not self.exchanges.closing:
+                    log.warning("stage %s did not confirm CANCEL of %s: %s", node.id, rid, ex.error)
+            self._command_async(node.address, MsgType.CANCEL, {"request_id": rid}, then=answered)
+
+    def stop_stages(self, timeout: float = COMMAND_TIMEOUT_S) -> list[str]:
+        """SHUTDOWN every stage (the operator asked the coordinator to stop the cluster); returns the ids of
+        the stages that confirmed. Each stage exits 0 after its ACK."""
+        waits = [(n, self._command_async(n.address, MsgType.SHUTDOWN, {}, timeout=timeout)) for n in self.cluster.stages]
+        stopped = []
+        for node, ex in waits:
+            try:
+                self._wait(ex, node.address, timeout)
+                stopped.append(node.id)
+            except ExecutorError as exc:
+                log.warning("stage %s did not confirm SHUTDOWN: %s", node.id, exc)
+        log.info("stopped pipeline stages: %s", ", ".join(stopped) or "none")
+        return stopped
+
     def stats(self) -> dict[str, float]:
         frames = self.outbox.frames + self.received_frames
         nbytes = self.outbox.bytes + self.received_bytes
@@ -200,6 +231,8 @@ class PipelineExecutor:
         return {"status": "ok" if all(s["up"] for s in stages) else "degraded", "stages": stages}
 
     def close(self) -> None:
+        if self.stop_stages_on_close and self._started:
+            self.stop_stages()
         self.exchanges.close(lambda ex: ExecutorError("the coordinator is shutting down", ErrorCode.UNAVAILABLE))
         self.outbox.close()
         self.transport.close()

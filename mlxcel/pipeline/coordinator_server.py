@@ -12,7 +12,7 @@ from mlxcel.server.runtime import ServerRuntime
 from mlxcel.server.serve import serve_openai
 
 
-def coordinator_factory(dist: Distributed):
+def coordinator_factory(dist: Distributed, *, stop_stages: bool = False):
     """The server runtime's engine factory for the coordinator: a Scheduler over a PipelineExecutor."""
 
     def build(model: Any, tokenizer: Any, ctx: int, config: Any) -> Any:
@@ -24,7 +24,7 @@ def coordinator_factory(dist: Distributed):
             raise CLIError("a pipeline needs the cluster secret")
         executor = PipelineExecutor(dist.cluster, dist.secret, model_facts(config.model),
                                     max_batch_size=config.max_batch_size, micro_batch_size=dist.micro_batch_size,
-                                    return_logits=dist.return_logits)
+                                    return_logits=dist.return_logits, stop_stages_on_close=stop_stages)
         try:
             executor.start()
         except OSError as exc:
@@ -48,5 +48,5 @@ def run(context: RoleContext) -> int:
     if dist is None:
         raise CLIError("the coordinator role needs --distributed-config and --node-id")
     config = replace(context.config, lazy_weights=True)  # the tokenizer and config only, never the weights
-    runtime = ServerRuntime(config, coordinator_factory(dist))
+    runtime = ServerRuntime(config, coordinator_factory(dist, stop_stages=context.args.pp_stop_stages))
     return serve_openai(context, runtime, described_as=f" as coordinator of {len(dist.cluster.stages)} pipeline stages")

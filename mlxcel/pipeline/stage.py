@@ -102,6 +102,7 @@ class StageService:
         self._on_shutdown = on_shutdown
         self._worker = threading.Thread(target=self._run, name=f"mlxcel-stage-{node_id}", daemon=True)
         self.steps = 0
+        self.cancels = 0  # CANCELs accepted (requests whose client gave up)
         self._delay = float(os.environ.get(STEP_DELAY_ENV, "0") or 0)
 
     @property
@@ -187,6 +188,7 @@ class StageService:
 
     def _cmd_cancel(self, peer: PeerId, m: StageMessage) -> None:
         self._release(peer, m, ack=True)
+        self.cancels += 1
 
     def _cmd_release(self, peer: PeerId, m: StageMessage) -> None:
         self._release(peer, m, ack=False)

@@ -61,7 +61,8 @@ class StageProcess:
         body: dict[str, Any] = {"status": self.state, "role": "stage", "node_id": node.id,
                                 "layers": list(node.layers or ())}
         if self.service is not None:
-            body.update(sequences=len(self.service.runner), draining=self.service.draining)
+            body.update(sequences=len(self.service.runner), draining=self.service.draining,
+                        cancelled=self.service.cancels)
         return JSONResponse(body, status_code=200 if self.state == "ready" else 503)
 
     def close(self) -> None:

@@ -13,6 +13,7 @@ import logging
 from pathlib import Path
 
 from mlxcel.config import (
+    DEFAULT_DRAIN_TIMEOUT_S,
     DEFAULT_HOST,
     DEFAULT_MAX_QUEUE,
     DEFAULT_MODEL_DIR,
@@ -44,6 +45,9 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"requests waiting beyond --parallel before 503 (default {DEFAULT_MAX_QUEUE})")
     parser.add_argument("--request-timeout", type=seconds, default=None,
                         help="seconds a request may take, queueing included (default: no limit)")
+    parser.add_argument("--drain-timeout", type=seconds, default=DEFAULT_DRAIN_TIMEOUT_S,
+                        help=("on SIGINT/SIGTERM: seconds that requests in flight may take to finish while new "
+                              f"connections are refused (default {DEFAULT_DRAIN_TIMEOUT_S:g})"))
     parser.add_argument("--prefix-cache-mb", type=non_negative_int, default=DEFAULT_PREFIX_CACHE_MB,
                         help=("MiB of KV cache kept to reuse shared prompt prefixes "
                               f"(default {DEFAULT_PREFIX_CACHE_MB}; 0 = off)"))
@@ -71,6 +75,9 @@ def _add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--pp-return-logits", action="store_true",
                        help="coordinator: the last stage returns full logits and the coordinator samples "
                             "(default: the last stage samples and returns token ids, a few bytes per token)")
+    group.add_argument("--pp-stop-stages", action="store_true",
+                       help="coordinator: when it stops (after draining), send SHUTDOWN to every stage, which "
+                            "exits 0 (default: the stages keep running for the next coordinator)")
 
 
 def check_cluster_flags(args: argparse.Namespace) -> None:
@@ -83,6 +90,8 @@ def check_cluster_flags(args: argparse.Namespace) -> None:
         raise CLIError("--node-id must not be empty")
     if args.pp_micro_batch_size is not None and args.distributed_config is None:
         raise CLIError("--pp-micro-batch-size needs --distributed-config (it sizes a pipeline's micro-batches)")
+    if args.pp_stop_stages and args.distributed_config is None:
+        raise CLIError("--pp-stop-stages needs --distributed-config (it stops a pipeline's stages)")
 
 
 def build_config(args: argparse.Namespace):

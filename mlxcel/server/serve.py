@@ -12,8 +12,6 @@ from mlxcel.process import ExitSwitch, RoleContext, http_server
 from mlxcel.server.app import create_app
 from mlxcel.server.runtime import ServerRuntime
 
-GRACEFUL_SHUTDOWN_S = 5
-
 
 def serve_openai(context: RoleContext, runtime: ServerRuntime, *, described_as: str = "") -> int:
     """Serve until SIGINT/SIGTERM or a fatal load error; returns the exit code.
@@ -24,7 +22,7 @@ def serve_openai(context: RoleContext, runtime: ServerRuntime, *, described_as: 
     switch = ExitSwitch()
     app = create_app(runtime, on_fatal=switch.fatal, access=access)
     server = http_server(app, switch, log_level=args.log_level, uvicorn_options=access.uvicorn_options(),
-                         graceful_shutdown_s=GRACEFUL_SHUTDOWN_S)
+                         graceful_shutdown_s=args.drain_timeout)
     host, port = context.address
     print(f"mlxcel: serving {config.served_model_name} on {access.scheme}://{host}:{port}{described_as} "
           f"(parallel {config.parallel}, batch {config.max_batch_size})", file=sys.stderr, flush=True)

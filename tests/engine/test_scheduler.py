@@ -8,7 +8,7 @@ admission of a sequence prefilled elsewhere (``submit_prefilled``).
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
 
@@ -557,3 +557,32 @@ async def test_a_cache_that_does_not_fit_the_prompt_fails_the_request(tiny):
         assert finish.finish_reason == "error" and "list of 4 layer caches" in finish.error
         tokens, _ = await collect(sched.submit(greedy(OTHER, "after", 2)))  # the scheduler goes on
         assert len(tokens) == 2
+
+
+class CancellingExecutor(FakeExecutor):
+    """An executor with the optional ``cancel`` (the pipeline's CANCEL, which every stage acknowledges)."""
+
+    def __init__(self, **kw: Any):
+        super().__init__(**kw)
+        self.cancelled: list[str] = []
+
+    def cancel(self, rid: str) -> None:
+        self.cancelled.append(rid)
+
+
+@run_async
+async def test_a_client_that_gives_up_is_cancelled_a_finished_request_released():
+    ex = CancellingExecutor()
+    with scheduler(ex, parallel=2) as sched:
+        a = sched.submit(request("a", max_tokens=50))
+        b = sched.submit(request("b", max_tokens=2))
+        while "b" not in ex.released_ids():
+            step = await ex.next_step()
+            ex.complete(step)
+        step = await ex.next_step()
+        a.cancel()
+        await settle()
+        assert ex.cancelled == []  # not while its row is in the step in flight
+        ex.complete(step)
+        await until(lambda: ex.cancelled == ["a"], "a cancelled")
+        assert "a" not in ex.released_ids() and ex.released_ids() == ["b"]  # b finished: released, not cancelled

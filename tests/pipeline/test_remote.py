@@ -72,6 +72,7 @@ def test_openai_streaming_chat_through_the_coordinator(cluster):
 def test_cancelled_request_frees_kv_on_every_stage(cluster):
     body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 1900, "temperature": 0, "ignore_eos": True,
             "stream": True}
+    cancelled = [s.health().json()["cancelled"] for s in cluster.stages]
     with httpx.stream("POST", f"{cluster.url}/v1/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()  # kept open: closing the iterator would close the stream
         seen = 0
@@ -82,6 +83,8 @@ def test_cancelled_request_frees_kv_on_every_stage(cluster):
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         if all(s.health().json()["sequences"] == 0 for s in cluster.stages):
+            # freed by CANCEL (each stage acknowledges it), not by a plain RELEASE
+            assert [s.health().json()["cancelled"] for s in cluster.stages] == [n + 1 for n in cancelled]
             return
         time.sleep(0.1)
     pytest.fail(f"stages still hold sequences: {[s.health().json() for s in cluster.stages]}")
