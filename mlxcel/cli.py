@@ -96,9 +96,13 @@ def _cmd_info(args: argparse.Namespace) -> int:
 def _cmd_make_random(args: argparse.Namespace) -> int:
     from mlxcel.models.random_checkpoint import make_random_checkpoint
 
-    out = make_random_checkpoint(args.out_dir, family=args.family, layers=args.layers, hidden=args.hidden,
-                                 heads=args.heads, kv_heads=args.kv_heads, intermediate=args.intermediate,
-                                 vocab=args.vocab, seed=args.seed, quantize_bits=args.bits)
+    try:
+        out = make_random_checkpoint(args.out_dir, family=args.family, layers=args.layers, hidden=args.hidden,
+                                     heads=args.heads, kv_heads=args.kv_heads, intermediate=args.intermediate,
+                                     vocab=args.vocab, seed=args.seed, quantize_bits=args.bits, dtype=args.dtype,
+                                     head_dim=args.head_dim, group_size=args.group_size)
+    except ValueError as exc:  # a shape the checkpoint cannot have
+        raise CLIError(str(exc)) from None
     print(out)
     return 0
 
@@ -176,7 +180,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--intermediate", type=positive_int, default=None, help="MLP width (default 2 x hidden)")
     r.add_argument("--vocab", type=positive_int, default=320, help="embedding/head rows (>= 259)")
     r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--head-dim", type=positive_int, default=None, help="per-head width (default hidden / heads)")
+    r.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                   help="weights' dtype, and a quantized model's scales and biases (default float32)")
     r.add_argument("--bits", type=int, choices=[4, 8], default=None, help="quantize to this many bits")
+    r.add_argument("--group-size", type=int, choices=[32, 64, 128], default=32, help="quantization group (default 32)")
     r.set_defaults(func=_cmd_make_random)
 
     from mlxcel.commands.report import add_report_arguments

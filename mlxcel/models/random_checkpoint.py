@@ -35,8 +35,11 @@ def _tokenizer_json() -> dict:
     return json.loads(tok.to_str())
 
 
+DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+
+
 def _config(family: str, layers: int, hidden: int, heads: int, kv_heads: int, vocab: int,
-            intermediate: int | None) -> dict:
+            intermediate: int | None, head_dim: int | None) -> dict:
     config = {
         "model_type": family,
         "hidden_size": hidden,
@@ -44,7 +47,7 @@ def _config(family: str, layers: int, hidden: int, heads: int, kv_heads: int, vo
         "num_hidden_layers": layers,
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
-        "head_dim": hidden // heads,
+        "head_dim": head_dim or hidden // heads,
         "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0,
         "vocab_size": vocab,
@@ -68,25 +71,38 @@ def make_random_checkpoint(
     quantize_bits: int | None = None,
     intermediate: int | None = None,
     vocab: int = 320,
+    dtype: str = "float32",
+    head_dim: int | None = None,
+    group_size: int = 32,
 ) -> Path:
     """Write config.json, model.safetensors and tokenizer files for a random model; return the dir.
 
     The tokenizer knows 259 tokens; a larger ``vocab`` (e.g. 49152 for SmolLM2's shape) only
-    widens the embedding and head, which is what benchmarks of a model's shape need.
+    widens the embedding and head, which is what benchmarks of a model's shape need. ``dtype``
+    (float32, bfloat16, float16) is that of every weight, and of a quantized model's scales and
+    biases, so a "4-bit bfloat16" model computes in bfloat16 like a real one; ``head_dim``
+    defaults to hidden / heads (Qwen3-0.6B: hidden 1024, 16 heads, head_dim 128).
     """
     from mlx_lm.utils import _get_classes
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     if vocab < 259:
         raise ValueError(f"vocab must cover the tokenizer's 259 tokens, got {vocab}")
-    config = _config(family, layers, hidden, heads, kv_heads, vocab, intermediate)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if head_dim is None and hidden % heads:
+        raise ValueError(f"hidden ({hidden}) is not a multiple of heads ({heads}): give head_dim")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = _config(family, layers, hidden, heads, kv_heads, vocab, intermediate, head_dim)
+    if dtype != "float32":  # float32 checkpoints stay as they always were
+        config["torch_dtype"] = dtype
     model_cls, args_cls = _get_classes(config)
     mx.random.seed(seed)
     model = model_cls(args_cls.from_dict(config))
+    model.set_dtype(DTYPES[dtype])  # before quantizing: scales and biases take the weights' dtype
     if quantize_bits:
-        nn.quantize(model, group_size=32, bits=quantize_bits)
-        config["quantization"] = {"group_size": 32, "bits": quantize_bits}
+        nn.quantize(model, group_size=group_size, bits=quantize_bits)
+        config["quantization"] = {"group_size": group_size, "bits": quantize_bits}
     weights = dict(tree_flatten(model.parameters()))
     mx.eval(weights)
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
