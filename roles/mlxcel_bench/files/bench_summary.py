@@ -68,22 +68,21 @@ def pipeline_lines(df: pd.DataFrame) -> list[str]:
         _col("identical", "all_identical", html.text, True),
     ]
     if summary["vs_baseline"].notna().any():  # a ratio only where the rows say the comparison is fair
-        columns.append(("vs baseline", lambda r: html.ratio(r["vs_baseline"]) + _of(r), False))
+        columns.append(("vs baseline", _ratio_cell, False))
     out = _sections("pipeline (bench/pipeline_bench.py): decode tok/s per topology", summary, columns)
     if tables.unfair_single(summary):
         out += textwrap.wrap(tables.UNFAIR_SINGLE_NOTE, 110)
     return out
 
 
-def _of(r: pd.Series) -> str:
-    return "" if pd.isna(r["vs_baseline"]) else f" {r['baseline']}"
+def _ratio_cell(r: pd.Series) -> str:
+    """e.g. "0.91x single"; "–" where there is no fair ratio."""
+    return html.ratio(r["vs_baseline"]) + ("" if pd.isna(r["vs_baseline"]) else f" {r['baseline']}")
 
 
 def serving_lines(df: pd.DataFrame) -> list[str]:
-    df = df.copy()
-    run = df["run"].fillna("") if "run" in df else pd.Series("", index=df.index)
-    df["_rounds"] = df.groupby([df["session"], run])["round"].transform("max") + 1
-    df["_order"] = df["order"].fillna(0) if "order" in df else 0
+    rounds = df.groupby([df["session"], df["run"].fillna("")])["round"].transform("max") + 1
+    df = df.assign(_rounds=rounds, _order=df["order"].fillna(0))
     df = df.sort_values(["session", "round", "concurrency", "_order"])
     ms = html.num(1)
     columns = [
