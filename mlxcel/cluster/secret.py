@@ -8,6 +8,11 @@ Sources, highest precedence first (reference, "Cluster authentication"):
 4. ``secret_file = "<PATH>"`` under ``[cluster]`` in the cluster TOML, relative to
    the TOML's own directory.
 
+The TOML is parsed once, by the cluster config loader
+(``mlxcel.pipeline.cluster_config``): it applies ``secret_file_of`` to the ``[cluster]``
+table and hands the resolved path to ``load_secret(toml_secret_file=...)``; nothing here
+reads the TOML.
+
 The value must be at least 16 bytes after trimming one trailing newline.  It never
 appears in a repr, an error, a log line or a TOML file.
 """
@@ -18,7 +23,6 @@ import hmac
 import logging
 import os
 import stat
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, NoReturn
@@ -109,19 +113,6 @@ def _read_file(path: Path, label: str) -> bytes:
     return raw
 
 
-def _toml_secret_path(toml_path: Path) -> Path | None:
-    try:
-        doc = tomllib.loads(toml_path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise SecretError(f"cannot read the cluster TOML {toml_path}: {exc.strerror or type(exc).__name__}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise SecretError(f"the cluster TOML {toml_path} is not valid TOML: {exc}") from None
-    cluster = doc.get("cluster", {})
-    if not isinstance(cluster, dict):
-        raise SecretError(f"[cluster] in {toml_path} must be a table")
-    return secret_file_of(cluster, toml_path)
-
-
 def secret_file_of(cluster: Mapping[str, object], toml_path: Path) -> Path | None:
     """The secret file a cluster TOML's [cluster] table names (relative to the TOML), or None.
 
@@ -139,7 +130,8 @@ def secret_file_of(cluster: Mapping[str, object], toml_path: Path) -> Path | Non
     return path if path.is_absolute() else toml_path.parent / path
 
 
-def _choose(cli_file: str | os.PathLike[str] | None, env: Mapping[str, str], cluster_toml: str | os.PathLike[str] | None) -> _Source | None:
+def _choose(cli_file: str | os.PathLike[str] | None, env: Mapping[str, str],
+            toml_secret_file: str | os.PathLike[str] | None) -> _Source | None:
     env_file, env_value = env.get(ENV_SECRET_FILE), env.get(ENV_SECRET)
     if env_file is not None and env_value is not None:
         raise SecretError(f"both {ENV_SECRET_FILE} and {ENV_SECRET} are set; set only one of them")
@@ -151,11 +143,8 @@ def _choose(cli_file: str | os.PathLike[str] | None, env: Mapping[str, str], clu
         return _Source(ENV_SECRET_FILE, path=Path(env_file).expanduser())
     if env_value is not None:
         return _Source(ENV_SECRET, value=os.fsencode(env_value))
-    if cluster_toml is not None:
-        toml_path = Path(cluster_toml)
-        path = _toml_secret_path(toml_path)
-        if path is not None:
-            return _Source(f"secret_file under [cluster] in {toml_path}", path=path)
+    if toml_secret_file is not None:
+        return _Source(TOML_FIELD, path=Path(toml_secret_file))
     return None
 
 
@@ -163,15 +152,17 @@ def load_secret(
     cli_file: str | os.PathLike[str] | None = None,
     *,
     env: Mapping[str, str] | None = None,
-    cluster_toml: str | os.PathLike[str] | None = None,
+    toml_secret_file: str | os.PathLike[str] | None = None,
     required: bool = True,
 ) -> ClusterSecret | None:
     """Load the secret from the highest-precedence configured source.
 
+    ``toml_secret_file`` is the cluster TOML's ``secret_file``, already resolved by the
+    cluster config loader (``ClusterConfig.secret_file``, from ``secret_file_of``).
     Returns None when nothing is configured and ``required`` is false; raises
     ``SecretError`` (naming every source) when it is true.
     """
-    source = _choose(cli_file, os.environ if env is None else env, cluster_toml)
+    source = _choose(cli_file, os.environ if env is None else env, toml_secret_file)
     if source is None:
         if required:
             raise SecretError(MISSING_MESSAGE)

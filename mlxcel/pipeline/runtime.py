@@ -70,7 +70,7 @@ def prepare_distributed(args: argparse.Namespace, model_dir: Path) -> Distribute
     except ClusterConfigError as exc:
         raise CLIError(str(exc)) from None
     # Fail closed: every cluster connection is authenticated, so no node starts without the secret.
-    secret = load_secret(args.cluster_secret_file, cluster_toml=cluster.path, required=True)
+    secret = load_secret(args.cluster_secret_file, toml_secret_file=cluster.secret_file, required=True)
     return Distributed(cluster, node, secret, micro_batch_size=getattr(args, "pp_micro_batch_size", None),
                        return_logits=getattr(args, "pp_return_logits", False))
 

@@ -6,12 +6,13 @@ import copy
 import logging
 import os
 import pickle
+import tomllib
 from pathlib import Path
 
 import pytest
 
 from mlxcel.cluster.errors import SecretError
-from mlxcel.cluster.secret import ClusterSecret, load_secret
+from mlxcel.cluster.secret import TOML_FIELD, ClusterSecret, load_secret, secret_file_of
 
 VALUE = "0123456789abcdef0123456789abcdef"
 
@@ -22,11 +23,12 @@ def _write(path: Path, text: str, mode: int = 0o600) -> Path:
     return path
 
 
-def _toml(tmp_path: Path, body: str) -> Path:
+def _toml_secret_file(tmp_path: Path, body: str) -> Path | None:
+    """What the cluster config loader hands load_secret: secret_file_of over the parsed [cluster] table."""
     p = tmp_path / "cluster" / "cluster.toml"
     p.parent.mkdir(exist_ok=True)
     p.write_text(body)
-    return p
+    return secret_file_of(tomllib.loads(p.read_text())["cluster"], p)
 
 
 @pytest.fixture
@@ -35,19 +37,20 @@ def files(tmp_path: Path) -> dict[str, Path]:
 
 
 def test_precedence_cli_first(files, tmp_path):
-    toml = _toml(tmp_path, f'[cluster]\nsecret_file = "{files["toml"]}"\n')
+    toml = _toml_secret_file(tmp_path, f'[cluster]\nsecret_file = "{files["toml"]}"\n')
     env = {"MLXCEL_CLUSTER_SECRET_FILE": str(files["envfile"])}
-    s = load_secret(files["cli"], env=env, cluster_toml=toml)
+    s = load_secret(files["cli"], env=env, toml_secret_file=toml)
     assert s.reveal() == f"cli-{VALUE}".encode() and s.source == "--cluster-secret-file"
     assert s.path == files["cli"].resolve()
 
 
 def test_precedence_env_file_then_env_value_then_toml(files, tmp_path):
-    toml = _toml(tmp_path, f'[cluster]\nsecret_file = "{files["toml"]}"\n')
-    assert load_secret(env={"MLXCEL_CLUSTER_SECRET_FILE": str(files["envfile"])}, cluster_toml=toml).reveal() == f"envfile-{VALUE}".encode()
-    s = load_secret(env={"MLXCEL_CLUSTER_SECRET": "v-" + VALUE}, cluster_toml=toml)
+    toml = _toml_secret_file(tmp_path, f'[cluster]\nsecret_file = "{files["toml"]}"\n')
+    assert load_secret(env={"MLXCEL_CLUSTER_SECRET_FILE": str(files["envfile"])}, toml_secret_file=toml).reveal() == f"envfile-{VALUE}".encode()
+    s = load_secret(env={"MLXCEL_CLUSTER_SECRET": "v-" + VALUE}, toml_secret_file=toml)
     assert s.reveal() == ("v-" + VALUE).encode() and s.path is None and s.source == "MLXCEL_CLUSTER_SECRET"
-    assert load_secret(env={}, cluster_toml=toml).reveal() == f"toml-{VALUE}".encode()
+    s = load_secret(env={}, toml_secret_file=toml)
+    assert s.reveal() == f"toml-{VALUE}".encode() and s.source == TOML_FIELD
 
 
 def test_both_environment_variables_is_an_error(files):
@@ -59,22 +62,22 @@ def test_both_environment_variables_is_an_error(files):
 
 
 def test_toml_relative_path_resolves_against_the_toml_directory(tmp_path):
-    toml = _toml(tmp_path, '[cluster]\nsecret_file = "keys/cluster.secret"\n')
-    (toml.parent / "keys").mkdir()
-    _write(toml.parent / "keys" / "cluster.secret", VALUE + "\n")
+    secret_file = _toml_secret_file(tmp_path, '[cluster]\nsecret_file = "keys/cluster.secret"\n')
+    toml_dir = tmp_path / "cluster"
+    (toml_dir / "keys").mkdir()
+    _write(toml_dir / "keys" / "cluster.secret", VALUE + "\n")
     cwd = os.getcwd()
     os.chdir(tmp_path)  # a cwd-relative lookup would miss it
     try:
-        s = load_secret(env={}, cluster_toml=toml)
+        s = load_secret(env={}, toml_secret_file=secret_file)
     finally:
         os.chdir(cwd)
-    assert s.reveal() == VALUE.encode() and s.path == (toml.parent / "keys" / "cluster.secret").resolve()
+    assert s.reveal() == VALUE.encode() and s.path == (toml_dir / "keys" / "cluster.secret").resolve()
 
 
 def test_toml_must_not_carry_the_value(tmp_path):
-    toml = _toml(tmp_path, f'[cluster]\nsecret = "{VALUE}"\n')
     with pytest.raises(SecretError, match="never goes into the TOML") as info:
-        load_secret(env={}, cluster_toml=toml)
+        _toml_secret_file(tmp_path, f'[cluster]\nsecret = "{VALUE}"\n')
     assert VALUE not in str(info.value)
 
 

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
+import os
+import sys
+
 import pytest
 
+from mlxcel.cluster.secret import TOML_FIELD
 from mlxcel.pipeline.cluster_config import ClusterConfigError, load_cluster_config
+from mlxcel.pipeline.runtime import prepare_distributed
 from tests.engine.test_cli import assert_one_line_error, mlxcel
 
 GOOD = """
@@ -93,9 +99,7 @@ def test_not_toml_and_missing_file(tmp_path):
 def test_server_refuses_to_start_without_a_secret(tmp_path, tiny_llama):
     path = write(tmp_path, GOOD.replace('secret_file = "s.secret"\n', ""))
     env_free = {"MLXCEL_CLUSTER_SECRET": None, "MLXCEL_CLUSTER_SECRET_FILE": None}
-    import os
     import subprocess
-    import sys
 
     env = {k: v for k, v in os.environ.items() if k not in env_free}
     for node in ("stage-0", "coordinator"):
@@ -115,3 +119,34 @@ def test_server_names_an_unknown_node_and_bad_ranges(tmp_path, tiny_llama):
     bad = write(tmp_path, GOOD.replace('layers = "2-3"', 'layers = "2-5"'))
     result = mlxcel("serve", "-m", str(tiny_llama), "--distributed-config", str(bad), "--node-id", "stage-0", "--port", "0")
     assert_one_line_error(result, "the model has only 4 layers")
+
+
+_opened: list[str] | None = None  # while a test records: every path this process opens
+
+
+def _record_opens(event: str, args: tuple) -> None:
+    if event == "open" and _opened is not None and isinstance(args[0], (str, bytes, os.PathLike)):
+        _opened.append(os.path.realpath(os.fsdecode(args[0])))
+
+
+def test_a_node_reads_the_cluster_toml_once(tmp_path, tiny_llama, monkeypatch):
+    """The config loader parses the TOML; the secret loader gets its secret_file, never the TOML again."""
+    global _opened
+    (tmp_path / "s.secret").write_text("t" * 32 + "\n")
+    path = write(tmp_path, GOOD)
+    for name in ("MLXCEL_CLUSTER_SECRET", "MLXCEL_CLUSTER_SECRET_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    args = argparse.Namespace(distributed_config=str(path), node_id="stage-0", cluster_secret_file=None)
+    if not getattr(_record_opens, "added", False):
+        sys.addaudithook(_record_opens)  # audit hooks cannot be removed: it records only while _opened is a list
+        _record_opens.added = True  # type: ignore[attr-defined]
+    _opened = []
+    try:
+        dist = prepare_distributed(args, tiny_llama)
+        opened = list(_opened)
+    finally:
+        _opened = None
+    assert opened.count(os.path.realpath(path)) == 1
+    assert opened.count(os.path.realpath(tmp_path / "s.secret")) == 1
+    assert dist.secret.reveal() == b"t" * 32 and dist.secret.source == TOML_FIELD
+    assert [n.layers for n in dist.cluster.stages] == [(0, 2), (2, 4)]
