@@ -10,7 +10,7 @@ import sys
 from typing import Callable, Sequence
 
 from mlxcel import __version__
-from mlxcel.config import DEFAULT_MODEL_DIR, DEFAULT_PP_SIZE, positive_int
+from mlxcel.config import DEFAULT_MAX_TOKENS, DEFAULT_MODEL_DIR, DEFAULT_PP_SIZE, positive_int
 from mlxcel.errors import CLIError
 
 __all__ = ["CLIError", "DEFAULT_MODEL_DIR", "build_parser", "main", "positive_int", "server_main"]
@@ -135,7 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text from a prompt, streaming to the terminal")
     g.add_argument("-m", "--model", default=DEFAULT_MODEL_DIR, help=f"checkpoint directory (default {DEFAULT_MODEL_DIR})")
     g.add_argument("-p", "--prompt", required=True, help="the prompt ('-' reads stdin)")
-    g.add_argument("-n", "--max-tokens", type=positive_int, default=256, help="tokens to generate at most (default 256)")
+    g.add_argument("-n", "--max-tokens", type=positive_int, default=DEFAULT_MAX_TOKENS,
+                   help=f"tokens to generate at most (default {DEFAULT_MAX_TOKENS})")
     g.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     g.add_argument("--system", default=None, help="system message for the chat template")
     _add_sampling_arguments(g)

@@ -17,7 +17,13 @@ DEFAULT_PORT = 8080
 DEFAULT_PARALLEL = 4  # concurrent sequences holding a KV cache
 DEFAULT_MAX_QUEUE = 64  # requests waiting beyond --parallel before 503
 DEFAULT_PREFIX_CACHE_MB = 256  # MiB of KV cache kept for shared prompt prefixes (0 = off)
-PREFILL_STEP = 512  # prompt tokens per prefill chunk; bounds the stall a long prompt causes others
+PREFILL_STEP = 512  # prompt tokens per prefill chunk (server and generate); bounds the stall a long prompt causes others
+
+# Requests (the CLI, the HTTP server and the stage protocol check the same bounds)
+DEFAULT_MAX_TOKENS = 256  # tokens generated when a request or `generate -n` names no limit
+MAX_TOKENS_LIMIT = 1 << 20  # most tokens one request may ask for
+MAX_STOP_STRINGS = 4
+MAX_TOP_LOGPROBS = 20  # most alternatives reported per token (OpenAI's bound)
 
 # Pipeline parallelism (cluster TOML and flags)
 DEFAULT_PP_SIZE = 1  # 1 = no pipeline

@@ -96,6 +96,9 @@ def hkdf_info(channel: Channel, direction: str) -> bytes:
 #: frame header = kind(u8) || len(u32 BE); it is the AEAD's associated data
 FRAME_HEADER = struct.Struct(">BI")
 FRAME_HEADER_LEN = FRAME_HEADER.size
+#: wire bytes a message of one frame adds to its payload with the cluster's suite: header + AES-GCM
+#: tag = 21 (messages above the chunk length are fragmented and add this per frame)
+FRAME_OVERHEAD = FRAME_HEADER_LEN + TAG_LEN[DEFAULT_SUITE]
 MAX_FRAME_LEN = 256 * 1024 * 1024
 NONCE_BYTES = 12
 SEQ_LIMIT = 1 << 96  # a direction never uses sequence number SEQ_LIMIT (never wraps)

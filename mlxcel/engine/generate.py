@@ -15,12 +15,12 @@ from typing import Any, Callable, Iterator, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+from mlxcel.config import PREFILL_STEP
 from mlxcel.engine.model_slice import ModelSlice
 from mlxcel.engine.sampling import SamplingParams, make_sampler
 from mlxcel.engine.textstream import SequenceText
 
 Forward = Callable[[mx.array, list], mx.array]
-PREFILL_CHUNK = 2048
 _stream = mx.new_stream(mx.default_device())
 
 
@@ -38,7 +38,7 @@ def generate_tokens(
     sampler: Callable[[mx.array], mx.array],
     max_tokens: int,
     *,
-    prefill_chunk: int = PREFILL_CHUNK,
+    prefill_chunk: int = PREFILL_STEP,
 ) -> Iterator[tuple[int, mx.array]]:
     """Yield up to ``max_tokens`` (token, logprobs) pairs; the next step is queued before each yield."""
     tokens = mx.array(list(prompt), dtype=mx.uint32)

@@ -22,11 +22,11 @@ from typing import Callable, Sequence
 
 import mlx.core as mx
 
+from mlxcel.config import MAX_TOP_LOGPROBS
 from mlxcel.engine.sampling import SamplingParams, make_sampler
 from mlxcel.error_codes import CodedError, ErrorCode
 
 Forward = Callable[[mx.array, list], mx.array]
-MAX_TOP_LOGPROBS = 20
 
 
 class RunnerError(CodedError):

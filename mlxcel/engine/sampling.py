@@ -9,9 +9,7 @@ from typing import Callable
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_top_k, apply_top_p
 
-# One source of truth for request bounds, shared by the CLI and the HTTP server.
-MAX_TOKENS_LIMIT = 1 << 20
-MAX_STOP_STRINGS = 4
+from mlxcel.config import DEFAULT_MAX_TOKENS, MAX_STOP_STRINGS, MAX_TOKENS_LIMIT
 
 Sampler = Callable[[mx.array], mx.array]
 
@@ -28,7 +26,7 @@ class SamplingError(ValueError):
 class SamplingParams:
     """What to sample and when to stop. Defaults are greedy decoding."""
 
-    max_tokens: int = 256
+    max_tokens: int = DEFAULT_MAX_TOKENS
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0

@@ -31,13 +31,13 @@ from mlxcel.cluster.messages import Message
 from mlxcel.cluster.ratelimit import WarnClass, cluster_warnings
 from mlxcel.cluster.secret import ClusterSecret
 from mlxcel.cluster.transport import Transport
-from mlxcel.cluster.wire import Kind
+from mlxcel.cluster.wire import FRAME_OVERHEAD, Kind
 from mlxcel.engine.executor import Done, ExecutorError, Step
 from mlxcel.engine.runner import RowSampler, Sampled, sample_rows
 from mlxcel.engine.sampling import SamplingParams
 from mlxcel.error_codes import ErrorCode
 from mlxcel.pipeline.cluster_config import ClusterConfig, Node
-from mlxcel.pipeline.outbox import FRAME_OVERHEAD, Outbox, fast_handoffs
+from mlxcel.pipeline.outbox import Outbox, fast_handoffs
 from mlxcel.pipeline.params import params_to_wire
 from mlxcel.pipeline.protocol import (
     MsgType,

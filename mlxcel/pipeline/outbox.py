@@ -16,13 +16,12 @@ from typing import Any, Callable
 
 from mlxcel.cluster.identity import PeerId
 from mlxcel.cluster.transport import Transport
-from mlxcel.cluster.wire import Kind
+from mlxcel.cluster.wire import FRAME_OVERHEAD, Kind
 
 log = logging.getLogger("mlxcel.pipeline")
 
 OnError = Callable[[BaseException], None]
 _STOP = object()
-FRAME_OVERHEAD = 21  # kind (1) + len (4) + AES-GCM tag (16): one frame per message below the chunk size
 
 
 HANDOFF_SWITCH_INTERVAL_S = 0.0005

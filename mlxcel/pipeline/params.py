@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mlxcel.engine.runner import MAX_TOP_LOGPROBS
+from mlxcel.config import MAX_TOP_LOGPROBS
 from mlxcel.engine.sampling import SamplingParams
 from mlxcel.pipeline.protocol import is_int, is_number
 

@@ -16,6 +16,7 @@ from typing import Any, AsyncIterator, Union
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from mlxcel.config import MAX_TOP_LOGPROBS
 from mlxcel.engine.interface import (
     Engine,
     EngineRequest,
@@ -39,7 +40,6 @@ from mlxcel.server.errors import (
 from mlxcel.server.metrics import ServerMetrics
 from mlxcel.server.runtime import ServerRuntime
 
-MAX_TOP_LOGPROBS = 20
 AnyRequest = Union[p.ChatCompletionRequest, p.CompletionRequest]
 
 
