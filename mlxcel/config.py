@@ -29,6 +29,7 @@ MAX_TOP_LOGPROBS = 20  # most alternatives reported per token (OpenAI's bound)
 DEFAULT_PP_SIZE = 1  # 1 = no pipeline
 DEFAULT_PP_MAX_BATCH = 8  # most rows a stage accepts in one activation
 MAX_ACTIVATION_TOKENS = 2**20  # bound on n in a [rows, n, width] hidden-state activation
+MAX_PREFIX_TOKENS = 2**16  # most token ids in PREPARE's prompt / RELEASE's tokens (the JSON fits 1 MiB)
 DEFAULT_STARTUP_S = 60.0  # coordinator waits this long for every stage at start-up
 DEFAULT_EXCHANGE_S = 30.0  # absolute deadline of one exchange, RunEntry -> RunResult
 DEFAULT_HEARTBEAT_S = 2.0  # coordinator probes each stage this often

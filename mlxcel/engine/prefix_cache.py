@@ -68,15 +68,18 @@ class PrefixCache:
             _, old = self._entries.popitem(last=False)
             self._bytes -= sum(c.keys.nbytes + c.values.nbytes for c in old)
 
-    def lookup(self, prompt: Sequence[int]) -> tuple[list | None, int]:
-        """(cache of the longest stored prefix, its length); at least one prompt token is left to prefill."""
+    def lookup(self, prompt: Sequence[int], limit: int | None = None) -> tuple[list | None, int]:
+        """(cache of the longest stored prefix, its length); at least one prompt token is left to prefill.
+
+        ``limit`` caps the length (a pipeline stage trims to the prefix every stage holds).
+        """
         best_key, best = None, 0
         prompt = list(prompt)
         for key in self._entries:
             n = len(os.path.commonprefix([prompt, list(key)]))
             if n > best:
                 best_key, best = key, n
-        best = min(best, len(prompt) - 1)
+        best = min(best, len(prompt) - 1, best if limit is None else limit)
         if best_key is None or best < MIN_PREFIX:
             return None, 0
         self._entries.move_to_end(best_key)

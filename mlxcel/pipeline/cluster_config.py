@@ -3,7 +3,7 @@
 Schema (docs/pipeline.md has the commented example, ``examples/cluster-loopback.toml`` a file):
 
     [cluster]   name, pipeline_parallel_size, secret_file (a path; never the value)
-    [pipeline]  micro_batch_size, max_batch_size
+    [pipeline]  micro_batch_size, max_batch_size, prefix_cache_mb
     [timeouts]  startup_s, exchange_s, heartbeat_s
     [[nodes]]   id, role ("coordinator" | "stage"), address ("ip:port"), layers ("a-b", stages only)
 
@@ -27,7 +27,7 @@ from mlxcel.pipeline.partition import PartitionError, check_contiguous, check_co
 ROLES = ("coordinator", "stage")
 _TOP_KEYS = {"cluster", "pipeline", "timeouts", "nodes"}
 _CLUSTER_KEYS = {"name", "pipeline_parallel_size", "secret_file"}
-_PIPELINE_KEYS = {"micro_batch_size", "max_batch_size"}
+_PIPELINE_KEYS = {"micro_batch_size", "max_batch_size", "prefix_cache_mb"}
 _TIMEOUT_KEYS = {"startup_s", "exchange_s", "heartbeat_s"}
 _NODE_KEYS = {"id", "role", "address", "layers"}
 
@@ -66,6 +66,7 @@ class ClusterConfig:
     micro_batch_size: int | None = None
     max_batch_size: int = defaults.DEFAULT_PP_MAX_BATCH
     timeouts: Timeouts = field(default_factory=Timeouts)
+    prefix_cache_mb: int = defaults.DEFAULT_PREFIX_CACHE_MB  # per stage, of its slice's KV; 0 = off
 
     def node(self, node_id: str) -> Node:
         for node in (self.coordinator, *self.stages):
@@ -84,7 +85,8 @@ class ClusterConfig:
         """The same cluster with every stage's layer range set."""
         stages = tuple(Node(n.id, n.role, n.address, r) for n, r in zip(self.stages, ranges))
         return ClusterConfig(self.path, self.name, self.pipeline_parallel_size, self.coordinator, stages,
-                             self.secret_file, self.micro_batch_size, self.max_batch_size, self.timeouts)
+                             self.secret_file, self.micro_batch_size, self.max_batch_size, self.timeouts,
+                             self.prefix_cache_mb)
 
     def check_layers(self, num_layers: int) -> None:
         """Stage ranges must be contiguous from 0 and cover every layer of the model."""
@@ -156,6 +158,7 @@ def parse_cluster_config(doc: dict[str, Any], path: Path) -> ClusterConfig:
             exchange_s=_seconds(timeouts, "exchange_s", path, defaults.DEFAULT_EXCHANGE_S),
             heartbeat_s=_seconds(timeouts, "heartbeat_s", path, defaults.DEFAULT_HEARTBEAT_S),
         ),
+        prefix_cache_mb=_mebibytes(pipeline, "prefix_cache_mb", path, defaults.DEFAULT_PREFIX_CACHE_MB),
     )
 
 
@@ -231,6 +234,13 @@ def _positive(table: dict[str, Any], key: str, path: Path, default: Any) -> Any:
         return value
     if not _is_int(value) or value < 1:
         raise ClusterConfigError(f"{path}: {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _mebibytes(table: dict[str, Any], key: str, path: Path, default: int) -> int:
+    value = table.get(key, default)
+    if not _is_int(value) or value < 0:
+        raise ClusterConfigError(f"{path}: {key} under [pipeline] must be an integer >= 0 (MiB; 0 = off), got {value!r}")
     return value
 
 

@@ -32,13 +32,14 @@ from mlxcel.cluster.ratelimit import WarnClass, cluster_warnings
 from mlxcel.cluster.secret import ClusterSecret
 from mlxcel.cluster.transport import Transport
 from mlxcel.cluster.wire import FRAME_OVERHEAD, Kind
+from mlxcel.config import MAX_PREFIX_TOKENS
 from mlxcel.engine.executor import Done, ExecutorError, Step
 from mlxcel.engine.runner import RowSampler, Sampled, sample_rows
 from mlxcel.engine.sampling import SamplingParams
 from mlxcel.error_codes import ErrorCode
 from mlxcel.pipeline.cluster_config import ClusterConfig, Node
 from mlxcel.pipeline.outbox import Outbox, fast_handoffs
-from mlxcel.pipeline.params import params_to_wire
+from mlxcel.pipeline.params import count_from_wire, params_to_wire
 from mlxcel.pipeline.protocol import (
     MsgType,
     ProtocolError,
@@ -88,6 +89,9 @@ class PipelineExecutor:
         self._samplers: dict[str, RowSampler] = {}
         self._prepared: set[str] = set()  # request ids prepared on every stage
         self._lost: set[str] = set()  # prepared before a stage restarted: their state is gone
+        self.prefix_on = cluster.prefix_cache_mb > 0  # the stages keep prefix caches: send prompts and tokens
+        self.prefix_hits = 0  # sequences that every stage started from a cached prefix
+        self.prefix_tokens = 0  # prompt tokens those sequences did not prefill
         self.received_frames = 0
         self.received_bytes = 0
 
@@ -153,16 +157,42 @@ class PipelineExecutor:
         down = [self._nodes[p].id for p in self.monitor.down()]
         if down:
             raise ExecutorError(f"pipeline stage {', '.join(down)} is unreachable; retry shortly", ErrorCode.UNREACHABLE)
-        header = {"request_id": rid, "params": params_to_wire(params, top_logprobs),
-                  "return": "logits" if self.return_logits else "token"}
-        waits = [self._command_async(n.address, MsgType.PREPARE, header) for n in self.cluster.stages]
-        for node, ex in zip(self.cluster.stages, waits):
-            self._wait(ex, node.address, COMMAND_TIMEOUT_S)
+        header: dict[str, Any] = {"request_id": rid, "params": params_to_wire(params, top_logprobs),
+                                  "return": "logits" if self.return_logits else "token"}
+        if self.prefix_on and len(prompt) > 1:
+            header["prompt"] = list(prompt[:MAX_PREFIX_TOKENS])
+        cached = self._agree(header, self._prepare_on(self.cluster.stages, header))
         with self._lock:
             self._prepared.add(rid)
         if self.return_logits:
             self._samplers[rid] = RowSampler(params, top_logprobs)
-        return 0
+        if cached:
+            self.prefix_hits += 1
+            self.prefix_tokens += cached
+        return cached
+
+    def _prepare_on(self, nodes: Sequence[Node], header: dict[str, Any]) -> dict[PeerId, int]:
+        """PREPARE on ``nodes`` at once; per stage, the ``cached`` of its ACK (absent: 0, no cache there)."""
+        most = min(max(len(header.get("prompt", ())) - 1, 0), header.get("max_cached", MAX_PREFIX_TOKENS))
+        waits = [(n, self._command_async(n.address, MsgType.PREPARE, header)) for n in nodes]
+        held: dict[PeerId, int] = {}
+        for node, ex in waits:
+            ack = self._wait(ex, node.address, COMMAND_TIMEOUT_S)
+            try:
+                held[node.address] = count_from_wire(ack.header.get("cached", 0), "cached", most)
+            except ValueError as exc:
+                raise ExecutorError(f"stage {node.id} answered PREPARE with a bad count: {exc}", ErrorCode.INTERNAL) from None
+        return held
+
+    def _agree(self, header: dict[str, Any], held: dict[PeerId, int]) -> int:
+        """The prefix length every stage starts from: stages that hold more than the shortest are prepared
+        again, capped by ``max_cached``, until all hold the same (each round lowers it; 0 always agrees)."""
+        while True:
+            low = min(held.values())
+            over = [self._nodes[addr] for addr, n in held.items() if n != low]
+            if not over:
+                return low
+            held.update(self._prepare_on(over, {**header, "max_cached": low}))
 
     def submit(self, step: Step, done: Done) -> None:
         with self._lock:
@@ -185,7 +215,10 @@ class PipelineExecutor:
         with self._lock:
             self._prepared.discard(rid)
             self._lost.discard(rid)
-        payload = encode(MsgType.RELEASE, {"request_id": rid, "nonce": new_nonce()})
+        header: dict[str, Any] = {"request_id": rid, "nonce": new_nonce()}
+        if tokens is not None and self.prefix_on:  # each stage keeps its slice's KV under these tokens
+            header["tokens"] = list(tokens[:MAX_PREFIX_TOKENS])
+        payload = encode(MsgType.RELEASE, header)
         for node in self.cluster.stages:
             self.outbox.send(node.address, Kind.CONTROL, payload)
 
@@ -223,7 +256,9 @@ class PipelineExecutor:
             if peer != self.last:
                 frames += int(s.state.get("sent_frames", 0))
                 nbytes += int(s.state.get("sent_bytes", 0))
-        return {"stages_down": float(len(self.monitor.down())), "wire_frames": float(frames), "wire_bytes": float(nbytes)}
+        return {"stages_down": float(len(self.monitor.down())), "wire_frames": float(frames), "wire_bytes": float(nbytes),
+                "prefix_hits": float(self.prefix_hits), "prefix_tokens": float(self.prefix_tokens),
+                "prefix_bytes": float(sum(int(s.state.get("prefix_bytes", 0)) for s in self.monitor.status.values()))}
 
     def health(self) -> dict[str, Any]:
         stages = [{"id": self._nodes[p].id, "address": str(p), "up": s.up, "layers": s.state.get("layers")}

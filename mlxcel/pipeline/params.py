@@ -1,10 +1,11 @@
-"""Sampling parameters on the wire (the ``params`` object of PREPARE, docs/pipeline.md §3)."""
+"""Sequence fields on the wire (docs/pipeline.md §3.5): PREPARE's ``params`` object, and the prefix
+cache's token lists (PREPARE ``prompt``, RELEASE ``tokens``) and counts (``max_cached``, ACK ``cached``)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from mlxcel.config import MAX_TOP_LOGPROBS
+from mlxcel.config import MAX_PREFIX_TOKENS, MAX_TOP_LOGPROBS
 from mlxcel.engine.sampling import SamplingParams
 from mlxcel.pipeline.protocol import is_int, is_number
 
@@ -48,3 +49,24 @@ def _number(raw: dict[str, Any], name: str, default: float) -> float:
     if not is_number(value):  # true is not 1.0
         raise TypeError(f"{name} must be a number")
     return float(value)
+
+
+def tokens_from_wire(raw: Any, name: str, vocab_size: int) -> list[int] | None:
+    """A token list (PREPARE ``prompt``, RELEASE ``tokens``): absent/null, or at most ``MAX_PREFIX_TOKENS``
+    integers in [0, vocab_size); raises TypeError / ValueError (``true`` is not token 1)."""
+    if raw is None:
+        return None
+    if not isinstance(raw, list):
+        raise TypeError(f"{name} must be an array of token ids")
+    if len(raw) > MAX_PREFIX_TOKENS:
+        raise ValueError(f"{name} holds {len(raw)} token ids; at most {MAX_PREFIX_TOKENS}")
+    if not all(is_int(t) and 0 <= t < vocab_size for t in raw):
+        raise ValueError(f"{name} must hold integer token ids from 0 to {vocab_size - 1}")
+    return raw
+
+
+def count_from_wire(raw: Any, name: str, most: int) -> int:
+    """A token count (PREPARE ``max_cached``, ACK ``cached``): an integer from 0 to ``most``."""
+    if not is_int(raw) or not 0 <= raw <= most:
+        raise ValueError(f"{name} must be an integer from 0 to {most}, got {raw!r}")
+    return raw

@@ -34,11 +34,13 @@ from mlxcel.cluster.ratelimit import WarnClass, cluster_warnings
 from mlxcel.cluster.secret import ClusterSecret
 from mlxcel.cluster.transport import Transport
 from mlxcel.cluster.wire import Kind
+from mlxcel.config import MAX_PREFIX_TOKENS
+from mlxcel.engine.prefix_cache import PrefixCache
 from mlxcel.engine.runner import RowSampler, RunnerError, Sampled, SliceRunner
 from mlxcel.engine.sampling import SamplingError
 from mlxcel.pipeline.cluster_config import ClusterConfig
 from mlxcel.pipeline.outbox import Outbox, fast_handoffs
-from mlxcel.pipeline.params import params_from_wire
+from mlxcel.pipeline.params import count_from_wire, params_from_wire, tokens_from_wire
 from mlxcel.pipeline.protocol import (
     COMMANDS,
     ErrorCode,
@@ -69,6 +71,15 @@ class ModelFacts:
     vocab_size: int
 
 
+@dataclass(frozen=True)
+class _Prepare:
+    """A checked PREPARE for the worker: the last stage's sampler, the prompt to look up, the agreed cap."""
+
+    row: RowSampler | None
+    prompt: list[int] | None
+    max_cached: int | None
+
+
 def is_coordinator(peer: PeerId, coordinator: PeerId) -> bool:
     """The coordinator check: its exact identity, or any identity on its port when its IP is unspecified."""
     if coordinator.ip.is_unspecified:
@@ -86,6 +97,7 @@ class StageService:
         self.node = cluster.stages[self.index]
         self.runner = runner
         self.model = model
+        self.prefix = PrefixCache(cluster.prefix_cache_mb << 20)  # this slice's KV of finished sequences
         self.coordinator = cluster.coordinator.address
         self.upstream = cluster.stages[self.index - 1].address if self.index > 0 else None
         self.downstream = cluster.stages[self.index + 1].address if self.index + 1 < len(cluster.stages) else None
@@ -171,13 +183,19 @@ class StageService:
         ret = m.header.get("return", "token")
         if ret not in ("token", "logits"):
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"return must be token or logits, got {ret!r}")
+        try:
+            prompt = tokens_from_wire(m.header.get("prompt"), "prompt", self.model.vocab_size)
+            cap = m.header.get("max_cached")
+            cap = None if cap is None else count_from_wire(cap, "max_cached", MAX_PREFIX_TOKENS)
+        except (TypeError, ValueError) as exc:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, str(exc)) from None
         with self._lock:
             owner = self._owners.get(rid)
             if owner is not None and owner != peer:
                 raise ProtocolError(ErrorCode.UNAUTHORIZED, f"request {rid} belongs to another identity")
             self._owners[rid] = peer
             self._returns[rid] = ret
-        self._work.put(("prepare", peer, m, RowSampler(params, top) if self.is_last else None))
+        self._work.put(("prepare", peer, m, _Prepare(RowSampler(params, top) if self.is_last else None, prompt, cap)))
 
     def _cmd_run_entry(self, peer: PeerId, m: StageMessage) -> None:
         if not self.is_first:
@@ -191,9 +209,13 @@ class StageService:
         self.cancels += 1
 
     def _cmd_release(self, peer: PeerId, m: StageMessage) -> None:
-        self._release(peer, m, ack=False)
+        try:
+            tokens = tokens_from_wire(m.header.get("tokens"), "tokens", self.model.vocab_size)
+        except (TypeError, ValueError) as exc:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, str(exc)) from None
+        self._release(peer, m, ack=False, tokens=tokens)
 
-    def _release(self, peer: PeerId, m: StageMessage, *, ack: bool) -> None:
+    def _release(self, peer: PeerId, m: StageMessage, *, ack: bool, tokens: list[int] | None = None) -> None:
         rid = _rid(m.header.get("request_id"))
         with self._lock:
             owner = self._owners.get(rid)
@@ -201,7 +223,7 @@ class StageService:
                 raise ProtocolError(ErrorCode.UNAUTHORIZED, f"request {rid} belongs to another identity")
             self._owners.pop(rid, None)
             self._returns.pop(rid, None)
-        self._work.put(("release", peer, m, ack))
+        self._work.put(("release", peer, m, (ack, tokens)))
 
     def _cmd_begin_drain(self, peer: PeerId, m: StageMessage) -> None:
         self.draining = True
@@ -264,12 +286,9 @@ class StageService:
             op, peer, m, arg = item
             try:
                 if op == "prepare":
-                    self.runner.prepare(m.header["request_id"], arg)
-                    self._reply(peer, MsgType.ACK, {"nonce": m.nonce})
+                    self._prepare(peer, m, arg)
                 elif op == "release":
-                    self.runner.release(m.header["request_id"])
-                    if arg:
-                        self._reply(peer, MsgType.ACK, {"nonce": m.nonce})
+                    self._forget(peer, m, *arg)
                 else:
                     self._step(peer, m, arg)
             except RunnerError as exc:
@@ -277,6 +296,24 @@ class StageService:
             except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, never the stage
                 log.exception("stage %s: %s failed", self.node.id, m.type.name)
                 self._reply_error(peer, m, ErrorCode.INTERNAL, f"stage {self.node.id}: {type(exc).__name__}: {exc}")
+
+    def _prepare(self, peer: PeerId, m: StageMessage, p: _Prepare) -> None:
+        """A fresh sequence, seeded with this slice's KV of the longest cached prefix of its prompt (at most
+        ``max_cached`` tokens); ACK says how many tokens that is (docs/pipeline.md §3.12)."""
+        cache, cached = self.prefix.lookup(p.prompt, p.max_cached) if p.prompt else (None, 0)
+        self.runner.prepare(m.header["request_id"], p.row, cache=cache, length=cached)
+        self._reply(peer, MsgType.ACK, {"nonce": m.nonce, "cached": cached})
+
+    def _forget(self, peer: PeerId, m: StageMessage, ack: bool, tokens: list[int] | None) -> None:
+        """Free a sequence; with ``tokens`` (a RELEASE), its KV first goes to the prefix cache under them."""
+        rid = m.header["request_id"]
+        taken = self.runner.take_cache(rid) if tokens and self.prefix.max_bytes > 0 else None
+        if taken is not None:
+            cache, length = taken
+            self.prefix.store(tokens[:length], cache)
+        self.runner.release(rid)
+        if ack:
+            self._reply(peer, MsgType.ACK, {"nonce": m.nonce})
 
     def _step(self, owner: PeerId, m: StageMessage, tensor: str) -> None:
         from mlxcel.pipeline.tensors import from_wire, to_wire
@@ -312,7 +349,7 @@ class StageService:
             "model_identity": self.model.identity, "num_layers": self.model.num_layers,
             "hidden_size": self.model.hidden_size, "vocab_size": self.model.vocab_size,
             "sequences": len(self.runner), "draining": self.draining, "version": __version__,
-            "boot_id": self.boot_id, "steps": self.steps,
+            "boot_id": self.boot_id, "steps": self.steps, "prefix_bytes": self.prefix.nbytes,
             "sent_frames": self.outbox.frames, "sent_bytes": self.outbox.bytes,
         }
 
