@@ -169,6 +169,10 @@ class Tap:
     def about(self, nonce: str) -> list[tuple[PeerId, StageMessage]]:
         return [(p, m) for p, m, _ in self.seen if m is not None and m.nonce == nonce]
 
+    def handled(self, payload: bytes) -> bool:
+        """Whether the node has been handed (and has handled) exactly ``payload``, decodable or not."""
+        return any(raw == payload for _, _, raw in list(self.seen))
+
     def raw(self, mtype: MsgType, nonce: str) -> bytes:
         return next(raw for _, m, raw in self.seen if m is not None and m.type is mtype and m.nonce == nonce)
 

@@ -17,6 +17,7 @@ Three pipelines of the 4-layer tiny llama (layers 0-1 and 2-3):
 
 from __future__ import annotations
 
+import struct
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -33,7 +34,7 @@ from mlxcel.error_codes import ErrorCode
 from mlxcel.pipeline.cluster_config import ClusterConfig
 from mlxcel.pipeline.coordinator import PipelineExecutor
 from mlxcel.pipeline.params import params_to_wire
-from mlxcel.pipeline.protocol import ENVELOPE, MsgType, StageMessage, encode
+from mlxcel.pipeline.protocol import ENVELOPE, MsgType, StageMessage, encode, new_nonce
 from mlxcel.pipeline.runtime import model_facts
 from mlxcel.pipeline.stage import StageService
 from tests.pipeline.members import (
@@ -87,12 +88,43 @@ def hidden(rows: int = 1, n: int = 1, width: int = HIDDEN, dtype: str = "float32
     return {"hidden": (dtype, np.zeros((rows, n, width), dtype=np.float32))}
 
 
-def raw_message(mtype: MsgType, header: dict, specs: list, data: bytes) -> bytes:
-    """A message with hand-written tensor descriptors (what ``encode`` would never produce)."""
-    import json
+# dtype codes of a step header's tensor descriptor (docs/pipeline.md §3.4.1)
+INT32, UINT32, FLOAT32, FLOAT16 = 1, 2, 3, 4
+SEVEN = np.array([[7]], dtype="<i4").tobytes()  # the data of input_ids [[7]]
 
-    body = json.dumps({**header, "tensors": specs}).encode()
+
+def raw_step(mtype: MsgType, header: dict, *, phase: int | None = None, flags: int | None = None,
+             micro_batch: int | None = None, ids: list[bytes] | None = None, rows: int | None = None,
+             tail: bytes = b"", data: bytes = b"") -> bytes:
+    """A step message built byte by byte (docs/pipeline.md §3.4.1) from a field dict, with any field
+    overridden by a value ``encode`` would never produce; ``tail`` follows the request ids (a tensor
+    descriptor, or a RUN_RESULT's result) and ``data`` the header."""
+    ids = [r.encode() for r in header["request_ids"]] if ids is None else ids
+    body = struct.pack(">8sBBBB", bytes.fromhex(header["nonce"]),
+                       ("prefill", "decode").index(header["phase"]) if phase is None else phase,
+                       int(header.get("sample", True)) if flags is None else flags,
+                       header.get("micro_batch", 0) if micro_batch is None else micro_batch,
+                       len(ids) if rows is None else rows)
+    body += b"".join(bytes([len(i)]) + i for i in ids) + tail
     return ENVELOPE.pack(int(mtype), len(body)) + body + data
+
+
+def descriptor(code: int, *dims: int) -> bytes:
+    """A step header's tensor descriptor: u8 dtype code, u8 rank, rank x u32 dimensions."""
+    return struct.pack(">BB", code, len(dims)) + b"".join(struct.pack(">I", d) for d in dims)
+
+
+Build = Callable[[MsgType, dict], bytes]  # (message type, the step's field dict) -> the payload sent
+
+
+def encoded(tensors: dict | None = None, **overrides: Any) -> Build:
+    """A step ``encode`` can express: the field dict with ``overrides``, and ``tensors``."""
+    return lambda mtype, h: encode(mtype, {**h, **overrides}, tensors)
+
+
+def crafted(**fields: Any) -> Build:
+    """A step ``encode`` cannot express, built byte by byte (``raw_step``'s overrides)."""
+    return lambda mtype, h: raw_step(mtype, h, **fields)
 
 
 def codes(received: list[tuple[PeerId, StageMessage]]) -> list[str]:
@@ -271,12 +303,13 @@ def test_commands_only_from_the_coordinator(strict, expected, mtype, where):
         fresh = rid("fresh")
         header, tensors, targets = _command(mtype, victim.rid)
         targets = (0,) if rogue is None else targets
-        sent = {f"{victim.rid}-{i}": i for i in targets}
+        sent = {new_nonce(): i for i in targets}  # nonce -> the stage it went to
         for nonce, i in sent.items():
             send(i, mtype, {**header, "nonce": nonce}, tensors)
         if mtype is MsgType.PREPARE:
-            sent[fresh] = 0
-            send(0, mtype, {"request_id": fresh, "params": GREEDY, "nonce": fresh})
+            nonce = new_nonce()
+            sent[nonce] = 0
+            send(0, mtype, {"request_id": fresh, "params": GREEDY, "nonce": nonce})
         for nonce, i in sent.items() if rogue is not None else ():
             sender, m = rogue.wait_for(lambda p, m, n=nonce: m.nonce == n)
             assert sender == strict.addr(i) and m.type is MsgType.ERROR, (sender, m)
@@ -308,7 +341,7 @@ def test_activations_only_from_the_upstream_stage(strict, expected, rogue, case)
     who, target = ACTIVATION_SENDERS[case]
     victim = start_victim(strict, expected)
     steps = [s.steps for s in strict.stages]
-    forged = rid("forged")
+    forged = new_nonce()
     header = {"nonce": forged, "phase": "decode", "micro_batch": 0, "request_ids": [victim.rid], "sample": True}
     payload = encode(MsgType.ACTIVATION, header, hidden())
     if who == "rogue":
@@ -324,9 +357,14 @@ def test_activations_only_from_the_upstream_stage(strict, expected, rogue, case)
 
 
 def test_replies_go_to_the_authenticated_source_not_to_a_named_address(strict, expected, rogue):
-    """A 'reply_to'/'owner' field in a header is ignored: ACK, RUN_RESULT and ERROR all go to the sender."""
+    """A 'reply_to'/'owner' field in a header is ignored: ACK, RUN_RESULT and ERROR all go to the sender.
+
+    The JSON commands carry the decoy fields; a step's binary header has no room for them (``encode``
+    writes only its fixed fields), so for the steps the check is that the results follow the sender.
+    """
     coord = strict.coordinator
     r = rid("named")
+    nonces = {"run": new_nonce(), "bad": new_nonce()}
     decoy = {"reply_to": str(rogue.identity), "owner": str(rogue.identity), "coordinator": str(rogue.identity)}
 
     def send(i: int, mtype: MsgType, header: dict, tensors: dict | None = None) -> None:
@@ -337,15 +375,15 @@ def test_replies_go_to_the_authenticated_source_not_to_a_named_address(strict, e
     for i in (0, 1):
         assert wait_until(lambda i=i: [m.type for _, m in strict.tap.about(f"prep{i}")] == [MsgType.ACK])
     ids = {"input_ids": ("int32", np.array([PROMPT], dtype=np.int32))}
-    send(0, MsgType.RUN_ENTRY, {"nonce": "run", "phase": "prefill", "micro_batch": 0, "request_ids": [r],
+    send(0, MsgType.RUN_ENTRY, {"nonce": nonces["run"], "phase": "prefill", "micro_batch": 0, "request_ids": [r],
                                 "sample": True}, ids)
-    assert wait_until(lambda: strict.tap.about("run"))
-    (sender, result), = strict.tap.about("run")
+    assert wait_until(lambda: strict.tap.about(nonces["run"]))
+    (sender, result), = strict.tap.about(nonces["run"])
     assert sender == strict.addr(1) and result.type is MsgType.RUN_RESULT and result.header["tokens"] == expected[:1]
     bad = {"input_ids": ("int32", np.array([[VOCAB]], dtype=np.int32))}
-    send(0, MsgType.RUN_ENTRY, {"nonce": "bad", "phase": "decode", "micro_batch": 0, "request_ids": [r]}, bad)
-    assert wait_until(lambda: strict.tap.about("bad"))
-    assert codes(strict.tap.about("bad")) == ["bad_tensor"]
+    send(0, MsgType.RUN_ENTRY, {"nonce": nonces["bad"], "phase": "decode", "micro_batch": 0, "request_ids": [r]}, bad)
+    assert wait_until(lambda: strict.tap.about(nonces["bad"]))
+    assert codes(strict.tap.about(nonces["bad"])) == ["bad_tensor"]
     for i in (0, 1):
         send(i, MsgType.RELEASE, {"request_id": r, "nonce": f"rel{i}"})
     assert wait_until(lambda: all(r not in s.runner for s in strict.stages))
@@ -355,7 +393,7 @@ def test_replies_go_to_the_authenticated_source_not_to_a_named_address(strict, e
 
 def test_a_step_for_a_request_nobody_prepared_is_refused(strict, rogue):
     """RUN_ENTRY for an id that was never prepared: ERROR unknown_request, and the stages hold nothing under it."""
-    nonce = r = rid("unprepared")
+    nonce, r = new_nonce(), rid("unprepared")
     entry = {"nonce": nonce, "phase": "prefill", "micro_batch": 0, "request_ids": [r], "sample": True}
     ids = {"input_ids": ("int32", np.array([PROMPT], dtype=np.int32))}
     strict.coordinator.transport.send(strict.addr(0), Kind.TENSOR_DATA, encode(MsgType.RUN_ENTRY, entry, ids))
@@ -396,60 +434,76 @@ def _ids(arr: np.ndarray, dtype: str = "int32") -> dict:
     return {"input_ids": (dtype, arr)}
 
 
-# name -> (header overrides, tensors | raw (specs, data), rows to prepare, expected code)
-ENTRY_BOUNDS: dict[str, tuple[dict, Any, int, str]] = {
-    "ids float32": ({}, {"input_ids": ("float32", np.array([[7]], dtype=np.float32))}, 1, "bad_tensor"),
-    "ids rank 1": ({}, _ids(np.array([7], dtype=I32)), 1, "bad_tensor"),
-    "ids rank 3": ({}, _ids(np.array([[[7]]], dtype=I32)), 1, "bad_tensor"),
-    "ids int8": ({}, ([{"name": "input_ids", "dtype": "int8", "shape": [1, 1]}], b"\x07"), 1, "bad_tensor"),
-    "ids q4": ({}, ([{"name": "input_ids", "dtype": "q4", "shape": [1, 2]}], b"\x07"), 1, "bad_tensor"),
-    "ids unknown dtype": ({}, ([{"name": "input_ids", "dtype": "complex64", "shape": [1, 1]}], bytes(8)), 1,
-                          "bad_tensor"),
-    "claims 2**21 positions": ({}, ([{"name": "input_ids", "dtype": "int32", "shape": [1, 2**21]}], bytes(4)), 1,
-                               "bad_tensor"),
-    "claims more bytes than sent": ({}, ([{"name": "input_ids", "dtype": "int32", "shape": [1, 8]}], bytes(16)), 1,
-                                    "bad_tensor"),
-    "rows != request ids": ({}, _ids(np.array([[7], [8]], dtype=I32)), 1, "bad_tensor"),
-    "more rows than max_batch_size": ({}, _ids(np.full((MAX_ROWS + 1, 1), 7, dtype=I32)), MAX_ROWS + 1,
+# name -> (the payload, rows to prepare, the ERROR code answered; None: dropped without a reply)
+ENTRY_BOUNDS: dict[str, tuple[Build, int, str | None]] = {
+    "ids float32": (encoded({"input_ids": ("float32", np.array([[7]], dtype=np.float32))}), 1, "bad_tensor"),
+    "ids rank 1": (encoded(_ids(np.array([7], dtype=I32))), 1, "bad_tensor"),
+    "ids rank 3": (encoded(_ids(np.array([[[7]]], dtype=I32))), 1, "bad_tensor"),
+    "ids rank 4": (crafted(tail=descriptor(INT32, 1, 1, 1, 1), data=SEVEN), 1, "bad_tensor"),
+    "ids rank 0": (crafted(tail=descriptor(INT32)), 1, "bad_tensor"),
+    # int8, q4 and the rest have no dtype code: any code but 1-5 is refused
+    "ids int8 (dtype code 6)": (crafted(tail=descriptor(6, 1, 1), data=b"\x07"), 1, "bad_tensor"),
+    "ids q4 (dtype code 7)": (crafted(tail=descriptor(7, 1, 2), data=b"\x07"), 1, "bad_tensor"),
+    "ids of dtype code 0": (crafted(tail=descriptor(0, 1, 1), data=bytes(8)), 1, "bad_tensor"),
+    "ids of dtype code 255": (crafted(tail=descriptor(255, 1, 1), data=bytes(8)), 1, "bad_tensor"),
+    "claims 2**21 positions": (crafted(tail=descriptor(INT32, 1, 2**21), data=bytes(4)), 1, "bad_tensor"),
+    "a dimension over 2**26": (crafted(tail=descriptor(INT32, 1, 2**26 + 1), data=bytes(4)), 1, "bad_tensor"),
+    "a zero dimension": (crafted(tail=descriptor(INT32, 1, 0)), 1, "bad_tensor"),
+    "claims more bytes than sent": (crafted(tail=descriptor(INT32, 1, 8), data=bytes(16)), 1, "bad_tensor"),
+    "bytes after the tensor": (crafted(tail=descriptor(INT32, 1, 1), data=bytes(8)), 1, "bad_tensor"),
+    "rows != request ids": (encoded(_ids(np.array([[7], [8]], dtype=I32))), 1, "bad_tensor"),
+    "more rows than max_batch_size": (encoded(_ids(np.full((MAX_ROWS + 1, 1), 7, dtype=I32))), MAX_ROWS + 1,
                                       "bad_tensor"),
-    "decode with n=2": ({}, _ids(np.array([[7, 8]], dtype=I32)), 1, "bad_tensor"),
-    "prefill of 2 rows": ({"phase": "prefill"}, _ids(np.array([[7], [8]], dtype=I32)), 2, "bad_tensor"),
-    "id == vocab_size": ({}, _ids(np.array([[VOCAB]], dtype=I32)), 1, "bad_tensor"),
-    "negative id": ({}, _ids(np.array([[-1]], dtype=I32)), 1, "bad_tensor"),
-    "no input_ids": ({}, {"hidden": ("float32", np.zeros((1, 1, HIDDEN), dtype=np.float32))}, 1, "bad_tensor"),
-    "unknown phase": ({"phase": "sideways"}, _ids(np.array([[7]], dtype=I32)), 1, "bad_request"),
-    "request_ids not a list": ({"request_ids": 5}, _ids(np.array([[7]], dtype=I32)), 1, "bad_request"),
-    "request_ids of objects": ({"request_ids": [{"id": 1}]}, _ids(np.array([[7]], dtype=I32)), 1, "bad_request"),
-    # the ids' form is checked before who owns them (docs/pipeline.md §4.5): bad_request, not not_found
-    "an empty request id": ({"request_ids": [""]}, _ids(np.array([[7]], dtype=I32)), 1, "bad_request"),
-    "a 129-character request id": ({"request_ids": ["r" * 129]}, _ids(np.array([[7]], dtype=I32)), 1, "bad_request"),
-    "no request ids": ({"request_ids": []}, _ids(np.array([[7]], dtype=I32)), 1, "bad_request"),
-    "micro_batch true": ({"micro_batch": True}, _ids(np.array([[7]], dtype=I32)), 1, "bad_request"),
-    "sample 1": ({"sample": 1}, _ids(np.array([[7]], dtype=I32)), 1, "bad_request"),
+    "decode with n=2": (encoded(_ids(np.array([[7, 8]], dtype=I32))), 1, "bad_tensor"),
+    "prefill of 2 rows": (encoded(_ids(np.array([[7], [8]], dtype=I32)), phase="prefill"), 2, "bad_tensor"),
+    "id == vocab_size": (encoded(_ids(np.array([[VOCAB]], dtype=I32))), 1, "bad_tensor"),
+    "negative id": (encoded(_ids(np.array([[-1]], dtype=I32))), 1, "bad_tensor"),
+    "uint32 id 2**32 - 1": (encoded(_ids(np.array([[2**32 - 1]], dtype=np.uint32), "uint32")), 1, "bad_tensor"),
+    # the tensor's name is implied by the message type: a RUN_ENTRY's one tensor is input_ids
+    "a hidden tensor as input_ids": (encoded({"hidden": ("float32", np.zeros((1, 1, HIDDEN), dtype=np.float32))}), 1,
+                                     "bad_tensor"),
+    # the binary header itself is cut or overlong once its ids decoded: bad_request, not bad_tensor (§3.2)
+    "no tensor descriptor": (crafted(), 1, "bad_request"),
+    "dimensions cut short": (crafted(tail=descriptor(INT32, 1, 1)[:-2]), 1, "bad_request"),
+    "a header longer than its fields": (crafted(tail=descriptor(INT32, 1, 1) + b"\x00", data=SEVEN), 1, "bad_request"),
+    # the fixed fields or the ids do not decode: nothing in the header can be trusted, so the stage drops
+    # it like a malformed message, without a reply (docs/pipeline.md §3.2); no field of it is ever used
+    "unknown phase (byte 7)": (crafted(phase=7, tail=descriptor(INT32, 1, 1), data=SEVEN), 1, None),
+    "an unknown flag bit (sample not a boolean)": (crafted(flags=0x03, tail=descriptor(INT32, 1, 1), data=SEVEN), 1,
+                                                   None),
+    "micro_batch 64": (crafted(micro_batch=64, tail=descriptor(INT32, 1, 1), data=SEVEN), 1, None),
+    "micro_batch 255": (crafted(micro_batch=255, tail=descriptor(INT32, 1, 1), data=SEVEN), 1, None),
+    "no request ids (0 rows)": (crafted(ids=[], tail=descriptor(INT32, 1, 1), data=SEVEN), 1, None),
+    "more ids claimed than sent": (crafted(rows=2), 1, None),  # the header ends where the second id should be
+    "an empty request id": (crafted(ids=[b""], tail=descriptor(INT32, 1, 1), data=SEVEN), 1, None),
+    "a 129-byte request id": (crafted(ids=[b"r" * 129], tail=descriptor(INT32, 1, 1), data=SEVEN), 1, None),
+    "a request id that is not UTF-8": (crafted(ids=[b"\xff\xfe"], tail=descriptor(INT32, 1, 1), data=SEVEN), 1, None),
+    "a request id twice": (lambda mtype, h: raw_step(mtype, h, ids=[h["request_ids"][0].encode()] * 2,
+                                                     tail=descriptor(INT32, 2, 1), data=SEVEN * 2), 1, None),
 }
 
 
 @pytest.mark.parametrize("case", list(ENTRY_BOUNDS))
 def test_run_entry_tensor_bounds(strict, expected, rogue, case):
-    """A RUN_ENTRY outside the bounds gets ERROR (with its nonce) back to the coordinator; nothing runs."""
-    overrides, tensors, rows, code = ENTRY_BOUNDS[case]
+    """A RUN_ENTRY outside the bounds gets ERROR (with its nonce) back to the coordinator, or is dropped when
+    its header does not decode as far as its request ids; either way nothing runs."""
+    build, rows, code = ENTRY_BOUNDS[case]
     victim = start_victim(strict, expected)
     others = [GreedyRun(strict.coordinator, rid("row"), PROMPT) for _ in range(rows - 1)]
     steps = [s.steps for s in strict.stages]
-    nonce = rid("entry")
+    nonce = new_nonce()
     header = {"nonce": nonce, "phase": "decode", "micro_batch": 0,
-              "request_ids": [victim.rid, *(o.rid for o in others)], "sample": True, **overrides}
-    if isinstance(tensors, tuple):
-        payload = raw_message(MsgType.RUN_ENTRY, header, *tensors)
-    else:
-        payload = encode(MsgType.RUN_ENTRY, header, tensors)
-    strict.coordinator.transport.send(strict.addr(0), Kind.TENSOR_DATA, payload)
-    assert wait_until(lambda: strict.tap.about(nonce)), "no answer to a RUN_ENTRY outside the bounds"
-    (sender, m), = strict.tap.about(nonce)
-    assert sender == strict.addr(0) and m.type is MsgType.ERROR and code_name(m.header["code"]) == code, m.header
+              "request_ids": [victim.rid, *(o.rid for o in others)], "sample": True}
+    strict.coordinator.transport.send(strict.addr(0), Kind.TENSOR_DATA, build(MsgType.RUN_ENTRY, header))
+    if code is not None:
+        assert wait_until(lambda: strict.tap.about(nonce)), "no answer to a RUN_ENTRY outside the bounds"
+        (sender, m), = strict.tap.about(nonce)
+        assert sender == strict.addr(0) and m.type is MsgType.ERROR and code_name(m.header["code"]) == code, m.header
     for o in others:
         o.release()
-    finish_victim(strict, victim, expected)
+    finish_victim(strict, victim, expected)  # its steps reach stage 0 behind the refused one, on the same connection
+    time.sleep(SETTLE_S)
+    assert codes(strict.tap.about(nonce)) == ([] if code is None else [code])
     assert [s.steps for s in strict.stages] == [n + N - 2 for n in steps]
     assert rogue.received == []
 
@@ -500,10 +554,11 @@ def test_wildcard_rogue_cannot_touch_a_sequence_another_identity_prepared(wildca
     victim = start_victim(wildcard, expected)
     steps = [s.steps for s in wildcard.stages]
     header, tensors, targets = _command(mtype, victim.rid)
+    nonces = {i: new_nonce() for i in targets}
     for i in targets:
-        m.send(wildcard.addr(i), mtype, {**header, "nonce": f"{victim.rid}-{i}"}, tensors)
+        m.send(wildcard.addr(i), mtype, {**header, "nonce": nonces[i]}, tensors)
     for i in targets:
-        _, reply = m.wait_for(lambda p, msg, i=i: msg.nonce == f"{victim.rid}-{i}")
+        _, reply = m.wait_for(lambda p, msg, i=i: msg.nonce == nonces[i])
         assert reply.type is MsgType.ERROR and code_name(reply.header["code"]) == "unauthorized", reply.header
         assert "belongs to another identity" in reply.header["message"]
     assert [s.steps for s in wildcard.stages] == steps
@@ -529,9 +584,10 @@ def test_wildcard_a_request_the_rogue_prepared_belongs_to_the_rogue(wildcard, ex
     """Mallory owns what it prepared: its results go to it (not to an 'owner' it names), alice cannot touch it."""
     m, alice = mallory(wildcard), wildcard.coordinator
     r = rid("mallory")
+    nonces = {label: new_nonce() for label in ("m-run1", "alice-run", "m-run2")}
     _prepare_as(m, wildcard, r)
-    named = {"owner": str(alice.transport.identity), "reply_to": str(alice.transport.identity)}
-    first = _entry_as(m, wildcard, r, "m-run1", PROMPT, "prefill", **named)
+    named = {"owner": str(alice.transport.identity), "reply_to": str(alice.transport.identity)}  # no room in a step
+    first = _entry_as(m, wildcard, r, nonces["m-run1"], PROMPT, "prefill", **named)
     assert first.type is MsgType.RUN_RESULT and first.header["tokens"] == expected[:1]
     for i in (0, 1):
         for mtype in (MsgType.PREPARE, MsgType.CANCEL, MsgType.RELEASE):
@@ -539,14 +595,14 @@ def test_wildcard_a_request_the_rogue_prepared_belongs_to_the_rogue(wildcard, ex
             with pytest.raises(ExecutorError) as refused:
                 alice.command(wildcard.addr(i), mtype, header, timeout=3)
             assert refused.value.peer_code is ErrorCode.UNAUTHORIZED, refused.value
-    entry = {"nonce": "alice-run", "phase": "decode", "micro_batch": 0, "request_ids": [r], "sample": True}
+    entry = {"nonce": nonces["alice-run"], "phase": "decode", "micro_batch": 0, "request_ids": [r], "sample": True}
     alice.transport.send(wildcard.addr(0), Kind.TENSOR_DATA,
                          encode(MsgType.RUN_ENTRY, entry, {"input_ids": ("int32", np.array([[7]], dtype=np.int32))}))
-    assert wait_until(lambda: wildcard.tap.about("alice-run"))
-    assert codes(wildcard.tap.about("alice-run")) == ["unauthorized"]
-    second = _entry_as(m, wildcard, r, "m-run2", expected[:1], "decode")
+    assert wait_until(lambda: wildcard.tap.about(nonces["alice-run"]))
+    assert codes(wildcard.tap.about(nonces["alice-run"])) == ["unauthorized"]
+    second = _entry_as(m, wildcard, r, nonces["m-run2"], expected[:1], "decode")
     assert second.type is MsgType.RUN_RESULT and second.header["tokens"] == expected[1:2]
-    assert wildcard.tap.about("m-run1") == [] and wildcard.tap.about("m-run2") == []
+    assert wildcard.tap.about(nonces["m-run1"]) == [] and wildcard.tap.about(nonces["m-run2"]) == []
     for i in (0, 1):
         m.send(wildcard.addr(i), MsgType.RELEASE, {"request_id": r, "nonce": f"{r}-rel"})
     assert wait_until(lambda: all(r not in s.runner for s in wildcard.stages))
@@ -558,7 +614,7 @@ def test_wildcard_rogue_cannot_evict_rows_through_a_shared_micro_batch(wildcard,
     victim = start_victim(wildcard, expected, tokens=3)
     r = rid("evict")
     _prepare_as(m, wildcard, r)
-    got = _entry_as(m, wildcard, r, "evict-run", [7], "decode")
+    got = _entry_as(m, wildcard, r, new_nonce(), [7], "decode")
     assert got.type in (MsgType.RUN_RESULT, MsgType.ERROR)
     finish_victim(wildcard, victim, expected)
     for i in (0, 1):
@@ -620,13 +676,15 @@ class Scripted:
         self.p.extra[0].release(self.rid)
 
 
-def _sender(p: Pipeline, who: str, rogue: Peer) -> Callable[[MsgType, dict], None]:
+def _sender(p: Pipeline, who: str, rogue: Peer) -> Callable[[bytes], None]:
+    """Sends a payload to the coordinator as ``who``: the rogue, the scripted first stage or the real last stage."""
+    me = p.coordinator.transport.identity
     if who == "rogue":
-        return lambda t, h: rogue.send(p.coordinator.transport.identity, t, h)
+        return lambda payload: rogue.send_raw(me, payload)
     if who == "stage-0":
-        return lambda t, h: p.stages[0].send(p.coordinator.transport.identity, t, h)
+        return lambda payload: p.stages[0].send_raw(me, payload)
     last: StageService = p.stages[1]
-    return lambda t, h: last.transport.send(p.coordinator.transport.identity, Kind.CONTROL, encode(t, h))
+    return lambda payload: last.transport.send(me, Kind.CONTROL, payload)
 
 
 def _result(ex: Exchange, **changes: Any) -> dict:
@@ -635,34 +693,59 @@ def _result(ex: Exchange, **changes: Any) -> dict:
             "request_ids": h["request_ids"], "sample": True, "tokens": [7], **changes}
 
 
-# name -> (sender, message type, header changes)
-FORGED_RESULTS: dict[str, tuple[str, MsgType, dict]] = {
-    "RUN_RESULT from a non-member": ("rogue", MsgType.RUN_RESULT, {}),
-    "RUN_RESULT from the first stage": ("stage-0", MsgType.RUN_RESULT, {}),
-    "RUN_RESULT with an unknown nonce": ("stage-1", MsgType.RUN_RESULT, {"nonce": "0123456789abcdef"}),
-    "RUN_RESULT for other request ids": ("stage-1", MsgType.RUN_RESULT, {"request_ids": ["someone-else"]}),
-    "RUN_RESULT for another micro-batch": ("stage-1", MsgType.RUN_RESULT, {"micro_batch": 1}),
-    "RUN_RESULT with two tokens for one row": ("stage-1", MsgType.RUN_RESULT, {"tokens": [7, 8]}),
-    "RUN_RESULT with no token": ("stage-1", MsgType.RUN_RESULT, {"tokens": []}),
-    "RUN_RESULT with token == vocab_size": ("stage-1", MsgType.RUN_RESULT, {"tokens": [VOCAB]}),
-    "RUN_RESULT with a negative token": ("stage-1", MsgType.RUN_RESULT, {"tokens": [-1]}),
-    "RUN_RESULT with a string token": ("stage-1", MsgType.RUN_RESULT, {"tokens": ["7"]}),
-    "RUN_RESULT with logprobs of the wrong length": ("stage-1", MsgType.RUN_RESULT, {"logprobs": [0.0, 0.0]}),
-    "ERROR for the step from a non-member": ("rogue", MsgType.ERROR, {"code": 1, "message": "x"}),
-    "ACK for the step from the last stage": ("stage-1", MsgType.ACK, {}),
-    "STATE for the step from the last stage": ("stage-1", MsgType.STATE, {}),
+def answer(mtype: MsgType = MsgType.RUN_RESULT, **changes: Any) -> Callable[[Exchange], bytes]:
+    """An answer ``encode`` can express: the genuine RUN_RESULT's fields with ``changes``, as ``mtype``."""
+    return lambda ex: encode(mtype, _result(ex, **changes))
+
+
+def crafted_result(result: bytes) -> Callable[[Exchange], bytes]:
+    """A RUN_RESULT for the exchange whose result part (§3.4.1: kind, tokens...) is ``result``, byte by byte."""
+    return lambda ex: raw_step(MsgType.RUN_RESULT, _result(ex), tail=result)
+
+
+def u32(*values: int) -> bytes:
+    return struct.pack(f">{len(values)}I", *values)
+
+
+# name -> (sender, the forged payload for the exchange)
+FORGED_RESULTS: dict[str, tuple[str, Callable[[Exchange], bytes]]] = {
+    "RUN_RESULT from a non-member": ("rogue", answer()),
+    "RUN_RESULT from the first stage": ("stage-0", answer()),
+    "RUN_RESULT with an unknown nonce": ("stage-1", answer(nonce="0123456789abcdef")),
+    "RUN_RESULT for other request ids": ("stage-1", answer(request_ids=["someone-else"])),
+    "RUN_RESULT for more rows than the step": ("stage-1", lambda ex: encode(MsgType.RUN_RESULT, _result(
+        ex, request_ids=[*ex.entry.request_ids, "someone-else"], tokens=[7, 8]))),
+    "RUN_RESULT for another micro-batch": ("stage-1", answer(micro_batch=1)),
+    # R x u32 tokens then the two flags: a second token leaves bytes after the header's fields (malformed)
+    "RUN_RESULT with two tokens for one row": ("stage-1", crafted_result(b"\x01" + u32(7, 8) + b"\x00\x00")),
+    "RUN_RESULT with no token (kind 0 for a sampling step)": ("stage-1", answer(tokens=None)),
+    "RUN_RESULT with a truncated token list": ("stage-1", crafted_result(b"\x01\x00\x07")),
+    "RUN_RESULT with token == vocab_size": ("stage-1", answer(tokens=[VOCAB])),
+    "RUN_RESULT with token 2**32 - 1 (a negative id's bits)": ("stage-1", crafted_result(b"\x01" + u32(2**32 - 1)
+                                                                                        + b"\x00\x00")),
+    "RUN_RESULT of an unknown result kind": ("stage-1", crafted_result(b"\x03" + u32(7) + b"\x00\x00")),
+    "RUN_RESULT with logprobs of the wrong length": ("stage-1", crafted_result(b"\x01" + u32(7) + b"\x01"
+                                                                               + struct.pack(">2f", 0, 0) + b"\x00")),
+    "RUN_RESULT with a logprobs flag of 2": ("stage-1", crafted_result(b"\x01" + u32(7) + b"\x02" + bytes(4)
+                                                                       + b"\x00")),
+    "RUN_RESULT with 21 top_logprobs": ("stage-1", crafted_result(b"\x01" + u32(7) + b"\x00\x01\x15" + bytes(8 * 21))),
+    "RUN_RESULT with logits for a token return": ("stage-1", lambda ex: encode(
+        MsgType.RUN_RESULT, _result(ex, tokens=None), {"logits": ("float32", np.zeros((1, VOCAB), np.float32))})),
+    "ERROR for the step from a non-member": ("rogue", answer(MsgType.ERROR, code=1, message="x")),
+    "ACK for the step from the last stage": ("stage-1", answer(MsgType.ACK)),
+    "STATE for the step from the last stage": ("stage-1", answer(MsgType.STATE)),
 }
 
 
 @pytest.mark.parametrize("case", list(FORGED_RESULTS))
 def test_coordinator_accepts_a_result_only_from_the_last_stage_for_its_exchange(scripted, expected, rogue, case):
     """Forged answers are dropped while the exchange keeps waiting; the genuine result then completes it."""
-    who, mtype, changes = FORGED_RESULTS[case]
+    who, forge = FORGED_RESULTS[case]
     seq = Scripted(scripted, rid("forged"))
     ex = seq.prefill()
-    forged = _result(ex, **changes)
-    _sender(scripted, who, rogue)(mtype, forged)
-    assert wait_until(lambda: scripted.tap.about(forged["nonce"]))
+    forged = forge(ex)
+    _sender(scripted, who, rogue)(forged)
+    assert wait_until(lambda: scripted.tap.handled(forged))
     time.sleep(SETTLE_S)
     assert not ex.pending.done, ex.pending.outcomes
     forward(scripted, ex)
@@ -706,9 +789,12 @@ def test_coordinator_accepts_a_reply_only_from_the_addressed_stage(scripted, rog
         scripted.coordinator.command(scripted.addr(0), MsgType.CANCEL, {"request_id": r}, timeout=5)))
     waiter.start()
     _, cmd = first.wait_for(lambda _p, m: m.type is MsgType.CANCEL and m.header.get("request_id") == r)
-    header = {"nonce": cmd.nonce, "code": 3, "message": "forged"} if mtype is MsgType.ERROR \
-        else {"nonce": cmd.nonce}
-    _sender(scripted, who, rogue)(mtype, header)
+    header = {"nonce": cmd.nonce}
+    if mtype is MsgType.ERROR:
+        header.update(code=3, message="forged")
+    elif mtype is MsgType.RUN_RESULT:  # a well-formed step answer, under the command's nonce
+        header.update(phase="decode", micro_batch=0, request_ids=[r], sample=True, tokens=[7])
+    _sender(scripted, who, rogue)(encode(mtype, header))
     assert wait_until(lambda: scripted.tap.about(cmd.nonce))
     time.sleep(SETTLE_S)
     assert waiter.is_alive() and box == []
@@ -717,44 +803,44 @@ def test_coordinator_accepts_a_reply_only_from_the_addressed_stage(scripted, rog
     assert len(box) == 1 and box[0].type is MsgType.ACK
 
 
-# name -> (header changes, tensors | raw (specs, data), rows, code)
-HIDDEN_BOUNDS: dict[str, tuple[dict, Any, int, str]] = {
-    "hidden of the wrong width": ({}, hidden(width=HIDDEN - 1), 1, "bad_tensor"),
-    "hidden rank 2": ({}, {"hidden": ("float32", np.zeros((1, HIDDEN), dtype=np.float32))}, 1, "bad_tensor"),
-    "hidden int32": ({}, {"hidden": ("int32", np.zeros((1, 1, HIDDEN), dtype=np.int32))}, 1, "bad_tensor"),
-    "hidden int8 (quantized)": ({}, ([{"name": "hidden", "dtype": "int8", "shape": [1, 1, HIDDEN]}], bytes(HIDDEN)),
-                                1, "bad_tensor"),
-    "hidden q4 (compressed)": ({}, ([{"name": "hidden", "dtype": "q4", "shape": [1, 1, HIDDEN]}], bytes(HIDDEN // 2)),
-                               1, "bad_tensor"),
-    "hidden of an unknown dtype": ({}, ([{"name": "hidden", "dtype": "fp8", "shape": [1, 1, HIDDEN]}], bytes(HIDDEN)),
-                                   1, "bad_tensor"),
-    "claims n > 2**20": ({}, ([{"name": "hidden", "dtype": "float32", "shape": [1, 2**20 + 1, HIDDEN]}], bytes(256)),
-                         1, "bad_tensor"),
-    "claims more bytes than sent": ({}, ([{"name": "hidden", "dtype": "float16", "shape": [1, 4, HIDDEN]}],
-                                         bytes(2 * HIDDEN)), 1, "bad_tensor"),
-    "more rows than max_batch_size": ({"phase": "decode"}, hidden(rows=MAX_ROWS + 1), MAX_ROWS + 1, "bad_tensor"),
-    "rows != request ids": ({"phase": "decode"}, hidden(rows=2), 1, "bad_tensor"),
-    "decode with n=2": ({"phase": "decode"}, hidden(n=2), 1, "bad_tensor"),
-    "prefill of 2 rows": ({}, hidden(rows=2, n=3), 2, "bad_tensor"),
-    "no hidden tensor": ({}, {"input_ids": ("int32", np.array([[7]], dtype=np.int32))}, 1, "bad_tensor"),
+# name -> (the payload, rows, the ERROR code the owner gets)
+HIDDEN_BOUNDS: dict[str, tuple[Build, int, str]] = {
+    "hidden of the wrong width": (encoded(hidden(width=HIDDEN - 1)), 1, "bad_tensor"),
+    "hidden rank 2": (encoded({"hidden": ("float32", np.zeros((1, HIDDEN), dtype=np.float32))}), 1, "bad_tensor"),
+    "hidden rank 4": (crafted(tail=descriptor(FLOAT32, 1, 1, 1, HIDDEN), data=bytes(4 * HIDDEN)), 1, "bad_tensor"),
+    "hidden int32": (encoded({"hidden": ("int32", np.zeros((1, 1, HIDDEN), dtype=np.int32))}), 1, "bad_tensor"),
+    # quantized and compressed activations have no dtype code: any code but 1-5 is refused
+    "hidden int8 (quantized, dtype code 6)": (crafted(tail=descriptor(6, 1, 1, HIDDEN), data=bytes(HIDDEN)), 1,
+                                              "bad_tensor"),
+    "hidden q4 (compressed, dtype code 7)": (crafted(tail=descriptor(7, 1, 1, HIDDEN), data=bytes(HIDDEN // 2)), 1,
+                                             "bad_tensor"),
+    "hidden of dtype code 255": (crafted(tail=descriptor(255, 1, 1, HIDDEN), data=bytes(HIDDEN)), 1, "bad_tensor"),
+    "claims n > 2**20": (crafted(tail=descriptor(FLOAT32, 1, 2**20 + 1, HIDDEN), data=bytes(256)), 1, "bad_tensor"),
+    "claims more bytes than sent": (crafted(tail=descriptor(FLOAT16, 1, 4, HIDDEN), data=bytes(2 * HIDDEN)), 1,
+                                    "bad_tensor"),
+    "more rows than max_batch_size": (encoded(hidden(rows=MAX_ROWS + 1), phase="decode"), MAX_ROWS + 1, "bad_tensor"),
+    "rows != request ids": (encoded(hidden(rows=2), phase="decode"), 1, "bad_tensor"),
+    "decode with n=2": (encoded(hidden(n=2), phase="decode"), 1, "bad_tensor"),
+    "prefill of 2 rows": (encoded(hidden(rows=2, n=3)), 2, "bad_tensor"),
+    # the tensor's name is implied by the message type: an ACTIVATION's one tensor is hidden
+    "token ids as hidden": (encoded({"input_ids": ("int32", np.array([[7]], dtype=np.int32))}), 1, "bad_tensor"),
+    # the binary header itself is cut once its ids decoded: bad_request, not bad_tensor (§3.2)
+    "no tensor descriptor": (crafted(), 1, "bad_request"),
+    "dimensions cut short": (crafted(tail=descriptor(FLOAT32, 1, 1, HIDDEN)[:-1]), 1, "bad_request"),
 }
 
 
 @pytest.mark.parametrize("case", list(HIDDEN_BOUNDS))
 def test_activation_bounds_fail_the_request_at_once(scripted, expected, case):
     """An out-of-bounds activation from the upstream stage: ERROR with the exchange nonce to the owner, at once."""
-    changes, tensors, rows, code = HIDDEN_BOUNDS[case]
+    build, rows, code = HIDDEN_BOUNDS[case]
     last: StageService = scripted.stages[1]
     seqs = [Scripted(scripted, rid("bounds")) for _ in range(rows)]
     ex = seqs[0].prefill()
     steps, held = last.steps, len(last.runner)
     header = {**{k: ex.entry.header[k] for k in ("nonce", "phase", "micro_batch", "sample")},
-              "request_ids": [s.rid for s in seqs], **changes}
-    if isinstance(tensors, tuple):
-        payload = raw_message(MsgType.ACTIVATION, header, *tensors)
-    else:
-        payload = encode(MsgType.ACTIVATION, header, tensors)
-    scripted.stages[0].send_raw(scripted.addr(1), payload)
+              "request_ids": [s.rid for s in seqs]}
+    scripted.stages[0].send_raw(scripted.addr(1), build(MsgType.ACTIVATION, header))
     error = ex.pending.result(timeout=SCRIPTED_EXCHANGE_S + 2)
     assert isinstance(error, ExecutorError) and error.peer_code is not None and error.peer_code.wire_name == code, error
     assert ex.pending.elapsed < AT_ONCE_S, ex.pending.elapsed
@@ -770,9 +856,15 @@ def test_activation_bounds_fail_the_request_at_once(scripted, expected, case):
     seqs[0].release()
 
 
-UNCORRELATED = {
-    "activation for a request nobody prepared": {"request_ids": ["nobody"]},
-    "activation without a nonce": {"nonce": ""},
+WRONG_WIDTH = descriptor(FLOAT32, 1, 1, HIDDEN - 1)  # answered bad_tensor, were the activation ever checked
+UNCORRELATED: dict[str, Build] = {
+    "activation for a request nobody prepared": encoded(hidden(width=HIDDEN - 1), request_ids=["nobody"]),
+    # no nonce: the header ends inside its 8 nonce bytes
+    "activation without a nonce": lambda mtype, h: ENVELOPE.pack(int(mtype), 5) + bytes.fromhex(h["nonce"])[:5],
+    # the exchange's own nonce, but ids that do not decode: no owner to tell (§3.2)
+    "activation whose request id is empty": crafted(ids=[b""], tail=WRONG_WIDTH, data=bytes(4 * (HIDDEN - 1))),
+    "activation whose request id is not UTF-8": crafted(ids=[b"\xff"], tail=WRONG_WIDTH, data=bytes(4 * (HIDDEN - 1))),
+    "activation of an unknown phase": crafted(phase=7, tail=WRONG_WIDTH, data=bytes(4 * (HIDDEN - 1))),
 }
 
 
@@ -783,9 +875,8 @@ def test_an_activation_nobody_can_be_told_about_is_dropped(scripted, expected, c
     seq = Scripted(scripted, rid("uncorrelated"))
     ex = seq.prefill()
     steps = last.steps
-    header = {**{k: ex.entry.header[k] for k in ("nonce", "phase", "micro_batch", "request_ids", "sample")},
-              **UNCORRELATED[case]}
-    scripted.stages[0].send(scripted.addr(1), MsgType.ACTIVATION, header, hidden(width=HIDDEN - 1))
+    header = {k: ex.entry.header[k] for k in ("nonce", "phase", "micro_batch", "request_ids", "sample")}
+    scripted.stages[0].send_raw(scripted.addr(1), UNCORRELATED[case](MsgType.ACTIVATION, header))
     time.sleep(SETTLE_S * 2)
     assert not ex.pending.done and scripted.tap.about(ex.nonce) == [] and last.steps == steps
     forward(scripted, ex)
@@ -832,8 +923,11 @@ def test_logits_of_the_wrong_shape_are_dropped(model, facts, rogue):
                   ("int32", np.zeros((1, VOCAB), np.int32))]
         for dtype, logits in forged:
             stages[1].send(me, MsgType.RUN_RESULT, base, {"logits": (dtype, logits)})
-        stages[1].send(me, MsgType.RUN_RESULT, base)  # no logits at all
-        assert wait_until(lambda: len(tap.about(entry.nonce)) == len(forged) + 1)
+        stages[1].send(me, MsgType.RUN_RESULT, base)  # no logits at all (result kind 0)
+        cut = raw_step(MsgType.RUN_RESULT, base, tail=b"\x02" + descriptor(FLOAT32, 1, VOCAB),
+                       data=bytes(4 * VOCAB - 4))
+        stages[1].send_raw(me, cut)  # logits that claim more bytes than sent: malformed
+        assert wait_until(lambda: len(tap.about(entry.nonce)) == len(forged) + 1 and tap.handled(cut))
         time.sleep(SETTLE_S)
         assert not pending.done, pending.outcomes
         good = np.zeros((1, VOCAB), np.float32)
