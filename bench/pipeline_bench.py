@@ -3,15 +3,37 @@
 Part 1, one stream: greedy decode of --tokens tokens (EOS disabled, same chat prompt), --runs
 interleaved runs of every mode, the order reversed every other run (ABBA):
 
-- ``single``: the whole model in this process (the ``mlxcel generate`` path);
+- ``single``: the whole model in one process (the ``mlxcel generate`` path);
 - ``inproc_pp``: the same loop over an in-process chain of --stages stages;
-- ``remote_pp``: this process is the coordinator (the server's Scheduler over a PipelineExecutor)
+- ``remote_pp``: the process is the coordinator (the server's Scheduler over a PipelineExecutor)
   of --stages stage processes on 127.0.0.3, .4, ...; the last stage samples and returns token ids;
 - ``remote_pp_logits``: the same, the last stage returning full logits (the coordinator samples).
 
-Every mode must produce the same tokens (``identical`` in the rows). Remote rows carry the frames
-and bytes on the wire per decoded token (every message of the run: RUN_ENTRY, ACTIVATION,
-RUN_RESULT, plus the per-request PREPARE/ACK/RELEASE, AES-GCM framing included).
+Every run of every mode is a fresh process (``python -m bench.pipeline_bench --worker MODE``, one
+JSON line on stdout), so that no mode pays for another's memory, threads, compiled kernels or
+leftover state. Measured in one process, ``single`` ran at half the speed of a fresh ``mlxcel
+generate`` (5.5 against 10.9-12.5 tok/s on the 2-core CPU box) while the coordinator's transport,
+timer and scheduler threads lived beside it, which made "remote 1.76x single" out of an unfair
+comparison. A worker loads what its mode needs (the coordinator: tokenizer and config only), warms
+up over --warmup tokens, then measures one run. The stage processes persist across runs, like a
+deployed cluster (they are warmed by a remote worker before the first measured run); only the
+coordinator side is fresh each time. Rows are marked ``fair_comparison``.
+
+Every mode must produce the same tokens from the same prompt (``identical`` in the rows). Every
+row records the worker's PID and the CPU-seconds each process spent in the measured run: the
+worker's own (``getrusage``) and each stage process's utime+stime from /proc/PID/stat (Linux
+only, else empty), so a stage that spins while idle shows up in every mode's rows. Remote rows
+carry the frames and bytes on the wire per decoded token (every message of the run: RUN_ENTRY,
+ACTIVATION, RUN_RESULT, plus the per-request PREPARE/ACK/RELEASE, AES-GCM framing included).
+
+Per-token timeline, seen from the coordinator side (the stage and coordinator code stay as they
+are): a remote token's latency runs from the executor's ``submit`` to its ``done`` callback; an
+in-process token's from the forward call that queued its step to the moment the token is read.
+Rows carry its p50/p95 (``latency_ms_*``, decode tokens) next to the step time between tokens
+(``per_token_ms_*``); --trace also writes ``trace-<mode>.jsonl``, one line per token. Numeric
+STATE fields that look like timings (``*_s``, ``*_ms``, ``*_us``, ``*_ns``) and ``steps`` are
+recorded per stage as before/after deltas (``stage_state``), so stage-side timings join the rows
+as soon as stages report them.
 
 Part 2, --streams levels: the single-node server and the pipeline coordinator server (the same
 stage processes) under N concurrent streaming clients with identical prompts, ABBA per level;
@@ -24,7 +46,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
+import resource
 import socket
 import statistics
 import subprocess
@@ -32,17 +56,18 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, TextIO
 
-import mlx.core as mx
-
-import mlxcel  # noqa: F401  (before mlx.core: picks up OpenBLAS, see mlxcel/blas.py)
 from bench.environment import write_jsonl
 from bench.stats import percentile
 
 DEFAULT_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 STAGE_HOSTS = ["127.0.0.3", "127.0.0.4", "127.0.0.5", "127.0.0.6"]
 COORDINATOR_HOST = "127.0.0.2"
+REPO = Path(__file__).resolve().parent.parent  # where ``python -m bench.pipeline_bench`` finds this module
+MODES = ("single", "inproc_pp", "remote_pp", "remote_pp_logits")
+WORKER_TIMEOUT_S = 900
+_TIMING_SUFFIXES = ("_s", "_ms", "_us", "_ns")
 
 
 def free_port(host: str) -> int:
@@ -51,22 +76,235 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-# -- in-process modes ---------------------------------------------------------------------------
+# -- CPU accounting ------------------------------------------------------------------------------------
 
 
-def timed_tokens(forward: Callable, model: Any, prompt: list[int], tokens: int) -> tuple[list[int], list[float]]:
-    """Greedy tokens and the seconds between consecutive tokens (the decode part)."""
+def self_cpu_s() -> float:
+    """User + system CPU seconds of this process so far, every thread included."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def children_cpu_s() -> float:
+    """User + system CPU seconds of this process's waited-for children so far."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def proc_cpu_s(pid: int) -> float | None:
+    """utime + stime of another process from /proc/PID/stat; None where there is no /proc (not Linux)
+    or the process is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2:].split()  # after "pid (comm) ": state is fields[0]
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_delta(before: list[float | None], after: list[float | None]) -> list[float] | None:
+    if not before or any(x is None for x in (*before, *after)):
+        return None
+    return [round(b - a, 3) for a, b in zip(before, after)]  # type: ignore[operator]
+
+
+# -- the worker: one mode, one run, in a fresh process ----------------------------------------------
+
+
+class Timeline:
+    """Submit and result times of the steps of one run (perf_counter seconds)."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, Any]] = []  # {"kind", "t_submit", "t_done"} of every sampling step
+
+    def add(self, kind: str, t_submit: float, t_done: float) -> None:
+        self.steps.append({"kind": kind, "t_submit": t_submit, "t_done": t_done})
+
+
+def timed_tokens(forward: Callable, model: Any, prompt: list[int], tokens: int,
+                 timeline: Timeline | None = None) -> tuple[list[int], list[float]]:
+    """Greedy tokens and the seconds between consecutive tokens (the decode part); with a timeline,
+    when each token's step was queued (its forward call) and when the token was read."""
     from mlxcel.engine.generate import generate_tokens, make_cache
     from mlxcel.engine.sampling import SamplingParams, make_sampler
 
-    out, gaps, last = [], [], None
-    for token, _ in generate_tokens(forward, prompt, make_cache(model), make_sampler(SamplingParams()), tokens):
+    submits: list[float] = []
+
+    def timed_forward(x: Any, cache: Any) -> Any:
+        submits.append(time.perf_counter())
+        return forward(x, cache)
+
+    out, gaps, done, last = [], [], [], None
+    for token, _ in generate_tokens(timed_forward, prompt, make_cache(model), make_sampler(SamplingParams()), tokens):
         now = time.perf_counter()
         if last is not None:
             gaps.append(now - last)
         last = now
+        done.append(now)
         out.append(token)
+    if timeline is not None:  # the last len(out) forward calls are the sampling steps, in order
+        for i, (t0, t1) in enumerate(zip(submits[len(submits) - len(out):], done)):
+            timeline.add("prefill" if i == 0 else "decode", t0, t1)
     return out, gaps
+
+
+class RemoteDriver:
+    """This process as the coordinator: the server's Scheduler over a PipelineExecutor."""
+
+    def __init__(self, model_dir: Path, cluster_toml: Path, secret: Path, tokenizer: Any,
+                 micro_batch: int | None = None):
+        from mlxcel.cluster.secret import load_secret
+        from mlxcel.engine.scheduler import Scheduler
+        from mlxcel.pipeline.cluster_config import load_cluster_config
+        from mlxcel.pipeline.coordinator import PipelineExecutor
+        from mlxcel.pipeline.runtime import model_facts, resolve_layers
+
+        facts = model_facts(model_dir)
+        config = resolve_layers(load_cluster_config(cluster_toml), model_dir, facts.num_layers)
+        self.executor = PipelineExecutor(config, load_secret(secret), facts, max_batch_size=8,
+                                         micro_batch_size=micro_batch)
+        self.executor.start(timeout=300)
+        self.timeline: Timeline | None = None
+        self._wrap_submit()
+        self.engine = Scheduler(self.executor, tokenizer, context_length=8192, parallel=8, warmup=False).start()
+        self.loop = asyncio.new_event_loop()
+
+    def _wrap_submit(self) -> None:
+        """Timestamp every sampling step at submit and at its done callback (the coordinator's view)."""
+        submit = self.executor.submit
+
+        def timed_submit(step: Any, done: Callable) -> None:
+            t0, timeline = time.perf_counter(), self.timeline
+
+            def timed_done(s: Any, outcome: Any) -> None:
+                if timeline is not None and step.sample:
+                    timeline.add(step.kind, t0, time.perf_counter())
+                done(s, outcome)
+
+            submit(step, timed_done)
+
+        self.executor.submit = timed_submit  # type: ignore[method-assign]
+
+    def states(self) -> list[dict[str, Any]]:
+        from mlxcel.pipeline.protocol import MsgType
+
+        return [self.executor.command(s.address, MsgType.GET_STATE, {}).header for s in self.executor.cluster.stages]
+
+    def wire(self, states: list[dict[str, Any]]) -> tuple[int, int]:
+        """Frames and bytes sent so far by the coordinator and every stage but the last, plus received."""
+        frames = self.executor.outbox.frames + self.executor.received_frames
+        nbytes = self.executor.outbox.bytes + self.executor.received_bytes
+        for state in states[:-1]:
+            frames += state["sent_frames"]
+            nbytes += state["sent_bytes"]
+        return frames, nbytes
+
+    def generate(self, prompt: list[int], tokens: int, logits: bool) -> tuple[list[int], list[float]]:
+        from mlxcel.engine.interface import EngineRequest, TokenEvent
+        from mlxcel.engine.sampling import SamplingParams
+
+        self.executor.return_logits = logits
+
+        async def go() -> tuple[list[int], list[float]]:
+            stream = self.engine.submit(EngineRequest(tuple(prompt), SamplingParams(max_tokens=tokens), ignore_eos=True))
+            out, gaps, last = [], [], None
+            async for event in stream:
+                if isinstance(event, TokenEvent):
+                    now = time.perf_counter()
+                    if last is not None:
+                        gaps.append(now - last)
+                    last = now
+                    out.append(event.token)
+            return out, gaps
+
+        return self.loop.run_until_complete(go())
+
+    def close(self) -> None:
+        self.engine.close()
+        self.loop.close()
+
+
+def stage_state_delta(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per stage: ``steps`` and every timing-like numeric STATE field, after minus before."""
+    out = []
+    for b, a in zip(before, after):
+        rec: dict[str, Any] = {"node_id": a.get("node_id")}
+        for key, value in a.items():
+            if (key == "steps" or key.endswith(_TIMING_SUFFIXES)) and isinstance(value, (int, float)) \
+                    and not isinstance(value, bool) and isinstance(b.get(key), (int, float)):
+                rec[key] = value - b[key]
+        out.append(rec)
+    return out
+
+
+def worker(args: argparse.Namespace, out: TextIO) -> int:
+    """Warm up, then measure one run of ``args.worker``; print its result as one JSON line to ``out``."""
+    import mlxcel  # noqa: F401  (before mlx.core: picks up OpenBLAS, see mlxcel/blas.py)
+    from mlxcel.engine.prompts import encode_chat
+    from mlxcel.models.loading import load_checkpoint
+
+    mode, remote = args.worker, args.worker.startswith("remote_")
+    t_start = time.perf_counter()
+    loaded = load_checkpoint(args.model, lazy=remote)  # the coordinator holds no layers: tokenizer and config
+    prompt = encode_chat(loaded.tokenizer, [{"role": "user", "content": args.prompt}])
+    timeline = Timeline()
+    driver = None
+    if remote:
+        driver = RemoteDriver(Path(args.model), args.cluster / "cluster.toml", args.cluster / "cluster.secret",
+                              loaded.tokenizer)
+        remote_driver, logits = driver, mode.endswith("logits")
+
+        def run(n: int, tl: Timeline | None) -> tuple[list[int], list[float]]:
+            remote_driver.timeline = tl
+            return remote_driver.generate(prompt, n, logits)
+    else:
+        model = loaded.model
+        if mode == "single":
+            forward, cache_of = (lambda x, c: model(x, cache=c)), model
+        else:
+            from mlxcel.pipeline.inprocess import InProcessPipeline, stage_ranges
+
+            forward = cache_of = InProcessPipeline(model, stage_ranges(args.model, loaded.num_layers, args.stages, None))
+
+        def run(n: int, tl: Timeline | None) -> tuple[list[int], list[float]]:
+            return timed_tokens(forward, cache_of, prompt, n, tl)
+    try:
+        if args.warmup:
+            run(args.warmup, None)
+        load_s = time.perf_counter() - t_start
+        states = driver.states() if driver else []
+        wire0 = driver.wire(states) if driver else None
+        stage0 = [proc_cpu_s(p) for p in args.stage_pids]
+        cpu0, wall0 = self_cpu_s(), time.perf_counter()
+        tokens, gaps = run(args.tokens, timeline)
+        wall, cpu = time.perf_counter() - wall0, self_cpu_s() - cpu0
+        stage1 = [proc_cpu_s(p) for p in args.stage_pids]
+        result: dict[str, Any] = {"pid": os.getpid(), "mode": mode, "prompt_tokens": len(prompt), "tokens": tokens,
+                                  "gaps_s": gaps, "wall_s": wall, "cpu_s_worker": cpu,
+                                  "cpu_s_stage": cpu_delta(stage0, stage1), "load_s": load_s,
+                                  "steps": [{**s, "t_submit": s["t_submit"] - wall0, "t_done": s["t_done"] - wall0}
+                                            for s in timeline.steps]}
+        if driver:
+            time.sleep(0.2)  # let the release round trip land in the counters
+            after = driver.states()
+            wire1 = driver.wire(after)
+            n = max(len(tokens), 1)
+            result.update(frames_per_token=(wire1[0] - wire0[0]) / n, bytes_per_token=(wire1[1] - wire0[1]) / n,
+                          stage_state=stage_state_delta(states, after))
+    finally:
+        if driver:
+            driver.close()
+    out.write(json.dumps(result) + "\n")
+    out.flush()
+    return 0
+
+
+def worker_main(args: argparse.Namespace) -> int:
+    """Keep stdout for the one JSON line: anything else printed (by us or by libraries) goes to stderr."""
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return worker(args, out)
 
 
 # -- remote stages --------------------------------------------------------------------------------
@@ -78,6 +316,7 @@ class StageCluster:
     def __init__(self, model_dir: Path, stages: int, workdir: Path, devices: list[str] | None = None,
                  threads: int | None = None):
         self.model_dir = model_dir
+        self.workdir = workdir
         self.threads = threads  # OPENBLAS_NUM_THREADS per stage process (stages sharing one host's cores)
         self.devices = devices  # CUDA_VISIBLE_DEVICES per stage process (one GPU each), if given
         self.secret = workdir / "cluster.secret"
@@ -92,6 +331,10 @@ class StageCluster:
         self.toml.write_text(f'[cluster]\npipeline_parallel_size = {stages}\nsecret_file = "cluster.secret"\n\n'
                              f'[pipeline]\nmax_batch_size = 8\n\n[timeouts]\nheartbeat_s = 30\nexchange_s = 120\n\n{nodes}')
         self.procs: list[subprocess.Popen] = []
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
 
     def start(self) -> None:
         for i, host in enumerate(STAGE_HOSTS[: len(self.addrs)]):
@@ -113,67 +356,99 @@ class StageCluster:
                 p.wait(15)
             except subprocess.TimeoutExpired:
                 p.kill()
+                p.wait()
 
 
-class RemoteDriver:
-    """This process as the coordinator: the server's Scheduler over a PipelineExecutor."""
+# -- the parent: one worker process per run and mode ------------------------------------------------
 
-    def __init__(self, cluster: StageCluster, tokenizer: Any, micro_batch: int | None = None):
-        from mlxcel.cluster.secret import load_secret
-        from mlxcel.engine.scheduler import Scheduler
-        from mlxcel.pipeline.cluster_config import load_cluster_config
-        from mlxcel.pipeline.coordinator import PipelineExecutor
-        from mlxcel.pipeline.runtime import model_facts, resolve_layers
 
-        facts = model_facts(cluster.model_dir)
-        config = resolve_layers(load_cluster_config(cluster.toml), cluster.model_dir, facts.num_layers)
-        self.executor = PipelineExecutor(config, load_secret(cluster.secret), facts, max_batch_size=8,
-                                         micro_batch_size=micro_batch)
-        self.executor.start(timeout=300)
-        self.stage0 = config.stages[0].address
-        self.engine = Scheduler(self.executor, tokenizer, context_length=8192, parallel=8, warmup=False).start()
-        self.loop = asyncio.new_event_loop()
+class WorkerError(RuntimeError):
+    """A worker process failed or printed no result."""
 
-    def wire(self) -> tuple[int, int]:
-        """Frames and bytes sent so far by the coordinator and every stage but the last, plus received."""
-        from mlxcel.pipeline.protocol import MsgType
 
-        frames = self.executor.outbox.frames + self.executor.received_frames
-        nbytes = self.executor.outbox.bytes + self.executor.received_bytes
-        for stage in self.executor.cluster.stages[:-1]:
-            state = self.executor.command(stage.address, MsgType.GET_STATE, {}).header
-            frames += state["sent_frames"]
-            nbytes += state["sent_bytes"]
-        return frames, nbytes
+def run_worker(args: argparse.Namespace, mode: str, cluster: StageCluster | None, *, tokens: int,
+               warmup: int) -> dict[str, Any]:
+    """One fresh worker process; its result plus ``cpu_s_worker_total`` (its whole life: imports,
+    load, warm-up and run)."""
+    cmd = [sys.executable, "-m", "bench.pipeline_bench", "--worker", mode, "-m", str(Path(args.model).resolve()),
+           "--stages", str(args.stages), "--tokens", str(tokens), "--warmup", str(warmup), "--prompt", args.prompt]
+    if cluster is not None:
+        cmd += ["--cluster", str(cluster.workdir), "--stage-pids", ",".join(map(str, cluster.pids))]
+    cpu0 = children_cpu_s()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S, cwd=REPO)
+    cpu = children_cpu_s() - cpu0
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise WorkerError(f"worker {mode} exited with {proc.returncode}: {proc.stderr[-3000:]}")
+    return {**json.loads(lines[-1]), "cpu_s_worker_total": cpu}
 
-    def run(self, prompt: list[int], tokens: int, logits: bool) -> tuple[list[int], list[float], float, float]:
-        from mlxcel.engine.interface import EngineRequest, TokenEvent
-        from mlxcel.engine.sampling import SamplingParams
 
-        self.executor.return_logits = logits
-        before = self.wire()
+def ms_percentile(values: list[float], q: float) -> float | None:
+    p = percentile(values, q)
+    return None if p is None else p * 1e3
 
-        async def go() -> tuple[list[int], list[float]]:
-            stream = self.engine.submit(EngineRequest(tuple(prompt), SamplingParams(max_tokens=tokens), ignore_eos=True))
-            out, gaps, last = [], [], None
-            async for event in stream:
-                if isinstance(event, TokenEvent):
-                    now = time.perf_counter()
-                    if last is not None:
-                        gaps.append(now - last)
-                    last = now
-                    out.append(event.token)
-            return out, gaps
 
-        out, gaps = self.loop.run_until_complete(go())
-        time.sleep(0.2)  # let the release round trip land in the counters
-        after = self.wire()
-        n = max(len(out), 1)
-        return out, gaps, (after[0] - before[0]) / n, (after[1] - before[1]) / n
+def row_of(args: argparse.Namespace, name: str, run: int, position: int, res: dict[str, Any],
+           reference: list[int]) -> dict[str, Any]:
+    """The benchmark row of one worker's result."""
+    gaps, stage_cpu = res["gaps_s"], res.get("cpu_s_stage")
+    latencies = [s["t_done"] - s["t_submit"] for s in res["steps"] if s["kind"] == "decode"]
+    return {
+        "bench": "pipeline", "mode": name, "stages": 1 if name == "single" else args.stages, "streams": 1,
+        "run": run, "order": position, "tokens": len(res["tokens"]), "prompt_tokens": res["prompt_tokens"],
+        "tok_s": len(gaps) / sum(gaps), "per_token_ms_p50": ms_percentile(gaps, 50),
+        "per_token_ms_p95": ms_percentile(gaps, 95), "latency_ms_p50": ms_percentile(latencies, 50),
+        "latency_ms_p95": ms_percentile(latencies, 95), "frames_per_token": res.get("frames_per_token"),
+        "bytes_per_token": res.get("bytes_per_token"), "return": "logits" if name.endswith("logits") else "token",
+        "identical": res["tokens"] == reference, "model": Path(args.model).name, "fair_comparison": True,
+        "worker_pid": res["pid"], "wall_s": res["wall_s"], "cpu_s_worker": round(res["cpu_s_worker"], 3),
+        "cpu_s_worker_total": round(res["cpu_s_worker_total"], 3), "cpu_s_stage": stage_cpu,
+        "cpu_s_stages": round(sum(stage_cpu), 3) if stage_cpu else None, "stage_state": res.get("stage_state"),
+    }
 
-    def close(self) -> None:
-        self.engine.close()
-        self.loop.close()
+
+def trace_lines(name: str, run: int, res: dict[str, Any]) -> list[dict[str, Any]]:
+    return [{"mode": name, "run": run, "token": i, "kind": s["kind"], "pid": res["pid"],
+             "t_submit": round(s["t_submit"], 6), "t_done": round(s["t_done"], 6),
+             "ms": round((s["t_done"] - s["t_submit"]) * 1e3, 3)} for i, s in enumerate(res["steps"])]
+
+
+def single_stream(args: argparse.Namespace, cluster: StageCluster | None) -> tuple[list[dict], list[dict]]:
+    """ABBA runs of every mode, each in a fresh worker; (rows, trace lines)."""
+    modes = [m for m in MODES if m in args.modes]
+    if cluster is not None and args.warmup and any(m.startswith("remote_") for m in modes):
+        run_worker(args, "remote_pp", cluster, tokens=max(args.warmup, 2), warmup=0)  # the stages' own warm-up
+    rows: list[dict] = []
+    traces: list[dict] = []
+    reference: list[int] | None = None
+    for run in range(args.runs):
+        order = modes if run % 2 == 0 else modes[::-1]
+        for position, name in enumerate(order):
+            res = run_worker(args, name, cluster, tokens=args.tokens, warmup=args.warmup)
+            reference = reference or res["tokens"]
+            rows.append(row_of(args, name, run, position, res, reference))
+            traces += trace_lines(name, run, res)
+            r = rows[-1]
+            wire = f", {r['frames_per_token']:.2f} frames/token, {r['bytes_per_token']:.0f} B/token" \
+                if r["frames_per_token"] is not None else ""
+            stages = f", stages {r['cpu_s_stage']}" if r["cpu_s_stage"] is not None else ""
+            print(f"run {run} {name:>17}: {r['tok_s']:6.2f} tok/s, latency p50 {r['latency_ms_p50'] or 0:.1f} ms"
+                  f"{wire}; CPU-s worker {r['cpu_s_worker']:.2f}{stages} (pid {r['worker_pid']})", flush=True)
+    return rows, traces
+
+
+def write_traces(out_dir: Path, traces: list[dict], started: str) -> list[Path]:
+    """Append the per-token lines to ``trace-<mode>.jsonl`` (one file per mode); returns the paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for mode in dict.fromkeys(t["mode"] for t in traces):
+        path = out_dir / f"trace-{mode}.jsonl"
+        with path.open("a", encoding="utf-8") as fh:
+            for t in traces:
+                if t["mode"] == mode:
+                    fh.write(json.dumps({**t, "bench_started": started}) + "\n")
+        paths.append(path)
+    return paths
 
 
 # -- server level -----------------------------------------------------------------------------------
@@ -211,8 +486,6 @@ async def load_level(url: str, streams: int, tokens: int, prompts: list[str]) ->
         async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
             async for line in r.aiter_lines():
                 if '"usage":{' in line.replace(" ", ""):
-                    import json
-
                     usage = json.loads(line[6:]).get("usage") or {}
                     n = usage.get("completion_tokens", n)
         return n
@@ -221,55 +494,6 @@ async def load_level(url: str, streams: int, tokens: int, prompts: list[str]) ->
         start = time.perf_counter()
         counts = await asyncio.gather(*(one(client, prompts[i]) for i in range(streams)))
         return time.perf_counter() - start, sum(counts)
-
-
-# -- main ---------------------------------------------------------------------------------------------
-
-
-def summarize(rows: list[dict], key: str = "tok_s") -> dict[str, tuple[float, float, float]]:
-    out: dict[str, tuple[float, float, float]] = {}
-    for mode in dict.fromkeys(r["mode"] for r in rows):
-        xs = [r[key] for r in rows if r["mode"] == mode]
-        out[mode] = (statistics.median(xs), min(xs), max(xs))
-    return out
-
-
-def single_stream(args: argparse.Namespace, cluster: StageCluster, loaded: Any, prompt: list[int]) -> list[dict]:
-    from mlxcel.pipeline.inprocess import InProcessPipeline, stage_ranges
-
-    model = loaded.model
-    ranges = stage_ranges(args.model, loaded.num_layers, args.stages, None)
-    pipe = InProcessPipeline(model, ranges)
-    remote = RemoteDriver(cluster, loaded.tokenizer)
-    modes: dict[str, Callable[[], tuple]] = {
-        "single": lambda: (*timed_tokens(lambda x, c: model(x, cache=c), model, prompt, args.tokens), None, None),
-        "inproc_pp": lambda: (*timed_tokens(pipe, pipe, prompt, args.tokens), None, None),
-        "remote_pp": lambda: remote.run(prompt, args.tokens, logits=False),
-        "remote_pp_logits": lambda: remote.run(prompt, args.tokens, logits=True),
-    }
-    modes = {k: v for k, v in modes.items() if k in args.modes}
-    for name, fn in modes.items():  # warm every path once (kernels, connections)
-        fn()
-    rows, reference = [], None
-    try:
-        for run in range(args.runs):
-            order = list(modes) if run % 2 == 0 else list(reversed(modes))
-            for position, name in enumerate(order):
-                tokens, gaps, frames, nbytes = modes[name]()
-                reference = reference or tokens
-                rows.append({
-                    "bench": "pipeline", "mode": name, "stages": 1 if name == "single" else args.stages,
-                    "streams": 1, "run": run, "order": position, "tokens": len(tokens),
-                    "tok_s": len(gaps) / sum(gaps), "per_token_ms_p50": percentile(gaps, 50) * 1e3,
-                    "per_token_ms_p95": percentile(gaps, 95) * 1e3, "frames_per_token": frames,
-                    "bytes_per_token": nbytes, "return": "logits" if name.endswith("logits") else "token",
-                    "identical": tokens == reference, "model": Path(args.model).name,
-                })
-                print(f"run {run} {name:>17}: {rows[-1]['tok_s']:6.2f} tok/s"
-                      + (f", {frames:.2f} frames/token, {nbytes:.0f} B/token" if frames is not None else ""), flush=True)
-    finally:
-        remote.close()
-    return rows
 
 
 def server_levels(args: argparse.Namespace, cluster: StageCluster) -> list[dict]:
@@ -282,7 +506,7 @@ def server_levels(args: argparse.Namespace, cluster: StageCluster) -> list[dict]
         for url in servers.values():  # warm both
             asyncio.run(load_level(url, 2, 8, ["warm up", "warm up too"]))
         for level, streams in enumerate(args.streams):
-            prompts = [f"{DEFAULT_PROMPT} (reader {i})" for i in range(streams)]
+            prompts = [f"{args.prompt} (reader {i})" for i in range(streams)]
             for rnd in range(args.rounds):
                 order = list(servers) if (rnd + level) % 2 == 0 else list(reversed(servers))
                 for position, name in enumerate(order):
@@ -290,7 +514,8 @@ def server_levels(args: argparse.Namespace, cluster: StageCluster) -> list[dict]
                     rows.append({"bench": "pipeline", "mode": name, "stages": 1 if name == "server_single" else args.stages,
                                  "streams": streams, "run": rnd, "order": position, "tokens": n, "tok_s": n / wall,
                                  "per_token_ms_p50": None, "frames_per_token": None, "bytes_per_token": None,
-                                 "return": "token", "identical": None, "model": Path(args.model).name})
+                                 "return": "token", "identical": None, "model": Path(args.model).name,
+                                 "fair_comparison": True})  # both are deployed servers, warmed alike
                     print(f"{streams} streams round {rnd} {name:>17}: {n / wall:6.2f} tok/s aggregate", flush=True)
     finally:
         for proc in (coord, single):
@@ -299,13 +524,39 @@ def server_levels(args: argparse.Namespace, cluster: StageCluster) -> list[dict]
     return rows
 
 
+# -- main ---------------------------------------------------------------------------------------------
+
+
+def summarize(rows: list[dict], key: str = "tok_s") -> dict[str, tuple[float, float, float]]:
+    out: dict[str, tuple[float, float, float]] = {}
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        xs = [r[key] for r in rows if r["mode"] == mode and r.get(key) is not None]
+        if xs:
+            out[mode] = (statistics.median(xs), min(xs), max(xs))
+    return out
+
+
+def _modes(text: str) -> list[str]:
+    modes = [m for m in text.split(",") if m]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or not modes:
+        raise argparse.ArgumentTypeError(f"unknown mode(s) {', '.join(unknown) or '(none)'}; choose from {', '.join(MODES)}")
+    return modes
+
+
+def _pids(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="pipeline_bench", description=__doc__.split("\n\n")[0])
     p.add_argument("-m", "--model", default="models/smollm2-135m-instruct")
     p.add_argument("--stages", type=int, default=2)
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--tokens", type=int, default=128)
-    p.add_argument("--modes", type=lambda s: s.split(","), default=["single", "inproc_pp", "remote_pp", "remote_pp_logits"])
+    p.add_argument("--warmup", type=int, default=8, help="tokens each worker generates before its measured run")
+    p.add_argument("--prompt", default=DEFAULT_PROMPT, help="the user message (chat template applied)")
+    p.add_argument("--modes", type=_modes, default=list(MODES), help=f"comma-separated, of {', '.join(MODES)}")
     p.add_argument("--streams", type=lambda s: [int(x) for x in s.split(",") if x], default=[2, 4, 8],
                    help="server concurrency levels (empty to skip part 2)")
     p.add_argument("--server-tokens", type=int, default=64, help="tokens per request in part 2")
@@ -315,49 +566,73 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--stage-threads", type=int, default=None,
                    help="OPENBLAS_NUM_THREADS of each stage process (stages that share one host's cores)")
     p.add_argument("--label", default=None, help="free-form label recorded in every row (e.g. h200-x2)")
+    p.add_argument("--trace", action="store_true", help="also write trace-<mode>.jsonl: one line per token")
     p.add_argument("--quick", action="store_true", help="2 runs of 16 tokens, streams 2, 16 tokens (smoke test)")
     p.add_argument("--out", type=Path, default=Path("bench/results") / time.strftime("%Y-%m-%d"))
+    internal = p.add_argument_group("worker (internal: one mode, one run, started by the benchmark itself)")
+    internal.add_argument("--worker", choices=MODES, default=None, help=argparse.SUPPRESS)
+    internal.add_argument("--cluster", type=Path, default=None, help=argparse.SUPPRESS)
+    internal.add_argument("--stage-pids", type=_pids, default=[], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
         args.runs, args.tokens, args.streams, args.server_tokens, args.rounds = 2, 16, [2], 16, 1
+    if args.worker and args.worker.startswith("remote_") and args.cluster is None:
+        p.error(f"--worker {args.worker} needs --cluster")
+    if not args.worker and args.tokens < 2:
+        p.error("--tokens must be at least 2 (a rate needs two tokens)")
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    from mlxcel.engine.prompts import encode_chat
-    from mlxcel.models.loading import load_checkpoint
-
-    args = parse_args(argv)
-    loaded = load_checkpoint(args.model)
-    prompt = encode_chat(loaded.tokenizer, [{"role": "user", "content": DEFAULT_PROMPT}])
-    with tempfile.TemporaryDirectory(prefix="mlxcel-pipeline-bench-") as tmp:
-        cluster = StageCluster(Path(args.model), args.stages, Path(tmp), args.stage_devices, args.stage_threads)
-        cluster.start()
-        try:
-            rows = single_stream(args, cluster, loaded, prompt) if args.runs else []
-            if args.streams:
-                rows += server_levels(args, cluster)
-        finally:
-            cluster.stop()
-    for row in rows:
-        row["label"] = args.label
-        row["stage_devices"] = ",".join(args.stage_devices) if args.stage_devices else None
-        row["stage_threads"] = args.stage_threads
-    path = write_jsonl(args.out / "pipeline_bench.jsonl", rows)
-    print(f"\nrows: {path}")
-    one = summarize([r for r in rows if r["streams"] == 1])
-    base = one.get("single", (0, 0, 0))[0]
-    for mode, (med, lo, hi) in one.items():
+def print_summary(rows: list[dict], args: argparse.Namespace) -> None:
+    one = [r for r in rows if r["streams"] == 1]
+    tps = summarize(one)
+    base = tps.get("single", (0, 0, 0))[0]
+    for mode, (med, lo, hi) in tps.items():
         ratio = f" = {med / base:.3f}x single" if base else ""
-        print(f"{mode:>17}: median {med:6.2f} tok/s (runs {lo:.2f}-{hi:.2f}){ratio}")
-    print(f"identical tokens across modes: {all(r['identical'] for r in rows if r['streams'] == 1)}")
+        mine = [r for r in one if r["mode"] == mode]
+        cpu = statistics.median(r["cpu_s_worker"] for r in mine)
+        stages = [r["cpu_s_stages"] for r in mine if r["cpu_s_stages"] is not None]
+        extra = f", stages {statistics.median(stages):.2f}" if stages else ""
+        print(f"{mode:>17}: median {med:6.2f} tok/s (runs {lo:.2f}-{hi:.2f}){ratio}; CPU-s worker {cpu:.2f}{extra}")
+    print(f"identical tokens across modes: {all(r['identical'] for r in one)}; "
+          f"distinct worker processes: {len({r['worker_pid'] for r in one})} of {len(one)}")
     for streams in args.streams:
         level = summarize([r for r in rows if r["streams"] == streams])
         if "server_single" in level and "server_remote_pp" in level:
             ratio = level["server_remote_pp"][0] / level["server_single"][0]
             print(f"{streams} streams: single {level['server_single'][0]:.2f}, 2-stage {level['server_remote_pp'][0]:.2f} "
                   f"tok/s aggregate = {ratio:.3f}x")
-    mx.clear_cache()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        return worker_main(args)
+    started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    needs_stages = bool(args.streams) or (args.runs and any(m.startswith("remote_") for m in args.modes))
+    traces: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="mlxcel-pipeline-bench-") as tmp:
+        cluster = StageCluster(Path(args.model), args.stages, Path(tmp), args.stage_devices, args.stage_threads) \
+            if needs_stages else None
+        try:
+            if cluster is not None:
+                cluster.start()
+            rows, traces = single_stream(args, cluster) if args.runs else ([], [])
+            if args.streams and cluster is not None:
+                rows += server_levels(args, cluster)
+        finally:
+            if cluster is not None:
+                cluster.stop()
+    for row in rows:
+        row["label"] = args.label
+        row["stage_devices"] = ",".join(args.stage_devices) if args.stage_devices else None
+        row["stage_threads"] = args.stage_threads
+        row["bench_started"] = started
+    path = write_jsonl(args.out / "pipeline_bench.jsonl", rows)
+    print(f"\nrows: {path}")
+    if args.trace and traces:
+        print("trace: " + ", ".join(map(str, write_traces(args.out, traces, started))))
+    print_summary(rows, args)
     return 0
 
 

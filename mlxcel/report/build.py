@@ -104,11 +104,18 @@ def _pipeline_sections(df: pd.DataFrame) -> list[dict[str, Any]]:
         ("identical", "all_identical", html.text), ("ABBA positions", "order_positions", html.text),
     ]
     ratio: html.Column = ("vs baseline (fair runs only)", "vs_baseline", html.ratio)
+    per_run: list[html.Column] = [  # shown where the rows record them (fresh-process workers)
+        ("per-token p95 (ms)", "per_token_ms_p95_median", html.num(2)),
+        ("latency p50 (ms)", "latency_ms_p50_median", html.num(2)), ("latency p95 (ms)", "latency_ms_p95_median", html.num(2)),
+        ("CPU-s worker", "cpu_s_worker_median", html.num(2)), ("CPU-s stages", "cpu_s_stages_median", html.num(2)),
+        ("CPU-s per stage", "cpu_s_per_stage", html.text),
+    ]
     out = []
     for (session, machine, model), g in df.groupby(["session", "machine", "model"], sort=False):
         g = g.sort_values(["stages", "mode", "streams"])
         title = f"{model} on {machine} — {session}"
         shown = cols + [ratio] if g["vs_baseline"].notna().any() else cols  # a ratio only where it is fair
+        shown = shown + [c for c in per_run if g[c[1]].map(lambda v: pd.notna(v) and v != "").any()]
         note = tables.UNFAIR_SINGLE_NOTE if tables.unfair_single(g) else ""
         out.append({"title": title, "plot": plots.pipeline_plot(g, title), "table": html.table(g, shown), "note": note})
     return out

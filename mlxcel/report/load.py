@@ -58,8 +58,12 @@ def _is_report_dir(path: Path) -> bool:
         return False
 
 
+TRACE_PREFIX = "trace-"  # bench/pipeline_bench.py --trace's per-token timelines: not benchmark rows
+
+
 def discover(paths: Iterable[str | Path], exclude: Path | None = None) -> list[Path]:
-    """Every .jsonl and .csv file under ``paths`` (files are taken as given), sorted, no report outputs."""
+    """Every .jsonl and .csv file under ``paths`` (files are taken as given), sorted, no report outputs
+    and no per-token traces (``trace-*.jsonl``)."""
     found: list[Path] = []
     for p in map(Path, paths):
         if p.is_file():
@@ -68,6 +72,7 @@ def discover(paths: Iterable[str | Path], exclude: Path | None = None) -> list[P
         if not p.is_dir():
             raise ReportInputError(f"no such file or directory: {p}")
         here = [f for f in sorted(p.rglob("*")) if f.suffix in (".jsonl", ".csv") and f.is_file()
+                and not (f.suffix == ".jsonl" and f.name.startswith(TRACE_PREFIX))
                 and not any(_is_report_dir(d) for d in f.parents if d == p or p in d.parents)
                 and not (exclude and exclude.resolve() in f.resolve().parents)]
         if not here:

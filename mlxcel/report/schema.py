@@ -89,6 +89,12 @@ SCHEMAS: dict[str, Schema] = {s.bench: s for s in (
         # true only where a ratio between this run's modes is fair: every mode ran in a fresh process, or
         # the baseline is the deployed single-node server (see tables.pipeline_summary's vs_baseline)
         Field("fair_comparison", "bool", required=False, nullable=True, default=False),
+        # per run (bench/pipeline_bench.py workers): the fresh process, CPU-seconds per process in the
+        # measured run (cpu_s_stage, a list per stage, is kept as it is) and per-token submit->result latency
+        _int("worker_pid", required=False, nullable=True), _int("prompt_tokens", required=False, nullable=True),
+        _num("wall_s", required=False, nullable=True), _num("cpu_s_worker", required=False, nullable=True),
+        _num("cpu_s_worker_total", required=False, nullable=True), _num("cpu_s_stages", required=False, nullable=True),
+        _num("latency_ms_p50", required=False, nullable=True), _num("latency_ms_p95", required=False, nullable=True),
     )),
 )}
 

@@ -140,6 +140,11 @@ def pipeline_summary(df: pd.DataFrame) -> pd.DataFrame:
     out = _spread(df, keys, "tok_s")
     g = df.groupby(keys, sort=False, dropna=False)
     out["per_token_ms_p50_median"] = g["per_token_ms_p50"].median().values
+    for col in PIPELINE_RUN_MEDIANS:  # NaN for rows written before these fields existed
+        out[f"{col}_median"] = pd.to_numeric(df[col], errors="coerce").groupby(
+            [df[k] for k in keys], sort=False, dropna=False).median().values
+    out["cpu_s_per_stage"] = (df["cpu_s_stage"] if "cpu_s_stage" in df else pd.Series(None, index=df.index)).groupby(
+        [df[k] for k in keys], sort=False, dropna=False).agg(_per_stage_medians).values
     out["frames_per_token_median"] = g["frames_per_token"].median().values
     out["bytes_per_token_median"] = g["bytes_per_token"].median().values
     out["tokens"] = g["tokens"].max().values
@@ -148,6 +153,17 @@ def pipeline_summary(df: pd.DataFrame) -> pd.DataFrame:
     fair = df[FAIR_FIELD] if FAIR_FIELD in df else pd.Series(False, index=df.index)
     out["fair_comparison"] = fair.eq(True).groupby([df[k] for k in keys], sort=False, dropna=False).all().values
     return _with_ratios(out)
+
+
+PIPELINE_RUN_MEDIANS = ("per_token_ms_p95", "latency_ms_p50", "latency_ms_p95", "cpu_s_worker", "cpu_s_stages")
+
+
+def _per_stage_medians(lists: pd.Series) -> str:
+    """"0.41, 0.39": each stage process's median CPU-seconds over the runs ("" where none were recorded)."""
+    runs = [list(x) for x in lists if isinstance(x, (list, tuple)) and x]
+    if not runs:
+        return ""
+    return ", ".join(f"{pd.Series(col).median():.2f}" for col in zip(*runs))
 
 
 # -- ratios between pipeline modes: only where fair ---------------------------------------------------
