@@ -1,8 +1,8 @@
 """Booleans are not integers or numbers: every numeric field of every stage message refuses them.
 
-JSON messages (PREPARE, STATE, ERROR): each row names a message, a numeric field, a valid message,
-and the receiver's check; the test puts ``true`` (and ``false``) where the number goes and expects
-the check to refuse it, while the valid message passes. A second test keeps the table complete
+JSON messages (PREPARE, ACK, RELEASE, STATE, ERROR): each row names a message, a numeric field, a
+valid message, and the receiver's check; the test puts ``true`` (and ``false``) where the number
+goes and expects the check to refuse it, while the valid message passes. A second test keeps the table complete
 against the JSON field tables of docs/pipeline.md. The step messages (RUN_ENTRY, ACTIVATION,
 RUN_RESULT) have a binary header where a boolean cannot stand for a number on the wire; their
 encoder refuses one, and the coordinator's checks of a RUN_RESULT's fields refuse one too.
@@ -19,7 +19,7 @@ import pytest
 
 from mlxcel.error_codes import ErrorCode
 from mlxcel.pipeline.coordinator import result_is_for, result_tokens
-from mlxcel.pipeline.params import params_from_wire
+from mlxcel.pipeline.params import count_from_wire, params_from_wire, tokens_from_wire
 from mlxcel.pipeline.protocol import MsgType, ProtocolError, check_state, decode, encode
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "pipeline.md"
@@ -42,6 +42,14 @@ def _result(h: dict) -> None:
     result_tokens(h, 1, VOCAB)
 
 
+def _tokens(name: str) -> Callable[[dict], None]:
+    return lambda h: tokens_from_wire(h[name], name, VOCAB)
+
+
+def _count(name: str, most: int) -> Callable[[dict], None]:
+    return lambda h: count_from_wire(h[name], name, most)
+
+
 def _error(h: dict) -> None:
     if ErrorCode.from_wire(h["code"]) is ErrorCode.UNKNOWN:
         raise ValueError("unknown code")
@@ -59,6 +67,10 @@ FIELDS: list[tuple[str, tuple, dict, Callable[[dict], None]]] = [
     ("PREPARE", ("top_k",), {"top_k": 3}, _params),
     ("PREPARE", ("seed",), {"seed": 1}, _params),
     ("PREPARE", ("top_logprobs",), {"top_logprobs": 1, "logprobs": True}, _params),
+    ("PREPARE", ("prompt", 1), {"prompt": [7, 1, 2]}, _tokens("prompt")),  # true is not token 1
+    ("PREPARE", ("max_cached",), {"max_cached": 1}, _count("max_cached", 1 << 16)),
+    ("ACK", ("cached",), {"cached": 1}, _count("cached", 5)),
+    ("RELEASE", ("tokens", 1), {"tokens": [7, 1, 2]}, _tokens("tokens")),
     ("tensor descriptor", ("shape", 0), {"shape": [1, 1]}, _descriptor),
     ("RUN_RESULT", ("micro_batch",), dict(RESULT), _result),
     ("RUN_RESULT", ("tokens", 0), dict(RESULT), _result),
@@ -66,7 +78,8 @@ FIELDS: list[tuple[str, tuple, dict, Callable[[dict], None]]] = [
     ("RUN_RESULT", ("top_logprobs", 0, 0, 0), dict(RESULT), _result),
     ("RUN_RESULT", ("top_logprobs", 0, 0, 1), dict(RESULT), _result),
     *[("STATE", (name,), dict(STATE), check_state) for name in
-      ("stage", "num_layers", "hidden_size", "vocab_size", "sequences", "steps", "sent_frames", "sent_bytes")],
+      ("stage", "num_layers", "hidden_size", "vocab_size", "sequences", "steps", "sent_frames", "sent_bytes",
+       "prefix_bytes")],
     ("STATE", ("layers", 0), dict(STATE), check_state),
     ("STATE", ("layers", 1), dict(STATE), check_state),
     ("ERROR", ("code",), {"code": 4}, _error),
