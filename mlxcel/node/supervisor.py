@@ -39,12 +39,17 @@ COMMAND_KEY = "command line"  # the inputs entry that stands for the command, en
 def running_pid(spec: NodeSpec) -> int | None:
     """This node's process: the pidfile's, else one whose command line has ``match`` and the program."""
     pid = _read_pid(spec.pidfile)
-    if pid is not None and spec.match in (_command_line(pid) or ""):
+    if pid is not None and _has(_settled_command_line(pid) or "", spec.match):
         return pid
     for pid, command in _processes():
-        if spec.match in command and spec.command[0] in command and pid != os.getpid():
+        if _has(command, spec.match) and _has(command, spec.command[0]) and pid != os.getpid():
             return pid
     return None
+
+
+def _has(command: str, words: str) -> bool:
+    """``words`` in ``command`` on word boundaries ("--port 80" is not in "--port 8080")."""
+    return f" {words} " in f" {command} "
 
 
 def _read_pid(pidfile: Path) -> int | None:
@@ -66,6 +71,14 @@ def _command_line(pid: int) -> str | None:
     out = subprocess.run(["ps", "-o", "stat=,command=", "-p", str(pid)], capture_output=True, text=True).stdout
     stat_, _, command = out.strip().partition(" ")
     return None if not stat_ or stat_.startswith("Z") else command.strip()
+
+
+def _settled_command_line(pid: int, wait_s: float = 0.5) -> str | None:
+    """As ``_command_line``, but waits out the moment after exec when /proc shows an empty command line."""
+    deadline = time.monotonic() + wait_s
+    while (command := _command_line(pid)) == "" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return command
 
 
 def _processes() -> Iterator[tuple[int, str]]:

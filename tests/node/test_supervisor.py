@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterator
 
@@ -131,6 +132,17 @@ def test_a_node_whose_pidfile_was_lost_is_found_by_its_command_line(home: Path) 
     assert supervisor.status(spec)["pid"] == pid
     assert supervisor.start(spec)["changed"] is False  # no second copy on the same port
     assert supervisor.stop(spec)["pid"] == pid and not alive(pid)
+
+
+def test_match_is_on_word_boundaries(home: Path) -> None:
+    spec = load_node_spec(write_spec(home))
+    pid = supervisor.start(spec)["pid"]
+    spec.pidfile.unlink()  # found by the scan of command lines
+    port = spec.command[3]
+    assert supervisor.running_pid(replace(spec, match=f"{port} 200")) == pid
+    assert supervisor.running_pid(replace(spec, match=port[:-1])) is None  # port 1234 is not port 12345
+    assert supervisor.running_pid(replace(spec, match=port[1:])) is None
+    supervisor.stop(spec)
 
 
 def test_a_changed_input_restarts_the_node(home: Path) -> None:
