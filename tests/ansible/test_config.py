@@ -9,6 +9,7 @@ import pytest
 
 from mlxcel.models.random_checkpoint import make_random_checkpoint
 from mlxcel.pipeline.cluster_config import load_cluster_config
+from mlxcel.pipeline.partition import PartitionError, parse_layer_ranges
 from tests.ansible.playbook import HOSTS, REPO, Deployment
 
 pytestmark = pytest.mark.timeout(300)
@@ -56,3 +57,32 @@ def test_checkpoint_copied_where_missing_different_one_fails_naming_the_host_exp
     # the others went on to render their TOML, with the explicit ranges instead of mlxcel plan's
     config = load_cluster_config(deployment.home("stage-0") / "cluster.toml")
     assert [s.layers for s in config.stages] == [(0, 1), (1, 4)]
+
+
+def _engine_accepts(layers: str, num_layers: int) -> bool:
+    try:
+        parse_layer_ranges(layers, num_layers)
+    except PartitionError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("last", ["7", "7-"])
+def test_preflight_accepts_a_layer_range_exactly_when_the_engine_does(
+        deployment: Deployment, tmp_path: Path, last: str) -> None:
+    model = make_random_checkpoint(tmp_path / "eight", family="llama", layers=8)
+    inventory = _inventory(tmp_path / "hosts.yml", {
+        "coordinator": {"mlxcel_model_dir": str(model)},
+        "stage-0": {"mlxcel_model_dir": str(model), "mlxcel_config_layers": "0-6"},
+        "stage-1": {"mlxcel_model_dir": str(model), "mlxcel_config_layers": last}})
+    result = deployment.run("deploy.yml", "--tags", "install,config", inventory=inventory,
+                            mlxcel_model_source=str(model))
+    accepted = _engine_accepts(f"0-6,{last}", 8)
+    assert (result.rc == 0) == accepted, result.output[-4000:]
+    if accepted:  # the TOML holds the range as the engine wrote it
+        config = load_cluster_config(deployment.home("stage-1") / "cluster.toml")
+        assert [s.layers for s in config.stages] == [(0, 7), (7, 8)]
+    else:
+        text = " ".join(result.output.split())
+        assert "the stages' mlxcel_config_layers (local-stage-0: '0-6', local-stage-1: '7-') are refused by the " \
+               "engine: --layers: stage 1: '7-' is not a layer range" in text, result.output[-4000:]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import subprocess
 import tomllib
@@ -37,6 +38,12 @@ def test_deploy_starts_three_nodes(deployment: Deployment) -> None:
     assert all(r["failed"] == 0 and r["unreachable"] == 0 for r in recap.values())
     assert f"OpenAI API: {deployment.url}/v1" in result.output
     assert "answer: " in result.output
+    # nothing ran before: every node says it started, no handler restarts anything, no message speaks of it
+    assert all(f"msg: {node} started" in result.output for node in NODES), result.output[-4000:]
+    handlers = [line for line in result.output.splitlines() if line.startswith("RUNNING HANDLER")]
+    assert not [h for h in handlers if "restart" in h.lower()], handlers
+    assert "restarted" not in "".join(re.findall(r"msg: .*", result.output))
+    assert "secret file changed" not in result.output
     for node, address in HOSTS.items():
         pid = int((deployment.home(node) / "node.pid").read_text())
         cmdline = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
@@ -103,7 +110,7 @@ def test_secret_is_0600_everywhere_and_never_leaks(deployment: Deployment) -> No
         assert stat.S_IMODE((home / "cluster.secret").stat().st_mode) == 0o600
         toml = (home / "cluster.toml").read_text()
         assert tomllib.loads(toml)["cluster"]["secret_file"] == str(home / "cluster.secret")
-        for name in ("cluster.toml", "node.log", "nodectl"):
+        for name in ("cluster.toml", "node.log", "node.toml"):
             assert secret not in (home / name).read_text(), f"{node}: the secret is in {name}"
         environ = open(f"/proc/{int((home / 'node.pid').read_text())}/environ", "rb").read().decode(errors="replace")
         assert secret not in environ
@@ -116,10 +123,12 @@ def test_secret_rotation_restarts_every_node_with_the_new_secret(deployment: Dep
     result = deployment.run("deploy.yml", mlxcel_secret_rotate=True)
     assert result.rc == 0, result.output[-4000:]
     new_secret = (deployment.controller / "cluster.secret").read_text()
+    output = result.output.split()  # the YAML callback folds long messages
     assert new_secret != old_secret and new_secret.strip() not in result.output
     for node in NODES:
         assert (deployment.home(node) / "cluster.secret").read_text() == new_secret
         assert (deployment.home(node) / "node.pid").read_text() != pids[node], f"{node} did not restart"
+        assert f"msg: {node} restarted ({deployment.home(node) / 'cluster.secret'} changed)" in " ".join(output)
     assert "answer: " in result.output  # the restarted cluster serves
 
 
