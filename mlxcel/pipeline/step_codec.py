@@ -142,6 +142,24 @@ def decode_header(mtype_name: str, data: memoryview) -> tuple[dict[str, Any], tu
     """
     r = _Reader(data)
     nonce, phase, flags, micro_batch, rows = r.unpack(FIXED, "the fixed fields")
+    # from here on the nonce is known: a refusal can be answered to the sender of a command with it
+    header: dict[str, Any] = {"nonce": bytes(nonce).hex(), "request_ids": []}
+    try:
+        _check_fixed(phase, flags, micro_batch, rows)
+        rids = [_request_id(r) for _ in range(rows)]
+        if len(set(rids)) != rows:
+            raise StepFormatError(ErrorCode.BAD_REQUEST, "a request id appears twice in one step")
+        header.update(phase=PHASES[phase], micro_batch=micro_batch, request_ids=rids, sample=bool(flags & SAMPLE_FLAG))
+        tensor = _decode_result(r, header, rows) if mtype_name == "RUN_RESULT" else _read_descriptor(r)
+        if r.at != len(data):
+            raise StepFormatError(ErrorCode.BAD_REQUEST, f"{len(data) - r.at} bytes after the step header's fields")
+    except StepFormatError as exc:
+        exc.header = header
+        raise
+    return header, tensor
+
+
+def _check_fixed(phase: int, flags: int, micro_batch: int, rows: int) -> None:
     if phase >= len(PHASES):
         raise StepFormatError(ErrorCode.BAD_REQUEST, f"phase must be 0 (prefill) or 1 (decode), got {phase}")
     if flags & ~SAMPLE_FLAG:
@@ -150,19 +168,6 @@ def decode_header(mtype_name: str, data: memoryview) -> tuple[dict[str, Any], tu
         raise StepFormatError(ErrorCode.BAD_REQUEST, f"micro_batch must be 0 to 63, got {micro_batch}")
     if rows == 0:
         raise StepFormatError(ErrorCode.BAD_REQUEST, "a step names at least one request id")
-    rids = [_request_id(r) for _ in range(rows)]
-    if len(set(rids)) != rows:
-        raise StepFormatError(ErrorCode.BAD_REQUEST, "a request id appears twice in one step")
-    header: dict[str, Any] = {"nonce": bytes(nonce).hex(), "phase": PHASES[phase], "micro_batch": micro_batch,
-                              "request_ids": rids, "sample": bool(flags & SAMPLE_FLAG)}
-    try:
-        tensor = _decode_result(r, header, rows) if mtype_name == "RUN_RESULT" else _read_descriptor(r)
-        if r.at != len(data):
-            raise StepFormatError(ErrorCode.BAD_REQUEST, f"{len(data) - r.at} bytes after the step header's fields")
-    except StepFormatError as exc:
-        exc.header = header
-        raise
-    return header, tensor
 
 
 def _request_id(r: _Reader) -> str:

@@ -466,27 +466,27 @@ ENTRY_BOUNDS: dict[str, tuple[Build, int, str | None]] = {
     "no tensor descriptor": (crafted(), 1, "bad_request"),
     "dimensions cut short": (crafted(tail=descriptor(INT32, 1, 1)[:-2]), 1, "bad_request"),
     "a header longer than its fields": (crafted(tail=descriptor(INT32, 1, 1) + b"\x00", data=SEVEN), 1, "bad_request"),
-    # the fixed fields or the ids do not decode: nothing in the header can be trusted, so the stage drops
-    # it like a malformed message, without a reply (docs/pipeline.md §3.2); no field of it is ever used
-    "unknown phase (byte 7)": (crafted(phase=7, tail=descriptor(INT32, 1, 1), data=SEVEN), 1, None),
+    # the fixed fields or the ids do not decode: past the 12 fixed bytes the nonce is known, so the stage
+    # answers the coordinator bad_request at once (docs/pipeline.md §3.2) and the step fails now, not at
+    # its deadline; no other field of it is ever used
+    "unknown phase (byte 7)": (crafted(phase=7, tail=descriptor(INT32, 1, 1), data=SEVEN), 1, "bad_request"),
     "an unknown flag bit (sample not a boolean)": (crafted(flags=0x03, tail=descriptor(INT32, 1, 1), data=SEVEN), 1,
-                                                   None),
-    "micro_batch 64": (crafted(micro_batch=64, tail=descriptor(INT32, 1, 1), data=SEVEN), 1, None),
-    "micro_batch 255": (crafted(micro_batch=255, tail=descriptor(INT32, 1, 1), data=SEVEN), 1, None),
-    "no request ids (0 rows)": (crafted(ids=[], tail=descriptor(INT32, 1, 1), data=SEVEN), 1, None),
-    "more ids claimed than sent": (crafted(rows=2), 1, None),  # the header ends where the second id should be
-    "an empty request id": (crafted(ids=[b""], tail=descriptor(INT32, 1, 1), data=SEVEN), 1, None),
-    "a 129-byte request id": (crafted(ids=[b"r" * 129], tail=descriptor(INT32, 1, 1), data=SEVEN), 1, None),
-    "a request id that is not UTF-8": (crafted(ids=[b"\xff\xfe"], tail=descriptor(INT32, 1, 1), data=SEVEN), 1, None),
+                                                   "bad_request"),
+    "micro_batch 64": (crafted(micro_batch=64, tail=descriptor(INT32, 1, 1), data=SEVEN), 1, "bad_request"),
+    "micro_batch 255": (crafted(micro_batch=255, tail=descriptor(INT32, 1, 1), data=SEVEN), 1, "bad_request"),
+    "no request ids (0 rows)": (crafted(ids=[], tail=descriptor(INT32, 1, 1), data=SEVEN), 1, "bad_request"),
+    "more ids claimed than sent": (crafted(rows=2), 1, "bad_request"),  # the header ends where the second id should be
+    "an empty request id": (crafted(ids=[b""], tail=descriptor(INT32, 1, 1), data=SEVEN), 1, "bad_request"),
+    "a 129-byte request id": (crafted(ids=[b"r" * 129], tail=descriptor(INT32, 1, 1), data=SEVEN), 1, "bad_request"),
+    "a request id that is not UTF-8": (crafted(ids=[b"\xff\xfe"], tail=descriptor(INT32, 1, 1), data=SEVEN), 1, "bad_request"),
     "a request id twice": (lambda mtype, h: raw_step(mtype, h, ids=[h["request_ids"][0].encode()] * 2,
-                                                     tail=descriptor(INT32, 2, 1), data=SEVEN * 2), 1, None),
+                                                     tail=descriptor(INT32, 2, 1), data=SEVEN * 2), 1, "bad_request"),
 }
 
 
 @pytest.mark.parametrize("case", list(ENTRY_BOUNDS))
 def test_run_entry_tensor_bounds(strict, expected, rogue, case):
-    """A RUN_ENTRY outside the bounds gets ERROR (with its nonce) back to the coordinator, or is dropped when
-    its header does not decode as far as its request ids; either way nothing runs."""
+    """A RUN_ENTRY outside the bounds gets ERROR (with its nonce) back to the coordinator; nothing runs."""
     build, rows, code = ENTRY_BOUNDS[case]
     victim = start_victim(strict, expected)
     others = [GreedyRun(strict.coordinator, rid("row"), PROMPT) for _ in range(rows - 1)]
