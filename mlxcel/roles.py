@@ -45,9 +45,17 @@ def _no_cluster(args: argparse.Namespace, dist: Distributed | None) -> bool:
     return dist is None
 
 
+def _bringup(flag: str) -> Selector:
+    """A zero-config role, chosen by its flag while no cluster TOML is loaded (a --pp-peer with
+    --distributed-config and --node-id skips the wait: the TOML's node role selects it)."""
+    return lambda args, dist: dist is None and bool(getattr(args, flag, None))
+
+
 ROLES: tuple[Role, ...] = (
     Role("stage", _node_role("stage"), "mlxcel.pipeline.stage_server", serves_api=False),
     Role("coordinator", _node_role("coordinator"), "mlxcel.pipeline.coordinator_server"),
+    Role("pp-auto", _bringup("pp_auto"), "mlxcel.bringup.coordinator"),
+    Role("pp-peer", _bringup("pp_peer"), "mlxcel.bringup.peer", serves_api=False),
     Role("single", _no_cluster, "mlxcel.server.single"),
 )
 

@@ -57,6 +57,7 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                         help="model id clients send and /v1/models lists (default: the directory name)")
     parser.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="log verbosity (default info)")
     _add_cluster_arguments(parser)
+    _add_bringup_arguments(parser)
     from mlxcel.server.access import add_access_arguments
 
     add_access_arguments(parser)
@@ -80,18 +81,54 @@ def _add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
                             "exits 0 (default: the stages keep running for the next coordinator)")
 
 
+def _add_bringup_arguments(parser: argparse.ArgumentParser) -> None:
+    """Zero-config bring-up (docs/bringup.md); checked by ``mlxcel.bringup.flags``."""
+    from mlxcel.bringup import wire
+
+    group = parser.add_argument_group("zero-config bring-up (docs/bringup.md)")
+    group.add_argument("--pp-auto", type=positive_int, default=None, metavar="N",
+                       help="coordinator of an N-stage pipeline: find N --pp-peer processes, plan the cluster, "
+                            "assign their stages and serve the API (runs no stage itself)")
+    group.add_argument("--pp-peer", action="store_true",
+                       help="wait for a stage assignment from a --pp-auto coordinator, then serve that stage")
+    group.add_argument("--cluster-name", default=None, metavar="NAME",
+                       help=f"the cluster's name; peers refuse another (default {wire.DEFAULT_CLUSTER_NAME})")
+    group.add_argument("--cluster-peers", default=None, metavar="A:P,...",
+                       help="--pp-auto, static discovery: the peers' --cluster-control-addr addresses")
+    group.add_argument("--cluster-control-addr", default=None, metavar="IP:PORT",
+                       help="coordinator: its cluster address (default: the --host IP, port "
+                            f"{wire.DEFAULT_CONTROL_PORT}); peer: its listener for the assignment and then its "
+                            "stage (default with mdns: 0.0.0.0 and an OS-assigned port)")
+    group.add_argument("--cluster-discovery", choices=wire.DISCOVERY_MODES, default=None,
+                       help=f"static (--cluster-peers) or mdns (signed UDP beacons) (default {wire.DEFAULT_DISCOVERY})")
+    group.add_argument("--cluster-discovery-target", default=None, metavar="IP",
+                       help=f"peer, mdns: where beacons go (default {wire.DEFAULT_DISCOVERY_TARGET}; a directed "
+                            "broadcast or the coordinator's IP)")
+    group.add_argument("--cluster-discovery-port", type=tcp_port, default=None, metavar="PORT",
+                       help=f"mdns: the beacons' UDP port (default {wire.DEFAULT_DISCOVERY_PORT})")
+    group.add_argument("--cluster-config-out", default=None, metavar="PATH",
+                       help=f"where the cluster TOML is written (coordinator default {wire.DEFAULT_COORDINATOR_CONFIG_OUT}, "
+                            f"peer default {wire.DEFAULT_PEER_CONFIG_OUT.replace('{node_id}', '<node-id>')})")
+    group.add_argument("--dry-run", action="store_true",
+                       help="--pp-auto only: plan the cluster, write --cluster-config-out and exit")
+
+
 def check_cluster_flags(args: argparse.Namespace) -> None:
     """--distributed-config and --node-id come together; pipeline-only flags need them."""
+    from mlxcel.bringup.flags import check_bringup_flags
+
+    check_bringup_flags(args)  # --pp-auto / --pp-peer exclusions first: --dry-run with --pp-peer binds nothing
     if args.node_id is not None and args.distributed_config is None:
         raise CLIError("--node-id needs --distributed-config (the cluster TOML that defines the node)")
     if args.distributed_config is not None and args.node_id is None:
         raise CLIError("--distributed-config needs --node-id (which node of the cluster this process is)")
     if args.node_id is not None and not args.node_id.strip():
         raise CLIError("--node-id must not be empty")
-    if args.pp_micro_batch_size is not None and args.distributed_config is None:
-        raise CLIError("--pp-micro-batch-size needs --distributed-config (it sizes a pipeline's micro-batches)")
-    if args.pp_stop_stages and args.distributed_config is None:
-        raise CLIError("--pp-stop-stages needs --distributed-config (it stops a pipeline's stages)")
+    pipeline = args.distributed_config is not None or args.pp_auto is not None
+    if args.pp_micro_batch_size is not None and not pipeline:
+        raise CLIError("--pp-micro-batch-size needs --distributed-config or --pp-auto (it sizes a pipeline's micro-batches)")
+    if args.pp_stop_stages and not pipeline:
+        raise CLIError("--pp-stop-stages needs --distributed-config or --pp-auto (it stops a pipeline's stages)")
 
 
 def build_config(args: argparse.Namespace):
@@ -116,6 +153,7 @@ def build_config(args: argparse.Namespace):
 
 def run_server(args: argparse.Namespace) -> int:
     """Check, select the role, bind, run it; returns only for preflight errors (raised), else exits the process."""
+    from mlxcel.bringup.flags import preflight_bringup
     from mlxcel.pipeline.runtime import prepare_distributed
     from mlxcel.process import RoleContext, bind_socket, exit_process
     from mlxcel.roles import select_role
@@ -124,6 +162,7 @@ def run_server(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = build_config(args)
     dist = prepare_distributed(args, config.model)  # cluster TOML, node, secret (fail closed), stage ranges
+    preflight_bringup(args)  # --pp-auto / --pp-peer: the secret (fail closed)
     role = select_role(args, dist)
     # keys, TLS files and the fail-closed bind policy, before anything listens
     access = prepare_access(args, health_only=not role.serves_api)

@@ -1,0 +1,115 @@
+"""Role ``pp-auto``: find the peers, plan the cluster, assign every stage, then be the coordinator.
+
+After a successful push this process is the ``coordinator`` node of the cluster TOML it wrote
+(``--cluster-config-out``): the role table picks that role for it, exactly as for
+``--distributed-config <that file> --node-id coordinator``. With ``--dry-run`` it plans, writes the
+file and exits without assigning anything.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import replace
+
+from mlxcel import __version__
+from mlxcel.cluster.secret import ClusterSecret, load_secret
+from mlxcel.errors import CLIError
+from mlxcel.pipeline.partition import PartitionError, format_range, layer_costs
+from mlxcel.process import RoleContext
+
+from .beacon import BeaconListener, BeaconVerifier
+from .errors import BringupError
+from .flags import BringupSettings, bringup_settings, check_reachable
+from .plan import ClusterPlan, coordinator_header, write_file
+from .push import Push, PushConfig
+from .wire import COORDINATOR_NODE_ID, DISCOVERY_SETTLE_S, DISCOVERY_WINDOW_S
+
+log = logging.getLogger("mlxcel.bringup.coordinator")
+
+
+def _say(text: str) -> None:
+    print(f"mlxcel: pp-auto: {text}", file=sys.stderr, flush=True)
+
+
+def discover(settings: BringupSettings, secret: ClusterSecret, *, window_s: float = DISCOVERY_WINDOW_S):
+    """The peers whose beacons verify within the discovery window; ``CLIError`` unless exactly N."""
+    n = settings.stages or 0
+    verifier = BeaconVerifier(secret, mlxcel=__version__, cluster=settings.cluster)
+    try:
+        listener = BeaconListener(verifier, settings.discovery_port)
+    except OSError as exc:
+        raise CLIError(f"cannot listen for beacons on UDP port {settings.discovery_port}: "
+                       f"{exc.strerror or exc}") from None
+    _say(f"listening for {n} peer beacons on UDP port {listener.port} for up to {window_s:g}s")
+    try:
+        peers = listener.collect(n, window_s, settle_s=DISCOVERY_SETTLE_S)
+    finally:
+        listener.close()
+    found = ", ".join(map(str, peers)) or "none"
+    if len(peers) < n:
+        raise CLIError(f"discovery found {len(peers)} of {n} peers within {window_s:g}s ({found}): peers must be "
+                       f"beaconing (--pp-peer --cluster-discovery=mdns, same --cluster-name, secret and "
+                       f"--cluster-discovery-port) when the coordinator starts or within its window")
+    if len(peers) > n:
+        raise CLIError(f"discovery found {len(peers)} peers for --pp-auto {n} ({found}): stop the extra peers, "
+                       "give them another --cluster-name, or list the peers with --cluster-peers")
+    check_reachable(settings.control, peers)
+    return peers
+
+
+def _describe(plan: ClusterPlan) -> str:
+    return ", ".join(f"{s.node_id} = {s.address} (layers {format_range(s.start, s.end)})" for s in plan.stages)
+
+
+def push(context: RoleContext, settings: BringupSettings, secret: ClusterSecret) -> ClusterPlan:
+    """Discover (mdns) or take the listed peers (static), then run the push; ``CLIError`` on failure."""
+    model = context.config.model
+    from mlxcel.models.identity import model_identity
+
+    try:
+        costs = layer_costs(model)
+    except PartitionError as exc:
+        raise CLIError(str(exc)) from None
+    peers = discover(settings, secret) if settings.discovery == "mdns" else list(settings.peers)
+    path = settings.config_path()
+    config = PushConfig(control=settings.control, cluster=settings.cluster, mlxcel=__version__,
+                        model_identity=model_identity(model), costs=costs, secret_file=secret.path,
+                        dry_run=settings.dry_run)
+
+    def write_plan(plan: ClusterPlan) -> None:
+        write_file(path, coordinator_header(plan, __version__) + plan.body())
+
+    what = "planning" if settings.dry_run else "assigning"
+    _say(f"{what} {len(peers)} stages of cluster {settings.cluster!r} over {', '.join(map(str, peers))} "
+         f"from control address {settings.control}")
+    try:
+        return Push(config, secret, peers, write_plan=write_plan).run()
+    except BringupError as exc:
+        raise CLIError(str(exc)) from None
+
+
+def run(context: RoleContext) -> int:
+    """Role ``pp-auto``: the push, then the ``coordinator`` role on the generated TOML (or exit, dry run)."""
+    from mlxcel.pipeline.cluster_config import ClusterConfigError, load_cluster_config
+    from mlxcel.pipeline.runtime import Distributed
+    from mlxcel.roles import select_role
+
+    args = context.args
+    settings = bringup_settings(args)
+    secret = load_secret(args.cluster_secret_file, required=True)
+    plan = push(context, settings, secret)
+    path = settings.config_path().resolve()
+    if settings.dry_run:
+        _say(f"dry run: planned {_describe(plan)}; wrote {path}")
+        return 0
+    _say(f"assigned {_describe(plan)}; wrote {path}")
+    try:
+        cluster = load_cluster_config(path)
+        node = cluster.node(COORDINATOR_NODE_ID)
+    except ClusterConfigError as exc:
+        raise CLIError(str(exc)) from None
+    dist = Distributed(cluster, node, secret, micro_batch_size=args.pp_micro_batch_size,
+                       return_logits=args.pp_return_logits)
+    role = select_role(args, dist)
+    return role.run(replace(context, dist=dist))

@@ -1,0 +1,248 @@
+"""The coordinator's side of the bring-up: reach every peer, plan, offer, commit, activate (docs/bringup.md §4).
+
+``Push.run()`` is transactional: it commits only after every peer accepted and activates only after
+every peer committed. Any failure sends ABORT (with the failure summary) to every peer still in the
+session and raises ``BringupFailed`` naming each peer that did not commit, so a failed bring-up
+starts no stage anywhere.
+
+Bounds: the push window is 60 s from the start of the push; reaching the peers and the offer phase
+end 10 s before it, so the commit phase keeps a full 10 s frame window; every reply is awaited at
+most 10 s. A static peer that is not there yet is redialled every 500 ms; a handshake failure that a
+retry cannot cure (a secret or identity mismatch, another protocol version) ends the push at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from mlxcel.cluster.errors import ClusterError, HandshakeError
+from mlxcel.cluster.identity import PeerId
+from mlxcel.cluster.secret import ClusterSecret
+from mlxcel.pipeline.partition import PartitionError, StageCosts
+
+from .channel import FrameChannel, dial
+from .errors import BringupError, BringupFailed
+from .machine import CoordinatorSession, Informed, PeerAccepted, PeerCommitFailed, PeerCommitted, PeerRefused
+from .plan import ClusterPlan, plan_cluster
+from .wire import FRAME_TIMEOUT_S, OFFER_MARGIN_S, PUSH_WINDOW_S, STATIC_RETRY_S
+
+log = logging.getLogger("mlxcel.bringup.coordinator")
+
+
+class _PeerFailed(Exception):
+    """One peer's step failed; the text says how (it goes into the summary)."""
+
+
+@dataclass
+class _Peer:
+    """The coordinator's state for one peer."""
+
+    address: PeerId
+    session: CoordinatorSession
+    channel: FrameChannel | None = None
+    memory: int | None = None
+    node_id: str = ""
+    failure: str | None = None
+    waited: bool = field(default=False, repr=False)
+
+    def __str__(self) -> str:
+        return f"{self.address} ({self.node_id})" if self.node_id else str(self.address)
+
+
+@dataclass(frozen=True)
+class PushConfig:
+    """What the coordinator pushes: its identity, the model, the cluster."""
+
+    control: PeerId
+    cluster: str
+    mlxcel: str
+    model_identity: str
+    costs: StageCosts
+    secret_file: Path | None
+    dry_run: bool = False
+
+
+class Push:
+    """One bring-up attempt against ``peers`` (their assignment listeners)."""
+
+    def __init__(self, config: PushConfig, secret: ClusterSecret, peers: list[PeerId], *,
+                 write_plan: Callable[[ClusterPlan], None], window_s: float = PUSH_WINDOW_S,
+                 stop: threading.Event | None = None) -> None:
+        self.config, self._secret = config, secret
+        self.peers = [_Peer(p, CoordinatorSession(p)) for p in peers]
+        self._write_plan = write_plan
+        self.window_s = window_s
+        self._stop = stop or threading.Event()
+        self._give_up = threading.Event()  # a peer failed: the others stop redialling
+        self.plan: ClusterPlan | None = None
+
+    # -- the whole push --
+
+    def run(self) -> ClusterPlan:
+        """Assign every stage (or plan only, under dry run); raises ``BringupFailed``."""
+        start = time.monotonic()
+        deadline = start + self.window_s
+        offer_deadline = deadline - OFFER_MARGIN_S
+        try:
+            self._phase(self._reach, offer_deadline)
+            plan = self.plan = self._plan()
+            if self.config.dry_run:
+                self._write(plan)
+                self._abort_all("dry run: the coordinator planned the cluster and exits")
+                return plan
+            self._phase(lambda p, _: self._offer(p, plan, offer_deadline), offer_deadline)
+            self._write(plan)
+            self._phase(self._commit, deadline)
+        except _Abandon as exc:
+            self._abort_all(str(exc))
+            raise BringupFailed(str(exc)) from None
+        for peer in self.peers:
+            self._activate(peer)
+        return plan
+
+    def _phase(self, step: Callable[[_Peer, float], None], deadline: float) -> None:
+        """Run ``step`` for every peer in parallel; any failure abandons the bring-up."""
+        with ThreadPoolExecutor(max_workers=len(self.peers), thread_name_prefix="mlxcel-push") as pool:
+            futures = [pool.submit(self._guarded, step, p, deadline) for p in self.peers]
+            for f in futures:
+                f.result()
+        failed = [p for p in self.peers if p.failure is not None]
+        if failed:
+            raise _Abandon(self._summary(failed))
+
+    def _guarded(self, step: Callable[[_Peer, float], None], peer: _Peer, deadline: float) -> None:
+        try:
+            step(peer, deadline)
+        except _PeerFailed as exc:
+            peer.failure = str(exc)
+        except (BringupError, ClusterError, OSError) as exc:
+            peer.failure = _describe(exc)
+        if peer.failure is not None:
+            self._give_up.set()
+
+    def _summary(self, failed: list[_Peer]) -> str:
+        others = [str(p) for p in self.peers if p.failure is None]
+        text = "stage assignment failed and no stage was started: " + "; ".join(
+            f"{p} did not commit: {p.failure}" for p in failed)
+        return text + (f" (aborted: {', '.join(others)})" if others else "")
+
+    # -- phase 1: reach each peer and learn its memory --
+
+    def _reach(self, peer: _Peer, deadline: float) -> None:
+        last = ""
+        while True:
+            if self._stop.is_set():
+                raise _PeerFailed("the coordinator was stopped")
+            if self._give_up.is_set():
+                raise _PeerFailed(f"not reached before another peer failed ({last or 'no attempt'})")
+            try:
+                peer.channel = dial(peer.address, self.config.control, self._secret)
+                break
+            except HandshakeError as exc:
+                if not exc.retryable:  # a secret or identity mismatch: a retry cannot cure it
+                    raise _PeerFailed(f"the handshake failed: {exc}") from None
+                last = str(exc)
+            except OSError as exc:
+                last = exc.strerror or type(exc).__name__
+            if not peer.waited:
+                log.info("waiting for peer %s (%s); retrying every %gs", peer.address, last, STATIC_RETRY_S)
+                peer.waited = True
+            if time.monotonic() + STATIC_RETRY_S >= deadline:
+                raise _PeerFailed(f"unreachable within the push window: {last}")
+            self._stop.wait(STATIC_RETRY_S)
+        event = self._exchange(peer, peer.session.query(), deadline)
+        if isinstance(event, PeerRefused):
+            raise _PeerFailed(f"it refused: {event.refusal.reason}")
+        assert isinstance(event, Informed)
+        peer.memory = event.memory
+        log.info("peer %s: mlxcel %s, %d bytes of memory", peer.address, event.mlxcel, event.memory)
+
+    def _exchange(self, peer: _Peer, message: bytes, deadline: float) -> object:
+        """Send one message and read the peer's answer within one frame window (and ``deadline``)."""
+        assert peer.channel is not None
+        wait = max(min(FRAME_TIMEOUT_S, deadline - time.monotonic()), 0.001)
+        peer.channel.send(message, timeout=wait)
+        return peer.session.receive(peer.channel.recv(wait))
+
+    # -- planning --
+
+    def _plan(self) -> ClusterPlan:
+        memory = {p.address: p.memory for p in self.peers}
+        try:
+            plan = plan_cluster(self.config.costs, name=self.config.cluster, coordinator=self.config.control,
+                                memory=memory, secret_file=self.config.secret_file)  # type: ignore[arg-type]
+        except PartitionError as exc:
+            raise _Abandon(f"stage assignment failed and no stage was started: cannot plan {len(self.peers)} "
+                           f"stages: {exc}") from None
+        by_address = {s.address: s for s in plan.stages}
+        for peer in self.peers:
+            peer.node_id = by_address[peer.address].node_id
+        return plan
+
+    def _write(self, plan: ClusterPlan) -> None:
+        try:
+            self._write_plan(plan)
+        except OSError as exc:
+            raise _Abandon(f"stage assignment failed and no stage was started: cannot write the cluster TOML: "
+                           f"{exc.strerror or type(exc).__name__} ({getattr(exc, 'filename', '')})") from None
+
+    # -- phase 2: offer --
+
+    def _offer(self, peer: _Peer, plan: ClusterPlan, deadline: float) -> None:
+        stage = next(s for s in plan.stages if s.address == peer.address)
+        message = peer.session.offer(
+            mlxcel=self.config.mlxcel, cluster=self.config.cluster, model_identity=self.config.model_identity,
+            stage=stage.index, stages=len(plan.stages), node_id=stage.node_id, layers=[stage.start, stage.end],
+            memory=plan.memory, coordinator=str(self.config.control), toml=plan.body())
+        event = self._exchange(peer, message, deadline)
+        if isinstance(event, PeerRefused):
+            kind = "refused the offer (that peer exits)" if event.refusal.fatal else "refused the offer"
+            raise _PeerFailed(f"it {kind}: {event.refusal.reason}")
+        assert isinstance(event, PeerAccepted)
+
+    # -- phase 3: commit --
+
+    def _commit(self, peer: _Peer, deadline: float) -> None:
+        event = self._exchange(peer, peer.session.commit(), deadline + FRAME_TIMEOUT_S)
+        if isinstance(event, PeerCommitFailed):
+            raise _PeerFailed(f"it could not prepare: {event.reason}")
+        assert isinstance(event, PeerCommitted)
+
+    # -- phase 4: activate; abort --
+
+    def _activate(self, peer: _Peer) -> None:
+        assert peer.channel is not None
+        try:
+            peer.channel.send(peer.session.activate())
+        except (BringupError, OSError) as exc:
+            log.warning("activating %s failed: %s (the coordinator's start-up will wait for that stage)", peer, exc)
+        finally:
+            peer.channel.close()
+
+    def _abort_all(self, reason: str) -> None:
+        for peer in self.peers:
+            if peer.channel is None:
+                continue
+            try:
+                if peer.session.state not in ("ACTIVATED", "ABORTED", "REFUSED", "FAILED", "ERROR"):
+                    peer.channel.send(peer.session.abort(reason), timeout=2.0)
+            except (BringupError, OSError) as exc:
+                log.debug("abort to %s not delivered: %s", peer, exc)
+            finally:
+                peer.channel.close()
+
+
+class _Abandon(Exception):
+    """The bring-up is abandoned; the text is the failure summary."""
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, OSError):
+        return f"connection failed: {exc.strerror or type(exc).__name__}"
+    return str(exc)
