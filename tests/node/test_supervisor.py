@@ -65,6 +65,7 @@ def home(tmp_path: Path) -> Iterator[Path]:
     Children that ended become zombies of this process until ``subprocess`` reaps them at its next Popen.
     """
     yield tmp_path
+    time.sleep(0.05)  # a child exec'd an instant ago may still show an empty command line
     for pid in _pids_naming(str(tmp_path)):
         try:
             os.kill(pid, signal.SIGKILL)
