@@ -108,7 +108,7 @@ def test_secrets_are_0600_on_every_host_and_never_leak(cluster: Deployment) -> N
     for node in ADDRESS:
         home = cluster.home(node)
         assert stat.S_IMODE((home / "cluster.secret").stat().st_mode) == 0o600
-        for name in ("cluster.toml", "node.log", "nodectl"):
+        for name in ("cluster.toml", "node.log", "node.toml"):
             text = (home / name).read_text()
             assert secret not in text and key not in text, f"{node}: a secret is in {name}"
     assert stat.S_IMODE((cluster.home("coordinator") / "api.key").stat().st_mode) == 0o600
