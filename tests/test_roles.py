@@ -43,6 +43,23 @@ def test_configuration_selects_its_role(cluster, node_id, role, serves_api):
     assert (selected.name, selected.serves_api) == (role, serves_api)
 
 
+@pytest.mark.parametrize("flags,role,serves_api", [
+    (["--pp-auto", "2", "--cluster-peers", "127.0.0.3:19001,127.0.0.4:19001"], "pp-auto", True),
+    (["--pp-peer", "--cluster-control-addr", "127.0.0.3:19001"], "pp-peer", False),
+])
+def test_bringup_flags_select_their_role(cluster, flags, role, serves_api):
+    args = build_parser().parse_args(["serve", "-m", str(cluster.model), *flags])
+    selected = select_role(args, prepare_distributed(args, Path(args.model)))
+    assert (selected.name, selected.serves_api) == (role, serves_api)
+
+
+def test_a_peer_with_a_cluster_toml_skips_the_wait(cluster):
+    """--pp-peer with --distributed-config and --node-id is that TOML's node: no assignment wait."""
+    args, dist = prepared(cluster, "stage-1")
+    args.pp_peer = True
+    assert select_role(args, dist).name == "stage"
+
+
 def test_every_role_names_a_module_with_run():
     assert len({role.name for role in ROLES}) == len(ROLES)
     for role in ROLES:
@@ -53,7 +70,7 @@ def test_a_node_no_role_serves_is_one_clear_error(cluster):
     args, dist = prepared(cluster, "coordinator")
     dist = replace(dist, node=replace(dist.node, role="router"))
     with pytest.raises(CLIError, match=r"^no process role for node 'coordinator' \(role 'router'\); "
-                                       r"known roles: stage, coordinator, single$"):
+                                       r"known roles: stage, coordinator, pp-auto, pp-peer, single$"):
         select_role(args, dist)
 
 

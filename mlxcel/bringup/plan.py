@@ -86,6 +86,14 @@ def plan_cluster(costs: StageCosts, *, name: str, coordinator: PeerId, memory: d
     return ClusterPlan(name, coordinator, stages, secret_file)
 
 
+def offer_fields(plan: ClusterPlan, index: int, *, mlxcel: str, model_identity: str) -> dict:
+    """The OFFER message's fields for stage ``index`` of ``plan`` (docs/bringup.md §3)."""
+    stage = plan.stages[index]
+    return {"mlxcel": mlxcel, "cluster": plan.name, "model_identity": model_identity, "stage": index,
+            "stages": len(plan.stages), "node_id": stage.node_id, "layers": [stage.start, stage.end],
+            "memory": plan.memory, "coordinator": str(plan.coordinator), "toml": plan.body()}
+
+
 def coordinator_header(plan: ClusterPlan, version: str) -> str:
     n = len(plan.stages)
     return (f"# Cluster TOML planned by an mlxcel {version} --pp-auto {n} coordinator "

@@ -29,7 +29,7 @@ from mlxcel.pipeline.partition import PartitionError, StageCosts
 from .channel import FrameChannel, dial
 from .errors import BringupError, BringupFailed
 from .machine import CoordinatorSession, Informed, PeerAccepted, PeerCommitFailed, PeerCommitted, PeerRefused
-from .plan import ClusterPlan, plan_cluster
+from .plan import ClusterPlan, offer_fields, plan_cluster
 from .wire import FRAME_TIMEOUT_S, OFFER_MARGIN_S, PUSH_WINDOW_S, STATIC_RETRY_S
 
 log = logging.getLogger("mlxcel.bringup.coordinator")
@@ -196,10 +196,8 @@ class Push:
 
     def _offer(self, peer: _Peer, plan: ClusterPlan, deadline: float) -> None:
         stage = next(s for s in plan.stages if s.address == peer.address)
-        message = peer.session.offer(
-            mlxcel=self.config.mlxcel, cluster=self.config.cluster, model_identity=self.config.model_identity,
-            stage=stage.index, stages=len(plan.stages), node_id=stage.node_id, layers=[stage.start, stage.end],
-            memory=plan.memory, coordinator=str(self.config.control), toml=plan.body())
+        message = peer.session.offer(**offer_fields(plan, stage.index, mlxcel=self.config.mlxcel,
+                                                    model_identity=self.config.model_identity))
         event = self._exchange(peer, message, deadline)
         if isinstance(event, PeerRefused):
             kind = "refused the offer (that peer exits)" if event.refusal.fatal else "refused the offer"
