@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The pipeline benchmark on a lent NVIDIA H200 (the device tool; no registry there, Python 3.12).
+#
+# Wheels travel in two calls because one call carries at most 64 MiB (../shared/GPU.md):
+#   call 1: carry .gpu/a (the first half of mlx-cuda-13)      -> bash bench/gpu/h200_pipeline.sh stash
+#   call 2: carry .gpu/b (second half, mlx, mlx-lm, deps)    -> bash bench/gpu/h200_pipeline.sh run [SHAPES]
+# Prepare both folders here with bench/gpu/prepare_wheels.sh. Results go to $OUT/<shape>/ (rows and traces).
+# SHAPES: comma-separated of bf16, q4 (Qwen3-0.6B shape, random weights; q4 = 4-bit, group 64, bf16 scales).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+step=${1:-run}
+if [ "$step" = stash ]; then
+  mkdir -p /tmp/wparts && cp .gpu/a/cuda.part.aa /tmp/wparts/ && ls -l /tmp/wparts
+  exit 0
+fi
+shapes=${2:-bf16}
+RUNS=${RUNS:-5}
+TOKENS=${TOKENS:-128}
+if [ ! -e /tmp/site/mlx/core.cpython-312-x86_64-linux-gnu.so ] && [ ! -d /tmp/site/mlx ]; then
+  cat /tmp/wparts/cuda.part.aa .gpu/b/cuda.part.ab > /tmp/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl
+  (cd /tmp && sha256sum -c "$OLDPWD/.gpu/b/cuda.sha256")
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+    /tmp/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl .gpu/b/mlx-0.32.4-*.whl .gpu/b/mlx_lm-*.whl .gpu/b/deps/*.whl
+  ln -sfn /opt/torch/.venv/lib/python3.12/site-packages/nvidia /tmp/site/nvidia
+fi
+export PYTHONPATH=/tmp/site:$PWD
+python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device())"
+nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv,noheader || true
+qwen3_06b=(--family qwen3 --layers 28 --hidden 1024 --heads 16 --kv-heads 8 --head-dim 128 --intermediate 3072 --vocab 151936)
+for shape in ${shapes//,/ }; do
+  dir=/tmp/q06-$shape
+  case $shape in
+    bf16) extra=(--dtype bfloat16) ;;
+    q4) extra=(--dtype bfloat16 --bits 4 --group-size 64) ;;
+    *) echo "unknown shape $shape" >&2; exit 2 ;;
+  esac
+  [ -e "$dir/config.json" ] || python3 -m mlxcel models make-random "$dir" "${qwen3_06b[@]}" "${extra[@]}"
+  python3 -m bench.pipeline_bench -m "$dir" --runs "$RUNS" --tokens "$TOKENS" --modes "${MODES:-single,inproc_pp,remote_pp}" \
+    --streams "" --trace --label "h200-$shape${LABEL:+-$LABEL}" --out "$OUT/$shape"
+done
+ls -l "$OUT"/*
