@@ -97,8 +97,8 @@ class Push:
                 self._abort_all("dry run: the coordinator planned the cluster and exits")
                 return plan
             self._phase(lambda p, _: self._offer(p, plan, offer_deadline), offer_deadline)
-            self._write(plan)
             self._phase(self._commit, deadline)
+            self._write(plan)  # the coordinator's own commit: a failed bring-up leaves no file
         except _Abandon as exc:
             self._abort_all(str(exc))
             raise BringupFailed(str(exc)) from None
