@@ -1,0 +1,363 @@
+"""The KV handoff wire format, sans-I/O: a header, raw tensor chunks, an end record (docs/disaggregated.md §4).
+
+A prefill node hands a sequence to a decode node as one transport stream whose STREAM_DATA bodies
+are *parts*:
+
+* ``HEADER``: magic, version, the request document (JSON, at most ``MAX_KV_META_LEN`` bytes), the
+  prompt's token ids (u32 little-endian) and one 24-byte record per layer (cache kind, dtype,
+  KV heads, key and value widths, positions held, tokens seen, kind parameters);
+* ``CHUNK``: a consecutive index and raw tensor bytes (at most ``MAX_KV_CHUNK_LEN``); the bytes of
+  every tensor, layer by layer, concatenated, cut anywhere;
+* ``END``: the number of chunks and of tensor bytes.
+
+The receiver (``HandoffDecoder``) knows the model's ``KVLayout`` and its context length and refuses,
+before it keeps a single tensor byte, a header whose layer count, kinds, dtypes, shapes or lengths
+differ from them. Tensor buffers grow only as their bytes arrive, so a header can never make it
+allocate what it claims. No MLX here: ``kv_cache`` converts between these arrays and mlx-lm caches.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator, Sequence
+
+import numpy as np
+
+from mlxcel.disagg.wire import (
+    DTYPE_NAMES,
+    DTYPE_SIZES,
+    KV_CHUNK_LEN,
+    KV_MAGIC,
+    KV_VERSION,
+    MAX_KV_CHUNK_LEN,
+    MAX_KV_META_LEN,
+    CacheKind,
+    DType,
+    Part,
+)
+from mlxcel.error_codes import CodedError, ErrorCode
+
+#: part byte, magic, version, meta length
+_HEAD = struct.Struct(">B4sBI")
+_COUNT = struct.Struct(">I")
+_LAYERS = struct.Struct(">H")
+#: kind, dtype, heads, k_dim, v_dim, positions, offset, a, b
+LAYER_RECORD = struct.Struct(">BBHHHIIII")
+_CHUNK = struct.Struct(">BI")
+_END = struct.Struct(">BIQ")
+_NUMPY = {DType.FLOAT32: np.float32, DType.FLOAT16: np.float16, DType.BFLOAT16: np.uint16, DType.UINT32: np.uint32}
+_BY_NAME = {name: code for code, name in DTYPE_NAMES.items()}
+
+
+class HandoffError(CodedError):
+    """A handoff part breaks the format or the bounds; ``code`` is BAD_TENSOR or BAD_REQUEST."""
+
+    def __init__(self, message: str, code: ErrorCode = ErrorCode.BAD_TENSOR):
+        super().__init__(message, code)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor on the wire: its element type and shape ([1, heads, positions, width])."""
+
+    dtype: DType
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = DTYPE_SIZES[self.dtype]
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """What one layer's cache holds for this model: kind, dtype, heads and widths, kind parameters."""
+
+    kind: CacheKind
+    dtype: DType  # keys and values (a quantized layer: its scales and biases)
+    heads: int
+    k_dim: int
+    v_dim: int
+    max_size: int = 0  # ROTATING: positions kept
+    keep: int = 0  # ROTATING: leading positions never evicted
+    group_size: int = 0  # QUANTIZED
+    bits: int = 0  # QUANTIZED
+
+    def positions(self, length: int) -> int:
+        """Positions the cache holds after ``length`` tokens."""
+        return min(length, self.max_size) if self.kind is CacheKind.ROTATING else length
+
+    def params(self) -> tuple[int, int]:
+        """The record's (a, b): (keep, max_size), (group_size, bits), or (0, 0)."""
+        if self.kind is CacheKind.ROTATING:
+            return self.keep, self.max_size
+        if self.kind is CacheKind.QUANTIZED:
+            return self.group_size, self.bits
+        return 0, 0
+
+    def tensors(self, length: int) -> list[TensorSpec]:
+        """The tensors of this layer after ``length`` tokens, in wire order."""
+        n, h = self.positions(length), self.heads
+        if self.kind is not CacheKind.QUANTIZED:
+            return [TensorSpec(self.dtype, (1, h, n, self.k_dim)), TensorSpec(self.dtype, (1, h, n, self.v_dim))]
+        out = []
+        for dim in (self.k_dim, self.v_dim):
+            out += [TensorSpec(DType.UINT32, (1, h, n, dim * self.bits // 32)),
+                    TensorSpec(self.dtype, (1, h, n, dim // self.group_size)),
+                    TensorSpec(self.dtype, (1, h, n, dim // self.group_size))]
+        return out
+
+    def record(self, length: int) -> bytes:
+        a, b = self.params()
+        return LAYER_RECORD.pack(self.kind, self.dtype, self.heads, self.k_dim, self.v_dim,
+                                 self.positions(length), length, a, b)
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """The KV layout of one model, layer by layer; ``unsupported`` says why it cannot be handed off."""
+
+    layers: tuple[LayerSpec, ...] = ()
+    unsupported: str | None = None
+
+    def tensors(self, length: int) -> list[TensorSpec]:
+        return [t for layer in self.layers for t in layer.tensors(length)]
+
+    def nbytes(self, length: int) -> int:
+        """Tensor bytes of a handoff of a ``length``-token prompt."""
+        return sum(t.nbytes for t in self.tensors(length))
+
+
+def dtype_code(name: str) -> DType:
+    """The wire code of a dtype name (``float32``, ``bfloat16``, ...); ValueError for others."""
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise ValueError(f"dtype {name} cannot travel in a KV handoff (supported: {', '.join(_BY_NAME)})") from None
+
+
+# -- encoding ------------------------------------------------------------------------------------
+
+
+def encode_header(meta: dict[str, Any], prompt: Sequence[int], layout: KVLayout) -> bytes:
+    """The HEADER part of a handoff of ``prompt`` with the request document ``meta``."""
+    doc = json.dumps(meta, separators=(",", ":")).encode()
+    if len(doc) > MAX_KV_META_LEN:
+        raise HandoffError(f"the request document is {len(doc)} bytes, more than {MAX_KV_META_LEN}", ErrorCode.BAD_REQUEST)
+    ids = np.asarray(prompt, dtype="<u4").tobytes()
+    records = b"".join(layer.record(len(prompt)) for layer in layout.layers)
+    return b"".join((_HEAD.pack(Part.HEADER, KV_MAGIC, KV_VERSION, len(doc)), doc, _COUNT.pack(len(prompt)), ids,
+                     _LAYERS.pack(len(layout.layers)), records))
+
+
+def encode_chunks(tensors: Iterable[Any], chunk_len: int = KV_CHUNK_LEN) -> Iterator[bytes]:
+    """CHUNK parts carrying the bytes of ``tensors`` (C-contiguous arrays or buffers) in order, then END."""
+    if not 0 < chunk_len <= MAX_KV_CHUNK_LEN:
+        raise ValueError(f"chunk_len must be 1..{MAX_KV_CHUNK_LEN}")
+    index = total = 0
+    pending: list[memoryview] = []
+    size = 0
+    for tensor in tensors:
+        view = memoryview(np.ascontiguousarray(tensor)).cast("B")
+        while len(view):
+            take = min(len(view), chunk_len - size)
+            pending.append(view[:take])
+            view, size = view[take:], size + take
+            if size == chunk_len:
+                yield _chunk(index, pending)
+                index, total, pending, size = index + 1, total + size, [], 0
+    if size:
+        yield _chunk(index, pending)
+        index, total = index + 1, total + size
+    yield _END.pack(Part.END, index, total)
+
+
+def _chunk(index: int, pieces: list[memoryview]) -> bytes:
+    return _CHUNK.pack(Part.CHUNK, index) + b"".join(pieces)
+
+
+# -- decoding ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Handoff:
+    """A decoded handoff: the request document, the prompt, and every layer's tensors (wire order)."""
+
+    meta: dict[str, Any]
+    prompt: tuple[int, ...]
+    layout: KVLayout
+    tensors: list[np.ndarray] = field(default_factory=list)  # bfloat16 as uint16
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    def layer_tensors(self) -> Iterator[tuple[LayerSpec, list[np.ndarray]]]:
+        i = 0
+        for layer in self.layout.layers:
+            k = len(layer.tensors(len(self.prompt)))
+            yield layer, self.tensors[i:i + k]
+            i += k
+
+
+class HandoffDecoder:
+    """Receives the parts of one handoff stream: HEADER, CHUNK..., END; then ``result()``.
+
+    ``feed`` raises ``HandoffError`` on the first part that breaks the format or the bounds; the
+    decoder is then dead (every later call raises too) and holds no tensor bytes.
+    """
+
+    def __init__(self, layout: KVLayout, context_length: int):
+        if layout.unsupported:
+            raise ValueError(layout.unsupported)
+        self.layout = layout
+        self.context_length = context_length
+        self.state = "header"  # -> "chunks" -> "done" | "error"
+        self.meta: dict[str, Any] = {}
+        self.prompt: tuple[int, ...] = ()
+        self.received = 0
+        self.expected = 0
+        self._specs: list[TensorSpec] = []
+        self._done: list[np.ndarray] = []
+        self._current = bytearray()
+        self._chunks = 0
+
+    def feed(self, part: Any) -> None:
+        """One STREAM_DATA body of the handoff stream."""
+        view = memoryview(part).cast("B")
+        try:
+            if self.state == "error":
+                raise HandoffError("the handoff was already refused")
+            if not len(view):
+                raise HandoffError("an empty handoff part", ErrorCode.BAD_REQUEST)
+            kind = view[0]
+            if kind == Part.HEADER and self.state == "header":
+                self._header(view)
+            elif kind == Part.CHUNK and self.state == "chunks":
+                self._chunk(view)
+            elif kind == Part.END and self.state == "chunks":
+                self._end(view)
+            else:
+                raise HandoffError(f"handoff part 0x{kind:02x} is not expected in state {self.state}", ErrorCode.BAD_REQUEST)
+        except HandoffError:
+            self._fail()
+            raise
+
+    def result(self) -> Handoff:
+        """The complete handoff (after END); a stream that ended early raises ``HandoffError``."""
+        if self.state != "done":
+            got = f"{self.received} of {self.expected} tensor bytes" if self.state == "chunks" else f"state {self.state}"
+            self._fail()
+            raise HandoffError(f"the handoff stream ended before its END record ({got})")
+        return Handoff(self.meta, self.prompt, self.layout, self._done)
+
+    def _fail(self) -> None:
+        self.state = "error"
+        self._done, self._current, self._specs = [], bytearray(), []
+
+    # -- parts ---------------------------------------------------------------------------------
+
+    def _header(self, view: memoryview) -> None:
+        if len(view) < _HEAD.size:
+            raise HandoffError("the handoff header is cut short", ErrorCode.BAD_REQUEST)
+        _, magic, version, meta_len = _HEAD.unpack_from(view)
+        if magic != KV_MAGIC or version != KV_VERSION:
+            raise HandoffError(f"not a version-{KV_VERSION} KV handoff (magic {bytes(magic)!r}, version {version})",
+                               ErrorCode.BAD_REQUEST)
+        if meta_len > MAX_KV_META_LEN:
+            raise HandoffError(f"the request document claims {meta_len} bytes, more than {MAX_KV_META_LEN}",
+                               ErrorCode.BAD_REQUEST)
+        off = _HEAD.size
+        self.meta = _json_object(view[off:off + meta_len], meta_len)
+        off += meta_len
+        count = _read(_COUNT, view, off, "the prompt length")[0]
+        if not 1 <= count <= self.context_length:
+            raise HandoffError(f"a handoff of {count} prompt tokens is outside 1..{self.context_length} (the context length)")
+        off += _COUNT.size
+        ids = view[off:off + 4 * count]
+        if len(ids) != 4 * count:
+            raise HandoffError("the handoff header is cut inside the prompt's token ids", ErrorCode.BAD_REQUEST)
+        self.prompt = tuple(int(t) for t in np.frombuffer(ids, dtype="<u4"))
+        off += 4 * count
+        layers = _read(_LAYERS, view, off, "the layer count")[0]
+        off += _LAYERS.size
+        if layers != len(self.layout.layers):
+            raise HandoffError(f"the handoff names {layers} layers; this model has {len(self.layout.layers)}")
+        if len(view) != off + layers * LAYER_RECORD.size:
+            raise HandoffError(f"the handoff header is {len(view)} bytes; {layers} layer records make it "
+                               f"{off + layers * LAYER_RECORD.size}", ErrorCode.BAD_REQUEST)
+        for i, spec in enumerate(self.layout.layers):
+            got = bytes(view[off + i * LAYER_RECORD.size: off + (i + 1) * LAYER_RECORD.size])
+            if got != spec.record(count):
+                raise HandoffError(f"layer {i}: {_describe(got)} does not match this model's "
+                                   f"{_describe(spec.record(count))}")
+        self._specs = list(reversed(self.layout.tensors(count)))
+        self.expected = sum(t.nbytes for t in self._specs)
+        self.state = "chunks"
+        self._advance()
+
+    def _chunk(self, view: memoryview) -> None:
+        if len(view) < _CHUNK.size:
+            raise HandoffError("a chunk part is cut short", ErrorCode.BAD_REQUEST)
+        index = _CHUNK.unpack_from(view)[1]
+        data = view[_CHUNK.size:]
+        if index != self._chunks:
+            raise HandoffError(f"chunk {index} arrived where chunk {self._chunks} was due", ErrorCode.BAD_REQUEST)
+        if not 0 < len(data) <= MAX_KV_CHUNK_LEN:
+            raise HandoffError(f"a chunk of {len(data)} bytes is outside 1..{MAX_KV_CHUNK_LEN}")
+        if self.received + len(data) > self.expected:
+            raise HandoffError(f"the chunks carry more than the header's {self.expected} tensor bytes")
+        self._chunks += 1
+        while len(data):
+            spec = self._specs[-1]
+            take = min(len(data), spec.nbytes - len(self._current))
+            self._current += data[:take]
+            data = data[take:]
+            self.received += take
+            self._advance()
+
+    def _advance(self) -> None:
+        """Close every tensor whose bytes are all here (zero-size tensors at once)."""
+        while self._specs and len(self._current) == self._specs[-1].nbytes:
+            spec = self._specs.pop()
+            self._done.append(np.frombuffer(self._current, dtype=_NUMPY[spec.dtype]).reshape(spec.shape))
+            self._current = bytearray()
+
+    def _end(self, view: memoryview) -> None:
+        if len(view) != _END.size:
+            raise HandoffError("the END record has the wrong length", ErrorCode.BAD_REQUEST)
+        _, chunks, total = _END.unpack(view)
+        if chunks != self._chunks or total != self.received or self.received != self.expected:
+            raise HandoffError(f"the handoff ended after {self._chunks} chunks and {self.received} of "
+                               f"{self.expected} tensor bytes (END says {chunks} and {total})")
+        self.state = "done"
+
+
+def _read(st: struct.Struct, view: memoryview, off: int, what: str) -> tuple:
+    if len(view) < off + st.size:
+        raise HandoffError(f"the handoff header is cut before {what}", ErrorCode.BAD_REQUEST)
+    return st.unpack_from(view, off)
+
+
+def _json_object(raw: memoryview, claimed: int) -> dict[str, Any]:
+    if len(raw) != claimed:
+        raise HandoffError("the handoff header is cut inside the request document", ErrorCode.BAD_REQUEST)
+    try:
+        doc = json.loads(bytes(raw).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        raise HandoffError("the request document is not JSON", ErrorCode.BAD_REQUEST) from None
+    if not isinstance(doc, dict):
+        raise HandoffError("the request document is not a JSON object", ErrorCode.BAD_REQUEST)
+    return doc
+
+
+def _describe(record: bytes) -> str:
+    kind, dtype, heads, k_dim, v_dim, positions, offset, a, b = LAYER_RECORD.unpack(record)
+    kind_name = CacheKind(kind).name.lower() if kind in CacheKind._value2member_map_ else f"kind {kind}"
+    dtype_name = DTYPE_NAMES.get(dtype, f"dtype {dtype}")  # type: ignore[call-overload]
+    return (f"{kind_name} {dtype_name} [{heads} heads, k {k_dim}, v {v_dim}] {positions} positions of {offset} tokens"
+            f" ({a}, {b})")

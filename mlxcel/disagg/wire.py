@@ -1,0 +1,90 @@
+"""Wire constants and defaults of disaggregated inference: one home (``docs/disaggregated.md``).
+
+No MLX and no I/O: the sans-I/O codecs, the services and the docs tests import these.
+"""
+
+from __future__ import annotations
+
+import enum
+
+# --- KV handoff (prefill -> decode, one transport stream; docs/disaggregated.md §4) --------------
+
+KV_MAGIC = b"MXKV"
+KV_VERSION = 1
+#: largest JSON request document inside a handoff header
+MAX_KV_META_LEN = 16 * 1024
+#: largest tensor-byte payload of one CHUNK part (the sender uses KV_CHUNK_LEN)
+MAX_KV_CHUNK_LEN = 4 * 1024 * 1024
+KV_CHUNK_LEN = 1024 * 1024
+
+
+class Part(enum.IntEnum):
+    """First byte of every STREAM_DATA body of a handoff stream."""
+
+    HEADER = 0x01
+    CHUNK = 0x02
+    END = 0x03
+
+
+class CacheKind(enum.IntEnum):
+    """How one layer's KV is held (mlx-lm's cache classes)."""
+
+    KV = 1  # KVCache: every position
+    ROTATING = 2  # RotatingKVCache: the last max_size positions (sliding-window layers)
+    QUANTIZED = 3  # QuantizedKVCache: packed uint32 + scales + biases per keys and values
+
+
+class DType(enum.IntEnum):
+    """Element types on the wire (little-endian; bfloat16 as its raw 16 bits)."""
+
+    FLOAT32 = 1
+    FLOAT16 = 2
+    BFLOAT16 = 3
+    UINT32 = 4
+
+
+DTYPE_NAMES = {DType.FLOAT32: "float32", DType.FLOAT16: "float16", DType.BFLOAT16: "bfloat16", DType.UINT32: "uint32"}
+DTYPE_SIZES = {DType.FLOAT32: 4, DType.FLOAT16: 2, DType.BFLOAT16: 2, DType.UINT32: 4}
+
+# --- control messages (router <-> prefill/decode; docs/disaggregated.md §3) ----------------------
+
+
+class MsgType(enum.IntEnum):
+    """First byte of a disaggregated CONTROL message or RPC body; a JSON object follows."""
+
+    GENERATE = 0x01  # router -> prefill
+    CANCEL = 0x02  # router -> prefill, decode
+    TOKENS = 0x03  # decode -> router
+    FINISH = 0x04  # decode -> router
+    ERROR = 0x05  # prefill or decode -> router
+    HANDED_OFF = 0x06  # prefill -> router
+    STATE = 0x07  # RPC request (router probe) and its reply
+
+
+#: largest JSON document of a control message (a GENERATE holds the prompt's token ids)
+MAX_CONTROL_LEN = 4 * 1024 * 1024
+#: most TOKENS events one message carries
+MAX_EVENTS_PER_MESSAGE = 256
+NONCE_HEX_LEN = 16
+
+# --- roles, flags and defaults -------------------------------------------------------------------
+
+NODE_ROLES = ("prefill", "decode", "router", "hybrid")
+DISAGG_ROLES = ("prefill", "decode", "router")
+DEFAULT_NODE_ROLE = "hybrid"
+ALLOWLIST_ENV = "MLXCEL_DECODE_ALLOWLIST"
+STATS_VERBOSE_ENV = "MLXCEL_ROUTER_STATS_VERBOSE"
+VERBOSE_VALUES = ("1", "true", "yes", "on")
+#: router: a request fails when no handoff result (first token or error) arrives this long after dispatch,
+#: and when a decode node stays silent this long between two messages
+DEFAULT_HANDOFF_TIMEOUT_S = 30.0
+#: router: liveness probe period of every prefill and decode node
+DEFAULT_PROBE_INTERVAL_S = 1.0
+#: a node that does not answer a probe within this long is down
+PROBE_TIMEOUT_S = 2.0
+#: router: attempts of one request over different nodes before it fails (a dead node is skipped)
+MAX_DISPATCH_ATTEMPTS = 3
+#: decode: a CANCEL for a handoff not yet seen is remembered this long
+CANCEL_MEMORY_S = 60.0
+#: dial policy of the role transports: one retry, no time budget, so a dead peer is known in ~0.1 s
+DIAL_RETRIES = 1

@@ -1,0 +1,57 @@
+"""Fixtures of the disaggregated tests: tiny checkpoints of every cache type a handoff meets."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+
+def _edit_config(path: Path, **changes: object) -> Path:
+    config = json.loads((path / "config.json").read_text())
+    config.update(changes)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_sliding(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 4-layer llama whose odd layers attend over an 8-token sliding window (RotatingKVCache)."""
+    from mlxcel.models.random_checkpoint import make_random_checkpoint
+
+    path = make_random_checkpoint(tmp_path_factory.mktemp("tiny-sliding"), family="llama", layers=4, seed=3)
+    return _edit_config(path, sliding_window=8,
+                        layer_types=["full_attention", "sliding_attention", "full_attention", "sliding_attention"])
+
+
+@pytest.fixture(scope="session")
+def tiny_bf16(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A bfloat16 qwen3: its KV travels as raw bfloat16 bits."""
+    from mlxcel.models.random_checkpoint import make_random_checkpoint
+
+    return make_random_checkpoint(tmp_path_factory.mktemp("tiny-bf16"), family="qwen3", layers=2, dtype="bfloat16")
+
+
+@pytest.fixture(scope="session")
+def tiny_mamba(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer mamba: a recurrent ArraysCache per layer, which no handoff can carry."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes
+
+    from mlxcel.models.random_checkpoint import make_random_checkpoint
+
+    path = make_random_checkpoint(tmp_path_factory.mktemp("tiny-mamba"), family="llama", layers=1)
+    config = {"model_type": "mamba", "vocab_size": 320, "hidden_size": 32, "intermediate_size": 64,
+              "state_size": 4, "num_hidden_layers": 2, "conv_kernel": 4, "use_bias": False,
+              "use_conv_bias": True, "time_step_rank": 4, "tie_word_embeddings": True,
+              "max_position_embeddings": 2048, "eos_token_id": 2}
+    model_cls, args_cls = _get_classes(config)
+    mx.random.seed(0)
+    model = model_cls(args_cls.from_dict(config))
+    weights = dict(tree_flatten(model.parameters()))
+    mx.eval(weights)
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path

@@ -1,0 +1,152 @@
+"""Real mlx-lm caches through the handoff codec: what a decode node adopts continues token for token."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Iterator
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
+
+from mlxcel.disagg.kv_cache import export_cache, import_cache, probe_layout
+from mlxcel.disagg.kv_codec import HandoffDecoder, HandoffError, KVLayout, encode_chunks, encode_header
+from mlxcel.disagg.wire import CacheKind, DType
+from mlxcel.engine.interface import EngineRequest, FinishEvent
+from mlxcel.engine.sampling import SamplingParams
+from mlxcel.engine.scheduler import Scheduler
+
+PROMPT = tuple(range(40, 60))  # 20 tokens: longer than the sliding window (8)
+OTHER = (1, 50, 51, 52, 53)
+
+
+def load(path):
+    from mlxcel.models.loading import load_checkpoint
+
+    return load_checkpoint(path)
+
+
+@contextlib.contextmanager
+def local(loaded) -> Iterator[Scheduler]:
+    from mlxcel.engine.executor import LocalExecutor
+
+    sched = Scheduler(LocalExecutor(loaded.model, max_batch_size=2), loaded.tokenizer, context_length=2048,
+                      parallel=2, warmup=False).start()
+    try:
+        yield sched
+    finally:
+        sched.close()
+
+
+def greedy(prompt, rid: str, n: int = 10) -> EngineRequest:
+    return EngineRequest(tuple(prompt), SamplingParams(max_tokens=n), ignore_eos=True, request_id=rid)
+
+
+async def collect(stream) -> list[int]:
+    tokens = []
+    async for ev in stream:
+        if isinstance(ev, FinishEvent):
+            assert ev.error is None, ev.error
+            return tokens
+        tokens.append(ev.token)
+    return tokens
+
+
+def handed_over(loaded, request: EngineRequest, chunk_len: int = 4096):
+    """Prefill on one executor, export, encode, decode, import: what a decode node receives."""
+    from mlxcel.engine.executor import LocalExecutor, Step
+
+    layout = probe_layout(loaded.model)
+    node = LocalExecutor(loaded.model, max_batch_size=1)
+    node.prepare(request.request_id, request.params, 0, request.prompt)
+    [first] = node.run(Step("prefill", [request.request_id], [list(request.prompt)]))
+    cache, length = node.runners[0].take_cache(request.request_id)
+    tensors = export_cache(cache, layout, length)
+    dec = HandoffDecoder(layout, 2048)
+    for part in [encode_header({"n": 1}, request.prompt, layout), *encode_chunks(tensors, chunk_len)]:
+        dec.feed(part)
+    return first, import_cache(dec.result()), layout
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_sliding", "tiny_bf16"])
+def test_an_adopted_handoff_continues_exactly_like_one_node(fixture, request):
+    loaded = load(request.getfixturevalue(fixture))
+
+    async def main():
+        with local(loaded) as sched:
+            ref = [await collect(sched.submit(greedy(p, f"ref{i}"))) for i, p in enumerate((PROMPT, OTHER))]
+        first, cache, _ = handed_over(loaded, greedy(PROMPT, "h"))
+        with local(loaded) as sched:
+            other = sched.submit(greedy(OTHER, "other"))  # batched beside the adopted row
+            adopted = sched.submit_prefilled(greedy(PROMPT, "h"), first, cache)
+            got = [await collect(adopted), await collect(other)]
+        assert got == ref
+
+    run(main())
+
+
+def test_layouts_name_the_cache_kinds_dtypes_and_shapes(tiny_llama, tiny_sliding, tiny_bf16):
+    plain = probe_layout(load(tiny_llama).model)
+    assert plain.unsupported is None and len(plain.layers) == 4
+    assert {(s.kind, s.dtype, s.heads, s.k_dim, s.v_dim) for s in plain.layers} == {(CacheKind.KV, DType.FLOAT32, 2, 16, 16)}
+    sliding = probe_layout(load(tiny_sliding).model)
+    assert [s.kind for s in sliding.layers] == [CacheKind.KV, CacheKind.ROTATING] * 2
+    assert sliding.layers[1].max_size == 8 and sliding.nbytes(20) < plain.nbytes(20)
+    assert {s.dtype for s in probe_layout(load(tiny_bf16).model).layers} == {DType.BFLOAT16}
+
+
+def test_a_sliding_layer_sends_only_its_window(tiny_sliding):
+    loaded = load(tiny_sliding)
+    _, cache, layout = handed_over(loaded, greedy(PROMPT, "w"), chunk_len=333)
+    assert [type(c) for c in cache] == [KVCache, RotatingKVCache] * 2
+    assert cache[0].keys.shape[2] == 20 and cache[1].keys.shape[2] == 8 and cache[1].offset == 20
+
+
+def test_a_quantized_cache_round_trips_bit_for_bit():
+    from mlxcel.disagg.kv_cache import _layer_spec
+
+    quantized = []
+    for seed in range(3):
+        c = KVCache()
+        k = mx.random.normal((1, 2, len(PROMPT), 64), key=mx.random.key(seed)).astype(mx.bfloat16)
+        c.update_and_fetch(k, -k)
+        quantized.append(c.to_quantized(group_size=32, bits=4))
+    layout = KVLayout(tuple(_layer_spec(c) for c in quantized))
+    assert layout.layers[0].kind is CacheKind.QUANTIZED and layout.layers[0].k_dim == 64
+    assert layout.layers[0].dtype is DType.BFLOAT16
+    tensors = export_cache(quantized, layout, len(PROMPT))
+    dec = HandoffDecoder(layout, 2048)
+    for part in [encode_header({}, PROMPT, layout), *encode_chunks(tensors, 100)]:
+        dec.feed(part)
+    back = import_cache(dec.result())
+    assert all(isinstance(c, QuantizedKVCache) and c.offset == len(PROMPT) for c in back)
+    for a, b in zip(quantized, back):
+        for x, y in zip((*a.keys, *a.values), (*b.keys, *b.values)):
+            assert x.dtype == y.dtype
+            assert mx.array_equal(x[..., :len(PROMPT), :], y).item()
+
+
+def test_a_recurrent_model_is_unsupported_by_name(tiny_mamba):
+    layout = probe_layout(load(tiny_mamba).model)
+    assert layout.unsupported is not None
+    assert "layer 0 keeps a ArraysCache" in layout.unsupported or "MambaCache" in layout.unsupported
+    with pytest.raises(ValueError):
+        HandoffDecoder(layout, 2048)
+
+
+def test_a_cache_whose_length_is_not_the_prompt_is_not_exported(tiny_llama):
+    loaded = load(tiny_llama)
+    layout = probe_layout(loaded.model)
+    cache = [KVCache() for _ in layout.layers]
+    for c in cache:
+        c.update_and_fetch(mx.zeros((1, 2, 3, 16)), mx.zeros((1, 2, 3, 16)))
+    with pytest.raises(HandoffError, match="holds 3 tokens, the prompt has 4"):
+        export_cache(cache, layout, 4)
+    with pytest.raises(HandoffError, match="3 layers"):
+        export_cache(cache[:3], layout, 3)

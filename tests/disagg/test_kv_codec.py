@@ -1,0 +1,266 @@
+"""The KV handoff codec on its own (no MLX): round trips and every way a handoff can break its bounds."""
+
+from __future__ import annotations
+
+import random
+import struct
+import tracemalloc
+
+import numpy as np
+import pytest
+
+from mlxcel.disagg.kv_codec import (
+    LAYER_RECORD,
+    HandoffDecoder,
+    HandoffError,
+    KVLayout,
+    LayerSpec,
+    encode_chunks,
+    encode_header,
+)
+from mlxcel.disagg.wire import MAX_KV_CHUNK_LEN, MAX_KV_META_LEN, CacheKind, DType, Part
+from mlxcel.error_codes import ErrorCode
+
+KV = LayerSpec(CacheKind.KV, DType.FLOAT32, heads=2, k_dim=8, v_dim=8)
+SLIDING = LayerSpec(CacheKind.ROTATING, DType.FLOAT32, heads=2, k_dim=8, v_dim=8, max_size=4, keep=0)
+QUANT = LayerSpec(CacheKind.QUANTIZED, DType.BFLOAT16, heads=2, k_dim=64, v_dim=64, group_size=32, bits=4)
+LAYOUT = KVLayout((KV, SLIDING, QUANT))
+PROMPT = tuple(range(100, 107))  # 7 tokens: the sliding layer keeps 4
+META = {"nonce": "00112233445566aa", "first": {"token": 5}}
+CONTEXT = 64
+
+
+def tensors_for(layout: KVLayout, length: int, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for spec in layout.tensors(length):
+        dtype = {DType.FLOAT32: np.float32, DType.BFLOAT16: np.uint16, DType.UINT32: np.uint32,
+                 DType.FLOAT16: np.float16}[spec.dtype]
+        out.append((rng.random(spec.shape) * 1000).astype(dtype))
+    return out
+
+
+def parts(layout=LAYOUT, prompt=PROMPT, chunk_len=1000, seed=0) -> list[bytes]:
+    return [encode_header(META, prompt, layout), *encode_chunks(tensors_for(layout, len(prompt), seed), chunk_len)]
+
+
+def decoder(layout=LAYOUT, context=CONTEXT) -> HandoffDecoder:
+    return HandoffDecoder(layout, context)
+
+
+def refused(dec: HandoffDecoder, part: bytes, *words: str) -> HandoffError:
+    with pytest.raises(HandoffError) as info:
+        dec.feed(part)
+    for word in words:
+        assert word in str(info.value)
+    assert dec.state == "error" and dec._current == bytearray() and dec._done == []  # nothing kept
+    with pytest.raises(HandoffError):
+        dec.feed(part)  # a refused handoff stays refused
+    return info.value
+
+
+# -- round trips ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("chunk_len", [1, 7, 1000, MAX_KV_CHUNK_LEN])
+def test_every_layer_kind_round_trips_whatever_the_chunking(chunk_len):
+    sent = tensors_for(LAYOUT, len(PROMPT))
+    dec = decoder()
+    for part in parts(chunk_len=chunk_len):
+        dec.feed(part)
+    got = dec.result()
+    assert got.meta == META and got.prompt == PROMPT
+    assert [t.shape for t in got.tensors] == [t.shape for t in sent]
+    assert all(np.array_equal(a, b) and a.dtype == b.dtype for a, b in zip(got.tensors, sent))
+    assert [t.shape for t in got.tensors][2] == (1, 2, 4, 8)  # the sliding layer: its window only
+    assert got.nbytes == LAYOUT.nbytes(len(PROMPT)) == dec.expected
+
+
+def test_the_header_layout_is_the_documented_one():
+    header = encode_header({"a": 1}, (7, 8), KVLayout((KV,)))
+    meta = b'{"a":1}'
+    assert header[:10] == bytes([Part.HEADER]) + b"MXKV" + bytes([1]) + struct.pack(">I", len(meta))
+    assert header[10:10 + len(meta)] == meta
+    rest = header[10 + len(meta):]
+    assert rest[:4] == struct.pack(">I", 2) and rest[4:12] == struct.pack("<II", 7, 8)
+    assert rest[12:14] == struct.pack(">H", 1)
+    assert rest[14:] == LAYER_RECORD.pack(CacheKind.KV, DType.FLOAT32, 2, 8, 8, 2, 2, 0, 0)
+    assert len(rest[14:]) == 24
+
+
+def test_chunks_cut_tensors_anywhere_and_end_with_the_totals():
+    chunks = list(encode_chunks([np.arange(5, dtype=np.float32), np.arange(3, dtype=np.uint32)], chunk_len=8))
+    assert [len(c) for c in chunks[:-1]] == [5 + 8, 5 + 8, 5 + 8, 5 + 8]  # 32 bytes in 8-byte chunks
+    assert chunks[-1] == struct.pack(">BIQ", Part.END, 4, 32)
+
+
+# -- attacks: the header ----------------------------------------------------------------------------
+
+
+def test_a_handoff_for_another_layer_count_is_refused():
+    other = KVLayout((KV, SLIDING))
+    refused(decoder(), encode_header(META, PROMPT, other), "names 2 layers; this model has 3")
+
+
+@pytest.mark.parametrize("spec, words", [
+    (LayerSpec(CacheKind.KV, DType.FLOAT16, 2, 8, 8), "float16"),  # wrong dtype
+    (LayerSpec(CacheKind.KV, DType.FLOAT32, 3, 8, 8), "3 heads"),  # wrong shape: heads
+    (LayerSpec(CacheKind.KV, DType.FLOAT32, 2, 16, 8), "k 16"),  # wrong shape: key width
+    (LayerSpec(CacheKind.ROTATING, DType.FLOAT32, 2, 8, 8, max_size=4), "rotating"),  # wrong kind
+])
+def test_a_layer_record_that_differs_from_the_model_is_refused(spec, words):
+    theirs = KVLayout((spec, SLIDING, QUANT))
+    err = refused(decoder(), encode_header(META, PROMPT, theirs), "layer 0", words)
+    assert err.code is ErrorCode.BAD_TENSOR
+
+
+def test_a_sliding_layer_claiming_more_positions_than_its_window_is_refused():
+    header = bytearray(encode_header(META, PROMPT, LAYOUT))
+    start = len(header) - 2 * LAYER_RECORD.size  # the sliding layer's record
+    record = list(LAYER_RECORD.unpack_from(header, start))
+    record[5] = 7  # positions: the whole prompt instead of its 4-position window
+    header[start:start + LAYER_RECORD.size] = LAYER_RECORD.pack(*record)
+    refused(decoder(), bytes(header), "layer 1", "7 positions")
+
+
+def test_a_record_whose_tokens_differ_from_the_prompt_is_refused():
+    header = bytearray(encode_header(META, PROMPT, LAYOUT))
+    start = len(header) - 3 * LAYER_RECORD.size
+    record = list(LAYER_RECORD.unpack_from(header, start))
+    record[5] = record[6] = 2**31  # a huge length in the record only
+    header[start:start + LAYER_RECORD.size] = LAYER_RECORD.pack(*record)
+    refused(decoder(), bytes(header), "layer 0")
+
+
+def test_a_prompt_longer_than_the_context_is_refused():
+    refused(decoder(context=6), encode_header(META, PROMPT, LAYOUT), "7 prompt tokens", "1..6")
+
+
+def test_an_empty_prompt_is_refused():
+    refused(decoder(), encode_header(META, (), LAYOUT), "0 prompt tokens")
+
+
+def test_an_oversize_request_document_claim_is_refused_before_reading_it():
+    header = struct.pack(">B4sBI", Part.HEADER, b"MXKV", 1, 2**32 - 1)
+    err = refused(decoder(), header, f"more than {MAX_KV_META_LEN}")
+    assert err.code is ErrorCode.BAD_REQUEST
+    with pytest.raises(HandoffError, match="more than"):
+        encode_header({"x": "y" * MAX_KV_META_LEN}, PROMPT, LAYOUT)
+
+
+def test_a_header_claiming_a_huge_cache_allocates_nothing_before_its_bytes_arrive():
+    big = KVLayout((LayerSpec(CacheKind.KV, DType.FLOAT32, heads=8, k_dim=128, v_dim=128),))
+    prompt = tuple(range(100_000))
+    header = encode_header(META, prompt, big)
+    dec = decoder(big, context=100_000)
+    tracemalloc.start()
+    try:
+        dec.feed(header)
+        dec.feed(next(encode_chunks([np.zeros(1000, np.uint8)], 1000)))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert dec.expected == 2 * 8 * 128 * 4 * 100_000  # 819 MB claimed
+    assert peak < 8 * 1024 * 1024  # the prompt's ids and one chunk, not the claim
+    assert len(dec._current) == 1000
+
+
+@pytest.mark.parametrize("mutate, words", [
+    (lambda h: h[:1] + b"XXXX" + h[5:], "not a version-1"),
+    (lambda h: h[:5] + b"\x02" + h[6:], "version 2"),
+    (lambda h: h[:10] + b"{" * 10 + h[20:], "not JSON"),
+    (lambda h: h + b"\x00", "layer records make it"),
+    (lambda h: b"", "empty"),
+])
+def test_malformed_headers_are_refused(mutate, words):
+    refused(decoder(), mutate(encode_header({"abcdefghij": 1}, PROMPT, LAYOUT)), words)
+
+
+def test_a_json_array_as_the_request_document_is_refused():
+    refused(decoder(), encode_header([1, 2], PROMPT, LAYOUT), "not a JSON object")  # type: ignore[arg-type]
+
+
+def test_every_cut_of_a_header_is_a_clean_refusal():
+    header = encode_header(META, PROMPT, LAYOUT)
+    for n in range(1, len(header)):
+        with pytest.raises(HandoffError):
+            decoder().feed(header[:n])
+
+
+def test_random_corruption_of_a_header_never_escapes_as_another_error():
+    header = encode_header(META, PROMPT, LAYOUT)
+    rng = random.Random(16)
+    for _ in range(2000):
+        bad = bytearray(header)
+        for _ in range(rng.randint(1, 4)):
+            bad[rng.randrange(len(bad))] = rng.randrange(256)
+        dec = decoder()
+        try:
+            dec.feed(bytes(bad))
+        except HandoffError:
+            continue
+        assert dec.state == "chunks" and dec.expected <= LAYOUT.nbytes(CONTEXT)  # accepted only within bounds
+
+
+# -- attacks: chunks and the end --------------------------------------------------------------------
+
+
+def test_chunks_beyond_the_header_are_refused_without_keeping_them():
+    ps = parts()
+    dec = decoder()
+    for p in ps[:-1]:
+        dec.feed(p)
+    extra = struct.pack(">BI", Part.CHUNK, len(ps) - 2) + b"\x00" * 16
+    refused(dec, extra, "more than the header's")
+
+
+def test_an_oversize_chunk_is_refused():
+    dec = decoder()
+    dec.feed(parts()[0])
+    refused(dec, struct.pack(">BI", Part.CHUNK, 0) + bytes(MAX_KV_CHUNK_LEN + 1), "outside 1..")
+
+
+def test_chunks_out_of_order_or_empty_are_refused():
+    ps = parts()
+    dec = decoder()
+    dec.feed(ps[0])
+    refused(dec, ps[2], "chunk 1 arrived where chunk 0 was due")
+    dec = decoder()
+    dec.feed(ps[0])
+    refused(dec, struct.pack(">BI", Part.CHUNK, 0), "a chunk of 0 bytes")
+
+
+def test_a_truncated_stream_is_refused_at_its_end():
+    ps = parts()
+    dec = decoder()
+    for p in ps[:-2]:  # the last chunk and the END record never arrive
+        dec.feed(p)
+    with pytest.raises(HandoffError, match="ended before its END record"):
+        dec.result()
+    assert dec.state == "error" and dec._done == []
+
+
+def test_an_end_record_that_disagrees_with_the_chunks_is_refused():
+    ps = parts()
+    dec = decoder()
+    for p in ps[:-2]:
+        dec.feed(p)
+    refused(dec, ps[-1], "END says")  # the totals of the whole stream, one chunk missing
+
+
+def test_parts_out_of_place_are_refused():
+    ps = parts()
+    refused(decoder(), ps[1], "not expected in state header")
+    dec = decoder()
+    dec.feed(ps[0])
+    refused(dec, ps[0], "not expected in state chunks")
+    dec = decoder()
+    for p in ps:
+        dec.feed(p)
+    refused(dec, ps[1], "not expected in state done")
+    refused(decoder(), bytes([0x7F]) + ps[0][1:], "part 0x7f")
+
+
+def test_an_unsupported_layout_cannot_receive():
+    with pytest.raises(ValueError, match="cannot"):
+        HandoffDecoder(KVLayout(unsupported="cannot be handed off"), CONTEXT)
