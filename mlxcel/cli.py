@@ -57,7 +57,9 @@ def check_pipeline_flags(args: argparse.Namespace) -> None:
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from mlxcel.commands.generate import run_generate
+    from mlxcel.parallel.options import check_tp_flags
 
+    check_tp_flags(args)
     check_pipeline_flags(args)
     return run_generate(args)
 
@@ -141,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--system", default=None, help="system message for the chat template")
     _add_sampling_arguments(g)
     _add_pipeline_arguments(g)
+    from mlxcel.parallel.options import add_tp_arguments
+
+    add_tp_arguments(g, server=False)
     g.set_defaults(func=_cmd_generate)
 
     pl = sub.add_parser("plan", help="show how a checkpoint's layers split into pipeline stages, with bytes per stage")

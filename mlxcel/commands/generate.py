@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -14,7 +15,8 @@ from mlxcel.engine.generate import GenerationStats, stream_generate
 from mlxcel.engine.prompts import PromptError, encode_chat, encode_raw
 from mlxcel.engine.sampling import SamplingParams
 from mlxcel.errors import CLIError
-from mlxcel.models.loading import load_checkpoint
+from mlxcel.models.loading import check_checkpoint, load_checkpoint
+from mlxcel.parallel.options import prepare_tp
 from mlxcel.pipeline.inprocess import InProcessPipeline, stage_ranges
 from mlxcel.pipeline.partition import PartitionError
 
@@ -24,6 +26,20 @@ def _prompt_text(args: argparse.Namespace) -> str:
     if not text.strip():
         raise PromptError("prompt must not be empty")
     return text
+
+
+def describe_model(loaded: Any) -> str:
+    """The start-up line: name, family, layers, weights, device, BLAS."""
+    return (f"model: {loaded.name} ({loaded.model_type}, {loaded.num_layers} layers) | "
+            f"weights: {loaded.describe_weights()} | device: {mx.default_device()} | blas: {blas_in_use()}")
+
+
+def encode_prompt(args: argparse.Namespace, tokenizer: Any, text: str) -> list[int]:
+    """``text`` as token ids: raw with --raw, else through the chat template (with --system)."""
+    if args.raw:
+        return encode_raw(tokenizer, text)
+    messages = ([{"role": "system", "content": args.system}] if args.system else [])
+    return encode_chat(tokenizer, messages + [{"role": "user", "content": text}])
 
 
 def format_stats(stats: GenerationStats) -> str:
@@ -55,15 +71,14 @@ def run_generate(args: argparse.Namespace) -> int:
         top_k=args.top_k, seed=args.seed, stop=tuple(args.stop),
     )
     text = _prompt_text(args)
+    tp = prepare_tp(args, Path(args.model), check_checkpoint(args.model))  # refusals before any weight is read
+    if tp is not None:
+        from mlxcel.parallel.generate import run_tp_generate
+
+        return run_tp_generate(args, tp, params, text)
     loaded = load_checkpoint(args.model)
-    print(f"model: {loaded.name} ({loaded.model_type}, {loaded.num_layers} layers) | "
-          f"weights: {loaded.describe_weights()} | device: {mx.default_device()} | blas: {blas_in_use()}",
-          file=sys.stderr)
-    if args.raw:
-        prompt = encode_raw(loaded.tokenizer, text)
-    else:
-        messages = ([{"role": "system", "content": args.system}] if args.system else [])
-        prompt = encode_chat(loaded.tokenizer, messages + [{"role": "user", "content": text}])
+    print(describe_model(loaded), file=sys.stderr)
+    prompt = encode_prompt(args, loaded.tokenizer, text)
     model = _pipeline(args, loaded)
     stats = GenerationStats()
     for chunk in stream_generate(model, loaded.tokenizer, prompt, params, stats=stats):

@@ -20,9 +20,11 @@ from mlxcel.config import (
     DEFAULT_PARALLEL,
     DEFAULT_PORT,
     DEFAULT_PREFIX_CACHE_MB,
+    THREADS_ENV,
     non_negative_int,
     positive_int,
     seconds,
+    thread_count,
 )
 from mlxcel.config import port as tcp_port
 from mlxcel.errors import CLIError
@@ -51,6 +53,9 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix-cache-mb", type=non_negative_int, default=DEFAULT_PREFIX_CACHE_MB,
                         help=("MiB of KV cache kept to reuse shared prompt prefixes "
                               f"(default {DEFAULT_PREFIX_CACHE_MB}; 0 = off)"))
+    parser.add_argument("--threads", type=thread_count, default=None, metavar="N",
+                        help=f"threads one matrix product may use; nodes sharing a host split its cores "
+                             f"(default: ${THREADS_ENV}, else OpenBLAS's choice: every core)")
     parser.add_argument("--no-warmup", dest="warmup", action="store_false",
                         help="report ready right after loading, without a warmup generation")
     parser.add_argument("--served-model-name", default=None,
@@ -58,6 +63,9 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="log verbosity (default info)")
     _add_cluster_arguments(parser)
     _add_bringup_arguments(parser)
+    from mlxcel.parallel.options import add_tp_arguments
+
+    add_tp_arguments(parser, server=True)
     from mlxcel.server.access import add_access_arguments
 
     add_access_arguments(parser)
@@ -142,13 +150,28 @@ def build_config(args: argparse.Namespace):
         raise CLIError(f"--max-batch-size ({batch}) cannot exceed --parallel ({args.parallel}): "
                        "a decode step batches only sequences that hold a slot")
     model = Path(args.model)
-    check_checkpoint(model)
+    checkpoint = check_checkpoint(model)
+    from mlxcel.parallel.options import prepare_tp
+
+    prepare_tp(args, model, checkpoint)  # --tp-*: flags, hostfile, shard plan; refused before any weight is read
     name = args.served_model_name if args.served_model_name is not None else model.resolve().name
     if not name.strip():
         raise CLIError("--served-model-name must not be empty")
     return ServerConfig(model=model, served_model_name=name, parallel=args.parallel, max_batch_size=batch,
                         max_queue=args.max_queue, request_timeout=args.request_timeout, warmup=args.warmup,
                         prefix_cache_mb=args.prefix_cache_mb)
+
+
+def apply_threads(args: argparse.Namespace) -> int:
+    """Apply the thread budget (--threads, else $MLXCEL_THREADS) to the BLAS; returns the threads in effect."""
+    from mlxcel.blas import apply_thread_budget, blas_in_use
+
+    try:
+        threads = apply_thread_budget(args.threads)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+    logging.getLogger("mlxcel.server").info("BLAS %s: %d thread(s) per matrix product", blas_in_use(), threads)
+    return threads
 
 
 def run_server(args: argparse.Namespace) -> int:
@@ -161,6 +184,7 @@ def run_server(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = build_config(args)
+    apply_threads(args)
     dist = prepare_distributed(args, config.model)  # cluster TOML, node, secret (fail closed), stage ranges
     preflight_bringup(args)  # --pp-auto / --pp-peer: the secret (fail closed)
     role = select_role(args, dist)

@@ -1,0 +1,18 @@
+"""Tensor parallelism on MLX's distributed layer (``mx.distributed``): ``--tp-size N``.
+
+Each rank holds a 1/N slice of every layer's attention heads and MLP width (mlx-lm's ``shard()``);
+two all-reduces per layer join the slices. Rank 0 runs the scheduler and serves or prints; the
+other ranks replay its steps (``follower``), told over the authenticated cluster transport
+(``control``). docs/tensor-parallel.md is the operator's page.
+
+- ``options``: flags, defaults, the checks of their combinations (no MLX).
+- ``plan``: which families shard, and the refusals before any weight is read (no MLX).
+- ``hostfile``: the multi-host hostfile (mlx.launch's JSON format) and the loopback rule.
+- ``control``: the control messages (sans-I/O codec) and both ends of the channel.
+- ``launch``: starting the local follower ranks, ring addresses, ``mx.distributed.init`` with a deadline.
+- ``executor``: ``TPExecutor``, rank 0's executor for the scheduler.
+- ``follower``: a follower rank's replay loop (``python -m mlxcel.parallel.follower``).
+- ``server`` / ``rank_server``: the roles ``tp`` (rank 0 serving the API) and ``tp-rank`` (a follower
+  joined through a hostfile).
+- ``generate``: ``mlxcel generate --tp-size N``.
+"""
