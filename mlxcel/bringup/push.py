@@ -108,10 +108,15 @@ class Push:
 
     def _phase(self, step: Callable[[_Peer, float], None], deadline: float) -> None:
         """Run ``step`` for every peer in parallel; any failure abandons the bring-up."""
-        with ThreadPoolExecutor(max_workers=len(self.peers), thread_name_prefix="mlxcel-push") as pool:
-            futures = [pool.submit(self._guarded, step, p, deadline) for p in self.peers]
-            for f in futures:
+        pool = ThreadPoolExecutor(max_workers=len(self.peers), thread_name_prefix="mlxcel-push")
+        try:
+            for f in [pool.submit(self._guarded, step, p, deadline) for p in self.peers]:
                 f.result()
+        except BaseException:  # interrupted: the redialling peers stop within one retry interval
+            self._stop.set()
+            raise
+        finally:
+            pool.shutdown(wait=True)
         failed = [p for p in self.peers if p.failure is not None]
         if failed:
             raise _Abandon(self._summary(failed))

@@ -249,3 +249,16 @@ def test_offer_layers_and_memory_are_bounded():
             decode(raw)
     with pytest.raises(ValueError):
         encode(Msg.OFFER, **offer_for(0, stage=True))
+
+
+def test_the_documented_messages_are_what_mlxcel_sends():
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "bringup.md").read_text()
+    block = re.search(r"```assignment-vector\n(.*?)```", doc, re.S)
+    assert block, "docs/bringup.md lost its assignment-vector block"
+    vectors = dict(line.split(" = ", 1) for line in block.group(1).splitlines() if line.strip())
+    for name, text in vectors.items():
+        msg = decode(text.encode())
+        assert msg.kind.value == name and encode(msg.kind, **msg.fields) == text.encode(), name
