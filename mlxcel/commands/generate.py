@@ -65,6 +65,26 @@ def _pipeline(args: argparse.Namespace, loaded: Any) -> Any:
     return InProcessPipeline(loaded.model, ranges)
 
 
+def _run_tensor_parallel(args: argparse.Namespace, tp: Any, params: SamplingParams, text: str) -> int:
+    """--tp-size N: this process is rank 0 of N (docs/tensor-parallel.md); it prints, the others follow."""
+    from mlxcel.parallel.generate import TPGeneration, timed
+
+    secret = load_secret(getattr(args, "cluster_secret_file", None), required=not tp.local)
+    with TPGeneration(tp, Path(args.model), secret) as gen:
+        print(describe_model(gen.loaded), file=sys.stderr)
+        print(f"tensor parallel: {tp.plan.describe()}, {gen.backend} backend", file=sys.stderr)
+        prompt = encode_prompt(args, gen.loaded.tokenizer, text)
+        stats = GenerationStats(prompt_tokens=len(prompt))
+        mx.reset_peak_memory()
+        for event in timed(gen.stream(prompt, params), stats):
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+        stats.peak_memory_gb = mx.get_peak_memory() / 1e9
+    sys.stdout.write("\n")
+    print(format_stats(stats), file=sys.stderr)
+    return 0
+
+
 def run_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -73,9 +93,7 @@ def run_generate(args: argparse.Namespace) -> int:
     text = _prompt_text(args)
     tp = prepare_tp(args, Path(args.model), check_checkpoint(args.model))  # refusals before any weight is read
     if tp is not None:
-        from mlxcel.parallel.generate import run_tp_generate
-
-        return run_tp_generate(args, tp, params, text)
+        return _run_tensor_parallel(args, tp, params, text)
     loaded = load_checkpoint(args.model)
     print(describe_model(loaded), file=sys.stderr)
     prompt = encode_prompt(args, loaded.tokenizer, text)

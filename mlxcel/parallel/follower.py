@@ -1,0 +1,204 @@
+"""A follower rank: join rank 0, shard the model, replay rank 0's steps until told to stop.
+
+Started by rank 0 on this host (``python -m mlxcel.parallel.follower``, the secret on stdin) or by
+the operator on another host (``mlxcel-server --tp-hostfile F --tp-rank R``, role ``tp-rank``).
+The control channel's reader thread queues what rank 0 sends; the main thread applies it in order.
+A follower never outlives its group: it exits 1 with one line when rank 0 is silent for
+``--tp-timeout`` seconds, when its local parent is gone, or when a step fails after it started
+(its collectives no longer line up); it exits 0 on rank 0's shutdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import queue
+import sys
+import threading
+import time
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, NoReturn
+
+from mlxcel.cluster.identity import PeerId, as_peer
+from mlxcel.cluster.messages import Message
+from mlxcel.cluster.secret import ClusterSecret
+from mlxcel.cluster.transport import Transport
+from mlxcel.parallel.control import ControlError, decode, encode, read_reply, reply
+from mlxcel.parallel.errors import TPError
+from mlxcel.parallel.launch import GroupSpec, init_group
+
+log = logging.getLogger("mlxcel.parallel")
+
+HELLO_RETRY_S = 0.5
+WATCH_S = 0.25
+
+
+def die(rank: int, message: str, code: int = 1) -> NoReturn:
+    """One line, then leave without MLX's static destructors (see mlxcel.process.exit_process)."""
+    if message:
+        print(f"mlxcel: {'error: ' if code else ''}tensor-parallel rank {rank}: {message}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(code)
+
+
+class FollowerControl:
+    """The follower's end of the control channel: its listener for rank 0, and its calls to rank 0."""
+
+    def __init__(self, secret: ClusterSecret, bind: tuple[str, int], rank0: PeerId, rank: int, timeout: float):
+        self.transport = Transport(bind, secret)
+        self.rank0 = rank0
+        self.rank = rank
+        self.timeout = timeout
+        self.inbox: queue.SimpleQueue[tuple[dict, Future | None]] = queue.SimpleQueue()
+        self.last_seen = time.monotonic()
+
+    def start(self) -> PeerId:
+        return self.transport.serve(self._on_message, self._on_request)
+
+    def _from_rank0(self, msg: Message) -> dict:
+        if msg.peer != self.rank0:
+            raise ControlError(f"control message from {msg.peer}, not rank 0 ({self.rank0})")
+        self.last_seen = time.monotonic()
+        return decode(msg.payload)
+
+    def _on_message(self, msg: Message) -> None:
+        try:
+            m = self._from_rank0(msg)
+        except ControlError as exc:
+            log.warning("tensor-parallel rank %d: dropped a control message: %s", self.rank, exc)
+            return
+        self.inbox.put((m, None))
+
+    def _on_request(self, msg: Message) -> bytes:
+        m = self._from_rank0(msg)
+        if m["op"] == "ping":
+            return reply(ok=True)
+        if m["op"] != "prepare":
+            raise ControlError(f"{m['op']} is not a request a follower answers")
+        fut: Future = Future()
+        self.inbox.put((m, fut))
+        return reply(cached=fut.result(self.timeout))
+
+    def call(self, op: str, **fields: Any) -> dict:
+        return read_reply(self.transport.request(self.rank0, encode(op, rank=self.rank, **fields), timeout=self.timeout))
+
+    def hello(self, identity: str, deadline: float) -> dict:
+        """Say hello until rank 0 answers (it may start later on another host); its settings."""
+        while True:
+            try:
+                return self.call("hello", pid=os.getpid(), identity=identity)
+            except Exception as exc:  # noqa: BLE001 - not listening yet, or refused
+                if time.monotonic() > deadline:
+                    raise TPError(f"rank 0 at {self.rank0} did not answer: {exc}") from None
+                time.sleep(HELLO_RETRY_S)
+
+    def close(self) -> None:
+        self.transport.close()
+
+
+def watch(control: FollowerControl, parent: int | None) -> None:
+    """Exit when rank 0 has been silent for ``timeout`` s, or the parent process is gone."""
+    def loop() -> None:
+        while True:
+            time.sleep(WATCH_S)
+            if parent is not None and os.getppid() != parent:
+                die(control.rank, f"rank 0 (pid {parent}) is gone")
+            silent = time.monotonic() - control.last_seen
+            if silent > control.timeout:
+                die(control.rank, f"rank 0 stopped answering for {silent:.0f}s")
+
+    threading.Thread(target=loop, name="mlxcel-tp-watch", daemon=True).start()
+
+
+def _load(model_dir: Path, size: int, group: Any, settings: dict) -> Any:
+    import mlx.core as mx
+
+    from mlxcel.models.loading import load_checkpoint
+    from mlxcel.parallel.plan import apply_plan, check_shardable
+    from mlxcel.parallel.replay import ShardRunner
+
+    loaded = load_checkpoint(model_dir, lazy=True)
+    apply_plan(loaded.model, check_shardable(loaded.config, size, model_dir), group)
+    mx.eval(loaded.model.parameters())
+    return ShardRunner(loaded.model, head=False, max_rows=int(settings["max_batch_size"]),
+                       prefix_cache_bytes=int(settings["prefix_cache_bytes"]))
+
+
+def replay(control: FollowerControl, shard: Any) -> int:
+    """Apply rank 0's messages in order until ``shutdown``; returns 0."""
+    from mlxcel.engine.runner import RunnerError
+
+    while True:
+        m, fut = control.inbox.get()
+        op = m["op"]
+        if op == "shutdown":
+            return 0
+        try:
+            if op == "step":
+                shard.run(m["kind"], m["rids"], m["tokens"], m["slot"], m["sample"])
+            elif op == "release":
+                shard.release(m["rid"], m["tokens"])
+            elif op == "prepare":
+                cache, n = shard.lookup(m["prompt"], limit=m["limit"]) if m["limit"] else (None, 0)
+                shard.prepare(m["rid"], None, cache, n)
+                fut.set_result(n)
+        except RunnerError as exc:  # refused before any collective, as rank 0 refused it
+            log.debug("rank %d: %s refused: %s", control.rank, op, exc)
+            if fut is not None:
+                fut.set_exception(exc)
+        except Exception as exc:  # noqa: BLE001 - the group cannot go on
+            die(control.rank, f"{op} failed: {exc}")
+
+
+def follow(rank: int, model_dir: Path, secret: ClusterSecret, rank0: PeerId, spec: GroupSpec, *,
+           timeout: float, listen_host: str, parent: int | None = None, join_s: float = 60.0) -> int:
+    """Run follower ``rank`` until rank 0's shutdown (0) or a failure (exits 1 with one line)."""
+    from mlxcel.models.identity import model_identity
+
+    control = FollowerControl(secret, (listen_host, 0), rank0, rank, timeout)
+    control.start()
+    settings = control.hello(model_identity(model_dir), time.monotonic() + join_s)
+    control.last_seen = time.monotonic()
+    watch(control, parent)
+    try:
+        group = init_group(spec, rank, join_s)
+        shard = _load(model_dir, spec.size, group, settings)
+    except Exception as exc:  # noqa: BLE001 - tell rank 0 why, then exit
+        try:
+            control.call("failed", error=str(exc))
+        except Exception:  # noqa: BLE001
+            pass
+        die(rank, str(exc))
+    control.call("ready")
+    code = replay(control, shard)
+    control.close()
+    return code
+
+
+def main(argv: list[str] | None = None) -> NoReturn:
+    """``python -m mlxcel.parallel.follower``: a local follower started by rank 0 (secret on stdin)."""
+    import mlxcel  # noqa: F401 - OpenBLAS before MLX (mlxcel/blas.py)
+
+    p = argparse.ArgumentParser(prog="mlxcel.parallel.follower", description="tensor-parallel follower rank")
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--model", required=True)
+    p.add_argument("--control", required=True, help="rank 0's control address IP:PORT")
+    p.add_argument("--group", required=True, help="the group's addresses (JSON, from rank 0)")
+    p.add_argument("--timeout", type=float, required=True)
+    p.add_argument("--parent", type=int, default=None)
+    args = p.parse_args(argv)
+    logging.basicConfig(level="WARNING", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        secret = ClusterSecret(bytes.fromhex(sys.stdin.readline().strip()), source="rank 0 (stdin)")
+        host, _, port = args.control.rpartition(":")
+        code = follow(args.rank, Path(args.model), secret, as_peer((host, int(port))), GroupSpec.from_json(args.group),
+                      timeout=args.timeout, listen_host=host, parent=args.parent)
+    except Exception as exc:  # noqa: BLE001 - one line
+        die(args.rank, str(exc))
+    die(args.rank, "", code)
+
+
+if __name__ == "__main__":
+    main()
