@@ -51,11 +51,19 @@ def _bringup(flag: str) -> Selector:
     return lambda args, dist: dist is None and bool(getattr(args, flag, None))
 
 
+def _tensor_parallel(follower: bool) -> Selector:
+    """--tp-size above 1 without a cluster TOML: rank 0 serves the API, --tp-rank above 0 follows it."""
+    return lambda args, dist: (dist is None and getattr(args, "tp_size", 1) > 1
+                               and ((getattr(args, "tp_rank", None) or 0) > 0) == follower)
+
+
 ROLES: tuple[Role, ...] = (
     Role("stage", _node_role("stage"), "mlxcel.pipeline.stage_server", serves_api=False),
     Role("coordinator", _node_role("coordinator"), "mlxcel.pipeline.coordinator_server"),
     Role("pp-auto", _bringup("pp_auto"), "mlxcel.bringup.coordinator"),
     Role("pp-peer", _bringup("pp_peer"), "mlxcel.bringup.peer", serves_api=False),
+    Role("tp-rank", _tensor_parallel(follower=True), "mlxcel.parallel.rank_server", serves_api=False),
+    Role("tp", _tensor_parallel(follower=False), "mlxcel.parallel.server"),
     Role("single", _no_cluster, "mlxcel.server.single"),
 )
 

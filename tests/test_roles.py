@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -68,10 +69,24 @@ def test_every_role_names_a_module_with_run():
 
 def test_a_node_no_role_serves_is_one_clear_error(cluster):
     args, dist = prepared(cluster, "coordinator")
-    dist = replace(dist, node=replace(dist.node, role="router"))
-    with pytest.raises(CLIError, match=r"^no process role for node 'coordinator' \(role 'router'\); "
-                                       r"known roles: stage, coordinator, pp-auto, pp-peer, single$"):
+    dist = replace(dist, node=replace(dist.node, role="archivist"))  # a node role no entry selects
+    known = ", ".join(role.name for role in ROLES)  # every entry, in table order
+    with pytest.raises(CLIError, match=r"^no process role for node 'coordinator' \(role 'archivist'\); "
+                                       rf"known roles: {re.escape(known)}$"):
         select_role(args, dist)
+    assert known.startswith("stage, coordinator, ") and known.endswith(", single")
+
+
+@pytest.mark.parametrize("flags,role,serves_api", [
+    (["--tp-size", "2"], "tp", True),
+    (["--tp-size", "2", "--tp-hostfile", "h.json", "--tp-rank", "0"], "tp", True),
+    (["--tp-size", "2", "--tp-hostfile", "h.json", "--tp-rank", "1"], "tp-rank", False),
+    (["--tp-size", "1"], "single", True),
+])
+def test_tensor_parallel_flags_select_rank_0_or_a_follower(flags, role, serves_api):
+    args = build_parser().parse_args(["serve", *flags])
+    selected = select_role(args, None)
+    assert (selected.name, selected.serves_api) == (role, serves_api)
 
 
 def test_first_matching_entry_wins(cluster):

@@ -69,6 +69,9 @@ def _run_tensor_parallel(args: argparse.Namespace, tp: Any, params: SamplingPara
     """--tp-size N: this process is rank 0 of N (docs/tensor-parallel.md); it prints, the others follow."""
     from mlxcel.parallel.generate import TPGeneration, timed
 
+    if tp.rank > 0:
+        raise CLIError(f"--tp-rank {tp.rank} is a follower rank: start it with mlxcel-server -m {args.model} "
+                       f"--tp-size {tp.size} --tp-hostfile {args.tp_hostfile} --tp-rank {tp.rank}")
     secret = load_secret(getattr(args, "cluster_secret_file", None), required=not tp.local)
     with TPGeneration(tp, Path(args.model), secret) as gen:
         print(describe_model(gen.loaded), file=sys.stderr)

@@ -177,6 +177,18 @@ def follow(rank: int, model_dir: Path, secret: ClusterSecret, rank0: PeerId, spe
     return code
 
 
+def follow_hostfile(tp: Any, model_dir: Path, secret: ClusterSecret) -> int:
+    """Rank ``tp.rank`` of a hostfile group (started by the operator): rank 0 at the hostfile's control address."""
+    from mlxcel.parallel.launch import group_spec, join_seconds, resolve_backend
+
+    assert tp.hostfile is not None and tp.rank > 0
+    spec, control = group_spec(tp, resolve_backend(tp.backend, tp.hostfile))
+    print(f"mlxcel: tensor-parallel rank {tp.rank} of {tp.size}: following rank 0 at {as_peer(control)} "
+          f"({spec.backend} backend)", file=sys.stderr, flush=True)
+    return follow(tp.rank, model_dir, secret, as_peer(control), spec, timeout=tp.timeout,
+                  listen_host=tp.hostfile.ips[tp.rank][0], join_s=join_seconds(tp.timeout))
+
+
 def main(argv: list[str] | None = None) -> NoReturn:
     """``python -m mlxcel.parallel.follower``: a local follower started by rank 0 (secret on stdin)."""
     import mlxcel  # noqa: F401 - OpenBLAS before MLX (mlxcel/blas.py)

@@ -32,6 +32,11 @@ from mlxcel.parallel.options import TPOptions
 LOOPBACK = "127.0.0.1"
 NCCL_PORT_OFFSET = 0  # NCCL's rendezvous port is the first ring port
 STOP_GRACE_S = 5.0
+MIN_JOIN_S = 60.0  # every rank joins (hello, then the MLX group) within max(this, 4 x --tp-timeout)
+
+
+def join_seconds(timeout: float) -> float:
+    return max(MIN_JOIN_S, 4 * timeout)
 
 
 def resolve_backend(requested: str, hostfile: Hostfile | None) -> str:

@@ -127,6 +127,8 @@ def check_tp_flags(args: argparse.Namespace) -> None:
         if _get(args, name) is not None:
             raise TPError(f"--tp-size {size} cannot be combined with {flag}: tensor parallelism runs the whole "
                           "model on every rank (pipeline stages are not sharded)")
+    if _get(args, "node_role") in ("prefill", "decode", "router"):
+        raise TPError(f"--tp-size {size} cannot be combined with --node-role {args.node_role}")
     if _get(args, "pp_peer", False):
         raise TPError(f"--tp-size {size} cannot be combined with --pp-peer")
     if _get(args, "pp_size", 1) > 1:

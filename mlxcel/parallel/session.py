@@ -18,14 +18,19 @@ from mlxcel.cluster.secret import ClusterSecret
 from mlxcel.parallel.control import RankZeroControl, encode
 from mlxcel.parallel.errors import TPError
 from mlxcel.parallel.executor import TPExecutor
-from mlxcel.parallel.launch import GroupSpec, LocalRanks, group_spec, init_group, launch_secret, resolve_backend
+from mlxcel.parallel.launch import (
+    GroupSpec,
+    LocalRanks,
+    group_spec,
+    init_group,
+    join_seconds,
+    launch_secret,
+    resolve_backend,
+)
 from mlxcel.parallel.options import TPOptions
 from mlxcel.parallel.plan import apply_plan
 
 log = logging.getLogger("mlxcel.parallel")
-
-MIN_JOIN_S = 60.0  # every rank says hello within max(this, 4 x --tp-timeout)
-
 
 def probe_interval(timeout: float) -> float:
     return max(0.05, min(1.0, timeout / 5))
@@ -71,7 +76,7 @@ class RankZero:
             for rank in sorted(self.followers):
                 self.local.spawn(rank, self._follower_argv(rank, f"{host}:{port}"), self.secret.reveal(),
                                  self._follower_env(rank))
-        join = max(MIN_JOIN_S, 4 * tp.timeout)
+        join = join_seconds(tp.timeout)
         self.control.wait("peers", self.followers, time.monotonic() + join, self._problem)
         self.group = init_group(self.spec, 0, join)
         log.info("tensor-parallel group: %d ranks on %s (%s)", tp.size, backend, tp.plan.describe())

@@ -1,0 +1,79 @@
+"""Role ``tp``: rank 0 of a tensor-parallel group serves the OpenAI API (``mlxcel-server --tp-size N``).
+
+The engine is the usual ``Scheduler`` over a ``TPExecutor``: under ``--parallel N`` one batched decode
+step of every running row per rank and layer (``decode path: native batched forward``). When the
+group breaks (a rank died or hangs) every request in flight and every new one gets 503, one line
+says why, the server drains (``--drain-timeout``) and exits 1; the local followers are stopped.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from mlxcel.process import RoleContext
+from mlxcel.server.runtime import ServerConfig, ServerRuntime
+from mlxcel.server.serve import serve_openai
+
+DECODE_PATH = "decode path: native batched forward"
+
+
+class TPServer:
+    """The rank-0 session of a server and what its engine factory needs."""
+
+    def __init__(self, context: RoleContext):
+        from mlxcel.cluster.secret import load_secret
+        from mlxcel.models.loading import check_checkpoint
+        from mlxcel.parallel.options import prepare_tp
+        from mlxcel.parallel.session import RankZero
+
+        config = context.config
+        tp = prepare_tp(context.args, config.model, check_checkpoint(config.model))
+        assert tp is not None
+        self.tp = tp
+        secret = load_secret(context.args.cluster_secret_file, required=not tp.local)
+        self.rank0 = RankZero(tp, Path(config.model), secret, max_batch_size=config.max_batch_size,
+                              prefix_cache_bytes=config.prefix_cache_mb << 20)
+        self.error: str | None = None
+        self._once = threading.Lock()
+
+    def build(self, model: Any, tokenizer: Any, ctx: int, config: ServerConfig) -> Any:
+        """The engine factory: group up, model sharded, scheduler warmed up."""
+        from mlxcel.engine.scheduler import Scheduler
+
+        self.rank0.start()
+        self.rank0.shard(model)
+        executor = self.rank0.executor(model, self.fatal)
+        engine = Scheduler(executor, tokenizer, context_length=ctx, parallel=config.parallel,
+                           max_queue=config.max_queue, warmup=config.warmup)
+        engine.start().wait_ready()
+        return engine
+
+    def fatal(self, message: str) -> None:
+        """The group broke: one line, followers stopped, then the server drains and exits 1."""
+        if not self._once.acquire(blocking=False):
+            return
+        self.error = message
+        print(f"mlxcel: error: {message}; stopping (requests get 503 until the server is gone)",
+              file=sys.stderr, flush=True)
+        self.rank0.kill_followers()
+        os.kill(os.getpid(), signal.SIGTERM)  # uvicorn's own graceful stop, bounded by --drain-timeout
+
+
+def run(context: RoleContext) -> int:
+    """Serve as rank 0 of ``--tp-size`` ranks until stopped; 1 when the group broke."""
+    server = TPServer(context)
+    config = replace(context.config, lazy_weights=True)  # the weights are read only once sharded
+    print(f"mlxcel: tensor parallel over {server.tp.size} ranks ({server.tp.plan.describe()}); {DECODE_PATH}",
+          file=sys.stderr, flush=True)
+    try:
+        code = serve_openai(context, ServerRuntime(config, server.build),
+                            described_as=f" as rank 0 of {server.tp.size} tensor-parallel ranks")
+    finally:
+        server.rank0.close()
+    return 1 if server.error is not None else code
