@@ -58,7 +58,7 @@ class TPGeneration:
         self.rank0.close()
 
     def _fatal(self, message: str) -> None:
-        print(f"mlxcel: error: {message}", file=sys.stderr, flush=True)
+        print(f"mlxcel: error: {self.rank0.explain(message)}", file=sys.stderr, flush=True)
         self.rank0.kill_followers()
         sys.stdout.flush()
         os._exit(1)

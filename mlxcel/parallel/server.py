@@ -58,7 +58,7 @@ class TPServer:
         """The group broke: one line, followers stopped, then the server drains and exits 1."""
         if not self._once.acquire(blocking=False):
             return
-        self.error = message
+        self.error = message = self.rank0.explain(message)
         print(f"mlxcel: error: {message}; stopping (requests get 503 until the server is gone)",
               file=sys.stderr, flush=True)
         self.rank0.kill_followers()

@@ -125,6 +125,16 @@ class RankZero:
             self.local.stop()
         self.local = None
 
+    def explain(self, message: str) -> str:
+        """``message``, led by the local follower that exited when one did (a killed rank is seen as a lost peer)."""
+        deadline = time.monotonic() + 0.5
+        while self.local is not None and time.monotonic() < deadline:
+            problem = self.local.problem()
+            if problem:
+                return f"{problem}: {message}"
+            time.sleep(0.05)
+        return message
+
     def kill_followers(self) -> None:
         """Fatal path: stop local followers at once (by PID)."""
         if self.local is not None:
