@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from mlxcel.cli import build_parser
+from mlxcel.cluster.errors import SecretError
 from mlxcel.parallel.errors import HostfileError, ShardRefusal, TPError
 from mlxcel.parallel.options import prepare_tp
 from mlxcel.parallel.plan import check_shardable
@@ -67,6 +68,13 @@ def _prepare(model: Path, *flags: str):
     return prepare_tp(args, model, config)
 
 
+def secret_file(tmp_path: Path) -> Path:
+    path = tmp_path / "secret"
+    path.write_text("s" * 32)
+    path.chmod(0o600)
+    return path
+
+
 def _hostfile(tmp_path: Path, *ips: str, as_object: bool = True) -> Path:
     hosts = [{"ssh": f"h{i}", "ips": [ip]} for i, ip in enumerate(ips)]
     path = tmp_path / "hosts.json"
@@ -87,7 +95,7 @@ def test_plaintext_flag_accepts_the_hostfile_with_a_warning(tiny_6_3, tmp_path, 
     hosts = _hostfile(tmp_path, "127.0.0.1", "10.0.0.2", "127.0.0.3")
     with caplog.at_level(logging.WARNING, logger="mlxcel.parallel"):
         tp = _prepare(tiny_6_3, "--tp-size", "3", "--tp-hostfile", str(hosts), "--tp-rank", "1",
-                      "--tp-allow-plaintext-network")
+                      "--tp-allow-plaintext-network", "--cluster-secret-file", str(secret_file(tmp_path)))
     assert (tp.size, tp.rank, tp.port, tp.local) == (3, 1, 32323, False)
     assert tp.hostfile.ring_addresses(32323) == [["127.0.0.1:32323"], ["10.0.0.2:32324"], ["127.0.0.3:32325"]]
     assert tp.hostfile.control_address(32323) == ("127.0.0.1", 32326)
@@ -97,8 +105,17 @@ def test_plaintext_flag_accepts_the_hostfile_with_a_warning(tiny_6_3, tmp_path, 
 def test_loopback_hostfile_needs_no_flag_and_no_warning(tiny_6_3, tmp_path, caplog):
     hosts = _hostfile(tmp_path, "127.0.0.1", "127.0.0.2", "::1", as_object=False)
     with caplog.at_level(logging.WARNING, logger="mlxcel.parallel"):
-        tp = _prepare(tiny_6_3, "--tp-size", "3", "--tp-hostfile", str(hosts), "--tp-port", "4000")
+        tp = _prepare(tiny_6_3, "--tp-size", "3", "--tp-hostfile", str(hosts), "--tp-port", "4000",
+                      "--cluster-secret-file", str(secret_file(tmp_path)))
     assert tp.hostfile.ring_addresses(tp.port)[2] == ["[::1]:4002"] and not caplog.records
+
+
+def test_hostfile_without_a_cluster_secret_is_refused(tiny_6_3, tmp_path, monkeypatch):
+    monkeypatch.delenv("MLXCEL_CLUSTER_SECRET", raising=False)
+    monkeypatch.delenv("MLXCEL_CLUSTER_SECRET_FILE", raising=False)
+    hosts = _hostfile(tmp_path, "127.0.0.1", "127.0.0.2", "127.0.0.3")
+    with pytest.raises(SecretError, match="a cluster secret is required but none was configured"):
+        _prepare(tiny_6_3, "--tp-size", "3", "--tp-hostfile", str(hosts))
 
 
 @pytest.mark.parametrize("content,message", [
