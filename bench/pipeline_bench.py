@@ -275,13 +275,14 @@ def worker(args: argparse.Namespace, out: TextIO) -> int:
         states = driver.states() if driver else []
         wire0 = driver.wire(states) if driver else None
         stage0 = [proc_cpu_s(p) for p in args.stage_pids]
+        load_1m = os.getloadavg()[0] if hasattr(os, "getloadavg") else None  # how busy the host was
         cpu0, wall0 = self_cpu_s(), time.perf_counter()
         tokens, gaps = run(args.tokens, timeline)
         wall, cpu = time.perf_counter() - wall0, self_cpu_s() - cpu0
         stage1 = [proc_cpu_s(p) for p in args.stage_pids]
         result: dict[str, Any] = {"pid": os.getpid(), "mode": mode, "prompt_tokens": len(prompt), "tokens": tokens,
                                   "gaps_s": gaps, "wall_s": wall, "cpu_s_worker": cpu,
-                                  "cpu_s_stage": cpu_delta(stage0, stage1), "load_s": load_s,
+                                  "cpu_s_stage": cpu_delta(stage0, stage1), "load_s": load_s, "load_1m": load_1m,
                                   "steps": [{**s, "t_submit": s["t_submit"] - wall0, "t_done": s["t_done"] - wall0}
                                             for s in timeline.steps]}
         if driver:
@@ -345,7 +346,21 @@ class StageCluster:
                 env["OPENBLAS_NUM_THREADS"] = str(self.threads)
             if self.devices:
                 env["CUDA_VISIBLE_DEVICES"] = self.devices[i % len(self.devices)]
-            self.procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env))
+            log = open(self.toml.parent / f"stage-{i}.log", "wb")  # noqa: SIM115 - the child holds it
+            self.procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, env=env))
+            log.close()
+        time.sleep(3)  # a stage that cannot even import or load fails in seconds: say so now, not after a timeout
+        if any(p.poll() is not None for p in self.procs):
+            raise RuntimeError(f"a stage process exited at start:\n{self.log_tails()}")
+
+    def log_tails(self, chars: int = 1500) -> str:
+        """The end of every stage's stderr, for an error message."""
+        out = []
+        for i in range(len(self.addrs)):
+            path = self.toml.parent / f"stage-{i}.log"
+            text = path.read_text(errors="replace") if path.exists() else ""
+            out.append(f"--- stage-{i} (exit {self.procs[i].poll()}):\n{text[-chars:]}")
+        return "\n".join(out)
 
     def stop(self) -> None:
         for p in self.procs:
@@ -379,7 +394,8 @@ def run_worker(args: argparse.Namespace, mode: str, cluster: StageCluster | None
     cpu = children_cpu_s() - cpu0
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
-        raise WorkerError(f"worker {mode} exited with {proc.returncode}: {proc.stderr[-3000:]}")
+        stages = f"\n{cluster.log_tails()}" if cluster is not None else ""
+        raise WorkerError(f"worker {mode} exited with {proc.returncode}: {proc.stderr[-3000:]}{stages}")
     return {**json.loads(lines[-1]), "cpu_s_worker_total": cpu}
 
 
@@ -404,6 +420,7 @@ def row_of(args: argparse.Namespace, name: str, run: int, position: int, res: di
         "worker_pid": res["pid"], "wall_s": res["wall_s"], "cpu_s_worker": round(res["cpu_s_worker"], 3),
         "cpu_s_worker_total": round(res["cpu_s_worker_total"], 3), "cpu_s_stage": stage_cpu,
         "cpu_s_stages": round(sum(stage_cpu), 3) if stage_cpu else None, "stage_state": res.get("stage_state"),
+        "load_1m": res.get("load_1m"),
     }
 
 
@@ -433,7 +450,8 @@ def single_stream(args: argparse.Namespace, cluster: StageCluster | None) -> tup
                 if r["frames_per_token"] is not None else ""
             stages = f", stages {r['cpu_s_stage']}" if r["cpu_s_stage"] is not None else ""
             print(f"run {run} {name:>17}: {r['tok_s']:6.2f} tok/s, latency p50 {r['latency_ms_p50'] or 0:.1f} ms"
-                  f"{wire}; CPU-s worker {r['cpu_s_worker']:.2f}{stages} (pid {r['worker_pid']})", flush=True)
+                  f"{wire}; CPU-s worker {r['cpu_s_worker']:.2f}{stages} (pid {r['worker_pid']}, load {r['load_1m'] or 0:.1f})",
+                  flush=True)
     return rows, traces
 
 

@@ -18,7 +18,7 @@ from bench import pipeline_bench as pb
 MODES = ["single", "inproc_pp", "remote_pp"]
 RUNS, TOKENS = 2, 4
 NEW_FIELDS = ("worker_pid", "cpu_s_worker", "cpu_s_worker_total", "cpu_s_stage", "cpu_s_stages", "wall_s",
-              "latency_ms_p50", "latency_ms_p95", "per_token_ms_p95", "prompt_tokens", "fair_comparison")
+              "latency_ms_p50", "latency_ms_p95", "per_token_ms_p95", "prompt_tokens", "fair_comparison", "load_1m")
 
 
 @pytest.fixture(scope="module")
