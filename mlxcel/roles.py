@@ -51,6 +51,11 @@ def _bringup(flag: str) -> Selector:
     return lambda args, dist: dist is None and bool(getattr(args, flag, None))
 
 
+def _disagg(role: str) -> Selector:
+    """A disaggregated role: the TOML node's role, else ``--node-role`` (docs/disaggregated.md)."""
+    return lambda args, dist: (dist.node.role if dist is not None else getattr(args, "node_role", None)) == role
+
+
 def _tensor_parallel(follower: bool) -> Selector:
     """--tp-size above 1 without a cluster TOML: rank 0 serves the API, --tp-rank above 0 follows it."""
     return lambda args, dist: (dist is None and getattr(args, "tp_size", 1) > 1
@@ -62,9 +67,12 @@ ROLES: tuple[Role, ...] = (
     Role("coordinator", _node_role("coordinator"), "mlxcel.pipeline.coordinator_server"),
     Role("pp-auto", _bringup("pp_auto"), "mlxcel.bringup.coordinator"),
     Role("pp-peer", _bringup("pp_peer"), "mlxcel.bringup.peer", serves_api=False),
+    Role("prefill", _disagg("prefill"), "mlxcel.disagg.prefill_role", serves_api=False),
+    Role("decode", _disagg("decode"), "mlxcel.disagg.decode_role", serves_api=False),
+    Role("router", _disagg("router"), "mlxcel.disagg.router_role"),
     Role("tp-rank", _tensor_parallel(follower=True), "mlxcel.parallel.rank_server", serves_api=False),
     Role("tp", _tensor_parallel(follower=False), "mlxcel.parallel.server"),
-    Role("single", _no_cluster, "mlxcel.server.single"),
+    Role("single", _no_cluster, "mlxcel.server.single"),  # --node-role hybrid (the default) too
 )
 
 

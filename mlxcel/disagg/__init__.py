@@ -5,4 +5,13 @@ Module map (the codecs are sans-I/O; the services own sockets and threads):
 - ``wire``        constants: message types, KV handoff parts, bounds, defaults, environment variables
 - ``kv_codec``    the KV handoff wire format: header, raw tensor chunks, end; ``HandoffDecoder`` with its bounds
 - ``kv_cache``    mlx-lm caches <-> handoff tensors; ``probe_layout`` (which caches a model keeps)
+- ``messages``    control messages (GENERATE, CANCEL, TOKENS, FINISH, ERROR, HANDED_OFF, STATE), strictly checked
+- ``allowlist``   ``MLXCEL_DECODE_ALLOWLIST``: where a prefill node may send a KV cache
+- ``flags``       ``--node-role``, ``--serving-bind``, ``--prefill-peers``, ``--decode-peers``, TOML roles -> ``NodeConfig``
+- ``service``     what prefill and decode share: the role transport, STATE answers, sends to a router
+- ``prefill``     ``PrefillService``: GENERATE -> checks -> prefill -> KV handoff stream -> HANDED_OFF
+- ``decode``      ``DecodeService``: handoff streams -> ``submit_prefilled`` -> TOKENS/FINISH to the router
+- ``router``      ``RouterEngine``: the OpenAI API's engine, round-robin over healthy nodes, failover, demux
+- ``loop``        an asyncio loop on a thread (the scheduler's event streams need one)
+- ``worker``, ``prefill_role``, ``decode_role``, ``router_role``: the processes (``mlxcel/roles.py``)
 """

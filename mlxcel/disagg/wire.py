@@ -74,6 +74,7 @@ DISAGG_ROLES = ("prefill", "decode", "router")
 DEFAULT_NODE_ROLE = "hybrid"
 ALLOWLIST_ENV = "MLXCEL_DECODE_ALLOWLIST"
 STATS_VERBOSE_ENV = "MLXCEL_ROUTER_STATS_VERBOSE"
+STEP_DELAY_ENV = "MLXCEL_DISAGG_STEP_DELAY_S"  # test aid: a decode node sleeps this long before each decode step
 VERBOSE_VALUES = ("1", "true", "yes", "on")
 #: router: a request fails when no handoff result (first token or error) arrives this long after dispatch,
 #: and when a decode node stays silent this long between two messages

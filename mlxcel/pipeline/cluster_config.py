@@ -5,7 +5,11 @@ Schema (docs/pipeline.md has the commented example, ``examples/cluster-loopback.
     [cluster]   name, pipeline_parallel_size, secret_file (a path; never the value)
     [pipeline]  micro_batch_size, max_batch_size, prefix_cache_mb
     [timeouts]  startup_s, exchange_s, heartbeat_s
-    [[nodes]]   id, role ("coordinator" | "stage"), address ("ip:port"), layers ("a-b", stages only)
+    [[nodes]]   id, role ("coordinator" | "stage" | "prefill" | "decode" | "router"), address ("ip:port"),
+                layers ("a-b", stages only)
+
+A cluster is a pipeline (one coordinator and its stages) or disaggregated (prefill, decode and router
+nodes, each holding the whole model; docs/disaggregated.md), never both.
 
 Every problem is a ``ClusterConfigError`` naming the file and the key.
 """
@@ -24,7 +28,9 @@ from mlxcel.cluster.identity import PeerId
 from mlxcel.cluster.secret import secret_file_of
 from mlxcel.pipeline.partition import PartitionError, check_contiguous, check_coverage, parse_range
 
-ROLES = ("coordinator", "stage")
+PIPELINE_ROLES = ("coordinator", "stage")
+DISAGG_NODE_ROLES = ("prefill", "decode", "router")
+ROLES = PIPELINE_ROLES + DISAGG_NODE_ROLES
 _TOP_KEYS = {"cluster", "pipeline", "timeouts", "nodes"}
 _CLUSTER_KEYS = {"name", "pipeline_parallel_size", "secret_file"}
 _PIPELINE_KEYS = {"micro_batch_size", "max_batch_size", "prefix_cache_mb"}
@@ -60,19 +66,28 @@ class ClusterConfig:
     path: Path
     name: str
     pipeline_parallel_size: int
-    coordinator: Node
+    coordinator: Node | None  # None in a disaggregated cluster
     stages: tuple[Node, ...]
     secret_file: Path | None = None
     micro_batch_size: int | None = None
     max_batch_size: int = defaults.DEFAULT_PP_MAX_BATCH
     timeouts: Timeouts = field(default_factory=Timeouts)
     prefix_cache_mb: int = defaults.DEFAULT_PREFIX_CACHE_MB  # per stage, of its slice's KV; 0 = off
+    disagg: tuple[Node, ...] = ()  # a disaggregated cluster's prefill, decode and router nodes, in file order
+
+    @property
+    def nodes(self) -> tuple[Node, ...]:
+        return tuple(n for n in (self.coordinator, *self.stages, *self.disagg) if n is not None)
+
+    def with_role(self, role: str) -> tuple[Node, ...]:
+        """The nodes of one role, in file order."""
+        return tuple(n for n in self.nodes if n.role == role)
 
     def node(self, node_id: str) -> Node:
-        for node in (self.coordinator, *self.stages):
+        for node in self.nodes:
             if node.id == node_id:
                 return node
-        known = ", ".join(n.id for n in (self.coordinator, *self.stages))
+        known = ", ".join(n.id for n in self.nodes)
         raise ClusterConfigError(f"{self.path}: no node with id {node_id!r} (nodes: {known})")
 
     def stage_index(self, node_id: str) -> int:
@@ -86,7 +101,7 @@ class ClusterConfig:
         stages = tuple(Node(n.id, n.role, n.address, r) for n, r in zip(self.stages, ranges))
         return ClusterConfig(self.path, self.name, self.pipeline_parallel_size, self.coordinator, stages,
                              self.secret_file, self.micro_batch_size, self.max_batch_size, self.timeouts,
-                             self.prefix_cache_mb)
+                             self.prefix_cache_mb, self.disagg)
 
     def check_layers(self, num_layers: int) -> None:
         """Stage ranges must be contiguous from 0 and cover every layer of the model."""
@@ -137,6 +152,8 @@ def parse_cluster_config(doc: dict[str, Any], path: Path) -> ClusterConfig:
     if not isinstance(name, str) or not name.strip():
         raise ClusterConfigError(f"{path}: name under [cluster] must be a non-empty string")
     nodes = _nodes(doc, path)
+    if any(n.role in DISAGG_NODE_ROLES for n in nodes):
+        return _disaggregated(nodes, cluster, path, name, secret_file, timeouts)
     coordinators = [n for n in nodes if n.role == "coordinator"]
     stages = tuple(n for n in nodes if n.role == "stage")
     if len(coordinators) != 1:
@@ -189,14 +206,38 @@ def _nodes(doc: dict[str, Any], path: Path) -> list[Node]:
             raise ClusterConfigError(f"{where} ({node_id}): address {peer} is used by another node")
         if peer.port == 0:
             raise ClusterConfigError(f"{where} ({node_id}): address {peer} needs a fixed port")
-        if role == "stage" and peer.ip.is_unspecified:
-            raise ClusterConfigError(f"{where} ({node_id}): a stage's address must be the IP its peers reach it at, "
-                                     f"not {peer.host}")
+        if role in ("stage", "prefill", "decode") and peer.ip.is_unspecified:
+            raise ClusterConfigError(f"{where} ({node_id}): a {role} node's address must be the IP its peers reach it "
+                                     f"at, not {peer.host}")
         layers = _layers(entry, node_id, role, where)
         seen_ids.add(node_id)
         seen_addr.add(peer)
         nodes.append(Node(node_id, role, peer, layers))
     return nodes
+
+
+def _disaggregated(nodes: list[Node], cluster: dict[str, Any], path: Path, name: str, secret_file: Path | None,
+                   timeouts: dict[str, Any]) -> ClusterConfig:
+    """A prefill/decode/router cluster: at least one node of each role, no pipeline role, no pipeline size."""
+    mixed = [n.id for n in nodes if n.role in PIPELINE_ROLES]
+    if mixed:
+        raise ClusterConfigError(f"{path}: a cluster is a pipeline or disaggregated, not both: {', '.join(mixed)} "
+                                 "cannot join prefill, decode and router nodes")
+    for role in DISAGG_NODE_ROLES:
+        if not any(n.role == role for n in nodes):
+            raise ClusterConfigError(f"{path}: a disaggregated cluster needs at least one node with role = \"{role}\"")
+    if "pipeline_parallel_size" in cluster:
+        raise ClusterConfigError(f"{path}: pipeline_parallel_size under [cluster] is for pipelines; "
+                                 "a disaggregated cluster has none")
+    return ClusterConfig(
+        path=path, name=name, pipeline_parallel_size=1, coordinator=None, stages=(), secret_file=secret_file,
+        timeouts=Timeouts(
+            startup_s=_seconds(timeouts, "startup_s", path, defaults.DEFAULT_STARTUP_S),
+            exchange_s=_seconds(timeouts, "exchange_s", path, defaults.DEFAULT_EXCHANGE_S),
+            heartbeat_s=_seconds(timeouts, "heartbeat_s", path, defaults.DEFAULT_HEARTBEAT_S),
+        ),
+        disagg=tuple(nodes),
+    )
 
 
 def _layers(entry: dict[str, Any], node_id: str, role: str, where: str) -> tuple[int, int] | None:

@@ -48,6 +48,8 @@ def model_facts(model_dir: Path) -> ModelFacts:
 
 def resolve_layers(cluster: ClusterConfig, model_dir: Path, num_layers: int) -> ClusterConfig:
     """Stage ranges from the TOML (checked against the model) or planned by parameter bytes."""
+    if not cluster.stages:  # a disaggregated cluster: every node holds the whole model
+        return cluster
     if all(n.layers is None for n in cluster.stages):
         from mlxcel.pipeline.partition import layer_costs, plan_stages
 

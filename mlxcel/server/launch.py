@@ -63,6 +63,7 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="log verbosity (default info)")
     _add_cluster_arguments(parser)
     _add_bringup_arguments(parser)
+    _add_disagg_arguments(parser)
     from mlxcel.parallel.options import add_tp_arguments
 
     add_tp_arguments(parser, server=True)
@@ -121,6 +122,13 @@ def _add_bringup_arguments(parser: argparse.ArgumentParser) -> None:
                        help="--pp-auto only: plan the cluster, write --cluster-config-out and exit")
 
 
+def _add_disagg_arguments(parser: argparse.ArgumentParser) -> None:
+    """Disaggregated prefill/decode/router roles (docs/disaggregated.md); checked by ``mlxcel.disagg.flags``."""
+    from mlxcel.disagg.flags import add_disagg_arguments
+
+    add_disagg_arguments(parser.add_argument_group("disaggregated inference (docs/disaggregated.md)"))
+
+
 def check_cluster_flags(args: argparse.Namespace) -> None:
     """--distributed-config and --node-id come together; pipeline-only flags need them."""
     from mlxcel.bringup.flags import check_bringup_flags
@@ -177,6 +185,7 @@ def apply_threads(args: argparse.Namespace) -> int:
 def run_server(args: argparse.Namespace) -> int:
     """Check, select the role, bind, run it; returns only for preflight errors (raised), else exits the process."""
     from mlxcel.bringup.flags import preflight_bringup
+    from mlxcel.disagg.flags import preflight_disagg
     from mlxcel.pipeline.runtime import prepare_distributed
     from mlxcel.process import RoleContext, bind_socket, exit_process
     from mlxcel.roles import select_role
@@ -187,6 +196,7 @@ def run_server(args: argparse.Namespace) -> int:
     apply_threads(args)
     dist = prepare_distributed(args, config.model)  # cluster TOML, node, secret (fail closed), stage ranges
     preflight_bringup(args)  # --pp-auto / --pp-peer: the secret (fail closed)
+    preflight_disagg(args, dist)  # --node-role prefill|decode|router: flags and the secret (fail closed)
     role = select_role(args, dist)
     # keys, TLS files and the fail-closed bind policy, before anything listens
     access = prepare_access(args, health_only=not role.serves_api)

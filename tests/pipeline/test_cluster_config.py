@@ -64,7 +64,7 @@ def test_loads_the_example_and_a_full_file(tmp_path):
     (('address = "127.0.0.3:19001"', 'address = "stage0.lan:19001"'), "numeric ip:port"),
     (('address = "127.0.0.3:19001"', 'address = "127.0.0.3:0"'), "needs a fixed port"),
     (('id = "stage-1"', 'id = "stage-0"'), "duplicate id"),
-    (('role = "stage"\naddress = "127.0.0.4', 'role = "router"\naddress = "127.0.0.4'), "role must be one of"),
+    (('role = "stage"\naddress = "127.0.0.4', 'role = "worker"\naddress = "127.0.0.4'), "role must be one of"),
     (('layers = "2-3"', 'layers = "3-2"'), "is reversed"),
     (('layers = "2-3"', 'layers = "two"'), "one inclusive range"),
     (('secret_file = "s.secret"', 'secret = "hunter2hunter2hunter2"'), "never goes into the TOML"),

@@ -1,0 +1,276 @@
+"""The decode service: receive KV handoffs, admit them as prefilled sequences, stream tokens to the router.
+
+A handoff stream (any authenticated member may send one) is decoded part by part against this model's
+``KVLayout`` and context length (``HandoffDecoder``); a stream that breaks a bound is refused at that
+part, its bytes dropped, and the router named in its header (if it got that far) receives an ERROR.
+A complete handoff enters the scheduler through ``submit_prefilled``: it waits for a slot like any
+request, the executor installs its cache, the prefill's first token is emitted, and decoding goes on.
+Every event goes to the router as TOKENS, the end as FINISH. A CANCEL frees the sequence (running,
+waiting or still arriving); a CANCEL that arrives before its handoff is remembered for a minute.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+
+from mlxcel.cluster.identity import PeerId
+from mlxcel.cluster.messages import Message, decode_error
+from mlxcel.cluster.wire import Kind
+from mlxcel.disagg import messages as m
+from mlxcel.disagg.flags import NodeConfig
+from mlxcel.disagg.kv_cache import import_cache, probe_layout
+from mlxcel.disagg.kv_codec import Handoff, HandoffDecoder, HandoffError
+from mlxcel.disagg.loop import LoopThread
+from mlxcel.disagg.service import RoleService
+from mlxcel.disagg.wire import CANCEL_MEMORY_S, STEP_DELAY_ENV, MsgType
+from mlxcel.engine.executor import LocalExecutor
+from mlxcel.engine.interface import EngineError, EngineRequest, TokenEvent
+from mlxcel.engine.runner import RowSampler, Sampled
+from mlxcel.engine.scheduler import Scheduler
+from mlxcel.error_codes import ErrorCode
+
+log = logging.getLogger("mlxcel.disagg.decode")
+
+
+@dataclass(frozen=True)
+class Adoption:
+    """What ``submit_prefilled`` carries to the executor: the decoded handoff and the sampler's draws so far."""
+
+    handoff: Handoff
+    draws: int = 0
+
+
+def skip_draws(row: RowSampler, draws: int) -> None:
+    """Advance a seeded sampler past the draws the prefill node made, so the random stream continues."""
+    if row.sampler is None:
+        return
+    dummy = mx.zeros((1, 2))
+    for _ in range(draws):
+        row.sampler(dummy)
+
+
+class AdoptExecutor(LocalExecutor):
+    """A ``LocalExecutor`` whose ``adopt`` takes an ``Adoption``: the caches are built on the scheduler thread.
+
+    ``MLXCEL_DISAGG_STEP_DELAY_S`` (a test and rehearsal aid) sleeps that long before every decode step,
+    so a request stays in flight long enough to kill a node or drop a client under it.
+    """
+
+    def __init__(self, model: Any, **kwargs: Any):
+        super().__init__(model, **kwargs)
+        self.step_delay = float(os.environ.get(STEP_DELAY_ENV, "0") or 0)
+
+    def run(self, step: Any) -> Any:
+        if self.step_delay and step.kind == "decode":
+            time.sleep(self.step_delay)
+        return super().run(step)
+
+    def adopt(self, rid: str, params: Any, top_logprobs: int, cache: Any, length: int) -> None:
+        if not isinstance(cache, Adoption):
+            super().adopt(rid, params, top_logprobs, cache, length)
+            return
+        if len(cache.handoff.prompt) != length:
+            raise ValueError(f"the handoff of {rid} holds {len(cache.handoff.prompt)} tokens, its prompt has {length}")
+        row = RowSampler(params, top_logprobs)
+        skip_draws(row, cache.draws)
+        self.runners[0].prepare(rid, row, cache=import_cache(cache.handoff), length=length)
+
+
+@dataclass(eq=False)
+class Incoming:
+    """A handoff stream being received."""
+
+    decoder: HandoffDecoder | None
+    started: float = field(default_factory=time.monotonic)
+    meta: m.HandoffMeta | None = None
+    refused: bool = False
+
+
+class DecodeService(RoleService):
+    """A decode node: handoff streams in, tokens out to the router that dispatched each request."""
+
+    role = "decode"
+
+    def __init__(self, cfg: NodeConfig, model: Any, tokenizer: Any, *, identity: str, context_length: int,
+                 parallel: int, max_batch_size: int, max_queue: int, warmup: bool = True):
+        super().__init__(cfg, identity)
+        self.layout = probe_layout(model)
+        self.context_length = context_length
+        self.capacity = parallel + max_queue
+        self.executor = AdoptExecutor(model, max_batch_size=max_batch_size)
+        self.scheduler = Scheduler(self.executor, tokenizer, context_length=context_length, parallel=parallel,
+                                   max_queue=max_queue, warmup=warmup)
+        self.loop = LoopThread("mlxcel-decode-loop")
+        self.incoming: dict[tuple[PeerId, int], Incoming] = {}
+        self.running: dict[str, Any] = {}  # nonce -> (EventStream, the task relaying it)
+        self.cancelled: dict[str, float] = {}  # nonce -> when forgotten
+        self.counters = {"handoffs": 0, "handoff_bytes": 0, "refused": 0, "aborted": 0, "cancelled": 0, "finished": 0}
+
+    def start(self) -> None:
+        self.scheduler.start().wait_ready()
+        self.serve()
+
+    # -- handoff streams -------------------------------------------------------------------------
+
+    def on_stream(self, msg: Message) -> None:
+        if msg.kind is Kind.STREAM_DATA:
+            self._data((msg.peer, msg.id), msg)
+        elif msg.kind is Kind.STREAM_END:
+            self._end((msg.peer, msg.id), msg)
+        else:
+            super().on_stream(msg)
+
+    def _data(self, key: tuple[PeerId, int], msg: Message) -> None:
+        with self.lock:
+            inc = self.incoming.get(key)
+            if inc is None:
+                self._purge()
+                if self.layout.unsupported:
+                    inc = self.incoming[key] = Incoming(None, refused=True)
+                    log.warning("decode: refusing a handoff from %s: %s", msg.peer, self.layout.unsupported)
+                    return
+                inc = self.incoming[key] = Incoming(HandoffDecoder(self.layout, self.context_length))
+        if inc.refused or inc.decoder is None:
+            return
+        try:
+            inc.decoder.feed(msg.payload)
+        except HandoffError as exc:
+            if inc.meta is None:  # a header refused after its request document read: the router hears why
+                try:
+                    inc.meta = m.HandoffMeta.parse(inc.decoder.meta)
+                except m.MessageRefused:
+                    pass
+            self._refuse(inc, exc.code, f"decode node refused the KV handoff from {msg.peer}: {exc}")
+            return
+        if inc.meta is None:
+            self._header(inc, msg.peer)
+
+    def _header(self, inc: Incoming, peer: PeerId) -> None:
+        assert inc.decoder is not None
+        try:
+            inc.meta = m.HandoffMeta.parse(inc.decoder.meta)
+        except m.MessageRefused as exc:
+            self._refuse(inc, exc.code, f"decode node refused the KV handoff from {peer}: {exc}")
+            return
+        nonce = inc.meta.nonce
+        with self.lock:
+            busy = len(self.running) + sum(1 for i in self.incoming.values() if i.meta is not None and not i.refused)
+            cancelled = nonce in self.cancelled or nonce in self.running
+        if cancelled:
+            self._refuse(inc, ErrorCode.CANCELLED, "", quiet=True)
+        elif busy > self.capacity:
+            self._refuse(inc, ErrorCode.OVERLOADED, f"decode node is at capacity ({self.capacity} sequences); retry later")
+
+    def _end(self, key: tuple[PeerId, int], msg: Message) -> None:
+        with self.lock:
+            inc = self.incoming.pop(key, None)
+        if inc is None or inc.refused or inc.decoder is None:
+            return
+        if msg.status:
+            code, text = decode_error(msg.payload)
+            self.counters["aborted"] += 1
+            log.info("decode: the handoff from %s was aborted (%s: %s)", msg.peer, code.wire_name, text)
+            return
+        try:
+            handoff = inc.decoder.result()
+        except HandoffError as exc:
+            self._refuse(inc, exc.code, f"decode node refused the KV handoff from {msg.peer}: {exc}")
+            return
+        assert inc.meta is not None
+        self.counters["handoffs"] += 1
+        self.counters["handoff_bytes"] += handoff.nbytes
+        self.loop.submit(self._decode(inc.meta, handoff))
+
+    def _refuse(self, inc: Incoming, code: ErrorCode, message: str, *, quiet: bool = False) -> None:
+        inc.refused, inc.decoder = True, None  # its buffers go now; later parts of the stream are ignored
+        self.counters["refused"] += 1
+        if quiet:
+            return
+        log.warning("decode: %s", message)
+        if inc.meta is not None:
+            self.send(inc.meta.router, m.Error(inc.meta.nonce, code, message))
+
+    def _purge(self) -> None:
+        """Forget streams whose sender vanished without a STREAM_END, and old cancellations (under the lock)."""
+        now = time.monotonic()
+        stale = [k for k, i in self.incoming.items() if now - i.started > self.cfg.handoff_timeout_s * 2]
+        for k in stale:
+            del self.incoming[k]
+        for nonce in [n for n, until in self.cancelled.items() if until < now]:
+            del self.cancelled[nonce]
+
+    # -- decoding ------------------------------------------------------------------------------------
+
+    async def _decode(self, meta: m.HandoffMeta, handoff: Handoff) -> None:
+        request = EngineRequest(handoff.prompt, meta.params, meta.top_logprobs, meta.ignore_eos, request_id=meta.nonce)
+        first = Sampled(meta.first.token, meta.first.logprob, meta.first.top_logprobs)
+        with self.lock:
+            if meta.nonce in self.cancelled or meta.nonce in self.running:
+                return
+        try:
+            stream = self.scheduler.submit_prefilled(request, first, Adoption(handoff, meta.draws))
+        except EngineError as exc:
+            self.send(meta.router, m.Error(meta.nonce, exc.code, str(exc)))
+            return
+        with self.lock:
+            self.running[meta.nonce] = (stream, asyncio.current_task())
+        gone = lambda exc: self.loop.soon(self._stop, meta.nonce)  # noqa: E731 - the router is gone: stop
+        try:
+            async for ev in stream:
+                if isinstance(ev, TokenEvent):
+                    self.send(meta.router, m.Tokens(meta.nonce, (ev,)), gone)
+                else:
+                    self.counters["finished"] += 1
+                    self.send(meta.router, m.Finish(meta.nonce, ev), gone)
+        except asyncio.CancelledError:
+            pass  # cancelled: the scheduler freed the sequence and sends no finish
+        finally:
+            with self.lock:
+                self.running.pop(meta.nonce, None)
+
+    def _stop(self, nonce: str) -> None:
+        """On the loop: cancel a running sequence (its KV is freed) and the task relaying it."""
+        with self.lock:
+            entry = self.running.get(nonce)
+        if entry is not None:
+            stream, task = entry
+            stream.cancel()
+            task.cancel()
+
+    # -- control -------------------------------------------------------------------------------------
+
+    def on_control(self, peer: PeerId, kind: MsgType, doc: dict[str, Any]) -> None:
+        if kind is not MsgType.CANCEL:
+            raise m.MessageRefused(f"a decode node takes CANCEL and handoff streams, not {kind.name}",
+                                   ErrorCode.UNSUPPORTED)
+        nonce = m.nonce_of(doc)
+        with self.lock:
+            running = nonce in self.running
+            self.cancelled[nonce] = time.monotonic() + CANCEL_MEMORY_S
+            arriving = [i for i in self.incoming.values() if i.meta is not None and i.meta.nonce == nonce]
+        self.counters["cancelled"] += 1
+        for inc in arriving:
+            self._refuse(inc, ErrorCode.CANCELLED, "", quiet=True)
+        if running:
+            self.loop.soon(self._stop, nonce)
+
+    def state(self) -> dict[str, Any]:
+        c = self.scheduler.counters
+        with self.lock:
+            arriving = [i for i in self.incoming.values() if i.decoder is not None]
+        return {"ready": True, "sequences": len(self.running), "running": c.running, "waiting": c.waiting,
+                "kv_sequences": len(self.executor.runners[0]), "incoming": len(arriving),
+                "incoming_bytes": sum(i.decoder.received for i in arriving if i.decoder is not None),
+                "cache_supported": self.layout.unsupported is None, **self.counters}
+
+    def close(self) -> None:
+        super().close()
+        self.scheduler.close()
+        self.loop.close()

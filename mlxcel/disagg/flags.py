@@ -1,0 +1,173 @@
+"""The disaggregated roles' flags and TOML nodes -> one ``NodeConfig`` (docs/disaggregated.md §2).
+
+``--node-role prefill|decode|router|hybrid`` (default hybrid: today's single node), ``--serving-bind``
+(this node's role-transport listener and identity), ``--prefill-peers`` and ``--decode-peers``; or a
+``[[nodes]]`` entry of role prefill, decode or router in the cluster TOML (``--distributed-config``,
+``--node-id``), whose address is the serving bind and whose fellow nodes are the peers. Every
+non-hybrid role needs the cluster secret and refuses to start without one, naming every source.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from mlxcel.cluster.identity import PeerId
+from mlxcel.disagg.wire import (
+    DEFAULT_HANDOFF_TIMEOUT_S,
+    DEFAULT_PROBE_INTERVAL_S,
+    DISAGG_ROLES,
+)
+from mlxcel.errors import CLIError
+
+if TYPE_CHECKING:
+    from mlxcel.cluster.secret import ClusterSecret
+    from mlxcel.pipeline.runtime import Distributed
+
+_ROLE_FLAGS = ("serving_bind", "prefill_peers", "decode_peers", "handoff_timeout", "probe_interval")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """What a prefill, decode or router process needs to join its peers."""
+
+    role: str
+    serving_bind: PeerId
+    prefill_peers: tuple[PeerId, ...]
+    decode_peers: tuple[PeerId, ...]
+    secret: ClusterSecret
+    handoff_timeout_s: float = DEFAULT_HANDOFF_TIMEOUT_S
+    probe_interval_s: float = DEFAULT_PROBE_INTERVAL_S
+    node_id: str = ""
+
+
+def node_role(args: argparse.Namespace, dist: Distributed | None) -> str:
+    """The role this process plays: the TOML node's, else ``--node-role``, else hybrid."""
+    if dist is not None:
+        return dist.node.role
+    return getattr(args, "node_role", None) or "hybrid"
+
+
+def parse_address(text: str, flag: str) -> PeerId:
+    try:
+        peer = PeerId.parse(text.strip())
+    except ValueError:
+        raise CLIError(f"{flag}: {text.strip()!r} is not a numeric ip:port address") from None
+    if peer.port == 0:
+        raise CLIError(f"{flag}: {peer} needs a fixed port (peers dial it)")
+    return peer
+
+
+def parse_peers(text: str | None, flag: str) -> tuple[PeerId, ...]:
+    if text is None:
+        return ()
+    peers = [parse_address(item, flag) for item in text.split(",") if item.strip()]
+    if not peers:
+        raise CLIError(f"{flag} names no address")
+    if len(set(peers)) != len(peers):
+        raise CLIError(f"{flag} names an address twice")
+    for peer in peers:
+        if peer.ip.is_unspecified:
+            raise CLIError(f"{flag}: {peer} is not an address a node can be reached at")
+    return tuple(peers)
+
+
+def check_disagg_flags(args: argparse.Namespace, dist: Distributed | None) -> str:
+    """Flag combinations of the roles (before anything loads); returns the role."""
+    explicit = getattr(args, "node_role", None)
+    given = [_flag(f) for f in _ROLE_FLAGS if getattr(args, f, None) is not None]
+    if dist is not None:
+        if explicit not in (None, dist.node.role):
+            raise CLIError(f"--node-role {explicit} contradicts node {dist.node.id!r}, whose role in "
+                           f"{dist.cluster.path} is {dist.node.role!r}")
+        if dist.node.role in DISAGG_ROLES and any(f in given for f in ("--serving-bind", "--prefill-peers", "--decode-peers")):
+            raise CLIError("--serving-bind, --prefill-peers and --decode-peers come from the cluster TOML when "
+                           "--distributed-config is given")
+    role = node_role(args, dist)
+    if role not in DISAGG_ROLES:
+        if given:
+            raise CLIError(f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} --node-role prefill, decode "
+                           "or router")
+        return role
+    if getattr(args, "pp_auto", None) is not None or getattr(args, "pp_peer", False):
+        raise CLIError(f"--node-role {role} cannot be combined with --pp-auto or --pp-peer")
+    if dist is None:
+        _check_cli_role(args, role)
+    return role
+
+
+def _check_cli_role(args: argparse.Namespace, role: str) -> None:
+    if getattr(args, "serving_bind", None) is None:
+        raise CLIError(f"--node-role {role} needs --serving-bind IP:PORT (its cluster listener, the address peers "
+                       "see it connect from)")
+    parse_address(args.serving_bind, "--serving-bind")
+    prefill = parse_peers(getattr(args, "prefill_peers", None), "--prefill-peers")
+    decode = parse_peers(getattr(args, "decode_peers", None), "--decode-peers")
+    if role == "router" and (not prefill or not decode):
+        raise CLIError("--node-role router needs --prefill-peers and --decode-peers (the nodes it balances)")
+    if role != "router" and prefill:
+        raise CLIError(f"--prefill-peers is a router flag; a {role} node does not use it")
+    if role == "decode" and decode:
+        raise CLIError("--decode-peers is for routers and prefill nodes; a decode node does not use it")
+    if role != "router" and getattr(args, "probe_interval", None) is not None:
+        raise CLIError("--probe-interval is a router flag")
+
+
+def node_config(args: argparse.Namespace, dist: Distributed | None) -> NodeConfig:
+    """This node's configuration, with the cluster secret (fail closed: ``SecretError`` names every source)."""
+    from mlxcel.cluster.secret import load_secret
+
+    role = check_disagg_flags(args, dist)
+    if role not in DISAGG_ROLES:
+        raise CLIError(f"{role} is not a disaggregated role")
+    timeout = getattr(args, "handoff_timeout", None) or DEFAULT_HANDOFF_TIMEOUT_S
+    probe = getattr(args, "probe_interval", None)
+    if dist is not None:
+        cluster = dist.cluster
+        secret = dist.secret or load_secret(getattr(args, "cluster_secret_file", None),
+                                            toml_secret_file=cluster.secret_file, required=True)
+        assert secret is not None
+        peers = {r: tuple(n.address for n in cluster.with_role(r)) for r in ("prefill", "decode")}
+        return NodeConfig(role, dist.node.address, peers["prefill"] if role == "router" else (),
+                          peers["decode"] if role != "decode" else (), secret, timeout,
+                          probe or cluster.timeouts.heartbeat_s, dist.node.id)
+    secret = load_secret(getattr(args, "cluster_secret_file", None), required=True)
+    assert secret is not None
+    bind = parse_address(args.serving_bind, "--serving-bind")
+    return NodeConfig(role, bind, parse_peers(getattr(args, "prefill_peers", None), "--prefill-peers"),
+                      parse_peers(getattr(args, "decode_peers", None), "--decode-peers"), secret, timeout,
+                      probe or DEFAULT_PROBE_INTERVAL_S, f"{role}@{bind}")
+
+
+def preflight_disagg(args: argparse.Namespace, dist: Distributed | None) -> None:
+    """Before any socket is bound: flag combinations, and the secret of a prefill, decode or router (fail closed)."""
+    if node_role(args, dist) in DISAGG_ROLES or any(getattr(args, f, None) is not None for f in _ROLE_FLAGS):
+        node_config(args, dist)
+
+
+def add_disagg_arguments(group: Any) -> None:
+    """The flags, on the argument group ``mlxcel/server/launch.py`` gives them."""
+    from mlxcel.config import seconds
+
+    group.add_argument("--node-role", choices=("prefill", "decode", "router", "hybrid"), default=None,
+                       help="this process's role (default hybrid: one node does everything); prefill, decode and "
+                            "router need the cluster secret")
+    group.add_argument("--serving-bind", default=None, metavar="IP:PORT",
+                       help="prefill/decode/router: the role transport's listener; its IP must be the one peers "
+                            "see this node connect from")
+    group.add_argument("--prefill-peers", default=None, metavar="A:P,...",
+                       help="router: the prefill nodes' --serving-bind addresses")
+    group.add_argument("--decode-peers", default=None, metavar="A:P,...",
+                       help="router: the decode nodes' --serving-bind addresses; prefill: the fallback handoff "
+                            "target (its first entry) when a request names none")
+    group.add_argument("--handoff-timeout", type=seconds, default=None, metavar="S",
+                       help=f"router: a request fails when no result arrives this long after dispatch or between "
+                            f"two results (default {DEFAULT_HANDOFF_TIMEOUT_S:g})")
+    group.add_argument("--probe-interval", type=seconds, default=None, metavar="S",
+                       help=f"router: liveness probe period of every node (default {DEFAULT_PROBE_INTERVAL_S:g}, "
+                            "or the TOML's heartbeat_s)")

@@ -1,0 +1,316 @@
+"""Control messages of the disaggregated roles, sans-I/O: a type byte and a JSON object (docs/disaggregated.md §3).
+
+Every field is checked by type and bound on receipt (a boolean is never a number); a message that
+fails is a ``MessageRefused`` naming the field, answered or dropped by the service, never executed.
+The KV tensors themselves never travel here: they are the handoff stream's raw chunks (``kv_codec``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlxcel.cluster.identity import PeerId
+from mlxcel.config import MAX_TOP_LOGPROBS
+from mlxcel.disagg.wire import MAX_CONTROL_LEN, MAX_EVENTS_PER_MESSAGE, NONCE_HEX_LEN, MsgType
+from mlxcel.engine.interface import EngineRequest, FinishEvent, TokenEvent
+from mlxcel.engine.sampling import SamplingError, SamplingParams
+from mlxcel.error_codes import CodedError, ErrorCode
+
+MAX_TOKEN_ID = 2**32 - 1
+MAX_TEXT = 64 * 1024  # characters of one event's text or an error message
+
+
+class MessageRefused(CodedError):
+    """A control message breaks the format or a bound; the text names the field."""
+
+    def __init__(self, message: str, code: ErrorCode = ErrorCode.BAD_REQUEST):
+        super().__init__(message, code)
+
+
+def encode(kind: MsgType, doc: dict[str, Any]) -> bytes:
+    return bytes([kind]) + json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+
+
+def decode(payload: Any) -> tuple[MsgType, dict[str, Any]]:
+    """(type, document) of a control message; ``MessageRefused`` for anything else."""
+    view = memoryview(payload).cast("B")
+    if not len(view):
+        raise MessageRefused("an empty control message")
+    if len(view) > MAX_CONTROL_LEN:
+        raise MessageRefused(f"a control message of {len(view)} bytes (at most {MAX_CONTROL_LEN})")
+    try:
+        kind = MsgType(view[0])
+    except ValueError:
+        raise MessageRefused(f"unknown message type 0x{view[0]:02x}") from None
+    try:
+        doc = json.loads(bytes(view[1:]).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        raise MessageRefused(f"{kind.name}: the body is not JSON") from None
+    if not isinstance(doc, dict):
+        raise MessageRefused(f"{kind.name}: the body is not a JSON object")
+    return kind, doc
+
+
+# -- field checks ------------------------------------------------------------------------------------
+
+
+def _int(doc: dict, key: str, lo: int, hi: int, *, default: Any = ...) -> int:
+    value = doc.get(key, default)
+    if value is ... or isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise MessageRefused(f"{key} must be an integer in {lo}..{hi}, got {value if value is not ... else 'nothing'!r}")
+    return value
+
+
+def _num(value: Any, key: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise MessageRefused(f"{key} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _str(doc: dict, key: str, limit: int = MAX_TEXT, *, optional: bool = False) -> str | None:
+    value = doc.get(key)
+    if value is None and optional:
+        return None
+    if not isinstance(value, str) or len(value) > limit:
+        raise MessageRefused(f"{key} must be a string of at most {limit} characters")
+    return value
+
+
+def _bool(doc: dict, key: str, default: bool = False) -> bool:
+    value = doc.get(key, default)
+    if not isinstance(value, bool):
+        raise MessageRefused(f"{key} must be true or false, got {value!r}")
+    return value
+
+
+def nonce_of(doc: dict) -> str:
+    value = doc.get("nonce")
+    if not isinstance(value, str) or len(value) != NONCE_HEX_LEN or any(c not in "0123456789abcdef" for c in value):
+        raise MessageRefused(f"nonce must be {NONCE_HEX_LEN} lower-case hex digits")
+    return value
+
+
+def tokens_of(value: Any, key: str, limit: int) -> tuple[int, ...]:
+    if not isinstance(value, list) or not 1 <= len(value) <= limit:
+        raise MessageRefused(f"{key} must be a list of 1..{limit} token ids")
+    for t in value:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= MAX_TOKEN_ID:
+            raise MessageRefused(f"{key} holds {t!r}, not a token id")
+    return tuple(value)
+
+
+def params_doc(p: SamplingParams) -> dict[str, Any]:
+    return {"max_tokens": p.max_tokens, "temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k,
+            "seed": p.seed, "stop": list(p.stop), "logprobs": p.logprobs}
+
+
+def params_of(value: Any) -> SamplingParams:
+    """SamplingParams from their document, with the same bounds as the HTTP API."""
+    if not isinstance(value, dict):
+        raise MessageRefused("params must be an object")
+    unknown = set(value) - {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "logprobs"}
+    if unknown:
+        raise MessageRefused(f"params: unknown field(s) {', '.join(sorted(unknown))}")
+    stop = value.get("stop", [])
+    if not isinstance(stop, list) or any(not isinstance(s, str) or len(s) > MAX_TEXT for s in stop):
+        raise MessageRefused("params.stop must be a list of strings")
+    seed = value.get("seed")
+    if seed is not None:
+        seed = _int(value, "seed", -(2**63), 2**63 - 1)
+    try:
+        return SamplingParams(max_tokens=_int(value, "max_tokens", 1, 2**31), temperature=_num(value.get("temperature", 0.0), "temperature"),
+                              top_p=_num(value.get("top_p", 1.0), "top_p"), top_k=_int(value, "top_k", 0, 2**31, default=0),
+                              seed=seed, stop=tuple(stop), logprobs=_bool(value, "logprobs"))
+    except SamplingError as exc:
+        raise MessageRefused(f"params.{exc.param}: {exc}") from None
+
+
+# -- messages ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Generate:
+    """Router -> prefill: run this prompt, sample its first token, hand the KV to ``decode_target``."""
+
+    nonce: str
+    prompt: tuple[int, ...]
+    params: SamplingParams
+    top_logprobs: int = 0
+    ignore_eos: bool = False
+    decode_target: PeerId | None = None
+
+    def encode(self) -> bytes:
+        doc: dict[str, Any] = {"nonce": self.nonce, "prompt": list(self.prompt), "params": params_doc(self.params),
+                               "top_logprobs": self.top_logprobs, "ignore_eos": self.ignore_eos}
+        if self.decode_target is not None:
+            doc["decode_target"] = str(self.decode_target)
+        return encode(MsgType.GENERATE, doc)
+
+    @classmethod
+    def parse(cls, doc: dict, max_prompt: int) -> "Generate":
+        target = doc.get("decode_target")
+        if target is not None:
+            try:
+                target = PeerId.parse(target)
+            except ValueError:
+                raise MessageRefused(f"decode_target must be a numeric ip:port, got {target!r}") from None
+        return cls(nonce_of(doc), tokens_of(doc.get("prompt"), "prompt", max_prompt), params_of(doc.get("params")),
+                   _int(doc, "top_logprobs", 0, MAX_TOP_LOGPROBS, default=0), _bool(doc, "ignore_eos"), target)
+
+    def request(self) -> EngineRequest:
+        return EngineRequest(self.prompt, self.params, self.top_logprobs, self.ignore_eos, request_id=self.nonce)
+
+
+def event_doc(ev: TokenEvent) -> list:
+    return [ev.token, ev.text, ev.logprob, [list(p) for p in ev.top_logprobs]]
+
+
+def event_of(item: Any) -> TokenEvent:
+    if not isinstance(item, list) or len(item) != 4:
+        raise MessageRefused("an event must be [token, text, logprob, top_logprobs]")
+    token, text, logprob, top = item
+    if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token <= MAX_TOKEN_ID:
+        raise MessageRefused(f"event token {token!r} is not a token id")
+    if not isinstance(text, str) or len(text) > MAX_TEXT:
+        raise MessageRefused("event text must be a string")
+    lp = None if logprob is None else _num(logprob, "logprob")
+    if not isinstance(top, list) or len(top) > MAX_TOP_LOGPROBS:
+        raise MessageRefused(f"top_logprobs must be a list of at most {MAX_TOP_LOGPROBS} pairs")
+    pairs = []
+    for pair in top:
+        if not isinstance(pair, list) or len(pair) != 2 or isinstance(pair[0], bool) or not isinstance(pair[0], int):
+            raise MessageRefused("a top_logprobs entry must be [token, logprob]")
+        pairs.append((pair[0], _num(pair[1], "top_logprobs")))
+    return TokenEvent(token, text, lp, tuple(pairs))
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """Decode -> router: the next events of a request, in order."""
+
+    nonce: str
+    events: tuple[TokenEvent, ...]
+
+    def encode(self) -> bytes:
+        return encode(MsgType.TOKENS, {"nonce": self.nonce, "events": [event_doc(e) for e in self.events]})
+
+    @classmethod
+    def parse(cls, doc: dict) -> "Tokens":
+        events = doc.get("events")
+        if not isinstance(events, list) or not 1 <= len(events) <= MAX_EVENTS_PER_MESSAGE:
+            raise MessageRefused(f"events must be a list of 1..{MAX_EVENTS_PER_MESSAGE} events")
+        return cls(nonce_of(doc), tuple(event_of(e) for e in events))
+
+
+FINISH_REASONS = ("stop", "length", "error")
+
+
+@dataclass(frozen=True)
+class Finish:
+    """Decode -> router: the request ended (as the decode node's scheduler ended it)."""
+
+    nonce: str
+    event: FinishEvent
+
+    def encode(self) -> bytes:
+        e = self.event
+        return encode(MsgType.FINISH, {"nonce": self.nonce, "reason": e.finish_reason, "text": e.text,
+                                       "prompt_tokens": e.prompt_tokens, "completion_tokens": e.completion_tokens,
+                                       "error": e.error, "code": int(e.code) if e.code is not None else None})
+
+    @classmethod
+    def parse(cls, doc: dict) -> "Finish":
+        reason = doc.get("reason")
+        if reason not in FINISH_REASONS:
+            raise MessageRefused(f"reason must be one of {', '.join(FINISH_REASONS)}, got {reason!r}")
+        error = _str(doc, "error", optional=True)
+        code = doc.get("code")
+        parsed = None if code is None else ErrorCode.from_wire(code)
+        return cls(nonce_of(doc), FinishEvent(reason, _str(doc, "text") or "", _int(doc, "prompt_tokens", 0, 2**31),
+                                              _int(doc, "completion_tokens", 0, 2**31), error, parsed))
+
+
+@dataclass(frozen=True)
+class Error:
+    """Prefill or decode -> router: the request failed there (``node`` names the failing hop's address
+    when it is another one, e.g. an unreachable decode target)."""
+
+    nonce: str
+    code: ErrorCode
+    message: str
+    node: str | None = None
+
+    def encode(self) -> bytes:
+        doc = {"nonce": self.nonce, "code": int(self.code), "message": self.message[:MAX_TEXT]}
+        if self.node is not None:
+            doc["node"] = self.node
+        return encode(MsgType.ERROR, doc)
+
+    @classmethod
+    def parse(cls, doc: dict) -> "Error":
+        return cls(nonce_of(doc), ErrorCode.from_wire(doc.get("code")), _str(doc, "message") or "",
+                   _str(doc, "node", 64, optional=True))
+
+
+@dataclass(frozen=True)
+class HandedOff:
+    """Prefill -> router: the KV left for the decode node: its size and how long the stream took."""
+
+    nonce: str
+    nbytes: int
+    seconds: float
+    decode: str = ""
+    prefill_seconds: float = 0.0
+
+    def encode(self) -> bytes:
+        return encode(MsgType.HANDED_OFF, {"nonce": self.nonce, "bytes": self.nbytes, "seconds": self.seconds,
+                                           "decode": self.decode, "prefill_seconds": self.prefill_seconds})
+
+    @classmethod
+    def parse(cls, doc: dict) -> "HandedOff":
+        return cls(nonce_of(doc), _int(doc, "bytes", 0, 2**62), _num(doc.get("seconds"), "seconds"),
+                   _str(doc, "decode", 64) or "", _num(doc.get("prefill_seconds", 0.0), "prefill_seconds"))
+
+
+def cancel(nonce: str) -> bytes:
+    return encode(MsgType.CANCEL, {"nonce": nonce})
+
+
+@dataclass
+class HandoffMeta:
+    """The request document inside a KV handoff header (prefill -> decode)."""
+
+    nonce: str
+    router: PeerId
+    params: SamplingParams
+    first: TokenEvent
+    top_logprobs: int = 0
+    ignore_eos: bool = False
+    draws: int = 0  # random draws the prefill's sampler made (the decode sampler skips them)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def doc(self) -> dict[str, Any]:
+        return {"nonce": self.nonce, "router": str(self.router), "params": params_doc(self.params),
+                "first": event_doc(self.first), "top_logprobs": self.top_logprobs, "ignore_eos": self.ignore_eos,
+                "draws": self.draws, **self.extra}
+
+    @classmethod
+    def parse(cls, doc: dict) -> "HandoffMeta":
+        try:
+            router = PeerId.parse(doc.get("router"))  # type: ignore[arg-type]
+        except ValueError:
+            raise MessageRefused("router must be a numeric ip:port") from None
+        return cls(nonce_of(doc), router, params_of(doc.get("params")), event_of(doc.get("first")),
+                   _int(doc, "top_logprobs", 0, MAX_TOP_LOGPROBS, default=0), _bool(doc, "ignore_eos"),
+                   _int(doc, "draws", 0, 1))
+
+
+def state_doc(**fields: Any) -> bytes:
+    return encode(MsgType.STATE, fields)
+
+
+__all__ = ["Error", "Finish", "Generate", "HandedOff", "HandoffMeta", "MessageRefused", "Tokens", "cancel", "decode",
+           "encode", "state_doc"]

@@ -1,0 +1,281 @@
+"""The prefill service: run a prompt, sample its first token, hand the KV cache to a decode node.
+
+A GENERATE from a router (any authenticated member) goes through these checks before any prefill
+work, each failure answered to the router with an ERROR: the model's cache can be handed off (else
+UNSUPPORTED), the decode target (``decode_target``, else the first ``--decode-peers``) is in
+``MLXCEL_DECODE_ALLOWLIST`` (else UNAUTHORIZED, and no connection is made), and it can be dialled
+(else UNREACHABLE). Then the prompt runs on this node's scheduler as a one-token request; the
+executor exports the sequence's KV when the scheduler releases it, and a worker streams header,
+chunks and end record to the decode node (``kv_codec``), then tells the router HANDED_OFF with the
+bytes and the seconds the stream took. A CANCEL frees the sequence wherever it is, and aborts a
+stream in progress so the decode node frees what it buffered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from typing import Any, Sequence
+
+from mlxcel.cluster.errors import ClusterError
+from mlxcel.cluster.identity import PeerId
+from mlxcel.disagg import messages as m
+from mlxcel.disagg.allowlist import Allowlist
+from mlxcel.disagg.flags import NodeConfig
+from mlxcel.disagg.kv_cache import export_cache, probe_layout
+from mlxcel.disagg.kv_codec import KVLayout, encode_chunks, encode_header
+from mlxcel.disagg.loop import LoopThread
+from mlxcel.disagg.service import RoleService
+from mlxcel.disagg.wire import MsgType
+from mlxcel.engine.executor import LocalExecutor
+from mlxcel.engine.interface import EngineError, EngineRequest, FinishEvent, TokenEvent
+from mlxcel.engine.scheduler import Scheduler
+from mlxcel.error_codes import ErrorCode
+
+log = logging.getLogger("mlxcel.disagg.prefill")
+
+
+class CaptureExecutor(LocalExecutor):
+    """A ``LocalExecutor`` that exports the KV of the sequences it was told to expect when it releases them."""
+
+    def __init__(self, model: Any, layout: KVLayout, **kwargs: Any):
+        super().__init__(model, **kwargs)
+        self.layout = layout
+        self._captured: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    def expect(self, rid: str) -> None:
+        with self._lock:
+            self._captured[rid] = None
+
+    def take(self, rid: str) -> Any:
+        """(tensors, length), an exception if the export failed, or None (cancelled: nothing kept)."""
+        with self._lock:
+            return self._captured.pop(rid, None)
+
+    def release(self, rid: str, tokens: Sequence[int] | None = None) -> None:
+        with self._lock:
+            wanted = rid in self._captured
+        if wanted and tokens is not None:
+            taken = self.runners[0].take_cache(rid)
+            try:
+                got: Any = (export_cache(taken[0], self.layout, taken[1]), taken[1]) if taken else None
+            except Exception as exc:  # noqa: BLE001 - the job reports it
+                got = exc
+            with self._lock:
+                if rid in self._captured:
+                    self._captured[rid] = got
+        super().release(rid, tokens)
+
+
+@dataclass(eq=False)
+class Job:
+    """One GENERATE on this node."""
+
+    gen: m.Generate
+    router: PeerId
+    target: PeerId
+    params: Any  # the request's sampling parameters, seed resolved
+    stream: Any = None
+    task: Any = None  # the asyncio task running it
+    cancelled: bool = False
+    started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def nonce(self) -> str:
+        return self.gen.nonce
+
+    def prefill_request(self) -> EngineRequest:
+        """The request this node runs: the prompt and one token, no stop strings, EOS kept."""
+        return EngineRequest(self.gen.prompt, replace(self.params, max_tokens=1, stop=()),
+                             self.gen.top_logprobs, ignore_eos=True, request_id=self.nonce)
+
+
+class PrefillService(RoleService):
+    """A prefill node: GENERATE in, a KV handoff out to the decode node, HANDED_OFF or ERROR to the router."""
+
+    role = "prefill"
+
+    def __init__(self, cfg: NodeConfig, model: Any, tokenizer: Any, *, identity: str, context_length: int,
+                 parallel: int, max_batch_size: int, max_queue: int, warmup: bool = True, prefix_cache_bytes: int = 0,
+                 allowlist: Allowlist | None = None):
+        super().__init__(cfg, identity)
+        self.layout = probe_layout(model)
+        self.allowlist = allowlist if allowlist is not None else Allowlist.from_env()
+        self.context_length = context_length
+        self.executor = CaptureExecutor(model, self.layout, max_batch_size=max_batch_size,
+                                        prefix_cache_bytes=prefix_cache_bytes)
+        self.scheduler = Scheduler(self.executor, tokenizer, context_length=context_length, parallel=parallel,
+                                   max_queue=max_queue, warmup=warmup)
+        self.loop = LoopThread("mlxcel-prefill-loop")
+        self.workers = ThreadPoolExecutor(max_workers=parallel + 1, thread_name_prefix="mlxcel-handoff")
+        self.jobs: dict[str, Job] = {}
+        self.counters = {"requests": 0, "handoffs": 0, "handoff_bytes": 0, "handoff_seconds": 0.0,
+                         "refused": 0, "failed": 0, "cancelled": 0}
+        if self.layout.unsupported:
+            log.warning("prefill: %s; every request will be refused", self.layout.unsupported)
+
+    def start(self) -> None:
+        self.scheduler.start().wait_ready()
+        self.serve()
+
+    # -- messages -------------------------------------------------------------------------------
+
+    def on_control(self, peer: PeerId, kind: MsgType, doc: dict[str, Any]) -> None:
+        if kind is MsgType.GENERATE:
+            self._generate(peer, m.Generate.parse(doc, self.context_length))
+        elif kind is MsgType.CANCEL:
+            self._cancel(m.nonce_of(doc))
+        else:
+            raise m.MessageRefused(f"a prefill node takes GENERATE and CANCEL, not {kind.name}", ErrorCode.UNSUPPORTED)
+
+    def _refuse(self, router: PeerId, nonce: str, code: ErrorCode, message: str, node: str | None = None) -> None:
+        self.counters["refused" if code.error_class.value != "unavailable" else "failed"] += 1
+        log.info("prefill: request %s: %s", nonce, message)
+        self.send(router, m.Error(nonce, code, message, node))
+
+    def _generate(self, router: PeerId, gen: m.Generate) -> None:
+        self.counters["requests"] += 1
+        if self.layout.unsupported:
+            self._refuse(router, gen.nonce, ErrorCode.UNSUPPORTED, self.layout.unsupported)
+            return
+        target = gen.decode_target or (self.cfg.decode_peers[0] if self.cfg.decode_peers else None)
+        if target is None:
+            self._refuse(router, gen.nonce, ErrorCode.BAD_REQUEST,
+                         "the request names no decode_target and this prefill node has no --decode-peers")
+            return
+        if gen.decode_target is not None and not self.allowlist.allows(target):
+            self._refuse(router, gen.nonce, ErrorCode.UNAUTHORIZED,
+                         f"decode_target {target} is not in MLXCEL_DECODE_ALLOWLIST; the KV cache stays here",
+                         str(target))
+            return
+        params = gen.params
+        if not params.greedy and params.seed is None:  # the decode node continues the same random stream
+            params = replace(params, seed=int.from_bytes(os.urandom(8), "little") >> 1)
+        job = Job(gen, router, target, params)
+        log.debug("prefill: request %s from %s: %d prompt tokens, KV to %s", gen.nonce, router, len(gen.prompt), target)
+        with self.lock:
+            if gen.nonce in self.jobs:
+                raise m.MessageRefused(f"request {gen.nonce} is already running here", ErrorCode.CONFLICT)
+            self.jobs[gen.nonce] = job
+        self.loop.submit(self._run(job))
+
+    def _cancel(self, nonce: str) -> None:
+        with self.lock:
+            job = self.jobs.get(nonce)
+        if job is None or job.cancelled:
+            return
+        job.cancelled = True
+        self.counters["cancelled"] += 1
+        self.loop.soon(self._stop, job)
+
+    @staticmethod
+    def _stop(job: Job) -> None:
+        """On the loop: cancel the prefill (its KV is freed) and stop waiting for it."""
+        if job.stream is not None:
+            job.stream.cancel()
+        if job.task is not None:
+            job.task.cancel()  # a handoff in progress sees job.cancelled and aborts its stream
+
+    # -- one request -----------------------------------------------------------------------------
+
+    async def _run(self, job: Job) -> None:
+        loop = asyncio.get_running_loop()
+        job.task = asyncio.current_task()
+        try:
+            try:  # dial first: an unreachable decode node costs no prefill work
+                await loop.run_in_executor(self.workers, self.transport.connection, job.target)
+            except ClusterError as exc:
+                self._refuse(job.router, job.nonce, ErrorCode.UNREACHABLE,
+                             f"decode node {job.target} is unreachable: {exc}", str(job.target))
+                return
+            if job.cancelled:
+                return
+            first, finish = await self._prefill(job)
+            if finish is None or job.cancelled:
+                return
+            if finish.error is not None or first is None:
+                self._refuse(job.router, job.nonce, finish.code or ErrorCode.INTERNAL, finish.error or "no first token")
+                return
+            captured = self.executor.take(job.nonce)
+            if isinstance(captured, BaseException) or captured is None:
+                self._refuse(job.router, job.nonce, ErrorCode.INTERNAL, f"cannot export the KV cache: {captured}")
+                return
+            await loop.run_in_executor(self.workers, self._hand_off, job, first, captured)
+        except asyncio.CancelledError:
+            pass  # cancelled while prefilling: the scheduler freed the sequence
+        except Exception:  # noqa: BLE001 - one request fails, the node goes on
+            log.exception("prefill: request %s failed", job.nonce)
+            self._refuse(job.router, job.nonce, ErrorCode.INTERNAL, "the prefill node failed; see its log")
+        finally:
+            with self.lock:
+                self.jobs.pop(job.nonce, None)
+            self.executor.take(job.nonce)
+
+    async def _prefill(self, job: Job) -> tuple[TokenEvent | None, FinishEvent | None]:
+        self.executor.expect(job.nonce)
+        try:
+            job.stream = self.scheduler.submit(job.prefill_request())
+        except EngineError as exc:
+            self._refuse(job.router, job.nonce, exc.code, str(exc))
+            return None, None
+        if job.cancelled:
+            job.stream.cancel()
+            return None, None
+        first = finish = None
+        async for ev in job.stream:
+            if isinstance(ev, TokenEvent):
+                first = ev
+            else:
+                finish = ev
+        return first, finish
+
+    def _hand_off(self, job: Job, first: TokenEvent, captured: tuple[list, int]) -> None:
+        """Stream header, chunks and end record to the decode node (a worker thread)."""
+        tensors, length = captured
+        meta = m.HandoffMeta(job.nonce, job.router, job.params, first, job.gen.top_logprobs, job.gen.ignore_eos,
+                             draws=0 if job.params.greedy else 1)
+        prefill_s = time.perf_counter() - job.started
+        start = time.perf_counter()
+        sent = 0
+        try:
+            writer = self.transport.open_stream(job.target)
+            header = encode_header(meta.doc(), job.gen.prompt, self.layout)
+            writer.write(header)
+            sent += len(header)
+            for part in encode_chunks(tensors):
+                if job.cancelled:
+                    writer.abort(ErrorCode.CANCELLED, "the request was cancelled")
+                    return
+                writer.write(part)
+                sent += len(part)
+            writer.close()
+        except ClusterError as exc:
+            self._refuse(job.router, job.nonce, ErrorCode.UNREACHABLE,
+                         f"handing the KV cache to decode node {job.target} failed: {exc}", str(job.target))
+            return
+        seconds = time.perf_counter() - start
+        self.counters["handoffs"] += 1
+        self.counters["handoff_bytes"] += sent
+        self.counters["handoff_seconds"] += seconds
+        log.debug("prefill: %s handed %d bytes (%d tokens) to %s in %.4fs", job.nonce, sent, length, job.target, seconds)
+        self.send(job.router, m.HandedOff(job.nonce, sent, seconds, str(job.target), prefill_s))
+
+    # -- state ------------------------------------------------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        c = self.scheduler.counters
+        return {"ready": True, "jobs": len(self.jobs), "sequences": c.running + c.waiting,
+                "kv_sequences": len(self.executor.runners[0]),
+                "cache_supported": self.layout.unsupported is None, **self.counters}
+
+    def close(self) -> None:
+        super().close()
+        self.scheduler.close()
+        self.workers.shutdown(wait=False, cancel_futures=True)
+        self.loop.close()

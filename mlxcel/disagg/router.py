@@ -1,0 +1,419 @@
+"""The router: the OpenAI API's engine over prefill and decode nodes (docs/disaggregated.md §5-6).
+
+Per request it picks a prefill and a decode node round-robin among the nodes the health monitor
+(``PeerMonitor``: STATE probes every ``--probe-interval``, plus send errors) marks up, opens an
+exchange (``ExchangeTable``: nonce, absolute deadline, the two nodes allowed to answer) and sends
+GENERATE with ``decode_target`` to the prefill node. Results come back as one-way messages to this
+node's listener; the demux delivers one only when its handshake-bound sender is a configured peer
+(else the rate-limited router-drop warning) and the node the exchange was assigned to.
+
+Failures: no node up -> ``EngineUnavailable`` at submit (HTTP 503 + Retry-After, never 429). A node
+that goes down, refuses, or does not answer within ``--handoff-timeout`` fails the attempt: a request
+that has not emitted a token yet is dispatched again to other nodes (at most ``MAX_DISPATCH_ATTEMPTS``
+attempts; a down node is not picked again until a probe sees it back), one that has emitted tokens
+ends with a retryable error. A cancelled request (client gone) sends CANCEL to both of its nodes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlxcel.cluster.exchanges import Exchange, ExchangeTable
+from mlxcel.cluster.health import Answered, PeerMonitor
+from mlxcel.cluster.identity import PeerId
+from mlxcel.cluster.messages import Message
+from mlxcel.cluster.ratelimit import WarnClass
+from mlxcel.cluster.wire import Kind
+from mlxcel.disagg import messages as m
+from mlxcel.disagg.flags import NodeConfig
+from mlxcel.disagg.service import role_transport
+from mlxcel.disagg.wire import MAX_DISPATCH_ATTEMPTS, PROBE_TIMEOUT_S, MsgType
+from mlxcel.engine.interface import EngineRequest, EngineUnavailable, EventStream, FinishEvent
+from mlxcel.error_codes import CodedError, ErrorClass, ErrorCode, code_of
+from mlxcel.pipeline.outbox import Outbox
+
+log = logging.getLogger("mlxcel.disagg.router")
+
+STARTUP_PROBE_WAIT_S = 3.0  # start() waits this long at most for every node's first probe answer
+
+
+@dataclass(eq=False)
+class NodeInfo:
+    """One configured node: its router-assigned id, role and counters."""
+
+    id: str
+    role: str
+    address: PeerId
+    dispatched: int = 0
+    failures: int = 0
+    completed: int = 0
+    down_reason: str = ""
+
+
+@dataclass(eq=False)
+class Routed:
+    """One client request and its current attempt."""
+
+    request: EngineRequest
+    stream: Any  # EventStream
+    attempts: int = 0
+    emitted: int = 0
+    prefill: PeerId | None = None
+    decode: PeerId | None = None
+    exchange: Exchange | None = None
+    handed_off: bool = False
+    done: bool = False
+    started: float = field(default_factory=time.perf_counter)
+
+
+class RouterEngine:
+    """The ``Engine`` of a router process (``mlxcel.engine.interface``)."""
+
+    def __init__(self, cfg: NodeConfig, tokenizer: Any, *, context_length: int, identity: str):
+        self.cfg = cfg
+        self._tokenizer = tokenizer
+        self._context_length = context_length
+        self.identity = identity
+        self.transport = role_transport(cfg)
+        self.nodes: dict[PeerId, NodeInfo] = {}
+        for role, peers in (("prefill", cfg.prefill_peers), ("decode", cfg.decode_peers)):
+            for i, peer in enumerate(peers):
+                if peer in self.nodes:
+                    raise ValueError(f"{peer} is listed as both a prefill and a decode node")
+                self.nodes[peer] = NodeInfo(f"{role}-{i}", role, peer)
+        self._peers = {"prefill": list(cfg.prefill_peers), "decode": list(cfg.decode_peers)}
+        self._rr = {"prefill": 0, "decode": 0}
+        self._lock = threading.RLock()
+        self._probed: set[PeerId] = set()
+        self._probed_all = threading.Event()
+        self.monitor = PeerMonitor(list(self.nodes), interval_s=cfg.probe_interval_s, probe=self._probe,
+                                   check=self._check, on_up=self._on_up, on_down=self._on_down,
+                                   on_restart=self._on_restart)
+        self.exchanges = ExchangeTable(self._expired, on_tick=self.monitor.beat, name="mlxcel-router-timer")
+        self.outbox = Outbox(self.transport)
+        self._probes = ThreadPoolExecutor(max_workers=max(1, len(self.nodes)), thread_name_prefix="mlxcel-router-probe")
+        self._by_rid: dict[str, Routed] = {}
+        self.counters: dict[str, float] = {
+            "requests": 0, "completed": 0, "failed": 0, "cancelled": 0, "failovers": 0, "unavailable": 0,
+            "dropped_frames": 0, "handoffs": 0, "handoff_bytes": 0, "handoff_seconds": 0.0,
+            "handoff_bytes_last": 0, "handoff_seconds_last": 0.0, "handoff_seconds_max": 0.0, "prefill_seconds": 0.0}
+
+    # -- lifecycle ------------------------------------------------------------------------------------
+
+    def start(self) -> "RouterEngine":
+        self.transport.serve(on_message=self._demux)
+        self.exchanges.start()
+        self.monitor.beat()
+        self._probed_all.wait(STARTUP_PROBE_WAIT_S)
+        up = [i.id for p, i in self.nodes.items() if self.monitor.is_up(p)]
+        log.info("router on %s: %d prefill and %d decode nodes; up: %s", self.transport.identity,
+                 len(self._peers["prefill"]), len(self._peers["decode"]), ", ".join(up) or "none yet")
+        return self
+
+    def close(self) -> None:
+        self.exchanges.close(lambda ex: EngineUnavailable("the router is shutting down"))
+        self._probes.shutdown(wait=False, cancel_futures=True)
+        self.outbox.close()
+        self.transport.close()
+
+    # -- the Engine interface -----------------------------------------------------------------------
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    @property
+    def context_length(self) -> int:
+        return self._context_length
+
+    def submit(self, request: EngineRequest) -> EventStream:
+        """Pick the nodes and dispatch; ``EngineUnavailable`` (503 + Retry-After) when no node can take it."""
+        with self._lock:
+            self.counters["requests"] += 1
+            prefill, decode = self._pick()
+            routed = Routed(request, EventStream(request, self._cancel))
+            self._by_rid[request.request_id] = routed
+            self._dispatch(routed, prefill, decode)
+        return routed.stream
+
+    def stats(self) -> dict[str, float]:
+        up = {role: sum(1 for p in peers if self.monitor.is_up(p)) for role, peers in self._peers.items()}
+        return {**{f"router_{k}": float(v) for k, v in self.counters.items()},
+                "router_prefill_up": float(up["prefill"]), "router_decode_up": float(up["decode"]),
+                "router_in_flight": float(len(self._by_rid))}
+
+    def health(self) -> dict[str, Any]:
+        up = {role: [self.nodes[p].id for p in peers if self.monitor.is_up(p)] for role, peers in self._peers.items()}
+        ok = bool(up["prefill"]) and bool(up["decode"])
+        return {"status": "ok" if ok else "degraded", "prefill_up": len(up["prefill"]), "decode_up": len(up["decode"])}
+
+    def router_stats(self, verbose: bool = False) -> dict[str, Any]:
+        """``GET /router/stats``: per-node health and dispatch counts, router metrics; addresses only if verbose."""
+        with self._lock:
+            in_flight: dict[PeerId, int] = {}
+            for r in self._by_rid.values():
+                for p in (r.prefill, r.decode):
+                    if p is not None:
+                        in_flight[p] = in_flight.get(p, 0) + 1
+            nodes = []
+            for peer, info in self.nodes.items():
+                status = self.monitor.status[peer]
+                entry: dict[str, Any] = {"id": info.id, "role": info.role, "status": "up" if status.up else "down",
+                                         "dispatched": info.dispatched, "completed": info.completed,
+                                         "failures": info.failures, "in_flight": in_flight.get(peer, 0)}
+                if verbose:
+                    entry["address"] = str(peer)
+                    if not status.up and info.down_reason:
+                        entry["down_reason"] = info.down_reason
+                nodes.append(entry)
+        body: dict[str, Any] = {"addresses_redacted": not verbose, "nodes": nodes, "metrics": self.stats()}
+        if verbose:
+            body["router"] = str(self.transport.identity)
+        return body
+
+    # -- dispatching ------------------------------------------------------------------------------------
+
+    def _next(self, role: str) -> PeerId | None:
+        peers = self._peers[role]
+        for k in range(len(peers)):
+            i = (self._rr[role] + k) % len(peers)
+            if self.monitor.is_up(peers[i]):
+                self._rr[role] = i + 1
+                return peers[i]
+        return None
+
+    def _pick(self) -> tuple[PeerId, PeerId]:
+        prefill, decode = self._next("prefill"), self._next("decode")
+        for role, got in (("prefill", prefill), ("decode", decode)):
+            if got is None:
+                self.counters["unavailable"] += 1
+                ids = ", ".join(self.nodes[p].id for p in self._peers[role])
+                raise EngineUnavailable(f"no {role} node is up ({ids} down); retry later")
+        assert prefill is not None and decode is not None
+        return prefill, decode
+
+    def _dispatch(self, routed: Routed, prefill: PeerId, decode: PeerId) -> None:
+        """Open the exchange of a new attempt and send GENERATE (under the lock)."""
+        routed.attempts += 1
+        routed.prefill, routed.decode, routed.handed_off = prefill, decode, False
+        ex = self.exchanges.open(self.cfg.handoff_timeout_s, senders=(prefill, decode), context=routed,
+                                 then=self._ended)
+        routed.exchange = ex
+        self.nodes[prefill].dispatched += 1
+        self.nodes[decode].dispatched += 1
+        req = routed.request
+        gen = m.Generate(ex.nonce, req.prompt, req.params, req.top_logprobs, req.ignore_eos, decode)
+
+        def failed(exc: BaseException) -> None:
+            self.monitor.lost(prefill, f"sending to it failed: {exc}")
+            self.exchanges.resolve(ex, error=CodedError(f"prefill node {self.nodes[prefill].id} is unreachable",
+                                                        ErrorCode.UNREACHABLE))
+
+        self.outbox.send(prefill, Kind.CONTROL, gen.encode(), failed)
+
+    def _ended(self, ex: Exchange) -> None:
+        """An attempt's exchange ended: finished, failed (fail over or fail the request), or superseded."""
+        routed: Routed = ex.context
+        with self._lock:
+            if routed.exchange is not ex or routed.done:
+                return
+            if ex.error is None:
+                self._finish(routed, ex.reply)
+                return
+            code, message = code_of(ex.error), str(ex.error)
+            self._cancel_on_nodes(routed, ex.nonce)
+            for peer in (routed.prefill, routed.decode):
+                if peer is not None:
+                    self.nodes[peer].failures += 1
+            if self._may_retry(routed, code):
+                try:
+                    prefill, decode = self._pick()
+                except EngineUnavailable as exc:
+                    self._fail(routed, ErrorCode.UNAVAILABLE, f"{message}; {exc}")
+                    return
+                self.counters["failovers"] += 1
+                log.info("router: %s: %s; trying %s and %s", routed.request.request_id, message,
+                         self.nodes[prefill].id, self.nodes[decode].id)
+                self._dispatch(routed, prefill, decode)
+                return
+            self._fail(routed, code if code.error_class is ErrorClass.BAD_INPUT else code.as_local(), message)
+
+    def _may_retry(self, routed: Routed, code: ErrorCode) -> bool:
+        return (routed.emitted == 0 and routed.attempts < MAX_DISPATCH_ATTEMPTS
+                and code.error_class not in (ErrorClass.BAD_INPUT, ErrorClass.CANCELLED))
+
+    def _finish(self, routed: Routed, event: FinishEvent) -> None:
+        routed.done = True
+        self._by_rid.pop(routed.request.request_id, None)
+        if event.error is None:
+            self.counters["completed"] += 1
+            for peer in (routed.prefill, routed.decode):
+                if peer is not None:
+                    self.nodes[peer].completed += 1
+        else:
+            self.counters["failed"] += 1
+        routed.stream.push(event)
+
+    def _fail(self, routed: Routed, code: ErrorCode, message: str) -> None:
+        log.warning("router: request %s failed: %s", routed.request.request_id, message)
+        self._finish(routed, FinishEvent("error", prompt_tokens=len(routed.request.prompt),
+                                         completion_tokens=routed.emitted, error=message, code=code))
+
+    def _cancel(self, request_id: str) -> None:
+        """The client went away: end the attempt and free the KV on both nodes."""
+        with self._lock:
+            routed = self._by_rid.pop(request_id, None)
+            if routed is None or routed.done:
+                return
+            routed.done = True
+            self.counters["cancelled"] += 1
+            ex = routed.exchange
+        if ex is not None:
+            self.exchanges.resolve(ex, error=CodedError("cancelled", ErrorCode.CANCELLED))
+            self._cancel_on_nodes(routed, ex.nonce)
+
+    def _cancel_on_nodes(self, routed: Routed, nonce: str) -> None:
+        for peer in (routed.prefill, routed.decode):
+            if peer is not None:
+                self.outbox.send(peer, Kind.CONTROL, m.cancel(nonce), lambda exc: None)
+
+    def _expired(self, ex: Exchange) -> BaseException:
+        routed: Routed = ex.context
+        waiting = "its first token" if routed.emitted == 0 else "its next token"
+        node = self.nodes[routed.decode].id if routed.handed_off and routed.decode else (
+            f"{self.nodes[routed.prefill].id} and {self.nodes[routed.decode].id}" if routed.prefill and routed.decode
+            else "its nodes")
+        return CodedError(f"no answer from {node} for {waiting} within {self.cfg.handoff_timeout_s:g}s "
+                          "(--handoff-timeout)", ErrorCode.TIMEOUT)
+
+    # -- results ----------------------------------------------------------------------------------------
+
+    def _demux(self, msg: Message) -> None:
+        """A result frame: only from a configured peer, only for a request assigned to it."""
+        info = self.nodes.get(msg.peer)
+        if info is None:
+            self.counters["dropped_frames"] += 1
+            self.transport.warnings.warning(
+                WarnClass.ROUTER_DROP, "router: dropping result frame from %s: not one of the configured "
+                "--prefill-peers or --decode-peers", msg.peer)
+            return
+        if msg.kind is not Kind.CONTROL:
+            log.debug("router: dropping a %s message from %s", msg.kind.name, info.id)
+            return
+        try:
+            kind, doc = m.decode(msg.payload)
+            ex = self.exchanges.get(m.nonce_of(doc))
+            if ex is None:
+                log.debug("router: %s from %s for an ended request", kind.name, info.id)
+                return
+            routed: Routed = ex.context
+            allowed = {MsgType.TOKENS: (routed.decode,), MsgType.FINISH: (routed.decode,),
+                       MsgType.HANDED_OFF: (routed.prefill,), MsgType.ERROR: (routed.prefill, routed.decode)}
+            if msg.peer not in allowed.get(kind, ()):
+                self.counters["dropped_frames"] += 1
+                self.transport.warnings.warning(
+                    WarnClass.ROUTER_DROP, "router: dropping result frame from %s: a %s for a request it was not "
+                    "assigned", msg.peer, kind.name)
+                return
+            self._result(kind, doc, ex, routed)
+        except m.MessageRefused as exc:
+            self.counters["dropped_frames"] += 1
+            self.transport.warnings.warning(WarnClass.ROUTER_DROP, "router: dropping result frame from %s: %s",
+                                            msg.peer, exc)
+
+    def _result(self, kind: MsgType, doc: dict[str, Any], ex: Exchange, routed: Routed) -> None:
+        if kind is MsgType.TOKENS:
+            tokens = m.Tokens.parse(doc)
+            with self._lock:
+                if routed.done or routed.exchange is not ex:
+                    return
+                routed.emitted += len(tokens.events)
+                ex.deadline = time.monotonic() + self.cfg.handoff_timeout_s  # an idle bound from now on
+                for event in tokens.events:
+                    routed.stream.push(event)
+        elif kind is MsgType.FINISH:
+            self.exchanges.resolve(ex, reply=m.Finish.parse(doc).event)
+        elif kind is MsgType.HANDED_OFF:
+            done = m.HandedOff.parse(doc)
+            routed.handed_off = True
+            c = self.counters
+            c["handoffs"] += 1
+            c["handoff_bytes"] += done.nbytes
+            c["handoff_seconds"] += done.seconds
+            c["prefill_seconds"] += done.prefill_seconds
+            c["handoff_bytes_last"], c["handoff_seconds_last"] = done.nbytes, done.seconds
+            c["handoff_seconds_max"] = max(c["handoff_seconds_max"], done.seconds)
+        elif kind is MsgType.ERROR:
+            err = m.Error.parse(doc)
+            if err.code is ErrorCode.UNREACHABLE and err.node is not None:
+                self._reported_down(err.node, err.message)
+            self.exchanges.resolve(ex, error=CodedError(err.message, err.code))
+
+    def _reported_down(self, node: str, why: str) -> None:
+        """A prefill node could not reach a decode node: that one is down until a probe sees it again."""
+        try:
+            peer = PeerId.parse(node)
+        except ValueError:
+            return
+        if peer in self.nodes:
+            self.monitor.lost(peer, why)
+
+    # -- health -----------------------------------------------------------------------------------------
+
+    def _probe(self, peer: PeerId, answered: Answered) -> None:
+        def run() -> None:
+            try:
+                reply = self.transport.request(peer, m.encode(MsgType.STATE, {}), timeout=PROBE_TIMEOUT_S)
+                kind, doc = m.decode(reply)
+                answered(doc)
+            except Exception as exc:  # noqa: BLE001 - any failure is "down"
+                answered(None, f"{type(exc).__name__}: {exc}")
+            finally:
+                self._probed.add(peer)
+                if len(self._probed) == len(self.nodes):
+                    self._probed_all.set()
+
+        try:
+            self._probes.submit(run)
+        except RuntimeError:  # shutting down
+            answered(None, "the router is shutting down")
+
+    def _check(self, peer: PeerId, state: dict[str, Any]) -> None:
+        info = self.nodes[peer]
+        if state.get("role") != info.role:
+            raise ValueError(f"it answers as a {state.get('role')!r} node, configured as {info.role}")
+        if state.get("model") != self.identity:
+            raise ValueError("it serves another model than this router")
+        if state.get("ready") is not True:
+            raise ValueError("it is not ready")
+
+    def _on_up(self, peer: PeerId, returned: bool) -> None:
+        info = self.nodes[peer]
+        if returned or info.down_reason:
+            log.warning("router: %s (%s) is up again", info.id, info.role)
+        info.down_reason = ""
+
+    def _on_down(self, peer: PeerId, why: str) -> None:
+        info = self.nodes[peer]
+        info.down_reason = why
+        log.warning("router: %s (%s node) is down: %s", info.id, info.role, why)
+        self._fail_assigned(peer, f"{info.role} node {info.id} went down")
+
+    def _on_restart(self, peer: PeerId) -> None:
+        info = self.nodes[peer]
+        log.warning("router: %s restarted; its requests in flight are lost", info.id)
+        self._fail_assigned(peer, f"{info.role} node {info.id} restarted")
+
+    def _fail_assigned(self, peer: PeerId, why: str) -> None:
+        """Fail the attempts that depend on ``peer``: its decodes, and its prefills not handed off yet."""
+        with self._lock:
+            hit = [r for r in self._by_rid.values() if r.exchange is not None and not r.done
+                   and (r.decode == peer or (r.prefill == peer and not r.handed_off))]
+        for routed in hit:
+            if routed.exchange is not None:
+                self.exchanges.resolve(routed.exchange, error=CodedError(why, ErrorCode.UNREACHABLE))

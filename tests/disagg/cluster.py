@@ -1,0 +1,128 @@
+"""A real disaggregated cluster for tests: decode, prefill and router processes started through the CLI.
+
+Each node is ``python -m mlxcel serve --node-role ROLE --serving-bind IP:PORT ...`` on its own
+127.0.0.x address, so the transport's identity binding works as on separate hosts.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from tests.pipeline.cluster import CLI, Node, free_port
+
+ROUTER_HOST = "127.0.0.20"
+PREFILL_HOSTS = ("127.0.0.21", "127.0.0.22")
+DECODE_HOSTS = ("127.0.0.23", "127.0.0.24", "127.0.0.25")
+FAST = ("--no-warmup", "--parallel", "2", "--max-queue", "4")
+
+
+class RoleNode(Node):
+    """One role process (``tests.pipeline.cluster.Node`` with role flags instead of a TOML)."""
+
+    def __init__(self, model: Path, role: str, host: str, bind: str, secret: Path, *flags: str,
+                 env: dict | None = None):
+        self.role, self.bind, self.host = role, bind, host
+        self._args = (model, role, host, bind, secret, flags, env)
+        self._start()
+
+    def _start(self) -> None:
+        model, role, host, bind, secret, flags, env = self._args
+        cmd = [*CLI, "-m", str(model), "--node-role", role, "--serving-bind", bind, "--cluster-secret-file",
+               str(secret), "--host", host, "--port", "0", "--served-model-name", "tiny", "--log-level", "info",
+               *flags]
+        self.node_id = f"{role}@{bind}"
+        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                                     env={**os.environ, **(env or {})})
+        self.lines: list[str] = []
+        self.url = ""
+        self._listening = threading.Event()
+        threading.Thread(target=self._drain, daemon=True).start()
+        if not self._listening.wait(60):
+            self.stop()
+            raise RuntimeError(f"{self.node_id} did not start:\n" + "".join(self.lines))
+
+    def restart(self) -> "RoleNode":
+        self._start()
+        self.wait_ready()
+        return self
+
+    def state(self) -> dict:
+        return self.health().json()
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+
+class DisaggCluster:
+    """A router over ``prefills`` prefill and ``decodes`` decode nodes of ``model``; start order decode, prefill, router."""
+
+    def __init__(self, tmp: Path, model: Path, *, prefills: int = 1, decodes: int = 1,
+                 router_flags: tuple[str, ...] = (), node_flags: tuple[str, ...] = FAST,
+                 prefill_flags: tuple[str, ...] = (), prefill_env: dict | None = None,
+                 decode_env: dict | None = None, router_env: dict | None = None):
+        self.tmp, self.model = tmp, model
+        self.secret = tmp / "cluster.secret"
+        self.secret.write_text(os.urandom(32).hex() + "\n")
+        self.secret.chmod(0o600)
+        self.router_addr = f"{ROUTER_HOST}:{free_port(ROUTER_HOST)}"
+        self.prefill_addrs = [f"{h}:{free_port(h)}" for h in PREFILL_HOSTS[:prefills]]
+        self.decode_addrs = [f"{h}:{free_port(h)}" for h in DECODE_HOSTS[:decodes]]
+        self.router_flags, self.node_flags = router_flags, node_flags
+        self.prefill_flags = prefill_flags
+        self.prefill_env, self.decode_env, self.router_env = prefill_env, decode_env, router_env
+        self.prefills: list[RoleNode] = []
+        self.decodes: list[RoleNode] = []
+        self.router: RoleNode | None = None
+
+    def start(self) -> "DisaggCluster":
+        try:
+            for i, addr in enumerate(self.decode_addrs):
+                self.decodes.append(RoleNode(self.model, "decode", DECODE_HOSTS[i], addr, self.secret, *self.node_flags,
+                                             env=self.decode_env))
+            for i, addr in enumerate(self.prefill_addrs):
+                self.prefills.append(RoleNode(self.model, "prefill", PREFILL_HOSTS[i], addr, self.secret,
+                                              "--decode-peers", self.decode_addrs[0], *self.node_flags,
+                                              *self.prefill_flags, env=self.prefill_env))
+            for node in (*self.decodes, *self.prefills):
+                node.wait_ready()
+            self.router = RoleNode(self.model, "router", ROUTER_HOST, self.router_addr, self.secret,
+                                   "--prefill-peers", ",".join(self.prefill_addrs), "--decode-peers",
+                                   ",".join(self.decode_addrs), "--probe-interval", "0.3", *self.router_flags,
+                                   env=self.router_env)
+            self.router.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    @property
+    def url(self) -> str:
+        assert self.router is not None
+        return self.router.url
+
+    def stats(self) -> dict:
+        return httpx.get(f"{self.url}/router/stats", timeout=5).json()
+
+    def node_status(self, node_id: str) -> str:
+        return next(n["status"] for n in self.stats()["nodes"] if n["id"] == node_id)
+
+    def wait_status(self, node_id: str, status: str, timeout: float = 20) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.node_status(node_id) == status:
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"{node_id} did not become {status}: {self.stats()}")
+
+    def stop(self) -> None:
+        for node in [self.router, *self.prefills, *self.decodes]:
+            if node is not None:
+                node.stop()

@@ -1,0 +1,345 @@
+"""A router, a prefill node and two decode nodes started through the real CLI on 127.0.0.x.
+
+The tests run in file order on one cluster; the failure tests at the end kill and restart nodes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from mlxcel.cluster.identity import PeerId
+from mlxcel.cluster.secret import load_secret
+from mlxcel.cluster.transport import Transport
+from mlxcel.cluster.wire import Kind
+from mlxcel.disagg import messages as m
+from mlxcel.disagg.kv_codec import KVLayout, LayerSpec, encode_chunks, encode_header
+from mlxcel.disagg.wire import CacheKind, DType, MsgType
+from mlxcel.engine.interface import FinishEvent, TokenEvent
+from mlxcel.engine.sampling import SamplingParams
+from mlxcel.error_codes import ErrorCode
+from tests.disagg.cluster import DECODE_HOSTS, DisaggCluster, RoleNode
+from tests.server.util import ServerProcess
+
+STEP_DELAY = "0.03"  # decode nodes sleep this long per step, so requests stay in flight while we act
+FORGER_IP, FAKE_ROUTER_IP, EXFIL_IP = "127.0.0.30", "127.0.0.31", "127.0.0.32"
+CHATS = ["Hello there", "The capital of France is", "Write one short sentence about the sea, please."]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, tiny_llama):
+    c = DisaggCluster(tmp_path_factory.mktemp("disagg"), tiny_llama, decodes=2,
+                      prefill_flags=("--log-level", "debug"), decode_env={"MLXCEL_DISAGG_STEP_DELAY_S": STEP_DELAY})
+    c.prefill_env = {"MLXCEL_DECODE_ALLOWLIST": f"{c.decode_addrs[0]}, decode.lan:1,{c.decode_addrs[1]}"}
+    c.start()
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def single(tiny_llama):
+    server = ServerProcess(tiny_llama, "--node-role", "hybrid", "--no-warmup")
+    server.wait_ready()
+    yield server
+    server.stop()
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def chat(url: str, text: str, **kw) -> openai.types.chat.ChatCompletion:
+    return client(url).chat.completions.create(model="tiny", messages=[{"role": "user", "content": text}], **kw)
+
+
+def streamed(url: str, text: str, **kw) -> tuple[str, str | None]:
+    out, finish = [], None
+    for chunk in client(url).chat.completions.create(model="tiny", messages=[{"role": "user", "content": text}],
+                                                     stream=True, **kw):
+        if chunk.choices:
+            out.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+    return "".join(out), finish
+
+
+def secret_of(c: DisaggCluster):
+    return load_secret(c.secret)
+
+
+def listener(ip: str, c: DisaggCluster) -> tuple[Transport, list]:
+    """A secret holder on ``ip`` that records every message it receives."""
+    got: list = []
+    t = Transport(f"{ip}:0", secret_of(c), max_reconnect_attempts=1, reconnect_budget=0)
+    t.serve(on_message=lambda msg: got.append((msg.peer, msg.kind, bytes(msg.payload), msg.id, msg.status)))
+    return t, got
+
+
+def wait_for(predicate, timeout: float = 20, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def control(got: list, kind: MsgType) -> list[dict]:
+    return [m.decode(p)[1] for _, k, p, _, _ in got if k is Kind.CONTROL and m.decode(p)[0] is kind]
+
+
+# -- serving ------------------------------------------------------------------------------------------
+
+
+def test_greedy_text_equals_a_single_node_streamed_and_not(cluster, single):
+    for text in CHATS:
+        ref = chat(single.url, text, max_tokens=16, temperature=0)
+        got = chat(cluster.url, text, max_tokens=16, temperature=0)
+        assert got.choices[0].message.content == ref.choices[0].message.content
+        assert got.choices[0].finish_reason == ref.choices[0].finish_reason
+        assert got.usage.completion_tokens == ref.usage.completion_tokens == 16
+        assert got.usage.prompt_tokens == ref.usage.prompt_tokens
+        assert streamed(cluster.url, text, max_tokens=16, temperature=0) == (ref.choices[0].message.content, "length")
+
+
+def test_seeded_sampling_and_logprobs_continue_across_the_handoff(cluster, single):
+    kw = dict(max_tokens=12, temperature=0.9, seed=1234, logprobs=True, top_logprobs=3)
+    ref, got = chat(single.url, CHATS[1], **kw), chat(cluster.url, CHATS[1], **kw)
+    assert got.choices[0].message.content == ref.choices[0].message.content
+    ref_lp = [(t.token, t.logprob, [a.token for a in t.top_logprobs]) for t in ref.choices[0].logprobs.content]
+    got_lp = [(t.token, t.logprob, [a.token for a in t.top_logprobs]) for t in got.choices[0].logprobs.content]
+    assert [x[0] for x in got_lp] == [x[0] for x in ref_lp] and [x[2] for x in got_lp] == [x[2] for x in ref_lp]
+    assert np.allclose([x[1] for x in got_lp], [x[1] for x in ref_lp], atol=1e-4)
+    text = client(cluster.url).completions.create(model="tiny", prompt="abc", max_tokens=5, temperature=0)
+    assert text.choices[0].text == client(single.url).completions.create(model="tiny", prompt="abc", max_tokens=5,
+                                                                         temperature=0).choices[0].text
+
+
+def test_two_decode_nodes_share_the_load_and_stats_are_redacted(cluster):
+    before = {n["id"]: n["dispatched"] for n in cluster.stats()["nodes"]}
+    for i in range(4):
+        chat(cluster.url, f"request {i}", max_tokens=2, temperature=0)
+    raw = httpx.get(f"{cluster.url}/router/stats", timeout=5).text
+    stats = json.loads(raw)
+    after = {n["id"]: n["dispatched"] for n in stats["nodes"]}
+    assert after["decode-0"] - before["decode-0"] == after["decode-1"] - before["decode-1"] == 2
+    assert after["prefill-0"] - before["prefill-0"] == 4
+    assert stats["addresses_redacted"] is True and "127.0.0." not in raw
+    assert {n["id"]: (n["role"], n["status"]) for n in stats["nodes"]} == {
+        "prefill-0": ("prefill", "up"), "decode-0": ("decode", "up"), "decode-1": ("decode", "up")}
+    metrics = stats["metrics"]
+    assert metrics["router_handoffs"] >= 4 and metrics["router_handoff_bytes"] > 0
+    assert metrics["router_handoff_seconds"] > 0
+
+
+def test_verbose_stats_show_the_addresses(cluster, tiny_llama):
+    router = RoleNode(tiny_llama, "router", "127.0.0.26", f"127.0.0.26:{_free('127.0.0.26')}", cluster.secret,
+                      "--prefill-peers", ",".join(cluster.prefill_addrs), "--decode-peers",
+                      ",".join(cluster.decode_addrs), env={"MLXCEL_ROUTER_STATS_VERBOSE": "Yes"})
+    try:
+        router.wait_ready()
+        stats = httpx.get(f"{router.url}/router/stats", timeout=5).json()
+        assert stats["addresses_redacted"] is False
+        assert [n["address"] for n in stats["nodes"]] == [*cluster.prefill_addrs, *cluster.decode_addrs]
+    finally:
+        router.stop()
+
+
+def _free(host: str) -> int:
+    from tests.pipeline.cluster import free_port
+
+    return free_port(host)
+
+
+# -- security -------------------------------------------------------------------------------------------
+
+
+def test_forged_result_frames_are_dropped(cluster, single):
+    kw = dict(max_tokens=40, temperature=0)
+    ref = chat(single.url, CHATS[2], **kw).choices[0].message.content
+    seen = len(cluster.prefills[0].lines)
+    stream = client(cluster.url).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": CHATS[2]}], stream=True, **kw)
+    chunks = iter(stream)
+    parts = [next(chunks).choices[0].delta.content or ""]  # the request is in flight now
+    nonce = wait_for(lambda: _nonce(cluster.prefills[0].lines[seen:]), what="the request's nonce")
+    busy = wait_for(lambda: [n["id"] for n in cluster.stats()["nodes"] if n["role"] == "decode" and n["in_flight"]])
+    idle = DECODE_HOSTS[1 - int(busy[0][-1])]
+    idle_port = PeerId.parse(cluster.decode_addrs[1 - int(busy[0][-1])]).port
+    forged = [m.Tokens(nonce, (TokenEvent(5, " FORGED"),)).encode(),
+              m.Finish(nonce, FinishEvent("stop", " FORGED")).encode()]
+    outsider, _ = listener(FORGER_IP, cluster)  # holds the secret, is no configured peer
+    posing = Transport(f"{idle}:{idle_port}", secret_of(cluster))  # a configured decode's IP and port, sending only
+    try:
+        for t in (outsider, posing):
+            for payload in forged:
+                t.send(PeerId.parse(cluster.router_addr), Kind.CONTROL, payload)
+        parts += [c.choices[0].delta.content or "" for c in chunks if c.choices]
+    finally:
+        outsider.close()
+        posing.close()
+    assert "".join(parts) == ref and "FORGED" not in "".join(parts)
+    log = "".join(cluster.router.lines)
+    assert f"router: dropping result frame from {FORGER_IP}:" in log
+    assert "a TOKENS for a request it was not assigned" in log and "a FINISH for a request it was not assigned" in log
+    assert cluster.stats()["metrics"]["router_dropped_frames"] >= 4
+
+
+def _nonce(lines: list[str]) -> str | None:
+    for line in lines:
+        found = re.search(r"prefill: request ([0-9a-f]{16}) from", line)
+        if found:
+            return found.group(1)
+    return None
+
+
+def test_a_decode_target_outside_the_allowlist_is_refused_before_connecting(cluster):
+    prefill = PeerId.parse(cluster.prefill_addrs[0])
+    fake, got = listener(FAKE_ROUTER_IP, cluster)
+    exfil, stolen = listener(EXFIL_IP, cluster)
+    before = cluster.prefills[0].state()
+    try:
+        gen = m.Generate("00000000000000aa", (1, 40, 41, 42), SamplingParams(max_tokens=3), decode_target=exfil.identity)
+        fake.send(prefill, Kind.CONTROL, gen.encode())
+        [error] = wait_for(lambda: control(got, MsgType.ERROR), what="the refusal")
+        assert error["code"] == ErrorCode.UNAUTHORIZED and "MLXCEL_DECODE_ALLOWLIST" in error["message"]
+        time.sleep(0.3)
+        assert stolen == [] and exfil.authenticated_connections == 0  # not even a connection was made
+        after = cluster.prefills[0].state()
+        assert after["handoffs"] == before["handoffs"] and after["refused"] == before["refused"] + 1
+        # an allowlisted target named on the wire works, and its results go to the router that asked
+        ok = m.Generate("00000000000000ab", (1, 40, 41, 42), SamplingParams(max_tokens=3), ignore_eos=True,
+                        decode_target=PeerId.parse(cluster.decode_addrs[1]))
+        fake.send(prefill, Kind.CONTROL, ok.encode())
+        [finish] = wait_for(lambda: control(got, MsgType.FINISH), what="the finish")
+        assert finish["completion_tokens"] == 3 and len(control(got, MsgType.HANDED_OFF)) == 1
+    finally:
+        fake.close()
+        exfil.close()
+    log = "".join(cluster.prefills[0].lines)
+    assert "MLXCEL_DECODE_ALLOWLIST: skipping 'decode.lan:1'" in log
+
+
+def test_kv_frames_that_break_the_bounds_are_refused_without_allocation(cluster, tiny_llama):
+    decode = PeerId.parse(cluster.decode_addrs[0])
+    forger, got = listener(FORGER_IP, cluster)
+    layout = KVLayout(tuple(LayerSpec(CacheKind.KV, DType.FLOAT32, 2, 16, 16) for _ in range(4)))
+    meta = m.HandoffMeta("00000000000000cc", forger.identity, SamplingParams(max_tokens=2),
+                         TokenEvent(5, "")).doc()
+    before = cluster.decodes[0].state()
+    attacks = [
+        [encode_header(meta, tuple(range(5000)), layout)],  # longer than the 2048-token context
+        [encode_header(meta, (1, 2, 3), KVLayout(layout.layers[:3]))],  # 3 layers for a 4-layer model
+        [encode_header(meta, (1, 2, 3), KVLayout((LayerSpec(CacheKind.KV, DType.FLOAT16, 2, 16, 16),) * 4))],
+        [encode_header(meta, tuple(range(2000)), layout),  # a big claim, then more bytes than the claim
+         *list(encode_chunks([np.zeros(layout.nbytes(2000) + 8, np.uint8)], 1 << 20))[:-1]],
+        [encode_header(meta, (1, 2, 3), layout), *list(encode_chunks([np.zeros(100, np.uint8)], 50))],  # cut short
+    ]
+    try:
+        for parts in attacks:
+            with forger.open_stream(decode) as s:
+                for p in parts:
+                    s.write(p)
+        errors = wait_for(lambda: len(control(got, MsgType.ERROR)) == len(attacks) and control(got, MsgType.ERROR),
+                          what="five refusals")
+    finally:
+        forger.close()
+    assert {e["code"] for e in errors} == {ErrorCode.BAD_TENSOR}
+    texts = " | ".join(e["message"] for e in errors)
+    for words in ("5000 prompt tokens", "names 3 layers", "float16", "more than the header's", "100 of 3072 tensor bytes"):
+        assert words in texts
+    after = cluster.decodes[0].state()
+    assert after["refused"] == before["refused"] + len(attacks)
+    assert after["incoming"] == 0 and after["incoming_bytes"] == 0 and after["kv_sequences"] == 0
+    assert chat(cluster.url, "still serving", max_tokens=3, temperature=0).usage.completion_tokens == 3
+
+
+def test_a_client_disconnect_frees_the_kv_on_both_nodes(cluster):
+    before = sum(d.state()["cancelled"] for d in cluster.decodes)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "go on"}], "max_tokens": 400,
+            "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{cluster.url}/v1/chat/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]  # a few tokens: the sequence decodes on a decode node
+        assert all(line.startswith("data:") or not line for line in got)
+        assert sum(d.state()["kv_sequences"] for d in cluster.decodes) == 1
+    # a non-streaming request whose client gives up
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{cluster.url}/v1/chat/completions", json={**body, "stream": False}, timeout=1.0)
+
+    def freed() -> bool:
+        states = [n.state() for n in (*cluster.decodes, *cluster.prefills)]
+        return all(s["kv_sequences"] == 0 and s["sequences"] == 0 for s in states) and all(
+            s.get("incoming", 0) == 0 for s in states)
+
+    wait_for(freed, what="the KV to be freed")
+    assert sum(d.state()["cancelled"] for d in cluster.decodes) >= before + 2
+    assert cluster.stats()["metrics"]["router_cancelled"] >= 2
+
+
+# -- failures -------------------------------------------------------------------------------------------
+
+
+def test_a_killed_decode_node_fails_only_its_requests_and_is_skipped(cluster, tiny_llama):
+    results: dict[int, object] = {}
+
+    def run(i: int) -> None:
+        try:
+            results[i] = streamed(cluster.url, f"long story {i}", max_tokens=300, temperature=0)
+        except openai.APIError as exc:
+            results[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+        time.sleep(0.3)
+    wait_for(lambda: all(n["in_flight"] == 1 for n in cluster.stats()["nodes"] if n["role"] == "decode"),
+             what="one request on each decode node")
+    cluster.decodes[0].kill()
+    for t in threads:
+        t.join(60)
+    failed = [r for r in results.values() if isinstance(r, Exception)]
+    done = [r for r in results.values() if not isinstance(r, Exception)]
+    assert len(failed) == 1 and len(done) == 1 and done[0][1] == "length"
+    assert "decode node decode-0 went down" in str(failed[0])
+    cluster.wait_status("decode-0", "down")
+    before = {n["id"]: n["dispatched"] for n in cluster.stats()["nodes"]}
+    for i in range(3):
+        assert chat(cluster.url, f"after {i}", max_tokens=2, temperature=0).usage.completion_tokens == 2
+    after = {n["id"]: n["dispatched"] for n in cluster.stats()["nodes"]}
+    assert after["decode-0"] == before["decode-0"] and after["decode-1"] == before["decode-1"] + 3
+    cluster.decodes[0].restart()
+    cluster.wait_status("decode-0", "up")
+    for i in range(2):
+        chat(cluster.url, f"back {i}", max_tokens=2, temperature=0)
+    assert cluster.stats()["nodes"][1]["dispatched"] > after["decode-0"]
+
+
+def test_with_every_decode_node_down_the_router_answers_503_and_recovers(cluster):
+    for node in cluster.decodes:
+        node.kill()
+    for i in range(len(cluster.decodes)):
+        cluster.wait_status(f"decode-{i}", "down")
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for stream in (False, True):
+        r = httpx.post(f"{cluster.url}/v1/chat/completions", json={**body, "stream": stream}, timeout=10)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert "no decode node is up" in r.json()["error"]["message"]
+    with pytest.raises(openai.InternalServerError) as info:
+        chat(cluster.url, "hi", max_tokens=2)
+    assert info.value.status_code == 503
+    models = httpx.get(f"{cluster.url}/v1/models", timeout=5)
+    assert models.status_code == 200 and models.json()["data"][0]["id"] == "tiny"
+    health = httpx.get(f"{cluster.url}/health", timeout=5)
+    assert health.status_code == 503 and health.json()["decode_up"] == 0
+    cluster.decodes[1].restart()
+    cluster.wait_status("decode-1", "up")
+    assert chat(cluster.url, "hi again", max_tokens=2, temperature=0).usage.completion_tokens == 2

@@ -1,0 +1,183 @@
+"""Role flags, cluster TOML roles, the secret (fail closed), the allowlist's parsing, stats verbosity."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mlxcel.cli import build_parser
+from mlxcel.cluster.errors import SecretError
+from mlxcel.cluster.identity import PeerId
+from mlxcel.disagg.allowlist import Allowlist
+from mlxcel.disagg.flags import check_disagg_flags, node_config
+from mlxcel.disagg.router_role import stats_verbose
+from mlxcel.errors import CLIError
+from mlxcel.pipeline.cluster_config import ClusterConfigError, load_cluster_config
+from mlxcel.roles import select_role
+
+NO_SECRET_ENV = {k: v for k, v in os.environ.items() if not k.startswith("MLXCEL_CLUSTER_SECRET")}
+
+
+def args(*argv: str):
+    return build_parser().parse_args(["serve", *argv])
+
+
+@pytest.mark.parametrize("argv, words", [
+    (("--serving-bind", "127.0.0.1:9000"), "needs --node-role prefill, decode or router"),
+    (("--node-role", "hybrid", "--decode-peers", "127.0.0.1:9000"), "needs --node-role"),
+    (("--node-role", "decode"), "needs --serving-bind"),
+    (("--node-role", "router", "--serving-bind", "127.0.0.1:9000", "--prefill-peers", "127.0.0.2:9001"),
+     "needs --prefill-peers and --decode-peers"),
+    (("--node-role", "decode", "--serving-bind", "127.0.0.1:9000", "--decode-peers", "127.0.0.2:9001"),
+     "a decode node does not use it"),
+    (("--node-role", "prefill", "--serving-bind", "127.0.0.1:9000", "--prefill-peers", "127.0.0.2:9001"),
+     "is a router flag"),
+    (("--node-role", "prefill", "--serving-bind", "host.lan:9000"), "not a numeric ip:port"),
+    (("--node-role", "prefill", "--serving-bind", "127.0.0.1:0"), "needs a fixed port"),
+    (("--node-role", "router", "--serving-bind", "127.0.0.1:9000", "--prefill-peers", "127.0.0.2:9001,127.0.0.2:9001",
+      "--decode-peers", "127.0.0.3:9002"), "names an address twice"),
+    (("--node-role", "router", "--serving-bind", "127.0.0.1:9000", "--prefill-peers", "0.0.0.0:9001",
+      "--decode-peers", "127.0.0.3:9002"), "not an address a node can be reached at"),
+    (("--node-role", "prefill", "--serving-bind", "127.0.0.1:9000", "--probe-interval", "1"), "is a router flag"),
+    (("--node-role", "prefill", "--serving-bind", "127.0.0.1:9000", "--pp-peer"), "cannot be combined"),
+])
+def test_bad_flag_combinations_are_named(argv, words):
+    with pytest.raises(CLIError, match=re.escape(words)):
+        check_disagg_flags(args(*argv), None)
+
+
+def test_roles_select_their_modules():
+    router = args("--node-role", "router", "--serving-bind", "127.0.0.1:9000", "--prefill-peers", "127.0.0.2:1",
+                  "--decode-peers", "127.0.0.3:2")
+    assert select_role(router, None).module == "mlxcel.disagg.router_role"
+    assert select_role(args("--node-role", "prefill"), None).serves_api is False
+    assert select_role(args("--node-role", "decode"), None).module == "mlxcel.disagg.decode_role"
+    assert select_role(args("--node-role", "hybrid"), None).name == "single"
+    assert select_role(args(), None).name == "single"
+
+
+def test_every_role_needs_the_secret_naming_every_source(monkeypatch):
+    monkeypatch.delenv("MLXCEL_CLUSTER_SECRET", raising=False)
+    monkeypatch.delenv("MLXCEL_CLUSTER_SECRET_FILE", raising=False)
+    for role in ("prefill", "decode", "router"):
+        a = args("--node-role", role, "--serving-bind", "127.0.0.1:9000",
+                 *(("--prefill-peers", "127.0.0.2:1", "--decode-peers", "127.0.0.3:2") if role == "router" else ()))
+        with pytest.raises(SecretError) as info:
+            node_config(a, None)
+        for source in ("--cluster-secret-file", "MLXCEL_CLUSTER_SECRET_FILE", "MLXCEL_CLUSTER_SECRET", "secret_file"):
+            assert source in str(info.value)
+
+
+def test_the_cli_refuses_to_start_a_router_without_the_secret(tiny_llama):
+    cmd = [sys.executable, "-m", "mlxcel", "serve", "-m", str(tiny_llama), "--node-role", "router",
+           "--serving-bind", "127.0.0.40:19999", "--prefill-peers", "127.0.0.41:1", "--decode-peers", "127.0.0.42:2",
+           "--port", "0"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=NO_SECRET_ENV)
+    assert done.returncode != 0
+    assert "a cluster secret is required" in done.stderr and "--cluster-secret-file" in done.stderr
+    assert "serving" not in done.stderr  # refused before anything listened
+    hybrid = subprocess.run([*cmd[:6], "--node-role", "hybrid", "--serving-bind", "127.0.0.40:1"],
+                            capture_output=True, text=True, timeout=60, env=NO_SECRET_ENV)
+    assert hybrid.returncode != 0 and "needs --node-role prefill, decode or router" in hybrid.stderr
+
+
+DISAGG_TOML = """
+[cluster]
+name = "di"
+secret_file = "s.secret"
+
+[timeouts]
+heartbeat_s = 0.5
+
+[[nodes]]
+id = "router"
+role = "router"
+address = "127.0.0.50:19000"
+
+[[nodes]]
+id = "p0"
+role = "prefill"
+address = "127.0.0.51:19001"
+
+[[nodes]]
+id = "d0"
+role = "decode"
+address = "127.0.0.52:19002"
+
+[[nodes]]
+id = "d1"
+role = "decode"
+address = "127.0.0.53:19003"
+"""
+
+
+def write_toml(tmp: Path, text: str = DISAGG_TOML) -> Path:
+    (tmp / "s.secret").write_text("x" * 32 + "\n")
+    (tmp / "s.secret").chmod(0o600)
+    path = tmp / "cluster.toml"
+    path.write_text(text)
+    return path
+
+
+def test_the_cluster_toml_gives_the_roles_their_addresses_and_peers(tmp_path, tiny_llama):
+    from mlxcel.pipeline.runtime import prepare_distributed
+
+    toml = write_toml(tmp_path)
+    cluster = load_cluster_config(toml)
+    assert cluster.coordinator is None and cluster.stages == ()
+    assert [n.id for n in cluster.with_role("decode")] == ["d0", "d1"]
+    for node_id, role in (("router", "router"), ("p0", "prefill"), ("d1", "decode")):
+        a = args("-m", str(tiny_llama), "--distributed-config", str(toml), "--node-id", node_id)
+        dist = prepare_distributed(a, tiny_llama)
+        assert select_role(a, dist).name == role
+        cfg = node_config(a, dist)
+        assert cfg.role == role and cfg.serving_bind == dist.node.address and cfg.probe_interval_s == 0.5
+        assert cfg.secret.source == "secret_file under [cluster]" or cfg.secret.path == (tmp_path / "s.secret").resolve()
+    router = node_config(args("--distributed-config", str(toml), "--node-id", "router"),
+                         prepare_distributed(args("--distributed-config", str(toml), "--node-id", "router"), tiny_llama))
+    assert router.prefill_peers == (PeerId.parse("127.0.0.51:19001"),)
+    assert router.decode_peers == (PeerId.parse("127.0.0.52:19002"), PeerId.parse("127.0.0.53:19003"))
+    a = args("--distributed-config", str(toml), "--node-id", "p0", "--node-role", "decode")
+    with pytest.raises(CLIError, match="contradicts node 'p0'"):
+        check_disagg_flags(a, prepare_distributed(a, tiny_llama))
+    a = args("--distributed-config", str(toml), "--node-id", "p0", "--serving-bind", "127.0.0.51:1")
+    with pytest.raises(CLIError, match="come from the cluster TOML"):
+        check_disagg_flags(a, prepare_distributed(a, tiny_llama))
+
+
+@pytest.mark.parametrize("change, words", [
+    (("role = \"router\"", "role = \"stage\""), "pipeline or disaggregated, not both"),
+    (("id = \"p0\"\nrole = \"prefill\"", "id = \"p0\"\nrole = \"decode\""), "at least one node with role = \"prefill\""),
+    (("name = \"di\"", "name = \"di\"\npipeline_parallel_size = 2"), "pipeline_parallel_size under [cluster] is for pipelines"),
+    (("address = \"127.0.0.52:19002\"", "address = \"0.0.0.0:19002\""), "a decode node's address must be the IP"),
+])
+def test_inconsistent_disaggregated_tomls_are_named(tmp_path, change, words):
+    with pytest.raises(ClusterConfigError, match=re.escape(words)):
+        load_cluster_config(write_toml(tmp_path, DISAGG_TOML.replace(*change)))
+
+
+def test_the_allowlist_parses_numeric_entries_and_skips_the_rest(caplog):
+    allow = Allowlist.parse(" 127.0.0.1:9000, host.lan:9001,[::1]:9002,127.0.0.2 ,")
+    assert allow.entries == {PeerId.parse("127.0.0.1:9000"), PeerId.parse("[::1]:9002")}
+    assert allow.skipped == ("host.lan:9001", "127.0.0.2")
+    assert allow.allows(PeerId.parse("127.0.0.1:9000")) and not allow.allows(PeerId.parse("127.0.0.1:9001"))
+    with caplog.at_level("WARNING"):
+        permissive = Allowlist.from_env({"MLXCEL_DECODE_ALLOWLIST": "decode.lan:1"})
+    assert permissive.entries is None and permissive.allows(PeerId.parse("10.0.0.9:1"))
+    assert "skipping 'decode.lan:1'" in caplog.text and "has no valid entry" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        assert Allowlist.from_env({}).entries is None
+    assert "MLXCEL_DECODE_ALLOWLIST is not set" in caplog.text
+
+
+@pytest.mark.parametrize("value, verbose", [("1", True), ("true", True), ("YES", True), (" On ", True), ("0", False),
+                                             ("", False), ("verbose", False)])
+def test_stats_verbosity_follows_the_variable(value, verbose):
+    assert stats_verbose({"MLXCEL_ROUTER_STATS_VERBOSE": value}) is verbose
+    assert stats_verbose({}) is False
