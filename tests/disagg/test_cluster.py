@@ -36,7 +36,7 @@ CHATS = ["Hello there", "The capital of France is", "Write one short sentence ab
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, tiny_llama):
-    c = DisaggCluster(tmp_path_factory.mktemp("disagg"), tiny_llama, decodes=2,
+    c = DisaggCluster(tmp_path_factory.mktemp("disagg"), tiny_llama, prefills=2, decodes=2,
                       prefill_flags=("--log-level", "debug"), decode_env={"MLXCEL_DISAGG_STEP_DELAY_S": STEP_DELAY})
     c.prefill_env = {"MLXCEL_DECODE_ALLOWLIST": f"{c.decode_addrs[0]}, decode.lan:1,{c.decode_addrs[1]}"}
     c.start()
@@ -131,10 +131,11 @@ def test_two_decode_nodes_share_the_load_and_stats_are_redacted(cluster):
     stats = json.loads(raw)
     after = {n["id"]: n["dispatched"] for n in stats["nodes"]}
     assert after["decode-0"] - before["decode-0"] == after["decode-1"] - before["decode-1"] == 2
-    assert after["prefill-0"] - before["prefill-0"] == 4
+    assert after["prefill-0"] - before["prefill-0"] == after["prefill-1"] - before["prefill-1"] == 2
     assert stats["addresses_redacted"] is True and "127.0.0." not in raw
     assert {n["id"]: (n["role"], n["status"]) for n in stats["nodes"]} == {
-        "prefill-0": ("prefill", "up"), "decode-0": ("decode", "up"), "decode-1": ("decode", "up")}
+        "prefill-0": ("prefill", "up"), "prefill-1": ("prefill", "up"), "decode-0": ("decode", "up"),
+        "decode-1": ("decode", "up")}
     metrics = stats["metrics"]
     assert metrics["router_handoffs"] >= 4 and metrics["router_handoff_bytes"] > 0
     assert metrics["router_handoff_seconds"] > 0
@@ -165,12 +166,13 @@ def _free(host: str) -> int:
 def test_forged_result_frames_are_dropped(cluster, single):
     kw = dict(max_tokens=40, temperature=0)
     ref = chat(single.url, CHATS[2], **kw).choices[0].message.content
-    seen = len(cluster.prefills[0].lines)
+    seen = [len(p.lines) for p in cluster.prefills]
     stream = client(cluster.url).chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": CHATS[2]}], stream=True, **kw)
     chunks = iter(stream)
     parts = [next(chunks).choices[0].delta.content or ""]  # the request is in flight now
-    nonce = wait_for(lambda: _nonce(cluster.prefills[0].lines[seen:]), what="the request's nonce")
+    nonce = wait_for(lambda: _nonce([line for p, n in zip(cluster.prefills, seen) for line in p.lines[n:]]),
+                     what="the request's nonce")
     busy = wait_for(lambda: [n["id"] for n in cluster.stats()["nodes"] if n["role"] == "decode" and n["in_flight"]])
     idle = DECODE_HOSTS[1 - int(busy[0][-1])]
     idle_port = PeerId.parse(cluster.decode_addrs[1 - int(busy[0][-1])]).port
@@ -320,7 +322,21 @@ def test_a_killed_decode_node_fails_only_its_requests_and_is_skipped(cluster, ti
     cluster.wait_status("decode-0", "up")
     for i in range(2):
         chat(cluster.url, f"back {i}", max_tokens=2, temperature=0)
-    assert cluster.stats()["nodes"][1]["dispatched"] > after["decode-0"]
+    assert cluster.stats()["nodes"][2]["dispatched"] > after["decode-0"]
+
+
+def test_a_dead_prefill_node_is_skipped_and_no_request_fails(cluster):
+    cluster.prefills[1].kill()
+    for i in range(4):  # at once: a send to the dead node (if the probe has not noticed yet) fails over
+        assert chat(cluster.url, f"prefill gone {i}", max_tokens=2, temperature=0).usage.completion_tokens == 2
+    assert cluster.node_status("prefill-1") == "down"
+    before = {n["id"]: n["dispatched"] for n in cluster.stats()["nodes"]}
+    for i in range(3):
+        chat(cluster.url, f"still {i}", max_tokens=2, temperature=0)
+    after = {n["id"]: n["dispatched"] for n in cluster.stats()["nodes"]}
+    assert after["prefill-1"] == before["prefill-1"] and after["prefill-0"] == before["prefill-0"] + 3
+    cluster.prefills[1].restart()
+    cluster.wait_status("prefill-1", "up")
 
 
 def test_with_every_decode_node_down_the_router_answers_503_and_recovers(cluster):
