@@ -103,10 +103,14 @@ def group_spec(tp: TPOptions, backend: str) -> tuple[GroupSpec, tuple[str, int]]
         ring = tp.hostfile.ring_addresses(tp.port)
         spec = GroupSpec(backend, tp.size, ring, tp.hostfile.ips[0][0], tp.port + NCCL_PORT_OFFSET)
         return spec, tp.hostfile.control_address(tp.port)
-    ports = list(range(tp.port, tp.port + tp.size)) if tp.port is not None else free_ports(tp.size)
-    ring = [[f"{LOOPBACK}:{p}"] for p in ports]
     control_port = tp.port + tp.size if tp.port is not None else 0
-    return GroupSpec(backend, tp.size, ring, LOOPBACK, ports[0]), (LOOPBACK, control_port)
+    return local_group_spec(tp.size, backend, tp.port), (LOOPBACK, control_port)
+
+
+def local_group_spec(size: int, backend: str, first_port: int | None = None) -> GroupSpec:
+    """``size`` ranks on 127.0.0.1: ports from ``first_port`` on, else free ones."""
+    ports = list(range(first_port, first_port + size)) if first_port is not None else free_ports(size)
+    return GroupSpec(backend, size, [[f"{LOOPBACK}:{p}"] for p in ports], LOOPBACK, ports[0])
 
 
 def group_environment(spec: GroupSpec, rank: int, workdir: Path) -> dict[str, str]:
