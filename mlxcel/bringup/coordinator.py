@@ -9,11 +9,14 @@ file and exits without assigning anything.
 from __future__ import annotations
 
 import logging
+import socket
 import sys
 from dataclasses import replace
 
 from mlxcel import __version__
+from mlxcel.cluster.identity import PeerId
 from mlxcel.cluster.secret import ClusterSecret, load_secret
+from mlxcel.cluster.sockets import family
 from mlxcel.errors import CLIError
 from mlxcel.pipeline.partition import PartitionError, format_range, layer_costs
 from mlxcel.process import RoleContext
@@ -62,6 +65,20 @@ def _describe(plan: ClusterPlan) -> str:
     return ", ".join(f"{s.node_id} = {s.address} (layers {format_range(s.start, s.end)})" for s in plan.stages)
 
 
+def check_control_address(control: PeerId) -> None:
+    """Bind the control address once before assigning anything: a taken or foreign address fails
+    now, not after the stages were started."""
+    sock = socket.socket(family(control.host), socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(control.address)
+        sock.listen(1)
+    except OSError as exc:
+        raise CLIError(f"cannot listen on the cluster address {control}: {exc.strerror or exc}") from None
+    finally:
+        sock.close()
+
+
 def push(context: RoleContext, settings: BringupSettings, secret: ClusterSecret) -> ClusterPlan:
     """Discover (mdns) or take the listed peers (static), then run the push; ``CLIError`` on failure."""
     model = context.config.model
@@ -71,6 +88,8 @@ def push(context: RoleContext, settings: BringupSettings, secret: ClusterSecret)
         costs = layer_costs(model)
     except PartitionError as exc:
         raise CLIError(str(exc)) from None
+    if not settings.dry_run:
+        check_control_address(settings.control)
     peers = discover(settings, secret) if settings.discovery == "mdns" else list(settings.peers)
     path = settings.config_path()
     config = PushConfig(control=settings.control, cluster=settings.cluster, mlxcel=__version__,

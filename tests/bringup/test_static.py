@@ -57,3 +57,31 @@ def test_static_bring_up_then_the_generated_files_run_by_hand(bringup, single_no
     manual.wait_for(r"model tiny ready")
     assert chat_text(manual.url, stream=True) == single_node_chat
     assert httpx.get(f"{stage1.url}/health", timeout=5).json()["layers"] == [2, 4]
+
+
+@pytest.mark.slow
+def test_default_model_served_by_pp_auto_and_two_peers(tmp_path, default_model):
+    """The issue's 'done when': --pp-auto 2 plus two --pp-peer serve the default model, greedy == one node."""
+    from openai import OpenAI
+
+    from tests.bringup.procs import Bringup
+    from tests.server.util import ServerProcess
+
+    single = ServerProcess(default_model)
+    b = Bringup(tmp_path, default_model)
+    try:
+        peers = [b.peer("p0", "127.0.0.3"), b.peer("p1", "127.0.0.4")]
+        coord = b.coordinator("coord", 2, "--cluster-peers", ",".join(p.listener for p in peers))
+        single.wait_ready(120)
+        coord.wait_for(r"model tiny ready", timeout=180)
+        question = [{"role": "user", "content": "What is the capital of France?"}]
+        answers = []
+        for url in (single.url, coord.url):
+            client = OpenAI(base_url=f"{url}/v1", api_key="unused")
+            stream = client.chat.completions.create(model="tiny", messages=question, max_tokens=12, temperature=0,
+                                                    stream=True)
+            answers.append("".join(c.choices[0].delta.content or "" for c in stream if c.choices))
+        assert answers[0] == answers[1] and "Paris" in answers[1]
+    finally:
+        single.stop()
+        b.stop()
