@@ -16,15 +16,17 @@ fi
 shapes=${2:-bf16}
 RUNS=${RUNS:-5}
 TOKENS=${TOKENS:-128}
-if [ ! -e /tmp/site/mlx/core.cpython-312-x86_64-linux-gnu.so ] && [ ! -d /tmp/site/mlx ]; then
+if [ ! -d /tmp/site/mlx ]; then
   cat /tmp/wparts/cuda.part.aa .gpu/b/cuda.part.ab > /tmp/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl
   (cd /tmp && sha256sum -c "$OLDPWD/.gpu/b/cuda.sha256")
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
-    /tmp/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl .gpu/b/mlx-0.32.4-*.whl .gpu/b/mlx_lm-*.whl .gpu/b/deps/*.whl
+    /tmp/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl .gpu/b/mlx-0.32.4-*.whl .gpu/b/mlx_lm-*.whl
   ln -sfn /opt/torch/.venv/lib/python3.12/site-packages/nvidia /tmp/site/nvidia
 fi
+python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .gpu/b/deps/*.whl 2>&1 | grep -v WARNING || true
 export PYTHONPATH=/tmp/site:$PWD
 python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device())"
+python3 -c "import mlxcel.pipeline.stage_server, mlxcel.server.app"  # the stage and server imports, before any run
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv,noheader || true
 qwen3_06b=(--family qwen3 --layers 28 --hidden 1024 --heads 16 --kv-heads 8 --head-dim 128 --intermediate 3072 --vocab 151936)
 for shape in ${shapes//,/ }; do

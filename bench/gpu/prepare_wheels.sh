@@ -10,7 +10,7 @@ dl=(-m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --imp
 mkdir -p .gpu/a .gpu/b/deps .gpu/dl
 "$py" "${dl[@]}" -d .gpu/dl mlx-cuda-13==0.32.4 mlx==0.32.4 mlx-lm==0.32.2
 # the server's runtime dependencies at the versions this venv runs
-"$py" -m pip freeze | grep -iE '^(cryptography|cffi|pycparser|fastapi|starlette|uvicorn|pydantic|pydantic.core|annotated.types|annotated.doc|typing.extensions|typing.inspection|prometheus.client|tomli.w|httpx|httpcore|h11|anyio|sniffio|idna|certifi|click)==' > .gpu/req.txt
+"$py" -m pip freeze | grep -iE '^(cryptography|cffi|pycparser|fastapi|starlette|uvicorn|pydantic|pydantic.core|annotated.types|annotated.doc|typing.extensions|typing.inspection|opentelemetry.api|prometheus.client|tomli.w|httpx|httpcore|h11|anyio|sniffio|idna|certifi|click)==' > .gpu/req.txt
 "$py" "${dl[@]}" -d .gpu/b/deps -r .gpu/req.txt
 wheel=.gpu/dl/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl
 (cd .gpu/dl && sha256sum "$(basename "$wheel")") > .gpu/b/cuda.sha256

@@ -82,6 +82,7 @@ class StageMessage:
     header: dict[str, Any]
     tensors: dict[str, np.ndarray] = field(default_factory=dict)
     dtypes: dict[str, str] = field(default_factory=dict)
+    received: float = 0.0  # time.perf_counter() when decoded (a stage's per-step timing)
 
     @property
     def nonce(self) -> str:
@@ -269,11 +270,18 @@ STATE_INTEGERS = {"stage": 0, "num_layers": 1, "hidden_size": 1, "vocab_size": 1
                   "sent_frames": 0, "sent_bytes": 0, "prefix_bytes": 0}
 
 
+#: STATE fields that are non-negative numbers: seconds the stage spent per part of its steps, since start
+STATE_SECONDS = ("read_s", "queue_s", "compute_s", "send_s")
+
+
 def check_state(header: dict[str, Any]) -> None:
     """A STATE's typed fields (ValueError otherwise): integers are integers, layers two of them."""
     for name, low in STATE_INTEGERS.items():
         if name in header and not (is_int(header[name]) and header[name] >= low):
             raise ValueError(f"STATE field {name} must be an integer >= {low}")
+    for name in STATE_SECONDS:
+        if name in header and not (is_number(header[name]) and header[name] >= 0):
+            raise ValueError(f"STATE field {name} must be a number >= 0")
     layers = header.get("layers")
     if not (isinstance(layers, list) and len(layers) == 2 and all(is_int(v) and v >= 0 for v in layers)):
         raise ValueError("STATE field layers must be [start, end], two integers")

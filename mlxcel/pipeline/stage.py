@@ -43,6 +43,7 @@ from mlxcel.pipeline.outbox import Outbox, fast_handoffs
 from mlxcel.pipeline.params import count_from_wire, params_from_wire, tokens_from_wire
 from mlxcel.pipeline.protocol import (
     COMMANDS,
+    STATE_SECONDS,
     ErrorCode,
     MsgType,
     ProtocolError,
@@ -115,6 +116,9 @@ class StageService:
         self._worker = threading.Thread(target=self._run, name=f"mlxcel-stage-{node_id}", daemon=True)
         self.steps = 0
         self.cancels = 0  # CANCELs accepted (requests whose client gave up)
+        # seconds spent since start, per part of a step: decoding on the reader thread, waiting for the
+        # worker, computing (tensor in, forward, evaluation or sampling), sending (tensor out, encode, send)
+        self.timings = dict.fromkeys(STATE_SECONDS, 0.0)
         self._delay = float(os.environ.get(STEP_DELAY_ENV, "0") or 0)
 
     @property
@@ -141,8 +145,11 @@ class StageService:
 
     def _on_message(self, msg: Message) -> None:
         refused: ProtocolError | None = None
+        start = time.perf_counter()
         try:
             m = decode(msg.payload)
+            m.received = time.perf_counter()
+            self.timings["read_s"] += m.received - start
         except ProtocolError as exc:
             if exc.partial is None:  # no type or no header: nothing to authorize or answer
                 cluster_warnings.warning(WarnClass.DIAGNOSTIC, "stage %s: dropping a malformed message from %s: %s",
@@ -325,6 +332,8 @@ class StageService:
             if any(r not in self._owners for r in rids):
                 raise RunnerError(ErrorCode.NOT_FOUND, "a request of this step was released")
             logits = self._returns.get(rids[0]) == "logits"
+        started = time.perf_counter()
+        self.timings["queue_s"] += started - m.received if m.received else 0.0
         x = from_wire(m.dtypes[tensor], m.tensors[tensor])
         if self._delay:
             time.sleep(self._delay)
@@ -333,12 +342,15 @@ class StageService:
         else:
             out = self.runner.decode(self._slot(owner, int(h.get("micro_batch", 0))), rids, x, logits=logits)
         self.steps += 1
+        computed = time.perf_counter()
+        self.timings["compute_s"] += computed - started
         fwd = {k: h[k] for k in ("nonce", "phase", "micro_batch", "request_ids", "sample") if k in h}
         if not self.is_last:
             self._send(self.downstream, MsgType.ACTIVATION, fwd, {"hidden": to_wire(out)}, owner, m)
-            return
-        self._send(owner, MsgType.RUN_RESULT, {**fwd, **_result_fields(out, logits)},
-                   {"logits": ("float32", _np(out))} if logits and out is not None else None, owner, m)
+        else:
+            self._send(owner, MsgType.RUN_RESULT, {**fwd, **_result_fields(out, logits)},
+                       {"logits": ("float32", _np(out))} if logits and out is not None else None, owner, m)
+        self.timings["send_s"] += time.perf_counter() - computed
 
     # -- replies -----------------------------------------------------------------------------------
 
@@ -349,7 +361,7 @@ class StageService:
             "model_identity": self.model.identity, "num_layers": self.model.num_layers,
             "hidden_size": self.model.hidden_size, "vocab_size": self.model.vocab_size,
             "sequences": len(self.runner), "draining": self.draining, "version": __version__,
-            "boot_id": self.boot_id, "steps": self.steps, "prefix_bytes": self.prefix.nbytes,
+            "boot_id": self.boot_id, "steps": self.steps, **{k: round(v, 6) for k, v in self.timings.items()}, "prefix_bytes": self.prefix.nbytes,
             "sent_frames": self.outbox.frames, "sent_bytes": self.outbox.bytes,
         }
 

@@ -80,6 +80,7 @@ FIELDS: list[tuple[str, tuple, dict, Callable[[dict], None]]] = [
     *[("STATE", (name,), dict(STATE), check_state) for name in
       ("stage", "num_layers", "hidden_size", "vocab_size", "sequences", "steps", "sent_frames", "sent_bytes",
        "prefix_bytes")],
+    *[("STATE", (name,), {**STATE, name: 0.5}, check_state) for name in ("read_s", "queue_s", "compute_s", "send_s")],
     ("STATE", ("layers", 0), dict(STATE), check_state),
     ("STATE", ("layers", 1), dict(STATE), check_state),
     ("ERROR", ("code",), {"code": 4}, _error),
