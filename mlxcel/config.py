@@ -84,3 +84,20 @@ DEFAULT_NODE_STOP_GRACE_S = 10.0  # SIGTERM, then SIGKILL after this long
 # Stopping a server (SIGINT/SIGTERM): requests in flight may finish for this long, new ones are refused.
 # Keep it below the supervisor's stop grace (DEFAULT_NODE_STOP_GRACE_S), or the drain is cut by SIGKILL.
 DEFAULT_DRAIN_TIMEOUT_S = 5.0
+
+# Compute threads (``--threads``, ``MLXCEL_THREADS``; mlxcel/threads.py)
+THREADS_ENV = "MLXCEL_THREADS"  # the budget before the flags are read (applied when OpenBLAS loads)
+MAX_THREADS = 256  # bound on a thread budget
+# An idle OpenBLAS worker spins (sched_yield) for 2**N TSC cycles before it sleeps. OpenBLAS's own
+# N = 28 (~0.1 s at 2.6 GHz) outlasts a pipeline stage's wait for its peers, so a waiting stage spun
+# a whole core; N = 20 (~0.4 ms) still covers the gaps between the matrix products of one step.
+# OPENBLAS_THREAD_TIMEOUT in the environment overrides it (OpenBLAS clamps it to 4..30).
+BLAS_THREAD_TIMEOUT_LOG2 = 20
+
+
+def thread_count(text: str) -> int:
+    """argparse type: a thread budget, 1 to MAX_THREADS."""
+    value = positive_int(text)
+    if value > MAX_THREADS:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_THREADS}, got {value}")
+    return value

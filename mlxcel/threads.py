@@ -1,0 +1,65 @@
+"""The compute-thread budget of one process, and BLAS worker threads that sleep while the process waits.
+
+MLX's CPU backend runs every operation of a stream on one thread; its float32 matrix products go to
+the OpenBLAS that ``mlxcel/blas.py`` preloads, whose pool of worker threads is the only parallelism.
+Two knobs, both applied to that OpenBLAS:
+
+* Idle workers sleep soon. An OpenBLAS worker spins (``sched_yield``) for ``2**28`` TSC cycles,
+  about 0.1 s, after each job before it sleeps. A pipeline stage waits for its peers for less than
+  that between two steps, so its workers never slept: each stage of a one-stream pipeline burnt a
+  whole core while the other stage worked, on the core that stage needed. Before OpenBLAS loads,
+  ``blas_environment`` sets ``OPENBLAS_THREAD_TIMEOUT`` to ``config.BLAS_THREAD_TIMEOUT_LOG2``
+  (about 0.4 ms) unless the environment already sets it.
+* The budget: how many threads (the calling one included) one matrix product may use. Several
+  nodes on one host should split its cores (``--threads N``, else ``MLXCEL_THREADS``); left unset,
+  OpenBLAS's own choice stands (``OPENBLAS_NUM_THREADS``, else every core the process may run on).
+
+Policy only (no library is touched here): ``mlxcel/blas.py`` loads OpenBLAS with ``blas_environment``
+and applies a budget at run time (``apply_thread_budget``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping
+
+from mlxcel import config
+
+TIMEOUT_ENVS = ("OPENBLAS_THREAD_TIMEOUT", "GOTO_THREAD_TIMEOUT")
+
+
+def available_cores() -> int:
+    """Cores this process may run on (its affinity mask), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def env_budget(environ: Mapping[str, str] = os.environ) -> int | None:
+    """``MLXCEL_THREADS`` as a budget; None when unset or empty. Raises ValueError naming the variable."""
+    text = environ.get(config.THREADS_ENV, "").strip()
+    if not text:
+        return None
+    try:
+        return config.thread_count(text)
+    except argparse.ArgumentTypeError as exc:
+        raise ValueError(f"{config.THREADS_ENV}: {exc}") from None
+
+
+def blas_environment(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """The variables to set before OpenBLAS loads: the short idle timeout and ``MLXCEL_THREADS``'s budget.
+
+    An invalid ``MLXCEL_THREADS`` is left out here; the server refuses it with ``env_budget``'s message.
+    """
+    extra: dict[str, str] = {}
+    if not any(environ.get(name) for name in TIMEOUT_ENVS):
+        extra["OPENBLAS_THREAD_TIMEOUT"] = str(config.BLAS_THREAD_TIMEOUT_LOG2)
+    try:
+        budget = env_budget(environ)
+    except ValueError:
+        budget = None
+    if budget is not None:
+        extra["OPENBLAS_NUM_THREADS"] = str(budget)
+    return extra
