@@ -120,6 +120,13 @@ class PeerAgent:
         self._listener.close_socket()
 
     @property
+    def state(self) -> str:
+        """``waiting``, ``assigning`` (a coordinator's session is open) or ``activated``."""
+        if self._outcome is not None:
+            return "activated" if isinstance(self._outcome, Activation) else "refused"
+        return "assigning" if self._active is not None else "waiting"
+
+    @property
     def pending_handshakes(self) -> int:
         return self._listener.pending
 

@@ -4,8 +4,9 @@ The peer listens on ``--cluster-control-addr`` for the coordinator's assignment 
 ``--cluster-discovery=mdns``). Once activated it writes the cluster TOML it received to
 ``--cluster-config-out`` and becomes that TOML's ``stage-<i>`` node: the role table picks the
 ``stage`` role for it, exactly as for ``--distributed-config <that file> --node-id stage-<i>``, on the
-same address. A fatal refusal ends it with "stage assignment refused"; SIGINT/SIGTERM while waiting
-end it with exit 0.
+same address. While it waits, its HTTP port answers ``/health`` with 503 and
+``{"status": "waiting" | "assigning", ...}``. A fatal refusal ends it with "stage assignment
+refused"; SIGINT/SIGTERM while waiting end it with exit 0.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from mlxcel import __version__
 from mlxcel.cluster.secret import load_secret
 from mlxcel.errors import CLIError
 from mlxcel.pipeline.partition import PartitionError, format_range, human_bytes, layer_costs
-from mlxcel.process import RoleContext
+from mlxcel.process import ExitSwitch, RoleContext, http_server
 
 from .agent import Activation, PeerAgent, physical_memory
 from .errors import AssignmentRefused, AssignmentTimeout
@@ -45,18 +46,69 @@ def local_facts(context: RoleContext, settings: BringupSettings) -> PeerFacts:
                      costs=costs, memory=physical_memory(), listener=settings.control)
 
 
-def _wait(agent: PeerAgent) -> Activation | None:
-    """``agent.wait`` with SIGINT/SIGTERM turned into a clean stop (restored afterwards)."""
-    stop = threading.Event()
+def waiting_app(agent: PeerAgent, settings: BringupSettings) -> Any:
+    """The peer's HTTP port while it waits: ``/health`` answers 503 with what the peer is doing."""
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
 
-    def on_signal(signum: int, frame: Any) -> None:
-        stop.set()
+    app = FastAPI(title="mlxcel pp-peer", docs_url=None, redoc_url=None, openapi_url=None)
 
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    @app.get("/health")
+    def health() -> JSONResponse:
+        body = {"status": agent.state, "role": "pp-peer", "cluster": settings.cluster,
+                "listener": str(agent.address), "discovery": settings.discovery}
+        return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
+
+    return app
+
+
+def wait_serving_health(context: RoleContext, agent: PeerAgent, settings: BringupSettings,
+                        stop: threading.Event) -> Activation | None:
+    """Run ``agent.wait`` on a thread while uvicorn answers ``/health`` on a duplicate of the bound
+    socket (the original stays open for the stage role); ``stop`` (or SIGINT/SIGTERM, which uvicorn
+    turns into an exit) ends the wait with None."""
+    switch = ExitSwitch()
+    outcome: dict[str, Any] = {}
+
+    def wait() -> None:
+        try:
+            outcome["activation"] = agent.wait(stop)
+        except (AssignmentRefused, AssignmentTimeout) as exc:
+            outcome["error"] = exc
+        finally:
+            switch.stop()
+
+    server = http_server(waiting_app(agent, settings), switch, log_level=context.args.log_level,
+                         uvicorn_options=context.access.uvicorn_options())
+    waiter = threading.Thread(target=wait, name="mlxcel-pp-peer-wait", daemon=True)
+    sock = context.sock.dup()
+    waiter.start()
     try:
-        return agent.wait(stop)
+        server.run(sockets=[sock])
     finally:
-        for sig, handler in previous.items():
+        stop.set()
+        waiter.join()
+        sock.close()
+    if "error" in outcome:
+        raise CLIError(str(outcome["error"]))
+    return outcome.get("activation")
+
+
+class _Signals:
+    """From the start of the role until the stage takes over: SIGINT/SIGTERM set ``stop`` (uvicorn
+    installs its own handlers while it runs and puts these back afterwards)."""
+
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> "_Signals":
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, lambda signum, frame: self.stop.set())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
 
@@ -71,20 +123,20 @@ def run(context: RoleContext) -> int:
     secret = load_secret(args.cluster_secret_file, required=True)
     facts = local_facts(context, settings)
     agent = PeerAgent(settings, facts, secret)
-    try:
-        address = agent.start()
-    except OSError as exc:
-        raise CLIError(f"cannot listen for the assignment on {settings.control}: {exc.strerror or exc}") from None
-    how = (f"beaconing to {settings.discovery_target}:{settings.discovery_port}" if settings.discovery == "mdns"
-           else "static discovery")
-    _say(f"waiting for a stage assignment on {address} (cluster {settings.cluster!r}, {how}, "
-         f"{human_bytes(facts.memory)} of memory)")
-    try:
-        activation = _wait(agent)
-    except (AssignmentRefused, AssignmentTimeout) as exc:
-        raise CLIError(str(exc)) from None
-    finally:
-        agent.close()
+    with _Signals() as signals:
+        try:
+            address = agent.start()
+        except OSError as exc:
+            raise CLIError(f"cannot listen for the assignment on {settings.control}: {exc.strerror or exc}") from None
+        how = (f"beaconing to {settings.discovery_target}:{settings.discovery_port}" if settings.discovery == "mdns"
+               else "static discovery")
+        host, port = context.address
+        _say(f"waiting for a stage assignment on {address} (cluster {settings.cluster!r}, {how}, "
+             f"{human_bytes(facts.memory)} of memory), health on {context.access.scheme}://{host}:{port}/health")
+        try:
+            activation = wait_serving_health(context, agent, settings, signals.stop)
+        finally:
+            agent.close()
     if activation is None:
         _say("stopped while waiting for an assignment")
         return 0

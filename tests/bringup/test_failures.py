@@ -84,6 +84,8 @@ def test_a_peer_failing_the_commit_aborts_the_others_and_nothing_starts(bringup,
         assert proc.alive and "activated" not in proc.text and "serving layers" not in proc.text
     assert list((good.cwd / ".mlxcel").iterdir()) == []  # the staged TOML was removed, none published
     assert not (coord.cwd / ".mlxcel").exists()
+    health = httpx.get(f"{good.url}/health", timeout=5)
+    assert health.status_code == 503 and health.json()["status"] == "waiting"
 
 
 def test_version_1_is_refused_with_assignment_protocol_mismatch(bringup):

@@ -3,6 +3,7 @@ chat equal to a single node, the generated TOML files, and those files in a late
 
 from __future__ import annotations
 
+import signal
 import tomllib
 
 import httpx
@@ -22,6 +23,8 @@ def _body(path) -> str:
 
 def test_static_bring_up_then_the_generated_files_run_by_hand(bringup, single_node_chat):
     early = bringup.peer("early", "127.0.0.4")  # before the coordinator
+    health = httpx.get(f"{early.url}/health", timeout=5)
+    assert health.status_code == 503 and health.json()["status"] == "waiting"
     late_addr = f"127.0.0.3:{free_port('127.0.0.3')}"
     coord = bringup.coordinator("coord", 2, "--cluster-peers", f"{early.listener},{late_addr}",
                                 "--cluster-config-out", "out/plan.toml")
@@ -57,6 +60,12 @@ def test_static_bring_up_then_the_generated_files_run_by_hand(bringup, single_no
     manual.wait_for(r"model tiny ready")
     assert chat_text(manual.url, stream=True) == single_node_chat
     assert httpx.get(f"{stage1.url}/health", timeout=5).json()["layers"] == [2, 4]
+
+
+def test_a_waiting_peer_stops_cleanly(bringup):
+    peer = bringup.peer("peer", "127.0.0.3")
+    assert peer.stop(signal.SIGTERM) == 0  # what a service manager sends
+    assert "stopped while waiting for an assignment" in peer.text
 
 
 @pytest.mark.slow
