@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 
+from mlxcel.cluster.wire import HANDSHAKE_TIMEOUT_S  # noqa: F401 - the cluster handshake's own bound (5 s)
 from mlxcel.config import DEFAULT_CLUSTER_NAME  # noqa: F401 - re-exported: the --cluster-name default
 
 # --- flags' defaults ----------------------------------------------------------------------
@@ -28,7 +29,6 @@ CLUSTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 # --- bounds (seconds) ---------------------------------------------------------------------
 
-HANDSHAKE_TIMEOUT_S = 5.0  # the cluster handshake's own bound (mlxcel.cluster.wire)
 FRAME_TIMEOUT_S = 10.0  # waiting for one assignment frame
 PUSH_WINDOW_S = 60.0  # the coordinator's whole push, from the end of discovery
 OFFER_MARGIN_S = 10.0  # the offer phase ends this long before the push window

@@ -117,7 +117,7 @@ def _add_bringup_arguments(parser: argparse.ArgumentParser) -> None:
                        help=f"mdns: the beacons' UDP port (default {wire.DEFAULT_DISCOVERY_PORT})")
     group.add_argument("--cluster-config-out", default=None, metavar="PATH",
                        help=f"where the cluster TOML is written (coordinator default {wire.DEFAULT_COORDINATOR_CONFIG_OUT}, "
-                            f"peer default {wire.DEFAULT_PEER_CONFIG_OUT.replace('{node_id}', '<node-id>')})")
+                            f"peer default {wire.DEFAULT_PEER_CONFIG_OUT}; {{node_id}} becomes the assigned node id)")
     group.add_argument("--dry-run", action="store_true",
                        help="--pp-auto only: plan the cluster, write --cluster-config-out and exit")
 
