@@ -35,7 +35,8 @@ def _say(text: str) -> None:
     print(f"mlxcel: pp-auto: {text}", file=sys.stderr, flush=True)
 
 
-def discover(settings: BringupSettings, secret: ClusterSecret, *, window_s: float = DISCOVERY_WINDOW_S):
+def discover(settings: BringupSettings, secret: ClusterSecret, *,
+             window_s: float = DISCOVERY_WINDOW_S) -> list[PeerId]:
     """The peers whose beacons verify within the discovery window; ``CLIError`` unless exactly N."""
     n = settings.stages or 0
     verifier = BeaconVerifier(secret, mlxcel=__version__, cluster=settings.cluster)

@@ -212,7 +212,8 @@ class Push:
     # -- phase 3: commit --
 
     def _commit(self, peer: _Peer, deadline: float) -> None:
-        event = self._exchange(peer, peer.session.commit(), deadline + FRAME_TIMEOUT_S)
+        # the offer phase ended OFFER_MARGIN_S before the window: a full frame window is left
+        event = self._exchange(peer, peer.session.commit(), time.monotonic() + FRAME_TIMEOUT_S)
         if isinstance(event, PeerCommitFailed):
             raise _PeerFailed(f"it could not prepare: {event.reason}")
         assert isinstance(event, PeerCommitted)
