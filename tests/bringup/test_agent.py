@@ -17,7 +17,7 @@ from mlxcel.bringup.errors import AssignmentTimeout, BringupFailed
 from mlxcel.bringup.flags import BringupSettings
 from mlxcel.bringup.machine import CoordinatorSession, Informed, PeerFacts, PeerRefused
 from mlxcel.bringup.plan import coordinator_header, write_file
-from mlxcel.bringup.push import Push, PushConfig
+from mlxcel.bringup.push import Push, PushConfig, _Peer
 from mlxcel.cluster.identity import PeerId
 from mlxcel.cluster.secret import ClusterSecret
 from mlxcel.pipeline.partition import StageCosts
@@ -119,7 +119,7 @@ def test_an_unreachable_peer_fails_within_the_window(tmp_path):
     absent = PeerId.of("127.0.0.4", free_port("127.0.0.4"))
     try:
         p = push(tmp_path, [live], window_s=11.5)
-        p.peers.append(type(p.peers[0])(absent, CoordinatorSession(absent)))
+        p.peers.append(_Peer(absent, CoordinatorSession(absent)))
         started = time.monotonic()
         with pytest.raises(BringupFailed, match=rf"{absent} did not commit: unreachable within the push window"):
             p.run()
@@ -141,3 +141,21 @@ def test_a_peer_gives_up_after_its_wait(tmp_path):
         assert peer.wait(stop) is None  # SIGINT/SIGTERM while waiting
     finally:
         peer.close()
+
+
+def test_a_stage_listener_is_not_a_waiting_peer(tmp_path):
+    """A --pp-auto coordinator restarted after its bring-up dials stages: refused at once, not retried."""
+    from mlxcel.cluster.transport import Transport
+
+    stage = Transport(PeerId.of("127.0.0.3", 0), SECRET)
+    stage.serve()
+    try:
+        p = push(tmp_path, [])
+        p.peers = [_Peer(stage.identity, CoordinatorSession(stage.identity))]
+        started = time.monotonic()
+        with pytest.raises(BringupFailed, match="server serves the transport channel, this node dialled it for the "
+                                                "assignment channel"):
+            p.run()
+        assert time.monotonic() - started < 3
+    finally:
+        stage.close()
