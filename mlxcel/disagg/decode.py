@@ -29,7 +29,7 @@ from mlxcel.disagg.kv_cache import import_cache, probe_layout
 from mlxcel.disagg.kv_codec import Handoff, HandoffDecoder, HandoffError
 from mlxcel.disagg.loop import LoopThread
 from mlxcel.disagg.service import RoleService
-from mlxcel.disagg.wire import CANCEL_MEMORY_S, STEP_DELAY_ENV, MsgType
+from mlxcel.disagg.wire import CANCEL_MEMORY_S, PROGRESS_INTERVAL_S, STEP_DELAY_ENV, MsgType
 from mlxcel.engine.executor import LocalExecutor
 from mlxcel.engine.interface import EngineError, EngineRequest, TokenEvent
 from mlxcel.engine.runner import RowSampler, Sampled
@@ -111,11 +111,24 @@ class DecodeService(RoleService):
         self.incoming: dict[tuple[PeerId, int], Incoming] = {}
         self.running: dict[str, Any] = {}  # nonce -> (EventStream, the task relaying it)
         self.cancelled: dict[str, float] = {}  # nonce -> when forgotten
+        self.last_sent: dict[str, tuple[PeerId, float]] = {}  # nonce -> (router, when it last heard of it)
         self.counters = {"handoffs": 0, "handoff_bytes": 0, "refused": 0, "aborted": 0, "cancelled": 0, "finished": 0}
 
     def start(self) -> None:
         self.scheduler.start().wait_ready()
         self.serve()
+        self.loop.submit(self._keepalive())
+
+    async def _keepalive(self) -> None:
+        """PROGRESS for every request waiting here with nothing sent to its router for a while (a queue)."""
+        while True:
+            await asyncio.sleep(PROGRESS_INTERVAL_S)
+            now = time.monotonic()
+            with self.lock:
+                quiet = [(nonce, router) for nonce, (router, last) in self.last_sent.items()
+                         if now - last >= PROGRESS_INTERVAL_S]
+            for nonce, router in quiet:
+                self.send(router, m.Progress(nonce))
 
     # -- handoff streams -------------------------------------------------------------------------
 
@@ -221,9 +234,11 @@ class DecodeService(RoleService):
             return
         with self.lock:
             self.running[meta.nonce] = (stream, asyncio.current_task())
+            self.last_sent[meta.nonce] = (meta.router, time.monotonic())
         gone = lambda exc: self.loop.soon(self._stop, meta.nonce)  # noqa: E731 - the router is gone: stop
         try:
             async for ev in stream:
+                self.last_sent[meta.nonce] = (meta.router, time.monotonic())
                 if isinstance(ev, TokenEvent):
                     self.send(meta.router, m.Tokens(meta.nonce, (ev,)), gone)
                 else:
@@ -234,6 +249,7 @@ class DecodeService(RoleService):
         finally:
             with self.lock:
                 self.running.pop(meta.nonce, None)
+                self.last_sent.pop(meta.nonce, None)
 
     def _stop(self, nonce: str) -> None:
         """On the loop: cancel a running sequence (its KV is freed) and the task relaying it."""

@@ -18,6 +18,8 @@ from mlxcel.disagg.wire import (
     DEFAULT_HANDOFF_TIMEOUT_S,
     DEFAULT_PROBE_INTERVAL_S,
     DISAGG_ROLES,
+    MIN_HANDOFF_TIMEOUT_S,
+    PROGRESS_INTERVAL_S,
 )
 from mlxcel.errors import CLIError
 
@@ -96,6 +98,10 @@ def check_disagg_flags(args: argparse.Namespace, dist: Distributed | None) -> st
         return role
     if getattr(args, "pp_auto", None) is not None or getattr(args, "pp_peer", False):
         raise CLIError(f"--node-role {role} cannot be combined with --pp-auto or --pp-peer")
+    timeout = getattr(args, "handoff_timeout", None)
+    if timeout is not None and timeout < MIN_HANDOFF_TIMEOUT_S:
+        raise CLIError(f"--handoff-timeout must be at least {MIN_HANDOFF_TIMEOUT_S:g} s (nodes report progress every "
+                       f"{PROGRESS_INTERVAL_S:g} s), got {timeout:g}")
     if dist is None:
         _check_cli_role(args, role)
     return role

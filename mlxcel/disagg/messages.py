@@ -279,6 +279,16 @@ def cancel(nonce: str) -> bytes:
     return encode(MsgType.CANCEL, {"nonce": nonce})
 
 
+@dataclass(frozen=True)
+class Progress:
+    """Prefill or decode -> router: the request is still being worked on (queued, prefilling)."""
+
+    nonce: str
+
+    def encode(self) -> bytes:
+        return encode(MsgType.PROGRESS, {"nonce": self.nonce})
+
+
 @dataclass
 class HandoffMeta:
     """The request document inside a KV handoff header (prefill -> decode)."""
@@ -312,5 +322,5 @@ def state_doc(**fields: Any) -> bytes:
     return encode(MsgType.STATE, fields)
 
 
-__all__ = ["Error", "Finish", "Generate", "HandedOff", "HandoffMeta", "MessageRefused", "Tokens", "cancel", "decode",
-           "encode", "state_doc"]
+__all__ = ["Error", "Finish", "Generate", "HandedOff", "HandoffMeta", "MessageRefused", "Progress", "Tokens", "cancel",
+           "decode", "encode", "state_doc"]

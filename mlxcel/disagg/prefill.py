@@ -31,7 +31,7 @@ from mlxcel.disagg.kv_cache import export_cache, probe_layout
 from mlxcel.disagg.kv_codec import KVLayout, encode_chunks, encode_header
 from mlxcel.disagg.loop import LoopThread
 from mlxcel.disagg.service import RoleService
-from mlxcel.disagg.wire import MsgType
+from mlxcel.disagg.wire import PROGRESS_INTERVAL_S, MsgType
 from mlxcel.engine.executor import LocalExecutor
 from mlxcel.engine.interface import EngineError, EngineRequest, FinishEvent, TokenEvent
 from mlxcel.engine.scheduler import Scheduler
@@ -123,6 +123,17 @@ class PrefillService(RoleService):
     def start(self) -> None:
         self.scheduler.start().wait_ready()
         self.serve()
+        self.loop.submit(self._keepalive())
+
+    async def _keepalive(self) -> None:
+        """PROGRESS for every request held here (queued, prefilling, streaming), so a long prefill on a live
+        node never meets the router's handoff timeout while a silent node still does."""
+        while True:
+            await asyncio.sleep(PROGRESS_INTERVAL_S)
+            with self.lock:
+                jobs = [j for j in self.jobs.values() if not j.cancelled]
+            for job in jobs:
+                self.send(job.router, m.Progress(job.nonce))
 
     # -- messages -------------------------------------------------------------------------------
 

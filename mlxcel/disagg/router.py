@@ -313,7 +313,8 @@ class RouterEngine:
                 return
             routed: Routed = ex.context
             allowed = {MsgType.TOKENS: (routed.decode,), MsgType.FINISH: (routed.decode,),
-                       MsgType.HANDED_OFF: (routed.prefill,), MsgType.ERROR: (routed.prefill, routed.decode)}
+                       MsgType.HANDED_OFF: (routed.prefill,), MsgType.ERROR: (routed.prefill, routed.decode),
+                       MsgType.PROGRESS: (routed.prefill, routed.decode)}
             if msg.peer not in allowed.get(kind, ()):
                 self.counters["dropped_frames"] += 1
                 self.transport.warnings.warning(
@@ -336,6 +337,10 @@ class RouterEngine:
                 ex.deadline = time.monotonic() + self.cfg.handoff_timeout_s  # an idle bound from now on
                 for event in tokens.events:
                     routed.stream.push(event)
+        elif kind is MsgType.PROGRESS:
+            with self._lock:
+                if not routed.done and routed.exchange is ex:
+                    ex.deadline = time.monotonic() + self.cfg.handoff_timeout_s
         elif kind is MsgType.FINISH:
             self.exchanges.resolve(ex, reply=m.Finish.parse(doc).event)
         elif kind is MsgType.HANDED_OFF:

@@ -59,6 +59,7 @@ class MsgType(enum.IntEnum):
     ERROR = 0x05  # prefill or decode -> router
     HANDED_OFF = 0x06  # prefill -> router
     STATE = 0x07  # RPC request (router probe) and its reply
+    PROGRESS = 0x08  # prefill or decode -> router: still working on it (a long prefill, a queue)
 
 
 #: largest JSON document of a control message (a GENERATE holds the prompt's token ids)
@@ -79,6 +80,10 @@ VERBOSE_VALUES = ("1", "true", "yes", "on")
 #: router: a request fails when no handoff result (first token or error) arrives this long after dispatch,
 #: and when a decode node stays silent this long between two messages
 DEFAULT_HANDOFF_TIMEOUT_S = 30.0
+#: prefill and decode nodes send PROGRESS for every request they hold at this period while no other
+#: message of it went to the router; --handoff-timeout must be at least MIN_HANDOFF_TIMEOUT_S
+PROGRESS_INTERVAL_S = 2.0
+MIN_HANDOFF_TIMEOUT_S = 5.0
 #: router: liveness probe period of every prefill and decode node
 DEFAULT_PROBE_INTERVAL_S = 1.0
 #: a node that does not answer a probe within this long is down

@@ -1,0 +1,370 @@
+"""Disaggregated inference: the KV handoff per request, and serving against a single node.
+
+    python -m bench.disagg_bench handoff --prompt-tokens 64,512,1024,2048      # bytes and time per handoff
+    python -m bench.disagg_bench serve --topologies hybrid,1p1d,1p2d --concurrency 1,4,8 [--long]
+    python -m bench.disagg_bench frames --prompt-tokens 98,898,2048    # protected vs unprotected handoffs
+
+Every topology is started through the real CLI on its own 127.0.0.x addresses (``--node-role``,
+``--serving-bind``, one cluster secret), decode nodes first, then prefill nodes, then the router.
+
+``handoff``: one prefill and one decode node behind a router, and a hybrid node, on the same
+checkpoint. For each prompt length, requests of ``--max-tokens`` greedy tokens go to both, the
+order alternating ABBA; per request a row records the client's TTFT and end-to-end time on each,
+and for the router the handoff's bytes, the prefill node's stream time (first part sent to
+STREAM_END sent) and the GENERATE-to-first-token time, read from ``/router/stats`` (requests run
+one at a time, so the deltas belong to that request).
+
+``serve``: ``bench/serve_bench.py``'s side-by-side driver (same prompts for every topology, ABBA
+order per level) over the topologies; each row gains the router's handoff count, bytes and seconds
+over its level. ``--long`` replaces serve_bench's stock prompts with ones of about
+``--long-tokens`` tokens (default 1100).
+
+``frames``: the large-frame cost of a handoff, without a model: two transports in this process
+(127.0.0.76 -> .77), the default model's KV layout (30 layers, 3 KV heads of 64, float32 or with
+``--dtype bfloat16``), synthetic tensors. One handoff = the prefill side's real path (``encode_header``,
+``encode_chunks``, one transport stream) to the decode side's real ``HandoffDecoder`` until
+``result()``; timed end to end, AES-256-GCM against the unprotected suite in alternating rounds.
+
+Rows go to ``--out``/disagg_bench.jsonl (with the environment) and a CSV beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.environment import write_jsonl
+
+ROUTER_IP, HYBRID_IP = "127.0.0.70", "127.0.0.69"
+PREFILL_IPS = ("127.0.0.71", "127.0.0.72")
+DECODE_IPS = ("127.0.0.73", "127.0.0.74", "127.0.0.75")
+FILLER = ("The quick brown fox jumps over the lazy dog while the river runs past old stone bridges "
+          "and the wind carries leaves across quiet fields. ")
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    """One ``mlxcel serve`` process; ``url`` is its HTTP address."""
+
+    def __init__(self, args: list[str], host: str, env: dict[str, str] | None = None):
+        port = free_port(host)
+        cmd = [sys.executable, "-m", "mlxcel", "serve", "--host", host, "--port", str(port), "--log-level", "warning",
+               *args]
+        self.url = f"http://{host}:{port}"
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     env={**os.environ, **(env or {})})
+
+    def wait(self, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"disagg_bench: {self.url} exited with {self.proc.returncode}")
+            try:
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise SystemExit(f"disagg_bench: {self.url} did not become ready")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start_topology(name: str, model: str, secret: Path, common: list[str], offset: int) -> tuple[str, list[Proc]]:
+    """``hybrid`` or ``<p>p<d>d``: returns the serving URL and the processes (stop them all)."""
+    base = ["-m", model, "--served-model-name", "bench", *common]
+    if name == "hybrid":
+        p = Proc([*base, "--node-role", "hybrid"], HYBRID_IP)
+        p.wait()
+        return p.url, [p]
+    prefills, decodes = int(name.split("p")[0]), int(name.split("p")[1].rstrip("d"))
+    role = ["--cluster-secret-file", str(secret)]
+    procs: list[Proc] = []
+    ip = lambda ips, i: ips[i].rsplit(".", 1)[0] + "." + str(int(ips[i].rsplit(".", 1)[1]) + offset)  # noqa: E731
+    try:
+        dec = [f"{ip(DECODE_IPS, i)}:{free_port(ip(DECODE_IPS, i))}" for i in range(decodes)]
+        pre = [f"{ip(PREFILL_IPS, i)}:{free_port(ip(PREFILL_IPS, i))}" for i in range(prefills)]
+        for addr in dec:
+            procs.append(Proc([*base, *role, "--node-role", "decode", "--serving-bind", addr], addr.split(":")[0]))
+        for addr in pre:
+            procs.append(Proc([*base, *role, "--node-role", "prefill", "--serving-bind", addr, "--decode-peers",
+                               dec[0]], addr.split(":")[0]))
+        for p in procs:
+            p.wait()
+        router_ip = ip((ROUTER_IP,), 0)
+        raddr = f"{router_ip}:{free_port(router_ip)}"
+        router = Proc([*base, *role, "--node-role", "router", "--serving-bind", raddr, "--prefill-peers",
+                       ",".join(pre), "--decode-peers", ",".join(dec)], router_ip)
+        procs.append(router)
+        router.wait()
+    except BaseException:
+        for p in procs:
+            p.stop()
+        raise
+    return router.url, procs
+
+
+def router_metrics(url: str) -> dict[str, float]:
+    try:
+        reply = httpx.get(f"{url}/router/stats", timeout=10)
+    except httpx.HTTPError:
+        return {}
+    return reply.json().get("metrics", {}) if reply.status_code == 200 else {}
+
+
+def long_prompt(tokens: int, tag: str) -> str:
+    """About ``tokens`` tokens of English (SmolLM2's tokenizer: ~1.2 tokens per word here)."""
+    words = FILLER.split()
+    n = max(1, int(tokens / 1.25))
+    return f"[{tag}] " + " ".join(words[i % len(words)] for i in range(n)) + "\nSummarize the text above."
+
+
+def stream_once(url: str, prompt: str, max_tokens: int) -> dict[str, float]:
+    body = {"model": "bench", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    first = None
+    usage: dict[str, int] = {}
+    import json
+
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            data = json.loads(line[6:])
+            if "error" in data:
+                raise SystemExit(f"disagg_bench: {url}: {data['error']}")
+            if data.get("usage"):
+                usage = data["usage"]
+            if first is None and any((c.get("delta") or {}).get("content") for c in data.get("choices") or []):
+                first = time.perf_counter()
+    end = time.perf_counter()
+    return {"ttft_ms": round(((first or end) - start) * 1000, 2), "e2e_ms": round((end - start) * 1000, 2),
+            "prompt_tokens": usage.get("prompt_tokens", 0), "completion_tokens": usage.get("completion_tokens", 0)}
+
+
+def run_handoff(args: argparse.Namespace, secret: Path, common: list[str]) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    started: dict[str, tuple[str, list[Proc]]] = {}
+    try:
+        for k, topo in enumerate(("hybrid", "1p1d")):
+            started[topo] = start_topology(topo, args.model, secret, common, k * 10)
+        for url, _ in started.values():
+            stream_once(url, "warm up", 4)
+        for length in args.prompt_tokens:
+            for rep in range(args.repeats):
+                order = ["hybrid", "1p1d"] if rep % 2 == 0 else ["1p1d", "hybrid"]
+                for position, topo in enumerate(order):
+                    url = started[topo][0]
+                    before = router_metrics(url) if topo != "hybrid" else {}
+                    got = stream_once(url, long_prompt(length, f"h{length}-{rep}"), args.max_tokens)
+                    row: dict[str, Any] = {"bench": "disagg_handoff", "topology": topo, "target_prompt_tokens": length,
+                                           "repeat": rep, "order": position, **got}
+                    if topo != "hybrid":
+                        after = router_metrics(url)
+                        d = {k: after.get(f"router_{k}", 0) - before.get(f"router_{k}", 0)
+                             for k in ("handoffs", "handoff_bytes", "handoff_seconds", "prefill_seconds")}
+                        row.update(handoff_bytes=int(d["handoff_bytes"]), handoff_ms=round(d["handoff_seconds"] * 1000, 3),
+                                   prefill_ms=round(d["prefill_seconds"] * 1000, 2), handoffs=int(d["handoffs"]),
+                                   bytes_per_prompt_token=round(d["handoff_bytes"] / max(1, got["prompt_tokens"]), 1),
+                                   handoff_gib_s=round(d["handoff_bytes"] / max(d["handoff_seconds"], 1e-9) / 2**30, 3))
+                    print("disagg_bench:", row, file=sys.stderr, flush=True)
+                    rows.append(row)
+    finally:
+        for _, procs in started.values():
+            for p in procs:
+                p.stop()
+    return rows
+
+
+def run_serve(args: argparse.Namespace, secret: Path, common: list[str]) -> list[dict[str, Any]]:
+    from bench import serve_bench
+
+    if args.long:  # serve_bench's request texts come from its PROMPTS list: lengthen them for this run
+        serve_bench.PROMPTS = [long_prompt(args.long_tokens, f"long{i}") for i in range(len(serve_bench.PROMPTS))]
+    sb_args = serve_bench.parse_args(["--concurrency", args.concurrency, "--requests", str(args.requests),
+                                      "--max-tokens", str(args.max_tokens), "--rounds", str(args.rounds),
+                                      "--ignore-eos"])
+    started: dict[str, tuple[str, list[Proc]]] = {}
+    try:
+        for k, topo in enumerate(args.topologies.split(",")):
+            started[topo] = start_topology(topo, args.model, secret, common, k * 10)
+            serve_bench.warm(started[topo][0], "bench")
+        servers = {topo: (url, "bench") for topo, (url, _) in started.items()}
+        rows = []
+        for rnd in range(sb_args.rounds):
+            for j, n in enumerate(sb_args.concurrency):
+                for order, topo in enumerate(serve_bench.level_order(list(servers), rnd, j)):
+                    url = servers[topo][0]
+                    before = router_metrics(url)
+                    row = {**serve_bench.bench_level(topo, url, "bench", n, sb_args, tag=f"r{rnd}-c{n}"),
+                           "round": rnd, "order": order, "bench": "disagg_serve", "topology": topo,
+                           "prompt": "long" if args.long else "short"}
+                    after = router_metrics(url)
+                    if after:
+                        d = {k: after.get(f"router_{k}", 0) - before.get(f"router_{k}", 0)
+                             for k in ("handoffs", "handoff_bytes", "handoff_seconds")}
+                        row.update(handoffs=int(d["handoffs"]), handoff_bytes=int(d["handoff_bytes"]),
+                                   handoff_ms_mean=round(d["handoff_seconds"] * 1000 / max(1, d["handoffs"]), 3),
+                                   handoff_bytes_mean=int(d["handoff_bytes"] / max(1, d["handoffs"])))
+                    print(serve_bench.format_row(row, sb_args.rounds), row.get("handoff_bytes_mean", ""),
+                          row.get("handoff_ms_mean", ""), file=sys.stderr, flush=True)
+                    rows.append(row)
+    finally:
+        for _, procs in started.values():
+            for p in procs:
+                p.stop()
+    return rows
+
+
+def smollm2_layout(dtype: str):
+    """The default model's KV layout (SmolLM2-135M: 30 layers, 3 KV heads, head width 64)."""
+    from mlxcel.disagg.kv_codec import KVLayout, LayerSpec, dtype_code
+    from mlxcel.disagg.wire import CacheKind
+
+    return KVLayout(tuple(LayerSpec(CacheKind.KV, dtype_code(dtype), 3, 64, 64) for _ in range(30)))
+
+
+def run_frames(args: argparse.Namespace) -> list[dict[str, Any]]:
+    import threading
+
+    import numpy as np
+
+    from mlxcel.cluster.secret import ClusterSecret
+    from mlxcel.cluster.transport import Transport
+    from mlxcel.cluster.wire import Kind, Suite
+    from mlxcel.disagg.kv_codec import HandoffDecoder, encode_chunks, encode_header
+
+    from bench.stats import percentile
+
+    layout = smollm2_layout(args.dtype)
+    secret = ClusterSecret(os.urandom(32))
+    rows: list[dict[str, Any]] = []
+    suites = {"unprotected": Suite.UNPROTECTED, "aes": Suite.AES_256_GCM}
+    pairs = {}
+    for name, suite in suites.items():
+        done = threading.Event()
+        state: dict[str, Any] = {}
+
+        def on_message(msg: Any, state: dict = state, done: threading.Event = done) -> None:
+            if msg.kind is Kind.STREAM_DATA:
+                if "dec" not in state:
+                    state["dec"] = HandoffDecoder(layout, 8192)
+                state["dec"].feed(msg.payload)
+            elif msg.kind is Kind.STREAM_END:
+                state.pop("dec").result()
+                done.set()
+
+        rx = Transport("127.0.0.77:0", secret, suite=suite)
+        rx.serve(on_message=on_message)
+        tx = Transport("127.0.0.76:0", secret, suite=suite)
+        tx.connect(rx.identity)
+        pairs[name] = (tx, rx, done)
+    try:
+        for tokens in args.prompt_tokens:
+            tensors = [np.random.default_rng(0).integers(0, 255, t.nbytes, dtype=np.uint8)
+                       for t in layout.tensors(tokens)]
+            header = encode_header({"nonce": "0" * 16}, tuple(range(tokens)), layout)
+            times: dict[str, list[float]] = {name: [] for name in suites}
+            for rnd in range(args.repeats):
+                for name in (list(suites) if rnd % 2 == 0 else list(suites)[::-1]):
+                    tx, rx, done = pairs[name]
+                    done.clear()
+                    start = time.perf_counter()
+                    with tx.open_stream(rx.identity) as stream:
+                        stream.write(header)
+                        for part in encode_chunks(tensors):
+                            stream.write(part)
+                    if not done.wait(60):
+                        raise SystemExit("disagg_bench: a handoff did not arrive")
+                    times[name].append(time.perf_counter() - start)
+            nbytes = layout.nbytes(tokens)
+            base = percentile(times["unprotected"], 50)
+            for name, samples in times.items():
+                p50 = percentile(samples, 50)
+                row = {"bench": "disagg_frames", "suite": name, "dtype": args.dtype, "prompt_tokens": tokens,
+                       "tensor_bytes": nbytes, "repeats": len(samples), "p50_ms": round(p50 * 1000, 3),
+                       "p95_ms": round(percentile(samples, 95) * 1000, 3),
+                       "gib_s": round(nbytes / p50 / 2**30, 3), "vs_unprotected": round(p50 / base, 3),
+                       "cpus": os.cpu_count()}
+                print("disagg_bench:", row, file=sys.stderr, flush=True)
+                rows.append(row)
+    finally:
+        for tx, rx, _ in pairs.values():
+            tx.close()
+            rx.close()
+    return rows
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.disagg_bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("mode", choices=["handoff", "serve", "frames"])
+    p.add_argument("-m", "--model", default="models/smollm2-135m-instruct")
+    p.add_argument("--prompt-tokens", type=lambda s: [int(x) for x in s.split(",")], default=[64, 512, 1024, 2048])
+    p.add_argument("--repeats", type=int, default=2, help="handoff: requests per prompt length and topology")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--topologies", default="hybrid,1p1d,1p2d")
+    p.add_argument("--concurrency", default="1,4,8")
+    p.add_argument("--requests", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--long", action="store_true", help="serve: prompts of about --long-tokens tokens")
+    p.add_argument("--long-tokens", type=int, default=1100)
+    p.add_argument("--parallel", type=int, default=8)
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                   help="frames: the KV dtype of the synthetic layout")
+    p.add_argument("--out", type=Path, default=Path("bench/results"))
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    secret = Path(os.environ.get("TMPDIR", "/tmp")) / f"disagg-bench-{os.getpid()}.secret"
+    secret.write_text(os.urandom(32).hex() + "\n")
+    secret.chmod(0o600)
+    common = ["--parallel", str(args.parallel), "--max-queue", "64"]
+    try:
+        if args.mode == "frames":
+            rows = run_frames(args)
+        else:
+            rows = run_handoff(args, secret, common) if args.mode == "handoff" else run_serve(args, secret, common)
+    finally:
+        secret.unlink(missing_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    rows = [{**r, "model_dir": args.model, "run": stamp} for r in rows]
+    write_jsonl(args.out / "disagg_bench.jsonl", rows)
+    import csv
+
+    path = args.out / f"disagg_bench-{args.mode}-{stamp}.csv"
+    keys = sorted({k for r in rows for k in r})
+    with path.open("w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=keys)
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"disagg_bench: {len(rows)} rows -> {args.out}/disagg_bench.jsonl, {path.name}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
