@@ -223,7 +223,8 @@ class HandoffDecoder:
         self.expected = 0
         self._specs: list[TensorSpec] = []
         self._done: list[np.ndarray] = []
-        self._current = bytearray()
+        self._pieces: list[memoryview] = []  # the current tensor's bytes so far (views of received parts)
+        self._have = 0
         self._chunks = 0
 
     def feed(self, part: Any) -> None:
@@ -255,9 +256,14 @@ class HandoffDecoder:
             raise HandoffError(f"the handoff stream ended before its END record ({got})")
         return Handoff(self.meta, self.prompt, self.layout, self._done)
 
+    @property
+    def held(self) -> int:
+        """Tensor bytes this decoder keeps now."""
+        return sum(t.nbytes for t in self._done) + self._have
+
     def _fail(self) -> None:
         self.state = "error"
-        self._done, self._current, self._specs = [], bytearray(), []
+        self._done, self._pieces, self._have, self._specs = [], [], 0, []
 
     # -- parts ---------------------------------------------------------------------------------
 
@@ -314,18 +320,20 @@ class HandoffDecoder:
         self._chunks += 1
         while len(data):
             spec = self._specs[-1]
-            take = min(len(data), spec.nbytes - len(self._current))
-            self._current += data[:take]
+            take = min(len(data), spec.nbytes - self._have)
+            self._pieces.append(data[:take])  # a view: the part's buffer is ours (no copy until the tensor closes)
+            self._have += take
             data = data[take:]
             self.received += take
             self._advance()
 
     def _advance(self) -> None:
         """Close every tensor whose bytes are all here (zero-size tensors at once)."""
-        while self._specs and len(self._current) == self._specs[-1].nbytes:
+        while self._specs and self._have == self._specs[-1].nbytes:
             spec = self._specs.pop()
-            self._done.append(np.frombuffer(self._current, dtype=_NUMPY[spec.dtype]).reshape(spec.shape))
-            self._current = bytearray()
+            raw = self._pieces[0] if len(self._pieces) == 1 else b"".join(self._pieces)
+            self._done.append(np.frombuffer(raw, dtype=_NUMPY[spec.dtype]).reshape(spec.shape))
+            self._pieces, self._have = [], 0
 
     def _end(self, view: memoryview) -> None:
         if len(view) != _END.size:

@@ -53,7 +53,7 @@ def refused(dec: HandoffDecoder, part: bytes, *words: str) -> HandoffError:
         dec.feed(part)
     for word in words:
         assert word in str(info.value)
-    assert dec.state == "error" and dec._current == bytearray() and dec._done == []  # nothing kept
+    assert dec.state == "error" and dec.held == 0 and dec._done == []  # nothing kept
     with pytest.raises(HandoffError):
         dec.feed(part)  # a refused handoff stays refused
     return info.value
@@ -162,7 +162,7 @@ def test_a_header_claiming_a_huge_cache_allocates_nothing_before_its_bytes_arriv
         tracemalloc.stop()
     assert dec.expected == 2 * 8 * 128 * 4 * 100_000  # 819 MB claimed
     assert peak < 8 * 1024 * 1024  # the prompt's ids and one chunk, not the claim
-    assert len(dec._current) == 1000
+    assert dec.held == 1000
 
 
 @pytest.mark.parametrize("mutate, words", [
