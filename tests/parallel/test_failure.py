@@ -107,3 +107,22 @@ def test_generate_with_a_killed_rank_exits_1(tiny_6_3):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_followers_leave_when_rank_0_is_killed(tiny_6_3):
+    proc = subprocess.Popen([*CLI, "generate", "-m", str(tiny_6_3), "-p", "x", "-n", "100000", "--raw",
+                             "--tp-size", "3"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    ranks: dict[int, int] = {}
+    try:
+        ranks = followers(proc.pid, 2)
+        assert proc.stdout.read(20)
+        proc.kill()
+        proc.wait(10)
+        assert wait_gone(list(ranks.values()), timeout=10) < 10  # they watch their parent and rank 0's silence
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in ranks.values():
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)

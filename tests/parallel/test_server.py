@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import signal
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
 
-from tests.parallel.util import alive, followers, wait_gone
+from tests.parallel.util import alive, followers
 from tests.server.util import MODEL, ServerProcess, metrics
 
 pytestmark = pytest.mark.timeout(240)
