@@ -161,10 +161,13 @@ class RankZeroControl:
             if m["op"] == "hello":
                 if rank >= self.size or (rank in self.peers and self.peers[rank] != msg.peer):
                     raise ControlError(f"rank {rank} is not expected (or already joined from elsewhere)")
-                if m["identity"] != self.settings["identity"]:
-                    self.failures[rank] = (f"rank {rank} holds another checkpoint (model identity "
-                                           f"{m['identity'][:12]}, rank 0 has {self.settings['identity'][:12]})")
                 self.peers[rank] = msg.peer
+                if m["identity"] != self.settings["identity"]:
+                    problem = (f"rank {rank} holds another checkpoint (model identity {m['identity'][:12]}, "
+                               f"rank 0 has {self.settings['identity'][:12]})")
+                    self.failures[rank] = problem
+                    self._cond.notify_all()
+                    return reply(ok=False, error=problem)
             elif m["op"] == "ready" and self.peers.get(rank) == msg.peer:
                 self.ready.add(rank)
             elif m["op"] == "failed" and self.peers.get(rank) == msg.peer:

@@ -53,6 +53,8 @@ class FollowerControl:
         self.timeout = timeout
         self.inbox: queue.SimpleQueue[tuple[dict, Future | None]] = queue.SimpleQueue()
         self.last_seen = time.monotonic()
+        self.stopped_before_ready: str | None = None  # rank 0's shutdown reason, while this rank is not replaying
+        self.replaying = False
 
     def start(self) -> PeerId:
         return self.transport.serve(self._on_message, self._on_request)
@@ -69,6 +71,8 @@ class FollowerControl:
         except ControlError as exc:
             log.warning("tensor-parallel rank %d: dropped a control message: %s", self.rank, exc)
             return
+        if m["op"] == "shutdown" and not self.replaying:
+            self.stopped_before_ready = m["reason"]
         self.inbox.put((m, None))
 
     def _on_request(self, msg: Message) -> bytes:
@@ -88,11 +92,15 @@ class FollowerControl:
         """Say hello until rank 0 answers (it may start later on another host); its settings."""
         while True:
             try:
-                return self.call("hello", pid=os.getpid(), identity=identity)
+                answer = self.call("hello", pid=os.getpid(), identity=identity)
             except Exception as exc:  # noqa: BLE001 - not listening yet, or refused
                 if time.monotonic() > deadline:
                     raise TPError(f"rank 0 at {self.rank0} did not answer: {exc}") from None
                 time.sleep(HELLO_RETRY_S)
+                continue
+            if answer.get("ok") is False:
+                raise TPError(f"rank 0 refused this rank: {answer.get('error')}")
+            return answer
 
     def close(self) -> None:
         self.transport.close()
@@ -105,6 +113,8 @@ def watch(control: FollowerControl, parent: int | None) -> None:
             time.sleep(WATCH_S)
             if parent is not None and os.getppid() != parent:
                 die(control.rank, f"rank 0 (pid {parent}) is gone")
+            if control.stopped_before_ready is not None and not control.replaying:
+                die(control.rank, f"rank 0 stopped before the group was ready ({control.stopped_before_ready})")
             silent = time.monotonic() - control.last_seen
             if silent > control.timeout:
                 die(control.rank, f"rank 0 stopped answering for {silent:.0f}s")
@@ -130,6 +140,7 @@ def replay(control: FollowerControl, shard: Any) -> int:
     """Apply rank 0's messages in order until ``shutdown``; returns 0."""
     from mlxcel.engine.runner import RunnerError
 
+    control.replaying = True
     while True:
         m, fut = control.inbox.get()
         op = m["op"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 
@@ -63,3 +64,26 @@ def test_a_follower_needs_the_secret(tiny_6_3, group_files, monkeypatch):
                           "--tp-rank", "1", "--port", "0"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 1
     assert out.stderr.splitlines()[-1].startswith("mlxcel: error: a cluster secret is required but none was configured")
+
+
+def test_a_follower_with_another_checkpoint_is_refused(tiny_6_3, group_files, tmp_path):
+    from mlxcel.models.random_checkpoint import make_random_checkpoint
+
+    other = make_random_checkpoint(tmp_path / "other", family="llama", layers=2, hidden=48, heads=6, kv_heads=3,
+                                   intermediate=96)
+    hosts, secret = group_files
+    common = ["--tp-size", "3", "--tp-hostfile", str(hosts), "--tp-port", str(free_ports(1)[0]),
+              "--cluster-secret-file", str(secret)]
+    ranks = [subprocess.Popen([*CLI, "serve", "-m", str(model), *common, "--tp-rank", str(r), "--port", "0"],
+                              stderr=subprocess.PIPE, text=True) for r, model in ((1, other), (2, tiny_6_3))]
+    rank0 = subprocess.Popen([*CLI, "serve", "-m", str(tiny_6_3), *common, "--port", "0"], stderr=subprocess.PIPE,
+                             text=True)
+    try:
+        assert rank0.wait(90) == 1
+        assert "rank 1 holds another checkpoint (model identity" in rank0.stderr.read()
+        assert ranks[0].wait(30) == 1
+        assert "rank 0 refused this rank: rank 1 holds another checkpoint" in ranks[0].stderr.read()
+        # rank 2 keeps waiting for a rank 0 (one may start later, up to the join deadline): stopped below
+    finally:
+        for proc in (rank0, *ranks):
+            stop_process(proc, signal.SIGTERM)
