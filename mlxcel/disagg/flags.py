@@ -87,7 +87,8 @@ def check_disagg_flags(args: argparse.Namespace, dist: Distributed | None) -> st
         if explicit not in (None, dist.node.role):
             raise CLIError(f"--node-role {explicit} contradicts node {dist.node.id!r}, whose role in "
                            f"{dist.cluster.path} is {dist.node.role!r}")
-        if dist.node.role in DISAGG_ROLES and any(f in given for f in ("--serving-bind", "--prefill-peers", "--decode-peers")):
+        toml_given = [f for f in given if f in ("--serving-bind", "--prefill-peers", "--decode-peers")]
+        if dist.node.role in DISAGG_ROLES and toml_given:
             raise CLIError("--serving-bind, --prefill-peers and --decode-peers come from the cluster TOML when "
                            "--distributed-config is given")
     role = node_role(args, dist)

@@ -282,7 +282,8 @@ class HandoffDecoder:
         off += meta_len
         count = _read(_COUNT, view, off, "the prompt length")[0]
         if not 1 <= count <= self.context_length:
-            raise HandoffError(f"a handoff of {count} prompt tokens is outside 1..{self.context_length} (the context length)")
+            raise HandoffError(f"a handoff of {count} prompt tokens is outside 1..{self.context_length} "
+                               "(the context length)")
         off += _COUNT.size
         ids = view[off:off + 4 * count]
         if len(ids) != 4 * count:

@@ -121,8 +121,10 @@ def params_of(value: Any) -> SamplingParams:
     if seed is not None:
         seed = _int(value, "seed", -(2**63), 2**63 - 1)
     try:
-        return SamplingParams(max_tokens=_int(value, "max_tokens", 1, 2**31), temperature=_num(value.get("temperature", 0.0), "temperature"),
-                              top_p=_num(value.get("top_p", 1.0), "top_p"), top_k=_int(value, "top_k", 0, 2**31, default=0),
+        return SamplingParams(max_tokens=_int(value, "max_tokens", 1, 2**31),
+                              temperature=_num(value.get("temperature", 0.0), "temperature"),
+                              top_p=_num(value.get("top_p", 1.0), "top_p"),
+                              top_k=_int(value, "top_k", 0, 2**31, default=0),
                               seed=seed, stop=tuple(stop), logprobs=_bool(value, "logprobs"))
     except SamplingError as exc:
         raise MessageRefused(f"params.{exc.param}: {exc}") from None

@@ -244,7 +244,7 @@ class RouterEngine:
             self._fail(routed, code if code.error_class is ErrorClass.BAD_INPUT else code.as_local(), message)
 
     def _may_retry(self, routed: Routed, code: ErrorCode) -> bool:
-        return (routed.emitted == 0 and routed.attempts < MAX_DISPATCH_ATTEMPTS
+        return (not self.exchanges.closing and routed.emitted == 0 and routed.attempts < MAX_DISPATCH_ATTEMPTS
                 and code.error_class not in (ErrorClass.BAD_INPUT, ErrorClass.CANCELLED))
 
     def _finish(self, routed: Routed, event: FinishEvent) -> None:

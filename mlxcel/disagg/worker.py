@@ -40,9 +40,10 @@ class WorkerProcess:
         start = time.perf_counter()
         try:
             loaded = load_checkpoint(config.model)
-            kwargs: dict[str, Any] = dict(identity=model_identity(config.model), context_length=context_length(loaded.config),
-                                          parallel=config.parallel, max_batch_size=config.max_batch_size,
-                                          max_queue=config.max_queue, warmup=config.warmup)
+            kwargs: dict[str, Any] = dict(identity=model_identity(config.model),
+                                          context_length=context_length(loaded.config), parallel=config.parallel,
+                                          max_batch_size=config.max_batch_size, max_queue=config.max_queue,
+                                          warmup=config.warmup)
             if self.cfg.role == "prefill":
                 from mlxcel.disagg.prefill import PrefillService
 

@@ -9,7 +9,6 @@ import json
 import re
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import numpy as np

@@ -153,7 +153,8 @@ def test_the_cluster_toml_gives_the_roles_their_addresses_and_peers(tmp_path, ti
 @pytest.mark.parametrize("change, words", [
     (("role = \"router\"", "role = \"stage\""), "pipeline or disaggregated, not both"),
     (("id = \"p0\"\nrole = \"prefill\"", "id = \"p0\"\nrole = \"decode\""), "at least one node with role = \"prefill\""),
-    (("name = \"di\"", "name = \"di\"\npipeline_parallel_size = 2"), "pipeline_parallel_size under [cluster] is for pipelines"),
+    (("name = \"di\"", "name = \"di\"\npipeline_parallel_size = 2"),
+     "pipeline_parallel_size under [cluster] is for pipelines"),
     (("address = \"127.0.0.52:19002\"", "address = \"0.0.0.0:19002\""), "a decode node's address must be the IP"),
 ])
 def test_inconsistent_disaggregated_tomls_are_named(tmp_path, change, words):

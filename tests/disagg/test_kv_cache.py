@@ -7,7 +7,6 @@ import contextlib
 from typing import Iterator
 
 import mlx.core as mx
-import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
