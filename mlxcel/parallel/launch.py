@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -32,6 +33,7 @@ from mlxcel.parallel.options import TPOptions
 LOOPBACK = "127.0.0.1"
 NCCL_PORT_OFFSET = 0  # NCCL's rendezvous port is the first ring port
 STOP_GRACE_S = 5.0
+WORKDIR_PREFIX = "mlxcel-tp-"  # then the PID: a dir whose process is gone is removed by the next rank
 MIN_JOIN_S = 60.0  # every rank joins (hello, then the MLX group) within max(this, 4 x --tp-timeout)
 
 
@@ -127,9 +129,28 @@ def group_environment(spec: GroupSpec, rank: int, workdir: Path) -> dict[str, st
 
 def init_group(spec: GroupSpec, rank: int, deadline_s: float) -> Any:
     """``mx.distributed.init`` for this rank within ``deadline_s`` seconds, else TPError."""
-    with tempfile.TemporaryDirectory(prefix="mlxcel-tp-") as workdir:  # MLX reads its hostfile during init only
+    _remove_stale_workdirs()
+    with tempfile.TemporaryDirectory(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-") as workdir:  # read during init only
         os.environ.update(group_environment(spec, rank, Path(workdir)))
         return _init(spec, rank, deadline_s)
+
+
+def _remove_stale_workdirs() -> None:
+    """Work dirs left by ranks that exited during ``init`` (a process killed there runs no cleanup)."""
+    for path in Path(tempfile.gettempdir()).glob(f"{WORKDIR_PREFIX}*-*"):
+        pid = path.name[len(WORKDIR_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and path.is_dir() and path.stat().st_uid == os.getuid() and not _alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _init(spec: GroupSpec, rank: int, deadline_s: float) -> Any:
