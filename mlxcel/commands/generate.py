@@ -66,7 +66,7 @@ def _pipeline(args: argparse.Namespace, loaded: Any) -> Any:
 
 
 def _run_tensor_parallel(args: argparse.Namespace, tp: Any, params: SamplingParams, text: str) -> int:
-    """--tp-size N: this process is rank 0 of N (docs/tensor-parallel.md); it prints, the others follow."""
+    """--tp-size N: this process is rank 0 of N (docs/tp.md); it prints, the others follow."""
     from mlxcel.parallel.generate import TPGeneration, timed
 
     if tp.rank > 0:

@@ -3,7 +3,7 @@
 Each rank holds a 1/N slice of every layer's attention heads and MLP width (mlx-lm's ``shard()``);
 two all-reduces per layer join the slices. Rank 0 runs the scheduler and serves or prints; the
 other ranks replay its steps (``follower``), told over the authenticated cluster transport
-(``control``). docs/tensor-parallel.md is the operator's page.
+(``control``). docs/tp.md is the operator's page.
 
 - ``options``: flags, defaults, the checks of their combinations (no MLX).
 - ``plan``: which families shard, and the refusals before any weight is read (no MLX).

@@ -3,7 +3,7 @@
 MLX's collectives carry only tensors; which step to run, which sequence to prepare or free, and when
 to stop travel here, over the authenticated, encrypted cluster transport (``mlxcel.cluster``) under
 the cluster secret. Messages are small JSON objects with an ``op``; ``decode`` checks every field
-(docs/tensor-parallel.md, "Control channel").
+(docs/tp.md, "Control channel").
 
 Rank 0 -> follower, one-way ``CONTROL`` messages, applied in order:
   ``step``     {kind, rids, tokens, slot, sample}: run it exactly as rank 0 does

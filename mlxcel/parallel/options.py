@@ -61,8 +61,8 @@ def ring_port(text: str) -> int:
 
 
 def add_tp_arguments(parser: argparse.ArgumentParser, *, server: bool) -> None:
-    """The "tensor parallelism" flag group (docs/tensor-parallel.md)."""
-    group = parser.add_argument_group("tensor parallelism (docs/tensor-parallel.md)")
+    """The "tensor parallelism" flag group (docs/tp.md)."""
+    group = parser.add_argument_group("tensor parallelism (docs/tp.md)")
     group.add_argument("--tp-size", type=positive_int, default=DEFAULT_TP_SIZE, metavar="N",
                        help=f"shard every layer over N ranks (default {DEFAULT_TP_SIZE} = off); N must divide the "
                             f"attention heads, KV heads and intermediate size. Supported: {FAMILIES_HELP}")
@@ -80,7 +80,7 @@ def add_tp_arguments(parser: argparse.ArgumentParser, *, server: bool) -> None:
                             f"port (default: free loopback ports; {DEFAULT_TP_HOSTFILE_PORT} with --tp-hostfile)")
     group.add_argument(PLAINTEXT_FLAG, dest="tp_allow_plaintext_network", action="store_true",
                        help="accept a --tp-hostfile with non-loopback addresses: MLX's collectives are plain, "
-                            "unauthenticated TCP (logs a warning; see docs/tensor-parallel.md)")
+                            "unauthenticated TCP (logs a warning; see docs/tp.md)")
     group.add_argument("--tp-embedding-mode", choices=VOCAB_MODES, default=DEFAULT_VOCAB_MODE,
                        help="embedding table: replicated on every rank (default; vocab_parallel is refused)")
     group.add_argument("--tp-lm-head-mode", choices=VOCAB_MODES, default=DEFAULT_VOCAB_MODE,
