@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 
+from mlxcel.config import DEFAULT_PREFIX_CACHE_MB
 from mlxcel.models.random_checkpoint import make_random_checkpoint
 from mlxcel.pipeline.cluster_config import load_cluster_config
 from mlxcel.pipeline.partition import PartitionError, parse_layer_ranges
@@ -86,3 +89,42 @@ def test_preflight_accepts_a_layer_range_exactly_when_the_engine_does(
         text = " ".join(result.output.split())
         assert "the stages' mlxcel_config_layers (local-stage-0: '0-6', local-stage-1: '7-') are refused by the " \
                "engine: --layers: stage 1: '7-' is not a layer range" in text, result.output[-4000:]
+
+
+def test_prefix_cache_mb_is_rendered_only_when_set(deployment: Deployment) -> None:
+    homes = [deployment.home(n) for n in HOSTS]
+    result = deployment.run("deploy.yml", "--tags", "install,config", mlxcel_config_prefix_cache_mb=0)
+    assert result.rc == 0, result.output[-4000:]
+    assert all(load_cluster_config(h / "cluster.toml").prefix_cache_mb == 0 for h in homes)  # 0 = off, still rendered
+    result = deployment.run("deploy.yml", "--tags", "install,config")
+    assert result.rc == 0, result.output[-4000:]
+    assert not any("prefix_cache_mb" in (h / "cluster.toml").read_text() for h in homes)  # the engine's default
+    assert load_cluster_config(homes[1] / "cluster.toml").prefix_cache_mb == DEFAULT_PREFIX_CACHE_MB
+
+
+def test_pp_auto_refuses_settings_only_a_rendered_toml_carries(deployment: Deployment) -> None:
+    result = deployment.run("deploy.yml", "--tags", "install,config", mlxcel_bringup="pp_auto",
+                            mlxcel_config_prefix_cache_mb=64, mlxcel_config_startup_s=30)
+    assert result.rc != 0
+    text = " ".join(result.output.split())
+    assert ("mlxcel_bringup pp_auto renders no cluster TOML (the --pp-auto coordinator plans the stages and writes "
+            "it), so mlxcel_config_prefix_cache_mb, mlxcel_config_startup_s cannot apply") in text, result.output[-3000:]
+
+
+@pytest.mark.parametrize("bringup", ["toml", "pp_auto"])
+def test_systemd_unit_keeps_a_refused_peer_down_only_with_pp_auto(deployment: Deployment, bringup: str) -> None:
+    result = deployment.run("tests/ansible/render_units.yml", mlxcel_bringup=bringup, mlxcel_node_supervisor="systemd")
+    assert result.rc == 0, result.output[-4000:]
+    for node in HOSTS:
+        unit = deployment.home(node) / f"mlxcel-{node}.service"
+        text = unit.read_text()
+        exec_start = next(line for line in text.splitlines() if line.startswith("ExecStart="))
+        assert "Restart=on-failure" in text
+        # "stage assignment refused" (and a --pp-auto coordinator restarted after its bring-up) exit 1
+        assert ("RestartPreventExitStatus=1" in text) == (bringup == "pp_auto"), text
+        flag = {"toml": "--distributed-config", "pp_auto": "--pp-auto 2" if node == "coordinator" else "--pp-peer"}
+        assert f" {flag[bringup]} " in exec_start, exec_start
+        if shutil.which("systemd-analyze"):  # works offline: it parses the unit and checks ExecStart's binary
+            verify = subprocess.run(["systemd-analyze", "verify", "--man=no", str(unit)], capture_output=True,
+                                    text=True, timeout=60)
+            assert verify.returncode == 0 and str(unit) not in verify.stderr, verify.stderr

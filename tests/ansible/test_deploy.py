@@ -1,8 +1,10 @@
 """deploy.yml / status.yml / teardown.yml on the loopback inventory: 3 real processes on 127.0.0.2-4.
 
 The tests run in file order on one deployment: deploy, chat, redeploy (changed=0), status, secrets,
-secret rotation, bench, teardown. The API key and TLS are tested on the namespace cluster
-(test_netns.py), where the OpenAI port is off loopback.
+secret rotation, bench (all with the rendered TOML), then the same hosts brought up again with
+mlxcel_bringup=pp_auto (--pp-auto / --pp-peer): the same answer, status with each peer's assignment,
+redeploy (changed=0), a dead peer restarting the whole cluster; then teardown. The API key and TLS
+are tested on the namespace cluster (test_netns.py), where the OpenAI port is off loopback.
 """
 
 from __future__ import annotations
@@ -10,8 +12,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import stat
 import subprocess
+import time
 import tomllib
 
 import openai
@@ -23,6 +27,28 @@ from tests.ansible.playbook import HOSTS, Deployment, free_port
 
 pytestmark = pytest.mark.timeout(600)
 NODES = tuple(HOSTS)
+PP_AUTO = {"mlxcel_bringup": "pp_auto"}
+ANSWERS: dict[str, str] = {}  # bring-up -> the greedy answer to one prompt
+
+
+def _greedy_answer(deployment: Deployment) -> str:
+    client = openai.OpenAI(base_url=f"{deployment.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    reply = client.chat.completions.create(model=client.models.list().data[0].id, max_tokens=12, temperature=0,
+                                           messages=[{"role": "user", "content": "Name three colours."}])
+    return reply.choices[0].message.content
+
+
+def _pids(deployment: Deployment) -> dict[str, str]:
+    return {n: (deployment.home(n) / "node.pid").read_text() for n in NODES}
+
+
+def _argv(deployment: Deployment, node: str) -> list[str]:
+    pid = int((deployment.home(node) / "node.pid").read_text())
+    return [a.decode() for a in open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")]
+
+
+def _flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
 
 
 def _deployed(deployment: Deployment) -> None:
@@ -71,17 +97,22 @@ def test_chat_through_the_coordinator_with_openai(deployment: Deployment) -> Non
     stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
                                             max_tokens=4, temperature=0, stream=True)
     assert any(chunk.choices and chunk.choices[0].finish_reason for chunk in stream)
+    ANSWERS["toml"] = _greedy_answer(deployment)
+
+
+def _assert_redeploy_changes_nothing(deployment: Deployment, **more: object) -> None:
+    pids = _pids(deployment)
+    result = deployment.run("deploy.yml", **more)
+    assert result.rc == 0, result.output[-4000:]
+    assert {h: r["changed"] for h, r in result.recap().items()} == \
+        {"local-coordinator": 0, "local-stage-0": 0, "local-stage-1": 0}, result.output[-4000:]
+    assert pids == _pids(deployment)  # nothing restarted
+    print(f"re-run: {result.seconds:.1f} s")
 
 
 def test_redeploy_changes_nothing(deployment: Deployment) -> None:
     _deployed(deployment)
-    pids = {n: (deployment.home(n) / "node.pid").read_text() for n in NODES}
-    result = deployment.run("deploy.yml")
-    assert result.rc == 0, result.output[-4000:]
-    assert {h: r["changed"] for h, r in result.recap().items()} == \
-        {"local-coordinator": 0, "local-stage-0": 0, "local-stage-1": 0}, result.output[-4000:]
-    assert pids == {n: (deployment.home(n) / "node.pid").read_text() for n in NODES}  # nothing restarted
-    print(f"re-run: {result.seconds:.1f} s")
+    _assert_redeploy_changes_nothing(deployment)
 
 
 def test_status_reports_role_pid_port_and_health(deployment: Deployment) -> None:
@@ -146,6 +177,79 @@ def test_bench_fetches_rows_and_builds_the_report(deployment: Deployment) -> Non
     report = deployment.root / "reports" / "t1"
     assert (report / "index.html").stat().st_size > 1000
     assert f"report: {report}/index.html" in result.output
+
+
+def test_pp_auto_bringup_assigns_the_stages_and_answers_as_the_toml_did(deployment: Deployment) -> None:
+    _deployed(deployment)
+    if "toml" not in ANSWERS:
+        pytest.skip("no answer of the rendered-TOML cluster to compare with (see test_chat_through_the_coordinator)")
+    pids = _pids(deployment)
+    result = deployment.run("deploy.yml", **PP_AUTO)
+    assert result.rc == 0, result.output[-4000:]
+    text = " ".join(result.output.split())  # the YAML callback folds long messages
+    # another command line on every host: the whole cluster restarts, the peers first, then the coordinator
+    assert "starting every node of the cluster" in text and all(
+        f"local-{n} (command line" in text for n in NODES), result.output[-4000:]
+    assert all(pids[n] != p for n, p in _pids(deployment).items())
+    coordinator = _argv(deployment, "coordinator")
+    assert _flag(coordinator, "--pp-auto") == "2" and "--distributed-config" not in coordinator
+    assert _flag(coordinator, "--cluster-peers") == ",".join(
+        f"{HOSTS[n]}:{deployment.cluster_port}" for n in ("stage-0", "stage-1"))
+    assert _flag(coordinator, "--cluster-control-addr") == f"{HOSTS['coordinator']}:{deployment.cluster_port}"
+    generated = (deployment.home("coordinator") / "cluster.toml").read_text()
+    assert generated.startswith("# Cluster TOML planned by an mlxcel"), generated[:300]
+    for i, node in enumerate(("stage-0", "stage-1")):
+        argv = _argv(deployment, node)
+        assert "--pp-peer" in argv and "--distributed-config" not in argv
+        assert _flag(argv, "--cluster-control-addr") == f"{HOSTS[node]}:{deployment.cluster_port}"
+        assert not (deployment.home(node) / "cluster.toml").exists()  # the rendered TOML is gone
+        received = deployment.home(node) / f"cluster-stage-{i}.toml"  # what the peer was assigned
+        config = load_cluster_config(received)
+        assert [(s.id, str(s.address), s.layers) for s in config.stages] == [
+            ("stage-0", f"{HOSTS['stage-0']}:{deployment.cluster_port}", (0, 2)),
+            ("stage-1", f"{HOSTS['stage-1']}:{deployment.cluster_port}", (2, 4))]
+        assert received.read_text().split("\n\n", 1)[1] == generated.split("\n\n", 1)[1]  # one body
+    assert "local-stage-0 is stage-0 (layers 0-1)" in text and "local-stage-1 is stage-1 (layers 2-3)" in text
+    assert "answer: " in result.output
+    ANSWERS["pp_auto"] = _greedy_answer(deployment)
+    assert ANSWERS["pp_auto"] == ANSWERS["toml"]
+    print(f"switch to pp_auto: {result.seconds:.1f} s")
+
+
+def _pp_auto(deployment: Deployment) -> None:
+    _deployed(deployment)
+    if "pp_auto" not in ANSWERS:
+        pytest.skip("the pp_auto bring-up did not come up (see test_pp_auto_bringup_assigns_the_stages...)")
+
+
+def test_pp_auto_status_shows_the_stage_each_peer_was_assigned(deployment: Deployment) -> None:
+    _pp_auto(deployment)
+    result = deployment.run("status.yml", **PP_AUTO)
+    assert result.rc == 0, result.output[-4000:]
+    text = " ".join(result.output.split())
+    for node, layers in (("stage-0", "0-1"), ("stage-1", "2-3")):
+        pid = (deployment.home(node) / "node.pid").read_text().strip()
+        assert re.search(rf"- {node} +stage +{pid} .* 200 ready +{node} layers {layers}", text), result.output[-3000:]
+    assert re.search(r"- coordinator +coordinator +\d+ .* 200 ready +- ", text), result.output[-3000:]
+
+
+def test_pp_auto_redeploy_changes_nothing(deployment: Deployment) -> None:
+    _pp_auto(deployment)
+    _assert_redeploy_changes_nothing(deployment, **PP_AUTO)
+
+
+def test_pp_auto_a_dead_peer_restarts_the_whole_cluster(deployment: Deployment) -> None:
+    _pp_auto(deployment)
+    pids = _pids(deployment)
+    os.kill(int(pids["stage-1"]), signal.SIGKILL)  # a crash: restarted alone it would wait for an assignment forever
+    deadline = time.monotonic() + 10
+    while int(pids["stage-1"]) in deployment.pids() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    result = deployment.run("deploy.yml", **PP_AUTO)
+    assert result.rc == 0, result.output[-4000:]
+    assert "local-stage-1 (not running)" in " ".join(result.output.split()), result.output[-4000:]
+    assert all(pids[n] != p for n, p in _pids(deployment).items())  # the coordinator and stage-0 too
+    assert _greedy_answer(deployment) == ANSWERS["toml"]
 
 
 def test_teardown_leaves_no_process(deployment: Deployment) -> None:
