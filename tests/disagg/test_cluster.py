@@ -140,15 +140,25 @@ def test_two_decode_nodes_share_the_load_and_stats_are_redacted(cluster):
     assert metrics["router_handoff_seconds"] > 0
 
 
-def test_verbose_stats_show_the_addresses(cluster, tiny_llama):
+def test_a_keyed_router_guards_every_endpoint_but_health_and_verbose_stats_show_addresses(cluster, tiny_llama):
+    keys = cluster.tmp / "api.keys"
+    keys.write_text("router-test-key-0123456789\n")
+    keys.chmod(0o600)
     router = RoleNode(tiny_llama, "router", "127.0.0.26", f"127.0.0.26:{_free('127.0.0.26')}", cluster.secret,
                       "--prefill-peers", ",".join(cluster.prefill_addrs), "--decode-peers",
-                      ",".join(cluster.decode_addrs), env={"MLXCEL_ROUTER_STATS_VERBOSE": "Yes"})
+                      ",".join(cluster.decode_addrs), "--api-key-file", str(keys),
+                      env={"MLXCEL_ROUTER_STATS_VERBOSE": "Yes"})
     try:
         router.wait_ready()
-        stats = httpx.get(f"{router.url}/router/stats", timeout=5).json()
+        for path in ("/router/stats", "/v1/models"):
+            assert httpx.get(f"{router.url}{path}", timeout=5).status_code == 401
+        auth = {"Authorization": "Bearer router-test-key-0123456789"}
+        stats = httpx.get(f"{router.url}/router/stats", headers=auth, timeout=5).json()
         assert stats["addresses_redacted"] is False
         assert [n["address"] for n in stats["nodes"]] == [*cluster.prefill_addrs, *cluster.decode_addrs]
+        api = openai.OpenAI(base_url=f"{router.url}/v1", api_key="router-test-key-0123456789", max_retries=0)
+        got = api.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "k"}], max_tokens=2)
+        assert got.usage.completion_tokens == 2
     finally:
         router.stop()
 
