@@ -182,3 +182,15 @@ def test_the_allowlist_parses_numeric_entries_and_skips_the_rest(caplog):
 def test_stats_verbosity_follows_the_variable(value, verbose):
     assert stats_verbose({"MLXCEL_ROUTER_STATS_VERBOSE": value}) is verbose
     assert stats_verbose({}) is False
+
+
+def test_the_example_toml_loads_as_a_disaggregated_cluster():
+    from mlxcel.pipeline.cluster_config import load_cluster_config
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "disagg-loopback.toml"
+    cluster = load_cluster_config(example)
+    assert [n.id for n in cluster.with_role("router")] == ["router"]
+    assert [str(n.address) for n in cluster.with_role("decode")] == ["127.0.0.13:19103", "127.0.0.14:19104"]
+    text = example.read_text()
+    for node in cluster.nodes:
+        assert f"--node-id {node.id} " in text  # every node has its start line
