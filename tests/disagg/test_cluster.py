@@ -173,7 +173,7 @@ def _free(host: str) -> int:
 
 
 def test_forged_result_frames_are_dropped(cluster, single):
-    kw = dict(max_tokens=40, temperature=0)
+    kw = dict(max_tokens=120, temperature=0)  # about 4 s of decoding: in flight while we forge
     ref = chat(single.url, CHATS[2], **kw).choices[0].message.content
     seen = [len(p.lines) for p in cluster.prefills]
     stream = client(cluster.url).chat.completions.create(
