@@ -52,7 +52,7 @@ def _bringup(flag: str) -> Selector:
 
 
 def _disagg(role: str) -> Selector:
-    """A disaggregated role: the TOML node's role, else ``--node-role`` (docs/disaggregated.md)."""
+    """A disaggregated role: the TOML node's role, else ``--node-role`` (docs/disagg.md)."""
     return lambda args, dist: (dist.node.role if dist is not None else getattr(args, "node_role", None)) == role
 
 

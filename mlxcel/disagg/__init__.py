@@ -1,4 +1,4 @@
-"""Disaggregated inference: prefill, decode and router roles with a KV-cache handoff (docs/disaggregated.md).
+"""Disaggregated inference: prefill, decode and router roles with a KV-cache handoff (docs/disagg.md).
 
 Module map (the codecs are sans-I/O; the services own sockets and threads):
 

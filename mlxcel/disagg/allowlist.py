@@ -1,4 +1,4 @@
-"""``MLXCEL_DECODE_ALLOWLIST``: the decode nodes a prefill node may hand a KV cache to (docs/disaggregated.md §7).
+"""``MLXCEL_DECODE_ALLOWLIST``: the decode nodes a prefill node may hand a KV cache to (docs/disagg.md §7).
 
 A comma-separated list of numeric ``IP:port`` entries: the full set of decode nodes any router may
 choose. An entry that does not parse (a hostname, a missing port) is skipped with a warning; unset,

@@ -1,4 +1,4 @@
-"""The disaggregated roles' flags and TOML nodes -> one ``NodeConfig`` (docs/disaggregated.md §2).
+"""The disaggregated roles' flags and TOML nodes -> one ``NodeConfig`` (docs/disagg.md §2).
 
 ``--node-role prefill|decode|router|hybrid`` (default hybrid: today's single node), ``--serving-bind``
 (this node's role-transport listener and identity), ``--prefill-peers`` and ``--decode-peers``; or a

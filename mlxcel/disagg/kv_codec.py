@@ -1,4 +1,4 @@
-"""The KV handoff wire format, sans-I/O: a header, raw tensor chunks, an end record (docs/disaggregated.md §4).
+"""The KV handoff wire format, sans-I/O: a header, raw tensor chunks, an end record (docs/disagg.md §4).
 
 A prefill node hands a sequence to a decode node as one transport stream whose STREAM_DATA bodies
 are *parts*:

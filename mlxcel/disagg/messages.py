@@ -1,4 +1,4 @@
-"""Control messages of the disaggregated roles, sans-I/O: a type byte and a JSON object (docs/disaggregated.md §3).
+"""Control messages of the disaggregated roles, sans-I/O: a type byte and a JSON object (docs/disagg.md §3).
 
 Every field is checked by type and bound on receipt (a boolean is never a number); a message that
 fails is a ``MessageRefused`` naming the field, answered or dropped by the service, never executed.

@@ -1,4 +1,4 @@
-"""The router: the OpenAI API's engine over prefill and decode nodes (docs/disaggregated.md §5-6).
+"""The router: the OpenAI API's engine over prefill and decode nodes (docs/disagg.md §5-6).
 
 Per request it picks a prefill and a decode node round-robin among the nodes the health monitor
 (``PeerMonitor``: STATE probes every ``--probe-interval``, plus send errors) marks up, opens an

@@ -1,4 +1,4 @@
-"""Wire constants and defaults of disaggregated inference: one home (``docs/disaggregated.md``).
+"""Wire constants and defaults of disaggregated inference: one home (``docs/disagg.md``).
 
 No MLX and no I/O: the sans-I/O codecs, the services and the docs tests import these.
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import enum
 
-# --- KV handoff (prefill -> decode, one transport stream; docs/disaggregated.md §4) --------------
+# --- KV handoff (prefill -> decode, one transport stream; docs/disagg.md §4) --------------
 
 KV_MAGIC = b"MXKV"
 KV_VERSION = 1
@@ -46,7 +46,7 @@ class DType(enum.IntEnum):
 DTYPE_NAMES = {DType.FLOAT32: "float32", DType.FLOAT16: "float16", DType.BFLOAT16: "bfloat16", DType.UINT32: "uint32"}
 DTYPE_SIZES = {DType.FLOAT32: 4, DType.FLOAT16: 2, DType.BFLOAT16: 2, DType.UINT32: 4}
 
-# --- control messages (router <-> prefill/decode; docs/disaggregated.md §3) ----------------------
+# --- control messages (router <-> prefill/decode; docs/disagg.md §3) ----------------------
 
 
 class MsgType(enum.IntEnum):

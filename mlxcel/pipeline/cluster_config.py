@@ -9,7 +9,7 @@ Schema (docs/pipeline.md has the commented example, ``examples/cluster-loopback.
                 layers ("a-b", stages only)
 
 A cluster is a pipeline (one coordinator and its stages) or disaggregated (prefill, decode and router
-nodes, each holding the whole model; docs/disaggregated.md), never both.
+nodes, each holding the whole model; docs/disagg.md), never both.
 
 Every problem is a ``ClusterConfigError`` naming the file and the key.
 """

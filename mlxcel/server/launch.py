@@ -123,10 +123,10 @@ def _add_bringup_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_disagg_arguments(parser: argparse.ArgumentParser) -> None:
-    """Disaggregated prefill/decode/router roles (docs/disaggregated.md); checked by ``mlxcel.disagg.flags``."""
+    """Disaggregated prefill/decode/router roles (docs/disagg.md); checked by ``mlxcel.disagg.flags``."""
     from mlxcel.disagg.flags import add_disagg_arguments
 
-    add_disagg_arguments(parser.add_argument_group("disaggregated inference (docs/disaggregated.md)"))
+    add_disagg_arguments(parser.add_argument_group("disaggregated inference (docs/disagg.md)"))
 
 
 def check_cluster_flags(args: argparse.Namespace) -> None:

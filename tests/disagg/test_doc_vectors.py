@@ -1,4 +1,4 @@
-"""The worked example of docs/disaggregated.md §4.4 is what the codec writes and reads."""
+"""The worked example of docs/disagg.md §4.4 is what the codec writes and reads."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 from mlxcel.disagg.kv_codec import HandoffDecoder, KVLayout, LayerSpec, encode_chunks, encode_header
 from mlxcel.disagg.wire import CacheKind, DType
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "disaggregated.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "disagg.md"
 
 
 def example_parts() -> list[bytes]:
