@@ -101,3 +101,24 @@ def thread_count(text: str) -> int:
     if value > MAX_THREADS:
         raise argparse.ArgumentTypeError(f"must be at most {MAX_THREADS}, got {value}")
     return value
+
+
+# Tensor parallelism (``--tp-*``; mlxcel/parallel/, docs/tp.md)
+DEFAULT_TP_SIZE = 1  # 1 = off
+TP_BACKENDS = ("auto", "ring", "nccl", "jaccl")
+TP_VOCAB_MODES = ("replicated", "vocab_parallel")  # --tp-embedding-mode, --tp-lm-head-mode (only replicated runs)
+DEFAULT_TP_VOCAB_MODE = "replicated"
+TP_MOE_MODES = ("expert_parallel", "within_expert")
+DEFAULT_TP_MOE_MODE = "expert_parallel"
+# --tp-reduce-dtype: the dtype of the partial sums every all-reduce carries ("model": the model's own
+# dtype, no cast; measurements in docs/tp.md, "Fewer or smaller collectives")
+TP_REDUCE_DTYPES = ("model", "bfloat16", "float32")
+DEFAULT_TP_REDUCE_DTYPE = "model"
+DEFAULT_TP_TIMEOUT_S = 30.0  # a rank silent this long, or a step this slow, ends every rank
+DEFAULT_TP_HOSTFILE_PORT = 32323  # mlx.launch's default --starting-port
+TP_MIN_JOIN_S = 60.0  # every rank joins (hello, then the MLX group) within max(this, 4 x --tp-timeout)
+TP_STOP_GRACE_S = 5.0  # local followers told to stop get this long before SIGKILL
+TP_MAX_HOSTS = 1024  # hosts in a --tp-hostfile
+TP_MAX_ROWS = 4096  # bound on rows (and ranks) in a control message
+TP_MAX_STEP_TOKENS = 1 << 20  # token ids in one step message
+TP_MAX_CONTROL_TEXT = 1024  # characters of a control message's text field (rid, identity, reason)

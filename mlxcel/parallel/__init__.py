@@ -7,6 +7,7 @@ other ranks replay its steps (``follower``), told over the authenticated cluster
 
 - ``options``: flags, defaults, the checks of their combinations (no MLX).
 - ``plan``: which families shard, and the refusals before any weight is read (no MLX).
+- ``reduce``: ``--tp-reduce-dtype``, the dtype the all-reduces carry.
 - ``hostfile``: the multi-host hostfile (mlx.launch's JSON format) and the loopback rule.
 - ``control``: the control messages (sans-I/O codec) and both ends of the channel.
 - ``launch``: starting the local follower ranks, ring addresses, ``mx.distributed.init`` with a deadline.

@@ -13,7 +13,7 @@ Rank 0 -> follower, requests (answered after everything sent before them is appl
   ``prepare``  {rid, prompt, limit} -> {cached}: a fresh sequence, its prefix cut to at most ``limit``
   ``ping``     {} -> {ok}: answered at once, even while a step runs
 Follower -> rank 0, requests:
-  ``hello``    {rank, pid, identity} -> {max_batch_size, prefix_cache_bytes}: this rank is up
+  ``hello``    {rank, pid, identity} -> {max_batch_size, prefix_cache_bytes, reduce_dtype}: this rank is up
   ``ready``    {rank}: loaded and sharded;  ``failed`` {rank, error}: it cannot go on (it exits)
 """
 
@@ -31,14 +31,11 @@ from mlxcel.cluster.messages import Message
 from mlxcel.cluster.secret import ClusterSecret
 from mlxcel.cluster.transport import Transport
 from mlxcel.cluster.wire import Kind
-from mlxcel.config import MAX_PREFIX_TOKENS
+from mlxcel.config import MAX_PREFIX_TOKENS, TP_MAX_CONTROL_TEXT, TP_MAX_ROWS, TP_MAX_STEP_TOKENS
 from mlxcel.parallel.errors import TPError
 
 log = logging.getLogger("mlxcel.parallel")
 
-MAX_ROWS = 4096
-MAX_STEP_TOKENS = 1 << 20
-MAX_TEXT = 1024
 OPS = ("step", "release", "shutdown", "prepare", "ping", "hello", "ready", "failed")
 
 
@@ -63,8 +60,8 @@ def _ints(value: Any, name: str, limit: int) -> list[int]:
 
 
 def _text(value: Any, name: str) -> str:
-    if not isinstance(value, str) or not value or len(value) > MAX_TEXT:
-        raise ControlError(f"{name} must be a non-empty string of at most {MAX_TEXT} characters")
+    if not isinstance(value, str) or not value or len(value) > TP_MAX_CONTROL_TEXT:
+        raise ControlError(f"{name} must be a non-empty string of at most {TP_MAX_CONTROL_TEXT} characters")
     return value
 
 
@@ -72,18 +69,18 @@ def _step(m: dict) -> dict:
     if m.get("kind") not in ("prefill", "decode"):
         raise ControlError("kind must be prefill or decode")
     rids = m.get("rids")
-    if not isinstance(rids, list) or not 1 <= len(rids) <= MAX_ROWS:
-        raise ControlError(f"rids must list 1 to {MAX_ROWS} request ids")
+    if not isinstance(rids, list) or not 1 <= len(rids) <= TP_MAX_ROWS:
+        raise ControlError(f"rids must list 1 to {TP_MAX_ROWS} request ids")
     tokens = m.get("tokens")
     if not isinstance(tokens, list) or len(tokens) != len(rids):
         raise ControlError("tokens must have one row per request id")
-    rows = [_ints(t, "tokens", MAX_STEP_TOKENS) for t in tokens]
-    if sum(len(r) for r in rows) > MAX_STEP_TOKENS or len({len(r) for r in rows}) != 1 or not rows[0]:
+    rows = [_ints(t, "tokens", TP_MAX_STEP_TOKENS) for t in tokens]
+    if sum(len(r) for r in rows) > TP_MAX_STEP_TOKENS or len({len(r) for r in rows}) != 1 or not rows[0]:
         raise ControlError("tokens must be rows of one non-zero length")
     if not isinstance(m.get("sample"), bool):
         raise ControlError("sample must be a boolean")
     return {"op": "step", "kind": m["kind"], "rids": [_text(r, "rid") for r in rids], "tokens": rows,
-            "slot": _int(m.get("slot"), "slot", -1, MAX_ROWS), "sample": m["sample"]}
+            "slot": _int(m.get("slot"), "slot", -1, TP_MAX_ROWS), "sample": m["sample"]}
 
 
 def decode(payload: bytes | memoryview) -> dict:
@@ -105,14 +102,14 @@ def decode(payload: bytes | memoryview) -> dict:
         return {"op": op, "rid": _text(m.get("rid"), "rid"), "prompt": _ints(m.get("prompt"), "prompt", MAX_PREFIX_TOKENS * 16),
                 "limit": _int(m.get("limit"), "limit")}
     if op in ("hello", "ready", "failed"):
-        out = {"op": op, "rank": _int(m.get("rank"), "rank", 1, MAX_ROWS)}
+        out = {"op": op, "rank": _int(m.get("rank"), "rank", 1, TP_MAX_ROWS)}
         if op == "hello":
             out.update(pid=_int(m.get("pid"), "pid"), identity=_text(m.get("identity"), "identity"))
         if op == "failed":
-            out["error"] = str(m.get("error", ""))[:MAX_TEXT]
+            out["error"] = str(m.get("error", ""))[:TP_MAX_CONTROL_TEXT]
         return out
     if op == "shutdown":
-        return {"op": op, "reason": str(m.get("reason", ""))[:MAX_TEXT]}
+        return {"op": op, "reason": str(m.get("reason", ""))[:TP_MAX_CONTROL_TEXT]}
     return {"op": op}
 
 

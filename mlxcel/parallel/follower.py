@@ -25,6 +25,7 @@ from mlxcel.cluster.identity import PeerId, as_peer
 from mlxcel.cluster.messages import Message
 from mlxcel.cluster.secret import ClusterSecret
 from mlxcel.cluster.transport import Transport
+from mlxcel.config import DEFAULT_TP_REDUCE_DTYPE
 from mlxcel.parallel.control import ControlError, decode, encode, read_reply, reply
 from mlxcel.parallel.errors import TPError
 from mlxcel.parallel.launch import GroupSpec, init_group
@@ -127,10 +128,12 @@ def _load(model_dir: Path, size: int, group: Any, settings: dict) -> Any:
 
     from mlxcel.models.loading import load_checkpoint
     from mlxcel.parallel.plan import apply_plan, check_shardable
+    from mlxcel.parallel.reduce import set_reduce_dtype
     from mlxcel.parallel.replay import ShardRunner
 
     loaded = load_checkpoint(model_dir, lazy=True)
     apply_plan(loaded.model, check_shardable(loaded.config, size, model_dir), group)
+    set_reduce_dtype(loaded.model, str(settings.get("reduce_dtype", DEFAULT_TP_REDUCE_DTYPE)))  # rank 0's choice
     mx.eval(loaded.model.parameters())
     return ShardRunner(loaded.model, head=False, max_rows=int(settings["max_batch_size"]),
                        prefix_cache_bytes=int(settings["prefix_cache_bytes"]))

@@ -18,12 +18,12 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from mlxcel.config import TP_MAX_HOSTS
 from mlxcel.parallel.errors import HostfileError
 
 PLAINTEXT_FLAG = "--tp-allow-plaintext-network"
 PLAINTEXT_WHY = ("MLX's collectives carry tensors over plain, unauthenticated TCP, so tensor parallelism "
                  "binds loopback only")
-MAX_HOSTS = 1024
 
 
 @dataclass(frozen=True)
@@ -90,8 +90,8 @@ def parse_hostfile(text: str, path: Path) -> Hostfile:
         data = data.get("hosts")
     if not isinstance(data, list) or not data:
         raise HostfileError(f"{path}: expected a non-empty list of hosts (or an object with \"hosts\")")
-    if len(data) > MAX_HOSTS:
-        raise HostfileError(f"{path}: {len(data)} hosts, at most {MAX_HOSTS}")
+    if len(data) > TP_MAX_HOSTS:
+        raise HostfileError(f"{path}: {len(data)} hosts, at most {TP_MAX_HOSTS}")
     return Hostfile(path, tuple(_host_ips(h, i, path) for i, h in enumerate(data)), backend)
 
 

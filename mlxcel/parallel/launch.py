@@ -26,19 +26,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mlxcel.config import TP_MIN_JOIN_S, TP_STOP_GRACE_S
 from mlxcel.parallel.errors import TPError
 from mlxcel.parallel.hostfile import Hostfile
 from mlxcel.parallel.options import TPOptions
 
 LOOPBACK = "127.0.0.1"
 NCCL_PORT_OFFSET = 0  # NCCL's rendezvous port is the first ring port
-STOP_GRACE_S = 5.0
 WORKDIR_PREFIX = "mlxcel-tp-"  # then the PID: a dir whose process is gone is removed by the next rank
-MIN_JOIN_S = 60.0  # every rank joins (hello, then the MLX group) within max(this, 4 x --tp-timeout)
 
 
 def join_seconds(timeout: float) -> float:
-    return max(MIN_JOIN_S, 4 * timeout)
+    return max(TP_MIN_JOIN_S, 4 * timeout)
 
 
 def resolve_backend(requested: str, hostfile: Hostfile | None) -> str:
@@ -201,7 +200,7 @@ class LocalRanks:
                 return f"tensor-parallel rank {rank} (pid {proc.pid}) {how}"
         return None
 
-    def stop(self, grace: float = STOP_GRACE_S) -> None:
+    def stop(self, grace: float = TP_STOP_GRACE_S) -> None:
         """Wait up to ``grace`` s for the followers to leave, then SIGKILL the rest."""
         deadline = time.monotonic() + grace
         for proc in self.procs.values():

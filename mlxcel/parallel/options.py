@@ -1,4 +1,4 @@
-"""``--tp-*`` flags: definitions, defaults, and every check that needs no weights.
+"""``--tp-*`` flags: definitions and every check that needs no weights (defaults and bounds: ``mlxcel.config``).
 
 ``add_tp_arguments`` adds the group to ``mlxcel generate`` and to the server; ``prepare_tp`` checks
 flag combinations, the hostfile and the shard plan (config.json only) and returns ``TPOptions``, or
@@ -13,21 +13,27 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from mlxcel.config import non_negative_int, positive_int, seconds
+from mlxcel.config import (
+    DEFAULT_TP_HOSTFILE_PORT,
+    DEFAULT_TP_MOE_MODE,
+    DEFAULT_TP_REDUCE_DTYPE,
+    DEFAULT_TP_SIZE,
+    DEFAULT_TP_TIMEOUT_S,
+    DEFAULT_TP_VOCAB_MODE,
+    TP_BACKENDS,
+    TP_MOE_MODES,
+    TP_REDUCE_DTYPES,
+    TP_VOCAB_MODES,
+    non_negative_int,
+    positive_int,
+    seconds,
+)
 from mlxcel.parallel.errors import TPError
 from mlxcel.parallel.hostfile import PLAINTEXT_FLAG, Hostfile, load_hostfile
 from mlxcel.parallel.plan import FAMILIES_HELP, ShardPlan, check_shardable
 
 log = logging.getLogger("mlxcel.parallel")
 
-DEFAULT_TP_SIZE = 1
-TP_BACKENDS = ("auto", "ring", "nccl", "jaccl")
-VOCAB_MODES = ("replicated", "vocab_parallel")  # --tp-embedding-mode, --tp-lm-head-mode
-MOE_MODES = ("expert_parallel", "within_expert")
-DEFAULT_VOCAB_MODE = "replicated"
-DEFAULT_MOE_MODE = "expert_parallel"
-DEFAULT_TP_TIMEOUT_S = 30.0  # a rank silent this long, or a step this slow, ends every rank
-DEFAULT_TP_HOSTFILE_PORT = 32323  # mlx.launch's default --starting-port
 PLAINTEXT_WARNING = ("--tp-allow-plaintext-network: tensors between tensor-parallel ranks cross the network as "
                      "plain, unauthenticated TCP (MLX's collectives); anyone on that network can read every "
                      "activation and forge or corrupt them. Use it only on a link you trust end to end.")
@@ -45,6 +51,7 @@ class TPOptions:
     port: int | None = None  # first ring port; None: free loopback ports (local ranks only)
     allow_plaintext: bool = False
     timeout: float = DEFAULT_TP_TIMEOUT_S
+    reduce_dtype: str = DEFAULT_TP_REDUCE_DTYPE  # rank 0's value is every rank's (sent in the hello reply)
 
     @property
     def local(self) -> bool:
@@ -81,12 +88,16 @@ def add_tp_arguments(parser: argparse.ArgumentParser, *, server: bool) -> None:
     group.add_argument(PLAINTEXT_FLAG, dest="tp_allow_plaintext_network", action="store_true",
                        help="accept a --tp-hostfile with non-loopback addresses: MLX's collectives are plain, "
                             "unauthenticated TCP (logs a warning; see docs/tp.md)")
-    group.add_argument("--tp-embedding-mode", choices=VOCAB_MODES, default=DEFAULT_VOCAB_MODE,
+    group.add_argument("--tp-embedding-mode", choices=TP_VOCAB_MODES, default=DEFAULT_TP_VOCAB_MODE,
                        help="embedding table: replicated on every rank (default; vocab_parallel is refused)")
-    group.add_argument("--tp-lm-head-mode", choices=VOCAB_MODES, default=DEFAULT_VOCAB_MODE,
+    group.add_argument("--tp-lm-head-mode", choices=TP_VOCAB_MODES, default=DEFAULT_TP_VOCAB_MODE,
                        help="LM head: replicated on every rank (default; vocab_parallel is refused)")
-    group.add_argument("--tp-moe-mode", choices=MOE_MODES, default=DEFAULT_MOE_MODE,
-                       help=f"MoE experts (default {DEFAULT_MOE_MODE}); MoE families are refused for now")
+    group.add_argument("--tp-moe-mode", choices=TP_MOE_MODES, default=DEFAULT_TP_MOE_MODE,
+                       help=f"MoE experts (default {DEFAULT_TP_MOE_MODE}); MoE families are refused for now")
+    group.add_argument("--tp-reduce-dtype", choices=TP_REDUCE_DTYPES, default=DEFAULT_TP_REDUCE_DTYPE,
+                       help="dtype of the partial sums each all-reduce carries: model = the model's own (default), "
+                            "bfloat16 halves a float32 model's bytes at bfloat16 precision (greedy output may "
+                            "differ); rank 0's choice applies to every rank")
     group.add_argument("--tp-timeout", type=seconds, default=DEFAULT_TP_TIMEOUT_S, metavar="S",
                        help="a rank that stops answering, or a step that takes longer, ends every rank with an "
                             f"error after S seconds (default {DEFAULT_TP_TIMEOUT_S:g})")
@@ -99,7 +110,7 @@ def _get(args: argparse.Namespace, name: str, default: Any = None) -> Any:
 def _check_modes(args: argparse.Namespace) -> None:
     for flag, name, what in (("--tp-embedding-mode", "tp_embedding_mode", "embedding table"),
                              ("--tp-lm-head-mode", "tp_lm_head_mode", "LM head")):
-        if _get(args, name, DEFAULT_VOCAB_MODE) != DEFAULT_VOCAB_MODE:
+        if _get(args, name, DEFAULT_TP_VOCAB_MODE) != DEFAULT_TP_VOCAB_MODE:
             raise TPError(f"{flag} {_get(args, name)} is not supported: this runtime keeps the {what} replicated "
                           f"on every rank (use {flag} replicated, the default)")
 
@@ -114,6 +125,8 @@ def check_tp_flags(args: argparse.Namespace) -> None:
                 raise TPError(f"{flag} needs --tp-size above 1")
         if _get(args, "tp_allow_plaintext_network", False):
             raise TPError(f"{PLAINTEXT_FLAG} needs --tp-size above 1 and a --tp-hostfile")
+        if _get(args, "tp_reduce_dtype", DEFAULT_TP_REDUCE_DTYPE) != DEFAULT_TP_REDUCE_DTYPE:
+            raise TPError("--tp-reduce-dtype needs --tp-size above 1 (one rank reduces nothing)")
         return
     hostfile, rank = _get(args, "tp_hostfile"), _get(args, "tp_rank")
     if rank is not None and hostfile is None:
@@ -153,7 +166,8 @@ def prepare_tp(args: argparse.Namespace, model_dir: Path, config: Mapping[str, A
         load_secret(_get(args, "cluster_secret_file"), required=True)  # fail closed: the control channel crosses hosts
     options = TPOptions(size=size, plan=plan, backend=_get(args, "tp_backend", "auto"),
                         rank=_get(args, "tp_rank") or 0, hostfile=hostfile, port=port, allow_plaintext=allow,
-                        timeout=_get(args, "tp_timeout", DEFAULT_TP_TIMEOUT_S))
+                        timeout=_get(args, "tp_timeout", DEFAULT_TP_TIMEOUT_S),
+                        reduce_dtype=_get(args, "tp_reduce_dtype", DEFAULT_TP_REDUCE_DTYPE))
     if allow and hostfile is not None and hostfile.non_loopback():
         log.warning(PLAINTEXT_WARNING)
     return options

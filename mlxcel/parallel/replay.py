@@ -24,6 +24,7 @@ class ShardRunner:
     """One rank's runner and prefix cache; ``head`` says whether this rank computes the LM head."""
 
     def __init__(self, model: Any, *, head: bool, max_rows: int, prefix_cache_bytes: int):
+        self.model = model
         body = getattr(model, "model", None)
         if head or body is None:
             forward = lambda x, c: model(x, cache=c)  # noqa: E731

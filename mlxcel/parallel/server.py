@@ -69,7 +69,8 @@ def run(context: RoleContext) -> int:
     """Serve as rank 0 of ``--tp-size`` ranks until stopped; 1 when the group broke."""
     server = TPServer(context)
     config = replace(context.config, lazy_weights=True)  # the weights are read only once sharded
-    print(f"mlxcel: tensor parallel over {server.tp.size} ranks ({server.tp.plan.describe()}); {DECODE_PATH}",
+    reduce = "" if server.tp.reduce_dtype == "model" else f", all-reduce in {server.tp.reduce_dtype}"
+    print(f"mlxcel: tensor parallel over {server.tp.size} ranks ({server.tp.plan.describe()}{reduce}); {DECODE_PATH}",
           file=sys.stderr, flush=True)
     try:
         code = serve_openai(context, ServerRuntime(config, server.build),

@@ -49,7 +49,7 @@ class RankZero:
         self.model_dir = model_dir
         self.secret = secret if secret is not None else ClusterSecret(launch_secret(None), source="this launch")
         self.settings = {"identity": model_identity(model_dir), "max_batch_size": max_batch_size,
-                         "prefix_cache_bytes": prefix_cache_bytes}
+                         "prefix_cache_bytes": prefix_cache_bytes, "reduce_dtype": tp.reduce_dtype}
         self.local = LocalRanks() if tp.local else None
         self.control: RankZeroControl | None = None
         self.spec: GroupSpec | None = None
@@ -97,8 +97,11 @@ class RankZero:
         """Shard ``model`` (loaded lazily) over the group, load this rank's slice, wait for every follower."""
         import mlx.core as mx
 
+        from mlxcel.parallel.reduce import set_reduce_dtype
+
         assert self.control is not None
         apply_plan(model, self.tp.plan, self.group)
+        set_reduce_dtype(model, self.tp.reduce_dtype)
         mx.eval(model.parameters())
         self.control.wait("ready", self.followers, None, self._problem)
 
