@@ -17,7 +17,9 @@ timer and scheduler threads lived beside it, which made "remote 1.76x single" ou
 comparison. A worker loads what its mode needs (the coordinator: tokenizer and config only), warms
 up over --warmup tokens, then measures one run. The stage processes persist across runs, like a
 deployed cluster (they are warmed by a remote worker before the first measured run); only the
-coordinator side is fresh each time. Rows are marked ``fair_comparison``.
+coordinator side is fresh each time. No prefix cache anywhere (the stages' ``prefix_cache_mb = 0``,
+the single-node server's ``--prefix-cache-mb 0``): persistent stages would otherwise skip the
+repeated prompt's prefill that every fresh single process pays. Rows are marked ``fair_comparison``.
 
 Every mode must produce the same tokens from the same prompt (``identical`` in the rows). Every
 row records the worker's PID and the CPU-seconds each process spent in the measured run: the
@@ -225,10 +227,11 @@ class RemoteDriver:
 
 
 def stage_state_delta(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per stage: ``steps`` and every timing-like numeric STATE field, after minus before."""
+    """Per stage: ``steps`` and every timing-like numeric STATE field, after minus before, and the
+    bytes its prefix cache holds afterwards (0: off, as this benchmark asks)."""
     out = []
     for b, a in zip(before, after):
-        rec: dict[str, Any] = {"node_id": a.get("node_id")}
+        rec: dict[str, Any] = {"node_id": a.get("node_id"), "prefix_bytes": a.get("prefix_bytes")}
         for key, value in a.items():
             if (key == "steps" or key.endswith(_TIMING_SUFFIXES)) and isinstance(value, (int, float)) \
                     and not isinstance(value, bool) and isinstance(b.get(key), (int, float)):
@@ -330,7 +333,7 @@ class StageCluster:
         for i, a in enumerate(self.addrs):
             nodes += f'\n[[nodes]]\nid = "stage-{i}"\nrole = "stage"\naddress = "{a}"\n'
         self.toml.write_text(f'[cluster]\npipeline_parallel_size = {stages}\nsecret_file = "cluster.secret"\n\n'
-                             f'[pipeline]\nmax_batch_size = 8\n\n[timeouts]\nheartbeat_s = 30\nexchange_s = 120\n\n{nodes}')
+                             f'[pipeline]\nmax_batch_size = 8\nprefix_cache_mb = 0\n\n[timeouts]\nheartbeat_s = 30\nexchange_s = 120\n\n{nodes}')
         self.procs: list[subprocess.Popen] = []
 
     @property
@@ -515,7 +518,7 @@ async def load_level(url: str, streams: int, tokens: int, prompts: list[str]) ->
 
 
 def server_levels(args: argparse.Namespace, cluster: StageCluster) -> list[dict]:
-    single, single_url = launch_server(["-m", args.model, "--parallel", "8"], "127.0.0.1")
+    single, single_url = launch_server(["-m", args.model, "--parallel", "8", "--prefix-cache-mb", "0"], "127.0.0.1")
     coord, coord_url = launch_server(["-m", args.model, "--parallel", "8", "--distributed-config", str(cluster.toml),
                                       "--node-id", "coordinator"], COORDINATOR_HOST)
     servers = {"server_single": single_url, "server_remote_pp": coord_url}
