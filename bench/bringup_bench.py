@@ -10,9 +10,8 @@ launched at the same instant (t0):
 
 Each run then waits for the coordinator's HTTP port, polls ``/health`` every 20 ms until 200 and
 sends one streamed chat request; the row records t0 -> ready and t0 -> first content token.
---runs rounds, the mode order reversed every other round (ABBA). One JSON line per run on stdout
-(and appended to --out). The rows have no schema in ``mlxcel report`` yet, so keep them out of
-bench/results/ (whose rows must all validate).
+--runs rounds, the mode order reversed every other round (ABBA). One JSON line per run on stdout;
+--out appends the rows with the environment (``bench: bringup``, a schema of ``mlxcel report``).
 
     python -m bench.bringup_bench --runs 4
 """
@@ -158,10 +157,9 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        with open(args.out, "a") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
+        from bench.environment import write_jsonl
+
+        write_jsonl(args.out, rows)
     for mode in modes:
         times = [row["first_token_s"] for row in rows if row["mode"] == mode]
         print(f"{mode}: first token after {statistics.median(times):.2f} s median ({min(times):.2f}-{max(times):.2f}, "

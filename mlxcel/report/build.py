@@ -44,6 +44,7 @@ def summarize(loaded: Loaded) -> dict[str, pd.DataFrame]:
         "frame": tables.frame_summary(loaded.table("frame")),
         "pipeline": tables.pipeline_summary(loaded.table("pipeline")),
         "serve": tables.serve_summary(loaded.table("serve")),
+        "tp": tables.tp_summary(loaded.table("tp")),
         "environment": tables.environment_table(loaded.tables),
     }
 
@@ -141,6 +142,24 @@ def _serve_sections(df: pd.DataFrame) -> list[dict[str, Any]]:
     return out
 
 
+def _tp_table(df: pd.DataFrame) -> html.Table:
+    """tp 1 against tp N (or two tp N configurations) per model, path and batch; B / A only where fair."""
+    return html.table(df, [
+        ("session", "session", html.text), ("machine", "machine", html.text), ("model", "model_name", html.text),
+        ("shape", "shape", html.text), ("path", "impl", html.text), ("batch", "batch", html.num(0)),
+        ("A", "a", html.text), ("A tok/s (median)", "a_tok_s_median", html.num(1)),
+        ("A range", ("a_tok_s_min", "a_tok_s_max"), html.spread(1)),
+        ("B", "b", html.text), ("B tok/s (median)", "b_tok_s_median", html.num(1)),
+        ("B range", ("b_tok_s_min", "b_tok_s_max"), html.spread(1)), ("rounds", "rounds", html.num(0)),
+        ("B / A (fair runs only)", "ratio_median", html.ratio), ("B / A range", ("ratio_min", "ratio_max"), _ratio_range),
+        ("greedy tokens", "tokens", html.text),
+    ])
+
+
+def _ratio_range(lo: Any, hi: Any) -> str:
+    return "–" if pd.isna(lo) else f"{html.ratio(lo)} – {html.ratio(hi)}"
+
+
 def _decode_table(cmp: pd.DataFrame) -> html.Table:
     return html.table(cmp, [
         ("session", "session", html.text), ("machine", "machine", html.text), ("model", "model", html.text),
@@ -235,7 +254,8 @@ def build_report(inputs: Sequence[str | Path], out_dir: str | Path, *, baseline:
         **{f"rows_{name}": df for name, df in loaded.tables.items()},
         "environment": summaries["environment"], "decode_summary": summaries["decode"],
         "decode_comparison": summaries["decode_comparison"], "frame_summary": summaries["frame"],
-        "pipeline_summary": summaries["pipeline"], "serve_summary": summaries["serve"], "metrics": metrics,
+        "pipeline_summary": summaries["pipeline"], "serve_summary": summaries["serve"], "tp_summary": summaries["tp"],
+        "metrics": metrics,
         "reference_frame": reference.frame_table(), "reference_pipeline": reference.pipeline_table(),
         "baseline_comparison": comparison,
         "rejected": pd.DataFrame({"problem": loaded.problems}) if loaded.problems else None,
@@ -254,6 +274,7 @@ def build_report(inputs: Sequence[str | Path], out_dir: str | Path, *, baseline:
         "frame_sections": _frame_sections(summaries["frame"]) if not summaries["frame"].empty else [],
         "pipeline_sections": _pipeline_sections(summaries["pipeline"]) if not summaries["pipeline"].empty else [],
         "serve_sections": _serve_sections(summaries["serve"]) if not summaries["serve"].empty else [],
+        "tp_table": _tp_table(summaries["tp"]) if not summaries["tp"].empty else None, "tp_note": tables.TP_NOTE,
         "baseline": str(baseline) if baseline is not None else None,
         "comparison": _comparison_table(comparison) if comparison is not None else None,
         "regressions": regressions, "tolerance_pct": f"{tolerance:.0%}",

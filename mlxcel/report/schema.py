@@ -48,6 +48,8 @@ def _str(name: str, **kw: Any) -> Field:
     return Field(name, "str", **kw)
 
 
+TP_VARIANTS = ("tp1", "model", "bfloat16", "float32", "one-reduce", "no-reduce")  # bench/tp_bench.py --variants
+
 _DECODE_RUN = (
     _int("run"), _str("weights", required=False, nullable=True), _int("prompt_tokens"), _int("generated_tokens"),
     _num("prompt_tps"), _num("decode_tps"), _num("token_latency_p50_ms", nullable=True),
@@ -95,6 +97,27 @@ SCHEMAS: dict[str, Schema] = {s.bench: s for s in (
         _num("wall_s", required=False, nullable=True), _num("cpu_s_worker", required=False, nullable=True),
         _num("cpu_s_worker_total", required=False, nullable=True), _num("cpu_s_stages", required=False, nullable=True),
         _num("latency_ms_p50", required=False, nullable=True), _num("latency_ms_p95", required=False, nullable=True),
+    )),
+    # bench/tp_bench.py: one fresh-process decode measurement; "shape" (the config's dims) is kept as it is
+    Schema("tp_bench", "tp", (
+        _str("impl", choices=("mlxcel", "mlx-lm")), _str("model"), _str("model_name"), _str("backend"), _int("tp"),
+        _int("tp_compared"), _int("batch"), _int("round"), _int("order"), _int("warmup"), _int("steps"),
+        _num("decode_tok_s"), _num("step_ms_p50"), _num("step_ms_p95"), _num("wall_s"),
+        _int("cpus", required=False, nullable=True),
+        # rows before --variants compared tp 1 (tp = 1) with tp N (the model's dtype) and have neither
+        _str("variant", required=False, nullable=True, choices=TP_VARIANTS),
+        _str("compared", required=False, nullable=True), _str("tokens_sha256", required=False, nullable=True),
+        _str("invocation", required=False, nullable=True),  # the run's start: its rows' env dates differ
+    )),
+    # bench/bringup_bench.py: launch of a 2-stage pipeline to its first token
+    Schema("bringup", "bringup", (
+        _str("mode", choices=("static", "mdns", "toml")), _int("round"), _num("ready_s"), _num("first_token_s"),
+        _str("model"),
+    )),
+    # bench/prefix_ttft.py: TTFT of a long new prefix (cold) and of the same prefix again (warm)
+    Schema("prefix_ttft", "prefix_ttft", (
+        _str("label", required=False, default=""), _int("run"), _int("prefix_tokens"), _int("prompt_tokens"),
+        _num("cold_ttft_s"), _num("warm_ttft_s"), _int("warm_reused_tokens"), Field("warm_hit", "bool"),
     )),
 )}
 

@@ -7,6 +7,7 @@ Spread is always the range (min to max) over the repeated measurements of one co
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pandas as pd
 
@@ -242,6 +243,82 @@ def _same_prompts(df: pd.DataFrame, row: pd.Series) -> str:
     return "yes" if (per_round == 1).all() else "no"
 
 
+# -- tensor parallelism (bench/tp_bench.py) --------------------------------------------------------
+
+_TP_LABELS = {"tp1": "tp 1", "model": "tp {n}", "bfloat16": "tp {n}, bfloat16 all-reduce",
+              "float32": "tp {n}, float32 all-reduce", "one-reduce": "tp {n}, 1 all-reduce per layer (timing only)",
+              "no-reduce": "tp {n}, no all-reduce (timing only)"}
+TP_NOTE = ("Every measurement is a fresh process and the two configurations of a row alternate A B B A in each "
+           "round, so B / A is the median of the per-round ratios, with their range. A ratio is shown only "
+           "where every round ran both configurations in that order; mlxcel's and mlx-lm's rows are not held "
+           "against each other (different drivers, not interleaved).")
+
+
+def tp_variant(row: pd.Series) -> str:
+    """A row's configuration; rows written before --variants compared tp 1 with tp N in the model's dtype."""
+    v = row.get("variant")
+    return v if isinstance(v, str) and v else ("tp1" if row["tp"] == 1 else "model")
+
+
+def _tp_shape(shape: object) -> str:
+    if not isinstance(shape, dict):
+        return ""
+    return (f"{shape.get('model_type', '?')}, {shape.get('num_hidden_layers', '?')} layers, hidden "
+            f"{shape.get('hidden_size', '?')}, {shape.get('num_attention_heads', '?')}/"
+            f"{shape.get('num_key_value_heads', '?')} heads/KV heads, intermediate {shape.get('intermediate_size', '?')}")
+
+
+def _tp_pair(g: pd.DataFrame) -> dict:
+    """A against B of one comparison: tok/s per side, per-round ratios, fairness, token agreement."""
+    first = g.groupby("_v")["order"].min().sort_values()
+    labels = list(first.index)
+    rec: dict = {"configurations": len(labels)}
+    for side, label in zip("ab", labels[:2]):
+        tps = g.loc[g["_v"] == label, "decode_tok_s"]
+        rec.update({side: _TP_LABELS.get(label, label).format(n=int(g["tp_compared"].iloc[0])), f"{side}_variant": label,
+                    f"{side}_tok_s_median": tps.median(), f"{side}_tok_s_min": tps.min(), f"{side}_tok_s_max": tps.max(),
+                    f"{side}_tok_s_n": int(tps.count())})
+    ratios, fair = [], len(labels) == 2  # fair: both sides in every round, in A B B A positions
+    for _, r in g.groupby("round") if fair else ():
+        a, b = r[r["_v"] == labels[0]], r[r["_v"] == labels[1]]
+        fair = fair and set(a["order"]) == {0, 3} and set(b["order"]) == {1, 2}
+        ratios.append(b["decode_tok_s"].median() / a["decode_tok_s"].median() if len(a) and len(b) else float("nan"))
+    rec["rounds"] = int(g["round"].nunique())
+    rec["fair_comparison"] = bool(fair)
+    shown = pd.Series(ratios if fair else [], dtype=float)
+    rec.update(ratio_median=shown.median(), ratio_min=shown.min(), ratio_max=shown.max())
+    digests = g["tokens_sha256"].dropna() if "tokens_sha256" in g else pd.Series(dtype=str)
+    rec["tokens"] = ("not recorded" if len(digests) < len(g) else "same" if digests.nunique() == 1 else "differ")
+    return rec
+
+
+def tp_summary(df: pd.DataFrame) -> pd.DataFrame:
+    """Per session, model, path, batch and comparison (tp 1 vs tp N, or two tp N variants): each side's
+    decode tok/s (median, range), B / A with its range where fair, and whether the greedy tokens agree."""
+    if df.empty:
+        return pd.DataFrame()
+    df = df.assign(_v=df.apply(tp_variant, axis=1))
+    compared = df["compared"] if "compared" in df else pd.Series(None, index=df.index)
+    # every row records its own env date, so a run is its invocation; older rows have none: their file,
+    # model and rank count, dated by the first of those rows
+    invocation = df["invocation"] if "invocation" in df else pd.Series(None, index=df.index)
+    dates = df["env_date"].astype(str) if "env_date" in df else pd.Series("no date", index=df.index)
+    first = dates.groupby([df["source_file"], df["model_name"], df["tp_compared"]]).transform("min")
+    df = df.assign(compared=compared.where(compared.notna(), "tp1,model"), _run=invocation.where(invocation.notna(), first))
+    keys = ["source_file", "_run", "machine", "model_name", "impl", "batch", "tp_compared", "compared"]
+    out = []
+    for key, g in df.groupby(keys, sort=False, dropna=False):
+        rec = dict(zip(keys, key))
+        rec["session"] = f"{Path(str(key[0])).name} @ {key[1]}"
+        rec["shape"] = _tp_shape(g["shape"].iloc[0]) if "shape" in g else ""
+        rec["backend"] = ", ".join(sorted(g["backend"].astype(str).unique()))
+        rec.update(_tp_pair(g))
+        out.append(rec)
+    cols = ["session", "machine", "model_name", "shape", "backend", "impl", "batch", "tp_compared", "compared"]
+    frame = pd.DataFrame(out)
+    return frame[cols + [c for c in frame.columns if c not in cols and c not in ("source_file", "_run")]]
+
+
 # -- metrics for baseline comparison --------------------------------------------------------------
 
 _METRICS = {
@@ -277,6 +354,17 @@ def metrics(summaries: dict[str, pd.DataFrame]) -> pd.DataFrame:
                 out.append({"bench": bench, "key": key, "metric": metric, "unit": unit, "better": better,
                             "median": r[f"{col}_median"], "min": r[f"{col}_min"], "max": r[f"{col}_max"],
                             "n": int(r[f"{col}_n"]), "session": r["session"]})
+    tp = summaries.get("tp", pd.DataFrame())
+    if not tp.empty:
+        keys = ["machine", "model_name", "impl", "batch", "compared"]
+        for _, r in _latest(tp, keys).iterrows():
+            for side in "ab":
+                if pd.isna(r.get(f"{side}_tok_s_median")):
+                    continue
+                key = " | ".join(f"{k}={r[k]}" for k in keys) + f" | config={r[side]}"
+                out.append({"bench": "tp", "key": key, "metric": "decode tok/s", "unit": "tok/s", "better": "higher",
+                            "median": r[f"{side}_tok_s_median"], "min": r[f"{side}_tok_s_min"],
+                            "max": r[f"{side}_tok_s_max"], "n": int(r[f"{side}_tok_s_n"]), "session": r["session"]})
     frame = summaries.get("frame", pd.DataFrame())
     if not frame.empty:
         keys = ["machine", "link", "suite", "payload_bytes"]
