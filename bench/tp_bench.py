@@ -260,7 +260,8 @@ def plan_jobs(args: argparse.Namespace) -> list[dict]:
     """Rounds x batches x impls, the two variants in A B B A order."""
     model = Path(args.model).resolve()
     base = {"model": str(model), "model_name": model.name, "shape": _shape(model), "backend": args.tp_backend,
-            "warmup": args.warmup, "steps": args.steps}
+            "warmup": args.warmup, "steps": args.steps,
+            "invocation": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}  # groups this run's rows in reports
     a, b = args.variants
     jobs = []
     for r in range(args.rounds):
