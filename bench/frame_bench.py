@@ -10,9 +10,18 @@ AES-256-GCM (the cluster's suite) and ChaCha20-Poly1305.
     python -m bench.frame_bench --serve-echo 0.0.0.0:19100 --cluster-secret-file S
     python -m bench.frame_bench --remote 10.0.0.2:19100 --cluster-secret-file S
 
-``--serve-echo BIND`` listens for suite i (the order above) at BIND's port + i (port 0:
-any ports, printed as JSON).  Both hosts need the same cluster secret (the usual
-sources: --cluster-secret-file, MLXCEL_CLUSTER_SECRET_FILE, MLXCEL_CLUSTER_SECRET).
+``--serve-echo BIND`` listens for variant i at BIND's port + i (port 0: any ports,
+printed as JSON); the variants are the four suites in the order above unless
+``--variants`` names others (then start both ends with the same list).  Both hosts
+need the same cluster secret (the usual sources: --cluster-secret-file,
+MLXCEL_CLUSTER_SECRET_FILE, MLXCEL_CLUSTER_SECRET).
+
+A variant is a suite with transport settings, ``SUITE[/wN][/rLEN][/cLEN]``: ``w`` the
+crypto helper threads (``crypto_workers``), ``r`` the chunk ramp (``chunk_ramp_len``),
+``c`` the chunk size (``chunk_len``).  All variants run interleaved in the same rounds,
+so one run compares settings under the same load:
+
+    python -m bench.frame_bench --variants unprotected,aes/w0,aes/w2,aes/w2/r0 --sizes 1048576,2097152,16777216
 """
 
 from __future__ import annotations
@@ -45,7 +54,10 @@ MODE_NAMES = {
 }
 SIZES = [(8 * 1024, 4000), (64 * 1024, 2000), (1024 * 1024, 400), (2 * 1024 * 1024, 200), (16 * 1024 * 1024, 60)]
 SUITE_BY_NAME = {"unprotected": Suite.UNPROTECTED, "hmac": Suite.HMAC_SHA256, "aes": Suite.AES_256_GCM, "chacha": Suite.CHACHA20_POLY1305}
-COLUMNS = ["mode", "suite", "payload_bytes", "iterations", "p50_us", "p95_us", "p99_us", "mean_us", "one_way_gib_s", "chunk_len", "remote"]
+COLUMNS = [
+    "mode", "suite", "payload_bytes", "iterations", "p50_us", "p95_us", "p99_us", "mean_us", "one_way_gib_s",
+    "variant", "chunk_len", "crypto_workers", "chunk_ramp_len", "label", "remote",
+]
 
 
 # --- echo peer ----------------------------------------------------------------------------
@@ -58,15 +70,42 @@ def transport_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kw["chunk_len"] = args.chunk_len
     if args.socket_buffer is not None:
         kw["socket_buffer"] = args.socket_buffer or None
+    if args.crypto_workers is not None:
+        kw["crypto_workers"] = args.crypto_workers
+    if args.ramp_len is not None:
+        kw["chunk_ramp_len"] = args.ramp_len
     return kw
 
 
-def serve_echo(bind: str, secret: ClusterSecret, overrides: dict[str, Any]) -> list[Transport]:
-    """One echo transport per suite; each sends every TensorData back to its sender."""
+VARIANT_KEYS = {"w": "crypto_workers", "r": "chunk_ramp_len", "c": "chunk_len"}
+ALL_SUITES = ",".join(SUITE_BY_NAME)
+
+
+def parse_variant(spec: str) -> tuple[Suite, dict[str, int]]:
+    """``aes/w2/r65536`` -> (Suite.AES_256_GCM, {"crypto_workers": 2, "chunk_ramp_len": 65536})."""
+    name, *opts = spec.strip().split("/")
+    if name not in SUITE_BY_NAME:
+        raise SystemExit(f"unknown suite {name!r} in variant {spec!r} (one of {ALL_SUITES})")
+    kw: dict[str, int] = {}
+    for opt in opts:
+        key = VARIANT_KEYS.get(opt[:1])
+        if key is None or not opt[1:].isdigit():
+            raise SystemExit(f"bad setting {opt!r} in variant {spec!r}: w<helpers>, r<ramp bytes> or c<chunk bytes>")
+        kw[key] = int(opt[1:])
+    return SUITE_BY_NAME[name], kw
+
+
+def _variant_list(text: str) -> list[str]:
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
+def serve_echo(bind: str, secret: ClusterSecret, overrides: dict[str, Any], variants: list[str] | None = None) -> list[Transport]:
+    """One echo transport per variant (default: per suite); each sends every TensorData back to its sender."""
     base = PeerId.parse(bind)
     transports = []
-    for i, suite in enumerate(SUITES):
-        t = Transport(PeerId(base.host, base.port + i if base.port else 0), secret, suite=suite, **overrides)
+    for i, spec in enumerate(variants or _variant_list(ALL_SUITES)):
+        suite, kw = parse_variant(spec)
+        t = Transport(PeerId(base.host, base.port + i if base.port else 0), secret, suite=suite, **{**overrides, **kw})
 
         def echo(msg: Message, t: Transport = t) -> None:
             t.send(msg.peer, Kind.TENSOR_DATA, msg.payload)
@@ -77,8 +116,9 @@ def serve_echo(bind: str, secret: ClusterSecret, overrides: dict[str, Any]) -> l
 
 
 def _echo_main(args: argparse.Namespace, secret: ClusterSecret) -> None:
-    transports = serve_echo(args.serve_echo, secret, transport_kwargs(args))
-    print(json.dumps({SUITE_BY_NAME_INV[t.options.suite]: str(t.identity) for t in transports}), flush=True)
+    variants = _variant_list(args.variants or ALL_SUITES)
+    transports = serve_echo(args.serve_echo, secret, transport_kwargs(args), variants)
+    print(json.dumps({spec: str(t.identity) for spec, t in zip(variants, transports)}), flush=True)
     try:
         sys.stdin.read()  # run until the parent closes our stdin (or Ctrl-D / Ctrl-C)
     except KeyboardInterrupt:
@@ -156,11 +196,12 @@ def summarize(samples_ns: list[int], size: int) -> dict[str, Any]:
 
 
 class Side:
-    """The measuring transport of one suite, connected to its echo listener."""
+    """The measuring transport of one variant, connected to its echo listener."""
 
-    def __init__(self, suite: Suite, echo_addr: PeerId, advertise: str, secret: ClusterSecret, overrides: dict[str, Any]) -> None:
-        kw: dict[str, Any] = {"suite": suite, **overrides}
-        self.suite, self.peer = suite, echo_addr
+    def __init__(self, spec: str, echo_addr: PeerId, advertise: str, secret: ClusterSecret, overrides: dict[str, Any]) -> None:
+        suite, variant_kw = parse_variant(spec)
+        kw: dict[str, Any] = {"suite": suite, **overrides, **variant_kw}
+        self.spec, self.suite, self.peer = spec, suite, echo_addr
         self.router: dict[str, PingPong] = {}
         host = f"[{advertise}]" if ":" in advertise else advertise
         self.transport = Transport(f"{host}:0", secret, **kw)
@@ -178,16 +219,22 @@ def run_all(sides: list[Side], sizes: list[tuple[int, int]], args: argparse.Name
         n = max(10, iterations // 10) if args.quick else iterations
         payload = secrets.token_bytes(size)
         rounds = max(1, min(args.rounds, n // 5))
-        samples: dict[Suite, list[int]] = {side.suite: [] for side in sides}
+        samples: dict[str, list[int]] = {side.spec: [] for side in sides}
         for side in sides:  # warm-up: connection buffers, allocator, caches
             side.run(payload, max(3, n // 20))
         for r in range(rounds):
             per = n // rounds + (1 if r < n % rounds else 0)
             for side in sides:
-                samples[side.suite] += side.run(payload, per)
+                samples[side.spec] += side.run(payload, per)
         for side in sides:
-            row = summarize(samples[side.suite], size)
-            row.update(mode=MODE_NAMES[side.suite], suite=side.suite.name.lower(), chunk_len=side.transport.options.chunk_len, remote=args.remote)
+            row = summarize(samples[side.spec], size)
+            opts = side.transport.options
+            plain = side.spec == SUITE_BY_NAME_INV[side.suite]
+            row.update(
+                mode=MODE_NAMES[side.suite] + ("" if plain else f" [{side.spec}]"), variant=side.spec,
+                suite=side.suite.name.lower(), chunk_len=opts.chunk_len, remote=args.remote,
+                crypto_workers=opts.effective_crypto_workers, chunk_ramp_len=opts.chunk_ramp_len, label=args.label,
+            )
             rows.append(row)
             print(_fmt_row(row), flush=True)
     return rows
@@ -206,21 +253,24 @@ def _fmt_size(n: int) -> str:
 
 def _fmt_row(r: dict[str, Any]) -> str:
     return (
-        f"{r['mode']:<36} {_fmt_size(r['payload_bytes']):>7} {r['iterations']:>6} {_fmt_time(r['p50_us']):>10} "
+        f"{r['mode']:<44} {_fmt_size(r['payload_bytes']):>7} {r['iterations']:>6} {_fmt_time(r['p50_us']):>10} "
         f"{_fmt_time(r['p95_us']):>10} {_fmt_time(r['p99_us']):>10} {r['one_way_gib_s']:>8.2f} GiB/s"
     )
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    print(f"\n{'Mode':<36} {'Payload':>7} {'Iters':>6} {'p50':>10} {'p95':>10} {'p99':>10} {'One-way bandwidth':>14}")
+    print(f"\n{'Mode':<44} {'Payload':>7} {'Iters':>6} {'p50':>10} {'p95':>10} {'p99':>10} {'One-way bandwidth':>14}")
     for r in rows:
         print(_fmt_row(r))
-    base = {r["payload_bytes"]: r["p50_us"] for r in rows if r["suite"] == "unprotected"}
+    base: dict[int, float] = {}
+    for r in rows:  # the first unprotected variant of each size is the reference
+        if r["suite"] == "unprotected":
+            base.setdefault(r["payload_bytes"], r["p50_us"])
     if base:
         print("\np50 relative to unprotected:")
         for r in rows:
             if r["suite"] != "unprotected" and r["payload_bytes"] in base:
-                print(f"  {r['mode']:<36} {_fmt_size(r['payload_bytes']):>7} {r['p50_us'] / base[r['payload_bytes']]:.2f}x")
+                print(f"  {r['mode']:<44} {_fmt_size(r['payload_bytes']):>7} {r['p50_us'] / base[r['payload_bytes']]:.2f}x")
 
 
 def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
@@ -248,6 +298,12 @@ def _spawn_local_echo(args: argparse.Namespace, secret_file: Path) -> tuple[subp
         cmd += ["--chunk-len", str(args.chunk_len)]
     if args.socket_buffer is not None:
         cmd += ["--socket-buffer", str(args.socket_buffer)]
+    if args.crypto_workers is not None:
+        cmd += ["--crypto-workers", str(args.crypto_workers)]
+    if args.ramp_len is not None:
+        cmd += ["--ramp-len", str(args.ramp_len)]
+    if args.variants:
+        cmd += ["--variants", args.variants]
     env = {k: v for k, v in os.environ.items() if k != "MLXCEL_CLUSTER_SECRET"}
     env["MLXCEL_CLUSTER_SECRET_FILE"] = str(secret_file)  # a path, never the value, on the command line
     repo = Path(__file__).resolve().parent.parent
@@ -264,11 +320,15 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("results/frame_bench.jsonl"), help="JSONL output (appended)")
     p.add_argument("--csv", type=Path, default=None, help="CSV output (default: --out with .csv)")
     p.add_argument("--quick", action="store_true", help="1/10 of the iterations (at least 10)")
-    p.add_argument("--suites", default="unprotected,hmac,aes,chacha", help="comma list of unprotected,hmac,aes,chacha")
+    p.add_argument("--suites", default=ALL_SUITES, help="comma list of unprotected,hmac,aes,chacha")
+    p.add_argument("--variants", default=None, help="comma list of SUITE[/wN][/rLEN][/cLEN] to compare (replaces --suites; see above)")
     p.add_argument("--sizes", default=None, help="comma list of payload sizes in bytes (default: the reference's five)")
     p.add_argument("--rounds", type=int, default=10, help="interleaving rounds per payload size")
     p.add_argument("--socket-buffer", type=int, default=None, help="SO_SNDBUF/SO_RCVBUF bytes (default: the transport's; 0: kernel autotuning)")
     p.add_argument("--chunk-len", type=int, default=None, help="override the transport's fragment size")
+    p.add_argument("--crypto-workers", type=int, default=None, help="helper threads sealing/opening chunks (default: the transport's, 2 on 4+ cores; 0: off)")
+    p.add_argument("--ramp-len", type=int, default=None, help="first/last chunk length with helpers (default: the transport's; 0: no ramp)")
+    p.add_argument("--label", default=None, help="free text stored in every row")
     p.add_argument("--remote", default=None, metavar="HOST:PORT", help="echo peer started with --serve-echo on another host")
     p.add_argument("--advertise", default=None, metavar="IP", help="this host's IP as the remote peer sees it")
     p.add_argument("--serve-echo", default=None, metavar="BIND", help="run the echo peer on BIND (suite i at port + i)")
@@ -288,13 +348,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve_echo:
         _echo_main(args, load_secret(args.cluster_secret_file))
         return 0
-    suites = [SUITE_BY_NAME[s.strip()] for s in args.suites.split(",")]
+    measured = _variant_list(args.variants or args.suites)
+    for spec in measured:
+        parse_variant(spec)  # fail before any process starts
     proc = None
     with tempfile.TemporaryDirectory() as tmp:
         if args.remote:
             secret = load_secret(args.cluster_secret_file)
             base = PeerId.parse(args.remote)
-            addrs = {SUITE_BY_NAME_INV[s]: str(PeerId(base.host, base.port + i)) for i, s in enumerate(SUITES)}
+            served = _variant_list(args.variants or ALL_SUITES)  # what the remote echo serves, in port order
+            addrs = {spec: str(PeerId(base.host, base.port + i)) for i, spec in enumerate(served)}
             advertise = args.advertise or _local_ip_towards(base.host)
         else:
             secret_file = Path(tmp) / "cluster.secret"
@@ -306,8 +369,8 @@ def main(argv: list[str] | None = None) -> int:
             advertise = "127.0.0.1"
         sides: list[Side] = []
         try:
-            for suite in suites:
-                sides.append(Side(suite, PeerId.parse(addrs[SUITE_BY_NAME_INV[suite]]), advertise, secret, transport_kwargs(args)))
+            for spec in measured:
+                sides.append(Side(spec, PeerId.parse(addrs[spec]), advertise, secret, transport_kwargs(args)))
             rows = run_all(sides, _sizes(args), args)
         finally:
             for side in sides:

@@ -18,6 +18,7 @@ from .handshake import Established
 from .identity import PeerId
 from .messages import Assembler, Message, encode_error, plan
 from .options import TransportOptions
+from .pipeline import CryptoPool, OpenPipeline, SealPipeline
 from .ratelimit import RateLimitedLog, WarnClass
 from .reader import FrameReader
 from .rpc import Waiter, answer, outcome
@@ -31,7 +32,8 @@ class Connection:
 
     ``deliver`` gets one-way and stream messages, ``handle_request`` answers RPC
     requests (its return value is the response body), ``forget`` is called once the
-    connection closed.
+    connection closed.  With a ``crypto`` pool (and an AEAD suite) the chunks of a
+    fragmented message are sealed and opened on its helpers beside the socket copy.
     """
 
     def __init__(
@@ -46,6 +48,7 @@ class Connection:
         deliver: Callable[[Message], None],
         handle_request: Callable[[Message], Buffer],
         forget: Callable[["Connection"], None],
+        crypto: CryptoPool | None = None,
     ) -> None:
         self.sock = sock
         self.peer = peer
@@ -56,6 +59,8 @@ class Connection:
         self.sealer = FrameSealer(est.suite, est.send_key, max_frame_len=options.max_frame_len, seq_limit=options.seq_limit)
         self.opener = FrameOpener(est.suite, est.recv_key, max_frame_len=options.max_frame_len, seq_limit=options.seq_limit)
         self.assembler = Assembler(peer, max_message_len=options.max_message_len)
+        self._crypto = crypto if crypto is not None and self.sealer.aead else None
+        self._seal_pipe: SealPipeline | None = None
         self._wlock = threading.Lock()
         self._closed = threading.Event()
         self._waiters: dict[int, Waiter] = {}
@@ -81,14 +86,19 @@ class Connection:
         """Seal and send one message (fragmented as needed) under the write lock."""
         chunk_len = self.options.chunk_len
         view = payload if isinstance(payload, (bytes, bytearray)) else memoryview(payload).cast("B")
+        pipelined = self._crypto is not None and len(view) > chunk_len
         if kind in MESSAGE_KINDS and len(view) <= chunk_len:
             frames: Iterable[tuple[Kind, Buffer]] = ((kind, view),)
+        elif pipelined:
+            frames = list(plan(kind, view, id=id, status=status, chunk_len=chunk_len, ramp_len=self.options.chunk_ramp_len))
         else:
             frames = plan(kind, view, id=id, status=status, chunk_len=chunk_len)
         with self._wlock:
             if self._closed.is_set():
                 raise ConnectionLost(f"connection to {self.peer} is closed")
             try:
+                if pipelined and self._pipeline().send(frames, self._sendmsg):  # type: ignore[arg-type]
+                    return
                 for fkind, fpayload in frames:
                     self._sendmsg(self.sealer.seal_parts(fkind, fpayload))
             except SequenceExhausted as exc:
@@ -98,6 +108,12 @@ class Connection:
             except OSError as exc:
                 self.close()
                 raise ConnectionLost(f"sending to {self.peer} failed: {exc.strerror or type(exc).__name__}") from None
+
+    def _pipeline(self) -> SealPipeline:
+        if self._seal_pipe is None:
+            assert self._crypto is not None
+            self._seal_pipe = SealPipeline(self.sealer, self._crypto, max(self.options.chunk_len, 64))
+        return self._seal_pipe
 
     def _sendmsg(self, parts: tuple[tuple[Buffer, ...], int]) -> None:
         bufs, total = parts
@@ -120,8 +136,10 @@ class Connection:
 
         Drives the sans-I/O ``FrameReader``: it says where the next bytes go, the
         socket fills that view, the assembler turns opened frames into messages."""
-        rd = FrameReader(self.opener, destination=self.assembler.destination, capacity=max(self.options.chunk_len, 65536) + 64)
-        read_frame, recv_target, received = rd.read_frame, rd.recv_target, rd.received
+        capacity = max(self.options.chunk_len, 65536) + 64
+        pipe = OpenPipeline(self.opener, self._crypto, max(self.options.chunk_len, 64)) if self._crypto is not None else None
+        rd = FrameReader(self.opener, destination=self.assembler.destination, capacity=capacity, pipeline=pipe)
+        read_frame, recv_target, received, drain = rd.read_frame, rd.recv_target, rd.received, rd.drain
         recv_into, frame_done = self.sock.recv_into, self.assembler.frame_done
         try:
             while True:
@@ -135,6 +153,7 @@ class Connection:
                     continue
                 msg = frame_done(*got)
                 if msg is not None:
+                    drain()  # every chunk of the message authenticated
                     self._dispatch(msg)
         except EOFError:
             log.debug("cluster connection %s closed by the peer", self.peer)
@@ -148,6 +167,8 @@ class Connection:
         except Exception:  # a bug must cost one connection, never the process
             log.exception("closing cluster connection with %s after an internal error", self.peer)
         finally:
+            if pipe is not None:
+                pipe.close()
             self._finalize()
 
     def _dispatch(self, msg: Message) -> None:

@@ -53,6 +53,15 @@ class _Direction:
             raise SequenceExhausted("this direction used its last sequence number; the connection must close")
         return self.seq.to_bytes(NONCE_BYTES, "big")
 
+    @property
+    def aead(self) -> bool:
+        """True for the AEAD suites (whose chunks a ``pipeline`` may seal and open on helpers)."""
+        return self._aead is not None
+
+    def new_aead(self) -> AESGCM | ChaCha20Poly1305 | None:
+        """A fresh AEAD context under this direction's key (one per pipeline slot)."""
+        return _aead(self.suite, self._key)
+
     def _hmac(self, nonce: bytes, header: Buffer, payload: Buffer) -> bytes:
         h = hmac.new(self._key, nonce, hashlib.sha256)
         h.update(header)
@@ -92,6 +101,28 @@ class FrameSealer(_Direction):
         if self.suite == Suite.HMAC_SHA256:
             return (header, payload, self._hmac(seq.to_bytes(NONCE_BYTES, "big"), header, payload)), n + FRAME_HEADER_LEN + self.tag_len
         return (header, payload), n + FRAME_HEADER_LEN
+
+    def reserve(self, count: int) -> int | None:
+        """Take ``count`` consecutive sequence numbers for ``seal_at``; the first, or
+        None (nothing taken) when they would reach the limit."""
+        seq = self.seq
+        if seq + count > self.seq_limit:
+            return None
+        self.seq = seq + count
+        return seq
+
+    def seal_at(self, aead: AESGCM | ChaCha20Poly1305, seq: int, kind: int, payload: Buffer, out: memoryview) -> int:
+        """Seal one frame under a ``reserve``d ``seq`` into ``out`` (header || ciphertext
+        || tag) with ``aead`` (from ``new_aead``); returns the frame's length.  Safe
+        on any thread: it touches no state of the sealer."""
+        n = len(payload)
+        if n > self.max_frame_len:
+            raise LocalProtocolError(f"frame of {n} bytes exceeds the cap of {self.max_frame_len}")
+        header = _pack_header(kind, n)
+        total = FRAME_HEADER_LEN + n + self.tag_len
+        out[:FRAME_HEADER_LEN] = header
+        aead.encrypt_into(seq.to_bytes(NONCE_BYTES, "big"), payload, header, out[FRAME_HEADER_LEN:total])
+        return total
 
     def seal(self, kind: int, payload: Buffer) -> bytes:
         """The whole frame as one bytes object."""
@@ -157,6 +188,27 @@ class FrameOpener(_Direction):
             self.failed = True
             raise UnknownFrameKind(f"authenticated frame of unknown kind 0x{kind:02x}")
         return kind
+
+    def reserve(self) -> int:
+        """The next frame's sequence number, for a deferred ``open_at`` (frames are
+        reserved in arrival order)."""
+        if self.failed:
+            raise LocalProtocolError("this direction already failed; the connection must close")
+        seq = self.seq
+        if seq >= self.seq_limit:
+            raise SequenceExhausted("this direction used its last sequence number; the connection must close")
+        self.seq = seq + 1
+        return seq
+
+    def open_at(self, aead: AESGCM | ChaCha20Poly1305, seq: int, header: bytes, body: Buffer, out: Buffer) -> None:
+        """Authenticate a ``reserve``d frame (``body`` = ciphertext || tag) into ``out``
+        with ``aead`` (from ``new_aead``).  Safe on any thread; a failure fails the
+        direction.  The caller checked the header (its kind is MESSAGE_CONTINUE)."""
+        try:
+            aead.decrypt_into(seq.to_bytes(NONCE_BYTES, "big"), body, header, out)
+        except InvalidTag:
+            self.failed = True
+            raise FrameAuthError(f"frame {seq} failed authentication (altered, replayed, reordered or from another connection)") from None
 
     def verify_in_place(self, header: Buffer, payload: Buffer, tag: Buffer) -> int:
         """For ``plaintext_on_wire`` suites: authenticate a payload read straight into place."""

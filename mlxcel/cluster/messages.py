@@ -84,8 +84,39 @@ def pack_prefix(kind: Kind, id: int, status: int) -> bytes:
     return st.pack(id, status) if st.size == 9 else st.pack(id)
 
 
-def plan(kind: Kind, payload: Buffer, *, id: int = 0, status: int = 0, chunk_len: int) -> Iterator[tuple[Kind, Buffer]]:
-    """The (frame kind, frame payload) sequence that carries one message."""
+def chunk_sizes(n: int, chunk_len: int, ramp_len: int = 0) -> list[int]:
+    """Payload lengths of the MESSAGE_CONTINUE frames that carry an ``n``-byte body.
+
+    Without a ramp: ``chunk_len`` each, the last one shorter.  With ``0 < ramp_len <
+    chunk_len``: the first frames grow from ``ramp_len`` (doubling) to ``chunk_len``
+    and the last ones shrink back to ``ramp_len``, so the first seal and the last open,
+    which no copy can hide, cost little (docs/protocol.md §9)."""
+    if n <= 0:
+        return []
+    if not 0 < ramp_len < chunk_len:
+        return [min(chunk_len, n - off) for off in range(0, n, chunk_len)]
+    front: list[int] = []
+    back: list[int] = []
+    f = b = ramp_len
+    rest = n
+    while rest:
+        take = min(f, rest)
+        front.append(take)
+        rest -= take
+        f = min(2 * f, chunk_len)
+        if rest and b < chunk_len:
+            take = min(b, rest)
+            back.append(take)
+            rest -= take
+            b *= 2
+    return front + back[::-1]
+
+
+def plan(
+    kind: Kind, payload: Buffer, *, id: int = 0, status: int = 0, chunk_len: int, ramp_len: int = 0
+) -> Iterator[tuple[Kind, Buffer]]:
+    """The (frame kind, frame payload) sequence that carries one message (``ramp_len``:
+    see ``chunk_sizes``)."""
     if kind not in FRAGMENTABLE_KINDS:
         raise LocalProtocolError(f"cannot send a message of kind {kind!r}")
     body = memoryview(payload).cast("B") if not isinstance(payload, bytes) else payload
@@ -99,8 +130,10 @@ def plan(kind: Kind, payload: Buffer, *, id: int = 0, status: int = 0, chunk_len
         return
     yield Kind.MESSAGE_BEGIN, MESSAGE_BEGIN.pack(kind, n) + prefix
     view = memoryview(body)
-    for off in range(0, n, chunk_len):
-        yield Kind.MESSAGE_CONTINUE, view[off : off + chunk_len]
+    off = 0
+    for size in chunk_sizes(n, chunk_len, ramp_len):
+        yield Kind.MESSAGE_CONTINUE, view[off : off + size]
+        off += size
 
 
 def encode_error(code: ErrorCode, text: str) -> bytes:

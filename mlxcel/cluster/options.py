@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from .pipeline import auto_workers
 from .wire import (
     ASSIGNMENT_MAX_PENDING_HANDSHAKES,
     ASSIGNMENT_MAX_PENDING_HANDSHAKES_PER_SOURCE,
     DEFAULT_CHUNK_LEN,
+    DEFAULT_CHUNK_RAMP_LEN,
     DEFAULT_SOCKET_BUFFER,
     DEFAULT_SUITE,
     HANDSHAKE_TIMEOUT_S,
@@ -52,6 +54,19 @@ class TransportOptions:
     bind_outbound: bool = True
     #: SO_SNDBUF/SO_RCVBUF in bytes (capped by the kernel); None keeps its autotuning
     socket_buffer: int | None = DEFAULT_SOCKET_BUFFER
+    #: helper threads that seal and open the chunks of large AEAD messages beside the
+    #: socket copy (pipeline.py); None: 2 on a host with 4+ usable cores, else 0; 0: off
+    crypto_workers: int | None = None
+    #: with helpers, a fragmented message's first chunks grow from this length to
+    #: chunk_len and its last ones shrink back to it (messages.chunk_sizes); 0: no ramp
+    chunk_ramp_len: int = DEFAULT_CHUNK_RAMP_LEN
+
+    @property
+    def effective_crypto_workers(self) -> int:
+        """``crypto_workers`` with None resolved for this host."""
+        if self.crypto_workers is None:
+            return auto_workers()
+        return self.crypto_workers
 
     @property
     def dial_budget(self) -> float:

@@ -20,18 +20,29 @@ body usually by one opportunistic receive that may also pick up the next header,
 then opened straight into its destination.  A larger AEAD frame goes into a one-off
 buffer of its exact size.  With a plaintext suite (unprotected, HMAC) the body is
 read straight into its destination and authenticated in place.
+
+With an ``OpenPipeline`` (``pipeline.py``) a MESSAGE_CONTINUE frame's ciphertext is
+received into one of the pipeline's slots and opened by a helper thread while the
+next frame is received: ``read_frame`` then returns the frame before it
+authenticated, and the driver must call ``drain()`` before it uses a message that
+such a frame completed (``next_frame`` drains by itself).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from .frames import Buffer, FrameOpener
 from .messages import alloc
-from .wire import DEFAULT_CHUNK_LEN, FRAME_HEADER, FRAME_HEADER_LEN
+from .wire import DEFAULT_CHUNK_LEN, FRAME_HEADER, FRAME_HEADER_LEN, Kind
+
+if TYPE_CHECKING:
+    from .pipeline import OpenPipeline
 
 _unpack_header = FRAME_HEADER.unpack_from
+_CONTINUE = int(Kind.MESSAGE_CONTINUE)
+_BEGIN = int(Kind.MESSAGE_BEGIN)
 
 #: a missing stretch at least this long is received exactly (one MSG_WAITALL call)
 BIG = 65536
@@ -61,7 +72,14 @@ def _fresh(kind: int, n: int) -> memoryview:
 class FrameReader:
     """Reads the frames of one direction; see the module docstring for the protocol."""
 
-    def __init__(self, opener: FrameOpener, *, destination: Destination | None = None, capacity: int = DEFAULT_CAPACITY) -> None:
+    def __init__(
+        self,
+        opener: FrameOpener,
+        *,
+        destination: Destination | None = None,
+        capacity: int = DEFAULT_CAPACITY,
+        pipeline: "OpenPipeline | None" = None,
+    ) -> None:
         if capacity < FRAME_HEADER_LEN + opener.tag_len:
             raise ValueError(f"capacity must hold at least a header and a tag ({FRAME_HEADER_LEN + opener.tag_len} bytes)")
         self._opener = opener
@@ -80,6 +98,9 @@ class FrameReader:
         self._direct: memoryview | None = None
         self._doff = 0
         self._backlog = bytearray()  # receive_data bytes not yet moved into a target
+        self._pipe = pipeline if pipeline is not None and not self._plain else None
+        self._deferred = False  # the _DIRECT frame in progress goes to a pipeline slot
+        self._exact_header = False  # pipeline only: after MESSAGE_BEGIN or a deferred frame, receive the next header alone
 
     def __repr__(self) -> str:
         return f"FrameReader(state={self._state}, buffered={self.buffered})"
@@ -91,21 +112,29 @@ class FrameReader:
 
         Raises ``FrameError`` (authentication, oversize len, unknown kind) or
         ``SequenceExhausted``; the direction is then failed for good."""
+        if self._pipe is not None and self._opener.failed:
+            self._pipe.drain()  # raises the helper's authentication failure
         start = self._start
         if self._state == _HEADER and self._end - start >= FRAME_HEADER_LEN:
             # hot path: the whole frame is buffered (one receive brought it in)
             kind, n = _unpack_header(self._buf, start)
             end = start + FRAME_HEADER_LEN + n + self._tag_len
-            if end <= self._end and n <= self._max_len:
+            if end <= self._end and n <= self._max_len and not (kind == _CONTINUE and self._deferrable(n)):
                 dst = self._destination(kind, n)
                 if end == self._end:
                     self._start = self._end = 0
                 else:
                     self._start = end
-                return self._opener.open_frame(self._view[start:end], kind, n, dst), n
+                kind = self._opener.open_frame(self._view[start:end], kind, n, dst)
+                self._exact_header = self._pipe is not None and kind == _BEGIN
+                return kind, n
         if not self._advance():
             return None
         return self._finish()
+
+    def _deferrable(self, n: int) -> bool:
+        """A MESSAGE_CONTINUE of ``n`` bytes goes to a pipeline slot (even when buffered)."""
+        return self._pipe is not None and self._pipe.accepts(n)
 
     def bytes_needed(self) -> int:
         """Bytes still missing before the frame in progress can be returned (its
@@ -136,7 +165,7 @@ class FrameReader:
             self._buf[:have] = self._buf[start:end]
             self._start, self._end = start, end = 0, have
         need = want - (end - start)
-        if need >= BIG:
+        if need >= BIG or (self._exact_header and state == _HEADER):
             return self._view[end : end + need], True
         return self._view[end:], False
 
@@ -162,7 +191,14 @@ class FrameReader:
         payload = self._dst
         assert payload is not None
         kind, n = self._finish()
+        self.drain()
         return Frame(kind, bytes(payload[:n]))
+
+    def drain(self) -> None:
+        """Wait until every frame returned so far authenticated (opens on helper
+        threads); raises the first failure.  A no-op without a pipeline."""
+        if self._pipe is not None:
+            self._pipe.drain()
 
     @property
     def buffered(self) -> int:
@@ -218,6 +254,16 @@ class FrameReader:
             opener.parse_header(self._view[start : start + FRAME_HEADER_LEN])  # raises
         self._dst = self._destination(kind, n)
         self._kind, self._n = kind, n
+        self._exact_header = False
+        pipe = self._pipe
+        if pipe is not None and kind == _CONTINUE and pipe.accepts(n):
+            self._header = bytes(self._view[start : start + FRAME_HEADER_LEN])
+            self._consume(FRAME_HEADER_LEN)
+            self._direct = pipe.slot(n + self._tag_len)
+            self._doff = 0
+            self._deferred = True
+            self._state = _DIRECT
+            return _DIRECT
         total = FRAME_HEADER_LEN + n + self._tag_len
         if not self._plain and total <= self.capacity:
             self._total = total
@@ -238,10 +284,19 @@ class FrameReader:
             start = self._start
             frame = self._view[start : start + self._total]
             self._consume(self._total)
-            return self._opener.open_frame(frame, kind, n, dst), n
+            kind = self._opener.open_frame(frame, kind, n, dst)
+            # with a pipeline, a MESSAGE_BEGIN's chunks follow: receive each header alone
+            self._exact_header = self._pipe is not None and kind == _BEGIN
+            return kind, n
         body, self._direct, self._doff = self._direct, None, 0
-        if state == _DIRECT:  # AEAD frame larger than the buffer
+        if state == _DIRECT:  # AEAD frame larger than the buffer, or deferred to a helper
             assert body is not None
+            if self._deferred:
+                assert self._pipe is not None
+                self._deferred = False
+                self._exact_header = True
+                self._pipe.submit(self._opener.reserve(), self._header, body, dst)
+                return kind, n
             return self._opener.open_parsed(kind, n, self._header, body, dst), n
         start = self._start
         tag = self._view[start : start + self._tag_len]

@@ -38,11 +38,14 @@ from .identity import PeerId, PeerLike, as_peer
 from .listener import Listener
 from .messages import Message
 from .options import TransportOptions
+from .pipeline import CryptoPool
 from .pool import Pool
 from .ratelimit import RateLimitedLog, WarnClass, cluster_warnings
 from .secret import ClusterSecret
 from .socket_handshake import client_handshake, server_handshake
-from .wire import MESSAGE_KINDS, ErrorCode, Kind
+from .wire import MESSAGE_KINDS, ErrorCode, Kind, Suite
+
+AEAD_SUITES = frozenset({Suite.AES_256_GCM, Suite.CHACHA20_POLY1305})
 
 log = logging.getLogger("mlxcel.cluster.transport")
 
@@ -90,6 +93,8 @@ class Transport:
         self._on_request: OnRequest | None = None
         self._closing = threading.Event()
         self._ids = itertools.count(1)
+        workers = self.options.effective_crypto_workers
+        self._crypto = CryptoPool(workers) if workers > 0 and self.options.suite in AEAD_SUITES else None
         self._listener = Listener(secret, self.options, self.warnings, self._closing, self._factory(inbound=True))
         self._pool = Pool(secret, self.options, self.warnings, self._closing, self._factory(inbound=False))
 
@@ -138,6 +143,7 @@ class Transport:
                 sock, peer, est, inbound,
                 options=self.options, warnings=self.warnings,
                 deliver=self._deliver, handle_request=self._handle_request, forget=self._forget,
+                crypto=self._crypto,
             )
 
         return make
@@ -217,6 +223,8 @@ class Transport:
             if t is not me:
                 t.join(5.0)
         self._listener.close_socket()
+        if self._crypto is not None:
+            self._crypto.close()
 
 
 def close_all(transports: Iterable[Transport]) -> None:
