@@ -103,7 +103,7 @@ class FrameSealer(_Direction):
         return (header, payload), n + FRAME_HEADER_LEN
 
     def reserve(self, count: int) -> int | None:
-        """Take ``count`` consecutive sequence numbers for ``seal_at``; the first, or
+        """Take ``count`` consecutive sequence numbers for ``prepare_at``; the first, or
         None (nothing taken) when they would reach the limit."""
         seq = self.seq
         if seq + count > self.seq_limit:
@@ -111,18 +111,18 @@ class FrameSealer(_Direction):
         self.seq = seq + count
         return seq
 
-    def seal_at(self, aead: AESGCM | ChaCha20Poly1305, seq: int, kind: int, payload: Buffer, out: memoryview) -> int:
-        """Seal one frame under a ``reserve``d ``seq`` into ``out`` (header || ciphertext
-        || tag) with ``aead`` (from ``new_aead``); returns the frame's length.  Safe
-        on any thread: it touches no state of the sealer."""
+    def prepare_at(self, seq: int, kind: int, payload: Buffer, out: memoryview) -> tuple[int, tuple[bytes, Buffer, bytes, memoryview]]:
+        """Write the header of a frame under a ``reserve``d ``seq`` into ``out``; returns
+        the frame's length and the arguments of ``encrypt_into`` (nonce, payload, AAD,
+        where the ciphertext || tag go), which any thread may then run on an AEAD
+        context from ``new_aead``."""
         n = len(payload)
         if n > self.max_frame_len:
             raise LocalProtocolError(f"frame of {n} bytes exceeds the cap of {self.max_frame_len}")
         header = _pack_header(kind, n)
         total = FRAME_HEADER_LEN + n + self.tag_len
         out[:FRAME_HEADER_LEN] = header
-        aead.encrypt_into(seq.to_bytes(NONCE_BYTES, "big"), payload, header, out[FRAME_HEADER_LEN:total])
-        return total
+        return total, (seq.to_bytes(NONCE_BYTES, "big"), payload, header, out[FRAME_HEADER_LEN:total])
 
     def seal(self, kind: int, payload: Buffer) -> bytes:
         """The whole frame as one bytes object."""
@@ -190,8 +190,8 @@ class FrameOpener(_Direction):
         return kind
 
     def reserve(self) -> int:
-        """The next frame's sequence number, for a deferred ``open_at`` (frames are
-        reserved in arrival order)."""
+        """The next frame's sequence number, for a frame opened elsewhere (a pipeline
+        helper; frames are reserved in arrival order, see ``auth_failed``)."""
         if self.failed:
             raise LocalProtocolError("this direction already failed; the connection must close")
         seq = self.seq
@@ -200,15 +200,12 @@ class FrameOpener(_Direction):
         self.seq = seq + 1
         return seq
 
-    def open_at(self, aead: AESGCM | ChaCha20Poly1305, seq: int, header: bytes, body: Buffer, out: Buffer) -> None:
-        """Authenticate a ``reserve``d frame (``body`` = ciphertext || tag) into ``out``
-        with ``aead`` (from ``new_aead``).  Safe on any thread; a failure fails the
-        direction.  The caller checked the header (its kind is MESSAGE_CONTINUE)."""
-        try:
-            aead.decrypt_into(seq.to_bytes(NONCE_BYTES, "big"), body, header, out)
-        except InvalidTag:
-            self.failed = True
-            raise FrameAuthError(f"frame {seq} failed authentication (altered, replayed, reordered or from another connection)") from None
+    def auth_failed(self, seq: int) -> FrameAuthError:
+        """Fail the direction for frame ``seq`` (opened elsewhere, e.g. by a pipeline
+        helper with ``decrypt_into`` under the nonce of a ``reserve``d ``seq``); the
+        error to raise."""
+        self.failed = True
+        return FrameAuthError(f"frame {seq} failed authentication (altered, replayed, reordered or from another connection)")
 
     def verify_in_place(self, header: Buffer, payload: Buffer, tag: Buffer) -> int:
         """For ``plaintext_on_wire`` suites: authenticate a payload read straight into place."""

@@ -24,8 +24,10 @@ import queue
 import threading
 from typing import Any, Callable, Sequence
 
+from cryptography.exceptions import InvalidTag
+
 from .frames import Buffer, FrameOpener, FrameSealer
-from .wire import FRAME_HEADER_LEN
+from .wire import FRAME_HEADER_LEN, NONCE_BYTES
 
 #: slots per direction: a sender seals up to SLOTS - 1 frames ahead of the one in sendmsg
 SLOTS = 4
@@ -176,12 +178,14 @@ class SealPipeline:
             return False
         ring = len(self._bufs)
         jobs: list[Job | None] = [None] * ring
-        bufs, aeads, seal_at, submit = self._bufs, self._aeads, self._sealer.seal_at, self._pool.submit
+        totals = [0] * ring
+        bufs, aeads, prepare, submit = self._bufs, self._aeads, self._sealer.prepare_at, self._pool.submit
 
         def queue_frame(j: int) -> None:
-            kind, payload = frames[j]
             i = j % ring
-            jobs[i] = job = Job(seal_at, (aeads[i], seq0 + j, kind, payload, bufs[i]))
+            kind, payload = frames[j]
+            totals[i], args = prepare(seq0 + j, kind, payload, bufs[i])
+            jobs[i] = job = Job(aeads[i].encrypt_into, args)  # a helper runs C code only
             submit(job)
 
         for j in range(min(ring, n)):
@@ -191,7 +195,8 @@ class SealPipeline:
                 i = j % ring
                 job = jobs[i]
                 assert job is not None
-                total = job.wait()
+                job.wait()
+                total = totals[i]
                 sendmsg(((bufs[i][:total],), total))
                 if j + ring < n:
                     queue_frame(j + ring)
@@ -217,6 +222,7 @@ class OpenPipeline:
         self._bufs: list[memoryview] = []
         self._aeads: list[Any] = []
         self._jobs: list[Job | None] = [None] * slots
+        self._seqs = [0] * slots
         self._next = 0
         self.pending = 0
 
@@ -230,20 +236,28 @@ class OpenPipeline:
             self._bufs = [memoryview(bytearray(self.slot_len)) for _ in range(self._ring)]
             self._aeads = [self._opener.new_aead() for _ in range(self._ring)]
         i = self._next % self._ring
-        job = self._jobs[i]
-        if job is not None:  # the slot's previous frame must be opened first
-            self._jobs[i] = None
-            self.pending -= 1
-            job.wait()
+        if self._jobs[i] is not None:  # the slot's previous frame must be opened first
+            self._finish(i)
         return self._bufs[i][:size]
 
     def submit(self, seq: int, header: bytes, body: memoryview, out: memoryview) -> None:
         """Open the frame just received into ``slot()``'s view: ``body`` is that view."""
         i = self._next % self._ring
         self._next += 1
-        self._jobs[i] = job = Job(self._opener.open_at, (self._aeads[i], seq, header, body, out))
+        self._seqs[i] = seq
+        self._jobs[i] = job = Job(self._aeads[i].decrypt_into, (seq.to_bytes(NONCE_BYTES, "big"), body, header, out))
         self.pending += 1
         self._pool.submit(job)
+
+    def _finish(self, i: int) -> None:
+        job = self._jobs[i]
+        assert job is not None
+        self._jobs[i] = None
+        self.pending -= 1
+        try:
+            job.wait()
+        except InvalidTag:
+            raise self._opener.auth_failed(self._seqs[i]) from None
 
     def drain(self) -> None:
         """Wait for every pending open, oldest first; raise the first failure."""
@@ -253,11 +267,8 @@ class OpenPipeline:
         try:
             for k in range(ring):
                 i = (self._next + k) % ring
-                job = self._jobs[i]
-                if job is not None:
-                    self._jobs[i] = None
-                    self.pending -= 1
-                    job.wait()
+                if self._jobs[i] is not None:
+                    self._finish(i)
         finally:
             self.close()
 
