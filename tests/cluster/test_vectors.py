@@ -12,11 +12,16 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from mlxcel.cluster.errors import FrameAuthError, MessageError
 from mlxcel.cluster.frames import FrameOpener, FrameSealer
 from mlxcel.cluster.handshake import ClientHandshake, ClientVerified, Established, ServerHandshake, encode_reject
+from mlxcel.cluster.identity import PeerId
 from mlxcel.cluster.keys import derive_keys
+from mlxcel.cluster.messages import Assembler
+from mlxcel.cluster.pipeline import CryptoPool, OpenPipeline
+from mlxcel.cluster.reader import FrameReader
 from mlxcel.cluster.secret import ClusterSecret
-from mlxcel.cluster.wire import Channel, Kind, RejectReason, Suite
+from mlxcel.cluster.wire import MESSAGE_BEGIN, STREAM_DATA, Channel, Kind, RejectReason, Suite
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "protocol.md"
 
@@ -95,3 +100,68 @@ def test_first_frames():
     assert AESGCM(V["key_transport_c2s"]).decrypt(bytes(12), frame[5:], frame[:5]) == b"hello, stage 1"
     assert FrameOpener(Suite.AES_256_GCM, V["key_transport_c2s"]).open(frame[:5], frame[5:]) == b"hello, stage 1"
     assert FrameSealer(Suite.AES_256_GCM, V["key_transport_s2c"]).seal(Kind.CONTROL, b"") == V["frame_s2c_0"]
+
+
+# --- the fragmented message (frame_c2s_1..3) ----------------------------------------------------
+
+FRAGMENTS = ["frame_c2s_1", "frame_c2s_2", "frame_c2s_3"]
+
+
+def test_fragmented_message_from_primitives():
+    """An independent reading: the documented header, nonce and payload layouts."""
+    aead = AESGCM(V["key_transport_c2s"])
+    payloads = [aead.decrypt(seq.to_bytes(12, "big"), V[name][5:], V[name][:5]) for seq, name in enumerate(FRAGMENTS, 1)]
+    assert [V[name][:5].hex() for name in FRAGMENTS] == ["1000000011", "1100000018", "1100000010"]
+    begin = payloads[0]
+    assert begin[0] == 0x05 and int.from_bytes(begin[1:9], "big") == 40 and int.from_bytes(begin[9:17], "big") == 7
+    assert payloads[1] + payloads[2] == V["stream_body"] == b"KV layer 0: keys and values, 40 bytes..."
+
+
+def test_fragmented_message_is_sealed_by_the_code():
+    sealer = FrameSealer(Suite.AES_256_GCM, V["key_transport_c2s"])
+    assert sealer.seal(Kind.TENSOR_DATA, b"hello, stage 1") == V["frame_c2s_0"]
+    body = V["stream_body"]
+    parts = [(Kind.MESSAGE_BEGIN, MESSAGE_BEGIN.pack(Kind.STREAM_DATA, 40) + STREAM_DATA.pack(7)), (Kind.MESSAGE_CONTINUE, body[:24]), (Kind.MESSAGE_CONTINUE, body[24:])]
+    assert [sealer.seal(k, p) for k, p in parts] == [V[name] for name in FRAGMENTS]
+
+
+def _read(wire: bytes, workers: int | None) -> list:
+    opener = FrameOpener(Suite.AES_256_GCM, V["key_transport_c2s"])
+    asm = Assembler(PeerId("192.0.2.10", 19001))
+    pool = CryptoPool(workers) if workers is not None else None
+    pipe = OpenPipeline(opener, pool, 64, min_len=1) if pool is not None else None
+    reader = FrameReader(opener, destination=asm.destination, capacity=128, pipeline=pipe)
+    reader.receive_data(wire)
+    got = []
+    try:
+        while (frame := reader.next_frame()) is not None:  # drains: each frame authenticated
+            msg = asm.frame_done(frame.kind, len(frame.payload))
+            if msg is not None:
+                got.append((msg.kind, msg.id, bytes(msg.payload)))
+    finally:
+        if pool is not None:
+            pool.close()
+    assert pipe is None or pipe._next == 2  # both MESSAGE_CONTINUE frames went through the pipeline
+    return got
+
+
+@pytest.mark.parametrize("workers", [None, 0, 2], ids=["serial", "pipeline-inline", "pipeline-helpers"])
+def test_fragmented_message_is_read_by_the_code(workers):
+    wire = V["frame_c2s_0"] + b"".join(V[name] for name in FRAGMENTS)
+    assert _read(wire, workers) == [(Kind.TENSOR_DATA, 0, b"hello, stage 1"), (Kind.STREAM_DATA, 7, V["stream_body"])]
+
+
+@pytest.mark.parametrize("workers", [None, 2], ids=["serial", "pipeline-helpers"])
+@pytest.mark.parametrize("change", ["swap", "repeat", "alter-begin", "alter-chunk", "alter-tag"])
+def test_fragmented_message_changed_in_any_way_fails(workers, change):
+    f1, f2, f3 = (V[name] for name in FRAGMENTS)
+    flip = lambda b, i: b[:i] + bytes([b[i] ^ 1]) + b[i + 1 :]  # noqa: E731
+    frames = {
+        "swap": [f1, f3, f2],
+        "repeat": [f1, f2, f2],
+        "alter-begin": [flip(f1, 7), f2, f3],
+        "alter-chunk": [f1, flip(f2, 9), f3],
+        "alter-tag": [f1, f2, flip(f3, len(f3) - 1)],
+    }[change]
+    with pytest.raises((FrameAuthError, MessageError)):
+        _read(V["frame_c2s_0"] + b"".join(frames), workers)
