@@ -264,9 +264,13 @@ class OpenPipeline:
         if not self.pending:
             return
         ring = self._ring
+        order = [(self._next + k) % ring for k in range(ring)]
         try:
-            for k in range(ring):
-                i = (self._next + k) % ring
+            for i in reversed(order):  # run here what no helper started, newest first
+                job = self._jobs[i]
+                if job is not None:
+                    job.run()
+            for i in order:  # then wait for the helpers; the first failure in frame order wins
                 if self._jobs[i] is not None:
                     self._finish(i)
         finally:
