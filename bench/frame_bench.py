@@ -253,13 +253,13 @@ def _fmt_size(n: int) -> str:
 
 def _fmt_row(r: dict[str, Any]) -> str:
     return (
-        f"{r['mode']:<44} {_fmt_size(r['payload_bytes']):>7} {r['iterations']:>6} {_fmt_time(r['p50_us']):>10} "
+        f"{r['mode']:<52} {_fmt_size(r['payload_bytes']):>7} {r['iterations']:>6} {_fmt_time(r['p50_us']):>10} "
         f"{_fmt_time(r['p95_us']):>10} {_fmt_time(r['p99_us']):>10} {r['one_way_gib_s']:>8.2f} GiB/s"
     )
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    print(f"\n{'Mode':<44} {'Payload':>7} {'Iters':>6} {'p50':>10} {'p95':>10} {'p99':>10} {'One-way bandwidth':>14}")
+    print(f"\n{'Mode':<52} {'Payload':>7} {'Iters':>6} {'p50':>10} {'p95':>10} {'p99':>10} {'One-way bandwidth':>14}")
     for r in rows:
         print(_fmt_row(r))
     base: dict[int, float] = {}
@@ -270,7 +270,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         print("\np50 relative to unprotected:")
         for r in rows:
             if r["suite"] != "unprotected" and r["payload_bytes"] in base:
-                print(f"  {r['mode']:<44} {_fmt_size(r['payload_bytes']):>7} {r['p50_us'] / base[r['payload_bytes']]:.2f}x")
+                print(f"  {r['mode']:<52} {_fmt_size(r['payload_bytes']):>7} {r['p50_us'] / base[r['payload_bytes']]:.2f}x")
 
 
 def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
