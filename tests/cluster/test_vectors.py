@@ -121,7 +121,11 @@ def test_fragmented_message_is_sealed_by_the_code():
     sealer = FrameSealer(Suite.AES_256_GCM, V["key_transport_c2s"])
     assert sealer.seal(Kind.TENSOR_DATA, b"hello, stage 1") == V["frame_c2s_0"]
     body = V["stream_body"]
-    parts = [(Kind.MESSAGE_BEGIN, MESSAGE_BEGIN.pack(Kind.STREAM_DATA, 40) + STREAM_DATA.pack(7)), (Kind.MESSAGE_CONTINUE, body[:24]), (Kind.MESSAGE_CONTINUE, body[24:])]
+    parts = [
+        (Kind.MESSAGE_BEGIN, MESSAGE_BEGIN.pack(Kind.STREAM_DATA, 40) + STREAM_DATA.pack(7)),
+        (Kind.MESSAGE_CONTINUE, body[:24]),
+        (Kind.MESSAGE_CONTINUE, body[24:]),
+    ]
     assert [sealer.seal(k, p) for k, p in parts] == [V[name] for name in FRAGMENTS]
 
 
