@@ -188,9 +188,9 @@ class SealPipeline:
             jobs[i] = job = Job(aeads[i].encrypt_into, args)  # a helper runs C code only
             submit(job)
 
-        for j in range(min(ring, n)):
-            queue_frame(j)
         try:
+            for j in range(min(ring, n)):
+                queue_frame(j)
             for j in range(n):
                 i = j % ring
                 job = jobs[i]
