@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -128,3 +130,78 @@ def test_systemd_unit_keeps_a_refused_peer_down_only_with_pp_auto(deployment: De
             verify = subprocess.run(["systemd-analyze", "verify", "--man=no", str(unit)], capture_output=True,
                                     text=True, timeout=60)
             assert verify.returncode == 0 and str(unit) not in verify.stderr, verify.stderr
+
+
+def _commands(deployment: Deployment, nodes: object, **more: object) -> dict[str, list[str]]:
+    """Each node's command line as render_units.yml writes it into its node TOML."""
+    result = deployment.run("tests/ansible/render_units.yml", **more)
+    assert result.rc == 0, result.output[-4000:]
+    return {n: tomllib.loads((deployment.home(n) / "node.toml").read_text())["command"] for n in nodes}
+
+
+def _threads(command: list[str]) -> str | None:
+    return command[command.index("--threads") + 1] if "--threads" in command else None
+
+
+@pytest.mark.parametrize("case", ["machines", "integer", "null"])
+def test_thread_budget_splits_a_machine_between_the_nodes_that_hold_layers(deployment: Deployment, case: str) -> None:
+    """auto: a stage gets max(1, nproc // the stages on its machine), the coordinator 1 (the same machine for all three
+    is in test_deploy.py); an integer goes to every node; null leaves the flag out."""
+    nproc = len(os.sched_getaffinity(0))
+    more: dict = {
+        # the coordinator shares stage-0's machine but holds no layers: stage-0 keeps every core
+        "machines": {"mlxcel_test_machines": {"coordinator": "m0", "stage-0": "m0", "stage-1": "m1"}},
+        "integer": {"mlxcel_node_threads": 3},
+        "null": {"mlxcel_node_threads": None}}[case]
+    commands = _commands(deployment, HOSTS, **more)
+    want = {"machines": {"coordinator": "1", "stage-0": str(nproc), "stage-1": str(nproc)},
+            "integer": dict.fromkeys(HOSTS, "3"), "null": dict.fromkeys(HOSTS)}[case]
+    assert {n: _threads(c) for n, c in commands.items()} == want, commands
+
+
+def test_thread_budget_refuses_what_is_not_auto_a_positive_integer_or_null(deployment: Deployment) -> None:
+    result = deployment.run("tests/ansible/render_units.yml", mlxcel_node_threads="half")
+    assert result.rc != 0
+    assert "mlxcel_node_threads auto, a positive integer or null (got 'half')" in " ".join(result.output.split())
+
+
+DISAGG_EXAMPLE = "examples/disagg/inventory"
+DISAGG_NODES = {"router": ("router", "127.0.0.11"), "prefill-0": ("prefill", "127.0.0.12"),
+                "decode-0": ("decode", "127.0.0.13"), "decode-1": ("decode", "127.0.0.14")}
+
+
+def test_disagg_example_renders_the_toml_the_engine_loads(deployment: Deployment) -> None:
+    result = deployment.run("deploy.yml", "--tags", "install,secret,config", inventory=DISAGG_EXAMPLE)
+    assert result.rc == 0, result.output[-4000:]
+    for node in DISAGG_NODES:
+        config = load_cluster_config(deployment.home(node) / "cluster.toml")
+        assert config.coordinator is None and not config.stages
+        assert [(n.id, n.role, str(n.address)) for n in config.disagg] == [
+            (n, role, f"{address}:{deployment.cluster_port}") for n, (role, address) in DISAGG_NODES.items()]
+        assert config.secret_file == deployment.home(node) / "cluster.secret"
+        assert (deployment.home(node) / "cluster.secret").exists()
+        # the example turns the API key on: only the router, which serves the OpenAI API, gets it
+        assert (deployment.home(node) / "api.key").exists() == (node == "router")
+
+
+@pytest.mark.parametrize("topology", ["pipeline", "disagg"])
+def test_topology_preflight_names_the_groups_it_needs(deployment: Deployment, topology: str) -> None:
+    """Each topology on the other's inventory: refused before anything runs, naming the groups."""
+    inventory = {"pipeline": DISAGG_EXAMPLE, "disagg": "inventory"}[topology]
+    result = deployment.run("deploy.yml", "--tags", "install", inventory=inventory, mlxcel_topology=topology)
+    assert result.rc != 0
+    text = " ".join(result.output.split())
+    want = {"pipeline": "the inventory needs exactly one host in group 'coordinator' and at least one in 'stages'",
+            "disagg": "mlxcel_topology disagg needs at least one host in each of the groups 'router', 'prefill' and "
+                      "'decode'"}[topology]
+    assert want in text, result.output[-3000:]
+
+
+def test_disagg_refuses_settings_only_a_pipeline_has(deployment: Deployment) -> None:
+    result = deployment.run("deploy.yml", "--tags", "install,config", inventory=DISAGG_EXAMPLE,
+                            mlxcel_config_prefix_cache_mb=64, mlxcel_config_startup_s=30)
+    assert result.rc != 0
+    text = " ".join(result.output.split())
+    assert ("mlxcel_topology disagg has no stages, layer ranges or [pipeline] settings (every prefill and decode node "
+            "holds the whole model), so mlxcel_config_prefix_cache_mb, mlxcel_config_startup_s cannot apply") in text, \
+        result.output[-3000:]

@@ -3,8 +3,11 @@
 The tests run in file order on one deployment: deploy, chat, redeploy (changed=0), status, secrets,
 secret rotation, bench (all with the rendered TOML), then the same hosts brought up again with
 mlxcel_bringup=pp_auto (--pp-auto / --pp-peer): the same answer, status with each peer's assignment,
-redeploy (changed=0), a dead peer restarting the whole cluster; then teardown. The API key and TLS
-are tested on the namespace cluster (test_netns.py), where the OpenAI port is off loopback.
+redeploy (changed=0), a dead peer restarting the whole cluster; then teardown. Then the same three
+addresses as a disaggregated cluster (mlxcel_topology disagg: router, prefill, decode) with the API key
+on the router: the start order, the pipeline's greedy answer through the router, redeploy (changed=0),
+status, teardown. The API key and TLS of a pipeline are tested on the namespace cluster (test_netns.py),
+where the OpenAI port is off loopback.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import pytest
 
 from mlxcel.pipeline.cluster_config import load_cluster_config
 
-from tests.ansible.playbook import HOSTS, Deployment, free_port
+from tests.ansible.playbook import HOSTS, REPO, Deployment, free_port
 
 pytestmark = pytest.mark.timeout(600)
 NODES = tuple(HOSTS)
@@ -31,15 +34,15 @@ PP_AUTO = {"mlxcel_bringup": "pp_auto"}
 ANSWERS: dict[str, str] = {}  # bring-up -> the greedy answer to one prompt
 
 
-def _greedy_answer(deployment: Deployment) -> str:
-    client = openai.OpenAI(base_url=f"{deployment.url}/v1", api_key="unused", max_retries=0, timeout=60)
+def _greedy_answer(deployment: Deployment, api_key: str = "unused") -> str:
+    client = openai.OpenAI(base_url=f"{deployment.url}/v1", api_key=api_key, max_retries=0, timeout=60)
     reply = client.chat.completions.create(model=client.models.list().data[0].id, max_tokens=12, temperature=0,
                                            messages=[{"role": "user", "content": "Name three colours."}])
     return reply.choices[0].message.content
 
 
-def _pids(deployment: Deployment) -> dict[str, str]:
-    return {n: (deployment.home(n) / "node.pid").read_text() for n in NODES}
+def _pids(deployment: Deployment, nodes: tuple[str, ...] = NODES) -> dict[str, str]:
+    return {n: (deployment.home(n) / "node.pid").read_text() for n in nodes}
 
 
 def _argv(deployment: Deployment, node: str) -> list[str]:
@@ -49,6 +52,11 @@ def _argv(deployment: Deployment, node: str) -> list[str]:
 
 def _flag(argv: list[str], name: str) -> str:
     return argv[argv.index(name) + 1]
+
+
+def _layer_threads(holders_on_this_machine: int) -> str:
+    """--threads of a node holding layers when all hosts are this machine (ansible_processor_nproc: our affinity)."""
+    return str(max(1, len(os.sched_getaffinity(0)) // holders_on_this_machine))
 
 
 def _deployed(deployment: Deployment) -> None:
@@ -75,6 +83,9 @@ def test_deploy_starts_three_nodes(deployment: Deployment) -> None:
         cmdline = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
         assert cmdline[cmdline.index(b"--host") + 1].decode() == address  # its own address, never 0.0.0.0
         assert cmdline[cmdline.index(b"--node-id") + 1].decode() == node
+        # the thread budget: the two stages split this machine's cores, the coordinator holds no layers
+        threads = "1" if node == "coordinator" else _layer_threads(2)
+        assert _flag([a.decode() for a in cmdline], "--threads") == threads
         # the rendered TOML is what the engine's loader (--distributed-config) reads
         config = load_cluster_config(deployment.home(node) / "cluster.toml")
         assert config.secret_file == deployment.home(node) / "cluster.secret"
@@ -100,13 +111,14 @@ def test_chat_through_the_coordinator_with_openai(deployment: Deployment) -> Non
     ANSWERS["toml"] = _greedy_answer(deployment)
 
 
-def _assert_redeploy_changes_nothing(deployment: Deployment, **more: object) -> None:
-    pids = _pids(deployment)
-    result = deployment.run("deploy.yml", **more)
+def _assert_redeploy_changes_nothing(deployment: Deployment, *args: str, nodes: tuple[str, ...] = NODES,
+                                     **more: object) -> None:
+    pids = _pids(deployment, nodes)
+    result = deployment.run("deploy.yml", *args, **more)
     assert result.rc == 0, result.output[-4000:]
     assert {h: r["changed"] for h, r in result.recap().items()} == \
-        {"local-coordinator": 0, "local-stage-0": 0, "local-stage-1": 0}, result.output[-4000:]
-    assert pids == _pids(deployment)  # nothing restarted
+        {f"local-{n}": 0 for n in nodes}, result.output[-4000:]
+    assert pids == _pids(deployment, nodes)  # nothing restarted
     print(f"re-run: {result.seconds:.1f} s")
 
 
@@ -196,11 +208,13 @@ def test_pp_auto_bringup_assigns_the_stages_and_answers_as_the_toml_did(deployme
     assert _flag(coordinator, "--cluster-peers") == ",".join(
         f"{HOSTS[n]}:{deployment.cluster_port}" for n in ("stage-0", "stage-1"))
     assert _flag(coordinator, "--cluster-control-addr") == f"{HOSTS['coordinator']}:{deployment.cluster_port}"
+    assert _flag(coordinator, "--threads") == "1"
     generated = (deployment.home("coordinator") / "cluster.toml").read_text()
     assert generated.startswith("# Cluster TOML planned by an mlxcel"), generated[:300]
     for i, node in enumerate(("stage-0", "stage-1")):
         argv = _argv(deployment, node)
         assert "--pp-peer" in argv and "--distributed-config" not in argv
+        assert _flag(argv, "--threads") == _layer_threads(2)
         assert _flag(argv, "--cluster-control-addr") == f"{HOSTS[node]}:{deployment.cluster_port}"
         assert not (deployment.home(node) / "cluster.toml").exists()  # the rendered TOML is gone
         received = deployment.home(node) / f"cluster-stage-{i}.toml"  # what the peer was assigned
@@ -261,3 +275,113 @@ def test_teardown_leaves_no_process(deployment: Deployment) -> None:
     again = deployment.run("teardown.yml")  # what is already gone is fine
     assert again.rc == 0 and all(r["changed"] == 0 for r in again.recap().values()), again.output[-3000:]
     assert os.path.isdir(deployment.home("coordinator"))
+
+
+# -- the same three addresses as a disaggregated cluster (mlxcel_topology disagg) --------------------------------
+
+DISAGG = {"router": ("router", HOSTS["coordinator"]), "prefill-0": ("prefill", HOSTS["stage-0"]),
+          "decode-0": ("decode", HOSTS["stage-1"])}
+DISAGG_NODES = tuple(DISAGG)
+
+
+@pytest.fixture(scope="module")
+def disagg(deployment: Deployment, tmp_path_factory: pytest.TempPathFactory):
+    """The inventory: router, prefill and decode groups on 127.0.0.2-4 with the API key on; torn down at the end."""
+    hosts = {role: {"hosts": {f"local-{node}": {"ansible_host": address, "mlxcel_node_id": node}}}
+             for node, (role, address) in DISAGG.items()}
+    inventory = {"mlxcel_cluster": {
+        "vars": {"mlxcel_topology": "disagg", "mlxcel_api_key_enabled": True, "ansible_connection": "local",
+                 "ansible_python_interpreter": "{{ ansible_playbook_python }}",
+                 "mlxcel_home": "{{ mlxcel_state_root }}/{{ mlxcel_node_id }}", "mlxcel_install_method": "reuse",
+                 "mlxcel_venv": str(REPO / ".venv"), "mlxcel_model_dir": "{{ mlxcel_model_source }}",
+                 "mlxcel_node_supervisor": "pidfile"},
+        "children": hosts}}
+    path = tmp_path_factory.mktemp("disagg") / "hosts.yml"
+    path.write_text(json.dumps(inventory))  # JSON is YAML
+    yield str(path)
+    if any((deployment.home(n) / "node.pid").exists() for n in DISAGG_NODES):  # a test failed before teardown
+        deployment.run("teardown.yml", inventory=str(path))
+
+
+def _api_key(deployment: Deployment) -> str:
+    return (deployment.controller / "api.key").read_text().strip()
+
+
+def _disagg_deployed(deployment: Deployment) -> None:
+    if not (deployment.home("router") / "node.pid").exists():
+        pytest.skip("the disaggregated cluster did not come up (see test_disagg_deploy_starts_decode_prefill_router)")
+
+
+def test_disagg_deploy_starts_decode_then_prefill_then_router(deployment: Deployment, disagg: str) -> None:
+    if deployment.pids():
+        pytest.skip("the pipeline is still up on these addresses (see test_teardown_leaves_no_process)")
+    result = deployment.run("deploy.yml", inventory=disagg)
+    assert result.rc == 0, result.output[-4000:]
+    recap = result.recap()
+    assert set(recap) == {f"local-{n}" for n in DISAGG_NODES} and all(r["failed"] == 0 for r in recap.values())
+    started = [result.output.find(f"msg: {n} started") for n in ("decode-0", "prefill-0", "router")]
+    assert -1 not in started and started == sorted(started), result.output[-4000:]  # decode, prefill, router
+    assert f"OpenAI API: {deployment.url}/v1" in result.output and "answer: " in result.output
+    key = _api_key(deployment)
+    assert key not in result.output
+    for node, (role, address) in DISAGG.items():
+        home = deployment.home(node)
+        pid = int((home / "node.pid").read_text())
+        argv = _argv(deployment, node)
+        assert (_flag(argv, "--host"), _flag(argv, "--node-id")) == (address, node)
+        assert _flag(argv, "--distributed-config") == str(home / "cluster.toml")
+        assert _flag(argv, "--cluster-secret-file") == str(home / "cluster.secret")  # every role needs the secret
+        # the OpenAI API, its key and TLS are the router's; prefill and decode nodes serve /health only
+        assert ("--api-key-file" in argv) == (role == "router") == (home / "api.key").exists()
+        # the prefill and decode nodes share this machine's cores; the router holds no layers
+        assert _flag(argv, "--threads") == ("1" if role == "router" else _layer_threads(2))
+        config = load_cluster_config(home / "cluster.toml")
+        assert [(n.id, n.role, str(n.address)) for n in config.disagg] == [
+            (n, r, f"{a}:{deployment.cluster_port}") for n, (r, a) in DISAGG.items()]
+        environ = open(f"/proc/{pid}/environ", "rb").read().decode(errors="replace").split("\0")
+        allowlist = [e for e in environ if e.startswith("MLXCEL_DECODE_ALLOWLIST=")]
+        assert allowlist == ([f"MLXCEL_DECODE_ALLOWLIST={HOSTS['stage-1']}:{deployment.cluster_port}"]
+                             if role == "prefill" else []), allowlist
+        assert key not in (home / "node.toml").read_text() + (home / "node.log").read_text()
+    print(f"disaggregated deploy: {result.seconds:.1f} s")
+
+
+def test_disagg_chat_through_the_router_equals_the_pipeline(deployment: Deployment, disagg: str) -> None:
+    _disagg_deployed(deployment)
+    with pytest.raises(openai.AuthenticationError):  # the router's API key is on
+        _greedy_answer(deployment, api_key="not-the-key")
+    answer = _greedy_answer(deployment, api_key=_api_key(deployment))
+    if "toml" not in ANSWERS:
+        pytest.skip("no answer of the pipeline to compare with (see test_chat_through_the_coordinator)")
+    assert answer == ANSWERS["toml"]
+
+
+def test_disagg_redeploy_changes_nothing(deployment: Deployment, disagg: str) -> None:
+    _disagg_deployed(deployment)
+    _assert_redeploy_changes_nothing(deployment, inventory=disagg, nodes=DISAGG_NODES)
+
+
+def test_disagg_status_reports_each_role_and_health(deployment: Deployment, disagg: str) -> None:
+    _disagg_deployed(deployment)
+    result = deployment.run("status.yml", inventory=disagg)
+    assert result.rc == 0, result.output[-4000:]
+    text = " ".join(result.output.split())  # the YAML callback folds long lines
+    pids = _pids(deployment, DISAGG_NODES)
+    rows = {node: re.search(rf"- {node} +{role} +{pids[node].strip()} +{address}:{deployment.http_port} +"
+                            rf"{deployment.cluster_port} +200 ready +(-|sequences \d+)", text)
+            for node, (role, address) in DISAGG.items()}
+    assert all(rows.values()), result.output[-3000:]
+    # a ready router shows no detail; a prefill or decode node its sequences in progress
+    assert [rows[n][1] for n in DISAGG_NODES] == ["-", "sequences 0", "sequences 0"], result.output[-3000:]
+    assert [rows[n].start() for n in DISAGG_NODES] == sorted(rows[n].start() for n in DISAGG_NODES)  # TOML order
+
+
+def test_disagg_teardown_leaves_no_process(deployment: Deployment, disagg: str) -> None:
+    _disagg_deployed(deployment)
+    result = deployment.run("teardown.yml", inventory=disagg)
+    assert result.rc == 0, result.output[-4000:]
+    stopped = [result.output.find(f"TASK [mlxcel_node : Stopped | {what}") for what in (
+        "stop the coordinator or the routers first", "then the prefill nodes", "then the stages or the decode nodes")]
+    assert -1 not in stopped and stopped == sorted(stopped), result.output[-3000:]
+    assert deployment.pids() == []
+    assert not any((deployment.home(n) / "node.pid").exists() for n in DISAGG_NODES)
