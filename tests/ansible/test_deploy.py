@@ -243,8 +243,9 @@ def test_pp_auto_status_shows_the_stage_each_peer_was_assigned(deployment: Deplo
     text = " ".join(result.output.split())
     for node, layers in (("stage-0", "0-1"), ("stage-1", "2-3")):
         pid = (deployment.home(node) / "node.pid").read_text().strip()
-        assert re.search(rf"- {node} +stage +{pid} .* 200 ready +{node} layers {layers}", text), result.output[-3000:]
-    assert re.search(r"- coordinator +coordinator +\d+ .* 200 ready +- ", text), result.output[-3000:]
+        row = rf"\b{node} +stage +{pid} .* 200 ready +{node} layers {layers}\b"
+        assert re.search(row, text), result.output[-3000:]
+    assert re.search(r"\bcoordinator +coordinator +\d+ .* 200 ready +- ", text), result.output[-3000:]
 
 
 def test_pp_auto_redeploy_changes_nothing(deployment: Deployment) -> None:
@@ -365,9 +366,9 @@ def test_disagg_status_reports_each_role_and_health(deployment: Deployment, disa
     _disagg_deployed(deployment)
     result = deployment.run("status.yml", inventory=disagg)
     assert result.rc == 0, result.output[-4000:]
-    text = " ".join(result.output.split())  # the YAML callback folds long lines
+    text = " ".join(result.output.split())
     pids = _pids(deployment, DISAGG_NODES)
-    rows = {node: re.search(rf"- {node} +{role} +{pids[node].strip()} +{address}:{deployment.http_port} +"
+    rows = {node: re.search(rf"\b{node} +{role} +{pids[node].strip()} +{address}:{deployment.http_port} +"
                             rf"{deployment.cluster_port} +200 ready +(-|sequences \d+)", text)
             for node, (role, address) in DISAGG.items()}
     assert all(rows.values()), result.output[-3000:]
