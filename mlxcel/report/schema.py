@@ -119,6 +119,29 @@ SCHEMAS: dict[str, Schema] = {s.bench: s for s in (
         _str("label", required=False, default=""), _int("run"), _int("prefix_tokens"), _int("prompt_tokens"),
         _num("cold_ttft_s"), _num("warm_ttft_s"), _int("warm_reused_tokens"), Field("warm_hit", "bool"),
     )),
+    # bench/disagg_bench.py (validated so its rows can live under bench/results; no report section yet)
+    Schema("disagg_frames", "disagg_frames", (
+        _str("run"), _str("suite"), _str("dtype"), _int("prompt_tokens"), _int("tensor_bytes"), _int("repeats"),
+        _num("p50_ms"), _num("p95_ms"), _num("gib_s"), _num("vs_unprotected"), _str("model_dir"),
+        _int("cpus", required=False, nullable=True),
+    )),
+    Schema("disagg_handoff", "disagg_handoff", (
+        _str("run"), _str("topology"), _int("repeat"), _int("order"), _int("target_prompt_tokens"),
+        _int("prompt_tokens"), _int("completion_tokens"), _num("ttft_ms"), _num("e2e_ms"), _str("model_dir"),
+        *(f(name, required=False, nullable=True) for f, name in (  # only where a handoff happened
+            (_int, "handoffs"), (_int, "handoff_bytes"), (_num, "handoff_ms"), (_num, "handoff_gib_s"),
+            (_num, "bytes_per_prompt_token"), (_num, "prefill_ms"))),
+    )),
+    Schema("disagg_serve", "disagg_serve", (
+        _str("run"), _str("topology"), _str("server"), _int("round"), _int("order"), _int("concurrency"),
+        _int("requests"), _int("errors"), _str("error_sample", required=False, nullable=True), _int("max_tokens"),
+        _int("output_tokens"), _num("wall_s"), _num("ttft_p50_ms", nullable=True), _num("ttft_p95_ms", nullable=True),
+        _num("itl_p50_ms", nullable=True), _num("itl_p95_ms", nullable=True), _num("req_tps_mean", nullable=True),
+        _num("agg_tps", nullable=True), _str("arrival", required=False, choices=("herd", "staggered"), default="herd"),
+        _str("model_dir", required=False, nullable=True), _str("prompts_sha256", required=False, nullable=True),
+        *(f(name, required=False, nullable=True) for f, name in (
+            (_int, "handoffs"), (_int, "handoff_bytes"), (_int, "handoff_bytes_mean"), (_num, "handoff_ms_mean"))),
+    )),
 )}
 
 ENV_FIELDS = (_str("host"), _str("date"), _str("git_commit", nullable=True))

@@ -124,3 +124,14 @@ def test_bringup_and_prefix_ttft_rows_load_into_their_tables(tmp_path):
 def test_bad_bringup_and_prefix_rows_are_rejected(row, message):
     with pytest.raises(RowError, match=message):
         validate_row(row)
+
+
+def test_disagg_rows_validate_with_or_without_a_handoff():
+    base = {"bench": "disagg_handoff", "run": "r", "topology": "hybrid", "repeat": 0, "order": 0,
+            "target_prompt_tokens": 64, "prompt_tokens": 70, "completion_tokens": 8, "ttft_ms": 400.0,
+            "e2e_ms": 900.0, "model_dir": "models/m"}
+    table, row = validate_row(base)
+    assert table == "disagg_handoff" and row["handoff_bytes"] is None
+    assert validate_row({**base, "topology": "1p1d", "handoffs": 1, "handoff_bytes": 3_000_000})[1]["handoffs"] == 1
+    with pytest.raises(RowError, match="missing field 'topology'"):
+        validate_row({k: v for k, v in base.items() if k != "topology"})
