@@ -172,14 +172,12 @@ def build_config(args: argparse.Namespace):
 
 def apply_threads(args: argparse.Namespace) -> int:
     """Apply the thread budget (--threads, else $MLXCEL_THREADS) to the BLAS; returns the threads in effect."""
-    from mlxcel.blas import apply_thread_budget, blas_in_use
+    from mlxcel.blas import apply_thread_budget
 
     try:
-        threads = apply_thread_budget(args.threads)
+        return apply_thread_budget(args.threads)
     except ValueError as exc:
         raise CLIError(str(exc)) from None
-    logging.getLogger("mlxcel.server").info("BLAS %s: %d thread(s) per matrix product", blas_in_use(), threads)
-    return threads
 
 
 def run_server(args: argparse.Namespace) -> int:
@@ -189,11 +187,12 @@ def run_server(args: argparse.Namespace) -> int:
     from mlxcel.pipeline.runtime import prepare_distributed
     from mlxcel.process import RoleContext, bind_socket, exit_process
     from mlxcel.roles import select_role
+    from mlxcel.blas import blas_in_use
     from mlxcel.server.access import prepare_access
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = build_config(args)
-    apply_threads(args)
+    threads = apply_threads(args)
     dist = prepare_distributed(args, config.model)  # cluster TOML, node, secret (fail closed), stage ranges
     preflight_bringup(args)  # --pp-auto / --pp-peer: the secret (fail closed)
     preflight_disagg(args, dist)  # --node-role prefill|decode|router: flags and the secret (fail closed)
@@ -201,4 +200,6 @@ def run_server(args: argparse.Namespace) -> int:
     # keys, TLS files and the fail-closed bind policy, before anything listens
     access = prepare_access(args, health_only=not role.serves_api)
     sock = bind_socket(args.host, args.port)
+    # after every preflight check, so that a refusal stays one line on stderr
+    logging.getLogger("mlxcel.server").info("BLAS %s: %d thread(s) per matrix product", blas_in_use(), threads)
     exit_process(role.run(RoleContext(args, config, dist, access, sock)))
