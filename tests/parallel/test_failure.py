@@ -63,9 +63,14 @@ def test_killed_rank_ends_every_rank_with_503_and_one_line(tiny_6_3):
         assert inflight.get("status") == 503 and inflight["retry_after"] == "1", inflight
         assert "tensor-parallel group" in inflight["body"]["error"]["message"]
         errors = [line for line in server.lines if "stopping (requests get 503" in line]
-        assert errors == [f"mlxcel: error: tensor-parallel rank 1 (pid {ranks[1]}) was killed by signal 9: "
-                          "tensor-parallel group failed: [ring] connection to a peer was lost; stopping (requests "
-                          "get 503 until the server is gone)\n"], server.lines
+        # whichever notices first: rank 0's next collective (the ring) or the liveness probe (control channel);
+        # on a loaded box it is mostly the probe
+        cause = ("tensor-parallel group failed: [ring] connection to a peer was lost",
+                 "tensor-parallel rank 1 stopped answering (")
+        assert len(errors) == 1, server.lines
+        assert errors[0].startswith(f"mlxcel: error: tensor-parallel rank 1 (pid {ranks[1]}) was killed by signal 9: ")
+        assert any(c in errors[0] for c in cause), errors
+        assert errors[0].endswith("; stopping (requests get 503 until the server is gone)\n")
     finally:
         server.stop()
         for pid in ranks.values():
