@@ -6,16 +6,13 @@ Each node is ``python -m mlxcel serve --node-role ROLE --serving-bind IP:PORT ..
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import threading
 import time
 from pathlib import Path
 
 import httpx
 
-from tests.pipeline.cluster import CLI, Node, free_port
+from tests.pipeline.cluster import CLI, Node, free_port, write_secret
 
 ROUTER_HOST = "127.0.0.20"
 PREFILL_HOSTS = ("127.0.0.21", "127.0.0.22")
@@ -38,15 +35,7 @@ class RoleNode(Node):
                str(secret), "--host", host, "--port", "0", "--served-model-name", "tiny", "--log-level", "info",
                *flags]
         self.node_id = f"{role}@{bind}"
-        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                                     env={**os.environ, **(env or {})})
-        self.lines: list[str] = []
-        self.url = ""
-        self._listening = threading.Event()
-        threading.Thread(target=self._drain, daemon=True).start()
-        if not self._listening.wait(60):
-            self.stop()
-            raise RuntimeError(f"{self.node_id} did not start:\n" + "".join(self.lines))
+        self._spawn(cmd, env)
 
     def restart(self) -> "RoleNode":
         self._start()
@@ -69,9 +58,7 @@ class DisaggCluster:
                  prefill_flags: tuple[str, ...] = (), prefill_env: dict | None = None,
                  decode_env: dict | None = None, router_env: dict | None = None):
         self.tmp, self.model = tmp, model
-        self.secret = tmp / "cluster.secret"
-        self.secret.write_text(os.urandom(32).hex() + "\n")
-        self.secret.chmod(0o600)
+        self.secret = write_secret(tmp)
         self.router_addr = f"{ROUTER_HOST}:{free_port(ROUTER_HOST)}"
         self.prefill_addrs = [f"{h}:{free_port(h)}" for h in PREFILL_HOSTS[:prefills]]
         self.decode_addrs = [f"{h}:{free_port(h)}" for h in DECODE_HOSTS[:decodes]]

@@ -32,6 +32,14 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+def write_secret(tmp: Path) -> Path:
+    """A fresh random cluster secret in ``tmp/cluster.secret``, mode 0600."""
+    secret = tmp / "cluster.secret"
+    secret.write_text(os.urandom(32).hex() + "\n")
+    secret.chmod(0o600)
+    return secret
+
+
 class Node:
     """One cluster process; ``url`` is its HTTP address once it listens, stderr kept in ``lines``."""
 
@@ -39,6 +47,10 @@ class Node:
         cmd = [*CLI, "-m", str(model), "--distributed-config", str(toml), "--node-id", node_id,
                "--host", host, "--port", "0", "--served-model-name", "tiny", "--log-level", "info", *flags]
         self.node_id = node_id
+        self._spawn(cmd, env)
+
+    def _spawn(self, cmd: list[str], env: dict | None) -> None:
+        """Start ``cmd`` and wait up to 60 s for the URL on its stderr; stop it and raise if none comes."""
         self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
                                      env={**os.environ, **(env or {})})
         self.lines: list[str] = []
@@ -47,7 +59,7 @@ class Node:
         threading.Thread(target=self._drain, daemon=True).start()
         if not self._listening.wait(60):
             self.stop()
-            raise RuntimeError(f"{node_id} did not start:\n" + "".join(self.lines))
+            raise RuntimeError(f"{self.node_id} did not start:\n" + "".join(self.lines))
 
     def _drain(self) -> None:
         assert self.proc.stderr is not None
@@ -86,9 +98,7 @@ class LocalCluster:
                  timeouts: str = "heartbeat_s = 0.5\nexchange_s = 10\nstartup_s = 60",
                  coordinator_flags: tuple[str, ...] = (), stage_delay: float = 0.0):
         self.tmp, self.model = tmp, model
-        self.secret = tmp / "cluster.secret"
-        self.secret.write_text(os.urandom(32).hex() + "\n")
-        self.secret.chmod(0o600)
+        self.secret = write_secret(tmp)
         self.coordinator_addr = f"{COORDINATOR_HOST}:{free_port(COORDINATOR_HOST)}"
         self.stage_addrs = [f"{STAGE_HOSTS[i]}:{free_port(STAGE_HOSTS[i])}" for i in range(stages)]
         self.toml = tmp / "cluster.toml"
