@@ -12,6 +12,7 @@ from mlxcel.cluster.secret import TOML_FIELD
 from mlxcel.pipeline.cluster_config import ClusterConfigError, load_cluster_config
 from mlxcel.pipeline.runtime import prepare_distributed
 from tests.engine.test_cli import assert_one_line_error, mlxcel
+from tests.pipeline.cluster_toml import COORDINATOR_AND_STAGE_0, write_toml
 
 GOOD = """
 [cluster]
@@ -22,15 +23,7 @@ secret_file = "s.secret"
 max_batch_size = 4
 [timeouts]
 exchange_s = 5
-[[nodes]]
-id = "coordinator"
-role = "coordinator"
-address = "127.0.0.2:19000"
-[[nodes]]
-id = "stage-0"
-role = "stage"
-address = "127.0.0.3:19001"
-layers = "0-1"
+""" + COORDINATOR_AND_STAGE_0 + """layers = "0-1"
 [[nodes]]
 id = "stage-1"
 role = "stage"
@@ -39,14 +32,8 @@ layers = "2-3"
 """
 
 
-def write(tmp_path, text: str):
-    path = tmp_path / "cluster.toml"
-    path.write_text(text)
-    return path
-
-
 def test_loads_the_example_and_a_full_file(tmp_path):
-    config = load_cluster_config(write(tmp_path, GOOD))
+    config = load_cluster_config(write_toml(tmp_path, GOOD))
     assert config.name == "c1" and config.pipeline_parallel_size == 2
     assert [n.layers for n in config.stages] == [(0, 2), (2, 4)]
     assert config.secret_file == tmp_path / "s.secret"
@@ -76,28 +63,28 @@ def test_inconsistencies_are_named(tmp_path, change, message):
     text = GOOD.replace(*change)
     assert text != GOOD
     with pytest.raises(ClusterConfigError) as err:
-        load_cluster_config(write(tmp_path, text))
+        load_cluster_config(write_toml(tmp_path, text))
     assert message in str(err.value) and str(tmp_path / "cluster.toml") in str(err.value)
     assert "hunter2" not in str(err.value)
 
 
 def test_ranges_must_cover_the_model(tmp_path):
-    config = load_cluster_config(write(tmp_path, GOOD.replace('layers = "2-3"', 'layers = "3-3"')))
+    config = load_cluster_config(write_toml(tmp_path, GOOD.replace('layers = "2-3"', 'layers = "3-3"')))
     with pytest.raises(ClusterConfigError, match="must be contiguous"):
         config.check_layers(4)
     with pytest.raises(ClusterConfigError, match="must cover every layer"):
-        load_cluster_config(write(tmp_path, GOOD)).check_layers(6)
+        load_cluster_config(write_toml(tmp_path, GOOD)).check_layers(6)
 
 
 def test_not_toml_and_missing_file(tmp_path):
     with pytest.raises(ClusterConfigError, match="not valid TOML"):
-        load_cluster_config(write(tmp_path, "[cluster\n"))
+        load_cluster_config(write_toml(tmp_path, "[cluster\n"))
     with pytest.raises(ClusterConfigError, match="cannot read"):
         load_cluster_config(tmp_path / "nope.toml")
 
 
 def test_server_refuses_to_start_without_a_secret(tmp_path, tiny_llama):
-    path = write(tmp_path, GOOD.replace('secret_file = "s.secret"\n', ""))
+    path = write_toml(tmp_path, GOOD.replace('secret_file = "s.secret"\n', ""))
     env_free = {"MLXCEL_CLUSTER_SECRET": None, "MLXCEL_CLUSTER_SECRET_FILE": None}
     import subprocess
 
@@ -113,10 +100,10 @@ def test_server_refuses_to_start_without_a_secret(tmp_path, tiny_llama):
 
 def test_server_names_an_unknown_node_and_bad_ranges(tmp_path, tiny_llama):
     (tmp_path / "s.secret").write_text("x" * 32)
-    path = write(tmp_path, GOOD)
+    path = write_toml(tmp_path, GOOD)
     result = mlxcel("serve", "-m", str(tiny_llama), "--distributed-config", str(path), "--node-id", "stage-9", "--port", "0")
     assert_one_line_error(result, "no node with id 'stage-9'")
-    bad = write(tmp_path, GOOD.replace('layers = "2-3"', 'layers = "2-5"'))
+    bad = write_toml(tmp_path, GOOD.replace('layers = "2-3"', 'layers = "2-5"'))
     result = mlxcel("serve", "-m", str(tiny_llama), "--distributed-config", str(bad), "--node-id", "stage-0", "--port", "0")
     assert_one_line_error(result, "the model has only 4 layers")
 
@@ -133,7 +120,7 @@ def test_a_node_reads_the_cluster_toml_once(tmp_path, tiny_llama, monkeypatch):
     """The config loader parses the TOML; the secret loader gets its secret_file, never the TOML again."""
     global _opened
     (tmp_path / "s.secret").write_text("t" * 32 + "\n")
-    path = write(tmp_path, GOOD)
+    path = write_toml(tmp_path, GOOD)
     for name in ("MLXCEL_CLUSTER_SECRET", "MLXCEL_CLUSTER_SECRET_FILE"):
         monkeypatch.delenv(name, raising=False)
     args = argparse.Namespace(distributed_config=str(path), node_id="stage-0", cluster_secret_file=None)

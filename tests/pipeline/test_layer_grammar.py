@@ -18,6 +18,7 @@ from mlxcel.errors import CLIError
 from mlxcel.pipeline.cluster_config import ClusterConfigError, load_cluster_config
 from mlxcel.pipeline.inprocess import stage_ranges
 from mlxcel.pipeline.partition import PartitionError
+from tests.pipeline.cluster_toml import COORDINATOR_AND_STAGE_0, write_toml
 from tests.pipeline.test_partition import make_checkpoint
 
 LAYERS = 4
@@ -33,16 +34,7 @@ REFUSED = {  # text -> the reason every surface gives
 
 TOML = """[cluster]
 pipeline_parallel_size = 1
-[[nodes]]
-id = "coordinator"
-role = "coordinator"
-address = "127.0.0.2:19000"
-[[nodes]]
-id = "stage-0"
-role = "stage"
-address = "127.0.0.3:19001"
-layers = {layers}
-"""
+""" + COORDINATOR_AND_STAGE_0 + "layers = {layers}\n"
 
 
 def via_flags(text: str) -> None:
@@ -55,8 +47,7 @@ def via_generate(text: str) -> tuple[int, int]:
 
 
 def via_toml(text: str, tmp_path: Path) -> tuple[int, int] | None:
-    path = tmp_path / "cluster.toml"
-    path.write_text(TOML.format(layers=json.dumps(text)))  # a TOML basic string, escapes and all
+    path = write_toml(tmp_path, TOML.format(layers=json.dumps(text)))  # a TOML basic string, escapes and all
     config = load_cluster_config(path)
     config.check_layers(LAYERS)
     return config.stages[0].layers
@@ -98,7 +89,6 @@ def test_every_surface_refuses_the_same_text_for_the_same_reason(text, reason, t
 
 
 def test_a_toml_range_that_is_not_a_string_is_refused(tmp_path):
-    path = tmp_path / "cluster.toml"
-    path.write_text(TOML.format(layers="3"))
+    path = write_toml(tmp_path, TOML.format(layers="3"))
     with pytest.raises(ClusterConfigError, match=r"stage-0\): layers: 3 is not a layer range"):
         load_cluster_config(path)

@@ -32,6 +32,7 @@ from mlxcel.pipeline.protocol import MsgType, StageMessage
 from mlxcel.pipeline.runtime import model_facts
 from mlxcel.pipeline.stage import StageService
 from tests.pipeline.cluster import LocalCluster
+from tests.pipeline.cluster_toml import COORDINATOR_AND_STAGE_0, write_toml
 from tests.pipeline.members import (
     COORDINATOR_IP,
     LAYERS,
@@ -373,22 +374,12 @@ TOML = """
 name = "c"
 [pipeline]
 {line}
-[[nodes]]
-id = "coordinator"
-role = "coordinator"
-address = "127.0.0.2:19000"
-[[nodes]]
-id = "stage-0"
-role = "stage"
-address = "127.0.0.3:19001"
-"""
+""" + COORDINATOR_AND_STAGE_0
 
 
 def test_prefix_cache_mb_in_the_cluster_toml(tmp_path):
     def load(line: str) -> ClusterConfig:
-        path = tmp_path / "cluster.toml"
-        path.write_text(TOML.format(line=line))
-        return load_cluster_config(path)
+        return load_cluster_config(write_toml(tmp_path, TOML.format(line=line)))
 
     assert load("").prefix_cache_mb == DEFAULT_PREFIX_CACHE_MB
     assert load("prefix_cache_mb = 0").prefix_cache_mb == 0
