@@ -8,7 +8,7 @@ admission of a sequence prefilled elsewhere (``submit_prefilled``).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -199,6 +199,13 @@ async def until_step(ex: FakeExecutor, kind: str):
     return step
 
 
+async def complete_until(ex: FakeExecutor, done: Callable[[], bool]) -> None:
+    """Complete the oldest step in flight, waiting for one if need be, until ``done()`` (checked before each)."""
+    while not done():
+        await ex.next_step()
+        ex.complete()
+
+
 # -- cancellation ----------------------------------------------------------------------------------
 
 
@@ -208,9 +215,7 @@ async def test_cancelling_a_decoding_sequence_releases_it_once_after_its_step_re
     with scheduler(ex, parallel=2) as sched:
         a = sched.submit(request("a", max_tokens=50))
         b = sched.submit(request("b", max_tokens=50))
-        while not any(s.kind == "decode" and s.rows == 2 for s in ex.steps):
-            await ex.next_step()
-            ex.complete()
+        await complete_until(ex, lambda: any(s.kind == "decode" and s.rows == 2 for s in ex.steps))
         step = await ex.next_step()
         assert step.rids == ["a", "b"]
         await events_now(a)
@@ -576,9 +581,7 @@ async def test_a_client_that_gives_up_is_cancelled_a_finished_request_released()
     with scheduler(ex, parallel=2) as sched:
         a = sched.submit(request("a", max_tokens=50))
         b = sched.submit(request("b", max_tokens=2))
-        while "b" not in ex.released_ids():
-            step = await ex.next_step()
-            ex.complete(step)
+        await complete_until(ex, lambda: "b" in ex.released_ids())
         step = await ex.next_step()
         a.cancel()
         await settle()
