@@ -3,32 +3,28 @@
 from __future__ import annotations
 
 import logging
-import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
 
-from fastapi import FastAPI
-from fastapi.responses import JSONResponse
-
 from mlxcel.errors import CLIError
+from mlxcel.loading_process import LoadingProcess, serve_loading
 from mlxcel.pipeline.runtime import Distributed, load_stage_runner, model_facts
 from mlxcel.pipeline.stage import StageService
-from mlxcel.process import ExitSwitch, RoleContext, http_server
+from mlxcel.process import RoleContext
 
 log = logging.getLogger("mlxcel.pipeline.stage")
 
 
-class StageProcess:
+class StageProcess(LoadingProcess):
     """Loading -> ready (serving on the transport) | failed; /health reports which."""
 
+    service: StageService | None
+
     def __init__(self, dist: Distributed, model_dir: Path):
+        super().__init__()
         self.dist = dist
         self.model_dir = model_dir
-        self.state = "loading"
-        self.error: str | None = None
-        self.service: StageService | None = None
 
     def load(self, on_fatal: Callable[[str], None], on_shutdown: Callable[[], None]) -> None:
         start = time.perf_counter()
@@ -47,33 +43,18 @@ class StageProcess:
         except Exception as exc:  # noqa: BLE001 - one line, then exit
             self._fail(f"stage {node.id}: {exc}", on_fatal)
             return
-        self.service = service
-        self.state = "ready"
+        self._ready(service)
         log.info("stage %s serving layers %d-%d of %s (%s) on %s in %.1fs", node.id, layers[0], layers[1] - 1,
                  loaded.name, loaded.describe_weights(), node.address, time.perf_counter() - start)
 
-    def _fail(self, message: str, on_fatal: Callable[[str], None]) -> None:
-        self.state, self.error = "failed", message
-        on_fatal(message)
-
-    def health(self) -> JSONResponse:
+    def health_body(self) -> dict[str, Any]:
         node = self.dist.node
         body: dict[str, Any] = {"status": self.state, "role": "stage", "node_id": node.id,
                                 "layers": list(node.layers or ())}
         if self.service is not None:
             body.update(sequences=len(self.service.runner), draining=self.service.draining,
                         cancelled=self.service.cancels)
-        return JSONResponse(body, status_code=200 if self.state == "ready" else 503)
-
-    def close(self) -> None:
-        if self.service is not None:
-            self.service.close()
-
-
-def stage_app(process: StageProcess) -> FastAPI:
-    app = FastAPI(title="mlxcel stage", docs_url=None, redoc_url=None, openapi_url=None)
-    app.get("/health")(lambda: process.health())
-    return app
+        return body
 
 
 def run(context: RoleContext) -> int:
@@ -83,16 +64,7 @@ def run(context: RoleContext) -> int:
     if dist is None:
         raise CLIError("the stage role needs --distributed-config and --node-id")
     process = StageProcess(dist, context.config.model)
-    switch = ExitSwitch()
-    server = http_server(stage_app(process), switch, log_level=context.args.log_level,
-                         uvicorn_options=context.access.uvicorn_options())
-    threading.Thread(target=process.load, args=(switch.fatal, switch.stop), name="mlxcel-stage-load", daemon=True).start()
-    host, port = context.address
     layers = dist.node.layers or (0, 0)
-    print(f"mlxcel: stage {dist.node.id} (layers {layers[0]}-{layers[1] - 1}) on cluster address {dist.node.address}, "
-          f"health on http://{host}:{port}/health", file=sys.stderr, flush=True)
-    try:
-        server.run(sockets=[context.sock])
-    finally:
-        process.close()
-    return switch.exit_code()
+    banner = f"mlxcel: stage {dist.node.id} (layers {layers[0]}-{layers[1] - 1}) on cluster address {dist.node.address}"
+    return serve_loading(context, process, "mlxcel stage", lambda switch: process.load(switch.fatal, switch.stop),
+                         "mlxcel-stage-load", banner)

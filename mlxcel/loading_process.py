@@ -1,0 +1,67 @@
+"""The shell of a node process whose model loads in the background while ``/health`` says how it goes.
+
+Loading -> ready (its service serving) | failed: 503 until ready, 200 after. Neutral ground like
+``mlxcel.process``: the stage, prefill and decode roles build on it; it imports no role.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from typing import Any, Callable
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+
+from mlxcel.process import ExitSwitch, RoleContext, http_server
+
+
+class LoadingProcess:
+    """Loading -> ready | failed; a role sets ``service`` once it serves and says what /health adds."""
+
+    def __init__(self) -> None:
+        self.state = "loading"
+        self.error: str | None = None
+        self.service: Any = None
+
+    def _ready(self, service: Any) -> None:
+        self.service = service
+        self.state = "ready"
+
+    def _fail(self, message: str, on_fatal: Callable[[str], None]) -> None:
+        self.state, self.error = "failed", message
+        on_fatal(message)
+
+    def health_body(self) -> dict[str, Any]:
+        """The role's /health JSON (``status`` is ``self.state``)."""
+        raise NotImplementedError
+
+    def health(self) -> JSONResponse:
+        return JSONResponse(self.health_body(), status_code=200 if self.state == "ready" else 503)
+
+    def close(self) -> None:
+        if self.service is not None:
+            self.service.close()
+
+
+def health_app(process: LoadingProcess, title: str) -> FastAPI:
+    """An app that serves only ``GET /health``."""
+    app = FastAPI(title=title, docs_url=None, redoc_url=None, openapi_url=None)
+    app.get("/health")(lambda: process.health())
+    return app
+
+
+def serve_loading(context: RoleContext, process: LoadingProcess, title: str, load: Callable[[ExitSwitch], None],
+                  thread_name: str, banner: str) -> int:
+    """Serve /health, run ``load(switch)`` on a thread, print ``banner`` and the health URL; the exit code."""
+    switch = ExitSwitch()
+    server = http_server(health_app(process, title), switch, log_level=context.args.log_level,
+                         uvicorn_options=context.access.uvicorn_options())
+    threading.Thread(target=load, args=(switch,), name=thread_name, daemon=True).start()
+    host, port = context.address
+    print(f"{banner}, health on http://{host}:{port}/health", file=sys.stderr, flush=True)
+    try:
+        server.run(sockets=[context.sock])
+    finally:
+        process.close()
+    return switch.exit_code()
