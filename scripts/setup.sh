@@ -34,21 +34,5 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   fi
   touch "$stamp"
 fi
-# MLX's CPU wheel links the reference BLAS; Debian's OpenBLAS makes float32 prompts ~10x faster
-# (see mlxcel/blas.py). Extracted into the venv, nothing installed system-wide; skipped where unavailable.
-blas=$VENV/opt/blas
-if [ "$(uname -s)" = Linux ] && [ ! -e "$blas/.done" ] && command -v apt-get >/dev/null 2>&1; then
-  echo "==> fetching OpenBLAS for MLX's CPU backend (Debian packages, extracted into $blas)"
-  tmp=$(mktemp -d)
-  if (cd "$tmp" && { apt-get download libopenblas0-pthread libgfortran5 libquadmath0 >/dev/null 2>&1 ||
-                     { apt-get update -qq >/dev/null 2>&1 && apt-get download libopenblas0-pthread libgfortran5 libquadmath0 >/dev/null 2>&1; }; }); then
-    mkdir -p "$blas"
-    for deb in "$tmp"/*.deb; do dpkg -x "$deb" "$blas"; done
-    touch "$blas/.done"
-  else
-    echo "    (could not download OpenBLAS; MLX keeps its reference BLAS: slower prompts, same results)"
-  fi
-  rm -rf "$tmp"
-fi
 echo "==> default model"
 "$VENV/bin/mlxcel" models fetch-default
