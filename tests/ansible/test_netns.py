@@ -8,6 +8,8 @@ Needs root and ``ip netns``; the script installs openssh-server with apt-get whe
 from __future__ import annotations
 
 import os
+import re
+import shlex
 import shutil
 import ssl
 import stat
@@ -19,6 +21,7 @@ from typing import Iterator
 import httpx
 import openai
 import pytest
+import yaml
 
 from mlxcel.models.random_checkpoint import make_random_checkpoint
 from tests.ansible.playbook import ANSIBLE_PLAYBOOK, REPO, Deployment
@@ -98,6 +101,20 @@ def test_deploy_over_ssh_with_api_key_and_tls(cluster: Deployment) -> None:
         _client(cluster, "wrong").models.list()
     with pytest.raises(openai.APIConnectionError):  # a client that does not trust the certificate
         _client(cluster, key, trust=False).models.list()
+
+
+def test_a_remote_host_runs_the_fast_blas(cluster: Deployment) -> None:
+    """``mlxcel generate`` over SSH on a stage host, in the venv the install role set up there, names the
+    OpenBLAS from PyPI on its first line (not MLX's reference BLAS)."""
+    state = Path(cluster.extra["inventory"]).parent
+    venv = yaml.safe_load(Path(cluster.extra["inventory"]).read_text())["mlxcel_cluster"]["vars"]["mlxcel_venv"]
+    command = shlex.join([f"{venv}/bin/mlxcel", "generate", "-m", str(cluster.model), "-p", "Hi", "-n", "1", "--raw"])
+    ssh = ["ssh", "-i", str(state / "id_ed25519"), "-o", f"UserKnownHostsFile={state / 'known_hosts'}",
+           "-o", "StrictHostKeyChecking=yes", "-o", "BatchMode=yes", f"root@{ADDRESS['stage-0']}", command]
+    out = subprocess.run(ssh, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    banner = re.search(r"\| blas: (.*)", out.stdout + out.stderr)
+    assert banner and re.match(r"openblas \S+ \S+ \(scipy-openblas32: ", banner[1]), (out.stdout + out.stderr)[-3000:]
 
 
 def test_secrets_are_0600_on_every_host_and_never_leak(cluster: Deployment) -> None:
