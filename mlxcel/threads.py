@@ -12,7 +12,8 @@ Two knobs, both applied to that OpenBLAS:
   (about 0.4 ms) unless the environment already sets it.
 * The budget: how many threads (the calling one included) one matrix product may use. Several
   nodes on one host should split its cores (``--threads N``, else ``MLXCEL_THREADS``); left unset,
-  OpenBLAS's own choice stands (``OPENBLAS_NUM_THREADS``, else every core the process may run on).
+  ``OPENBLAS_NUM_THREADS`` stands, else every core the process may run on but one, at least one
+  (``mlxcel.blas.default_threads``: recent OpenBLAS builds spin while they wait for a busy core).
 
 Policy only (no library is touched here): ``mlxcel/blas.py`` loads OpenBLAS with ``blas_environment``
 and applies a budget at run time (``apply_thread_budget``).

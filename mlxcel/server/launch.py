@@ -55,7 +55,7 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                               f"(default {DEFAULT_PREFIX_CACHE_MB}; 0 = off)"))
     parser.add_argument("--threads", type=thread_count, default=None, metavar="N",
                         help=f"threads one matrix product may use; nodes sharing a host split its cores "
-                             f"(default: ${THREADS_ENV}, else OpenBLAS's choice: every core)")
+                             f"(default: ${THREADS_ENV}, else every core but one, at least one)")
     parser.add_argument("--no-warmup", dest="warmup", action="store_false",
                         help="report ready right after loading, without a warmup generation")
     parser.add_argument("--served-model-name", default=None,
