@@ -119,6 +119,13 @@ SCHEMAS: dict[str, Schema] = {s.bench: s for s in (
         _str("label", required=False, default=""), _int("run"), _int("prefix_tokens"), _int("prompt_tokens"),
         _num("cold_ttft_s"), _num("warm_ttft_s"), _int("warm_reused_tokens"), Field("warm_hit", "bool"),
     )),
+    # docs/benchmarks.md "BLAS on Linux CPUs": mlxcel generate per BLAS and thread count (validated; no section)
+    Schema("blas_generate", "blas_generate", (
+        _str("set"), _str("blas"), _str("config"), _str("library"), _int("threads"), _int("run"),
+        _int("prompt_tokens"), _int("decode_tokens"), _num("prompt_tok_s", nullable=True),
+        _num("decode_tok_s", nullable=True), _num("wall_s"), _int("rc"), _num("load1", required=False, nullable=True),
+        _str("procedure", required=False, nullable=True),
+    )),
     # bench/disagg_bench.py (validated so its rows can live under bench/results; no report section yet)
     Schema("disagg_frames", "disagg_frames", (
         _str("run"), _str("suite"), _str("dtype"), _int("prompt_tokens"), _int("tensor_bytes"), _int("repeats"),
