@@ -57,6 +57,12 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def error_line(message: str) -> None:
+    """``mlxcel: error: <message>`` on stderr in ONE write: other threads' log lines never land inside it."""
+    sys.stderr.write(f"mlxcel: error: {message}\n")
+    sys.stderr.flush()
+
+
 class ExitSwitch:
     """The process's exit code and its uvicorn server: ``fatal`` prints one line and stops serving."""
 
@@ -65,7 +71,7 @@ class ExitSwitch:
         self.server: Any = None
 
     def fatal(self, message: str) -> None:
-        print(f"mlxcel: error: {message}", file=sys.stderr, flush=True)
+        error_line(message)
         self.code = 1
         self.stop()
 

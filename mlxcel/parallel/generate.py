@@ -20,6 +20,7 @@ from mlxcel.engine.sampling import SamplingParams
 from mlxcel.parallel.errors import TPError
 from mlxcel.parallel.options import TPOptions
 from mlxcel.parallel.session import RankZero
+from mlxcel.process import error_line
 
 
 class TPGeneration:
@@ -58,7 +59,7 @@ class TPGeneration:
         self.rank0.close()
 
     def _fatal(self, message: str) -> None:
-        print(f"mlxcel: error: {self.rank0.explain(message)}", file=sys.stderr, flush=True)
+        error_line(self.rank0.explain(message))
         self.rank0.kill_followers()
         sys.stdout.flush()
         os._exit(1)

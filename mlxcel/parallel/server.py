@@ -16,7 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from mlxcel.process import RoleContext
+from mlxcel.process import RoleContext, error_line
 from mlxcel.server.runtime import ServerConfig, ServerRuntime
 from mlxcel.server.serve import serve_openai
 
@@ -59,8 +59,7 @@ class TPServer:
         if not self._once.acquire(blocking=False):
             return
         self.error = message = self.rank0.explain(message)
-        print(f"mlxcel: error: {message}; stopping (requests get 503 until the server is gone)",
-              file=sys.stderr, flush=True)
+        error_line(f"{message}; stopping (requests get 503 until the server is gone)")
         self.rank0.kill_followers()
         os.kill(os.getpid(), signal.SIGTERM)  # uvicorn's own graceful stop, bounded by --drain-timeout
 
