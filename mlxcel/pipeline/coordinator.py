@@ -211,10 +211,7 @@ class PipelineExecutor:
 
     def release(self, rid: str, tokens: Sequence[int] | None = None) -> None:
         """RELEASE on every stage; stages do not answer it, so no exchange stays open for it."""
-        self._samplers.pop(rid, None)
-        with self._lock:
-            self._prepared.discard(rid)
-            self._lost.discard(rid)
+        self._forget(rid)
         header: dict[str, Any] = {"request_id": rid, "nonce": new_nonce()}
         if tokens is not None and self.prefix_on:  # each stage keeps its slice's KV under these tokens
             header["tokens"] = list(tokens[:MAX_PREFIX_TOKENS])
@@ -225,15 +222,19 @@ class PipelineExecutor:
     def cancel(self, rid: str) -> None:
         """CANCEL on every stage (a request whose client gave up): like RELEASE, but each stage ACKs it,
         and a stage that does not is logged; nothing waits for the answers."""
-        self._samplers.pop(rid, None)
-        with self._lock:
-            self._prepared.discard(rid)
-            self._lost.discard(rid)
+        self._forget(rid)
         for node in self.cluster.stages:
             def answered(ex: Exchange, node: Node = node) -> None:
                 if ex.error is not None and not self.exchanges.closing:
                     log.warning("stage %s did not confirm CANCEL of %s: %s", node.id, rid, ex.error)
             self._command_async(node.address, MsgType.CANCEL, {"request_id": rid}, then=answered)
+
+    def _forget(self, rid: str) -> None:
+        """This coordinator's own state of a sequence that ends (released or cancelled)."""
+        self._samplers.pop(rid, None)
+        with self._lock:
+            self._prepared.discard(rid)
+            self._lost.discard(rid)
 
     def stop_stages(self, timeout: float = COMMAND_TIMEOUT_S) -> list[str]:
         """SHUTDOWN every stage (the operator asked the coordinator to stop the cluster); returns the ids of

@@ -50,7 +50,6 @@ from mlxcel.pipeline.protocol import (
     StageMessage,
     check_hidden,
     check_ids,
-    check_request_ids,
     is_request_id,
     decode,
     encode,
@@ -207,7 +206,8 @@ class StageService:
     def _cmd_run_entry(self, peer: PeerId, m: StageMessage) -> None:
         if not self.is_first:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"stage {self.node.id} is not the first stage")
-        self._check_owned(peer, check_request_ids(m))  # the ids' form (bad_request) before who owns them
+        # the ids' form was checked when the step header decoded (bad_request), before who owns them
+        self._check_owned(peer, m.request_ids)
         check_ids(m, max_rows=self.max_rows, vocab_size=self.model.vocab_size)
         self._work.put(("run", peer, m, "input_ids"))
 

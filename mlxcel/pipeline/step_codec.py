@@ -32,7 +32,6 @@ import math
 import struct
 from typing import Any
 
-import numpy as np
 
 from mlxcel.error_codes import ErrorCode
 
@@ -221,8 +220,3 @@ def _flag(r: _Reader, what: str) -> bool:
     if value > 1:
         raise StepFormatError(ErrorCode.BAD_REQUEST, f"{what} must be 0 or 1, got {value}")
     return value == 1
-
-
-def tensor_bytes(arr: np.ndarray) -> memoryview:
-    """A C-contiguous array's bytes without a copy."""
-    return memoryview(np.ascontiguousarray(arr)).cast("B")
