@@ -40,7 +40,7 @@ def _add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
 
 def check_pipeline_flags(args: argparse.Namespace) -> None:
     """Flag combinations of ``generate``'s pipeline flags; the model's layer count is checked once it loads."""
-    from mlxcel.pipeline.partition import PartitionError, parse_range_text
+    from mlxcel.topology.partition import PartitionError, parse_range_text
 
     if args.pp_layers is not None:
         try:
@@ -116,13 +116,13 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from mlxcel.server.launch import run_server
+    from mlxcel.commands.serve import run_server
 
     return run_server(args)
 
 
 def _add_server_parser(sub: argparse._SubParsersAction) -> None:
-    from mlxcel.server.launch import add_server_arguments
+    from mlxcel.commands.serve import add_server_arguments
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (same as mlxcel-server)")
     add_server_arguments(p)
@@ -250,7 +250,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def server_main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``mlxcel-server``: the same as ``mlxcel serve``."""
-    from mlxcel.server.launch import add_server_arguments
+    from mlxcel.commands.serve import add_server_arguments
 
     parser = argparse.ArgumentParser(prog="mlxcel-server", description="OpenAI-compatible server for mlxcel.")
     parser.add_argument("--version", action="version", version=f"mlxcel {__version__}")

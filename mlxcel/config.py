@@ -86,6 +86,9 @@ DEFAULT_NODE_STOP_GRACE_S = 10.0  # SIGTERM, then SIGKILL after this long
 DEFAULT_DRAIN_TIMEOUT_S = 5.0
 
 # Compute threads (``--threads``, ``MLXCEL_THREADS``; mlxcel/threads.py)
+#: the OpenAI port's API keys from the environment (a file of keys, or the keys themselves); see docs/server.md
+ENV_KEY_FILE = "MLXCEL_API_KEY_FILE"
+ENV_KEY = "MLXCEL_API_KEY"
 THREADS_ENV = "MLXCEL_THREADS"  # the budget before the flags are read (applied when OpenBLAS loads)
 MAX_THREADS = 256  # bound on a thread budget
 # An idle OpenBLAS worker spins (sched_yield) for 2**N TSC cycles before it sleeps. OpenBLAS's own

@@ -13,7 +13,7 @@ from typing import Any, Callable
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from mlxcel.process import ExitSwitch, RoleContext, http_server
+from mlxcel.process import Endpoint, ExitSwitch, http_server
 
 
 class LoadingProcess:
@@ -51,17 +51,16 @@ def health_app(process: LoadingProcess, title: str) -> FastAPI:
     return app
 
 
-def serve_loading(context: RoleContext, process: LoadingProcess, title: str, load: Callable[[ExitSwitch], None],
+def serve_loading(endpoint: Endpoint, process: LoadingProcess, title: str, load: Callable[[ExitSwitch], None],
                   thread_name: str, banner: str) -> int:
     """Serve /health, run ``load(switch)`` on a thread, print ``banner`` and the health URL; the exit code."""
     switch = ExitSwitch()
-    server = http_server(health_app(process, title), switch, log_level=context.args.log_level,
-                         uvicorn_options=context.access.uvicorn_options())
+    server = http_server(health_app(process, title), switch, endpoint)
     threading.Thread(target=load, args=(switch,), name=thread_name, daemon=True).start()
-    host, port = context.address
+    host, port = endpoint.address
     print(f"{banner}, health on http://{host}:{port}/health", file=sys.stderr, flush=True)
     try:
-        server.run(sockets=[context.sock])
+        server.run(sockets=[endpoint.sock])
     finally:
         process.close()
     return switch.exit_code()

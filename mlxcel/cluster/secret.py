@@ -9,7 +9,7 @@ Sources, highest precedence first (reference, "Cluster authentication"):
    the TOML's own directory.
 
 The TOML is parsed once, by the cluster config loader
-(``mlxcel.pipeline.cluster_config``): it applies ``secret_file_of`` to the ``[cluster]``
+(``mlxcel.topology.cluster_config``): it applies ``secret_file_of`` to the ``[cluster]``
 table and hands the resolved path to ``load_secret(toml_secret_file=...)``; nothing here
 reads the TOML.
 

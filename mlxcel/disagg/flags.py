@@ -18,6 +18,7 @@ from mlxcel.disagg.wire import (
     DEFAULT_HANDOFF_TIMEOUT_S,
     DEFAULT_PROBE_INTERVAL_S,
     DISAGG_ROLES,
+    NODE_ROLES,
     MIN_HANDOFF_TIMEOUT_S,
     PROGRESS_INTERVAL_S,
 )
@@ -25,7 +26,7 @@ from mlxcel.errors import CLIError
 
 if TYPE_CHECKING:
     from mlxcel.cluster.secret import ClusterSecret
-    from mlxcel.pipeline.runtime import Distributed
+    from mlxcel.topology.distributed import Distributed
 
 _ROLE_FLAGS = ("serving_bind", "prefill_peers", "decode_peers", "handoff_timeout", "probe_interval")
 
@@ -151,17 +152,16 @@ def node_config(args: argparse.Namespace, dist: Distributed | None) -> NodeConfi
                       probe or DEFAULT_PROBE_INTERVAL_S, f"{role}@{bind}")
 
 
-def preflight_disagg(args: argparse.Namespace, dist: Distributed | None) -> None:
-    """Before any socket is bound: flag combinations, and the secret of a prefill, decode or router (fail closed)."""
-    if node_role(args, dist) in DISAGG_ROLES or any(getattr(args, f, None) is not None for f in _ROLE_FLAGS):
-        node_config(args, dist)
+def wants_disagg(args: argparse.Namespace, dist: Distributed | None) -> bool:
+    """A disaggregated role is configured, or one of its flags is given (then its checks say what is missing)."""
+    return node_role(args, dist) in DISAGG_ROLES or any(getattr(args, f, None) is not None for f in _ROLE_FLAGS)
 
 
 def add_disagg_arguments(group: Any) -> None:
-    """The flags, on the argument group ``mlxcel/server/launch.py`` gives them."""
+    """The flags, on the argument group ``mlxcel/commands/serve.py`` gives them."""
     from mlxcel.config import seconds
 
-    group.add_argument("--node-role", choices=("prefill", "decode", "router", "hybrid"), default=None,
+    group.add_argument("--node-role", choices=NODE_ROLES, default=None,
                        help="this process's role (default hybrid: one node does everything); prefill, decode and "
                             "router need the cluster secret")
     group.add_argument("--serving-bind", default=None, metavar="IP:PORT",

@@ -10,9 +10,10 @@ import logging
 import time
 from typing import Any, Callable
 
-from mlxcel.disagg.flags import NodeConfig, node_config
+from mlxcel.disagg.flags import NodeConfig
 from mlxcel.loading_process import LoadingProcess, serve_loading
-from mlxcel.process import RoleContext
+from mlxcel.process import Endpoint
+from mlxcel.server.runtime import ServerConfig
 
 log = logging.getLogger("mlxcel.disagg")
 
@@ -20,17 +21,17 @@ log = logging.getLogger("mlxcel.disagg")
 class WorkerProcess(LoadingProcess):
     """Loading -> ready (serving on the role transport) | failed."""
 
-    def __init__(self, context: RoleContext, cfg: NodeConfig):
+    def __init__(self, server: ServerConfig, cfg: NodeConfig):
         super().__init__()
-        self.context = context
+        self.server = server
         self.cfg = cfg
 
     def load(self, on_fatal: Callable[[str], None]) -> None:
         from mlxcel.models.identity import model_identity
         from mlxcel.models.loading import load_checkpoint
-        from mlxcel.server.runtime import context_length
+        from mlxcel.models.facts import context_length
 
-        config = self.context.config
+        config = self.server
         start = time.perf_counter()
         try:
             loaded = load_checkpoint(config.model)
@@ -65,9 +66,8 @@ class WorkerProcess(LoadingProcess):
         return body
 
 
-def run_worker(context: RoleContext) -> int:
+def run_worker(endpoint: Endpoint, server: ServerConfig, cfg: NodeConfig) -> int:
     """Serve a prefill or decode node until SIGINT/SIGTERM; returns the exit code."""
-    cfg = node_config(context.args, context.dist)
-    process = WorkerProcess(context, cfg)
-    return serve_loading(context, process, f"mlxcel {cfg.role}", lambda switch: process.load(switch.fatal),
+    process = WorkerProcess(server, cfg)
+    return serve_loading(endpoint, process, f"mlxcel {cfg.role}", lambda switch: process.load(switch.fatal),
                          f"mlxcel-{cfg.role}-load", f"mlxcel: {cfg.role} node on cluster address {cfg.serving_bind}")

@@ -126,7 +126,7 @@ def _command(doc: dict[str, Any], path: Path) -> tuple[str, ...]:
 
 def _environment(doc: dict[str, Any], path: Path) -> dict[str, str]:
     from mlxcel.cluster.secret import ENV_SECRET
-    from mlxcel.server.access import ENV_KEY
+    from mlxcel.config import ENV_KEY
 
     env = doc.get("environment", {})
     if not isinstance(env, dict) or not all(isinstance(v, str) for v in env.values()):

@@ -37,8 +37,8 @@ from mlxcel.engine.executor import Done, ExecutorError, Step
 from mlxcel.engine.runner import RowSampler, Sampled, sample_rows
 from mlxcel.engine.sampling import SamplingParams
 from mlxcel.error_codes import ErrorCode
-from mlxcel.pipeline.cluster_config import ClusterConfig, Node
-from mlxcel.pipeline.outbox import Outbox, fast_handoffs
+from mlxcel.topology.cluster_config import ClusterConfig, Node
+from mlxcel.cluster.outbox import Outbox, fast_handoffs
 from mlxcel.pipeline.params import count_from_wire, params_to_wire
 from mlxcel.pipeline.protocol import (
     MsgType,
@@ -50,7 +50,7 @@ from mlxcel.pipeline.protocol import (
     is_int,
     is_number,
 )
-from mlxcel.pipeline.stage import ModelFacts
+from mlxcel.models.facts import ModelFacts
 from mlxcel.pipeline.tensors import ids_to_wire
 
 log = logging.getLogger("mlxcel.pipeline.coordinator")

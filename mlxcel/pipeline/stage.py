@@ -38,8 +38,9 @@ from mlxcel.config import MAX_PREFIX_TOKENS
 from mlxcel.engine.prefix_cache import PrefixCache
 from mlxcel.engine.runner import RowSampler, RunnerError, Sampled, SliceRunner
 from mlxcel.engine.sampling import SamplingError
-from mlxcel.pipeline.cluster_config import ClusterConfig
-from mlxcel.pipeline.outbox import Outbox, fast_handoffs
+from mlxcel.models.facts import ModelFacts
+from mlxcel.topology.cluster_config import ClusterConfig
+from mlxcel.cluster.outbox import Outbox, fast_handoffs
 from mlxcel.pipeline.params import count_from_wire, params_from_wire, tokens_from_wire
 from mlxcel.pipeline.protocol import (
     COMMANDS,
@@ -59,16 +60,6 @@ log = logging.getLogger("mlxcel.pipeline.stage")
 _STOP = object()
 # Test and rehearsal aid: sleep this many seconds per step (simulates a slow stage, e.g. for cancellation tests).
 STEP_DELAY_ENV = "MLXCEL_STAGE_STEP_DELAY_S"
-
-
-@dataclass(frozen=True)
-class ModelFacts:
-    """What a stage and the coordinator compare: identity and the shapes that bound tensors."""
-
-    identity: str
-    num_layers: int
-    hidden_size: int
-    vocab_size: int
 
 
 @dataclass(frozen=True)

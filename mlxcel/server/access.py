@@ -31,14 +31,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, NoReturn
 
+from mlxcel.config import ENV_KEY, ENV_KEY_FILE
 from mlxcel.errors import CLIError
 from mlxcel.server.tls import TLSConfig, add_tls_arguments, load_tls
 
 log = logging.getLogger("mlxcel.server.access")
 
 CLI_FLAG = "--api-key-file"
-ENV_KEY_FILE = "MLXCEL_API_KEY_FILE"
-ENV_KEY = "MLXCEL_API_KEY"
 OPEN_PATHS = frozenset({"/health"})
 METRICS_PATH = "/metrics"
 SHORT_KEY_LEN = 16

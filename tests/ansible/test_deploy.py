@@ -24,7 +24,7 @@ import tomllib
 import openai
 import pytest
 
-from mlxcel.pipeline.cluster_config import load_cluster_config
+from mlxcel.topology.cluster_config import load_cluster_config
 
 from tests.ansible.playbook import HOSTS, REPO, Deployment, free_port
 

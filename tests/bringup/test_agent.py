@@ -20,7 +20,7 @@ from mlxcel.bringup.plan import coordinator_header, write_file
 from mlxcel.bringup.push import Push, PushConfig, _Peer
 from mlxcel.cluster.identity import PeerId
 from mlxcel.cluster.secret import ClusterSecret
-from mlxcel.pipeline.partition import StageCosts
+from mlxcel.topology.partition import StageCosts
 from tests.bringup.procs import free_port
 
 SECRET = ClusterSecret(b"in-process bring-up test secret!")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import logging
 import time
 from pathlib import Path
@@ -9,9 +10,11 @@ from typing import Any, Callable
 
 from mlxcel.errors import CLIError
 from mlxcel.loading_process import LoadingProcess, serve_loading
-from mlxcel.pipeline.runtime import Distributed, load_stage_runner, model_facts
+from mlxcel.models.facts import model_facts
+from mlxcel.pipeline.slice_loading import load_stage_runner
 from mlxcel.pipeline.stage import StageService
-from mlxcel.process import RoleContext
+from mlxcel.roles.context import RoleContext, ServeConfig
+from mlxcel.topology.distributed import Distributed
 
 log = logging.getLogger("mlxcel.pipeline.stage")
 
@@ -57,14 +60,20 @@ class StageProcess(LoadingProcess):
         return body
 
 
+def configure(args: argparse.Namespace, config: ServeConfig) -> ServeConfig:
+    """The cluster TOML's stage node (loaded with the secret before the role was chosen)."""
+    if config.dist is None:
+        raise CLIError("the stage role needs --distributed-config and --node-id")
+    return config
+
+
 def run(context: RoleContext) -> int:
     """Role ``stage``: serve this node's layers until SIGINT/SIGTERM or the coordinator's SHUTDOWN;
     returns the exit code."""
-    dist = context.dist
-    if dist is None:
-        raise CLIError("the stage role needs --distributed-config and --node-id")
-    process = StageProcess(dist, context.config.model)
+    dist = context.config.dist
+    assert dist is not None  # configure checked it
+    process = StageProcess(dist, context.config.server.model)
     layers = dist.node.layers or (0, 0)
     banner = f"mlxcel: stage {dist.node.id} (layers {layers[0]}-{layers[1] - 1}) on cluster address {dist.node.address}"
-    return serve_loading(context, process, "mlxcel stage", lambda switch: process.load(switch.fatal, switch.stop),
+    return serve_loading(context.endpoint, process, "mlxcel stage", lambda switch: process.load(switch.fatal, switch.stop),
                          "mlxcel-stage-load", banner)
