@@ -327,9 +327,18 @@ class HandoffMeta:
                    _int(doc, "draws", 0, 1))
 
 
+def reply_to(doc: dict) -> tuple[str, PeerId] | None:
+    """(nonce, router) of a *readable* handoff request document (a valid ``nonce`` and ``router``, whatever
+    its other fields hold): where a refusal of the handoff is answered. None for an unreadable one."""
+    try:
+        return nonce_of(doc), PeerId.parse(doc.get("router"))  # type: ignore[arg-type]
+    except (MessageRefused, ValueError):
+        return None
+
+
 def state_doc(**fields: Any) -> bytes:
     return encode(MsgType.STATE, fields)
 
 
 __all__ = ["Error", "Finish", "Generate", "HandedOff", "HandoffMeta", "MessageRefused", "Progress", "Tokens", "cancel",
-           "decode", "encode", "state_doc"]
+           "decode", "encode", "reply_to", "state_doc"]
