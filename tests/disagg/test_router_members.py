@@ -26,7 +26,7 @@ from tests.disagg.cluster import RoleNode
 from tests.pipeline.cluster import free_port, write_secret
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "disagg.md"
-ROUTER_IP, PREFILL_IP, WRONG_IP, ABSENT_IP, DECODE_IP = "127.0.0.40", "127.0.0.41", "127.0.0.42", "127.0.0.43", "127.0.0.44"
+ROUTER_IP, PREFILL_IP, WRONG_IP, ABSENT_IP, DECODE_IP = (f"127.0.0.{i}" for i in range(40, 45))
 
 
 def addr(ip: str) -> str:
@@ -58,7 +58,8 @@ def setup(tmp_path_factory, tiny_llama):
     tmp = tmp_path_factory.mktemp("router-members")
     secret_file = write_secret(tmp)
     secret, model = load_secret(secret_file), model_identity(tiny_llama)
-    prefill, wrong, absent, decode, router = addr(PREFILL_IP), addr(WRONG_IP), addr(ABSENT_IP), addr(DECODE_IP), addr(ROUTER_IP)
+    ips = (PREFILL_IP, WRONG_IP, ABSENT_IP, DECODE_IP, ROUTER_IP)
+    prefill, wrong, absent, decode, router = (addr(ip) for ip in ips)
     members = [Member(prefill, secret, "prefill", model),
                Member(wrong, ClusterSecret(b"another-cluster-secret-0123456789"), "prefill", model),
                Member(decode, secret, "decode", model)]
@@ -120,7 +121,7 @@ def test_verbose_stats_give_a_down_reason_to_nodes_that_were_never_up(setup):
     assert nodes["prefill-0"]["status"] == "up" and "down_reason" not in nodes["prefill-0"]
     assert nodes["prefill-1"]["status"] == "down" and "(secret mismatch)" in nodes["prefill-1"]["down_reason"]
     assert nodes["prefill-2"]["status"] == "down" and nodes["prefill-2"]["down_reason"]
-    assert sum(1 for line in node.lines if "prefill-2 (prefill node) is down" in line) == 1  # logged once, not per probe
+    assert sum(1 for line in node.lines if "prefill-2 (prefill node) is down" in line) == 1  # once, not per probe
 
 
 def test_an_error_whose_code_is_not_a_json_integer_is_dropped(setup):
@@ -142,8 +143,8 @@ def test_an_error_whose_code_is_not_a_json_integer_is_dropped(setup):
             prefill.transport.send(router, Kind.CONTROL, m.encode(MsgType.ERROR, doc))
         wait_for(lambda: stats(node)["metrics"]["router_dropped_frames"] >= before + 5, what="five drops")
         assert len(prefill.of(MsgType.GENERATE)) == 1 and "r" not in answer  # no failover, the request waits
-        prefill.transport.send(router, Kind.CONTROL, m.encode(MsgType.ERROR, {"nonce": nonce, "code": 2,
-                                                                               "message": "a bad field"}))
+        valid = {"nonce": nonce, "code": 2, "message": "a bad field"}
+        prefill.transport.send(router, Kind.CONTROL, m.encode(MsgType.ERROR, valid))
     finally:
         client.join(30)
     assert answer["r"].status_code == 400 and "a bad field" in answer["r"].text
