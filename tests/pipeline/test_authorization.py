@@ -803,6 +803,7 @@ def test_coordinator_accepts_a_reply_only_from_the_addressed_stage(scripted, rog
     assert len(box) == 1 and box[0].type is MsgType.ACK
 
 
+ONE_ROW, ONE_ROW_DATA = descriptor(FLOAT32, 1, 1, HIDDEN), bytes(4 * HIDDEN)  # a well-formed hidden [1, 1, 64]
 # name -> (the payload, rows, the ERROR code the owner gets)
 HIDDEN_BOUNDS: dict[str, tuple[Build, int, str]] = {
     "hidden of the wrong width": (encoded(hidden(width=HIDDEN - 1)), 1, "bad_tensor"),
@@ -827,6 +828,16 @@ HIDDEN_BOUNDS: dict[str, tuple[Build, int, str]] = {
     # the binary header itself is cut once its ids decoded: bad_request, not bad_tensor (§3.2)
     "no tensor descriptor": (crafted(), 1, "bad_request"),
     "dimensions cut short": (crafted(tail=descriptor(FLOAT32, 1, 1, HIDDEN)[:-1]), 1, "bad_request"),
+    # a fixed byte of the header is wrong, or an id appears twice: the ids decoded, so their owner is told
+    # bad_request at once (§4.3, §4.5), not left to the exchange deadline (issue 21, finding 1)
+    **{f"phase {v}": (crafted(phase=v, tail=ONE_ROW, data=ONE_ROW_DATA), 1, "bad_request") for v in (2, 7, 255)},
+    **{f"flags {v:#04x}": (crafted(flags=v, tail=ONE_ROW, data=ONE_ROW_DATA), 1, "bad_request")
+       for v in (0x02, 0x03, 0x80, 0xff)},
+    **{f"micro_batch {v}": (crafted(micro_batch=v, tail=ONE_ROW, data=ONE_ROW_DATA), 1, "bad_request")
+       for v in (64, 255)},
+    "a request id twice": (lambda mtype, h: raw_step(mtype, h, ids=[h["request_ids"][0].encode()] * 2,
+                                                     tail=descriptor(FLOAT32, 2, 1, HIDDEN),
+                                                     data=bytes(8 * HIDDEN)), 1, "bad_request"),
 }
 
 
@@ -864,7 +875,7 @@ UNCORRELATED: dict[str, Build] = {
     # the exchange's own nonce, but ids that do not decode: no owner to tell (§3.2)
     "activation whose request id is empty": crafted(ids=[b""], tail=WRONG_WIDTH, data=bytes(4 * (HIDDEN - 1))),
     "activation whose request id is not UTF-8": crafted(ids=[b"\xff"], tail=WRONG_WIDTH, data=bytes(4 * (HIDDEN - 1))),
-    "activation of an unknown phase": crafted(phase=7, tail=WRONG_WIDTH, data=bytes(4 * (HIDDEN - 1))),
+    "activation of no request ids": crafted(ids=[], tail=WRONG_WIDTH, data=bytes(4 * (HIDDEN - 1))),
 }
 
 
