@@ -389,7 +389,7 @@ class StageService:
 
 def _rid(value: Any) -> str:
     if not is_request_id(value):
-        raise ProtocolError(ErrorCode.BAD_REQUEST, "request_id must be a string of 1 to 128 characters")
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "request_id must be a string of 1 to 128 UTF-8 bytes")
     return value
 
 

@@ -508,6 +508,20 @@ def test_run_entry_tensor_bounds(strict, expected, rogue, case):
     assert rogue.received == []
 
 
+@pytest.mark.parametrize("bad", ["é" * 65, "é" * 100, "r" * 129, "\ud800", ""], ids=["65 é", "100 é", "129 r", "surrogate", "empty"])
+def test_request_ids_are_bounded_in_utf8_bytes(strict, expected, bad):
+    """An id is 1 to 128 UTF-8 bytes everywhere: a PREPARE the step header could never name is refused
+    (100 'é' is 200 bytes), and the longest id it can name, 64 'é', runs (issue 21, docs finding)."""
+    for i in (0, 1):
+        with pytest.raises(ExecutorError) as refused:
+            strict.coordinator.command(strict.addr(i), MsgType.PREPARE, {"request_id": bad, "params": GREEDY}, timeout=3)
+        assert refused.value.peer_code is ErrorCode.BAD_REQUEST and "128 UTF-8 bytes" in str(refused.value)
+    assert all(bad not in s.runner for s in strict.stages)
+    run = GreedyRun(strict.coordinator, "é" * 64, PROMPT)
+    assert run.run(N) == expected
+    run.release()
+
+
 STEP_BOUNDS = {
     "id outside the vocabulary": lambda r: Step("prefill", [r], [[1, VOCAB + 3]]),
     "decode of 2 positions": lambda r: Step("decode", [r], [[1, 2]], slot=0),
