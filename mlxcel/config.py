@@ -121,4 +121,4 @@ TP_STOP_GRACE_S = 5.0  # local followers told to stop get this long before SIGKI
 TP_MAX_HOSTS = 1024  # hosts in a --tp-hostfile
 TP_MAX_ROWS = 4096  # bound on rows (and ranks) in a control message
 TP_MAX_STEP_TOKENS = 1 << 20  # token ids in one step message
-TP_MAX_CONTROL_TEXT = 1024  # characters of a control message's text field (rid, identity, reason)
+TP_MAX_CONTROL_TEXT = 1024  # UTF-8 bytes of a control message's text field (rid, identity, reason)
