@@ -10,7 +10,8 @@ import sys
 from typing import Callable, Sequence
 
 from mlxcel import __version__
-from mlxcel.config import DEFAULT_MAX_TOKENS, DEFAULT_MODEL_DIR, DEFAULT_PP_SIZE, positive_int
+from mlxcel.config import (DEFAULT_MAX_TOKENS, DEFAULT_MODEL_DIR, DEFAULT_PP_MICRO_BATCH_SIZE, DEFAULT_PP_SIZE,
+                           MAX_PP_MICRO_BATCH_SIZE, positive_int)
 from mlxcel.errors import CLIError
 
 __all__ = ["CLIError", "DEFAULT_MODEL_DIR", "build_parser", "main", "positive_int", "server_main"]
@@ -28,18 +29,23 @@ def _add_sampling_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--pp-size", type=positive_int, default=DEFAULT_PP_SIZE, metavar="N",
-                   help=f"pipeline stages in this process (default {DEFAULT_PP_SIZE} = no pipeline)")
+    p.add_argument("--pp-size", type=positive_int, default=None, metavar="N",
+                   help=f"pipeline stages in this process (default: as many as --pp-layers names, else "
+                        f"{DEFAULT_PP_SIZE} = no pipeline)")
     p.add_argument("--pp-layers", default=None, metavar="RANGES",
                    help="inclusive layer ranges per stage, e.g. 0-11,12-29 (default: split by parameter bytes)")
-    # removed: one generation is one row, so micro-batches changed nothing; named here only to say so
-    p.add_argument("--pp-micro-batch-size", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--pp-micro-batch-size", type=int, default=None, metavar="M",
+                   help=f"prefill the prompt in M chunks, pipelined: stage 0 runs chunk k+1 while stage 1 runs "
+                        f"chunk k (1 to {MAX_PP_MICRO_BATCH_SIZE}; default {DEFAULT_PP_MICRO_BATCH_SIZE}; "
+                        f"the same tokens; no effect without a pipeline)")
     p.add_argument("--cluster-secret-file", default=None, metavar="PATH",
                    help="file holding the cluster secret (else MLXCEL_CLUSTER_SECRET_FILE, MLXCEL_CLUSTER_SECRET)")
 
 
 def check_pipeline_flags(args: argparse.Namespace) -> None:
-    """Flag combinations of ``generate``'s pipeline flags; the model's layer count is checked once it loads."""
+    """Flag combinations of ``generate``'s pipeline flags; the model's layer count is checked once it loads.
+
+    Fills in the defaults: ``pp_size`` is the number of ``--pp-layers`` ranges when only they are given."""
     from mlxcel.pipeline.partition import PartitionError, parse_range_text
 
     if args.pp_layers is not None:
@@ -47,20 +53,32 @@ def check_pipeline_flags(args: argparse.Namespace) -> None:
             stages = len(parse_range_text(args.pp_layers))
         except PartitionError as exc:
             raise CLIError(str(exc)) from None
-        if stages != args.pp_size:
+        if args.pp_size is not None and stages != args.pp_size:
             raise CLIError(f"--pp-layers names {stages} stage{'s' if stages != 1 else ''} "
                            f"but --pp-size is {args.pp_size}")
-    if args.pp_micro_batch_size is not None:
-        raise CLIError("generate runs one sequence, which is one row: --pp-micro-batch-size applies to the "
-                       "pipeline server (mlxcel-server --distributed-config ... --pp-micro-batch-size M)")
+        args.pp_size = stages
+    if args.pp_size is None:
+        args.pp_size = DEFAULT_PP_SIZE
+    _check_micro_batch_size(args)
+
+
+def _check_micro_batch_size(args: argparse.Namespace) -> None:
+    """``--pp-micro-batch-size``: 1 to MAX_PP_MICRO_BATCH_SIZE (the reference's texts); default 1."""
+    size = args.pp_micro_batch_size
+    if size is None:
+        args.pp_micro_batch_size = DEFAULT_PP_MICRO_BATCH_SIZE
+    elif size < 1:
+        raise CLIError("--pp-micro-batch-size must be greater than 0")
+    elif size > MAX_PP_MICRO_BATCH_SIZE:
+        raise CLIError(f"--pp-micro-batch-size must be at most {MAX_PP_MICRO_BATCH_SIZE}, got {size}")
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from mlxcel.commands.generate import run_generate
     from mlxcel.parallel.options import check_tp_flags
 
+    check_pipeline_flags(args)  # first: it fills in --pp-size from --pp-layers
     check_tp_flags(args)
-    check_pipeline_flags(args)
     return run_generate(args)
 
 
