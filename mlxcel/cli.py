@@ -28,13 +28,22 @@ def _add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
 
 
+class _Given(argparse.Action):
+    """Store the value and note that the flag was given (``<dest>_given``): --pp-layers alone names --pp-size."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, values)
+        setattr(namespace, f"{self.dest}_given", True)
+
+
 def _add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--pp-size", type=positive_int, default=None, metavar="N",
+    p.add_argument("--pp-size", type=positive_int, default=DEFAULT_PP_SIZE, action=_Given, metavar="N",
                    help=f"pipeline stages in this process (default: as many as --pp-layers names, else "
                         f"{DEFAULT_PP_SIZE} = no pipeline)")
     p.add_argument("--pp-layers", default=None, metavar="RANGES",
                    help="inclusive layer ranges per stage, e.g. 0-11,12-29 (default: split by parameter bytes)")
-    p.add_argument("--pp-micro-batch-size", type=int, default=None, metavar="M",
+    p.add_argument("--pp-micro-batch-size", type=int, default=DEFAULT_PP_MICRO_BATCH_SIZE, metavar="M",
                    help=f"prefill the prompt in M chunks, pipelined: stage 0 runs chunk k+1 while stage 1 runs "
                         f"chunk k (1 to {MAX_PP_MICRO_BATCH_SIZE}; default {DEFAULT_PP_MICRO_BATCH_SIZE}; "
                         f"the same tokens; no effect without a pipeline)")
@@ -45,7 +54,7 @@ def _add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
 def check_pipeline_flags(args: argparse.Namespace) -> None:
     """Flag combinations of ``generate``'s pipeline flags; the model's layer count is checked once it loads.
 
-    Fills in the defaults: ``pp_size`` is the number of ``--pp-layers`` ranges when only they are given."""
+    ``--pp-layers`` without ``--pp-size`` sets ``pp_size`` to the number of ranges."""
     from mlxcel.pipeline.partition import PartitionError, parse_range_text
 
     if args.pp_layers is not None:
@@ -53,23 +62,18 @@ def check_pipeline_flags(args: argparse.Namespace) -> None:
             stages = len(parse_range_text(args.pp_layers))
         except PartitionError as exc:
             raise CLIError(str(exc)) from None
-        if args.pp_size is not None and stages != args.pp_size:
+        if getattr(args, "pp_size_given", False) and stages != args.pp_size:
             raise CLIError(f"--pp-layers names {stages} stage{'s' if stages != 1 else ''} "
                            f"but --pp-size is {args.pp_size}")
         args.pp_size = stages
-    if args.pp_size is None:
-        args.pp_size = DEFAULT_PP_SIZE
-    _check_micro_batch_size(args)
+    _check_micro_batch_size(args.pp_micro_batch_size)
 
 
-def _check_micro_batch_size(args: argparse.Namespace) -> None:
-    """``--pp-micro-batch-size``: 1 to MAX_PP_MICRO_BATCH_SIZE (the reference's texts); default 1."""
-    size = args.pp_micro_batch_size
-    if size is None:
-        args.pp_micro_batch_size = DEFAULT_PP_MICRO_BATCH_SIZE
-    elif size < 1:
+def _check_micro_batch_size(size: int) -> None:
+    """``--pp-micro-batch-size``: 1 to MAX_PP_MICRO_BATCH_SIZE (the reference's text below 1)."""
+    if size < 1:
         raise CLIError("--pp-micro-batch-size must be greater than 0")
-    elif size > MAX_PP_MICRO_BATCH_SIZE:
+    if size > MAX_PP_MICRO_BATCH_SIZE:
         raise CLIError(f"--pp-micro-batch-size must be at most {MAX_PP_MICRO_BATCH_SIZE}, got {size}")
 
 
@@ -77,8 +81,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from mlxcel.commands.generate import run_generate
     from mlxcel.parallel.options import check_tp_flags
 
-    check_pipeline_flags(args)  # first: it fills in --pp-size from --pp-layers
     check_tp_flags(args)
+    check_pipeline_flags(args)
     return run_generate(args)
 
 
