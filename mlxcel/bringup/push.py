@@ -213,7 +213,7 @@ class Push:
 
     def _commit(self, peer: _Peer, deadline: float) -> None:
         # the offer phase ended OFFER_MARGIN_S before the window: a full frame window is left
-        event = self._exchange(peer, peer.session.commit(), time.monotonic() + FRAME_TIMEOUT_S)
+        event = self._exchange(peer, peer.session.commit(), float("inf"))  # exactly FRAME_TIMEOUT_S
         if isinstance(event, PeerCommitFailed):
             raise _PeerFailed(f"it could not prepare: {event.reason}")
         assert isinstance(event, PeerCommitted)
@@ -247,6 +247,6 @@ class _Abandon(Exception):
 
 
 def _describe(exc: BaseException) -> str:
-    if isinstance(exc, OSError):
+    if isinstance(exc, OSError) and not isinstance(exc, BringupError):  # AssignmentTimeout is a TimeoutError
         return f"connection failed: {exc.strerror or type(exc).__name__}"
     return str(exc)
