@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -108,18 +107,35 @@ class Push:
 
     def _phase(self, step: Callable[[_Peer, float], None], deadline: float) -> None:
         """Run ``step`` for every peer in parallel; any failure abandons the bring-up."""
-        pool = ThreadPoolExecutor(max_workers=len(self.peers), thread_name_prefix="mlxcel-push")
+        errors: list[BaseException] = []
+
+        def work(peer: _Peer) -> None:
+            try:
+                self._guarded(step, peer, deadline)
+            except BaseException as exc:  # noqa: BLE001 - re-raised on the calling thread
+                errors.append(exc)
+
+        # daemon threads: an interrupted coordinator exits without waiting for a dial or a read
+        threads = [threading.Thread(target=work, args=(p,), name="mlxcel-push", daemon=True) for p in self.peers]
+        for t in threads:
+            t.start()
         try:
-            for f in [pool.submit(self._guarded, step, p, deadline) for p in self.peers]:
-                f.result()
-        except BaseException:  # interrupted: the redialling peers stop within one retry interval
-            self._stop.set()
+            for t in threads:
+                t.join()
+        except BaseException:  # interrupted: stop redialling, end every pending read now
+            self._interrupt()
             raise
-        finally:
-            pool.shutdown(wait=True)
+        if errors:
+            raise errors[0]
         failed = [p for p in self.peers if p.failure is not None]
         if failed:
             raise _Abandon(self._summary(failed))
+
+    def _interrupt(self) -> None:
+        self._stop.set()
+        for peer in self.peers:
+            if peer.channel is not None:
+                peer.channel.close()  # a read blocked on another thread fails at once; the peer waits again
 
     def _guarded(self, step: Callable[[_Peer, float], None], peer: _Peer, deadline: float) -> None:
         try:
