@@ -181,6 +181,8 @@ class Push:
         if isinstance(event, PeerRefused):
             raise _PeerFailed(f"it refused: {event.refusal.reason}")
         assert isinstance(event, Informed)
+        if event.mlxcel != self.config.mlxcel:
+            raise _PeerFailed(version_mismatch(event.mlxcel, self.config.mlxcel))
         peer.memory = event.memory
         log.info("peer %s: mlxcel %s, %d bytes of memory", peer.address, event.mlxcel, event.memory)
 
@@ -256,6 +258,12 @@ class Push:
                 log.debug("abort to %s not delivered: %s", peer, exc)
             finally:
                 peer.channel.close()
+
+
+def version_mismatch(theirs: str, ours: str) -> str:
+    """Why the coordinator refuses a peer whose ``info`` reports another mlxcel version."""
+    return (f"mlxcel version mismatch: the peer runs mlxcel {theirs}, this coordinator runs {ours} "
+            "(every node of a cluster runs the same mlxcel version)")
 
 
 class _Abandon(Exception):
