@@ -26,7 +26,7 @@ from mlxcel.cluster.secret import ClusterSecret
 from mlxcel.pipeline.partition import PartitionError, StageCosts
 
 from .channel import FrameChannel, dial
-from .errors import BringupError, BringupFailed
+from .errors import BringupError, BringupFailed, ChannelClosed
 from .machine import CoordinatorSession, Informed, PeerAccepted, PeerCommitFailed, PeerCommitted, PeerRefused
 from .plan import ClusterPlan, offer_fields, plan_cluster
 from .wire import FRAME_TIMEOUT_S, OFFER_MARGIN_S, PUSH_WINDOW_S, STATIC_RETRY_S
@@ -103,6 +103,9 @@ class Push:
             raise BringupFailed(str(exc)) from None
         for peer in self.peers:
             self._activate(peer)
+        released = time.monotonic() + FRAME_TIMEOUT_S
+        for peer in self.peers:
+            self._await_release(peer, released)
         return plan
 
     def _phase(self, step: Callable[[_Peer, float], None], deadline: float) -> None:
@@ -244,6 +247,21 @@ class Push:
             peer.channel.send(peer.session.activate())
         except (BringupError, OSError) as exc:
             log.warning("activating %s failed: %s (the coordinator's start-up will wait for that stage)", peer, exc)
+            peer.channel.close()
+
+    def _await_release(self, peer: _Peer, deadline: float) -> None:
+        """Wait until an activated peer closes the connection: it closes its assignment listener
+        first, so its stage address is free before the coordinator dials it (docs/bringup.md §5.3)."""
+        assert peer.channel is not None
+        if peer.channel.closed:
+            return
+        try:
+            peer.channel.recv(max(deadline - time.monotonic(), 0.001))
+            log.warning("%s sent a frame after activate; dialling its stage anyway", peer)
+        except ChannelClosed:
+            pass
+        except (BringupError, ClusterError, OSError) as exc:
+            log.warning("%s did not close its assignment connection after activate: %s", peer, exc)
         finally:
             peer.channel.close()
 
