@@ -9,9 +9,12 @@ file and exits without assigning anything.
 from __future__ import annotations
 
 import logging
+import signal
 import socket
 import sys
+from contextlib import contextmanager
 from dataclasses import replace
+from typing import Any, Iterator
 
 from mlxcel import __version__
 from mlxcel.cluster.identity import PeerId
@@ -29,6 +32,8 @@ from .push import Push, PushConfig
 from .wire import COORDINATOR_NODE_ID, DISCOVERY_SETTLE_S, DISCOVERY_WINDOW_S
 
 log = logging.getLogger("mlxcel.bringup.coordinator")
+
+EXIT_INTERRUPTED = 130  # as the CLI's for SIGINT
 
 
 def _say(text: str) -> None:
@@ -109,8 +114,39 @@ def push(context: RoleContext, settings: BringupSettings, secret: ClusterSecret)
         raise CLIError(str(exc)) from None
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+@contextmanager
+def sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM raises ``KeyboardInterrupt`` as SIGINT does, instead of killing the process; the
+    coordinator role's server installs its own handlers while it serves."""
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run(context: RoleContext) -> int:
-    """Role ``pp-auto``: the push, then the ``coordinator`` role on the generated TOML (or exit, dry run)."""
+    """Role ``pp-auto``: the push, then the ``coordinator`` role on the generated TOML (or exit, dry run).
+
+    SIGINT or SIGTERM during discovery or the push: exit 130 at once (no dial or read is waited for);
+    after the push (the coordinator role starting, waiting for its stages, serving): exit 0."""
+    with sigterm_interrupts():
+        pushed: list[bool] = []
+        try:
+            return _run(context, pushed)
+        except KeyboardInterrupt:
+            if pushed:  # before the coordinator role's server took the signals over
+                _say("stopped while starting the coordinator role")
+                return 0
+            print("mlxcel: interrupted", file=sys.stderr, flush=True)
+            return EXIT_INTERRUPTED
+
+
+def _run(context: RoleContext, pushed: list[bool]) -> int:
     from mlxcel.pipeline.cluster_config import ClusterConfigError, load_cluster_config
     from mlxcel.pipeline.runtime import Distributed
     from mlxcel.roles import select_role
@@ -119,6 +155,7 @@ def run(context: RoleContext) -> int:
     settings = bringup_settings(args)
     secret = load_secret(args.cluster_secret_file, required=True)
     plan = push(context, settings, secret)
+    pushed.append(True)
     path = settings.config_path().resolve()
     if settings.dry_run:
         _say(f"dry run: planned {_describe(plan)}; wrote {path}")
