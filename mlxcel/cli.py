@@ -10,7 +10,8 @@ import sys
 from typing import Callable, Sequence
 
 from mlxcel import __version__
-from mlxcel.config import DEFAULT_MAX_TOKENS, DEFAULT_MODEL_DIR, DEFAULT_PP_SIZE, positive_int
+from mlxcel.config import (DEFAULT_MAX_TOKENS, DEFAULT_MODEL_DIR, DEFAULT_PP_MICRO_BATCH_SIZE, DEFAULT_PP_SIZE,
+                           MAX_PP_MICRO_BATCH_SIZE, positive_int)
 from mlxcel.errors import CLIError
 
 __all__ = ["CLIError", "DEFAULT_MODEL_DIR", "build_parser", "main", "positive_int", "server_main"]
@@ -27,19 +28,33 @@ def _add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
 
 
+class _Given(argparse.Action):
+    """Store the value and note that the flag was given (``<dest>_given``): --pp-layers alone names --pp-size."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, values)
+        setattr(namespace, f"{self.dest}_given", True)
+
+
 def _add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--pp-size", type=positive_int, default=DEFAULT_PP_SIZE, metavar="N",
-                   help=f"pipeline stages in this process (default {DEFAULT_PP_SIZE} = no pipeline)")
+    p.add_argument("--pp-size", type=positive_int, default=DEFAULT_PP_SIZE, action=_Given, metavar="N",
+                   help=f"pipeline stages in this process (default: as many as --pp-layers names, else "
+                        f"{DEFAULT_PP_SIZE} = no pipeline)")
     p.add_argument("--pp-layers", default=None, metavar="RANGES",
                    help="inclusive layer ranges per stage, e.g. 0-11,12-29 (default: split by parameter bytes)")
-    # removed: one generation is one row, so micro-batches changed nothing; named here only to say so
-    p.add_argument("--pp-micro-batch-size", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--pp-micro-batch-size", type=int, default=DEFAULT_PP_MICRO_BATCH_SIZE, metavar="M",
+                   help=f"prefill the prompt in M chunks, pipelined: stage 0 runs chunk k+1 while stage 1 runs "
+                        f"chunk k (1 to {MAX_PP_MICRO_BATCH_SIZE}; default {DEFAULT_PP_MICRO_BATCH_SIZE}; "
+                        f"the same tokens; no effect without a pipeline)")
     p.add_argument("--cluster-secret-file", default=None, metavar="PATH",
                    help="file holding the cluster secret (else MLXCEL_CLUSTER_SECRET_FILE, MLXCEL_CLUSTER_SECRET)")
 
 
 def check_pipeline_flags(args: argparse.Namespace) -> None:
-    """Flag combinations of ``generate``'s pipeline flags; the model's layer count is checked once it loads."""
+    """Flag combinations of ``generate``'s pipeline flags; the model's layer count is checked once it loads.
+
+    ``--pp-layers`` without ``--pp-size`` sets ``pp_size`` to the number of ranges."""
     from mlxcel.topology.partition import PartitionError, parse_range_text
 
     if args.pp_layers is not None:
@@ -47,12 +62,19 @@ def check_pipeline_flags(args: argparse.Namespace) -> None:
             stages = len(parse_range_text(args.pp_layers))
         except PartitionError as exc:
             raise CLIError(str(exc)) from None
-        if stages != args.pp_size:
+        if getattr(args, "pp_size_given", False) and stages != args.pp_size:
             raise CLIError(f"--pp-layers names {stages} stage{'s' if stages != 1 else ''} "
                            f"but --pp-size is {args.pp_size}")
-    if args.pp_micro_batch_size is not None:
-        raise CLIError("generate runs one sequence, which is one row: --pp-micro-batch-size applies to the "
-                       "pipeline server (mlxcel-server --distributed-config ... --pp-micro-batch-size M)")
+        args.pp_size = stages
+    _check_micro_batch_size(args.pp_micro_batch_size)
+
+
+def _check_micro_batch_size(size: int) -> None:
+    """``--pp-micro-batch-size``: 1 to MAX_PP_MICRO_BATCH_SIZE (the reference's text below 1)."""
+    if size < 1:
+        raise CLIError("--pp-micro-batch-size must be greater than 0")
+    if size > MAX_PP_MICRO_BATCH_SIZE:
+        raise CLIError(f"--pp-micro-batch-size must be at most {MAX_PP_MICRO_BATCH_SIZE}, got {size}")
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:

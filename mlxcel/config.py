@@ -28,6 +28,8 @@ MAX_TOP_LOGPROBS = 20  # most alternatives reported per token (OpenAI's bound)
 # Pipeline parallelism (cluster TOML and flags)
 DEFAULT_PP_SIZE = 1  # 1 = no pipeline
 DEFAULT_PP_MAX_BATCH = 8  # most rows a stage accepts in one activation
+DEFAULT_PP_MICRO_BATCH_SIZE = 1  # `generate --pp-micro-batch-size`: prompt chunks in flight (1 = no overlap)
+MAX_PP_MICRO_BATCH_SIZE = 64  # its bound: the stage protocol's micro-batch numbers 0..63 (protocol.MAX_MICRO_BATCHES)
 MAX_ACTIVATION_TOKENS = 2**20  # bound on n in a [rows, n, width] hidden-state activation
 MAX_PREFIX_TOKENS = 2**16  # most token ids in PREPARE's prompt / RELEASE's tokens (the JSON fits 1 MiB)
 DEFAULT_STARTUP_S = 60.0  # coordinator waits this long for every stage at start-up
@@ -124,4 +126,4 @@ TP_STOP_GRACE_S = 5.0  # local followers told to stop get this long before SIGKI
 TP_MAX_HOSTS = 1024  # hosts in a --tp-hostfile
 TP_MAX_ROWS = 4096  # bound on rows (and ranks) in a control message
 TP_MAX_STEP_TOKENS = 1 << 20  # token ids in one step message
-TP_MAX_CONTROL_TEXT = 1024  # characters of a control message's text field (rid, identity, reason)
+TP_MAX_CONTROL_TEXT = 1024  # UTF-8 bytes of a control message's text field (rid, identity, reason)

@@ -9,6 +9,7 @@ import pytest
 
 from mlxcel.engine.interface import EngineFailure, EngineUnavailable, FinishEvent, finish_error
 from mlxcel.error_codes import ErrorClass, ErrorCode
+from mlxcel.pipeline.coordinator import stage_code
 from mlxcel.server.errors import error_reply
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
@@ -48,11 +49,32 @@ def test_pipeline_docs_codes_match_the_enum_and_its_http_status():
         code = ErrorCode(int(value))
         assert code.wire_name == name
         if status.strip()[:3].isdigit():
-            local = code.as_local()  # a stage's code, as the coordinator reports it
+            local = stage_code(code)  # a stage's code, as the coordinator reports it
             assert int(status.strip()[:3]) == local.http_status, (name, status)
             assert ("Retry-After" in status) == local.retryable, name
     for stale in ("unknown_request", "no_downstream", "stage_unreachable"):
         assert f"`{stale}`" not in text, f"docs/pipeline.md still names the retired code {stale}"
+
+
+def test_pipeline_docs_map_every_stage_code_at_the_coordinator():
+    """§4.4's table: every value a stage may send, what the coordinator reports and the client's status
+    (never 4xx, never 499: issue 21, finding 5)."""
+    text = (DOCS / "pipeline.md").read_text()
+    section = text[text.index("### 4.4 Error codes"):text.index("### 4.5")]
+    rows = _rows(section, r"^\| (\d+) \| `(\w+)`[^|]* \| `(\w+)` \| (\d{3})( \+ `Retry-After`)? \|$")
+    assert sorted(int(v) for v, *_ in rows) == sorted(int(c) for c in ErrorCode), "a stage code is not mapped"
+    for value, name, reported, status, retry in rows:
+        code = ErrorCode(int(value))
+        assert (name, reported) == (code.wire_name, stage_code(code).wire_name), value
+        assert int(status) == stage_code(code).http_status and bool(retry) == stage_code(code).retryable, value
+        assert 500 <= int(status) < 600, value
+
+
+def test_pipeline_docs_state_the_json_type_of_every_code_field():
+    text = (DOCS / "pipeline.md").read_text()
+    rows = _rows(text, r"^\| `code` \| ([^|]+) \|")
+    assert rows and all(t.strip() == "integer" for t, in rows), rows
+    assert "An ERROR's `code` is a JSON integer" in text
 
 
 @pytest.mark.parametrize("code", list(ErrorCode))

@@ -257,6 +257,9 @@ class PeerAgent:
         return machine.commit_failed(reason)
 
     def _activate(self, assignment: Assignment, staged: list[Path]) -> None:
+        """Close the assignment listener (its port becomes the stage's), then publish the TOML; the
+        session's connection closes after this, which tells the coordinator it may dial the stage."""
+        self._listener.stop_accepting()
         path = self.settings.config_path(assignment.node_id)
         try:
             publish(staged.pop(), path)

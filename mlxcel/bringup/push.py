@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -27,7 +26,7 @@ from mlxcel.cluster.secret import ClusterSecret
 from mlxcel.topology.partition import PartitionError, StageCosts
 
 from .channel import FrameChannel, dial
-from .errors import BringupError, BringupFailed
+from .errors import BringupError, BringupFailed, ChannelClosed
 from .machine import CoordinatorSession, Informed, PeerAccepted, PeerCommitFailed, PeerCommitted, PeerRefused
 from .plan import ClusterPlan, offer_fields, plan_cluster
 from .wire import FRAME_TIMEOUT_S, OFFER_MARGIN_S, PUSH_WINDOW_S, STATIC_RETRY_S
@@ -104,22 +103,42 @@ class Push:
             raise BringupFailed(str(exc)) from None
         for peer in self.peers:
             self._activate(peer)
+        released = time.monotonic() + FRAME_TIMEOUT_S
+        for peer in self.peers:
+            self._await_release(peer, released)
         return plan
 
     def _phase(self, step: Callable[[_Peer, float], None], deadline: float) -> None:
         """Run ``step`` for every peer in parallel; any failure abandons the bring-up."""
-        pool = ThreadPoolExecutor(max_workers=len(self.peers), thread_name_prefix="mlxcel-push")
+        errors: list[BaseException] = []
+
+        def work(peer: _Peer) -> None:
+            try:
+                self._guarded(step, peer, deadline)
+            except BaseException as exc:  # noqa: BLE001 - re-raised on the calling thread
+                errors.append(exc)
+
+        # daemon threads: an interrupted coordinator exits without waiting for a dial or a read
+        threads = [threading.Thread(target=work, args=(p,), name="mlxcel-push", daemon=True) for p in self.peers]
+        for t in threads:
+            t.start()
         try:
-            for f in [pool.submit(self._guarded, step, p, deadline) for p in self.peers]:
-                f.result()
-        except BaseException:  # interrupted: the redialling peers stop within one retry interval
-            self._stop.set()
+            for t in threads:
+                t.join()
+        except BaseException:  # interrupted: stop redialling, end every pending read now
+            self._interrupt()
             raise
-        finally:
-            pool.shutdown(wait=True)
+        if errors:
+            raise errors[0]
         failed = [p for p in self.peers if p.failure is not None]
         if failed:
             raise _Abandon(self._summary(failed))
+
+    def _interrupt(self) -> None:
+        self._stop.set()
+        for peer in self.peers:
+            if peer.channel is not None:
+                peer.channel.close()  # a read blocked on another thread fails at once; the peer waits again
 
     def _guarded(self, step: Callable[[_Peer, float], None], peer: _Peer, deadline: float) -> None:
         try:
@@ -165,6 +184,8 @@ class Push:
         if isinstance(event, PeerRefused):
             raise _PeerFailed(f"it refused: {event.refusal.reason}")
         assert isinstance(event, Informed)
+        if event.mlxcel != self.config.mlxcel:
+            raise _PeerFailed(version_mismatch(event.mlxcel, self.config.mlxcel))
         peer.memory = event.memory
         log.info("peer %s: mlxcel %s, %d bytes of memory", peer.address, event.mlxcel, event.memory)
 
@@ -213,7 +234,7 @@ class Push:
 
     def _commit(self, peer: _Peer, deadline: float) -> None:
         # the offer phase ended OFFER_MARGIN_S before the window: a full frame window is left
-        event = self._exchange(peer, peer.session.commit(), time.monotonic() + FRAME_TIMEOUT_S)
+        event = self._exchange(peer, peer.session.commit(), float("inf"))  # exactly FRAME_TIMEOUT_S
         if isinstance(event, PeerCommitFailed):
             raise _PeerFailed(f"it could not prepare: {event.reason}")
         assert isinstance(event, PeerCommitted)
@@ -226,6 +247,21 @@ class Push:
             peer.channel.send(peer.session.activate())
         except (BringupError, OSError) as exc:
             log.warning("activating %s failed: %s (the coordinator's start-up will wait for that stage)", peer, exc)
+            peer.channel.close()
+
+    def _await_release(self, peer: _Peer, deadline: float) -> None:
+        """Wait until an activated peer closes the connection: it closes its assignment listener
+        first, so its stage address is free before the coordinator dials it (docs/bringup.md §5.3)."""
+        assert peer.channel is not None
+        if peer.channel.closed:
+            return
+        try:
+            peer.channel.recv(max(deadline - time.monotonic(), 0.001))
+            log.warning("%s sent a frame after activate; dialling its stage anyway", peer)
+        except ChannelClosed:
+            pass
+        except (BringupError, ClusterError, OSError) as exc:
+            log.warning("%s did not close its assignment connection after activate: %s", peer, exc)
         finally:
             peer.channel.close()
 
@@ -242,11 +278,17 @@ class Push:
                 peer.channel.close()
 
 
+def version_mismatch(theirs: str, ours: str) -> str:
+    """Why the coordinator refuses a peer whose ``info`` reports another mlxcel version."""
+    return (f"mlxcel version mismatch: the peer runs mlxcel {theirs}, this coordinator runs {ours} "
+            "(every node of a cluster runs the same mlxcel version)")
+
+
 class _Abandon(Exception):
     """The bring-up is abandoned; the text is the failure summary."""
 
 
 def _describe(exc: BaseException) -> str:
-    if isinstance(exc, OSError):
+    if isinstance(exc, OSError) and not isinstance(exc, BringupError):  # AssignmentTimeout is a TimeoutError
         return f"connection failed: {exc.strerror or type(exc).__name__}"
     return str(exc)

@@ -249,6 +249,16 @@ class Listener:
             conn.close()
         return threads + [c.thread for c in conns if c.thread is not None]
 
+    def stop_accepting(self) -> None:
+        """Stop the accept loop and close the listening socket now: the port is free, the
+        connections already accepted stay open (``stop`` later closes them)."""
+        if self._wake_w >= 0:
+            os.write(self._wake_w, b"x")
+        if self._accept_thread is not None and self._accept_thread is not threading.current_thread():
+            self._accept_thread.join(5.0)
+        if self._sock is not None:
+            self._sock.close()
+
     def close_socket(self) -> None:
         """Close the listening socket and the wake pipe (after the joins)."""
         if self._sock is not None:

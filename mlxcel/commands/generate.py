@@ -11,6 +11,7 @@ import mlx.core as mx
 
 from mlxcel.blas import blas_in_use
 from mlxcel.cluster.secret import load_secret
+from mlxcel.config import DEFAULT_PP_MICRO_BATCH_SIZE
 from mlxcel.engine.generate import GenerationStats, stream_generate
 from mlxcel.engine.prompts import PromptError, encode_chat, encode_raw
 from mlxcel.engine.sampling import SamplingParams
@@ -60,9 +61,11 @@ def _pipeline(args: argparse.Namespace, loaded: Any) -> Any:
         ranges = stage_ranges(loaded.path, loaded.num_layers, args.pp_size, args.pp_layers)
     except PartitionError as exc:
         raise CLIError(str(exc)) from None
+    micro = getattr(args, "pp_micro_batch_size", DEFAULT_PP_MICRO_BATCH_SIZE)
+    how = f"in process, prompt in {micro} micro-batches" if micro > 1 else "in process"
     print("pipeline: " + ", ".join(f"stage {i} layers {a}-{b - 1}" for i, (a, b) in enumerate(ranges))
-          + " (in process)", file=sys.stderr)
-    return InProcessPipeline(loaded.model, ranges)
+          + f" ({how})", file=sys.stderr)
+    return InProcessPipeline(loaded.model, ranges, micro_batches=micro)
 
 
 def _run_tensor_parallel(args: argparse.Namespace, tp: Any, params: SamplingParams, text: str) -> int:
@@ -102,7 +105,8 @@ def run_generate(args: argparse.Namespace) -> int:
     prompt = encode_prompt(args, loaded.tokenizer, text)
     model = _pipeline(args, loaded)
     stats = GenerationStats()
-    for chunk in stream_generate(model, loaded.tokenizer, prompt, params, stats=stats):
+    prefill = model.prefill if isinstance(model, InProcessPipeline) and model.micro_batches > 1 else None
+    for chunk in stream_generate(model, loaded.tokenizer, prompt, params, prefill=prefill, stats=stats):
         sys.stdout.write(chunk.text)
         sys.stdout.flush()
     sys.stdout.write("\n")

@@ -2,7 +2,9 @@
 
 A handoff stream (any authenticated member may send one) is decoded part by part against this model's
 ``KVLayout`` and context length (``HandoffDecoder``); a stream that breaks a bound is refused at that
-part, its bytes dropped, and the router named in its header (if it got that far) receives an ERROR.
+part, its bytes dropped, and the router named in its header (if its nonce and router read) receives an
+ERROR. Arriving handoffs count against admission, at most half the slots per sender IP; a stream with no
+part for twice ``--handoff-timeout`` is forgotten.
 A complete handoff enters the scheduler through ``submit_prefilled``: it waits for a slot like any
 request, the executor installs its cache, the prefill's first token is emitted, and decoding goes on.
 Every event goes to the router as TOKENS, the end as FINISH. A CANCEL frees the sequence (running,
@@ -88,9 +90,16 @@ class Incoming:
     """A handoff stream being received."""
 
     decoder: HandoffDecoder | None
-    started: float = field(default_factory=time.monotonic)
+    sender: PeerId | None = None
+    last: float = field(default_factory=time.monotonic)  # when its last part arrived
     meta: m.HandoffMeta | None = None
     refused: bool = False
+
+    def reply_to(self) -> tuple[str, PeerId] | None:
+        """(nonce, router) of its request document once that is readable, else None."""
+        if self.meta is not None:
+            return self.meta.nonce, self.meta.router
+        return m.reply_to(self.decoder.meta) if self.decoder is not None else None
 
 
 class DecodeService(RoleService):
@@ -104,6 +113,7 @@ class DecodeService(RoleService):
         self.layout = probe_layout(model)
         self.context_length = context_length
         self.capacity = parallel + max_queue
+        self.per_sender = max(1, self.capacity // 2)  # handoffs one sender IP may have arriving at once
         self.executor = AdoptExecutor(model, max_batch_size=max_batch_size)
         self.scheduler = Scheduler(self.executor, tokenizer, context_length=context_length, parallel=parallel,
                                    max_queue=max_queue, warmup=warmup)
@@ -125,8 +135,10 @@ class DecodeService(RoleService):
             await asyncio.sleep(PROGRESS_INTERVAL_S)
             now = time.monotonic()
             with self.lock:
+                stale = self._purge()
                 quiet = [(nonce, router) for nonce, (router, last) in self.last_sent.items()
                          if now - last >= PROGRESS_INTERVAL_S]
+            self._forget(stale)
             for nonce, router in quiet:
                 self.send(router, m.Progress(nonce))
 
@@ -141,32 +153,31 @@ class DecodeService(RoleService):
             super().on_stream(msg)
 
     def _data(self, key: tuple[PeerId, int], msg: Message) -> None:
+        stale: list[Incoming] = []
         with self.lock:
             inc = self.incoming.get(key)
             if inc is None:
-                self._purge()
+                stale = self._purge()
                 if self.layout.unsupported:
                     inc = self.incoming[key] = Incoming(None, refused=True)
                     log.warning("decode: refusing a handoff from %s: %s", msg.peer, self.layout.unsupported)
                     return
-                inc = self.incoming[key] = Incoming(HandoffDecoder(self.layout, self.context_length))
+                inc = self.incoming[key] = Incoming(HandoffDecoder(self.layout, self.context_length), msg.peer)
+            inc.last = time.monotonic()
+        self._forget(stale)
         if inc.refused or inc.decoder is None:
             return
         try:
             inc.decoder.feed(msg.payload)
-        except HandoffError as exc:
-            if inc.meta is None:  # a header refused after its request document read: the router hears why
-                try:
-                    inc.meta = m.HandoffMeta.parse(inc.decoder.meta)
-                except m.MessageRefused:
-                    pass
+        except HandoffError as exc:  # the router of a readable request document hears why
             self._refuse(inc, exc.code, f"decode node refused the KV handoff from {msg.peer}: {exc}")
             return
         if inc.meta is None:
             self._header(inc, msg.peer)
 
     def _header(self, inc: Incoming, peer: PeerId) -> None:
-        assert inc.decoder is not None
+        if inc.decoder is None:  # forgotten while this part was read
+            return
         try:
             inc.meta = m.HandoffMeta.parse(inc.decoder.meta)
         except m.MessageRefused as exc:
@@ -174,10 +185,15 @@ class DecodeService(RoleService):
             return
         nonce = inc.meta.nonce
         with self.lock:
-            busy = len(self.running) + sum(1 for i in self.incoming.values() if i.meta is not None and not i.refused)
+            arriving = [i for i in self.incoming.values() if i.meta is not None and not i.refused]
+            busy = len(self.running) + len(arriving)
+            mine = sum(1 for i in arriving if i.sender is not None and i.sender.host == peer.host)
             cancelled = nonce in self.cancelled or nonce in self.running
         if cancelled:
             self._refuse(inc, ErrorCode.CANCELLED, "", quiet=True)
+        elif mine > self.per_sender:
+            self._refuse(inc, ErrorCode.OVERLOADED, f"decode node holds {self.per_sender} handoffs arriving from "
+                         f"{peer.host} already (at most half its {self.capacity} slots per sender); retry later")
         elif busy > self.capacity:
             self._refuse(inc, ErrorCode.OVERLOADED, f"decode node is at capacity ({self.capacity} sequences); retry later")
 
@@ -202,22 +218,29 @@ class DecodeService(RoleService):
         self.loop.submit(self._decode(inc.meta, handoff))
 
     def _refuse(self, inc: Incoming, code: ErrorCode, message: str, *, quiet: bool = False) -> None:
+        reply = inc.reply_to()
         inc.refused, inc.decoder = True, None  # its buffers go now; later parts of the stream are ignored
         self.counters["refused"] += 1
         if quiet:
             return
         log.warning("decode: %s", message)
-        if inc.meta is not None:
-            self.send(inc.meta.router, m.Error(inc.meta.nonce, code, message))
+        if reply is not None:
+            self.send(reply[1], m.Error(reply[0], code, message))
 
-    def _purge(self) -> None:
-        """Forget streams whose sender vanished without a STREAM_END, and old cancellations (under the lock)."""
+    def _purge(self) -> list[Incoming]:
+        """Forget streams with no part for twice --handoff-timeout (their sender vanished without a STREAM_END)
+        and old cancellations (under the lock); returns the forgotten streams still live."""
         now = time.monotonic()
-        stale = [k for k, i in self.incoming.items() if now - i.started > self.cfg.handoff_timeout_s * 2]
-        for k in stale:
-            del self.incoming[k]
+        stale = [k for k, i in self.incoming.items() if now - i.last > self.cfg.handoff_timeout_s * 2]
+        live = [inc for inc in (self.incoming.pop(k) for k in stale) if not inc.refused]
         for nonce in [n for n, until in self.cancelled.items() if until < now]:
             del self.cancelled[nonce]
+        return live
+
+    def _forget(self, stale: list[Incoming]) -> None:
+        for inc in stale:
+            self._refuse(inc, ErrorCode.TIMEOUT, f"decode node forgot a KV handoff from {inc.sender}: no part for "
+                         f"{self.cfg.handoff_timeout_s * 2:g}s (twice --handoff-timeout)")
 
     # -- decoding ------------------------------------------------------------------------------------
 

@@ -86,6 +86,14 @@ def _bool(doc: dict, key: str, default: bool = False) -> bool:
     return value
 
 
+def _code(doc: dict, key: str = "code", *, optional: bool = False) -> ErrorCode | None:
+    """An error code: a JSON integer 0..65535 (an unknown value reads as UNKNOWN); null only if optional."""
+    value = doc.get(key)
+    if value is None and optional:
+        return None
+    return ErrorCode.from_wire(_int(doc, key, 0, 2**16 - 1))
+
+
 def nonce_of(doc: dict) -> str:
     value = doc.get("nonce")
     if not isinstance(value, str) or len(value) != NONCE_HEX_LEN or any(c not in "0123456789abcdef" for c in value):
@@ -229,10 +237,9 @@ class Finish:
         if reason not in FINISH_REASONS:
             raise MessageRefused(f"reason must be one of {', '.join(FINISH_REASONS)}, got {reason!r}")
         error = _str(doc, "error", optional=True)
-        code = doc.get("code")
-        parsed = None if code is None else ErrorCode.from_wire(code)
         return cls(nonce_of(doc), FinishEvent(reason, _str(doc, "text") or "", _int(doc, "prompt_tokens", 0, 2**31),
-                                              _int(doc, "completion_tokens", 0, 2**31), error, parsed))
+                                              _int(doc, "completion_tokens", 0, 2**31), error,
+                                              _code(doc, optional=True)))
 
 
 @dataclass(frozen=True)
@@ -253,7 +260,7 @@ class Error:
 
     @classmethod
     def parse(cls, doc: dict) -> "Error":
-        return cls(nonce_of(doc), ErrorCode.from_wire(doc.get("code")), _str(doc, "message") or "",
+        return cls(nonce_of(doc), _code(doc), _str(doc, "message") or "",  # type: ignore[arg-type]
                    _str(doc, "node", 64, optional=True))
 
 
@@ -320,9 +327,18 @@ class HandoffMeta:
                    _int(doc, "draws", 0, 1))
 
 
+def reply_to(doc: dict) -> tuple[str, PeerId] | None:
+    """(nonce, router) of a *readable* handoff request document (a valid ``nonce`` and ``router``, whatever
+    its other fields hold): where a refusal of the handoff is answered. None for an unreadable one."""
+    try:
+        return nonce_of(doc), PeerId.parse(doc.get("router"))  # type: ignore[arg-type]
+    except (MessageRefused, ValueError):
+        return None
+
+
 def state_doc(**fields: Any) -> bytes:
     return encode(MsgType.STATE, fields)
 
 
 __all__ = ["Error", "Finish", "Generate", "HandedOff", "HandoffMeta", "MessageRefused", "Progress", "Tokens", "cancel",
-           "decode", "encode", "state_doc"]
+           "decode", "encode", "reply_to", "state_doc"]

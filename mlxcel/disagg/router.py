@@ -377,7 +377,9 @@ class RouterEngine:
                 kind, doc = m.decode(reply)
                 answered(doc)
             except Exception as exc:  # noqa: BLE001 - any failure is "down"
-                answered(None, f"{type(exc).__name__}: {exc}")
+                why = f"{type(exc).__name__}: {exc}"
+                answered(None, why)
+                self._still_down(peer, why)
             finally:
                 self._probed.add(peer)
                 if len(self._probed) == len(self.nodes):
@@ -390,12 +392,26 @@ class RouterEngine:
 
     def _check(self, peer: PeerId, state: dict[str, Any]) -> None:
         info = self.nodes[peer]
+        why = None
         if state.get("role") != info.role:
-            raise ValueError(f"it answers as a {state.get('role')!r} node, configured as {info.role}")
-        if state.get("model") != self.identity:
-            raise ValueError("it serves another model than this router")
-        if state.get("ready") is not True:
-            raise ValueError("it is not ready")
+            why = f"it answers as a {state.get('role')!r} node, configured as {info.role}"
+        elif state.get("model") != self.identity:
+            why = "it serves another model than this router"
+        elif state.get("ready") is not True:
+            why = "it is not ready"
+        if why is not None:
+            self._still_down(peer, f"it answers as a different node or model ({why})")
+            raise ValueError(why)
+
+    def _still_down(self, peer: PeerId, why: str) -> None:
+        """A probe of a node that is not up failed (the monitor reports only outages of up nodes, so a node
+        that was never up would go unexplained): keep why for /router/stats, log each new reason once."""
+        if self.monitor.is_up(peer):
+            return
+        info = self.nodes[peer]
+        if info.down_reason != why:
+            info.down_reason = why
+            log.warning("router: %s (%s node) is down: %s", info.id, info.role, why)
 
     def _on_up(self, peer: PeerId, returned: bool) -> None:
         info = self.nodes[peer]

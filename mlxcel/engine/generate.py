@@ -21,6 +21,7 @@ from mlxcel.engine.sampling import SamplingParams, make_sampler
 from mlxcel.engine.textstream import SequenceText
 
 Forward = Callable[[mx.array, list], mx.array]
+Prefill = Callable[[mx.array, list], None]  # fills the cache with prompt tokens [n]
 _stream = mx.new_stream(mx.default_device())
 
 
@@ -39,8 +40,12 @@ def generate_tokens(
     max_tokens: int,
     *,
     prefill_chunk: int = PREFILL_STEP,
+    prefill: Prefill | None = None,
 ) -> Iterator[tuple[int, mx.array]]:
-    """Yield up to ``max_tokens`` (token, logprobs) pairs; the next step is queued before each yield."""
+    """Yield up to ``max_tokens`` (token, logprobs) pairs; the next step is queued before each yield.
+
+    ``prefill`` (e.g. ``InProcessPipeline.prefill``) fills the cache with all but the last prompt token
+    in its own way; without it they go through ``forward`` in chunks of ``prefill_chunk``."""
     tokens = mx.array(list(prompt), dtype=mx.uint32)
 
     def step(inputs: mx.array) -> tuple[mx.array, mx.array]:
@@ -49,6 +54,9 @@ def generate_tokens(
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             return sampler(logprobs), logprobs[0]
 
+    if prefill is not None and tokens.size > 1:
+        prefill(tokens[:-1], cache)
+        tokens = tokens[-1:]
     with mx.stream(_stream):
         # All but the last prompt token only fill the cache: evaluating just the
         # cache state leaves the (lazy) head unevaluated for those positions.
@@ -108,6 +116,7 @@ def stream_generate(
     params: SamplingParams,
     *,
     forward: Forward | None = None,
+    prefill: Prefill | None = None,
     stats: GenerationStats | None = None,
 ) -> Iterator[GenerationChunk]:
     """Generate text for token ids ``prompt``; EOS and stop strings end with finish_reason "stop"."""
@@ -117,7 +126,8 @@ def stream_generate(
     text_out = SequenceText(tokenizer, params.stop)
     eos = set(tokenizer.eos_token_ids)
     mx.reset_peak_memory()
-    tokens = generate_tokens(forward, prompt, make_cache(model), make_sampler(params), params.max_tokens)
+    tokens = generate_tokens(forward, prompt, make_cache(model), make_sampler(params), params.max_tokens,
+                             prefill=prefill)
     start = last = time.perf_counter()
     finish = "length"
     for n, (token, logprobs) in enumerate(tokens):

@@ -60,8 +60,8 @@ def _ints(value: Any, name: str, limit: int) -> list[int]:
 
 
 def _text(value: Any, name: str) -> str:
-    if not isinstance(value, str) or not value or len(value) > TP_MAX_CONTROL_TEXT:
-        raise ControlError(f"{name} must be a non-empty string of at most {TP_MAX_CONTROL_TEXT} characters")
+    if not isinstance(value, str) or not value or len(value.encode("utf-8", "replace")) > TP_MAX_CONTROL_TEXT:
+        raise ControlError(f"{name} must be a non-empty string of at most {TP_MAX_CONTROL_TEXT} UTF-8 bytes")
     return value
 
 

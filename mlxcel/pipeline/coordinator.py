@@ -329,8 +329,8 @@ class PipelineExecutor:
             self._drop(peer, f"{m.type.name} for a step, not a RUN_RESULT from the last stage")
             return
         h = m.header
-        if not result_is_for(h, step.rids, max(step.slot, 0)):
-            self._drop(peer, "a RUN_RESULT for other requests or another micro-batch")
+        if not result_is_for(h, step.rids, max(step.slot, 0), phase=step.kind, sample=step.sample):
+            self._drop(peer, "a RUN_RESULT for other requests, another micro-batch, phase or sample flag")
             return
         try:
             outcome = self._outcome(step, m)
@@ -410,8 +410,14 @@ class PipelineExecutor:
             self.exchanges.resolve(ex, error=ExecutorError(message, ErrorCode.UNREACHABLE))
 
 
-def result_is_for(h: dict[str, Any], rids: list[str], micro_batch: int) -> bool:
-    """Whether a RUN_RESULT names exactly these rows and this micro-batch (an integer, not ``true``)."""
+def result_is_for(h: dict[str, Any], rids: list[str], micro_batch: int, *, phase: str | None = None,
+                  sample: bool | None = None) -> bool:
+    """Whether a RUN_RESULT names exactly these rows and this micro-batch (an integer, not ``true``), and,
+    when given, carries the step's ``phase`` and ``sample`` (the five fields a stage copies unchanged)."""
+    if phase is not None and h.get("phase") != phase:
+        return False
+    if sample is not None and h.get("sample") is not sample:
+        return False
     return h.get("request_ids") == rids and is_int(h.get("micro_batch")) and h["micro_batch"] == micro_batch
 
 
@@ -442,11 +448,19 @@ def _is_pair(pair: Any, vocab_size: int) -> bool:
             and is_number(pair[1]))
 
 
+def stage_code(code: ErrorCode) -> ErrorCode:
+    """A stage's ERROR code as the coordinator's own failure (docs/pipeline.md §4.4): the unavailable class
+    (overloaded, timeout, unavailable, unreachable) keeps its code, a 503 the client may retry; every other
+    code is internal, a 500. ``cancelled`` too: a stage cannot cancel a client's request (only the client
+    can), so a client still connected must never see 499."""
+    return code if code.retryable else ErrorCode.INTERNAL
+
+
 def _stage_error(peer: PeerId, m: StageMessage) -> ExecutorError:
     """A stage's ERROR as this node's failure: its complaint about our message is our internal error."""
     code = ErrorCode.from_wire(m.header.get("code"))
     text = str(m.header.get("message", ""))[:500]
-    return ExecutorError(f"stage {peer} ({code.wire_name}): {text}", code.as_local(), peer_code=code)
+    return ExecutorError(f"stage {peer} ({code.wire_name}): {text}", stage_code(code), peer_code=code)
 
 
 def _layers(state: dict[str, Any]) -> str:

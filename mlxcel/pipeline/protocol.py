@@ -251,15 +251,21 @@ def is_number(value: Any) -> bool:
 
 
 def is_request_id(value: Any) -> bool:
-    return isinstance(value, str) and 0 < len(value) <= 128
+    """A string of 1 to 128 UTF-8 bytes: the bound a step header's u8 length can carry (§3.4.1)."""
+    if not isinstance(value, str) or not value:
+        return False
+    try:
+        return len(value.encode("utf-8")) <= step_codec.MAX_ID_BYTES
+    except UnicodeEncodeError:  # a lone surrogate (JSON "\ud800") has no UTF-8 form
+        return False
 
 
 def check_request_ids(msg: StageMessage) -> list[str]:
-    """A step's ``request_ids``: 1 or more distinct strings of 1 to 128 characters (else bad_request)."""
+    """A step's ``request_ids``: 1 or more distinct strings of 1 to 128 UTF-8 bytes (else bad_request)."""
     rids = msg.header.get("request_ids")
     if not isinstance(rids, list) or not rids or not all(is_request_id(r) for r in rids):
         raise ProtocolError(ErrorCode.BAD_REQUEST, "request_ids must be a list of 1 or more request id strings "
-                                                   "of 1 to 128 characters")
+                                                   "of 1 to 128 UTF-8 bytes")
     if len(set(rids)) != len(rids):
         raise ProtocolError(ErrorCode.BAD_REQUEST, "a request id appears twice in one step")
     return rids

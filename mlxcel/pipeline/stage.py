@@ -88,7 +88,7 @@ class StageService:
         self.node = cluster.stages[self.index]
         self.runner = runner
         self.model = model
-        self.prefix = PrefixCache(cluster.prefix_cache_mb << 20)  # this slice's KV of finished sequences
+        self.prefix = PrefixCache(cluster.prefix_cache_mb << 20)  # this slice's KV of finished sequences, per owner
         self.coordinator = cluster.coordinator.address
         self.upstream = cluster.stages[self.index - 1].address if self.index > 0 else None
         self.downstream = cluster.stages[self.index + 1].address if self.index + 1 < len(cluster.stages) else None
@@ -297,8 +297,8 @@ class StageService:
 
     def _prepare(self, peer: PeerId, m: StageMessage, p: _Prepare) -> None:
         """A fresh sequence, seeded with this slice's KV of the longest cached prefix of its prompt (at most
-        ``max_cached`` tokens); ACK says how many tokens that is (docs/pipeline.md §3.12)."""
-        cache, cached = self.prefix.lookup(p.prompt, p.max_cached) if p.prompt else (None, 0)
+        ``max_cached`` tokens) that the same identity released; ACK says how many tokens that is (§3.12)."""
+        cache, cached = self.prefix.lookup(p.prompt, p.max_cached, scope=peer) if p.prompt else (None, 0)
         self.runner.prepare(m.header["request_id"], p.row, cache=cache, length=cached)
         self._reply(peer, MsgType.ACK, {"nonce": m.nonce, "cached": cached})
 
@@ -308,7 +308,7 @@ class StageService:
         taken = self.runner.take_cache(rid) if tokens and self.prefix.max_bytes > 0 else None
         if taken is not None:
             cache, length = taken
-            self.prefix.store(tokens[:length], cache)
+            self.prefix.store(tokens[:length], cache, scope=peer)  # only this identity may reuse it
         self.runner.release(rid)
         if ack:
             self._reply(peer, MsgType.ACK, {"nonce": m.nonce})
@@ -380,7 +380,7 @@ class StageService:
 
 def _rid(value: Any) -> str:
     if not is_request_id(value):
-        raise ProtocolError(ErrorCode.BAD_REQUEST, "request_id must be a string of 1 to 128 characters")
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "request_id must be a string of 1 to 128 UTF-8 bytes")
     return value
 
 

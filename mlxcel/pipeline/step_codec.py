@@ -138,17 +138,20 @@ def decode_header(mtype_name: str, data: memoryview) -> tuple[dict[str, Any], tu
 
     The fields are checked as far as a stage can without knowing the model (phase, flags,
     micro-batch, request ids); shapes against the model are the receiver's (``check_ids``...).
+    The ids are read before the fixed fields are judged, so the refusal of a bad phase, flag or
+    micro-batch, or of an id twice, carries them (``StepFormatError.header``) and can reach their owner.
     """
     r = _Reader(data)
     nonce, phase, flags, micro_batch, rows = r.unpack(FIXED, "the fixed fields")
     # from here on the nonce is known: a refusal can be answered to the sender of a command with it
     header: dict[str, Any] = {"nonce": bytes(nonce).hex(), "request_ids": []}
     try:
-        _check_fixed(phase, flags, micro_batch, rows)
         rids = [_request_id(r) for _ in range(rows)]
+        header["request_ids"] = rids  # known from here on: a refusal reaches their owner at once (§4.5)
+        _check_fixed(phase, flags, micro_batch, rows)
         if len(set(rids)) != rows:
             raise StepFormatError(ErrorCode.BAD_REQUEST, "a request id appears twice in one step")
-        header.update(phase=PHASES[phase], micro_batch=micro_batch, request_ids=rids, sample=bool(flags & SAMPLE_FLAG))
+        header.update(phase=PHASES[phase], micro_batch=micro_batch, sample=bool(flags & SAMPLE_FLAG))
         tensor = _decode_result(r, header, rows) if mtype_name == "RUN_RESULT" else _read_descriptor(r)
         if r.at != len(data):
             raise StepFormatError(ErrorCode.BAD_REQUEST, f"{len(data) - r.at} bytes after the step header's fields")

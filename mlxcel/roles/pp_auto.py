@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import socket
 import sys
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
+from typing import Any, Iterator
 
 from mlxcel import __version__
 from mlxcel.cluster.identity import PeerId
@@ -32,6 +35,8 @@ from mlxcel.bringup.push import Push, PushConfig
 from mlxcel.bringup.wire import COORDINATOR_NODE_ID, DISCOVERY_SETTLE_S, DISCOVERY_WINDOW_S
 
 log = logging.getLogger("mlxcel.roles.pp_auto")
+
+EXIT_INTERRUPTED = 130  # as the CLI's for SIGINT
 
 
 def _say(text: str) -> None:
@@ -111,19 +116,51 @@ def push(model: Path, settings: BringupSettings, secret: ClusterSecret) -> Clust
         raise CLIError(str(exc)) from None
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+@contextmanager
+def sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM raises ``KeyboardInterrupt`` as SIGINT does, instead of killing the process; the
+    coordinator role's server installs its own handlers while it serves."""
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def configure(args: argparse.Namespace, config: ServeConfig) -> ServeConfig:
     """The bring-up flags resolved, and the cluster secret (fail closed)."""
     return replace(config, bringup=bringup_settings(args), secret=load_secret(args.cluster_secret_file, required=True))
 
 
 def run(context: RoleContext) -> int:
-    """Role ``pp-auto``: the push, then the ``coordinator`` role on the generated TOML (or exit, dry run)."""
+    """Role ``pp-auto``: the push, then the ``coordinator`` role on the generated TOML (or exit, dry run).
+
+    SIGINT or SIGTERM during discovery or the push: exit 130 at once (no dial or read is waited for);
+    after the push (the coordinator role starting, waiting for its stages, serving): exit 0."""
+    with sigterm_interrupts():
+        pushed: list[bool] = []
+        try:
+            return _run(context, pushed)
+        except KeyboardInterrupt:
+            if pushed:  # before the coordinator role's server took the signals over
+                _say("stopped while starting the coordinator role")
+                return 0
+            print("mlxcel: interrupted", file=sys.stderr, flush=True)
+            return EXIT_INTERRUPTED
+
+
+def _run(context: RoleContext, pushed: list[bool]) -> int:
     from mlxcel.roles import ROLES
 
     config = context.config
     settings, secret = config.bringup, config.secret
     assert settings is not None and secret is not None  # configure set them
     plan = push(config.server.model, settings, secret)
+    pushed.append(True)
     path = settings.config_path().resolve()
     if settings.dry_run:
         _say(f"dry run: planned {_describe(plan)}; wrote {path}")

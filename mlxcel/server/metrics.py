@@ -37,6 +37,26 @@ _ENGINE_COUNTERS = {
     "wire_frames": ("mlxcel_pipeline_frames", "Cluster frames the coordinator sent and received for pipeline steps"),
     "wire_bytes": ("mlxcel_pipeline_wire_bytes", "Payload bytes the coordinator sent and received for pipeline steps"),
 }
+#: a router's metrics (docs/disagg.md §8): gauges under their /router/stats names, only where the engine reports them
+_ROUTER_GAUGES = {
+    "router_requests": "Requests the router accepted",
+    "router_completed": "Requests that finished without an error",
+    "router_failed": "Requests that ended with an error",
+    "router_cancelled": "Requests whose client went away",
+    "router_failovers": "Attempts dispatched again to other nodes",
+    "router_unavailable": "Requests refused at once because no prefill or decode node was up",
+    "router_dropped_frames": "Result frames dropped (unknown sender, unassigned request, malformed)",
+    "router_handoffs": "KV handoffs the prefill nodes reported",
+    "router_handoff_bytes": "Bytes of every KV handoff stream",
+    "router_handoff_seconds": "Seconds of every KV handoff stream",
+    "router_handoff_bytes_last": "Bytes of the last KV handoff stream",
+    "router_handoff_seconds_last": "Seconds of the last KV handoff stream",
+    "router_handoff_seconds_max": "Seconds of the slowest KV handoff stream",
+    "router_prefill_seconds": "Seconds from GENERATE received to first token, summed over handoffs",
+    "router_prefill_up": "Prefill nodes up now",
+    "router_decode_up": "Decode nodes up now",
+    "router_in_flight": "Requests in flight now",
+}
 
 
 class _EngineCollector:
@@ -49,6 +69,9 @@ class _EngineCollector:
             yield GaugeMetricFamily(name, doc, value=float(stats.get(key, 0)))
         for key, (name, doc) in _ENGINE_COUNTERS.items():
             yield CounterMetricFamily(name, doc, value=float(stats.get(key, 0)))
+        for name, doc in _ROUTER_GAUGES.items():
+            if name in stats:
+                yield GaugeMetricFamily(name, doc, value=float(stats[name]))
 
 
 class ServerMetrics:

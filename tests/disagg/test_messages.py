@@ -105,9 +105,26 @@ def test_token_events_are_checked(events, words):
 def test_finish_and_handoff_meta_are_checked():
     with pytest.raises(m.MessageRefused, match="reason must be one of"):
         m.Finish.parse({"nonce": NONCE, "reason": "done", "text": "", "prompt_tokens": 1, "completion_tokens": 1})
-    assert m.Error.parse({"nonce": NONCE, "code": True, "message": "x"}).code is ErrorCode.UNKNOWN
     meta = m.HandoffMeta(NONCE, PeerId.parse("127.0.0.2:1"), PARAMS, TokenEvent(1, ""), draws=1).doc()
     for key, value, words in (("router", "router.lan:1", "router must be"), ("draws", 2, "draws must be"),
                               ("first", [1, "", None], "must be [token")):
         with pytest.raises(m.MessageRefused, match=re.escape(words)):
             m.HandoffMeta.parse({**meta, key: value})
+
+
+@pytest.mark.parametrize("code", [..., None, 1.0, True, "6", -1, 2**16, [6]])
+def test_an_error_code_is_a_json_integer(code):
+    doc = {"nonce": NONCE, "message": "x"} if code is ... else {"nonce": NONCE, "message": "x", "code": code}
+    with pytest.raises(m.MessageRefused, match="code must be an integer in 0..65535"):
+        m.Error.parse(doc)
+    if code is not ... and code is not None:  # a FINISH's code is an integer or null
+        finish = {"nonce": NONCE, "reason": "error", "text": "", "prompt_tokens": 1, "completion_tokens": 0,
+                  "error": "x", "code": code}
+        with pytest.raises(m.MessageRefused, match="code must be an integer in 0..65535"):
+            m.Finish.parse(finish)
+
+
+def test_an_unknown_integer_code_reads_as_unknown():
+    assert m.Error.parse({"nonce": NONCE, "code": 999, "message": "x"}).code is ErrorCode.UNKNOWN
+    finish = {"nonce": NONCE, "reason": "stop", "text": "", "prompt_tokens": 1, "completion_tokens": 1, "code": None}
+    assert m.Finish.parse(finish).event.code is None

@@ -90,3 +90,18 @@ def test_the_least_recently_used_entries_go_first_within_max_bytes():
     assert pc.lookup(b + [0]) == (None, 0) and pc.lookup(a + [0])[1] == 10 and pc.lookup(c + [0])[1] == 10
     pc.store(list(range(30)), kv(30))  # larger than the whole budget: not stored, nothing evicted
     assert len(pc) == 2
+
+
+def test_a_scope_sees_only_its_own_entries_under_one_byte_bound():
+    """A pipeline stage scopes entries by the identity that released them: another identity's KV under the
+    same tokens is never a match (issue 21, finding 2), while every scope shares the one byte bound."""
+    pc = PrefixCache(BYTES_PER_TOKEN * 15)
+    pc.store(list(range(10)), kv(10, start=500), scope="mallory")
+    assert pc.lookup(list(range(10)) + [7], scope="alice") == (None, 0)
+    assert pc.lookup(list(range(10)) + [7]) == (None, 0)  # the unscoped (single node) view too
+    cache, n = pc.lookup(list(range(10)) + [7], scope="mallory")
+    assert n == 10 and positions(cache) == [500.0 + i for i in range(10)]
+    pc.store(list(range(10)), kv(10), scope="alice")  # the same tokens, another scope: its own entry
+    cache, n = pc.lookup(list(range(10)) + [7], scope="alice")
+    assert n == 10 and positions(cache) == list(range(10))
+    assert len(pc) == 1 and pc.nbytes <= pc.max_bytes  # one bound: mallory's older entry was evicted

@@ -508,6 +508,20 @@ def test_run_entry_tensor_bounds(strict, expected, rogue, case):
     assert rogue.received == []
 
 
+@pytest.mark.parametrize("bad", ["é" * 65, "é" * 100, "r" * 129, "\ud800", ""], ids=["65 é", "100 é", "129 r", "surrogate", "empty"])
+def test_request_ids_are_bounded_in_utf8_bytes(strict, expected, bad):
+    """An id is 1 to 128 UTF-8 bytes everywhere: a PREPARE the step header could never name is refused
+    (100 'é' is 200 bytes), and the longest id it can name, 64 'é', runs (issue 21, docs finding)."""
+    for i in (0, 1):
+        with pytest.raises(ExecutorError) as refused:
+            strict.coordinator.command(strict.addr(i), MsgType.PREPARE, {"request_id": bad, "params": GREEDY}, timeout=3)
+        assert refused.value.peer_code is ErrorCode.BAD_REQUEST and "128 UTF-8 bytes" in str(refused.value)
+    assert all(bad not in s.runner for s in strict.stages)
+    run = GreedyRun(strict.coordinator, "é" * 64, PROMPT)
+    assert run.run(N) == expected
+    run.release()
+
+
 STEP_BOUNDS = {
     "id outside the vocabulary": lambda r: Step("prefill", [r], [[1, VOCAB + 3]]),
     "decode of 2 positions": lambda r: Step("decode", [r], [[1, 2]], slot=0),
@@ -621,6 +635,34 @@ def test_wildcard_rogue_cannot_evict_rows_through_a_shared_micro_batch(wildcard,
         m.send(wildcard.addr(i), MsgType.RELEASE, {"request_id": r, "nonce": "evict-rel"})
 
 
+def test_wildcard_owner_never_inherits_prefix_kv_another_identity_released(wildcard, expected):
+    """Mallory computes KV from other ids and RELEASEs it under alice's prompt: alice's PREPARE of that
+    prompt starts from nothing and decodes the whole model's tokens; mallory still reuses its own entry
+    (issue 21, finding 2: the prefix cache is keyed by the identity that released the KV)."""
+    m, alice = mallory(wildcard), wildcard.coordinator
+    r = rid("seeder")
+    _prepare_as(m, wildcard, r)
+    seeded = _entry_as(m, wildcard, r, new_nonce(), [1, 60, 61, 62, 63], "prefill")  # not PROMPT's ids
+    assert seeded.type is MsgType.RUN_RESULT, seeded.header
+    before = [s.prefix.nbytes for s in wildcard.stages]
+    for i in (0, 1):
+        m.send(wildcard.addr(i), MsgType.RELEASE, {"request_id": r, "nonce": f"{r}-rel", "tokens": [*PROMPT, 7]})
+    assert wait_until(lambda: all(s.prefix.nbytes > b and r not in s.runner for s, b in zip(wildcard.stages, before)))
+    hits = alice.prefix_hits
+    run = GreedyRun(alice, rid("heir"), PROMPT)
+    assert alice.prefix_hits == hits, "alice started from KV that mallory stored"
+    assert run.run(N) == expected
+    run.release()
+    own = rid("own")
+    for i in (0, 1):
+        m.send(wildcard.addr(i), MsgType.PREPARE, {"request_id": own, "params": GREEDY, "prompt": PROMPT,
+                                                   "nonce": f"{own}-p{i}"})
+    for i in (0, 1):
+        _, ack = m.wait_for(lambda _p, msg, i=i: msg.nonce == f"{own}-p{i}")
+        assert ack.type is MsgType.ACK and ack.header["cached"] == len(PROMPT) - 1, ack.header
+        m.send(wildcard.addr(i), MsgType.RELEASE, {"request_id": own, "nonce": f"{own}-rel"})
+
+
 # -- the scripted pipeline: what the coordinator accepts -------------------------------------------
 
 
@@ -716,6 +758,9 @@ FORGED_RESULTS: dict[str, tuple[str, Callable[[Exchange], bytes]]] = {
     "RUN_RESULT for more rows than the step": ("stage-1", lambda ex: encode(MsgType.RUN_RESULT, _result(
         ex, request_ids=[*ex.entry.request_ids, "someone-else"], tokens=[7, 8]))),
     "RUN_RESULT for another micro-batch": ("stage-1", answer(micro_batch=1)),
+    # phase and sample are copied unchanged by every stage: a result with others is not this step's (§4.2)
+    "RUN_RESULT of another phase": ("stage-1", answer(phase="decode")),
+    "RUN_RESULT with sample false": ("stage-1", answer(sample=False)),
     # R x u32 tokens then the two flags: a second token leaves bytes after the header's fields (malformed)
     "RUN_RESULT with two tokens for one row": ("stage-1", crafted_result(b"\x01" + u32(7, 8) + b"\x00\x00")),
     "RUN_RESULT with no token (kind 0 for a sampling step)": ("stage-1", answer(tokens=None)),
@@ -803,6 +848,7 @@ def test_coordinator_accepts_a_reply_only_from_the_addressed_stage(scripted, rog
     assert len(box) == 1 and box[0].type is MsgType.ACK
 
 
+ONE_ROW, ONE_ROW_DATA = descriptor(FLOAT32, 1, 1, HIDDEN), bytes(4 * HIDDEN)  # a well-formed hidden [1, 1, 64]
 # name -> (the payload, rows, the ERROR code the owner gets)
 HIDDEN_BOUNDS: dict[str, tuple[Build, int, str]] = {
     "hidden of the wrong width": (encoded(hidden(width=HIDDEN - 1)), 1, "bad_tensor"),
@@ -827,6 +873,16 @@ HIDDEN_BOUNDS: dict[str, tuple[Build, int, str]] = {
     # the binary header itself is cut once its ids decoded: bad_request, not bad_tensor (§3.2)
     "no tensor descriptor": (crafted(), 1, "bad_request"),
     "dimensions cut short": (crafted(tail=descriptor(FLOAT32, 1, 1, HIDDEN)[:-1]), 1, "bad_request"),
+    # a fixed byte of the header is wrong, or an id appears twice: the ids decoded, so their owner is told
+    # bad_request at once (§4.3, §4.5), not left to the exchange deadline (issue 21, finding 1)
+    **{f"phase {v}": (crafted(phase=v, tail=ONE_ROW, data=ONE_ROW_DATA), 1, "bad_request") for v in (2, 7, 255)},
+    **{f"flags {v:#04x}": (crafted(flags=v, tail=ONE_ROW, data=ONE_ROW_DATA), 1, "bad_request")
+       for v in (0x02, 0x03, 0x80, 0xff)},
+    **{f"micro_batch {v}": (crafted(micro_batch=v, tail=ONE_ROW, data=ONE_ROW_DATA), 1, "bad_request")
+       for v in (64, 255)},
+    "a request id twice": (lambda mtype, h: raw_step(mtype, h, ids=[h["request_ids"][0].encode()] * 2,
+                                                     tail=descriptor(FLOAT32, 2, 1, HIDDEN),
+                                                     data=bytes(8 * HIDDEN)), 1, "bad_request"),
 }
 
 
@@ -864,7 +920,7 @@ UNCORRELATED: dict[str, Build] = {
     # the exchange's own nonce, but ids that do not decode: no owner to tell (§3.2)
     "activation whose request id is empty": crafted(ids=[b""], tail=WRONG_WIDTH, data=bytes(4 * (HIDDEN - 1))),
     "activation whose request id is not UTF-8": crafted(ids=[b"\xff"], tail=WRONG_WIDTH, data=bytes(4 * (HIDDEN - 1))),
-    "activation of an unknown phase": crafted(phase=7, tail=WRONG_WIDTH, data=bytes(4 * (HIDDEN - 1))),
+    "activation of no request ids": crafted(ids=[], tail=WRONG_WIDTH, data=bytes(4 * (HIDDEN - 1))),
 }
 
 
@@ -881,6 +937,27 @@ def test_an_activation_nobody_can_be_told_about_is_dropped(scripted, expected, c
     assert not ex.pending.done and scripted.tap.about(ex.nonce) == [] and last.steps == steps
     forward(scripted, ex)
     assert [s.token for s in ex.pending.result()] == expected[:1]
+    seq.release()
+
+
+@pytest.mark.parametrize("value", [*range(len(ErrorCode)), 99, True], ids=lambda v: f"code {v!r}")
+def test_a_stage_error_fails_the_step_with_a_5xx_never_499(scripted, value):
+    """Every code a stage may send, as the coordinator reports it (§4.4's mapping table): the unavailable class
+    stays a 503, everything else is a 500; a stage's ``cancelled`` (10) is a 500, not the 499 of a client who
+    cancelled (issue 21, finding 5)."""
+    from mlxcel.engine.interface import FinishEvent, finish_error
+    from mlxcel.server.errors import error_reply
+
+    seq = Scripted(scripted, rid("coded"))
+    ex = seq.prefill()
+    scripted.stages[0].send(scripted.coordinator.transport.identity, MsgType.ERROR,
+                            {"nonce": ex.nonce, "code": value, "message": "refused", "request_ids": [seq.rid]})
+    error = ex.pending.result()
+    sent = ErrorCode.from_wire(value)
+    assert isinstance(error, ExecutorError) and error.peer_code is sent, error
+    assert error.code is (sent if sent.retryable else ErrorCode.INTERNAL), error.code
+    status = error_reply(finish_error(FinishEvent("error", error=str(error), code=error.code))).status
+    assert status == (503 if sent.retryable else 500), status
     seq.release()
 
 

@@ -337,7 +337,7 @@ def test_a_bad_max_cached_is_refused(bare, value):
 # -- the coordinator's check of ACK's cached, against scripted stages --------------------------------
 
 
-@pytest.mark.parametrize("cached", [True, -1, 6, 2.5, "3"])
+@pytest.mark.parametrize("cached", [True, -1, 6, 2.5, "3", None])  # null is not absent (docs/pipeline.md §4.2)
 def test_the_coordinator_refuses_a_bad_cached_count(facts, cached):
     coordinator = f"{COORDINATOR_IP}:{free_port(COORDINATOR_IP)}"
     addrs = [f"{ip}:{free_port(ip)}" for ip in STAGE_IPS]

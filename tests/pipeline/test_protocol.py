@@ -242,7 +242,17 @@ def test_malformed_step_headers(payload, code, partial):
     exc = refused(payload, code)
     assert (exc.partial is not None) == partial  # past the 12 fixed bytes, the nonce is known: answerable
     if partial:
-        assert exc.partial.nonce == "00" * 8 and exc.partial.request_ids in (["r"], [])
+        assert exc.partial.nonce == "00" * 8 and exc.partial.request_ids in (["r"], [], ["a", "a"])
+
+
+@pytest.mark.parametrize("fields", [{"phase": 2}, {"phase": 255}, {"flags": 2}, {"flags": 0x80}, {"micro_batch": 64},
+                                    {"micro_batch": 255}, {"ids": [b"r", b"r"]}], ids=str)
+def test_a_refused_step_header_keeps_its_ids(fields):
+    """A wrong fixed byte or an id twice: the ids still decoded, so the refusal can reach their owner (§4.5)."""
+    rows = len(fields.get("ids", [b"r"]))
+    exc = refused(raw_step(MsgType.ACTIVATION, **fields, tail=descriptor(3, rows, 1, 4), data=bytes(16 * rows)),
+                  ErrorCode.BAD_REQUEST)
+    assert exc.partial is not None and exc.partial.request_ids == ["r"] * rows
 
 
 # -- receiver bounds ------------------------------------------------------------------------------

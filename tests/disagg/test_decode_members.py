@@ -1,0 +1,148 @@
+"""A real decode process fed by members played by this test on real sockets (docs/disagg.md §4.3, §5).
+
+Each member is a secret holder on its own IP whose handoff documents name its own listener as the
+router, so it sees every ERROR, TOKENS and FINISH the decode node answers. The decode node runs with
+``--parallel 2 --max-queue 4`` (6 slots, 3 per sender) and ``--handoff-timeout 5``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from mlxcel.cluster.identity import PeerId
+from mlxcel.cluster.secret import load_secret
+from mlxcel.cluster.transport import Transport
+from mlxcel.cluster.wire import Kind
+from mlxcel.disagg import messages as m
+from mlxcel.disagg.kv_codec import KVLayout, LayerSpec, encode_chunks, encode_header
+from mlxcel.disagg.wire import CacheKind, DType, MsgType
+from mlxcel.engine.interface import TokenEvent
+from mlxcel.engine.sampling import SamplingParams
+from mlxcel.error_codes import ErrorCode
+from tests.disagg.cluster import FAST, RoleNode
+from tests.pipeline.cluster import free_port, write_secret
+
+DECODE_IP, IDLER_IP, HONEST_IP, PROBER_IP = "127.0.0.50", "127.0.0.51", "127.0.0.52", "127.0.0.53"
+LAYOUT = KVLayout(tuple(LayerSpec(CacheKind.KV, DType.FLOAT32, 2, 16, 16) for _ in range(4)))  # tiny_llama's
+PROMPT = (1, 2, 3)
+SLOTS = 6
+
+
+class Member:
+    """A secret holder on ``ip``: sends handoffs naming itself as their router, records control messages."""
+
+    def __init__(self, ip: str, secret):
+        self.got: list[tuple[MsgType, dict]] = []
+        self.transport = Transport(f"{ip}:0", secret, max_reconnect_attempts=1, reconnect_budget=0)
+        self.transport.serve(on_message=lambda msg: self.got.append(m.decode(msg.payload))
+                             if msg.kind is Kind.CONTROL else None)
+
+    def doc(self, nonce: str, **changes) -> dict:
+        meta = m.HandoffMeta(nonce, self.transport.identity, SamplingParams(max_tokens=2), TokenEvent(5, "")).doc()
+        return {**meta, **changes}
+
+    def of(self, kind: MsgType, nonce: str | None = None) -> list[dict]:
+        return [d for k, d in list(self.got) if k is kind and (nonce is None or d["nonce"] == nonce)]
+
+    def close(self) -> None:
+        self.transport.close()
+
+
+@pytest.fixture(scope="module")
+def decode(tmp_path_factory, tiny_llama):
+    tmp = tmp_path_factory.mktemp("decode-members")
+    secret_file = write_secret(tmp)
+    bind = f"{DECODE_IP}:{free_port(DECODE_IP)}"
+    node = RoleNode(tiny_llama, "decode", DECODE_IP, bind, secret_file, *FAST, "--handoff-timeout", "5")
+    members = {ip: Member(ip, load_secret(secret_file)) for ip in (IDLER_IP, HONEST_IP, PROBER_IP)}
+    try:
+        node.wait_ready()
+        yield node, PeerId.parse(bind), members
+    finally:
+        node.stop()
+        for member in members.values():
+            member.close()
+
+
+def wait_for(predicate, timeout: float = 15, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def full_handoff(member: Member, target: PeerId, nonce: str) -> None:
+    with member.transport.open_stream(target) as s:
+        s.write(encode_header(member.doc(nonce), PROMPT, LAYOUT))
+        for part in encode_chunks([np.zeros(LAYOUT.nbytes(len(PROMPT)), np.uint8)]):
+            s.write(part)
+
+
+def test_a_refused_handoff_with_a_readable_document_is_answered_to_its_router(decode):
+    node, target, members = decode
+    prober = members[PROBER_IP]
+    before = node.state()["refused"]
+    cases = {  # nonce -> (document changes, prompt, layout)
+        "00000000000000d1": ({"params": {"max_tokens": 0}}, PROMPT, LAYOUT),  # one bad field
+        "00000000000000d2": ({"draws": 7}, PROMPT, LAYOUT),
+        "00000000000000d3": ({"first": [1, "", None]}, PROMPT, KVLayout(LAYOUT.layers[:3])),  # and 3 layers
+    }
+    for nonce, (changes, prompt, layout) in cases.items():
+        with prober.transport.open_stream(target) as s:
+            s.write(encode_header(prober.doc(nonce, **changes), prompt, layout))
+    with prober.transport.open_stream(target) as s:  # unreadable: no router to answer
+        s.write(encode_header(prober.doc("not-a-nonce", params={"max_tokens": 0}), PROMPT, LAYOUT))
+    errors = {d["nonce"]: d for d in wait_for(lambda: len(prober.of(MsgType.ERROR)) >= 3 and prober.of(MsgType.ERROR),
+                                               what="three ERRORs")}
+    assert set(errors) == set(cases)
+    for nonce, code, words in (("00000000000000d1", ErrorCode.BAD_REQUEST, "max_tokens"),
+                               ("00000000000000d2", ErrorCode.BAD_REQUEST, "draws"),
+                               ("00000000000000d3", ErrorCode.BAD_TENSOR, "names 3 layers")):
+        assert errors[nonce]["code"] == code and words in errors[nonce]["message"], errors[nonce]
+    wait_for(lambda: node.state()["refused"] == before + 4, what="four refusals")
+    time.sleep(0.3)
+    assert len(prober.of(MsgType.ERROR)) == 3
+
+
+def test_idle_handoffs_of_one_sender_leave_slots_for_honest_requests(decode):
+    node, target, members = decode
+    idler, honest = members[IDLER_IP], members[HONEST_IP]
+    streams = []
+    try:
+        for i in range(SLOTS):  # the whole capacity, opened and left idle
+            s = idler.transport.open_stream(target)
+            s.write(encode_header(idler.doc(f"00000000000000e{i}"), PROMPT, LAYOUT))
+            streams.append(s)
+        refused = wait_for(lambda: len(idler.of(MsgType.ERROR)) >= SLOTS // 2 and idler.of(MsgType.ERROR),
+                           what="the idler's refusals")
+        assert {d["code"] for d in refused} == {ErrorCode.OVERLOADED} and "from 127.0.0.51" in refused[0]["message"]
+        assert node.state()["incoming"] == SLOTS // 2
+        full_handoff(honest, target, "00000000000000f1")
+        [finish] = wait_for(lambda: honest.of(MsgType.FINISH, "00000000000000f1"), what="the honest FINISH")
+        assert finish["completion_tokens"] == 2 and not honest.of(MsgType.ERROR)
+    finally:
+        for s in streams:
+            s.abort(ErrorCode.CANCELLED, "done")
+    wait_for(lambda: node.state()["incoming"] == 0, what="the idle streams to end")
+
+
+def test_a_stalled_handoff_is_forgotten_after_twice_the_handoff_timeout_with_no_other_traffic(decode):
+    node, target, members = decode
+    prober = members[PROBER_IP]
+    stream = prober.transport.open_stream(target)
+    started = time.monotonic()
+    stream.write(encode_header(prober.doc("00000000000000a1"), PROMPT, LAYOUT))
+    wait_for(lambda: node.state()["incoming"] == 1, what="the stream to arrive")
+    time.sleep(8)
+    assert node.state()["incoming"] == 1  # still well inside twice --handoff-timeout (10 s)
+    wait_for(lambda: node.state()["incoming"] == 0, timeout=8, what="the stalled stream to be forgotten")
+    assert 10 <= time.monotonic() - started <= 14
+    [error] = wait_for(lambda: prober.of(MsgType.ERROR, "00000000000000a1"), what="the TIMEOUT")
+    assert error["code"] == ErrorCode.TIMEOUT and "twice --handoff-timeout" in error["message"]
+    stream.abort(ErrorCode.CANCELLED, "done")

@@ -1,0 +1,151 @@
+"""A real router process over members played by this test on real sockets (docs/disagg.md §3, §6, §8).
+
+The prefill and decode "nodes" are transports holding the secret that answer the router's STATE probes,
+so the test decides every message the router receives; one more configured prefill address holds
+another secret and one is never there at all.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from mlxcel.cluster.identity import PeerId
+from mlxcel.cluster.secret import ClusterSecret, load_secret
+from mlxcel.cluster.transport import Transport
+from mlxcel.cluster.wire import Kind
+from mlxcel.disagg import messages as m
+from mlxcel.disagg.wire import MsgType
+from mlxcel.models.identity import model_identity
+from tests.disagg.cluster import RoleNode
+from tests.pipeline.cluster import free_port, write_secret
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "disagg.md"
+ROUTER_IP, PREFILL_IP, WRONG_IP, ABSENT_IP, DECODE_IP = (f"127.0.0.{i}" for i in range(40, 45))
+
+
+def addr(ip: str) -> str:
+    return f"{ip}:{free_port(ip)}"
+
+
+class Member:
+    """A secret holder at a configured node address: answers STATE as ``role``, records control messages."""
+
+    def __init__(self, bind: str, secret: ClusterSecret, role: str, model: str):
+        self.got: list[tuple[MsgType, dict]] = []
+        self.state = m.state_doc(role=role, boot_id="00" * 8, model=model, ready=True)
+        self.transport = Transport(bind, secret, max_reconnect_attempts=1, reconnect_budget=0)
+        self.transport.serve(on_message=self._message, on_request=lambda msg: self.state)
+
+    def _message(self, msg) -> None:
+        if msg.kind is Kind.CONTROL:
+            self.got.append(m.decode(msg.payload))
+
+    def of(self, kind: MsgType) -> list[dict]:
+        return [doc for k, doc in list(self.got) if k is kind]
+
+    def close(self) -> None:
+        self.transport.close()
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, tiny_llama):
+    tmp = tmp_path_factory.mktemp("router-members")
+    secret_file = write_secret(tmp)
+    secret, model = load_secret(secret_file), model_identity(tiny_llama)
+    ips = (PREFILL_IP, WRONG_IP, ABSENT_IP, DECODE_IP, ROUTER_IP)
+    prefill, wrong, absent, decode, router = (addr(ip) for ip in ips)
+    members = [Member(prefill, secret, "prefill", model),
+               Member(wrong, ClusterSecret(b"another-cluster-secret-0123456789"), "prefill", model),
+               Member(decode, secret, "decode", model)]
+    node = None
+    try:
+        node = RoleNode(tiny_llama, "router", ROUTER_IP, router, secret_file, "--prefill-peers",
+                        f"{prefill},{wrong},{absent}", "--decode-peers", decode, "--probe-interval", "0.3",
+                        env={"MLXCEL_ROUTER_STATS_VERBOSE": "1"})
+        node.wait_ready()
+        yield node, members[0], members[2], PeerId.parse(router)
+    finally:
+        if node is not None:
+            node.stop()
+        for member in members:
+            member.close()
+
+
+def wait_for(predicate, timeout: float = 15, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def stats(node: RoleNode) -> dict:
+    return httpx.get(f"{node.url}/router/stats", timeout=5).json()
+
+
+def documented_metrics() -> list[str]:
+    section = DOC.read_text().split("## 8. Observability", 1)[1].split("\n## ", 1)[0]
+    return sorted(set(re.findall(r'"(router_\w+)"', section)))
+
+
+def test_every_router_metric_the_docs_list_is_a_gauge_on_metrics(setup):
+    node, *_ = setup
+    names = documented_metrics()
+    assert len(names) == 17
+    assert sorted(stats(node)["metrics"]) == names  # the docs list exactly what /router/stats reports
+    body = httpx.get(f"{node.url}/metrics", timeout=5).text
+    missing = [n for n in names if not re.search(rf"^# TYPE {n} gauge$", body, re.M)]
+    assert not missing, f"not gauges on /metrics: {missing}"
+    assert re.search(r"^router_decode_up 1\.0$", body, re.M) and re.search(r"^router_prefill_up 1\.0$", body, re.M)
+
+
+def test_a_member_with_another_secret_is_logged_as_a_secret_mismatch(setup):
+    node, *_ = setup
+    wait_for(lambda: "(secret mismatch)" in "".join(node.lines), what="the secret mismatch in the router's log")
+    line = next(line for line in node.lines if "(secret mismatch)" in line)
+    assert "prefill-1" in line and "is down" in line
+
+
+def test_verbose_stats_give_a_down_reason_to_nodes_that_were_never_up(setup):
+    node, *_ = setup
+    nodes = {n["id"]: n for n in wait_for(lambda: stats(node)["nodes"] if all(
+        n.get("down_reason") for n in stats(node)["nodes"] if n["status"] == "down") else None, what="down reasons")}
+    assert nodes["prefill-0"]["status"] == "up" and "down_reason" not in nodes["prefill-0"]
+    assert nodes["prefill-1"]["status"] == "down" and "(secret mismatch)" in nodes["prefill-1"]["down_reason"]
+    assert nodes["prefill-2"]["status"] == "down" and nodes["prefill-2"]["down_reason"]
+    assert sum(1 for line in node.lines if "prefill-2 (prefill node) is down" in line) == 1  # once, not per probe
+
+
+def test_an_error_whose_code_is_not_a_json_integer_is_dropped(setup):
+    node, prefill, _, router = setup
+    before = stats(node)["metrics"]["router_dropped_frames"]
+    answer: dict = {}
+
+    def ask() -> None:
+        answer["r"] = httpx.post(f"{node.url}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2},
+                                 timeout=30)
+
+    client = threading.Thread(target=ask)
+    client.start()
+    try:
+        [gen] = wait_for(lambda: prefill.of(MsgType.GENERATE), what="the GENERATE")
+        nonce = gen["nonce"]
+        for bad in ({}, {"code": 1.0}, {"code": True}, {"code": "6"}, {"code": None}):
+            doc = {"nonce": nonce, "message": "bad code", **bad}
+            prefill.transport.send(router, Kind.CONTROL, m.encode(MsgType.ERROR, doc))
+        wait_for(lambda: stats(node)["metrics"]["router_dropped_frames"] >= before + 5, what="five drops")
+        assert len(prefill.of(MsgType.GENERATE)) == 1 and "r" not in answer  # no failover, the request waits
+        valid = {"nonce": nonce, "code": 2, "message": "a bad field"}
+        prefill.transport.send(router, Kind.CONTROL, m.encode(MsgType.ERROR, valid))
+    finally:
+        client.join(30)
+    assert answer["r"].status_code == 400 and "a bad field" in answer["r"].text
+    assert "code must be" in "".join(node.lines)
