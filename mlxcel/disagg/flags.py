@@ -17,12 +17,11 @@ from mlxcel.cluster.identity import PeerId
 from mlxcel.disagg.wire import (
     DEFAULT_HANDOFF_TIMEOUT_S,
     DEFAULT_PROBE_INTERVAL_S,
-    DISAGG_ROLES,
-    NODE_ROLES,
     MIN_HANDOFF_TIMEOUT_S,
     PROGRESS_INTERVAL_S,
 )
 from mlxcel.errors import CLIError
+from mlxcel.topology.names import DISAGG_ROLES, HYBRID, NODE_ROLE_CHOICES
 
 if TYPE_CHECKING:
     from mlxcel.cluster.secret import ClusterSecret
@@ -53,7 +52,7 @@ def node_role(args: argparse.Namespace, dist: Distributed | None) -> str:
     """The role this process plays: the TOML node's, else ``--node-role``, else hybrid."""
     if dist is not None:
         return dist.node.role
-    return getattr(args, "node_role", None) or "hybrid"
+    return getattr(args, "node_role", None) or HYBRID
 
 
 def parse_address(text: str, flag: str) -> PeerId:
@@ -161,7 +160,7 @@ def add_disagg_arguments(group: Any) -> None:
     """The flags, on the argument group ``mlxcel/commands/serve.py`` gives them."""
     from mlxcel.config import seconds
 
-    group.add_argument("--node-role", choices=NODE_ROLES, default=None,
+    group.add_argument("--node-role", choices=NODE_ROLE_CHOICES, default=None,
                        help="this process's role (default hybrid: one node does everything); prefill, decode and "
                             "router need the cluster secret")
     group.add_argument("--serving-bind", default=None, metavar="IP:PORT",

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import enum
 
-from mlxcel.topology import names
-
 # --- KV handoff (prefill -> decode, one transport stream; docs/disagg.md §4) --------------
 
 KV_MAGIC = b"MXKV"
@@ -72,9 +70,7 @@ NONCE_HEX_LEN = 16
 
 # --- roles, flags and defaults -------------------------------------------------------------------
 
-DISAGG_ROLES = names.DISAGG_ROLES  # the role names are written once, in mlxcel/topology/names.py
-NODE_ROLES = names.NODE_ROLE_CHOICES  # --node-role
-DEFAULT_NODE_ROLE = names.HYBRID
+# the role names (--node-role's choices among them) are written once, in mlxcel/topology/names.py
 ALLOWLIST_ENV = "MLXCEL_DECODE_ALLOWLIST"
 STATS_VERBOSE_ENV = "MLXCEL_ROUTER_STATS_VERBOSE"
 STEP_DELAY_ENV = "MLXCEL_DISAGG_STEP_DELAY_S"  # test aid: a decode node sleeps this long before each decode step

@@ -59,7 +59,7 @@ from mlxcel.pipeline.protocol import (
 log = logging.getLogger("mlxcel.pipeline.stage")
 _STOP = object()
 # Test and rehearsal aid: sleep this many seconds per step (simulates a slow stage, e.g. for cancellation tests).
-STEP_DELAY_ENV = "MLXCEL_STAGE_STEP_DELAY_S"
+STAGE_STEP_DELAY_ENV = "MLXCEL_STAGE_STEP_DELAY_S"
 
 
 @dataclass(frozen=True)
@@ -109,7 +109,7 @@ class StageService:
         # seconds spent since start, per part of a step: decoding on the reader thread, waiting for the
         # worker, computing (tensor in, forward, evaluation or sampling), sending (tensor out, encode, send)
         self.timings = dict.fromkeys(STATE_SECONDS, 0.0)
-        self._delay = float(os.environ.get(STEP_DELAY_ENV, "0") or 0)
+        self._delay = float(os.environ.get(STAGE_STEP_DELAY_ENV, "0") or 0)
 
     @property
     def is_first(self) -> bool:
