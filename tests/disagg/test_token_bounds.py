@@ -235,3 +235,36 @@ def test_any_integer_in_a_handoff_field_gets_its_documented_code(nodes, field, v
     else:
         assert_refused(nodes, rid, nodes.decode, code)
     assert nodes.decode.proc.poll() is None and nodes.prefill.proc.poll() is None
+
+
+# -- the pure decoders, many more examples -------------------------------------------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(value=ANY_INT, where=st.sampled_from(["prompt", "first", "first top", "header"]))
+def test_the_decoders_bound_every_id_by_the_vocabulary(value, where):
+    """``Generate.parse``, ``HandoffMeta.parse`` and ``HandoffDecoder``: an id is accepted iff in [0, VOCAB)."""
+    from mlxcel.disagg.kv_codec import HandoffDecoder, HandoffError
+
+    ok = 0 <= value < VOCAB
+    try:
+        if where == "prompt":
+            doc = {"nonce": "00000000000000ab", "prompt": [1, value], "params": PARAMS}
+            m.Generate.parse(doc, CONTEXT, VOCAB)
+        elif where.startswith("first"):
+            first = [value, "", None, []] if where == "first" else [5, "", -1.0, [[value, -1.0]]]
+            m.HandoffMeta.parse({"nonce": "00000000000000ab", "router": "127.0.0.1:9", "params": PARAMS,
+                                 "first": first, "draws": 0}, VOCAB)
+        else:
+            if not 0 <= value < 2**32:
+                return  # the header's ids are u32: nothing else can be sent
+            HandoffDecoder(LAYOUT, CONTEXT, VOCAB).feed(encode_header({"nonce": "00000000000000ab"}, (1, value),
+                                                                      LAYOUT))
+    except m.MessageRefused as exc:
+        assert not ok and exc.code is ErrorCode.BAD_REQUEST, exc
+        assert str(exc).endswith(f"in `{'first' if where.startswith('first') else 'prompt'}` is out of range "
+                                 f"[0, {VOCAB})") or not 0 <= value <= 2**32 - 1, exc
+    except HandoffError as exc:
+        assert not ok and exc.code is ErrorCode.BAD_TENSOR and f"[0, {VOCAB})" in str(exc), exc
+    else:
+        assert ok, f"{where}: {value} was accepted"
