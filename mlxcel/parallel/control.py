@@ -108,9 +108,9 @@ def decode(payload: bytes | memoryview, vocab_size: int | None = None) -> dict:
         return {"op": op, "rid": _text(m.get("rid"), "rid"),
                 "tokens": None if tokens is None else _ints(tokens, "tokens", MAX_PREFIX_TOKENS * 2, vocab_size)}
     if op == "prepare":
-        return {"op": op, "rid": _text(m.get("rid"), "rid"), "prompt": _ints(m.get("prompt"), "prompt", MAX_PREFIX_TOKENS * 16,
-                                                                         vocab_size),
-                "limit": _int(m.get("limit"), "limit")}
+        rid = _text(m.get("rid"), "rid")
+        prompt = _ints(m.get("prompt"), "prompt", MAX_PREFIX_TOKENS * 16, vocab_size)
+        return {"op": op, "rid": rid, "prompt": prompt, "limit": _int(m.get("limit"), "limit")}
     if op in ("hello", "ready", "failed"):
         out = {"op": op, "rank": _int(m.get("rank"), "rank", 1, TP_MAX_ROWS)}
         if op == "hello":
