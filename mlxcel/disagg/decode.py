@@ -37,6 +37,7 @@ from mlxcel.engine.interface import EngineError, EngineRequest, TokenEvent
 from mlxcel.engine.runner import RowSampler, Sampled
 from mlxcel.engine.scheduler import Scheduler
 from mlxcel.error_codes import ErrorCode
+from mlxcel.models.token_ids import model_vocab_size
 
 log = logging.getLogger("mlxcel.disagg.decode")
 
@@ -112,6 +113,7 @@ class DecodeService(RoleService):
         super().__init__(cfg, identity)
         self.layout = probe_layout(model)
         self.context_length = context_length
+        self.vocab_size = model_vocab_size(model)  # every token id of a handoff is below it
         self.capacity = parallel + max_queue
         self.per_sender = max(1, self.capacity // 2)  # handoffs one sender IP may have arriving at once
         self.executor = AdoptExecutor(model, max_batch_size=max_batch_size)
@@ -162,7 +164,8 @@ class DecodeService(RoleService):
                     inc = self.incoming[key] = Incoming(None, refused=True)
                     log.warning("decode: refusing a handoff from %s: %s", msg.peer, self.layout.unsupported)
                     return
-                inc = self.incoming[key] = Incoming(HandoffDecoder(self.layout, self.context_length), msg.peer)
+                inc = self.incoming[key] = Incoming(HandoffDecoder(self.layout, self.context_length, self.vocab_size),
+                                                     msg.peer)
             inc.last = time.monotonic()
         self._forget(stale)
         if inc.refused or inc.decoder is None:
@@ -179,7 +182,7 @@ class DecodeService(RoleService):
         if inc.decoder is None:  # forgotten while this part was read
             return
         try:
-            inc.meta = m.HandoffMeta.parse(inc.decoder.meta)
+            inc.meta = m.HandoffMeta.parse(inc.decoder.meta, self.vocab_size)
         except m.MessageRefused as exc:
             self._refuse(inc, exc.code, f"decode node refused the KV handoff from {peer}: {exc}")
             return

@@ -38,6 +38,7 @@ from mlxcel.disagg.wire import (
     Part,
 )
 from mlxcel.error_codes import CodedError, ErrorCode
+from mlxcel.models.token_ids import TokenIdError, check_token_ids
 
 #: part byte, magic, version, meta length
 _HEAD = struct.Struct(">B4sBI")
@@ -211,11 +212,12 @@ class HandoffDecoder:
     decoder is then dead (every later call raises too) and holds no tensor bytes.
     """
 
-    def __init__(self, layout: KVLayout, context_length: int):
+    def __init__(self, layout: KVLayout, context_length: int, vocab_size: int | None = None):
         if layout.unsupported:
             raise ValueError(layout.unsupported)
         self.layout = layout
         self.context_length = context_length
+        self.vocab_size = vocab_size  # the prompt's ids must be below it (None: the u32 range only)
         self.state = "header"  # -> "chunks" -> "done" | "error"
         self.meta: dict[str, Any] = {}
         self.prompt: tuple[int, ...] = ()
@@ -288,7 +290,7 @@ class HandoffDecoder:
         ids = view[off:off + 4 * count]
         if len(ids) != 4 * count:
             raise HandoffError("the handoff header is cut inside the prompt's token ids", ErrorCode.BAD_REQUEST)
-        self.prompt = tuple(int(t) for t in np.frombuffer(ids, dtype="<u4"))
+        self.prompt = self._ids(np.frombuffer(ids, dtype="<u4"))
         off += 4 * count
         layers = _read(_LAYERS, view, off, "the layer count")[0]
         off += _LAYERS.size
@@ -306,6 +308,15 @@ class HandoffDecoder:
         self.expected = sum(t.nbytes for t in self._specs)
         self.state = "chunks"
         self._advance()
+
+    def _ids(self, ids: np.ndarray) -> tuple[int, ...]:
+        """The prompt's ids, each below the vocabulary (BAD_TENSOR: a bound of the binary header)."""
+        if self.vocab_size is not None:
+            try:
+                check_token_ids(ids, self.vocab_size, "prompt", ErrorCode.BAD_TENSOR)
+            except TokenIdError as exc:
+                raise HandoffError(str(exc), exc.code) from None
+        return tuple(int(t) for t in ids)
 
     def _chunk(self, view: memoryview) -> None:
         if len(view) < _CHUNK.size:

@@ -18,8 +18,9 @@ from mlxcel.disagg.wire import MAX_CONTROL_LEN, MAX_EVENTS_PER_MESSAGE, NONCE_HE
 from mlxcel.engine.interface import EngineRequest, FinishEvent, TokenEvent
 from mlxcel.engine.sampling import SamplingError, SamplingParams
 from mlxcel.error_codes import CodedError, ErrorCode
+from mlxcel.models.token_ids import TokenIdError, check_token_ids
 
-MAX_TOKEN_ID = 2**32 - 1
+MAX_TOKEN_ID = 2**32 - 1  # the wire's range; a receiver also bounds ids by its vocabulary (``in_vocab``)
 MAX_TEXT = 64 * 1024  # characters of one event's text or an error message
 
 
@@ -110,6 +111,16 @@ def tokens_of(value: Any, key: str, limit: int) -> tuple[int, ...]:
     return tuple(value)
 
 
+def in_vocab(ids: Any, vocab_size: int | None, key: str) -> None:
+    """``MessageRefused`` (BAD_REQUEST) unless every id is below the receiver's ``vocab_size`` (None: unchecked)."""
+    if vocab_size is None:
+        return
+    try:
+        check_token_ids(ids, vocab_size, key)
+    except TokenIdError as exc:
+        raise MessageRefused(str(exc), exc.code) from None
+
+
 def params_doc(p: SamplingParams) -> dict[str, Any]:
     return {"max_tokens": p.max_tokens, "temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k,
             "seed": p.seed, "stop": list(p.stop), "logprobs": p.logprobs}
@@ -160,14 +171,17 @@ class Generate:
         return encode(MsgType.GENERATE, doc)
 
     @classmethod
-    def parse(cls, doc: dict, max_prompt: int) -> "Generate":
+    def parse(cls, doc: dict, max_prompt: int, vocab_size: int | None = None) -> "Generate":
+        """Checked; ``prompt`` ids are bounded by ``vocab_size`` (the prefill node's model) before anything else."""
+        nonce, prompt = nonce_of(doc), tokens_of(doc.get("prompt"), "prompt", max_prompt)
+        in_vocab(prompt, vocab_size, "prompt")
         target = doc.get("decode_target")
         if target is not None:
             try:
                 target = PeerId.parse(target)
             except ValueError:
                 raise MessageRefused(f"decode_target must be a numeric ip:port, got {target!r}") from None
-        return cls(nonce_of(doc), tokens_of(doc.get("prompt"), "prompt", max_prompt), params_of(doc.get("params")),
+        return cls(nonce, prompt, params_of(doc.get("params")),
                    _int(doc, "top_logprobs", 0, MAX_TOP_LOGPROBS, default=0), _bool(doc, "ignore_eos"), target)
 
     def request(self) -> EngineRequest:
@@ -317,12 +331,15 @@ class HandoffMeta:
                 "draws": self.draws, **self.extra}
 
     @classmethod
-    def parse(cls, doc: dict) -> "HandoffMeta":
+    def parse(cls, doc: dict, vocab_size: int | None = None) -> "HandoffMeta":
+        """Checked; ``first``'s ids are bounded by ``vocab_size`` (the decode node's model: it feeds the model)."""
         try:
             router = PeerId.parse(doc.get("router"))  # type: ignore[arg-type]
         except ValueError:
             raise MessageRefused("router must be a numeric ip:port") from None
-        return cls(nonce_of(doc), router, params_of(doc.get("params")), event_of(doc.get("first")),
+        first = event_of(doc.get("first"))
+        in_vocab((first.token, *(t for t, _ in first.top_logprobs)), vocab_size, "first")
+        return cls(nonce_of(doc), router, params_of(doc.get("params")), first,
                    _int(doc, "top_logprobs", 0, MAX_TOP_LOGPROBS, default=0), _bool(doc, "ignore_eos"),
                    _int(doc, "draws", 0, 1))
 

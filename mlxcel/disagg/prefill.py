@@ -36,6 +36,7 @@ from mlxcel.engine.executor import LocalExecutor
 from mlxcel.engine.interface import EngineError, EngineRequest, FinishEvent, TokenEvent
 from mlxcel.engine.scheduler import Scheduler
 from mlxcel.error_codes import ErrorCode
+from mlxcel.models.token_ids import model_vocab_size
 
 log = logging.getLogger("mlxcel.disagg.prefill")
 
@@ -108,6 +109,7 @@ class PrefillService(RoleService):
         self.layout = probe_layout(model)
         self.allowlist = allowlist if allowlist is not None else Allowlist.from_env()
         self.context_length = context_length
+        self.vocab_size = model_vocab_size(model)  # every GENERATE's prompt ids are below it
         self.executor = CaptureExecutor(model, self.layout, max_batch_size=max_batch_size,
                                         prefix_cache_bytes=prefix_cache_bytes)
         self.scheduler = Scheduler(self.executor, tokenizer, context_length=context_length, parallel=parallel,
@@ -139,7 +141,7 @@ class PrefillService(RoleService):
 
     def on_control(self, peer: PeerId, kind: MsgType, doc: dict[str, Any]) -> None:
         if kind is MsgType.GENERATE:
-            self._generate(peer, m.Generate.parse(doc, self.context_length))
+            self._generate(peer, m.Generate.parse(doc, self.context_length, self.vocab_size))
         elif kind is MsgType.CANCEL:
             self._cancel(m.nonce_of(doc))
         else:

@@ -32,6 +32,7 @@ from mlxcel.cluster.secret import ClusterSecret
 from mlxcel.cluster.transport import Transport
 from mlxcel.cluster.wire import Kind
 from mlxcel.config import MAX_PREFIX_TOKENS, TP_MAX_CONTROL_TEXT, TP_MAX_ROWS, TP_MAX_STEP_TOKENS
+from mlxcel.models.token_ids import TokenIdError, check_token_ids
 from mlxcel.parallel.errors import TPError
 
 log = logging.getLogger("mlxcel.parallel")
@@ -53,10 +54,17 @@ def _int(value: Any, name: str, low: int = 0, high: int = 2**31) -> int:
     return value
 
 
-def _ints(value: Any, name: str, limit: int) -> list[int]:
+def _ints(value: Any, name: str, limit: int, vocab_size: int | None) -> list[int]:
+    """At most ``limit`` token ids, each in [0, vocab_size) (None: [0, 2^31], the sender is rank 0)."""
     if not isinstance(value, list) or len(value) > limit:
         raise ControlError(f"{name} must be a list of at most {limit} token ids")
-    return [_int(v, name) for v in value]
+    if vocab_size is None:
+        return [_int(v, name) for v in value]
+    try:
+        check_token_ids(value, vocab_size, name)
+    except TokenIdError as exc:
+        raise ControlError(str(exc)) from None
+    return value
 
 
 def _text(value: Any, name: str) -> str:
@@ -65,7 +73,7 @@ def _text(value: Any, name: str) -> str:
     return value
 
 
-def _step(m: dict) -> dict:
+def _step(m: dict, vocab_size: int | None) -> dict:
     if m.get("kind") not in ("prefill", "decode"):
         raise ControlError("kind must be prefill or decode")
     rids = m.get("rids")
@@ -74,7 +82,7 @@ def _step(m: dict) -> dict:
     tokens = m.get("tokens")
     if not isinstance(tokens, list) or len(tokens) != len(rids):
         raise ControlError("tokens must have one row per request id")
-    rows = [_ints(t, "tokens", TP_MAX_STEP_TOKENS) for t in tokens]
+    rows = [_ints(t, "tokens", TP_MAX_STEP_TOKENS, vocab_size) for t in tokens]
     if sum(len(r) for r in rows) > TP_MAX_STEP_TOKENS or len({len(r) for r in rows}) != 1 or not rows[0]:
         raise ControlError("tokens must be rows of one non-zero length")
     if not isinstance(m.get("sample"), bool):
@@ -83,8 +91,9 @@ def _step(m: dict) -> dict:
             "slot": _int(m.get("slot"), "slot", -1, TP_MAX_ROWS), "sample": m["sample"]}
 
 
-def decode(payload: bytes | memoryview) -> dict:
-    """One control message, checked; ``ControlError`` names the first bad field."""
+def decode(payload: bytes | memoryview, vocab_size: int | None = None) -> dict:
+    """One control message, checked; ``ControlError`` names the first bad field. A follower passes its
+    model's ``vocab_size``: every token id (``step`` tokens, ``release`` tokens, ``prepare`` prompt) is below it."""
     try:
         m = json.loads(bytes(payload))
     except ValueError:
@@ -93,14 +102,15 @@ def decode(payload: bytes | memoryview) -> dict:
         raise ControlError(f"op must be one of {', '.join(OPS)}")
     op = m["op"]
     if op == "step":
-        return _step(m)
+        return _step(m, vocab_size)
     if op == "release":
         tokens = m.get("tokens")
         return {"op": op, "rid": _text(m.get("rid"), "rid"),
-                "tokens": None if tokens is None else _ints(tokens, "tokens", MAX_PREFIX_TOKENS * 2)}
+                "tokens": None if tokens is None else _ints(tokens, "tokens", MAX_PREFIX_TOKENS * 2, vocab_size)}
     if op == "prepare":
-        return {"op": op, "rid": _text(m.get("rid"), "rid"), "prompt": _ints(m.get("prompt"), "prompt", MAX_PREFIX_TOKENS * 16),
-                "limit": _int(m.get("limit"), "limit")}
+        rid = _text(m.get("rid"), "rid")
+        prompt = _ints(m.get("prompt"), "prompt", MAX_PREFIX_TOKENS * 16, vocab_size)
+        return {"op": op, "rid": rid, "prompt": prompt, "limit": _int(m.get("limit"), "limit")}
     if op in ("hello", "ready", "failed"):
         out = {"op": op, "rank": _int(m.get("rank"), "rank", 1, TP_MAX_ROWS)}
         if op == "hello":

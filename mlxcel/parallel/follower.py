@@ -21,11 +21,13 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, NoReturn
 
+from mlxcel.cluster.errors import RequestError
 from mlxcel.cluster.identity import PeerId, as_peer
 from mlxcel.cluster.messages import Message
 from mlxcel.cluster.secret import ClusterSecret
 from mlxcel.cluster.transport import Transport
 from mlxcel.config import DEFAULT_TP_REDUCE_DTYPE
+from mlxcel.error_codes import ErrorCode
 from mlxcel.parallel.control import ControlError, decode, encode, read_reply, reply
 from mlxcel.parallel.errors import TPError
 from mlxcel.parallel.launch import GroupSpec, init_group
@@ -47,11 +49,13 @@ def die(rank: int, message: str, code: int = 1) -> NoReturn:
 class FollowerControl:
     """The follower's end of the control channel: its listener for rank 0, and its calls to rank 0."""
 
-    def __init__(self, secret: ClusterSecret, bind: tuple[str, int], rank0: PeerId, rank: int, timeout: float):
+    def __init__(self, secret: ClusterSecret, bind: tuple[str, int], rank0: PeerId, rank: int, timeout: float,
+                 vocab_size: int | None = None):
         self.transport = Transport(bind, secret)
         self.rank0 = rank0
         self.rank = rank
         self.timeout = timeout
+        self.vocab_size = vocab_size  # every token id rank 0 sends is below it (checked on receipt)
         self.inbox: queue.SimpleQueue[tuple[dict, Future | None]] = queue.SimpleQueue()
         self.last_seen = time.monotonic()
         self.stopped_before_ready: str | None = None  # rank 0's shutdown reason, while this rank is not replaying
@@ -64,7 +68,7 @@ class FollowerControl:
         if msg.peer != self.rank0:
             raise ControlError(f"control message from {msg.peer}, not rank 0 ({self.rank0})")
         self.last_seen = time.monotonic()
-        return decode(msg.payload)
+        return decode(msg.payload, self.vocab_size)
 
     def _on_message(self, msg: Message) -> None:
         try:
@@ -77,7 +81,10 @@ class FollowerControl:
         self.inbox.put((m, None))
 
     def _on_request(self, msg: Message) -> bytes:
-        m = self._from_rank0(msg)
+        try:
+            m = self._from_rank0(msg)
+        except ControlError as exc:  # e.g. a prompt id outside the vocabulary: refused, nothing prepared
+            raise RequestError(ErrorCode.BAD_REQUEST, str(exc)) from None
         if m["op"] == "ping":
             return reply(ok=True)
         if m["op"] != "prepare":
@@ -169,9 +176,11 @@ def replay(control: FollowerControl, shard: Any) -> int:
 def follow(rank: int, model_dir: Path, secret: ClusterSecret, rank0: PeerId, spec: GroupSpec, *,
            timeout: float, listen_host: str, parent: int | None = None, join_s: float = 60.0) -> int:
     """Run follower ``rank`` until rank 0's shutdown (0) or a failure (exits 1 with one line)."""
-    from mlxcel.models.identity import model_identity
+    from mlxcel.models.identity import model_identity, read_config
+    from mlxcel.models.token_ids import config_vocab_size
 
-    control = FollowerControl(secret, (listen_host, 0), rank0, rank, timeout)
+    vocab_size = config_vocab_size(read_config(model_dir)[1])
+    control = FollowerControl(secret, (listen_host, 0), rank0, rank, timeout, vocab_size)
     control.start()
     settings = control.hello(model_identity(model_dir), time.monotonic() + join_s)
     control.last_seen = time.monotonic()

@@ -37,6 +37,7 @@ from mlxcel.engine.executor import Done, ExecutorError, Step
 from mlxcel.engine.runner import RowSampler, Sampled, sample_rows
 from mlxcel.engine.sampling import SamplingParams
 from mlxcel.error_codes import ErrorCode
+from mlxcel.models.token_ids import check_token_ids
 from mlxcel.topology.cluster_config import ClusterConfig, Node
 from mlxcel.cluster.outbox import Outbox, fast_handoffs
 from mlxcel.pipeline.params import count_from_wire, params_to_wire
@@ -427,8 +428,9 @@ def result_tokens(h: dict[str, Any], rows: int, vocab_size: int) -> list[Sampled
     Booleans are not integers or numbers: ``"tokens": [true]`` is refused, not read as token 1.
     """
     tokens = h.get("tokens")
-    if not isinstance(tokens, list) or len(tokens) != rows or not all(is_int(t) and 0 <= t < vocab_size for t in tokens):
-        raise ValueError(f"tokens must be {rows} ids below {vocab_size}")
+    if not isinstance(tokens, list) or len(tokens) != rows:
+        raise ValueError(f"tokens must be {rows} token ids")
+    check_token_ids(tokens, vocab_size, "tokens")  # a TokenIdError is a ValueError
     lps = h.get("logprobs")
     lps = [None] * rows if lps is None else lps
     tops = h.get("top_logprobs")

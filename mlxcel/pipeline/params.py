@@ -7,6 +7,7 @@ from typing import Any
 
 from mlxcel.config import MAX_PREFIX_TOKENS, MAX_TOP_LOGPROBS
 from mlxcel.engine.sampling import SamplingParams
+from mlxcel.models.token_ids import check_token_ids
 from mlxcel.pipeline.protocol import is_int, is_number
 
 _FIELDS = ("temperature", "top_p", "top_k", "seed", "logprobs")
@@ -60,8 +61,7 @@ def tokens_from_wire(raw: Any, name: str, vocab_size: int) -> list[int] | None:
         raise TypeError(f"{name} must be an array of token ids")
     if len(raw) > MAX_PREFIX_TOKENS:
         raise ValueError(f"{name} holds {len(raw)} token ids; at most {MAX_PREFIX_TOKENS}")
-    if not all(is_int(t) and 0 <= t < vocab_size for t in raw):
-        raise ValueError(f"{name} must hold integer token ids from 0 to {vocab_size - 1}")
+    check_token_ids(raw, vocab_size, name)  # a TokenIdError is a ValueError
     return raw
 
 

@@ -27,6 +27,7 @@ import numpy as np
 from mlxcel.cluster.exchanges import new_nonce  # noqa: F401 - the one nonce generator
 from mlxcel.config import MAX_ACTIVATION_TOKENS
 from mlxcel.error_codes import CodedError, ErrorCode
+from mlxcel.models.token_ids import TokenIdError, check_token_ids
 from mlxcel.pipeline import step_codec
 
 ENVELOPE = struct.Struct(">BI")
@@ -194,13 +195,17 @@ def _spec(spec: Any) -> tuple[str, str, list[int]]:
 
 
 def check_ids(msg: StageMessage, *, max_rows: int, vocab_size: int | None = None) -> np.ndarray:
-    """The token ids of a RUN_ENTRY: int32/uint32 [rows, n], rows == len(request_ids) <= max_rows."""
+    """The token ids of a RUN_ENTRY: int32/uint32 [rows, n], rows == len(request_ids) <= max_rows, every id
+    in [0, vocab_size) (bad_tensor)."""
     ids = msg.tensors.get("input_ids")
     if ids is None or msg.dtypes.get("input_ids") not in INT_DTYPES or ids.ndim != 2:
         raise ProtocolError(ErrorCode.BAD_TENSOR, "input_ids must be an int32 or uint32 tensor [rows, n]")
     _check_rows(msg, ids.shape[0], ids.shape[1], max_rows)
-    if vocab_size is not None and ids.size and (int(ids.max()) >= vocab_size or int(ids.min()) < 0):
-        raise ProtocolError(ErrorCode.BAD_TENSOR, f"input_ids outside the vocabulary (0-{vocab_size - 1})")
+    if vocab_size is not None:  # before MLX's embedding gather, which does not bound-check
+        try:
+            check_token_ids(ids, vocab_size, "input_ids", ErrorCode.BAD_TENSOR)
+        except TokenIdError as exc:
+            raise ProtocolError(exc.code, str(exc)) from None
     return ids
 
 

@@ -27,6 +27,7 @@ from mlxcel.engine.interface import (
 )
 from mlxcel.engine.prompts import PromptError, encode_chat, encode_raw
 from mlxcel.engine.sampling import SamplingParams
+from mlxcel.models.token_ids import TokenIdError, check_token_ids
 from mlxcel.server import protocol as p
 from mlxcel.server.errors import (
     ClientDisconnected,
@@ -326,8 +327,10 @@ def _completion_prompt(tokenizer: Any, prompt: Union[str, list]) -> list[int]:
             raise Unsupported("only one prompt per request is supported", param="prompt")
         return encode_raw(tokenizer, prompt[0])
     vocab = getattr(tokenizer, "vocab_size", None) or len(tokenizer.get_vocab())
-    if any(not 0 <= t < vocab for t in prompt):
-        raise InvalidRequest(f"prompt token ids must be in [0, {vocab})", param="prompt")
+    try:
+        check_token_ids(prompt, vocab, "prompt")
+    except TokenIdError as exc:
+        raise InvalidRequest(str(exc), param="prompt") from None
     return list(prompt)
 
 
