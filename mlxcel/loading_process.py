@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from typing import Any, Callable
 
 from fastapi import FastAPI
@@ -31,6 +32,23 @@ class LoadingProcess:
     def _fail(self, message: str, on_fatal: Callable[[str], None]) -> None:
         self.state, self.error = "failed", message
         on_fatal(message)
+
+    def start_service(self, build: Callable[[], Any], *, who: str, address: object,
+                      on_fatal: Callable[[str], None]) -> float | None:
+        """Build the service and start it: ready, with the seconds it took; or failed with one line
+        naming ``who`` (and ``address`` when it cannot listen there), then None."""
+        start = time.perf_counter()
+        try:
+            service = build()
+            service.start()
+        except OSError as exc:
+            self._fail(f"{who}: cannot listen on {address}: {exc.strerror or exc}", on_fatal)
+            return None
+        except Exception as exc:  # noqa: BLE001 - one line, then exit
+            self._fail(f"{who}: {exc}", on_fatal)
+            return None
+        self._ready(service)
+        return time.perf_counter() - start
 
     def health_body(self) -> dict[str, Any]:
         """The role's /health JSON (``status`` is ``self.state``)."""

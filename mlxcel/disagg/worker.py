@@ -7,7 +7,6 @@ state (sequences holding KV, handoffs arriving, counters) once it serves on its 
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any, Callable
 
 from mlxcel.disagg.flags import NodeConfig
@@ -31,33 +30,29 @@ class WorkerProcess(LoadingProcess):
         from mlxcel.models.loading import load_checkpoint
         from mlxcel.models.facts import context_length
 
-        config = self.server
-        start = time.perf_counter()
-        try:
-            loaded = load_checkpoint(config.model)
+        config, loaded = self.server, []
+
+        def build() -> Any:
+            checkpoint = load_checkpoint(config.model)
+            loaded.append(checkpoint)
             kwargs: dict[str, Any] = dict(identity=model_identity(config.model),
-                                          context_length=context_length(loaded.config), parallel=config.parallel,
+                                          context_length=context_length(checkpoint.config), parallel=config.parallel,
                                           max_batch_size=config.max_batch_size, max_queue=config.max_queue,
                                           warmup=config.warmup)
             if self.cfg.role == "prefill":
                 from mlxcel.disagg.prefill import PrefillService
 
-                service: Any = PrefillService(self.cfg, loaded.model, loaded.tokenizer,
-                                              prefix_cache_bytes=config.prefix_cache_mb << 20, **kwargs)
-            else:
-                from mlxcel.disagg.decode import DecodeService
+                return PrefillService(self.cfg, checkpoint.model, checkpoint.tokenizer,
+                                      prefix_cache_bytes=config.prefix_cache_mb << 20, **kwargs)
+            from mlxcel.disagg.decode import DecodeService
 
-                service = DecodeService(self.cfg, loaded.model, loaded.tokenizer, **kwargs)
-            service.start()
-        except OSError as exc:
-            self._fail(f"{self.cfg.role} node: cannot listen on {self.cfg.serving_bind}: {exc.strerror or exc}", on_fatal)
-            return
-        except Exception as exc:  # noqa: BLE001 - one line, then exit
-            self._fail(f"{self.cfg.role} node: {exc}", on_fatal)
-            return
-        self._ready(service)
-        log.info("%s node serving %s on cluster address %s in %.1fs", self.cfg.role, loaded.name,
-                 service.transport.identity, time.perf_counter() - start)
+            return DecodeService(self.cfg, checkpoint.model, checkpoint.tokenizer, **kwargs)
+
+        seconds = self.start_service(build, who=f"{self.cfg.role} node", address=self.cfg.serving_bind,
+                                     on_fatal=on_fatal)
+        if seconds is not None:
+            log.info("%s node serving %s on cluster address %s in %.1fs", self.cfg.role, loaded[0].name,
+                     self.service.transport.identity, seconds)
 
     def health_body(self) -> dict[str, Any]:
         body: dict[str, Any] = {"status": self.state, "role": self.cfg.role, "node_id": self.cfg.node_id}

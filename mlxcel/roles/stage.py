@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -30,25 +29,21 @@ class StageProcess(LoadingProcess):
         self.model_dir = model_dir
 
     def load(self, on_fatal: Callable[[str], None], on_shutdown: Callable[[], None]) -> None:
-        start = time.perf_counter()
-        node = self.dist.node
-        layers = node.layers
-        try:
-            if layers is None or self.dist.secret is None:
+        node, loaded = self.dist.node, []
+
+        def build() -> StageService:
+            if node.layers is None or self.dist.secret is None:
                 raise ValueError("a stage needs its layer range and the cluster secret")
-            runner, loaded = load_stage_runner(self.model_dir, *layers, max_rows=self.dist.cluster.max_batch_size)
-            service = StageService(self.dist.cluster, node.id, runner, self.dist.secret, model_facts(self.model_dir),
-                                   on_shutdown=on_shutdown)
-            service.start()
-        except OSError as exc:
-            self._fail(f"stage {node.id}: cannot listen on {node.address}: {exc.strerror or exc}", on_fatal)
-            return
-        except Exception as exc:  # noqa: BLE001 - one line, then exit
-            self._fail(f"stage {node.id}: {exc}", on_fatal)
-            return
-        self._ready(service)
-        log.info("stage %s serving layers %d-%d of %s (%s) on %s in %.1fs", node.id, layers[0], layers[1] - 1,
-                 loaded.name, loaded.describe_weights(), node.address, time.perf_counter() - start)
+            runner, checkpoint = load_stage_runner(self.model_dir, *node.layers,
+                                                   max_rows=self.dist.cluster.max_batch_size)
+            loaded.append(checkpoint)
+            return StageService(self.dist.cluster, node.id, runner, self.dist.secret, model_facts(self.model_dir),
+                                on_shutdown=on_shutdown)
+
+        seconds = self.start_service(build, who=f"stage {node.id}", address=node.address, on_fatal=on_fatal)
+        if seconds is not None and node.layers is not None:
+            log.info("stage %s serving layers %d-%d of %s (%s) on %s in %.1fs", node.id, node.layers[0],
+                     node.layers[1] - 1, loaded[0].name, loaded[0].describe_weights(), node.address, seconds)
 
     def health_body(self) -> dict[str, Any]:
         node = self.dist.node
