@@ -11,7 +11,7 @@ import pytest
 from mlxcel.cluster.secret import TOML_FIELD
 from mlxcel.topology.cluster_config import ClusterConfigError, load_cluster_config
 from mlxcel.commands.serve import cluster_node
-from tests.engine.test_cli import assert_one_line_error, mlxcel
+from tests.commands.test_cli import assert_one_line_error, mlxcel
 from tests.pipeline.cluster_toml import COORDINATOR_AND_STAGE_0, write_toml
 
 GOOD = """
