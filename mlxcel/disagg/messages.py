@@ -29,8 +29,7 @@ MAX_TEXT = 64 * 1024  # characters of one event's text or an error message
 class MessageRefused(CodedError):
     """A control message breaks the format or a bound; the text names the field."""
 
-    def __init__(self, message: str, code: ErrorCode = ErrorCode.BAD_REQUEST):
-        super().__init__(message, code)
+    code = ErrorCode.BAD_REQUEST
 
 
 def encode(kind: MsgType, doc: dict[str, Any]) -> bytes:

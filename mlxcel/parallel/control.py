@@ -34,6 +34,7 @@ from mlxcel.cluster.secret import ClusterSecret
 from mlxcel.cluster.transport import Transport
 from mlxcel.cluster.wire import Kind
 from mlxcel.config import MAX_PREFIX_TOKENS, TP_MAX_CONTROL_TEXT, TP_MAX_ROWS, TP_MAX_STEP_TOKENS
+from mlxcel.error_codes import CodedError, ErrorCode
 from mlxcel.models.token_ids import TokenIdError, check_token_ids
 from mlxcel.parallel.errors import TPError
 
@@ -42,8 +43,10 @@ log = logging.getLogger("mlxcel.parallel")
 OPS = ("step", "release", "shutdown", "prepare", "ping", "hello", "ready", "failed")
 
 
-class ControlError(ValueError):
-    """A control message that does not decode or breaks a bound."""
+class ControlError(CodedError, ValueError):
+    """A control message that does not decode or breaks a bound (or comes from a sender it may not)."""
+
+    code = ErrorCode.BAD_REQUEST
 
 
 def encode(op: str, **fields: Any) -> bytes:
