@@ -105,12 +105,18 @@ _HTTP = {ErrorClass.UNAVAILABLE: 503, ErrorClass.BAD_INPUT: 400, ErrorClass.CANC
 
 
 class CodedError(Exception):
-    """An error with a typed ``code``; ``peer_code`` is set when a peer reported it first."""
+    """An error with a typed ``code``: its class's, or the one given (a class that carries several);
+    ``peer_code`` is set when a peer reported it first."""
 
-    def __init__(self, message: str, code: ErrorCode = ErrorCode.INTERNAL, *, peer_code: ErrorCode | None = None):
+    code: ErrorCode = ErrorCode.INTERNAL
+    peer_code: ErrorCode | None = None
+
+    def __init__(self, message: str = "", code: ErrorCode | None = None, *, peer_code: ErrorCode | None = None):
         super().__init__(message)
-        self.code = ErrorCode(code)
-        self.peer_code = peer_code
+        if code is not None:
+            self.code = ErrorCode(code)
+        if peer_code is not None:
+            self.peer_code = peer_code
 
 
 def code_of(exc: BaseException) -> ErrorCode:

@@ -123,3 +123,81 @@ def test_cluster_and_stage_protocols_share_the_one_enum():
     from mlxcel.pipeline.protocol import ErrorCode as StageCode
 
     assert ClusterCode is ErrorCode and StageCode is ErrorCode
+
+
+# -- every error class of the wire-facing packages carries its code ---------------------------------
+
+CODED_PACKAGES = ("mlxcel.cluster", "mlxcel.bringup", "mlxcel.parallel", "mlxcel.pipeline", "mlxcel.disagg",
+                  "mlxcel.engine", "mlxcel.models")
+#: errors that never carry a code, and why: operator lines of the command line and the config files
+#: (they end the process before any request exists), and input errors the HTTP layer maps by class
+UNCODED = {
+    "mlxcel.engine.sampling.SamplingError": "HTTP 400 by class (server/errors.py); wrapped by every codec",
+    "mlxcel.engine.prompts.PromptError": "HTTP 400 by class (server/errors.py)",
+    "mlxcel.models.errors.ModelError": "an operator line: the checkpoint cannot load",
+    "mlxcel.topology.partition.PartitionError": "an operator line: --pp-layers / --memory",
+    "mlxcel.topology.cluster_config.ClusterConfigError": "an operator line: the cluster TOML",
+    "mlxcel.bringup.beacon.BeaconRejected": "a beacon is dropped, never answered",
+    "mlxcel.bringup.beacon.OtherCluster": "a beacon is dropped, never answered",
+    "mlxcel.bringup.push._PeerFailed": "private: becomes a BringupFailed line",
+    "mlxcel.bringup.push._Abandon": "private: becomes a BringupFailed line",
+}
+
+
+def _error_classes() -> dict[str, type]:
+    """Every exception class defined in the packages, by dotted name (importing each module)."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    found = {}
+    for package in CODED_PACKAGES:
+        root = importlib.import_module(package)
+        for info in pkgutil.walk_packages(root.__path__, package + "."):
+            module = importlib.import_module(info.name)
+            for _, cls in inspect.getmembers(module, inspect.isclass):
+                if issubclass(cls, BaseException) and cls.__module__ == module.__name__:
+                    found[f"{cls.__module__}.{cls.__qualname__}"] = cls
+    return found
+
+
+def test_every_error_class_carries_a_class_level_code():
+    from mlxcel.error_codes import CodedError
+
+    classes = _error_classes()
+    assert {"mlxcel.cluster.errors.PeerUnreachable", "mlxcel.bringup.errors.BringupFailed",
+            "mlxcel.parallel.errors.TPError", "mlxcel.parallel.control.ControlError"} <= classes.keys()
+    assert not set(UNCODED) - classes.keys(), "UNCODED names a class that is gone"
+    uncoded = sorted(name for name, cls in classes.items()
+                     if name not in UNCODED and not (issubclass(cls, CodedError) and isinstance(cls.code, ErrorCode)))
+    assert not uncoded, f"error classes without an ErrorCode: {uncoded}"
+
+
+def test_cluster_errors_answer_their_class_code():
+    """What a failing request handler answers (docs/protocol.md §5.1), from the class codes alone."""
+    from mlxcel.cluster import errors as ce
+    from mlxcel.cluster.rpc import error_for
+
+    assert error_for(ce.RequestError(ErrorCode.NOT_FOUND, "no such sequence")) == (ErrorCode.NOT_FOUND, "no such sequence")
+    assert error_for(ce.RequestFailed("x failed", ErrorCode.OVERLOADED, "full")) == (ErrorCode.OVERLOADED, "full")
+    assert error_for(ce.RequestTimeout("late"))[0] is ErrorCode.TIMEOUT
+    assert error_for(ce.HandshakeTimeout("late"))[0] is ErrorCode.TIMEOUT
+    assert error_for(TimeoutError("late"))[0] is ErrorCode.TIMEOUT
+    for exc in (ce.PeerUnreachable("gone"), ce.ConnectionLost("lost"), ce.ServerAtCapacity("full"), KeyError("k")):
+        assert error_for(exc) == (ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+
+def test_bringup_tp_and_control_errors_carry_codes():
+    from mlxcel.bringup.errors import AssignmentTimeout, BringupError, ProtocolMismatch
+    from mlxcel.error_codes import code_of
+    from mlxcel.parallel.control import ControlError, decode
+    from mlxcel.parallel.errors import HostfileError, ShardRefusal, TPError
+
+    assert code_of(BringupError("x")) is ErrorCode.INTERNAL and code_of(AssignmentTimeout("x")) is ErrorCode.TIMEOUT
+    assert code_of(ProtocolMismatch(1, 2)) is ErrorCode.MISMATCH
+    assert [code_of(e("x")) for e in (TPError, ShardRefusal, HostfileError)] == [
+        ErrorCode.INTERNAL, ErrorCode.UNSUPPORTED, ErrorCode.BAD_REQUEST]
+    with pytest.raises(ControlError) as refused:
+        decode(b'{"op":"ready","rank":true}')
+    assert refused.value.code is ErrorCode.BAD_REQUEST and isinstance(refused.value, ValueError)
+    assert ControlError("x", ErrorCode.UNAUTHORIZED).code is ErrorCode.UNAUTHORIZED  # overridable per instance

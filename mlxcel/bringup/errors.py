@@ -4,16 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mlxcel.error_codes import ErrorCode
+from mlxcel.error_codes import CodedError, ErrorCode
 
 MSG_PROTOCOL_MISMATCH = "assignment protocol mismatch"
 MSG_REFUSED = "stage assignment refused"
 
 
-class BringupError(Exception):
+class BringupError(CodedError):
     """Base of every error raised by ``mlxcel.bringup``; ``code`` is its class in the one vocabulary."""
-
-    code = ErrorCode.INTERNAL
 
 
 class AssignmentProtocolError(BringupError):

@@ -14,6 +14,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from mlxcel import strict_json as strict
+
 from .errors import AssignmentProtocolError, ProtocolMismatch
 from .wire import ASSIGNMENT_PROTOCOL_VERSION, MAX_ASSIGNMENT_MESSAGE, MAX_REASON_LEN, MAX_STAGES
 
@@ -73,25 +75,20 @@ class Message:
         return self.fields[key]
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _valid(expected: type, value: Any) -> bool:
     if expected is int:
-        return _is_int(value) and value >= 0
+        return strict.in_range(value, 0)
     if expected is bool:
         return isinstance(value, bool)
     if expected is str:
         return isinstance(value, str)
     if expected is _Reason:
-        return isinstance(value, str) and len(value) <= MAX_REASON_LEN
+        return strict.is_string(value, max_chars=MAX_REASON_LEN)
     if expected is _Layers:
-        return (isinstance(value, list) and len(value) == 2 and all(_is_int(v) and v >= 0 for v in value)
+        return (isinstance(value, list) and len(value) == 2 and all(strict.in_range(v, 0) for v in value)
                 and value[0] < value[1])
     if expected is _Memory:
-        return (isinstance(value, list) and 1 <= len(value) <= MAX_STAGES
-                and all(_is_int(v) and v > 0 for v in value))
+        return isinstance(value, list) and 1 <= len(value) <= MAX_STAGES and all(strict.in_range(v, 1) for v in value)
     raise AssertionError(expected)
 
 
@@ -127,7 +124,7 @@ def decode(payload: bytes | bytearray | memoryview) -> Message:
     if not isinstance(doc, dict):
         raise AssignmentProtocolError("assignment message is not a JSON object")
     version = doc.get("protocol")
-    if version != ASSIGNMENT_PROTOCOL_VERSION or not _is_int(version):
+    if version != ASSIGNMENT_PROTOCOL_VERSION or not strict.is_int(version):
         raise ProtocolMismatch(version, ASSIGNMENT_PROTOCOL_VERSION)
     try:
         kind = Msg(doc.get("msg"))
@@ -135,7 +132,7 @@ def decode(payload: bytes | bytearray | memoryview) -> Message:
         raise AssignmentProtocolError(f"unknown assignment message kind {doc.get('msg')!r}") from None
     spec = FIELDS[kind]
     fields = {k: v for k, v in doc.items() if k not in ("protocol", "msg")}
-    extra, missing = sorted(set(fields) - set(spec)), sorted(set(spec) - set(fields))
+    extra, missing = strict.unknown_keys(fields, spec), strict.unknown_keys(spec, fields)
     if extra or missing:
         raise AssignmentProtocolError(f"{kind.value} message: missing {missing}, unknown {extra}")
     bad = [k for k in spec if not _valid(spec[k], fields[k])]

@@ -4,15 +4,23 @@
 call out of order, a message over the cap).  ``RemoteError``: the peer (or something
 on the path) broke the protocol or failed authentication.  Messages never contain
 secret material or payload bytes.
+
+Each class carries its ``ErrorCode``: what a request handler failing with it answers (docs/protocol.md
+§5.1): a ``RequestError``'s own code, a forwarded ``RequestFailed``'s downstream code, TIMEOUT for the
+timeouts, INTERNAL for the rest.
 """
 
 from __future__ import annotations
 
+from mlxcel.error_codes import CodedError
+
 from .wire import ErrorCode
 
 
-class ClusterError(Exception):
+class ClusterError(CodedError):
     """Base of every error raised by ``mlxcel.cluster``."""
+
+    code = ErrorCode.INTERNAL
 
 
 class LocalError(ClusterError):
@@ -89,6 +97,8 @@ class ServerAtCapacity(HandshakeError):
 class HandshakeTimeout(HandshakeError, TimeoutError):
     """The handshake did not complete within its deadline."""
 
+    code = ErrorCode.TIMEOUT
+
 
 class HandshakeAborted(HandshakeError):
     """The peer closed or reset the connection during the handshake."""
@@ -132,14 +142,17 @@ class RequestFailed(RemoteError):
     """The peer answered a request with an error: ``code`` (an ``ErrorCode``) and its
     one-line ``detail`` text."""
 
+    code = ErrorCode.UNKNOWN
+
     def __init__(self, message: str, code: ErrorCode = ErrorCode.UNKNOWN, detail: str = "") -> None:
-        super().__init__(message)
-        self.code = code
+        super().__init__(message, code)
         self.detail = detail
 
 
 class RequestTimeout(RemoteError, TimeoutError):
     """No response arrived before the request's deadline."""
+
+    code = ErrorCode.TIMEOUT
 
 
 class RequestError(ClusterError):
@@ -149,8 +162,7 @@ class RequestError(ClusterError):
     ``message``; any other exception from a handler answers ``INTERNAL``."""
 
     def __init__(self, code: ErrorCode, message: str) -> None:
-        super().__init__(f"{ErrorCode(code).name}: {message}")
-        self.code = ErrorCode(code)
+        super().__init__(f"{ErrorCode(code).name}: {message}", code)
         self.message = message
 
 

@@ -1,8 +1,9 @@
 """RPC semantics over one connection: response waiters and typed errors (docs/protocol.md §5).
 
-A handler's exception becomes an error response by its type, never by its text:
-``RequestError`` answers its own code, a forwarded ``RequestFailed`` keeps the
-downstream code, a ``TimeoutError`` answers TIMEOUT, anything else INTERNAL.
+A handler's exception becomes an error response by its type, never by its text: a
+cluster error answers its class's code (``RequestError`` its own, a forwarded
+``RequestFailed`` the downstream code), any other ``TimeoutError`` TIMEOUT, anything
+else INTERNAL.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import logging
 import threading
 from typing import Callable
 
-from .errors import RequestError, RequestFailed
+from .errors import ClusterError, RequestError, RequestFailed
 from .frames import Buffer
 from .identity import PeerId
 from .messages import Message, decode_error, encode_error
@@ -33,13 +34,15 @@ class Waiter:
 
 def error_for(exc: BaseException) -> tuple[ErrorCode, str]:
     """The typed code and one-line text a failing handler answers with."""
+    if isinstance(exc, ClusterError):
+        code = exc.code
+    else:
+        code = ErrorCode.TIMEOUT if isinstance(exc, TimeoutError) else ErrorCode.INTERNAL
     if isinstance(exc, RequestError):
-        return exc.code, exc.message
+        return code, exc.message
     if isinstance(exc, RequestFailed):
-        return exc.code, exc.detail or str(exc)
-    if isinstance(exc, TimeoutError):
-        return ErrorCode.TIMEOUT, f"{type(exc).__name__}: {exc}"
-    return ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+        return code, exc.detail or str(exc)
+    return code, f"{type(exc).__name__}: {exc}"
 
 
 def answer(handler: Callable[[Message], Buffer], msg: Message) -> tuple[Buffer, int]:

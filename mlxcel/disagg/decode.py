@@ -20,8 +20,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import mlx.core as mx
-
 from mlxcel.cluster.identity import PeerId
 from mlxcel.cluster.messages import Message, decode_error
 from mlxcel.cluster.wire import Kind
@@ -32,58 +30,14 @@ from mlxcel.disagg.kv_codec import Handoff, HandoffDecoder, HandoffError
 from mlxcel.disagg.loop import LoopThread
 from mlxcel.disagg.service import RoleService
 from mlxcel.disagg.wire import CANCEL_MEMORY_S, PROGRESS_INTERVAL_S, STEP_DELAY_ENV, MsgType
-from mlxcel.engine.executor import LocalExecutor
+from mlxcel.engine.executor import KVImport, LocalExecutor
 from mlxcel.engine.interface import EngineError, EngineRequest, TokenEvent
-from mlxcel.engine.runner import RowSampler, Sampled
+from mlxcel.engine.runner import Sampled
 from mlxcel.engine.scheduler import Scheduler
 from mlxcel.error_codes import ErrorCode
 from mlxcel.models.token_ids import model_vocab_size
 
 log = logging.getLogger("mlxcel.disagg.decode")
-
-
-@dataclass(frozen=True)
-class Adoption:
-    """What ``submit_prefilled`` carries to the executor: the decoded handoff and the sampler's draws so far."""
-
-    handoff: Handoff
-    draws: int = 0
-
-
-def skip_draws(row: RowSampler, draws: int) -> None:
-    """Advance a seeded sampler past the draws the prefill node made, so the random stream continues."""
-    if row.sampler is None:
-        return
-    dummy = mx.zeros((1, 2))
-    for _ in range(draws):
-        row.sampler(dummy)
-
-
-class AdoptExecutor(LocalExecutor):
-    """A ``LocalExecutor`` whose ``adopt`` takes an ``Adoption``: the caches are built on the scheduler thread.
-
-    ``MLXCEL_DISAGG_STEP_DELAY_S`` (a test and rehearsal aid) sleeps that long before every decode step,
-    so a request stays in flight long enough to kill a node or drop a client under it.
-    """
-
-    def __init__(self, model: Any, **kwargs: Any):
-        super().__init__(model, **kwargs)
-        self.step_delay = float(os.environ.get(STEP_DELAY_ENV, "0") or 0)
-
-    def run(self, step: Any) -> Any:
-        if self.step_delay and step.kind == "decode":
-            time.sleep(self.step_delay)
-        return super().run(step)
-
-    def adopt(self, rid: str, params: Any, top_logprobs: int, cache: Any, length: int) -> None:
-        if not isinstance(cache, Adoption):
-            super().adopt(rid, params, top_logprobs, cache, length)
-            return
-        if len(cache.handoff.prompt) != length:
-            raise ValueError(f"the handoff of {rid} holds {len(cache.handoff.prompt)} tokens, its prompt has {length}")
-        row = RowSampler(params, top_logprobs)
-        skip_draws(row, cache.draws)
-        self.runners[0].prepare(rid, row, cache=import_cache(cache.handoff), length=length)
 
 
 @dataclass(eq=False)
@@ -116,7 +70,10 @@ class DecodeService(RoleService):
         self.vocab_size = model_vocab_size(model)  # every token id of a handoff is below it
         self.capacity = parallel + max_queue
         self.per_sender = max(1, self.capacity // 2)  # handoffs one sender IP may have arriving at once
-        self.executor = AdoptExecutor(model, max_batch_size=max_batch_size)
+        # MLXCEL_DISAGG_STEP_DELAY_S (a test and rehearsal aid) keeps a request in flight long enough
+        # to kill a node or drop a client under it
+        self.executor = LocalExecutor(model, max_batch_size=max_batch_size, importer=import_cache,
+                                      step_delay_s=float(os.environ.get(STEP_DELAY_ENV, "0") or 0))
         self.scheduler = Scheduler(self.executor, tokenizer, context_length=context_length, parallel=parallel,
                                    max_queue=max_queue, warmup=warmup)
         self.loop = LoopThread("mlxcel-decode-loop")
@@ -254,7 +211,7 @@ class DecodeService(RoleService):
             if meta.nonce in self.cancelled or meta.nonce in self.running:
                 return
         try:
-            stream = self.scheduler.submit_prefilled(request, first, Adoption(handoff, meta.draws))
+            stream = self.scheduler.submit_prefilled(request, first, KVImport(handoff, meta.draws))
         except EngineError as exc:
             self.send(meta.router, m.Error(meta.nonce, exc.code, str(exc)))
             return

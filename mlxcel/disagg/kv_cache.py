@@ -75,8 +75,19 @@ def _layer_arrays(c: Any, spec: LayerSpec, length: int) -> list[mx.array]:
         return [x[..., :length, :] for x in (*c.keys, *c.values)]
     if spec.kind is CacheKind.KV:
         return [c.keys[..., :length, :], c.values[..., :length, :]]
+    keys, values, offset, keep, _, write = c.state  # RotatingKVCache.state; ``write``: the next write index
     n = spec.positions(length)
-    return [_window(c._temporal_order(x), spec.keep, n) for x in (c.keys, c.values)]  # noqa: SLF001
+    return [_window(_temporal(x, write, offset, keep), keep, n) for x in (keys, values)]
+
+
+def _temporal(x: mx.array, write: int, offset: int, keep: int) -> mx.array:
+    """A rotating buffer in temporal order: the ``keep`` first positions, the oldest (from ``write`` on),
+    then the newest (before ``write``); a buffer not yet wrapped is cut at ``write``."""
+    if write == x.shape[2]:
+        return x
+    if write < offset:
+        return mx.concatenate([x[..., :keep, :], x[..., write:, :], x[..., keep:write, :]], axis=2)
+    return x[..., :write, :]
 
 
 def _window(x: mx.array, keep: int, n: int) -> mx.array:
@@ -109,15 +120,9 @@ def _from_numpy(t: np.ndarray, dtype: DType) -> mx.array:
 
 
 def _layer_cache(spec: LayerSpec, arrays: list[mx.array], length: int) -> Any:
+    """A cache rebuilt through mlx-lm's ``from_state``; a rotating one's next write goes after its last position."""
     if spec.kind is CacheKind.QUANTIZED:
-        c = QuantizedKVCache(group_size=spec.group_size, bits=spec.bits)
-        c.keys, c.values, c.offset = tuple(arrays[:3]), tuple(arrays[3:]), length
-        return c
+        return QuantizedKVCache.from_state((tuple(arrays[:3]), tuple(arrays[3:]), length, spec.group_size, spec.bits))
     if spec.kind is CacheKind.KV:
-        c = KVCache()
-        c.keys, c.values, c.offset = arrays[0], arrays[1], length
-        return c
-    c = RotatingKVCache(max_size=spec.max_size, keep=spec.keep)
-    c.keys, c.values, c.offset = arrays[0], arrays[1], length
-    c._idx = arrays[0].shape[2]  # noqa: SLF001 - temporal order: the next write goes after the last position
-    return c
+        return KVCache.from_state((arrays[0], arrays[1], length))
+    return RotatingKVCache.from_state((arrays[0], arrays[1], length, spec.keep, spec.max_size, arrays[0].shape[2]))

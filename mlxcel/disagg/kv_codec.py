@@ -55,8 +55,7 @@ _BY_NAME = {name: code for code, name in DTYPE_NAMES.items()}
 class HandoffError(CodedError):
     """A handoff part breaks the format or the bounds; ``code`` is BAD_TENSOR or BAD_REQUEST."""
 
-    def __init__(self, message: str, code: ErrorCode = ErrorCode.BAD_TENSOR):
-        super().__init__(message, code)
+    code = ErrorCode.BAD_TENSOR
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,6 @@ The KV tensors themselves never travel here: they are the handoff stream's raw c
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,7 +15,10 @@ from mlxcel.cluster.identity import PeerId
 from mlxcel.config import MAX_TOP_LOGPROBS
 from mlxcel.disagg.wire import MAX_CONTROL_LEN, MAX_EVENTS_PER_MESSAGE, NONCE_HEX_LEN, MsgType
 from mlxcel.engine.interface import EngineRequest, FinishEvent, TokenEvent
+from mlxcel.engine import sampling_wire
 from mlxcel.engine.sampling import SamplingError, SamplingParams
+from mlxcel.engine.sampling_wire import Param, ParamsFormat, params_from_doc
+from mlxcel import strict_json as strict
 from mlxcel.error_codes import CodedError, ErrorCode
 from mlxcel.models.token_ids import TokenIdError, check_token_ids
 
@@ -27,8 +29,7 @@ MAX_TEXT = 64 * 1024  # characters of one event's text or an error message
 class MessageRefused(CodedError):
     """A control message breaks the format or a bound; the text names the field."""
 
-    def __init__(self, message: str, code: ErrorCode = ErrorCode.BAD_REQUEST):
-        super().__init__(message, code)
+    code = ErrorCode.BAD_REQUEST
 
 
 def encode(kind: MsgType, doc: dict[str, Any]) -> bytes:
@@ -58,41 +59,30 @@ def decode(payload: Any) -> tuple[MsgType, dict[str, Any]]:
 # -- field checks ------------------------------------------------------------------------------------
 
 
-def _int(doc: dict, key: str, lo: int, hi: int, *, default: Any = ...) -> int:
-    value = doc.get(key, default)
-    if value is ... or isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise MessageRefused(f"{key} must be an integer in {lo}..{hi}, got {value if value is not ... else 'nothing'!r}")
-    return value
+_refused = strict.mapped(lambda exc: MessageRefused(str(exc)))
+_num = _refused(strict.number)
 
 
-def _num(value: Any, key: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise MessageRefused(f"{key} must be a finite number, got {value!r}")
-    return float(value)
+@_refused
+def _int(doc: dict, key: str, lo: int, hi: int, *, default: Any = strict.ABSENT) -> int:
+    return strict.field(doc, key, int, lo=lo, hi=hi, default=default)
 
 
+@_refused
 def _str(doc: dict, key: str, limit: int = MAX_TEXT, *, optional: bool = False) -> str | None:
-    value = doc.get(key)
-    if value is None and optional:
-        return None
-    if not isinstance(value, str) or len(value) > limit:
-        raise MessageRefused(f"{key} must be a string of at most {limit} characters")
-    return value
+    return strict.field(doc, key, str, max_chars=limit, optional=optional)
 
 
+@_refused
 def _bool(doc: dict, key: str, default: bool = False) -> bool:
-    value = doc.get(key, default)
-    if not isinstance(value, bool):
-        raise MessageRefused(f"{key} must be true or false, got {value!r}")
-    return value
+    return strict.field(doc, key, bool, default=default)
 
 
+@_refused
 def _code(doc: dict, key: str = "code", *, optional: bool = False) -> ErrorCode | None:
     """An error code: a JSON integer 0..65535 (an unknown value reads as UNKNOWN); null only if optional."""
-    value = doc.get(key)
-    if value is None and optional:
-        return None
-    return ErrorCode.from_wire(_int(doc, key, 0, 2**16 - 1))
+    value = strict.field(doc, key, int, lo=0, hi=2**16 - 1, optional=optional)
+    return None if value is None else ErrorCode.from_wire(value)
 
 
 def nonce_of(doc: dict) -> str:
@@ -106,7 +96,7 @@ def tokens_of(value: Any, key: str, limit: int) -> tuple[int, ...]:
     if not isinstance(value, list) or not 1 <= len(value) <= limit:
         raise MessageRefused(f"{key} must be a list of 1..{limit} token ids")
     for t in value:
-        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= MAX_TOKEN_ID:
+        if not strict.in_range(t, 0, MAX_TOKEN_ID):
             raise MessageRefused(f"{key} holds {t!r}, not a token id")
     return tuple(value)
 
@@ -121,30 +111,28 @@ def in_vocab(ids: Any, vocab_size: int | None, key: str) -> None:
         raise MessageRefused(str(exc), exc.code) from None
 
 
+#: the ``params`` object of GENERATE and of a KV handoff (docs/disagg.md §3): the HTTP API's bounds
+PARAMS = ParamsFormat({
+    "max_tokens": Param(int, bounds={"lo": 1, "hi": 2**31}),
+    "temperature": Param(float, 0.0),
+    "top_p": Param(float, 1.0),
+    "top_k": Param(int, 0, bounds={"lo": 0, "hi": 2**31}),
+    "seed": Param(int, None, optional=True, bounds={"lo": -(2**63), "hi": 2**63 - 1}),
+    "stop": Param(tuple, [], bounds={"max_chars": MAX_TEXT, "text": "params.stop must be a list of strings"}),
+    "logprobs": Param(bool, False),
+}, unknown="params: unknown field(s) {names}",
+    order=("stop", "seed", "max_tokens", "temperature", "top_p", "top_k", "logprobs"))
+
+
 def params_doc(p: SamplingParams) -> dict[str, Any]:
-    return {"max_tokens": p.max_tokens, "temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k,
-            "seed": p.seed, "stop": list(p.stop), "logprobs": p.logprobs}
+    return sampling_wire.params_doc(p, PARAMS)
 
 
+@_refused
 def params_of(value: Any) -> SamplingParams:
     """SamplingParams from their document, with the same bounds as the HTTP API."""
-    if not isinstance(value, dict):
-        raise MessageRefused("params must be an object")
-    unknown = set(value) - {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "logprobs"}
-    if unknown:
-        raise MessageRefused(f"params: unknown field(s) {', '.join(sorted(unknown))}")
-    stop = value.get("stop", [])
-    if not isinstance(stop, list) or any(not isinstance(s, str) or len(s) > MAX_TEXT for s in stop):
-        raise MessageRefused("params.stop must be a list of strings")
-    seed = value.get("seed")
-    if seed is not None:
-        seed = _int(value, "seed", -(2**63), 2**63 - 1)
     try:
-        return SamplingParams(max_tokens=_int(value, "max_tokens", 1, 2**31),
-                              temperature=_num(value.get("temperature", 0.0), "temperature"),
-                              top_p=_num(value.get("top_p", 1.0), "top_p"),
-                              top_k=_int(value, "top_k", 0, 2**31, default=0),
-                              seed=seed, stop=tuple(stop), logprobs=_bool(value, "logprobs"))
+        return params_from_doc(value, PARAMS)[0]
     except SamplingError as exc:
         raise MessageRefused(f"params.{exc.param}: {exc}") from None
 
@@ -196,16 +184,16 @@ def event_of(item: Any) -> TokenEvent:
     if not isinstance(item, list) or len(item) != 4:
         raise MessageRefused("an event must be [token, text, logprob, top_logprobs]")
     token, text, logprob, top = item
-    if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token <= MAX_TOKEN_ID:
+    if not strict.in_range(token, 0, MAX_TOKEN_ID):
         raise MessageRefused(f"event token {token!r} is not a token id")
-    if not isinstance(text, str) or len(text) > MAX_TEXT:
+    if not strict.is_string(text, max_chars=MAX_TEXT):
         raise MessageRefused("event text must be a string")
     lp = None if logprob is None else _num(logprob, "logprob")
     if not isinstance(top, list) or len(top) > MAX_TOP_LOGPROBS:
         raise MessageRefused(f"top_logprobs must be a list of at most {MAX_TOP_LOGPROBS} pairs")
     pairs = []
     for pair in top:
-        if not isinstance(pair, list) or len(pair) != 2 or isinstance(pair[0], bool) or not isinstance(pair[0], int):
+        if not isinstance(pair, list) or len(pair) != 2 or not strict.is_int(pair[0]):
             raise MessageRefused("a top_logprobs entry must be [token, logprob]")
         pairs.append((pair[0], _num(pair[1], "top_logprobs")))
     return TokenEvent(token, text, lp, tuple(pairs))

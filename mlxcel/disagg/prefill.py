@@ -5,10 +5,11 @@ work, each failure answered to the router with an ERROR: the model's cache can b
 UNSUPPORTED), the decode target (``decode_target``, else the first ``--decode-peers``) is in
 ``MLXCEL_DECODE_ALLOWLIST`` (else UNAUTHORIZED, and no connection is made), and it can be dialled
 (else UNREACHABLE). Then the prompt runs on this node's scheduler as a one-token request; the
-executor exports the sequence's KV when the scheduler releases it, and a worker streams header,
-chunks and end record to the decode node (``kv_codec``), then tells the router HANDED_OFF with the
-bytes and the seconds the stream took. A CANCEL frees the sequence wherever it is, and aborts a
-stream in progress so the decode node frees what it buffered.
+executor exports the sequence's KV when the scheduler releases it (``export_on_finish``), the service
+reads it (``request_finished``) and a worker streams header, chunks and end record to the decode node
+(``kv_codec``), then tells the router HANDED_OFF with the bytes and the seconds the stream took; the
+export is freed once the stream ended, sent or not (``finished_sending``). A CANCEL frees the
+sequence wherever it is, and aborts a stream in progress so the decode node frees what it buffered.
 """
 
 from __future__ import annotations
@@ -16,11 +17,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any, Sequence
+from typing import Any
 
 from mlxcel.cluster.errors import ClusterError
 from mlxcel.cluster.identity import PeerId
@@ -28,50 +28,17 @@ from mlxcel.disagg import messages as m
 from mlxcel.disagg.allowlist import Allowlist
 from mlxcel.disagg.flags import NodeConfig
 from mlxcel.disagg.kv_cache import export_cache, probe_layout
-from mlxcel.disagg.kv_codec import KVLayout, encode_chunks, encode_header
+from mlxcel.disagg.kv_codec import encode_chunks, encode_header
 from mlxcel.disagg.loop import LoopThread
 from mlxcel.disagg.service import RoleService
 from mlxcel.disagg.wire import PROGRESS_INTERVAL_S, MsgType
-from mlxcel.engine.executor import LocalExecutor
+from mlxcel.engine.executor import KVExport, LocalExecutor
 from mlxcel.engine.interface import EngineError, EngineRequest, FinishEvent, TokenEvent
 from mlxcel.engine.scheduler import Scheduler
 from mlxcel.error_codes import ErrorCode
 from mlxcel.models.token_ids import model_vocab_size
 
 log = logging.getLogger("mlxcel.disagg.prefill")
-
-
-class CaptureExecutor(LocalExecutor):
-    """A ``LocalExecutor`` that exports the KV of the sequences it was told to expect when it releases them."""
-
-    def __init__(self, model: Any, layout: KVLayout, **kwargs: Any):
-        super().__init__(model, **kwargs)
-        self.layout = layout
-        self._captured: dict[str, Any] = {}
-        self._lock = threading.Lock()
-
-    def expect(self, rid: str) -> None:
-        with self._lock:
-            self._captured[rid] = None
-
-    def take(self, rid: str) -> Any:
-        """(tensors, length), an exception if the export failed, or None (cancelled: nothing kept)."""
-        with self._lock:
-            return self._captured.pop(rid, None)
-
-    def release(self, rid: str, tokens: Sequence[int] | None = None) -> None:
-        with self._lock:
-            wanted = rid in self._captured
-        if wanted and tokens is not None:
-            taken = self.runners[0].take_cache(rid)
-            try:
-                got: Any = (export_cache(taken[0], self.layout, taken[1]), taken[1]) if taken else None
-            except Exception as exc:  # noqa: BLE001 - the job reports it
-                got = exc
-            with self._lock:
-                if rid in self._captured:
-                    self._captured[rid] = got
-        super().release(rid, tokens)
 
 
 @dataclass(eq=False)
@@ -110,8 +77,8 @@ class PrefillService(RoleService):
         self.allowlist = allowlist if allowlist is not None else Allowlist.from_env()
         self.context_length = context_length
         self.vocab_size = model_vocab_size(model)  # every GENERATE's prompt ids are below it
-        self.executor = CaptureExecutor(model, self.layout, max_batch_size=max_batch_size,
-                                        prefix_cache_bytes=prefix_cache_bytes)
+        self.executor = LocalExecutor(model, max_batch_size=max_batch_size, prefix_cache_bytes=prefix_cache_bytes,
+                                      exporter=lambda cache, length: export_cache(cache, self.layout, length))
         self.scheduler = Scheduler(self.executor, tokenizer, context_length=context_length, parallel=parallel,
                                    max_queue=max_queue, warmup=warmup)
         self.loop = LoopThread("mlxcel-prefill-loop")
@@ -215,11 +182,9 @@ class PrefillService(RoleService):
             if finish.error is not None or first is None:
                 self._refuse(job.router, job.nonce, finish.code or ErrorCode.INTERNAL, finish.error or "no first token")
                 return
-            captured = self.executor.take(job.nonce)
-            if isinstance(captured, BaseException) or captured is None:
-                self._refuse(job.router, job.nonce, ErrorCode.INTERNAL, f"cannot export the KV cache: {captured}")
-                return
-            await loop.run_in_executor(self.workers, self._hand_off, job, first, captured)
+            kv = self._exported(job)
+            if kv is not None:
+                await loop.run_in_executor(self.workers, self._hand_off, job, first, kv)
         except asyncio.CancelledError:
             pass  # cancelled while prefilling: the scheduler freed the sequence
         except Exception:  # noqa: BLE001 - one request fails, the node goes on
@@ -228,10 +193,10 @@ class PrefillService(RoleService):
         finally:
             with self.lock:
                 self.jobs.pop(job.nonce, None)
-            self.executor.take(job.nonce)
+            self.executor.finished_sending(job.nonce)
 
     async def _prefill(self, job: Job) -> tuple[TokenEvent | None, FinishEvent | None]:
-        self.executor.expect(job.nonce)
+        self.executor.export_on_finish(job.nonce)
         try:
             job.stream = self.scheduler.submit(job.prefill_request())
         except EngineError as exc:
@@ -248,9 +213,20 @@ class PrefillService(RoleService):
                 finish = ev
         return first, finish
 
-    def _hand_off(self, job: Job, first: TokenEvent, captured: tuple[list, int]) -> None:
+    def _exported(self, job: Job) -> KVExport | None:
+        """The KV to send for a prefilled job; None (its router told why) when the export failed."""
+        why: Exception | None = None
+        try:
+            kv = self.executor.request_finished(job.nonce)
+        except Exception as exc:  # noqa: BLE001 - this request fails, the node goes on
+            kv, why = None, exc
+        if kv is None:
+            self._refuse(job.router, job.nonce, ErrorCode.INTERNAL, f"cannot export the KV cache: {why}")
+        return kv
+
+    def _hand_off(self, job: Job, first: TokenEvent, kv: KVExport) -> None:
         """Stream header, chunks and end record to the decode node (a worker thread)."""
-        tensors, length = captured
+        tensors, length = kv.data, kv.length
         meta = m.HandoffMeta(job.nonce, job.router, job.params, first, job.gen.top_logprobs, job.gen.ignore_eos,
                              draws=0 if job.params.greedy else 1)
         prefill_s = time.perf_counter() - job.started

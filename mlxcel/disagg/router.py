@@ -1,7 +1,8 @@
 """The router: the OpenAI API's engine over prefill and decode nodes (docs/disagg.md §5-6).
 
 Per request it picks a prefill and a decode node round-robin among the nodes the health monitor
-(``PeerMonitor``: STATE probes every ``--probe-interval``, plus send errors) marks up, opens an
+(``PeerMonitor``: STATE probes every ``--probe-interval``, plus send errors) marks up (the pick and
+retry decisions are ``mlxcel.disagg.policy.RoutePolicy``, over plain data), opens an
 exchange (``ExchangeTable``: nonce, absolute deadline, the two nodes allowed to answer) and sends
 GENERATE with ``decode_target`` to the prefill node. Results come back as one-way messages to this
 node's listener; the demux delivers one only when its handshake-bound sender is a configured peer
@@ -31,10 +32,11 @@ from mlxcel.cluster.ratelimit import WarnClass
 from mlxcel.cluster.wire import Kind
 from mlxcel.disagg import messages as m
 from mlxcel.disagg.flags import NodeConfig
+from mlxcel.disagg.policy import GiveUp, NoneUp, Route, RoutePolicy, depends_on
 from mlxcel.disagg.service import role_transport
-from mlxcel.disagg.wire import MAX_DISPATCH_ATTEMPTS, PROBE_TIMEOUT_S, MsgType
+from mlxcel.disagg.wire import PROBE_TIMEOUT_S, MsgType
 from mlxcel.engine.interface import EngineRequest, EngineUnavailable, EventStream, FinishEvent
-from mlxcel.error_codes import CodedError, ErrorClass, ErrorCode, code_of
+from mlxcel.error_codes import CodedError, ErrorCode, code_of
 from mlxcel.cluster.outbox import Outbox
 
 log = logging.getLogger("mlxcel.disagg.router")
@@ -87,7 +89,7 @@ class RouterEngine:
                     raise ValueError(f"{peer} is listed as both a prefill and a decode node")
                 self.nodes[peer] = NodeInfo(f"{role}-{i}", role, peer)
         self._peers = {"prefill": list(cfg.prefill_peers), "decode": list(cfg.decode_peers)}
-        self._rr = {"prefill": 0, "decode": 0}
+        self.policy: RoutePolicy[PeerId] = RoutePolicy(cfg.prefill_peers, cfg.decode_peers)
         self._lock = threading.RLock()
         self._probed: set[PeerId] = set()
         self._probed_all = threading.Event()
@@ -178,24 +180,17 @@ class RouterEngine:
 
     # -- dispatching ------------------------------------------------------------------------------------
 
-    def _next(self, role: str) -> PeerId | None:
-        peers = self._peers[role]
-        for k in range(len(peers)):
-            i = (self._rr[role] + k) % len(peers)
-            if self.monitor.is_up(peers[i]):
-                self._rr[role] = i + 1
-                return peers[i]
-        return None
-
     def _pick(self) -> tuple[PeerId, PeerId]:
-        prefill, decode = self._next("prefill"), self._next("decode")
-        for role, got in (("prefill", prefill), ("decode", decode)):
-            if got is None:
-                self.counters["unavailable"] += 1
-                ids = ", ".join(self.nodes[p].id for p in self._peers[role])
-                raise EngineUnavailable(f"no {role} node is up ({ids} down); retry later")
-        assert prefill is not None and decode is not None
-        return prefill, decode
+        route = self.policy.pick(self.monitor.is_up)
+        if isinstance(route, NoneUp):
+            raise self._unavailable(route)
+        return route.prefill, route.decode
+
+    def _unavailable(self, none: NoneUp) -> EngineUnavailable:
+        """Count a request no node can take and say which nodes are down."""
+        self.counters["unavailable"] += 1
+        ids = ", ".join(self.nodes[p].id for p in self._peers[none.role])
+        return EngineUnavailable(f"no {none.role} node is up ({ids} down); retry later")
 
     def _dispatch(self, routed: Routed, prefill: PeerId, decode: PeerId) -> None:
         """Open the exchange of a new attempt and send GENERATE (under the lock)."""
@@ -230,22 +225,21 @@ class RouterEngine:
             for peer in (routed.prefill, routed.decode):
                 if peer is not None:
                     self.nodes[peer].failures += 1
-            if self._may_retry(routed, code):
-                try:
-                    prefill, decode = self._pick()
-                except EngineUnavailable as exc:
-                    self._fail(routed, ErrorCode.UNAVAILABLE, f"{message}; {exc}")
-                    return
-                self.counters["failovers"] += 1
-                log.info("router: %s: %s; trying %s and %s", routed.request.request_id, message,
-                         self.nodes[prefill].id, self.nodes[decode].id)
-                self._dispatch(routed, prefill, decode)
-                return
-            self._fail(routed, code if code.error_class is ErrorClass.BAD_INPUT else code.as_local(), message)
+            decision = self.policy.after_failure(code, attempts=routed.attempts, emitted=routed.emitted,
+                                                 closing=self.exchanges.closing, is_up=self.monitor.is_up)
+            if isinstance(decision, Route):
+                self._fail_over(routed, message, decision)
+            elif isinstance(decision, NoneUp):
+                self._fail(routed, decision.code, f"{message}; {self._unavailable(decision)}")
+            else:
+                assert isinstance(decision, GiveUp)
+                self._fail(routed, decision.code, message)
 
-    def _may_retry(self, routed: Routed, code: ErrorCode) -> bool:
-        return (not self.exchanges.closing and routed.emitted == 0 and routed.attempts < MAX_DISPATCH_ATTEMPTS
-                and code.error_class not in (ErrorClass.BAD_INPUT, ErrorClass.CANCELLED))
+    def _fail_over(self, routed: Routed, message: str, route: Route[PeerId]) -> None:
+        self.counters["failovers"] += 1
+        log.info("router: %s: %s; trying %s and %s", routed.request.request_id, message,
+                 self.nodes[route.prefill].id, self.nodes[route.decode].id)
+        self._dispatch(routed, route.prefill, route.decode)
 
     def _finish(self, routed: Routed, event: FinishEvent) -> None:
         routed.done = True
@@ -434,7 +428,7 @@ class RouterEngine:
         """Fail the attempts that depend on ``peer``: its decodes, and its prefills not handed off yet."""
         with self._lock:
             hit = [r for r in self._by_rid.values() if r.exchange is not None and not r.done
-                   and (r.decode == peer or (r.prefill == peer and not r.handed_off))]
+                   and depends_on(peer, prefill=r.prefill, decode=r.decode, handed_off=r.handed_off)]
         for routed in hit:
             if routed.exchange is not None:
                 self.exchanges.resolve(routed.exchange, error=CodedError(why, ErrorCode.UNREACHABLE))

@@ -23,16 +23,12 @@ _ids = itertools.count(1)
 class EngineError(CodedError):
     """Base of the errors a backend raises to the HTTP front; ``code`` decides the HTTP status."""
 
-    default_code = ErrorCode.INTERNAL
-
-    def __init__(self, message: str, code: ErrorCode | None = None):
-        super().__init__(message, code if code is not None else self.default_code)
 
 
 class EngineOverloaded(EngineError):
     """No capacity for another request now; retry after ``retry_after`` seconds."""
 
-    default_code = ErrorCode.OVERLOADED
+    code = ErrorCode.OVERLOADED
 
     def __init__(self, message: str, retry_after: int = RETRY_AFTER_S):
         super().__init__(message)
@@ -42,7 +38,7 @@ class EngineOverloaded(EngineError):
 class EngineUnavailable(EngineError):
     """The backend is not ready (loading, warming up), is shutting down, or lost a peer it needs."""
 
-    default_code = ErrorCode.UNAVAILABLE
+    code = ErrorCode.UNAVAILABLE
 
 
 class EngineFailure(EngineError):

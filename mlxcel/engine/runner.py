@@ -58,6 +58,14 @@ class RowSampler:
         if self.sampler is None and not self.params.greedy:
             self.sampler = make_sampler(self.params)
 
+    def skip(self, draws: int) -> None:
+        """Advance a seeded sampler past ``draws`` made elsewhere (a prefill node): its random stream goes on."""
+        if self.sampler is None:
+            return
+        dummy = mx.zeros((1, 2))
+        for _ in range(draws):
+            self.sampler(dummy)
+
 
 def sample_rows(logits: mx.array, rows: Sequence[RowSampler]) -> list[Sampled]:
     """Sample one token per row from last-position logits [B, V]."""

@@ -17,12 +17,27 @@ if it had just been prefilled here.
 With the local executor (``depth`` 1) this is one batch decoding every running sequence per step;
 with a two-stage pipeline two micro-batches keep both stages busy.
 
+A request's state is one field, ``_Sequence.state`` (a ``RequestState``), changed only through
+``_Sequence.move``, which raises ``IllegalTransition`` (a scheduler bug) for a move not in
+``TRANSITIONS``; the scheduler's ``_move`` also keeps the queue of each queued state in order:
+
+    WAITING --admitted--> PREFILLING --last chunk sampled--> JOINING --in a group--> RUNNING
+    WAITING --admitted, prefilled elsewhere (cache adopted)--> JOINING
+    WAITING, PREFILLING --> FINISHED_ERROR, FINISHED_CANCELLED
+    JOINING, RUNNING --> FINISHED_STOPPED (EOS, stop string), FINISHED_LENGTH (max_tokens),
+                         FINISHED_ERROR, FINISHED_CANCELLED
+
+A sequence enters JOINING before its first token is emitted, so that token can end it. A finished
+state is final; a finished sequence leaves ``_seqs``. ``busy`` (a prompt chunk in flight) and
+``group`` (its decode micro-batch) are not states: they say which in-flight step still names it.
+
 Everything but ``submit``/``cancel``/``stats``/``close`` runs on the scheduler thread, which takes
 its inputs (new requests, cancellations, finished steps) from one queue, so nothing needs locks.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import queue
 import threading
@@ -63,6 +78,40 @@ class Adopter(Protocol):
         """Install ``cache``, filled elsewhere with ``length`` prompt tokens, as a new sequence's KV cache."""
 
 
+class RequestState(enum.Enum):
+    """Where a request is in the scheduler (the module docstring has the transitions)."""
+
+    WAITING = "waiting"  # queued for a slot (``_waiting``)
+    PREFILLING = "prefilling"  # admitted, prompt chunks to run (``_prefilling``)
+    JOINING = "joining"  # first token sampled, waiting for room in a decode group (``_joining``)
+    RUNNING = "running"  # a member of decode group ``group``
+    FINISHED_STOPPED = "finished_stopped"  # EOS or a stop string
+    FINISHED_LENGTH = "finished_length"  # max_tokens
+    FINISHED_ERROR = "finished_error"
+    FINISHED_CANCELLED = "finished_cancelled"  # the client went away
+
+    @property
+    def finished(self) -> bool:
+        return self.name.startswith("FINISHED_")
+
+
+S = RequestState  # short for the tables and transitions below
+_ENDS_EARLY = frozenset({S.FINISHED_ERROR, S.FINISHED_CANCELLED})
+_ENDS = _ENDS_EARLY | {S.FINISHED_STOPPED, S.FINISHED_LENGTH}
+TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
+    S.WAITING: frozenset({S.PREFILLING, S.JOINING}) | _ENDS_EARLY,
+    S.PREFILLING: frozenset({S.JOINING}) | _ENDS_EARLY,
+    S.JOINING: frozenset({S.RUNNING}) | _ENDS,
+    S.RUNNING: _ENDS,
+    **{end: frozenset() for end in _ENDS},
+}
+_FINISHED_BY_REASON = {"stop": S.FINISHED_STOPPED, "length": S.FINISHED_LENGTH, "error": S.FINISHED_ERROR}
+
+
+class IllegalTransition(RuntimeError):
+    """A request was moved to a state ``TRANSITIONS`` does not allow from its own: a scheduler bug."""
+
+
 @dataclass(frozen=True)
 class _Handoff:
     """What a prefill node produced: the KV cache of the whole prompt and the token sampled after it."""
@@ -78,14 +127,21 @@ class _Sequence:
     text: SequenceText
     todo: list[int] = field(default_factory=list)  # prompt tokens not yet prefilled
     generated: list[int] = field(default_factory=list)
-    group: int | None = None  # decode micro-batch, once joined
+    group: int | None = None  # decode micro-batch, once RUNNING
     busy: bool = False  # a prefill step of it is in flight
-    admitted: bool = False
     handoff: _Handoff | None = None  # prefilled elsewhere: adopted on admission instead of prefilled
+    state: RequestState = RequestState.WAITING
 
     @property
     def rid(self) -> str:
         return self.request.request_id
+
+    def move(self, to: RequestState) -> RequestState:
+        """Enter state ``to``; returns the state left. ``IllegalTransition`` if ``TRANSITIONS`` forbids it."""
+        if to not in TRANSITIONS[self.state]:
+            raise IllegalTransition(f"request {self.rid}: {self.state.name} -> {to.name} is not a transition")
+        was, self.state = self.state, to
+        return was
 
 
 @dataclass
@@ -130,6 +186,8 @@ class Scheduler:
         self._waiting: deque[_Sequence] = deque()
         self._prefilling: deque[_Sequence] = deque()
         self._joining: deque[_Sequence] = deque()  # first token sent, waiting for a group
+        self._queues: dict[RequestState, deque[_Sequence]] = {  # the queued states, each in arrival order
+            S.WAITING: self._waiting, S.PREFILLING: self._prefilling, S.JOINING: self._joining}
         self._groups: list[list[str]] = [[] for _ in range(executor.depth)]
         self._group_busy = [False] * executor.depth
         self._steps_inflight = 0
@@ -296,7 +354,7 @@ class Scheduler:
     def _admit(self) -> None:
         """Give waiting requests a slot: room on the executor, then a place in the prefill queue."""
         while self._waiting and self._admitted() < self.parallel:
-            seq = self._waiting.popleft()
+            seq = self._waiting[0]
             req = seq.request
             try:
                 cached = self._prepare(seq)
@@ -304,12 +362,11 @@ class Scheduler:
                 log.warning("cannot start request %s: %s", seq.rid, exc)
                 self._finish(seq, "error", error=str(exc), code=code_of(exc))
                 continue
-            seq.admitted = True
             if seq.handoff is not None:
                 self._adopted(seq)
                 continue
             seq.todo = list(req.prompt[cached:])
-            self._prefilling.append(seq)
+            self._move(seq, S.PREFILLING)
             self.counters.prompt_tokens += len(req.prompt)
         self._gauges()
 
@@ -327,8 +384,18 @@ class Scheduler:
         assert seq.handoff is not None
         first, seq.handoff = seq.handoff.first, None  # the cache belongs to the executor now
         self.counters.adopted += 1
-        if self._on_token(seq, first):
-            self._joining.append(seq)
+        self._move(seq, S.JOINING)
+        self._on_token(seq, first)
+
+    def _move(self, seq: _Sequence, to: RequestState) -> RequestState:
+        """The one way a request changes state: checked by ``_Sequence.move``, then from the queue of the
+        state it left (if any) to the end of the queue of ``to`` (if any); returns the state left."""
+        was = seq.move(to)
+        if was in self._queues:
+            self._queues[was].remove(seq)
+        if to in self._queues:
+            self._queues[to].append(seq)
+        return was
 
     def _admitted(self) -> int:
         return len(self._seqs) - len(self._waiting)
@@ -381,7 +448,8 @@ class Scheduler:
                 continue
             members = self._groups[g]
             while self._joining and len(members) < share:
-                seq = self._joining.popleft()
+                seq = self._joining[0]
+                self._move(seq, S.RUNNING)
                 seq.group = g
                 members.append(seq.rid)
             if not members:
@@ -428,9 +496,8 @@ class Scheduler:
         seq.busy = False
         if outcome is None:
             return  # an intermediate chunk; the next one follows
-        self._prefilling.remove(seq)
-        if self._on_token(seq, outcome[0]):
-            self._joining.append(seq)
+        self._move(seq, S.JOINING)
+        self._on_token(seq, outcome[0])
 
     def _step_failed(self, step: Step, exc: BaseException) -> None:
         self.counters.failed_steps += 1
@@ -448,7 +515,7 @@ class Scheduler:
         req = seq.request
         token = sampled.token
         if token in self._eos and not req.ignore_eos:  # EOS is not part of the output
-            self._finish(seq, "stop", keep=True)
+            self._finish(seq, "stop")
             return False
         seq.generated.append(token)
         self.counters.generated_tokens += 1
@@ -457,19 +524,19 @@ class Scheduler:
         top = sampled.top_logprobs if req.params.logprobs else ()
         seq.stream.push(TokenEvent(token, text, logprob, top))
         if seq.text.stopped:
-            self._finish(seq, "stop", keep=True)
+            self._finish(seq, "stop")
             return False
         if len(seq.generated) >= req.params.max_tokens:
-            self._finish(seq, "length", keep=True)
+            self._finish(seq, "length")
             return False
         return True
 
     # -- ending requests ---------------------------------------------------------------------------
 
-    def _finish(self, seq: _Sequence, reason: str, error: str | None = None, keep: bool = False,
-                code: ErrorCode | None = None) -> None:
+    def _finish(self, seq: _Sequence, reason: str, error: str | None = None, code: ErrorCode | None = None) -> None:
+        """End ``seq`` with ``reason`` ("stop", "length" or "error") and tell its client."""
         tail = seq.text.finish() if error is None else ""
-        self._forget(seq, keep=keep)  # the slot is free before the client hears of the end: no spurious 503
+        self._forget(seq, _FINISHED_BY_REASON[reason])  # the slot is free before the client hears: no spurious 503
         seq.stream.push(FinishEvent(reason, tail, len(seq.request.prompt), len(seq.generated), error,
                                      (code or ErrorCode.INTERNAL) if error is not None else None))
 
@@ -477,19 +544,17 @@ class Scheduler:
         """Drop a cancelled request wherever it is; every copy of its KV cache is freed."""
         seq = self._seqs.get(request_id)
         if seq is not None:
-            self._forget(seq, keep=False, cancelled=True)
+            self._forget(seq, S.FINISHED_CANCELLED)
 
-    def _forget(self, seq: _Sequence, *, keep: bool, cancelled: bool = False) -> None:
+    def _forget(self, seq: _Sequence, end: RequestState) -> None:
+        """Move ``seq`` to the finished state ``end`` and free it: its slot, its rows, its KV cache (a
+        sequence that stopped or reached its length offers its tokens for the prefix cache)."""
+        was = self._move(seq, end)
         self._seqs.pop(seq.rid, None)
-        if seq in self._waiting:
-            self._waiting.remove(seq)
-        if seq in self._prefilling:
-            self._prefilling.remove(seq)
-        if seq in self._joining:
-            self._joining.remove(seq)
-        if seq.group is not None and not self._group_busy[seq.group]:
+        if was is S.RUNNING and seq.group is not None and not self._group_busy[seq.group]:
             self._groups[seq.group] = [r for r in self._groups[seq.group] if r != seq.rid]
-        if seq.admitted:
+        if was is not S.WAITING:
+            keep, cancelled = end in (S.FINISHED_STOPPED, S.FINISHED_LENGTH), end is S.FINISHED_CANCELLED
             tokens = list(seq.request.prompt) + seq.generated if keep else None
             if seq.busy or (seq.group is not None and self._group_busy[seq.group]):
                 # a step naming it is in flight: release after it, so no stage sees it vanish mid-step

@@ -5,8 +5,10 @@ Schema (every path relative to the TOML's own directory; the Ansible role render
 
     name = "stage-0"                       # in messages (default: the file's stem)
     command = ["/venv/bin/mlxcel-server", "--host", "127.0.0.3", "--port", "8080"]   # argv, no shell
+    # or, instead of command, [server]: mlxcel-server's command line as plain fields (mlxcel/node/server.py)
     directory = "."                        # working directory (default: the TOML's directory)
-    match = "--host 127.0.0.3 --port 8080" # text of the command line that is this node (default: the command)
+    match = "--host 127.0.0.3 --port 8080" # text of the command line that is this node (default: the command;
+                                           # with [server]: "--host <host> --port <port>")
     pidfile = "node.pid"                   # default: <stem>.pid
     log = "node.log"                       # stdout and stderr, appended (default: <stem>.log)
     inputs = ["cluster.toml", "cluster.secret"]   # files read at start-up: a change restarts the node
@@ -31,7 +33,8 @@ from typing import Any
 
 from mlxcel import config as defaults
 
-_KEYS = {"name", "command", "directory", "match", "pidfile", "log", "inputs", "stop_grace_s", "environment", "ready"}
+_KEYS = {"name", "command", "server", "directory", "match", "pidfile", "log", "inputs", "stop_grace_s", "environment",
+         "ready"}
 _READY_KEYS = {"url", "timeout_s"}
 
 
@@ -84,7 +87,7 @@ def parse_node_spec(doc: dict[str, Any], path: Path) -> NodeSpec:
         name=_string(doc, "name", path, path.stem),
         command=command,
         directory=base / _string(doc, "directory", path, "."),
-        match=_string(doc, "match", path, " ".join(command)),
+        match=_string(doc, "match", path, _default_match(doc, command)),
         pidfile=base / _string(doc, "pidfile", path, f"{path.stem}.pid"),
         log=base / _string(doc, "log", path, f"{path.stem}.log"),
         inputs=tuple(base / p for p in _strings(doc, "inputs", path)),
@@ -116,12 +119,26 @@ def _strings(doc: dict[str, Any], key: str, path: Path) -> list[str]:
 
 
 def _command(doc: dict[str, Any], path: Path) -> tuple[str, ...]:
+    """``command`` as written, or the argv that ``[server]`` describes (exactly one of the two)."""
+    from mlxcel.node.server import server_command
+
+    if "command" in doc and "server" in doc:
+        raise NodeSpecError(f"{path}: command and [server] both describe the command line; keep one")
+    if "server" in doc:
+        return server_command(doc["server"], path)
     if "command" not in doc:
-        raise NodeSpecError(f"{path}: command is missing (the node's argv, e.g. [\"/venv/bin/mlxcel-server\", ...])")
+        raise NodeSpecError(f"{path}: command is missing (the node's argv, e.g. [\"/venv/bin/mlxcel-server\", ...], "
+                            f"or a [server] table)")
     command = _strings(doc, "command", path)
     if not command:
         raise NodeSpecError(f"{path}: command is empty")
     return tuple(command)
+
+
+def _default_match(doc: dict[str, Any], command: tuple[str, ...]) -> str:
+    from mlxcel.node.server import server_match
+
+    return server_match(doc["server"]) if "server" in doc else " ".join(command)
 
 
 def _environment(doc: dict[str, Any], path: Path) -> dict[str, str]:

@@ -220,10 +220,11 @@ def _body(raw: bytes) -> dict | str:
 
 
 def status(spec: NodeSpec) -> dict:
-    """pid (None when not running) and what the readiness URL answers."""
+    """pid (None when not running), the inputs changed since its start and what the readiness URL answers."""
+    pid = running_pid(spec)
     code, body = probe(spec.ready_url) if spec.ready_url else (None, "no readiness URL")
-    return {"changed": False, "node": spec.name, "pid": running_pid(spec), "url": spec.ready_url,
-            "http_status": code, "health": body}
+    return {"changed": False, "node": spec.name, "pid": pid, "url": spec.ready_url, "http_status": code,
+            "health": body, "changed_inputs": changed_inputs(spec) if pid is not None else []}
 
 
 def wait_ready(spec: NodeSpec, timeout_s: float | None = None) -> dict:

@@ -23,8 +23,10 @@ import json
 import logging
 import threading
 import time
+from functools import partial
 from typing import Any, Callable
 
+from mlxcel import strict_json as strict
 from mlxcel.cluster.errors import ClusterError
 from mlxcel.cluster.identity import PeerId
 from mlxcel.cluster.messages import Message
@@ -32,6 +34,7 @@ from mlxcel.cluster.secret import ClusterSecret
 from mlxcel.cluster.transport import Transport
 from mlxcel.cluster.wire import Kind
 from mlxcel.config import MAX_PREFIX_TOKENS, TP_MAX_CONTROL_TEXT, TP_MAX_ROWS, TP_MAX_STEP_TOKENS
+from mlxcel.error_codes import CodedError, ErrorCode
 from mlxcel.models.token_ids import TokenIdError, check_token_ids
 from mlxcel.parallel.errors import TPError
 
@@ -40,18 +43,21 @@ log = logging.getLogger("mlxcel.parallel")
 OPS = ("step", "release", "shutdown", "prepare", "ping", "hello", "ready", "failed")
 
 
-class ControlError(ValueError):
-    """A control message that does not decode or breaks a bound."""
+class ControlError(CodedError, ValueError):
+    """A control message that does not decode or breaks a bound (or comes from a sender it may not)."""
+
+    code = ErrorCode.BAD_REQUEST
 
 
 def encode(op: str, **fields: Any) -> bytes:
     return json.dumps({"op": op, **fields}, separators=(",", ":")).encode()
 
 
+_refused = strict.mapped(lambda exc: ControlError(str(exc)))  # at decode, the codec's boundary
+
+
 def _int(value: Any, name: str, low: int = 0, high: int = 2**31) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise ControlError(f"{name} must be an integer in [{low}, {high}]")
-    return value
+    return strict.integer(value, name, low, high, text="{name} must be an integer in [{lo}, {hi}]")
 
 
 def _ints(value: Any, name: str, limit: int, vocab_size: int | None) -> list[int]:
@@ -68,9 +74,11 @@ def _ints(value: Any, name: str, limit: int, vocab_size: int | None) -> list[int
 
 
 def _text(value: Any, name: str) -> str:
-    if not isinstance(value, str) or not value or len(value.encode("utf-8", "replace")) > TP_MAX_CONTROL_TEXT:
-        raise ControlError(f"{name} must be a non-empty string of at most {TP_MAX_CONTROL_TEXT} UTF-8 bytes")
-    return value
+    return strict.string(value, name, min_len=1, max_bytes=TP_MAX_CONTROL_TEXT, lone_surrogates=True,
+                         text="{name} must be a non-empty string of at most {limit} UTF-8 bytes")
+
+
+_bool = partial(strict.boolean, text="{name} must be a boolean")
 
 
 def _step(m: dict, vocab_size: int | None) -> dict:
@@ -85,12 +93,12 @@ def _step(m: dict, vocab_size: int | None) -> dict:
     rows = [_ints(t, "tokens", TP_MAX_STEP_TOKENS, vocab_size) for t in tokens]
     if sum(len(r) for r in rows) > TP_MAX_STEP_TOKENS or len({len(r) for r in rows}) != 1 or not rows[0]:
         raise ControlError("tokens must be rows of one non-zero length")
-    if not isinstance(m.get("sample"), bool):
-        raise ControlError("sample must be a boolean")
+    _bool(m.get("sample"), "sample")
     return {"op": "step", "kind": m["kind"], "rids": [_text(r, "rid") for r in rids], "tokens": rows,
             "slot": _int(m.get("slot"), "slot", -1, TP_MAX_ROWS), "sample": m["sample"]}
 
 
+@_refused
 def decode(payload: bytes | memoryview, vocab_size: int | None = None) -> dict:
     """One control message, checked; ``ControlError`` names the first bad field. A follower passes its
     model's ``vocab_size``: every token id (``step`` tokens, ``release`` tokens, ``prepare`` prompt) is below it."""

@@ -27,7 +27,6 @@ from mlxcel.cluster.messages import Message
 from mlxcel.cluster.secret import ClusterSecret
 from mlxcel.cluster.transport import Transport
 from mlxcel.config import DEFAULT_TP_REDUCE_DTYPE
-from mlxcel.error_codes import ErrorCode
 from mlxcel.parallel.control import ControlError, decode, encode, read_reply, reply
 from mlxcel.parallel.errors import TPError
 from mlxcel.parallel.launch import GroupSpec, init_group
@@ -84,7 +83,7 @@ class FollowerControl:
         try:
             m = self._from_rank0(msg)
         except ControlError as exc:  # e.g. a prompt id outside the vocabulary: refused, nothing prepared
-            raise RequestError(ErrorCode.BAD_REQUEST, str(exc)) from None
+            raise RequestError(exc.code, str(exc)) from None
         if m["op"] == "ping":
             return reply(ok=True)
         if m["op"] != "prepare":

@@ -48,11 +48,10 @@ from mlxcel.pipeline.protocol import (
     check_state,
     decode,
     encode,
-    is_int,
-    is_number,
 )
 from mlxcel.models.facts import ModelFacts
 from mlxcel.pipeline.tensors import ids_to_wire
+from mlxcel.strict_json import is_int, is_number
 
 log = logging.getLogger("mlxcel.pipeline.coordinator")
 COMMAND_TIMEOUT_S = 10.0

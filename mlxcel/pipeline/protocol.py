@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from mlxcel import strict_json as strict
 from mlxcel.cluster.exchanges import new_nonce  # noqa: F401 - the one nonce generator
 from mlxcel.config import MAX_ACTIVATION_TOKENS
 from mlxcel.error_codes import CodedError, ErrorCode
@@ -188,8 +189,7 @@ def _spec(spec: Any) -> tuple[str, str, list[int]]:
         raise ProtocolError(ErrorCode.BAD_TENSOR, f"tensor {name}: dtype {dtype!r} is not accepted "
                             f"(compressed or quantized activations are refused)")
     if (not isinstance(shape, list) or not 1 <= len(shape) <= 3
-            or not all(is_int(d) and 0 < d <= MAX_ACTIVATION_TOKENS << 6
-                       for d in shape)):
+            or not all(strict.in_range(d, 1, MAX_ACTIVATION_TOKENS << 6) for d in shape)):
         raise ProtocolError(ErrorCode.BAD_TENSOR, f"tensor {name}: shape must be 1 to 3 positive dimensions")
     return name, dtype, shape
 
@@ -221,8 +221,7 @@ def check_hidden(msg: StageMessage, *, max_rows: int, width: int) -> np.ndarray:
 
 
 def _check_rows(msg: StageMessage, rows: int, n: int, max_rows: int) -> None:
-    mb = msg.header.get("micro_batch", 0)
-    if not is_int(mb) or not 0 <= mb < MAX_MICRO_BATCHES:
+    if not strict.in_range(msg.header.get("micro_batch", 0), 0, MAX_MICRO_BATCHES - 1):
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"micro_batch must be an integer from 0 to {MAX_MICRO_BATCHES - 1}")
     if not isinstance(msg.header.get("sample", True), bool):
         raise ProtocolError(ErrorCode.BAD_REQUEST, "sample must be true or false")
@@ -245,24 +244,10 @@ def _check_rows(msg: StageMessage, rows: int, n: int, max_rows: int) -> None:
 # -- strict JSON types: booleans are neither integers nor numbers (docs/pipeline.md §3.2) -------------
 
 
-def is_int(value: Any) -> bool:
-    """A JSON integer (``true`` is not 1)."""
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def is_number(value: Any) -> bool:
-    """A finite JSON number (integer or float; ``true`` is not 1.0)."""
-    return (is_int(value) or isinstance(value, float)) and value == value and abs(value) != float("inf")
-
-
 def is_request_id(value: Any) -> bool:
-    """A string of 1 to 128 UTF-8 bytes: the bound a step header's u8 length can carry (§3.4.1)."""
-    if not isinstance(value, str) or not value:
-        return False
-    try:
-        return len(value.encode("utf-8")) <= step_codec.MAX_ID_BYTES
-    except UnicodeEncodeError:  # a lone surrogate (JSON "\ud800") has no UTF-8 form
-        return False
+    """A string of 1 to 128 UTF-8 bytes: the bound a step header's u8 length can carry (§3.4.1); a lone
+    surrogate (JSON "\ud800") has no UTF-8 form."""
+    return strict.is_string(value, min_len=1, max_bytes=step_codec.MAX_ID_BYTES)
 
 
 def check_request_ids(msg: StageMessage) -> list[str]:
@@ -288,16 +273,15 @@ STATE_SECONDS = ("read_s", "queue_s", "compute_s", "send_s")
 def check_state(header: dict[str, Any]) -> None:
     """A STATE's typed fields (ValueError otherwise): integers are integers, layers two of them."""
     for name, low in STATE_INTEGERS.items():
-        if name in header and not (is_int(header[name]) and header[name] >= low):
-            raise ValueError(f"STATE field {name} must be an integer >= {low}")
+        if name in header:
+            strict.integer(header[name], name, low, text="STATE field {name} must be an integer >= {lo}")
     for name in STATE_SECONDS:
-        if name in header and not (is_number(header[name]) and header[name] >= 0):
+        if name in header and not (strict.is_number(header[name]) and header[name] >= 0):
             raise ValueError(f"STATE field {name} must be a number >= 0")
     layers = header.get("layers")
-    if not (isinstance(layers, list) and len(layers) == 2 and all(is_int(v) and v >= 0 for v in layers)):
+    if not (isinstance(layers, list) and len(layers) == 2 and all(strict.in_range(v, 0) for v in layers)):
         raise ValueError("STATE field layers must be [start, end], two integers")
-    if not isinstance(header.get("draining", False), bool):
-        raise ValueError("STATE field draining must be true or false")
+    strict.field(header, "draining", bool, default=False, text="STATE field {name} must be true or false")
 
 
 def wire_dtype(mx_dtype: Any) -> str:

@@ -33,7 +33,7 @@ import struct
 from typing import Any
 
 
-from mlxcel.error_codes import ErrorCode
+from mlxcel.error_codes import CodedError, ErrorCode
 
 FIXED = struct.Struct(">8sBBBB")
 DESCRIPTOR = struct.Struct(">BB")
@@ -48,12 +48,11 @@ MAX_ID_BYTES = 128
 MAX_TOP = 20
 
 
-class StepFormatError(ValueError):
+class StepFormatError(CodedError, ValueError):
     """The binary header is malformed; ``code`` is the stage protocol's answer to it."""
 
     def __init__(self, code: ErrorCode, message: str, header: dict[str, Any] | None = None):
-        super().__init__(message)
-        self.code = code
+        super().__init__(message, code)
         self.header = header  # the fields decoded before the failure, once the request ids are known
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import tomllib
@@ -113,10 +114,43 @@ def test_pp_auto_refuses_settings_only_a_rendered_toml_carries(deployment: Deplo
             "it), so mlxcel_config_prefix_cache_mb, mlxcel_config_startup_s cannot apply") in text, result.output[-3000:]
 
 
+def _commands(deployment: Deployment, nodes: object, *args: str, **more: object) -> dict[str, list[str]]:
+    """Each node's command line as ``mlxcel node show`` builds it from the node TOML that render_units.yml wrote,
+    checked equal to the one the role's old Jinja vars built (tests/ansible/legacy_argv.yml)."""
+    result = deployment.run("tests/ansible/render_units.yml", *args, **more)
+    assert result.rc == 0, result.output[-4000:]
+    commands = {}
+    for node in nodes:
+        home = deployment.home(node)
+        shown = json.loads((home / "node-show.json").read_text())
+        legacy = json.loads((home / "legacy-argv.json").read_text())
+        assert shown["command"] == legacy, f"{node}: the engine built {shown['command']}, the old vars {legacy}"
+        assert shown["match"] == f"--host {_flag(legacy, '--host')} --port {_flag(legacy, '--port')}", shown
+        assert "command" not in tomllib.loads((home / "node.toml").read_text())  # plain fields under [server]
+        commands[node] = shown["command"]
+    return commands
+
+
+def _flag(command: list[str], name: str) -> str:
+    return command[command.index(name) + 1]
+
+
+# every optional flag of the command line, so that _commands compares each with the old vars' argv
+OPTIONS = {"toml": {"mlxcel_api_key_enabled": True, "mlxcel_tls_enabled": True, "mlxcel_cluster_name": "demo",
+                    "mlxcel_node_tls_cert_src": "/controller/tls.crt", "mlxcel_node_tls_key_src": "/controller/tls.key",
+                    "mlxcel_node_server_args": ["--parallel", "8"]},
+           "pp_auto": {"mlxcel_cluster_name": "demo", "mlxcel_config_micro_batch_size": 4,
+                       "mlxcel_api_key_enabled": True}}
+FRONT_FLAGS = {"toml": ["--distributed-config", "--api-key-file", "--ssl-certfile", "--ssl-keyfile", "--parallel"],
+               "pp_auto": ["--pp-auto", "--cluster-peers", "--pp-micro-batch-size", "--cluster-name", "--api-key-file"]}
+
+
 @pytest.mark.parametrize("bringup", ["toml", "pp_auto"])
 def test_systemd_unit_keeps_a_refused_peer_down_only_with_pp_auto(deployment: Deployment, bringup: str) -> None:
-    result = deployment.run("tests/ansible/render_units.yml", mlxcel_bringup=bringup, mlxcel_node_supervisor="systemd")
-    assert result.rc == 0, result.output[-4000:]
+    """Also: every node's command line, each optional flag on, is the old vars' (_commands), and so is ExecStart."""
+    commands = _commands(deployment, HOSTS, mlxcel_bringup=bringup, mlxcel_node_supervisor="systemd",
+                         **OPTIONS[bringup])
+    assert all(flag in commands["coordinator"] for flag in FRONT_FLAGS[bringup]), commands["coordinator"]
     for node in HOSTS:
         unit = deployment.home(node) / f"mlxcel-{node}.service"
         text = unit.read_text()
@@ -126,17 +160,12 @@ def test_systemd_unit_keeps_a_refused_peer_down_only_with_pp_auto(deployment: De
         assert ("RestartPreventExitStatus=1" in text) == (bringup == "pp_auto"), text
         flag = {"toml": "--distributed-config", "pp_auto": "--pp-auto 2" if node == "coordinator" else "--pp-peer"}
         assert f" {flag[bringup]} " in exec_start, exec_start
+        legacy = json.loads((deployment.home(node) / "legacy-argv.json").read_text())
+        assert exec_start == "ExecStart=" + shlex.join(legacy), exec_start  # the old vars' command line
         if shutil.which("systemd-analyze"):  # works offline: it parses the unit and checks ExecStart's binary
             verify = subprocess.run(["systemd-analyze", "verify", "--man=no", str(unit)], capture_output=True,
                                     text=True, timeout=60)
             assert verify.returncode == 0 and str(unit) not in verify.stderr, verify.stderr
-
-
-def _commands(deployment: Deployment, nodes: object, **more: object) -> dict[str, list[str]]:
-    """Each node's command line as render_units.yml writes it into its node TOML."""
-    result = deployment.run("tests/ansible/render_units.yml", **more)
-    assert result.rc == 0, result.output[-4000:]
-    return {n: tomllib.loads((deployment.home(n) / "node.toml").read_text())["command"] for n in nodes}
 
 
 def _threads(command: list[str]) -> str | None:
@@ -146,17 +175,23 @@ def _threads(command: list[str]) -> str | None:
 @pytest.mark.parametrize("case", ["machines", "integer", "null"])
 def test_thread_budget_splits_a_machine_between_the_nodes_that_hold_layers(deployment: Deployment, case: str) -> None:
     """auto: a stage gets max(1, nproc // the stages on its machine), the coordinator 1 (the same machine for all three
-    is in test_deploy.py); an integer goes to every node; null leaves the flag out."""
+    is in test_deploy.py); an integer goes to every node (here of a disaggregated cluster); null leaves the flag out
+    (here on single-node servers). Every command line equals the old vars' (_commands)."""
     nproc = len(os.sched_getaffinity(0))
     more: dict = {
         # the coordinator shares stage-0's machine but holds no layers: stage-0 keeps every core
         "machines": {"mlxcel_test_machines": {"coordinator": "m0", "stage-0": "m0", "stage-1": "m1"}},
-        "integer": {"mlxcel_node_threads": 3},
-        "null": {"mlxcel_node_threads": None}}[case]
-    commands = _commands(deployment, HOSTS, **more)
+        # on the disaggregated example (its command lines compared with the old vars' too)
+        "integer": {"mlxcel_node_threads": 3, "inventory": DISAGG_EXAMPLE},
+        # on single-node servers (mlxcel_node_pipeline false: no cluster flags at all)
+        "null": {"mlxcel_node_threads": None, "mlxcel_node_pipeline": False}}[case]
+    nodes = DISAGG_NODES if case == "integer" else HOSTS
+    commands = _commands(deployment, nodes, **more)
     want = {"machines": {"coordinator": "1", "stage-0": str(nproc), "stage-1": str(nproc)},
-            "integer": dict.fromkeys(HOSTS, "3"), "null": dict.fromkeys(HOSTS)}[case]
+            "integer": dict.fromkeys(DISAGG_NODES, "3"), "null": dict.fromkeys(HOSTS)}[case]
     assert {n: _threads(c) for n, c in commands.items()} == want, commands
+    if case == "null":
+        assert not [a for c in commands.values() for a in c if a.startswith(("--cluster", "--distributed"))], commands
 
 
 def test_thread_budget_refuses_what_is_not_auto_a_positive_integer_or_null(deployment: Deployment) -> None:

@@ -55,3 +55,27 @@ def tiny_mamba(tmp_path_factory: pytest.TempPathFactory) -> Path:
     mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
     (path / "config.json").write_text(json.dumps(config, indent=2))
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 4-layer gemma3_text built with mlx-lm's own classes: layers 0 and 2 keep an 8-token
+    RotatingKVCache (gemma3's sliding layers), layers 1 and 3 a KVCache."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models.gemma3_text import Model, ModelArgs
+
+    from mlxcel.models.random_checkpoint import make_random_checkpoint
+
+    path = make_random_checkpoint(tmp_path_factory.mktemp("tiny-gemma3"), family="llama", layers=1)
+    config = {"model_type": "gemma3_text", "vocab_size": 320, "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 4, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+              "query_pre_attn_scalar": 16, "sliding_window": 8, "sliding_window_pattern": 2,
+              "max_position_embeddings": 2048, "eos_token_id": 2}
+    mx.random.seed(5)
+    model = Model(ModelArgs.from_dict(config))
+    weights = dict(tree_flatten(model.parameters()))
+    mx.eval(weights)
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path

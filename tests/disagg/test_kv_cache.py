@@ -7,11 +7,12 @@ import contextlib
 from typing import Iterator
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
 from mlxcel.disagg.kv_cache import export_cache, import_cache, probe_layout
-from mlxcel.disagg.kv_codec import HandoffDecoder, HandoffError, KVLayout, encode_chunks, encode_header
+from mlxcel.disagg.kv_codec import HandoffDecoder, HandoffError, KVLayout, LayerSpec, encode_chunks, encode_header
 from mlxcel.disagg.wire import CacheKind, DType
 from mlxcel.engine.interface import EngineRequest, FinishEvent
 from mlxcel.engine.sampling import SamplingParams
@@ -73,7 +74,7 @@ def run(coro):
     return asyncio.run(coro)
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_sliding", "tiny_bf16"])
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_sliding", "tiny_gemma3", "tiny_bf16"])
 def test_an_adopted_handoff_continues_exactly_like_one_node(fixture, request):
     loaded = load(request.getfixturevalue(fixture))
 
@@ -105,6 +106,60 @@ def test_a_sliding_layer_sends_only_its_window(tiny_sliding):
     _, cache, layout = handed_over(loaded, greedy(PROMPT, "w"), chunk_len=333)
     assert [type(c) for c in cache] == [KVCache, RotatingKVCache] * 2
     assert cache[0].keys.shape[2] == 20 and cache[1].keys.shape[2] == 8 and cache[1].offset == 20
+
+
+def test_a_gemma3_sliding_layer_sends_only_its_window(tiny_gemma3):
+    _, cache, layout = handed_over(load(tiny_gemma3), greedy(PROMPT, "g"), chunk_len=100)
+    assert [s.kind for s in layout.layers] == [CacheKind.ROTATING, CacheKind.KV] * 2
+    assert [type(c) for c in cache] == [RotatingKVCache, KVCache] * 2
+    assert cache[0].keys.shape[2] == 8 and cache[0].offset == 20 and cache[1].keys.shape[2] == 20
+
+
+def rotating(keep: int, steps: int) -> tuple[RotatingKVCache, mx.array]:
+    """A window-8 cache fed 5 prompt positions at once, then ``steps`` one at a time; and every key it saw."""
+    seen = mx.arange(5 + steps, dtype=mx.float32).reshape(1, 1, -1, 1) * mx.ones((1, 1, 1, 2))
+    c = RotatingKVCache(max_size=8, keep=keep)
+    c.update_and_fetch(seen[..., :5, :], -seen[..., :5, :])
+    for i in range(5, 5 + steps):
+        c.update_and_fetch(seen[..., i:i + 1, :], -seen[..., i:i + 1, :])
+    return c, seen
+
+
+def rotating_layout(keep: int) -> KVLayout:
+    return KVLayout((LayerSpec(CacheKind.ROTATING, DType.FLOAT32, 1, 2, 2, max_size=8, keep=keep),))
+
+
+def through_the_wire(cache: list, layout: KVLayout, length: int) -> list:
+    dec = HandoffDecoder(layout, 2048)
+    for part in [encode_header({}, tuple(range(length)), layout), *encode_chunks(export_cache(cache, layout, length), 50)]:
+        dec.feed(part)
+    return import_cache(dec.result())
+
+
+@pytest.mark.parametrize("keep", [0, 2])
+@pytest.mark.parametrize("steps", [0, 2, 9, 13])  # not full, full, wrapped once, wrapped past the end
+def test_a_rotating_cache_sends_its_window_in_temporal_order(keep, steps):
+    c, seen = rotating(keep, steps)
+    n = min(seen.shape[2], 8)
+    want = mx.concatenate([seen[..., :keep, :], seen[..., seen.shape[2] - (n - keep):, :]], axis=2) if n == 8 else seen
+    [keys, values] = export_cache([c], rotating_layout(keep), c.offset)
+    assert np.array_equal(keys, np.array(want)) and np.array_equal(values, -np.array(want))
+
+
+@pytest.mark.parametrize("keep", [0, 2])
+@pytest.mark.parametrize("steps", [0, 2, 9])
+def test_an_imported_rotating_cache_goes_on_like_the_original(keep, steps):
+    """The rebuilt cache's next writes land where the original's do: same window after every step."""
+    original, _ = rotating(keep, steps)
+    layout = rotating_layout(keep)
+    [copy] = through_the_wire([original], layout, original.offset)
+    assert copy.offset == original.offset and copy.max_size == 8 and copy.keep == keep
+    for i in range(10):
+        x = mx.full((1, 1, 1, 2), 100.0 + i)
+        for c in (original, copy):
+            c.update_and_fetch(x, -x)
+        assert [np.array_equal(a, b) for a, b in zip(export_cache([original], layout, original.offset),
+                                                      export_cache([copy], layout, copy.offset))] == [True, True]
 
 
 def test_a_quantized_cache_round_trips_bit_for_bit():

@@ -8,6 +8,8 @@ admission of a sequence prefilled elsewhere (``submit_prefilled``).
 from __future__ import annotations
 
 import contextlib
+import re
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import pytest
@@ -23,7 +25,7 @@ from mlxcel.engine.interface import (
 )
 from mlxcel.engine.runner import Sampled
 from mlxcel.engine.sampling import SamplingParams
-from mlxcel.engine.scheduler import Scheduler
+from mlxcel.engine.scheduler import TRANSITIONS, IllegalTransition, RequestState, Scheduler, _Sequence
 from mlxcel.error_codes import ErrorCode
 from mlxcel.server.errors import error_reply
 from tests.engine.fakes import (
@@ -493,6 +495,166 @@ async def test_a_full_queue_is_a_503_with_retry_after():
     reply = error_reply(refused.value)
     assert (reply.status, reply.headers["Retry-After"], reply.json()["error"]["code"]) == (503, "1",
                                                                                            "server_overloaded")
+
+
+# -- the request state machine ------------------------------------------------------------------------
+
+S = RequestState
+ENDS = {S.FINISHED_STOPPED, S.FINISHED_LENGTH, S.FINISHED_ERROR, S.FINISHED_CANCELLED}
+ALLOWED = {
+    S.WAITING: {S.PREFILLING, S.JOINING, S.FINISHED_ERROR, S.FINISHED_CANCELLED},
+    S.PREFILLING: {S.JOINING, S.FINISHED_ERROR, S.FINISHED_CANCELLED},
+    S.JOINING: {S.RUNNING} | ENDS,
+    S.RUNNING: ENDS,
+    **{end: set() for end in ENDS},
+}
+
+
+@pytest.fixture
+def moves(monkeypatch) -> dict[str, list[str]]:
+    """Every request's states in the order it went through them, recorded at ``_Sequence.move``."""
+    seen: dict[str, list[str]] = {}
+    move = _Sequence.move
+
+    def recording(seq: _Sequence, to: RequestState) -> RequestState:
+        was = move(seq, to)
+        seen.setdefault(seq.rid, [was.name]).append(to.name)
+        return was
+
+    monkeypatch.setattr(_Sequence, "move", recording)
+    return seen
+
+
+def path(*states: str) -> list[str]:
+    return ["WAITING", *states]
+
+
+async def step_until(ex: FakeExecutor, done: Callable[[], bool]) -> None:
+    """Complete steps one at a time until ``done()``, checked while a step is in flight: with ``depth`` 1 the
+    next step is submitted only after the last one was applied, so the states are settled then."""
+    while True:
+        step = await ex.next_step()
+        if done():
+            return
+        ex.complete(step)
+
+
+def state_of(sched: Scheduler, rid: str) -> RequestState | None:
+    seq = sched._seqs.get(rid)
+    return None if seq is None else seq.state
+
+
+def test_the_transition_table_is_the_documented_one():
+    assert {k: set(v) for k, v in TRANSITIONS.items()} == ALLOWED
+    assert {s for s in S if s.finished} == ENDS
+
+
+@pytest.mark.parametrize("start", list(S))
+def test_a_move_outside_the_table_raises_and_leaves_the_state(start):
+    for to in S:
+        seq = _Sequence(request("a"), None, None, state=start)  # type: ignore[arg-type]
+        if to in ALLOWED[start]:
+            assert seq.move(to) is start and seq.state is to
+        else:
+            with pytest.raises(IllegalTransition, match=f"request a: {start.name} -> {to.name}"):
+                seq.move(to)
+            assert seq.state is start
+
+
+def test_the_docs_table_lists_every_transition():
+    text = (Path(__file__).resolve().parents[2] / "docs" / "engine.md").read_text()
+    section = text.split("### Request states", 1)[1].split("\n#", 1)[0]
+    rows = re.findall(r"^\| `(\w+)` \| (.*?) \|", section, re.M)
+    documented = {S[name]: {S[to] for to in re.findall(r"`(\w+)`", targets)} for name, targets in rows}
+    assert documented == {k: v for k, v in ALLOWED.items()}
+
+
+@run_async
+async def test_a_request_goes_waiting_prefilling_joining_running_finished(moves):
+    ex = FakeExecutor(auto=True)
+    with scheduler(ex, prefill_step=2) as sched:
+        await collect(sched.submit(request("a", (1, 2, 3), max_tokens=3)))
+    assert moves == {"a": path("PREFILLING", "JOINING", "RUNNING", "FINISHED_LENGTH")}
+
+
+@run_async
+async def test_eos_and_a_stop_string_finish_stopped_max_tokens_on_the_first_token_length(moves):
+    tok = FakeTokenizer({10: "Hi", 11: "!"})
+    ex = FakeExecutor(auto=True, script={"eos": [10, EOS], "stop": [10, 11], "one": [10]})
+    with scheduler(ex, tok) as sched:
+        await collect(sched.submit(request("eos")))
+        await collect(sched.submit(request("stop", stop=("!",))))
+        await collect(sched.submit(request("one", max_tokens=1)))
+    assert moves == {"eos": path("PREFILLING", "JOINING", "RUNNING", "FINISHED_STOPPED"),
+                     "stop": path("PREFILLING", "JOINING", "RUNNING", "FINISHED_STOPPED"),
+                     "one": path("PREFILLING", "JOINING", "FINISHED_LENGTH")}
+
+
+@run_async
+async def test_a_sequence_prefilled_elsewhere_skips_prefilling(moves):
+    ex = FakeExecutor(auto=True)
+    with scheduler(ex) as sched:
+        await collect(sched.submit_prefilled(request("a", max_tokens=2), Sampled(10), cache="kv"))
+        await collect(sched.submit_prefilled(request("b"), Sampled(EOS), cache="kv"))
+    assert moves == {"a": path("JOINING", "RUNNING", "FINISHED_LENGTH"), "b": path("JOINING", "FINISHED_STOPPED")}
+
+
+@run_async
+async def test_a_sequence_waits_in_joining_until_its_group_has_room(moves):
+    ex = FakeExecutor(micro_batch_size=1)
+    with scheduler(ex, parallel=2) as sched:
+        a = sched.submit(request("a", max_tokens=3))
+        b = sched.submit(request("b", max_tokens=2))
+        await step_until(ex, lambda: state_of(sched, "b") is S.JOINING)
+        assert (await ex.next_step()).rids == ["a"] and state_of(sched, "a") is S.RUNNING
+        await settle()
+        assert state_of(sched, "b") is S.JOINING  # the group of one row is full
+        await ex.drive(lambda: "b" in ex.released_ids())
+        await collect(a)
+        await collect(b)
+    assert moves["a"] == path("PREFILLING", "JOINING", "RUNNING", "FINISHED_LENGTH")
+    assert moves["b"] == path("PREFILLING", "JOINING", "RUNNING", "FINISHED_LENGTH")
+
+
+@run_async
+async def test_cancelling_finishes_cancelled_from_waiting_prefilling_and_running(moves):
+    ex = FakeExecutor()
+    with scheduler(ex, parallel=2, prefill_step=2) as sched:
+        run = sched.submit(request("run", (1,), max_tokens=50))
+        pre = sched.submit(request("pre", (1, 2, 3, 4, 5, 6)))
+        wait = sched.submit(request("wait"))
+        await step_until(ex, lambda: state_of(sched, "run") is S.RUNNING and ex.pending[0][0].kind == "prefill")
+        assert (state_of(sched, "pre"), state_of(sched, "wait")) == (S.PREFILLING, S.WAITING)
+        for stream in (wait, pre, run):
+            stream.cancel()
+        await until(lambda: not sched._seqs, "all three gone")
+    assert moves == {"run": path("PREFILLING", "JOINING", "RUNNING", "FINISHED_CANCELLED"),
+                     "pre": path("PREFILLING", "FINISHED_CANCELLED"), "wait": path("FINISHED_CANCELLED")}
+
+
+@run_async
+async def test_failures_finish_error_from_waiting_and_prefilling(moves):
+    ex = FakeExecutor()
+    with scheduler(ex) as sched:
+        ex.fail_prepare = ExecutorError("no downstream stage", ErrorCode.UNREACHABLE)
+        await collect(sched.submit(request("refused")))
+        ex.fail_prepare = None
+        failed = sched.submit(request("failed"))
+        ex.complete(await ex.next_step(), RuntimeError("boom"))
+        await collect(failed)
+    assert moves == {"refused": path("FINISHED_ERROR"), "failed": path("PREFILLING", "FINISHED_ERROR")}
+
+
+@run_async
+async def test_shutdown_finishes_every_request_with_an_error(moves):
+    ex = FakeExecutor()
+    sched = Scheduler(ex, FakeTokenizer(), context_length=1024, parallel=1, warmup=False).start()
+    running, waiting = sched.submit(request("run")), sched.submit(request("wait"))
+    await step_until(ex, lambda: state_of(sched, "run") is S.RUNNING)
+    sched.close(timeout=5)
+    assert (await collect(running))[1].code is ErrorCode.UNAVAILABLE
+    assert (await collect(waiting))[1].code is ErrorCode.UNAVAILABLE
+    assert moves == {"run": path("PREFILLING", "JOINING", "RUNNING", "FINISHED_ERROR"), "wait": path("FINISHED_ERROR")}
 
 
 # -- a prefilled sequence on the real LocalExecutor ------------------------------------------------------

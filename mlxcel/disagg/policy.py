@@ -1,0 +1,113 @@
+"""The router's pick and retry decisions over plain data (docs/disagg.md §6).
+
+No sockets, threads, clocks or locks: ``RoutePolicy`` reads node health through an ``is_up``
+predicate and a failed attempt through its counts, and answers with a decision the router acts on.
+Its only state is one round-robin cursor per role, so the router calls it under its own lock.
+
+- ``pick(is_up)``: ``Route(prefill, decode)``, or ``NoneUp(role)`` when no node of a role is up
+  (the request is refused: 503 + Retry-After).
+- ``after_failure(code, ...)``: ``Route`` (fail over to those nodes), ``NoneUp`` (fail over wanted,
+  nobody to take it: the request fails UNAVAILABLE) or ``GiveUp(code)`` (the request fails with it).
+- ``depends_on(peer, ...)``: whether an attempt is lost when ``peer`` goes down or restarts.
+
+Failover happens only before the first token reaches the client, for at most ``max_attempts``
+attempts in all, never while the router shuts down, and never for a bad-input or cancelled code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Generic, Hashable, Sequence, TypeVar, Union
+
+from mlxcel.disagg.wire import MAX_DISPATCH_ATTEMPTS
+from mlxcel.error_codes import ErrorClass, ErrorCode
+
+Node = TypeVar("Node", bound=Hashable)
+ROLES = ("prefill", "decode")
+NO_RETRY = (ErrorClass.BAD_INPUT, ErrorClass.CANCELLED)  # about the request itself, or nobody wants it
+
+
+@dataclass(frozen=True)
+class Route(Generic[Node]):
+    """Send the attempt to these two nodes (GENERATE to ``prefill`` with ``decode_target=decode``)."""
+
+    prefill: Node
+    decode: Node
+
+
+@dataclass(frozen=True)
+class NoneUp:
+    """No node of ``role`` is up: the request fails (or is refused) as unavailable."""
+
+    role: str
+    code: ErrorCode = ErrorCode.UNAVAILABLE
+
+
+@dataclass(frozen=True)
+class GiveUp:
+    """No failover: the request ends with ``code``."""
+
+    code: ErrorCode
+
+
+Pick = Union[Route[Node], NoneUp]
+Decision = Union[Route[Node], NoneUp, GiveUp]
+
+
+def may_retry(code: ErrorCode, *, attempts: int, emitted: int, closing: bool,
+              max_attempts: int = MAX_DISPATCH_ATTEMPTS) -> bool:
+    """Whether a failed attempt (``attempts`` made so far, ``emitted`` tokens relayed) goes to other nodes."""
+    return not closing and emitted == 0 and attempts < max_attempts and code.error_class not in NO_RETRY
+
+
+def final_code(code: ErrorCode) -> ErrorCode:
+    """The code a request fails with: a node's bad-input code is the client's (400), any other is ours."""
+    return code if code.error_class is ErrorClass.BAD_INPUT else code.as_local()
+
+
+def depends_on(peer: Node, *, prefill: Node | None, decode: Node | None, handed_off: bool) -> bool:
+    """Whether an attempt on ``prefill``/``decode`` is lost with ``peer``: its decode node, or its
+    prefill node until the KV cache was handed off."""
+    return decode == peer or (prefill == peer and not handed_off)
+
+
+class RoundRobin(Generic[Node]):
+    """Round-robin over one role's nodes in configuration order, skipping those not up."""
+
+    def __init__(self, nodes: Sequence[Node]):
+        self.nodes = list(nodes)
+        self.cursor = 0  # the index the next pick starts from
+
+    def next(self, is_up: Callable[[Node], bool]) -> Node | None:
+        """The first node up from the cursor on (the cursor moves past it), or None (it stays)."""
+        for k in range(len(self.nodes)):
+            i = (self.cursor + k) % len(self.nodes)
+            if is_up(self.nodes[i]):
+                self.cursor = (i + 1) % len(self.nodes)
+                return self.nodes[i]
+        return None
+
+
+class RoutePolicy(Generic[Node]):
+    """Which nodes an attempt goes to, and what a failed attempt leads to."""
+
+    def __init__(self, prefill: Sequence[Node], decode: Sequence[Node], *,
+                 max_attempts: int = MAX_DISPATCH_ATTEMPTS):
+        self.rings = {"prefill": RoundRobin(prefill), "decode": RoundRobin(decode)}
+        self.max_attempts = max_attempts
+
+    def pick(self, is_up: Callable[[Node], bool]) -> Pick[Node]:
+        """A prefill and a decode node, each the next one up; both cursors move even if the other has none."""
+        prefill, decode = (self.rings[role].next(is_up) for role in ROLES)
+        if prefill is None:
+            return NoneUp("prefill")
+        if decode is None:
+            return NoneUp("decode")
+        return Route(prefill, decode)
+
+    def after_failure(self, code: ErrorCode, *, attempts: int, emitted: int, closing: bool,
+                      is_up: Callable[[Node], bool]) -> Decision[Node]:
+        """What follows a failed attempt: nodes to fail over to, or how the request ends."""
+        if may_retry(code, attempts=attempts, emitted=emitted, closing=closing, max_attempts=self.max_attempts):
+            return self.pick(is_up)
+        return GiveUp(final_code(code))
