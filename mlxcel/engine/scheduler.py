@@ -473,8 +473,12 @@ class Scheduler:
     def _apply(self, step: Step, outcome: StepOutcome) -> None:
         self._steps_inflight -= 1
         self.counters.inflight_steps = self._steps_inflight
+        # The step no longer names its sequences: whatever ends them now (its outcome, its failure) frees
+        # them at once; those that ended while it was in flight were deferred and are freed here.
         if step.kind == "decode":
             self._group_busy[step.slot] = False
+        elif (seq := self._seqs.get(step.rids[0])) is not None:
+            seq.busy = False
         self._flush_releases(step)
         if isinstance(outcome, BaseException):
             self._step_failed(step, outcome)
@@ -493,7 +497,6 @@ class Scheduler:
         seq = self._seqs.get(step.rids[0])
         if seq is None:  # cancelled while its chunk was in flight
             return
-        seq.busy = False
         if outcome is None:
             return  # an intermediate chunk; the next one follows
         self._move(seq, S.JOINING)
