@@ -29,7 +29,9 @@ A request's state is one field, ``_Sequence.state`` (a ``RequestState``), change
 
 A sequence enters JOINING before its first token is emitted, so that token can end it. A finished
 state is final; a finished sequence leaves ``_seqs``. ``busy`` (a prompt chunk in flight) and
-``group`` (its decode micro-batch) are not states: they say which in-flight step still names it.
+``group`` (its decode micro-batch) are not states: they say which in-flight step still names it;
+both are cleared as that step returns, so a request the step itself ends (its failure included) is
+freed on the executor at once, and one that ended while it was in flight is freed then.
 
 Everything but ``submit``/``cancel``/``stats``/``close`` runs on the scheduler thread, which takes
 its inputs (new requests, cancellations, finished steps) from one queue, so nothing needs locks.
