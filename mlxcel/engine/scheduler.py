@@ -29,7 +29,9 @@ A request's state is one field, ``_Sequence.state`` (a ``RequestState``), change
 
 A sequence enters JOINING before its first token is emitted, so that token can end it. A finished
 state is final; a finished sequence leaves ``_seqs``. ``busy`` (a prompt chunk in flight) and
-``group`` (its decode micro-batch) are not states: they say which in-flight step still names it.
+``group`` (its decode micro-batch) are not states: they say which in-flight step still names it;
+both are cleared as that step returns, so a request the step itself ends (its failure included) is
+freed on the executor at once, and one that ended while it was in flight is freed then.
 
 Everything but ``submit``/``cancel``/``stats``/``close`` runs on the scheduler thread, which takes
 its inputs (new requests, cancellations, finished steps) from one queue, so nothing needs locks.
@@ -473,8 +475,12 @@ class Scheduler:
     def _apply(self, step: Step, outcome: StepOutcome) -> None:
         self._steps_inflight -= 1
         self.counters.inflight_steps = self._steps_inflight
+        # The step no longer names its sequences: whatever ends them now (its outcome, its failure) frees
+        # them at once; those that ended while it was in flight were deferred and are freed here.
         if step.kind == "decode":
             self._group_busy[step.slot] = False
+        elif (seq := self._seqs.get(step.rids[0])) is not None:
+            seq.busy = False
         self._flush_releases(step)
         if isinstance(outcome, BaseException):
             self._step_failed(step, outcome)
@@ -493,7 +499,6 @@ class Scheduler:
         seq = self._seqs.get(step.rids[0])
         if seq is None:  # cancelled while its chunk was in flight
             return
-        seq.busy = False
         if outcome is None:
             return  # an intermediate chunk; the next one follows
         self._move(seq, S.JOINING)

@@ -41,7 +41,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from mlxcel.node.spec import NodeSpecError
+from mlxcel.node.errors import NodeSpecError
 
 _SERVER_KEYS = {"program", "model", "host", "port", "api_key_file", "ssl_certfile", "ssl_keyfile", "threads", "args",
                 "cluster"}

@@ -32,14 +32,11 @@ from pathlib import Path
 from typing import Any
 
 from mlxcel import config as defaults
+from mlxcel.node.errors import NodeSpecError
 
 _KEYS = {"name", "command", "server", "directory", "match", "pidfile", "log", "inputs", "stop_grace_s", "environment",
          "ready"}
 _READY_KEYS = {"url", "timeout_s"}
-
-
-class NodeSpecError(ValueError):
-    """The node TOML is unreadable or invalid; the message names the file and the key."""
 
 
 @dataclass(frozen=True)

@@ -457,6 +457,51 @@ async def test_a_failed_step_ends_its_rows_with_an_error_and_the_other_group_goe
                                                                                                  type_)
 
 
+@pytest.mark.parametrize("exc, status", [
+    (ExecutorError("stage 1 is down", ErrorCode.UNREACHABLE), 503),
+    (RuntimeError("shape mismatch in layer 3"), 500),
+])
+@pytest.mark.parametrize("chunk", ["intermediate", "last"])  # last: the chunk that samples the first token
+@run_async
+async def test_a_failed_prompt_chunk_frees_its_sequence_and_the_next_request_is_served(chunk, exc, status):
+    ex = FakeExecutor()
+    with scheduler(ex, parallel=1, prefill_step=2) as sched:
+        a = sched.submit(request("a", (1, 2, 3, 4, 5)))
+        step = await ex.next_step()
+        if chunk == "last":
+            ex.complete(step)
+            ex.complete(await ex.next_step())
+            step = await ex.next_step()
+        assert (step.kind, step.sample) == ("prefill", chunk == "last")
+        ex.complete(step, exc)
+        tokens, finish = await collect(a)
+        assert tokens == [] and str(exc) in finish.error and http_of(finish).status == status
+        await until(lambda: "a" in ex.released_ids(), "a released")
+        assert ex.released == [("a", None)] and sched._deferred == []  # freed once, its KV not offered
+        b = sched.submit(request("b", max_tokens=2))
+        await ex.drive(lambda: "b" in ex.released_ids())
+        tokens, ok = await collect(b)
+        assert sched.counters.failed_steps == 1 and sched.counters.running == 0
+    assert ok.finish_reason == "length" and len(tokens) == 2
+    assert [s.rids for s in ex.steps if s.kind == "prefill"].count(["a"]) == (1 if chunk == "intermediate" else 3)
+    assert ex.released_ids() == ["a", "b"]
+
+
+@run_async
+async def test_a_prompt_chunk_that_fails_after_its_request_was_cancelled_frees_it_once():
+    ex = FakeExecutor()
+    with scheduler(ex, prefill_step=2) as sched:
+        a = sched.submit(request("a", (1, 2, 3, 4, 5)))
+        chunk = await ex.next_step()
+        a.cancel()
+        await settle()
+        ex.complete(chunk, RuntimeError("boom"))
+        await until(lambda: ex.released == [("a", None)], "a released")
+        await settle()
+        assert ex.released == [("a", None)] and sched._deferred == [] and sched.counters.running == 0
+        assert sched.counters.failed_steps == 1 and len(ex.steps) == 1
+
+
 @run_async
 async def test_a_request_the_executor_cannot_start_fails_alone():
     ex = FakeExecutor(auto=True)
