@@ -1,9 +1,10 @@
 """The ``proc`` marker: a test that starts a process (or whose fixture does) must carry it.
 
 So ``pytest -m "not proc"`` is a fast lane of pure tests. Every child the running test starts
-through ``subprocess`` or ``multiprocessing`` is counted; an unmarked test that started one fails
-and says so (mark its module: ``pytestmark = pytest.mark.proc``). With ``MLXCEL_PROC_RECORD=FILE``
-nothing fails: the node ids of the tests that started a process are appended to FILE instead.
+through ``subprocess`` or ``multiprocessing`` is counted. In a run that selects by the marker (``-m``
+naming ``proc``), an unmarked test that started one fails and says so (mark its module:
+``pytestmark = pytest.mark.proc``); in other runs it is listed at the end of the run. With
+``MLXCEL_PROC_RECORD=FILE`` the node ids of the tests that started a process are appended to FILE.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pytest
 
 RECORD_ENV = "MLXCEL_PROC_RECORD"
 _started: list[str] = []  # what the running test started, by program name
+_unmarked: list[str] = []  # unmarked tests that started one (reported at the end of a run)
 
 
 def _program(args: Any) -> str:
@@ -56,11 +58,24 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):  # type
     report = outcome.get_result()
     if call.when != "teardown" or not _started:
         return
+    programs = ", ".join(sorted(set(_started)))
     record = os.environ.get(RECORD_ENV)
     if record:
         with open(record, "a", encoding="utf-8") as out:
-            out.write(f"{item.nodeid}\t{','.join(sorted(set(_started)))}\n")
-    elif item.get_closest_marker("proc") is None and report.passed:
+            out.write(f"{item.nodeid}\t{programs}\n")
+    if item.get_closest_marker("proc") is not None:
+        return
+    message = (f"{item.nodeid} started {len(_started)} process(es) ({programs}) but is not marked proc: "
+               "add `pytestmark = pytest.mark.proc` to its module")
+    if "proc" in (item.config.getoption("markexpr") or "") and report.passed:
         report.outcome = "failed"
-        report.longrepr = (f"{item.nodeid} started {len(_started)} process(es) ({', '.join(sorted(set(_started)))}) "
-                           "but is not marked proc: add `pytestmark = pytest.mark.proc` to its module")
+        report.longrepr = message
+    else:
+        _unmarked.append(message)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if _unmarked:
+        terminalreporter.write_sep("=", "tests that start processes without the proc marker")
+        for message in _unmarked:
+            terminalreporter.write_line(message)

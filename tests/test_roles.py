@@ -18,6 +18,8 @@ from mlxcel.roles import ROLES, Role, select_role
 from mlxcel.topology.names import ROLE_NAMES
 from tests.pipeline.cluster import LocalCluster
 
+pytestmark = pytest.mark.proc  # starts processes (tests/proc_marker.py)
+
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, tiny_llama) -> LocalCluster:

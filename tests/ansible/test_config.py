@@ -18,7 +18,7 @@ from mlxcel.topology.cluster_config import load_cluster_config
 from mlxcel.topology.partition import PartitionError, parse_layer_ranges
 from tests.ansible.playbook import HOSTS, REPO, Deployment
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.proc]
 
 
 def _inventory(path: Path, host_vars: dict[str, dict]) -> str:

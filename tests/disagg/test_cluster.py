@@ -28,6 +28,8 @@ from mlxcel.error_codes import ErrorCode
 from tests.disagg.cluster import DECODE_HOSTS, DisaggCluster, RoleNode
 from tests.server.util import ServerProcess
 
+pytestmark = pytest.mark.proc  # starts processes (tests/proc_marker.py)
+
 STEP_DELAY = "0.03"  # decode nodes sleep this long per step, so requests stay in flight while we act
 FORGER_IP, FAKE_ROUTER_IP, EXFIL_IP = "127.0.0.30", "127.0.0.31", "127.0.0.32"
 CHATS = ["Hello there", "The capital of France is", "Write one short sentence about the sea, please."]

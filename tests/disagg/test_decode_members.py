@@ -25,6 +25,8 @@ from mlxcel.error_codes import ErrorCode
 from tests.disagg.cluster import FAST, RoleNode
 from tests.pipeline.cluster import free_port, write_secret
 
+pytestmark = pytest.mark.proc  # starts processes (tests/proc_marker.py)
+
 DECODE_IP, IDLER_IP, HONEST_IP, PROBER_IP = "127.0.0.50", "127.0.0.51", "127.0.0.52", "127.0.0.53"
 LAYOUT = KVLayout(tuple(LayerSpec(CacheKind.KV, DType.FLOAT32, 2, 16, 16) for _ in range(4)))  # tiny_llama's
 PROMPT = (1, 2, 3)

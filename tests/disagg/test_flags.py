@@ -20,6 +20,8 @@ from mlxcel.errors import CLIError
 from mlxcel.topology.cluster_config import ClusterConfigError, load_cluster_config
 from mlxcel.roles import select_role
 
+pytestmark = pytest.mark.proc  # starts processes (tests/proc_marker.py)
+
 NO_SECRET_ENV = {k: v for k, v in os.environ.items() if not k.startswith("MLXCEL_CLUSTER_SECRET")}
 
 

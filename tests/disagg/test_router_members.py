@@ -25,6 +25,8 @@ from mlxcel.models.identity import model_identity
 from tests.disagg.cluster import RoleNode
 from tests.pipeline.cluster import free_port, write_secret
 
+pytestmark = pytest.mark.proc  # starts processes (tests/proc_marker.py)
+
 DOC = Path(__file__).resolve().parents[2] / "docs" / "disagg.md"
 ROUTER_IP, PREFILL_IP, WRONG_IP, ABSENT_IP, DECODE_IP = (f"127.0.0.{i}" for i in range(40, 45))
 

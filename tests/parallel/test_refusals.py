@@ -20,6 +20,8 @@ from mlxcel.parallel.errors import HostfileError, ShardRefusal, TPError
 from mlxcel.parallel.options import prepare_tp
 from mlxcel.parallel.plan import check_shardable
 
+pytestmark = pytest.mark.proc  # starts processes (tests/proc_marker.py)
+
 CLI = [sys.executable, "-m", "mlxcel"]
 SMOLLM2 = {"model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9,
            "num_key_value_heads": 3, "head_dim": 64}

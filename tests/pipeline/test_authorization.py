@@ -56,7 +56,7 @@ from tests.pipeline.members import (
     start_stage,
 )
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.proc]
 
 PROMPT = [1, 40, 41, 42, 43]
 N = 5  # tokens per sequence: prefill + 4 decode steps

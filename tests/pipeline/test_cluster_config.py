@@ -14,6 +14,8 @@ from mlxcel.commands.serve import cluster_node
 from tests.commands.test_cli import assert_one_line_error, mlxcel
 from tests.pipeline.cluster_toml import COORDINATOR_AND_STAGE_0, write_toml
 
+pytestmark = pytest.mark.proc  # starts processes (tests/proc_marker.py)
+
 GOOD = """
 [cluster]
 name = "c1"

@@ -11,6 +11,8 @@ import pytest
 
 from tests.commands.test_cli import assert_one_line_error, mlxcel
 
+pytestmark = pytest.mark.proc  # starts processes (tests/proc_marker.py)
+
 
 _single: dict[str, str] = {}
 

@@ -21,6 +21,8 @@ from mlxcel.topology.partition import PartitionError
 from tests.pipeline.cluster_toml import COORDINATOR_AND_STAGE_0, write_toml
 from tests.pipeline.test_partition import make_checkpoint
 
+pytestmark = pytest.mark.proc  # starts processes (tests/proc_marker.py)
+
 LAYERS = 4
 ACCEPTED = ["0-3", " 0 - 3 ", "0 -3", "00-03", "0\t-\t3"]
 REFUSED = {  # text -> the reason every surface gives

@@ -48,7 +48,7 @@ from tests.pipeline.members import (
 )
 from tests.server.util import metrics
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.proc]
 
 VOCAB = 320
 N = 4  # tokens generated per sequence
