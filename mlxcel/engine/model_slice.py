@@ -5,36 +5,34 @@ run one slice each; a single device runs mlx-lm's whole model, not a slice. Slic
 mlx-lm's modules without copying them.
 
 A slice re-implements the part of a family's forward pass around its decoder
-layers (embedding, attention masks, norm and head), so it is only right for
-families whose forward it reproduces. Those are listed in ``FAMILIES`` by the
-mlx-lm module that implements them (a checkpoint's ``model_type`` may map onto
-one, e.g. mistral onto llama), each tested against the whole model. Any other
-family is refused by name: gemma3, for one, scales its embeddings by
-sqrt(hidden) and picks sliding layers by index, which a generic slice would
+layers, over mlx-lm's common module structure (``model.model.embed_tokens``,
+``model.model.layers``, ``model.model.norm``, ``model.lm_head`` or the tied
+embedding, ``model.make_cache``). Where a family differs, a small hook in its
+``Family`` row says how: the embedding (gemma3 scales it by sqrt(hidden)), the
+kind of attention of a layer by its ABSOLUTE index (full, sliding window of n,
+or linear attention; a slice of layers [start, end) asks for start + i), and
+masks as arrays (deepseek_v3's MLA). MoE blocks, attention sinks and dense
+leading layers live inside mlx-lm's layers and need no hook. The rows are
+keyed by the mlx-lm module that implements the family (a checkpoint's
+``model_type`` may map onto one, e.g. mistral onto llama), each tested against
+the whole model (tests/engine/test_families.py). Any other family is refused by
+name: gemma2, for one, soft-caps its logits, which a generic slice would
 silently get wrong.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Hashable
 
 import mlx.core as mx
-from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 from mlx_lm.models.cache import KVCache
 
 from mlxcel.models.errors import ModelError
 
 MLX_LM_MODELS = "mlx_lm.models."
-
-
-@dataclass(frozen=True)
-class Family:
-    """How one mlx-lm family begins and ends its forward pass around the decoder layers."""
-
-    embed: Callable[[Any, mx.array], mx.array]  # (model, token ids [B, L]) -> hidden states [B, L, D]
-    head: Callable[[Any, mx.array], mx.array]  # (model, hidden states) -> logits (final norm included)
-    window: Callable[[Any, Any], int | None]  # (model, layer) -> its sliding window, None for full attention
+LINEAR = "linear"  # the attention kind of a linear-attention (state-space) layer: an SSM mask, no window
 
 
 def _embed_tokens(model: Any, inputs: mx.array) -> mx.array:
@@ -42,27 +40,70 @@ def _embed_tokens(model: Any, inputs: mx.array) -> mx.array:
 
 
 def _norm_and_head(model: Any, h: mx.array) -> mx.array:
-    """Final RMSNorm, then lm_head, or the embedding as the head when the checkpoint ties them."""
+    """Final norm, then lm_head, or the embedding as the head where the model has no lm_head (tied)."""
     h = model.model.norm(h)
-    if model.args.tie_word_embeddings:
-        return model.model.embed_tokens.as_linear(h)
-    return model.lm_head(h)
+    if "lm_head" in model:  # mlx-lm builds (or, in sanitize, keeps) lm_head only for untied checkpoints
+        return model.lm_head(h)
+    return model.model.embed_tokens.as_linear(h)
 
 
-def _full_attention(model: Any, layer: Any) -> int | None:
+def _full_attention(model: Any, index: int) -> Hashable:
     return None
 
 
-def _llama_window(model: Any, layer: Any) -> int | None:
-    """llama's layer_types may mark layers "sliding_attention" (TransformerBlock.use_sliding)."""
-    return model.model.sliding_window if layer.use_sliding else None
+@dataclass(frozen=True)
+class Family:
+    """How one mlx-lm family's forward pass differs from the generic one around its decoder layers."""
 
+    embed: Callable[[Any, mx.array], mx.array] = _embed_tokens  # (model, token ids [B, L]) -> hidden [B, L, D]
+    head: Callable[[Any, mx.array], mx.array] = _norm_and_head  # (model, hidden) -> logits (final norm included)
+    # (model, absolute layer index) -> the layer's attention kind: None (full), a sliding window's size, or LINEAR
+    attention: Callable[[Any, int], Hashable] = _full_attention
+    array_masks: bool = False  # masks as arrays, never "causal" (as the family's own forward asks for them)
+
+
+def _llama_attention(model: Any, index: int) -> Hashable:
+    """llama's layer_types may mark layers "sliding_attention" (TransformerBlock.use_sliding)."""
+    return model.model.sliding_window if model.model.layers[index].use_sliding else None
+
+
+def _gemma3_embed(model: Any, inputs: mx.array) -> mx.array:
+    h = model.model.embed_tokens(inputs)
+    return h * mx.array(model.args.hidden_size**0.5, mx.bfloat16).astype(h.dtype)  # as Gemma3Model: via bfloat16
+
+
+def _gemma3_attention(model: Any, index: int) -> Hashable:
+    """Every sliding_window_pattern-th layer (counting from 1) is global; the others slide."""
+    pattern = model.args.sliding_window_pattern
+    return None if index % pattern == pattern - 1 else model.args.sliding_window
+
+
+def _gpt_oss_attention(model: Any, index: int) -> Hashable:
+    return model.model.window_size if model.model.layer_types[index] == "sliding_attention" else None
+
+
+def _linear_or_full(model: Any, index: int) -> Hashable:
+    """Hybrid linear-attention families (qwen3_next): the layer's own is_linear, set from its absolute index."""
+    return LINEAR if model.model.layers[index].is_linear else None
+
+
+GENERIC = Family()
 
 # Keyed by the mlx-lm module (mlx_lm.models.<name>) whose Model the checkpoint loads into.
 FAMILIES: dict[str, Family] = {
-    "llama": Family(_embed_tokens, _norm_and_head, _llama_window),
-    "qwen2": Family(_embed_tokens, _norm_and_head, _full_attention),
-    "qwen3": Family(_embed_tokens, _norm_and_head, _full_attention),
+    "llama": Family(attention=_llama_attention),
+    "qwen2": GENERIC,
+    "qwen3": GENERIC,
+    "qwen3_moe": GENERIC,
+    "mixtral": GENERIC,
+    "phi3": GENERIC,
+    "gemma3_text": Family(embed=_gemma3_embed, attention=_gemma3_attention),
+    # MLA caches latents in a KVCache and adds the mask to its rope scores, so it must be an array; the dense
+    # leading layers (first_k_dense_replace) are chosen inside each layer, by its own index
+    "deepseek_v3": Family(array_masks=True),
+    "gpt_oss": Family(attention=_gpt_oss_attention),  # attention sinks live in the attention module
+    "glm4_moe": GENERIC,
+    "qwen3_next": Family(attention=_linear_or_full),
 }
 
 
@@ -76,6 +117,13 @@ def family_of(model: Any) -> Family:
         raise ModelError(f"model family {kind!r} cannot be sliced into pipeline stages "
                          f"(supported: {', '.join(sorted(FAMILIES))})")
     return family
+
+
+def make_mask(h: mx.array, cache: Any, kind: Hashable, array: bool = False) -> Any:
+    """The mask mlx-lm's forward builds for layers of attention ``kind`` (see ``Family.attention``)."""
+    if kind == LINEAR:
+        return create_ssm_mask(h, cache)
+    return create_attention_mask(h, cache, window_size=kind, return_array=array)
 
 
 @dataclass
@@ -116,11 +164,10 @@ class ModelSlice:
         """Token ids [B, L] (first slice) or hidden states [B, L, D] -> hidden states or logits."""
         h = self.family.embed(self.model, inputs) if self.is_first else inputs
         cache = cache if cache is not None else [None] * (self.end - self.start)
-        masks: dict[int | None, Any] = {}
-        for layer, layer_cache in zip(self.layers, cache):
-            window = self.family.window(self.model, layer)
-            if window not in masks:  # as mlx-lm: one mask per attention kind, from its first layer's cache
-                masks[window] = create_attention_mask(h, layer_cache, window_size=window)
-            h = layer(h, masks[window], cache=layer_cache)
+        masks: dict[Hashable, Any] = {}
+        for index, layer, layer_cache in zip(range(self.start, self.end), self.layers, cache):
+            kind = self.family.attention(self.model, index)
+            if kind not in masks:  # as mlx-lm: one mask per attention kind, from its first layer's cache
+                masks[kind] = make_mask(h, layer_cache, kind, self.family.array_masks)
+            h = layer(h, masks[kind], cache=layer_cache)
         return self.family.head(self.model, h) if self.is_last else h
-

@@ -1,7 +1,11 @@
-"""Tiny random-weight checkpoints (llama, qwen3) for tests, benchmarks and cluster rehearsals.
+"""Tiny random-weight checkpoints of mlx-lm families (``RANDOM_FAMILIES``) for tests, benchmarks and rehearsals.
 
 They load through the same path as real checkpoints; their output is noise by
 construction, but shapes, caches, slicing and transport behave as for real ones.
+Each is built by mlx-lm's own ModelArgs and Model classes from a config.json that
+holds the common fields (``_config``) and the family's own (``FAMILY_FIELDS``):
+few experts, small windows and ranks, so that every kind of layer the family has
+(MoE, dense leading layers, sliding, global and linear attention) appears in 4 layers.
 """
 
 from __future__ import annotations
@@ -38,24 +42,68 @@ def _tokenizer_json() -> dict:
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
 
+def _family_fields(family: str, hidden: int, head_dim: int, intermediate: int) -> dict:
+    """The fields ``family``'s ModelArgs needs beyond the common ones, at a tiny scale."""
+    moe = max(intermediate // 2, 8)
+    fields: dict[str, dict] = {
+        "llama": {}, "qwen2": {}, "qwen3": {},
+        "phi3": {"pad_token_id": 0},  # transformers' Phi3Config would default it to 32000, outside the vocabulary
+        "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                      "moe_intermediate_size": moe, "norm_topk_prob": True},
+        "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+        # global attention every 2nd layer, the others a window of 4 (so a few decode steps wrap it)
+        "gemma3_text": {"sliding_window": 4, "sliding_window_pattern": 2, "query_pre_attn_scalar": head_dim,
+                        "rope_local_base_freq": 10000.0},
+        # MLA with small ranks; layer 0 dense (first_k_dense_replace), the others MoE with a shared expert
+        "deepseek_v3": {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
+                        "moe_intermediate_size": moe, "first_k_dense_replace": 1, "kv_lora_rank": 32,
+                        "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
+                        "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0, "norm_topk_prob": True},
+        # attention sinks, sliding and full attention alternating, a window of 4
+        "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 4},
+        "glm4_moe": {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
+                     "moe_intermediate_size": moe, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
+                     "routed_scaling_factor": 1.0, "norm_topk_prob": True, "use_qk_norm": True,
+                     "partial_rotary_factor": 0.5, "attention_bias": False, "rope_scaling": None},
+        # linear attention (gated delta net) in layers 0 and 2, full attention in 1 and 3
+        "qwen3_next": {"linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 16,
+                       "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "num_experts": 4,
+                       "num_experts_per_tok": 2, "decoder_sparse_step": 1, "shared_expert_intermediate_size": moe,
+                       "mlp_only_layers": [], "moe_intermediate_size": moe, "partial_rotary_factor": 0.25,
+                       "full_attention_interval": 2, "norm_topk_prob": True},
+    }
+    if family not in fields:
+        raise ValueError(f"family must be one of {', '.join(RANDOM_FAMILIES)}, got {family!r}")
+    return fields[family]
+
+
+# The families make-random builds (mlx-lm model_type names).
+RANDOM_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "phi3", "gemma3_text", "deepseek_v3", "gpt_oss",
+                   "glm4_moe", "qwen3_next")
+TIED = {"qwen2", "qwen3", "gemma3_text"}  # families whose checkpoints share the embedding as the head
+
+
 def _config(family: str, layers: int, hidden: int, heads: int, kv_heads: int, vocab: int,
             intermediate: int | None, head_dim: int | None) -> dict:
+    head_dim = head_dim or hidden // heads
+    intermediate = intermediate or hidden * 2
     config = {
         "model_type": family,
         "hidden_size": hidden,
-        "intermediate_size": intermediate or hidden * 2,
+        "intermediate_size": intermediate,
         "num_hidden_layers": layers,
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
-        "head_dim": head_dim or hidden // heads,
+        "head_dim": head_dim,
         "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0,
         "vocab_size": vocab,
         "max_position_embeddings": 2048,
-        "tie_word_embeddings": family == "qwen3",
+        "tie_word_embeddings": family in TIED,
         "bos_token_id": None,
         "eos_token_id": 2,
     }
+    config.update(_family_fields(family, hidden, head_dim, intermediate))
     return config
 
 
@@ -81,7 +129,8 @@ def make_random_checkpoint(
     widens the embedding and head, which is what benchmarks of a model's shape need. ``dtype``
     (float32, bfloat16, float16) is that of every weight, and of a quantized model's scales and
     biases, so a "4-bit bfloat16" model computes in bfloat16 like a real one; ``head_dim``
-    defaults to hidden / heads (Qwen3-0.6B: hidden 1024, 16 heads, head_dim 128).
+    defaults to hidden / heads (Qwen3-0.6B: hidden 1024, 16 heads, head_dim 128). ``family`` is
+    one of ``RANDOM_FAMILIES``.
     """
     from mlx_lm.utils import _get_classes
 
@@ -104,6 +153,8 @@ def make_random_checkpoint(
         nn.quantize(model, group_size=group_size, bits=quantize_bits)
         config["quantization"] = {"group_size": group_size, "bits": quantize_bits}
     weights = dict(tree_flatten(model.parameters()))
+    if family == "gemma3_text":  # tied as real gemma3 checkpoints: no lm_head, which mlx-lm's sanitize then drops
+        weights.pop("lm_head.weight")
     mx.eval(weights)
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     (out / "config.json").write_text(json.dumps(config, indent=2))

@@ -1,0 +1,162 @@
+"""Every family ModelSlice claims, one row each: pipeline slices give the whole model's logits and tokens.
+
+Each row is a tiny ``mlxcel models make-random`` checkpoint (mlx-lm's own classes, the real tokenizer
+files), loaded as a real one, and the cache types its layers must get (which says the family's
+layer kinds: sliding windows, global and linear attention, chosen by absolute layer index). For each:
+2 and 3 stages (split by ``plan_stages`` over the checkpoint's headers), chained in process, give
+the whole model's float32 logits within 1e-4 over a prompt and a few decode steps over their caches,
+with the same greedy tokens; and ``mlxcel generate --pp-size 2`` prints the text it prints without.
+Adding a family is one row here (plus its fields in ``random_checkpoint._family_fields`` and, where
+its forward differs from the generic one, a hook in ``model_slice.FAMILIES``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
+
+from mlxcel.cli import main
+from mlxcel.engine.model_slice import FAMILIES, ModelSlice, family_of
+from mlxcel.models.loading import load_checkpoint
+from mlxcel.models.random_checkpoint import RANDOM_FAMILIES, make_random_checkpoint
+from mlxcel.topology.partition import layer_costs, plan_stages
+
+KV, ROT, SSM = KVCache, RotatingKVCache, ArraysCache
+# family (model_type) -> the cache type of each of its 4 layers
+TABLE: dict[str, list[type]] = {
+    "llama": [KV] * 4,
+    "qwen2": [KV] * 4,
+    "qwen3": [KV] * 4,
+    "qwen3_moe": [KV] * 4,
+    "mixtral": [KV] * 4,
+    "phi3": [KV] * 4,
+    "gemma3_text": [ROT, KV, ROT, KV],  # every 2nd layer global, the others a window of 4
+    "deepseek_v3": [KV] * 4,  # MLA; layer 0 dense (first_k_dense_replace 1), the others MoE
+    "gpt_oss": [ROT, KV, ROT, KV],  # sliding / full alternating, attention sinks
+    "glm4_moe": [KV] * 4,  # layer 0 dense, the others MoE
+    "qwen3_next": [SSM, KV, SSM, KV],  # gated delta net (linear attention) / full attention
+}
+PROMPT = [[5, 17, 90, 3, 42, 7], [7, 7, 1, 60, 33, 2]]
+STEPS = 5  # decode steps after the prompt: 11 positions, so the windows of 4 wrap
+
+
+def test_table_is_every_sliceable_family_and_every_random_one():
+    """A family sliced but untested, or built by make-random but not sliced, fails here."""
+    modules = {type(load_model(family)).__module__.rsplit(".", 1)[1] for family in TABLE}
+    assert modules == set(FAMILIES)
+    assert set(TABLE) == set(RANDOM_FAMILIES)
+
+
+_checkpoints: dict[str, Path] = {}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory):
+    def get(family: str) -> Path:
+        if family not in _checkpoints:
+            _checkpoints[family] = make_random_checkpoint(tmp_path_factory.mktemp(family), family=family, layers=4)
+        return _checkpoints[family]
+
+    yield get
+    _checkpoints.clear()
+
+
+def load_model(family: str):
+    """The family's mlx-lm Model built in memory (the table check needs only its class)."""
+    from mlx_lm.utils import _get_classes
+
+    from mlxcel.models.random_checkpoint import _config
+
+    config = _config(family, 4, 64, 4, 2, 320, None, None)
+    model_cls, args_cls = _get_classes(config)
+    return model_cls(args_cls.from_dict(config))
+
+
+def run_slices(slices, caches, x):
+    for piece, cache in zip(slices, caches):
+        x = piece(x, cache)
+    return x
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("family", sorted(TABLE))
+def test_slices_give_the_whole_models_logits_and_tokens(checkpoints, family, stages):
+    path = checkpoints(family)
+    model = load_checkpoint(path).model
+    family_of(model)  # claimed, not refused
+    ranges = [(s.start, s.end) for s in plan_stages(layer_costs(path), stages)]
+    assert len(ranges) == stages and ranges[0][0] == 0 and ranges[-1][1] == 4
+    slices = [ModelSlice(model, a, b) for a, b in ranges]
+    caches = [s.make_cache() for s in slices]
+    whole_cache = make_prompt_cache(model)
+    assert [type(c) for cache in caches for c in cache] == [type(c) for c in whole_cache] == TABLE[family]
+    x = mx.array(PROMPT)
+    whole_tokens, sliced_tokens = [], []
+    for _ in range(STEPS + 1):
+        expected = model(x, cache=whole_cache)
+        got = run_slices(slices, caches, x)
+        assert got.dtype == expected.dtype == mx.float32
+        assert got.shape == expected.shape == (2, x.shape[1], 320)
+        assert float(mx.abs(got - expected).max()) <= 1e-4
+        whole_tokens.append(mx.argmax(expected[:, -1], axis=-1))
+        sliced_tokens.append(mx.argmax(got[:, -1], axis=-1))
+        x = sliced_tokens[-1][:, None]
+    assert np.array_equal(np.array(mx.stack(sliced_tokens)), np.array(mx.stack(whole_tokens)))
+
+
+@pytest.mark.parametrize("family", sorted(TABLE))
+def test_generate_pp_size_2_prints_the_same_tokens(checkpoints, capsys, family):
+    args = ["generate", "-m", str(checkpoints(family)), "-p", "hello world", "--raw", "-n", "4"]
+    assert main(args) == 0
+    whole = capsys.readouterr()
+    assert main([*args, "--pp-size", "2"]) == 0
+    piped = capsys.readouterr()
+    assert "pipeline: stage 0 layers 0-1, stage 1 layers 2-3" in piped.err and "pipeline:" not in whole.err
+    assert "decode: 4 tokens" in whole.err and "decode: 4 tokens" in piped.err
+    assert piped.out == whole.out
+
+
+def stage_tokens(runners, prompts: dict[str, list[int]], steps: int) -> dict[str, list[int]]:
+    """Greedy tokens through a chain of SliceRunners (what remote stages run): each prompt prefilled
+    alone, then ``steps`` decode steps of all rows in one micro-batch (batched caches, left-padded)."""
+    out: dict[str, list[int]] = {}
+    for rid, prompt in prompts.items():
+        x = mx.array([prompt])
+        for runner in runners:
+            runner.prepare(rid)
+            x = runner.prefill(rid, x, sample=True)
+        out[rid] = [x[0].token]
+    rids = list(prompts)
+    for _ in range(steps):
+        x = mx.array([[out[r][-1]] for r in rids])
+        for runner in runners:
+            x = runner.decode(0, rids, x)
+        for r, s in zip(rids, x):
+            out[r].append(s.token)
+    return out
+
+
+@pytest.mark.parametrize("family", sorted(TABLE))
+def test_stage_runners_decode_a_micro_batch_as_the_whole_model(checkpoints, family):
+    from mlxcel.engine.executor import slice_runner, whole_model_runner
+
+    model = load_checkpoint(checkpoints(family)).model
+    prompts = {"a": PROMPT[0], "b": PROMPT[1][:4]}  # different lengths: the shorter row is left-padded
+    whole = stage_tokens([whole_model_runner(model, max_rows=4)], prompts, STEPS)
+    staged = stage_tokens([slice_runner(model, 0, 2, max_rows=4), slice_runner(model, 2, 4, max_rows=4)],
+                          prompts, STEPS)
+    assert staged == whole and all(len(t) == STEPS + 1 for t in whole.values())
+
+
+def test_deepseek_v3_needs_array_masks(checkpoints):
+    """Why its hook matters: MLA adds the mask to its scores, and the generic "causal" string cannot be added."""
+    from mlxcel.engine.model_slice import Family
+
+    whole = ModelSlice(load_checkpoint(checkpoints("deepseek_v3")).model, 0, 4)
+    whole.family = Family()
+    with pytest.raises(ValueError):
+        whole(mx.array([PROMPT[0]]))
