@@ -11,7 +11,7 @@ from typing import Callable, Sequence
 
 from mlxcel import __version__
 from mlxcel.config import (DEFAULT_MAX_TOKENS, DEFAULT_MODEL_DIR, DEFAULT_PP_MICRO_BATCH_SIZE, DEFAULT_PP_SIZE,
-                           MAX_PP_MICRO_BATCH_SIZE, positive_int)
+                           MAX_PP_MICRO_BATCH_SIZE, RANDOM_FAMILIES, positive_int)
 from mlxcel.errors import CLIError
 
 __all__ = ["CLIError", "DEFAULT_MODEL_DIR", "build_parser", "main", "positive_int", "server_main"]
@@ -200,7 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.set_defaults(func=_cmd_info)
     r = msub.add_parser("make-random", help="write a tiny random-weight checkpoint (for tests and rehearsals)")
     r.add_argument("out_dir")
-    r.add_argument("--family", choices=["llama", "qwen3"], default="llama")
+    r.add_argument("--family", choices=RANDOM_FAMILIES, default="llama",
+                   help="an mlx-lm model family, built with its own classes (default llama)")
     r.add_argument("--layers", type=positive_int, default=4)
     r.add_argument("--hidden", type=positive_int, default=64)
     r.add_argument("--heads", type=positive_int, default=4)
