@@ -157,9 +157,10 @@ class RemoteDriver:
                  micro_batch: int | None = None):
         from mlxcel.cluster.secret import load_secret
         from mlxcel.engine.scheduler import Scheduler
-        from mlxcel.pipeline.cluster_config import load_cluster_config
+        from mlxcel.topology.cluster_config import load_cluster_config
         from mlxcel.pipeline.coordinator import PipelineExecutor
-        from mlxcel.pipeline.runtime import model_facts, resolve_layers
+        from mlxcel.models.facts import model_facts
+        from mlxcel.topology.distributed import resolve_layers
 
         facts = model_facts(model_dir)
         config = resolve_layers(load_cluster_config(cluster_toml), model_dir, facts.num_layers)

@@ -11,7 +11,7 @@ from typing import Callable, Sequence
 
 from mlxcel import __version__
 from mlxcel.config import (DEFAULT_MAX_TOKENS, DEFAULT_MODEL_DIR, DEFAULT_PP_MICRO_BATCH_SIZE, DEFAULT_PP_SIZE,
-                           MAX_PP_MICRO_BATCH_SIZE, positive_int)
+                           MAX_PP_MICRO_BATCH_SIZE, RANDOM_FAMILIES, positive_int)
 from mlxcel.errors import CLIError
 
 __all__ = ["CLIError", "DEFAULT_MODEL_DIR", "build_parser", "main", "positive_int", "server_main"]
@@ -55,7 +55,7 @@ def check_pipeline_flags(args: argparse.Namespace) -> None:
     """Flag combinations of ``generate``'s pipeline flags; the model's layer count is checked once it loads.
 
     ``--pp-layers`` without ``--pp-size`` sets ``pp_size`` to the number of ranges."""
-    from mlxcel.pipeline.partition import PartitionError, parse_range_text
+    from mlxcel.topology.partition import PartitionError, parse_range_text
 
     if args.pp_layers is not None:
         try:
@@ -138,13 +138,13 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from mlxcel.server.launch import run_server
+    from mlxcel.commands.serve import run_server
 
     return run_server(args)
 
 
 def _add_server_parser(sub: argparse._SubParsersAction) -> None:
-    from mlxcel.server.launch import add_server_arguments
+    from mlxcel.commands.serve import add_server_arguments
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (same as mlxcel-server)")
     add_server_arguments(p)
@@ -200,7 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.set_defaults(func=_cmd_info)
     r = msub.add_parser("make-random", help="write a tiny random-weight checkpoint (for tests and rehearsals)")
     r.add_argument("out_dir")
-    r.add_argument("--family", choices=["llama", "qwen3"], default="llama")
+    r.add_argument("--family", choices=RANDOM_FAMILIES, default="llama",
+                   help="an mlx-lm model family, built with its own classes (default llama)")
     r.add_argument("--layers", type=positive_int, default=4)
     r.add_argument("--hidden", type=positive_int, default=64)
     r.add_argument("--heads", type=positive_int, default=4)
@@ -272,7 +273,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def server_main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``mlxcel-server``: the same as ``mlxcel serve``."""
-    from mlxcel.server.launch import add_server_arguments
+    from mlxcel.commands.serve import add_server_arguments
 
     parser = argparse.ArgumentParser(prog="mlxcel-server", description="OpenAI-compatible server for mlxcel.")
     parser.add_argument("--version", action="version", version=f"mlxcel {__version__}")

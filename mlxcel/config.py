@@ -88,6 +88,12 @@ DEFAULT_NODE_STOP_GRACE_S = 10.0  # SIGTERM, then SIGKILL after this long
 DEFAULT_DRAIN_TIMEOUT_S = 5.0
 
 # Compute threads (``--threads``, ``MLXCEL_THREADS``; mlxcel/threads.py)
+#: the families ``mlxcel models make-random`` builds (mlx-lm model_type names; mlxcel/models/random_checkpoint.py)
+RANDOM_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "phi3", "gemma3_text", "deepseek_v3", "gpt_oss",
+                   "glm4_moe", "qwen3_next")
+#: the OpenAI port's API keys from the environment (a file of keys, or the keys themselves); see docs/server.md
+ENV_KEY_FILE = "MLXCEL_API_KEY_FILE"
+ENV_KEY = "MLXCEL_API_KEY"
 THREADS_ENV = "MLXCEL_THREADS"  # the budget before the flags are read (applied when OpenBLAS loads)
 MAX_THREADS = 256  # bound on a thread budget
 # An idle OpenBLAS worker spins (sched_yield) for 2**N TSC cycles before it sleeps. OpenBLAS's own

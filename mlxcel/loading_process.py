@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from typing import Any, Callable
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from mlxcel.process import ExitSwitch, RoleContext, http_server
+from mlxcel.process import Endpoint, ExitSwitch, http_server
 
 
 class LoadingProcess:
@@ -31,6 +32,23 @@ class LoadingProcess:
     def _fail(self, message: str, on_fatal: Callable[[str], None]) -> None:
         self.state, self.error = "failed", message
         on_fatal(message)
+
+    def start_service(self, build: Callable[[], Any], *, who: str, address: object,
+                      on_fatal: Callable[[str], None]) -> float | None:
+        """Build the service and start it: ready, with the seconds it took; or failed with one line
+        naming ``who`` (and ``address`` when it cannot listen there), then None."""
+        start = time.perf_counter()
+        try:
+            service = build()
+            service.start()
+        except OSError as exc:
+            self._fail(f"{who}: cannot listen on {address}: {exc.strerror or exc}", on_fatal)
+            return None
+        except Exception as exc:  # noqa: BLE001 - one line, then exit
+            self._fail(f"{who}: {exc}", on_fatal)
+            return None
+        self._ready(service)
+        return time.perf_counter() - start
 
     def health_body(self) -> dict[str, Any]:
         """The role's /health JSON (``status`` is ``self.state``)."""
@@ -51,17 +69,16 @@ def health_app(process: LoadingProcess, title: str) -> FastAPI:
     return app
 
 
-def serve_loading(context: RoleContext, process: LoadingProcess, title: str, load: Callable[[ExitSwitch], None],
+def serve_loading(endpoint: Endpoint, process: LoadingProcess, title: str, load: Callable[[ExitSwitch], None],
                   thread_name: str, banner: str) -> int:
     """Serve /health, run ``load(switch)`` on a thread, print ``banner`` and the health URL; the exit code."""
     switch = ExitSwitch()
-    server = http_server(health_app(process, title), switch, log_level=context.args.log_level,
-                         uvicorn_options=context.access.uvicorn_options())
+    server = http_server(health_app(process, title), switch, endpoint)
     threading.Thread(target=load, args=(switch,), name=thread_name, daemon=True).start()
-    host, port = context.address
+    host, port = endpoint.address
     print(f"{banner}, health on http://{host}:{port}/health", file=sys.stderr, flush=True)
     try:
-        server.run(sockets=[context.sock])
+        server.run(sockets=[endpoint.sock])
     finally:
         process.close()
     return switch.exit_code()

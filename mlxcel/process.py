@@ -1,40 +1,39 @@
 """Process plumbing shared by every role: the listening socket, the exit switch, the uvicorn server, the exit.
 
-Neutral ground: roles (``mlxcel/roles.py`` lists them) import this module; it imports no role.
+Neutral ground: roles (``mlxcel/roles/`` lists them) and the HTTP library (``mlxcel/server/``) import this
+module; it imports neither.
 """
 
 from __future__ import annotations
 
-import argparse
 import errno
 import os
 import socket
 import sys
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NoReturn
+from dataclasses import dataclass, field
+from typing import Any, Mapping, NoReturn
 
 from mlxcel.errors import CLIError
 
-if TYPE_CHECKING:
-    from mlxcel.pipeline.runtime import Distributed
-    from mlxcel.server.access import AccessConfig
-    from mlxcel.server.runtime import ServerConfig
-
 
 @dataclass(frozen=True)
-class RoleContext:
-    """Everything a role's ``run`` gets: checked flags and configuration, and the socket already bound."""
+class Endpoint:
+    """A role's bound HTTP socket and how uvicorn serves on it (TLS files, log level, drain bound)."""
 
-    args: argparse.Namespace
-    config: ServerConfig
-    dist: Distributed | None
-    access: AccessConfig
     sock: socket.socket
+    scheme: str = "http"
+    log_level: str = "info"
+    drain_timeout_s: float | None = None
+    uvicorn_options: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def address(self) -> tuple[str, int]:
         host, port = self.sock.getsockname()[:2]
         return host, port
+
+    def url(self, path: str = "") -> str:
+        host, port = self.address
+        return f"{self.scheme}://{host}:{port}{path}"
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -95,13 +94,15 @@ def server_class() -> type:
     return Server
 
 
-def http_server(app: Any, switch: ExitSwitch, *, log_level: str, uvicorn_options: dict[str, Any],
-                graceful_shutdown_s: float | None = None) -> Any:
-    """The uvicorn server of ``app`` (access log only at debug), registered with ``switch``."""
+def http_server(app: Any, switch: ExitSwitch, endpoint: Endpoint, *, drain: bool = False) -> Any:
+    """The uvicorn server of ``app`` on ``endpoint`` (access log only at debug), registered with ``switch``;
+    ``drain``: on SIGINT/SIGTERM requests in flight get ``endpoint.drain_timeout_s`` to finish."""
     import uvicorn
 
-    config = uvicorn.Config(app, log_level=log_level, access_log=log_level == "debug",
-                            timeout_graceful_shutdown=graceful_shutdown_s, **uvicorn_options)
+    level = endpoint.log_level
+    config = uvicorn.Config(app, log_level=level, access_log=level == "debug",
+                            timeout_graceful_shutdown=endpoint.drain_timeout_s if drain else None,
+                            **dict(endpoint.uvicorn_options))
     server = switch.server = server_class()(config)
     return server
 

@@ -10,6 +10,8 @@ import pytest
 import mlxcel  # noqa: F401  (first, so MLX picks up OpenBLAS: see mlxcel/blas.py)
 
 REPO = Path(__file__).resolve().parent.parent
+pytest_plugins = ["tests.proc_marker"]
+
 DEFAULT_MODEL = Path(os.environ.get("MLXCEL_DEFAULT_MODEL", REPO / "models" / "smollm2-135m-instruct"))
 
 

@@ -16,6 +16,9 @@ from mlxcel.disagg import messages as dm
 from mlxcel.parallel import control
 from mlxcel.pipeline import params as pp
 from mlxcel.pipeline import protocol as pr
+import pytest
+
+pytestmark = pytest.mark.proc  # starts processes (tests/proc_marker.py)
 
 GOLDEN = Path(__file__).resolve().parent / "fixtures" / "codec_texts.txt"
 

@@ -1,4 +1,5 @@
-"""Defaults, bounds and wire constants have one home each: ``mlxcel/config.py`` and ``mlxcel/cluster/wire.py``.
+"""Defaults, bounds and wire constants have one home each: ``mlxcel/config.py``, the wire modules
+(``cluster/wire.py``, ``bringup/wire.py``, ``disagg/wire.py``) and the role names (``topology/names.py``).
 
 A constant those modules define must not be assigned again anywhere else in the package (import it
 instead), and the values whose copies used to drift are pinned where the behaviour depends on them.
@@ -11,10 +12,15 @@ from pathlib import Path
 
 import mlxcel
 from mlxcel import config
+from mlxcel.bringup import wire as bringup_wire
 from mlxcel.cluster import wire
+from mlxcel.disagg import wire as disagg_wire
+from mlxcel.topology import names
 
 PACKAGE = Path(mlxcel.__file__).parent
-HOMES = {PACKAGE / "config.py": config, PACKAGE / "cluster" / "wire.py": wire}
+HOMES = {PACKAGE / "config.py": config, PACKAGE / "cluster" / "wire.py": wire,
+         PACKAGE / "bringup" / "wire.py": bringup_wire, PACKAGE / "disagg" / "wire.py": disagg_wire,
+         PACKAGE / "topology" / "names.py": names}
 OTHER_MEANING = {("mlxcel/models/gguf_header.py", "MAGIC")}  # the GGUF file magic, not the cluster's
 
 

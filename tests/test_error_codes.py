@@ -128,15 +128,16 @@ def test_cluster_and_stage_protocols_share_the_one_enum():
 # -- every error class of the wire-facing packages carries its code ---------------------------------
 
 CODED_PACKAGES = ("mlxcel.cluster", "mlxcel.bringup", "mlxcel.parallel", "mlxcel.pipeline", "mlxcel.disagg",
-                  "mlxcel.engine", "mlxcel.models")
+                  "mlxcel.engine", "mlxcel.models", "mlxcel.topology")
 #: errors that never carry a code, and why: operator lines of the command line and the config files
 #: (they end the process before any request exists), and input errors the HTTP layer maps by class
 UNCODED = {
     "mlxcel.engine.sampling.SamplingError": "HTTP 400 by class (server/errors.py); wrapped by every codec",
     "mlxcel.engine.prompts.PromptError": "HTTP 400 by class (server/errors.py)",
     "mlxcel.models.errors.ModelError": "an operator line: the checkpoint cannot load",
-    "mlxcel.pipeline.partition.PartitionError": "an operator line: --pp-layers / --memory",
-    "mlxcel.pipeline.cluster_config.ClusterConfigError": "an operator line: the cluster TOML",
+    "mlxcel.engine.scheduler.IllegalTransition": "a bug in the scheduler (a transition its table forbids), never an answer",
+    "mlxcel.topology.partition.PartitionError": "an operator line: --pp-layers / --memory",
+    "mlxcel.topology.cluster_config.ClusterConfigError": "an operator line: the cluster TOML",
     "mlxcel.bringup.beacon.BeaconRejected": "a beacon is dropped, never answered",
     "mlxcel.bringup.beacon.OtherCluster": "a beacon is dropped, never answered",
     "mlxcel.bringup.push._PeerFailed": "private: becomes a BringupFailed line",

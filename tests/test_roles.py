@@ -13,9 +13,12 @@ import pytest
 
 from mlxcel.cli import build_parser
 from mlxcel.errors import CLIError
-from mlxcel.pipeline.runtime import prepare_distributed
+from mlxcel.commands.serve import cluster_node
 from mlxcel.roles import ROLES, Role, select_role
+from mlxcel.topology.names import ROLE_NAMES
 from tests.pipeline.cluster import LocalCluster
+
+pytestmark = pytest.mark.proc  # starts processes (tests/proc_marker.py)
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +32,7 @@ def prepared(cluster: LocalCluster, node_id: str | None):
     if node_id is not None:
         argv += ["--distributed-config", str(cluster.toml), "--node-id", node_id]
     args = build_parser().parse_args(argv)
-    return args, prepare_distributed(args, Path(args.model))
+    return args, cluster_node(args, Path(args.model))
 
 
 @pytest.mark.parametrize("node_id,role,serves_api", [
@@ -50,7 +53,7 @@ def test_configuration_selects_its_role(cluster, node_id, role, serves_api):
 ])
 def test_bringup_flags_select_their_role(cluster, flags, role, serves_api):
     args = build_parser().parse_args(["serve", "-m", str(cluster.model), *flags])
-    selected = select_role(args, prepare_distributed(args, Path(args.model)))
+    selected = select_role(args, cluster_node(args, Path(args.model)))
     assert (selected.name, selected.serves_api) == (role, serves_api)
 
 
@@ -61,20 +64,22 @@ def test_a_peer_with_a_cluster_toml_skips_the_wait(cluster):
     assert select_role(args, dist).name == "stage"
 
 
-def test_every_role_names_a_module_with_run():
-    assert len({role.name for role in ROLES}) == len(ROLES)
-    for role in ROLES:
-        assert callable(importlib.import_module(role.module).run), role.module
+def test_every_role_is_one_module_named_after_it_with_both_hooks():
+    assert tuple(ROLES) == ROLE_NAMES
+    for name, role in ROLES.items():
+        module = importlib.import_module(role.module)
+        assert module.__name__ == f"mlxcel.roles.{name.replace('-', '_')}"
+        assert callable(module.configure) and callable(module.run), role.module
 
 
 def test_a_node_no_role_serves_is_one_clear_error(cluster):
     args, dist = prepared(cluster, "coordinator")
     dist = replace(dist, node=replace(dist.node, role="archivist"))  # a node role no entry selects
-    known = ", ".join(role.name for role in ROLES)  # every entry, in table order
+    known = ", ".join(ROLES)  # every entry, in table order
     with pytest.raises(CLIError, match=r"^no process role for node 'coordinator' \(role 'archivist'\); "
                                        rf"known roles: {re.escape(known)}$"):
         select_role(args, dist)
-    assert known.startswith("stage, coordinator, ") and known.endswith(", single")
+    assert known.startswith("single, coordinator, stage, ")
 
 
 @pytest.mark.parametrize("flags,role,serves_api", [
@@ -89,22 +94,30 @@ def test_tensor_parallel_flags_select_rank_0_or_a_follower(flags, role, serves_a
     assert (selected.name, selected.serves_api) == (role, serves_api)
 
 
-def test_first_matching_entry_wins(cluster):
-    """A new role is one entry placed before the more general ones it narrows."""
-    router = Role("router", lambda args, dist: dist is not None and dist.node.role == "router", "mlxcel.router")
+def test_selection_does_not_depend_on_the_table_order(cluster):
+    """A new role is one entry; where it stands in the table changes nothing."""
+    archivist = Role("archivist", lambda args, dist: dist is not None and dist.node.role == "archivist")
     args, dist = prepared(cluster, "coordinator")
-    as_router = replace(dist, node=replace(dist.node, role="router"))
-    assert select_role(args, as_router, (router, *ROLES)) is router
-    assert select_role(args, dist, (router, *ROLES)).name == "coordinator"
-    assert select_role(args, None, (router, *ROLES)).name == "single"
+    as_archivist = replace(dist, node=replace(dist.node, role="archivist"))
+    for table in ({"archivist": archivist, **ROLES}, {**ROLES, "archivist": archivist}):
+        assert select_role(args, as_archivist, table) is archivist
+        assert select_role(args, dist, table).name == "coordinator"
+        assert select_role(args, None, table).name == "single"
+
+
+def test_two_entries_that_claim_one_configuration_are_refused_by_name(cluster):
+    greedy = Role("greedy", lambda args, dist: dist is not None)
+    args, dist = prepared(cluster, "coordinator")
+    with pytest.raises(CLIError, match=r"^this configuration names 2 roles \(coordinator, greedy\); a process plays one$"):
+        select_role(args, dist, {**ROLES, "greedy": greedy})
 
 
 def test_a_role_module_is_imported_only_when_selected():
     """The table names modules; a stage process never loads the OpenAI app, nor the other roles."""
-    code = ("import sys, importlib, mlxcel.server.launch, mlxcel.roles as r\n"
-            "print(sorted(x.module for x in r.ROLES if x.module in sys.modules))\n"
-            "importlib.import_module(next(x.module for x in r.ROLES if x.name == 'stage'))\n"
-            "print(sorted(m for m in ('mlxcel.server.app', 'mlxcel.server.serve', *(x.module for x in r.ROLES))"
+    code = ("import sys, importlib, mlxcel.commands.serve, mlxcel.roles as r\n"
+            "print(sorted(x.module for x in r.ROLES.values() if x.module in sys.modules))\n"
+            "importlib.import_module(r.ROLES['stage'].module)\n"
+            "print(sorted(m for m in ('mlxcel.server.app', 'mlxcel.server.serve', *(x.module for x in r.ROLES.values()))"
             " if m in sys.modules))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
-    assert out.stdout.splitlines() == ["[]", "['mlxcel.pipeline.stage_server']"]
+    assert out.stdout.splitlines() == ["[]", "['mlxcel.roles.stage']"]

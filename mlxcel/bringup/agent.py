@@ -24,8 +24,8 @@ from mlxcel.cluster.listener import Listener
 from mlxcel.cluster.options import TransportOptions
 from mlxcel.cluster.ratelimit import RateLimitedLog, WarnClass, cluster_warnings
 from mlxcel.cluster.secret import ClusterSecret
-from mlxcel.pipeline.cluster_config import ClusterConfigError, load_cluster_config
-from mlxcel.pipeline.partition import format_range
+from mlxcel.topology.cluster_config import ClusterConfigError, load_cluster_config
+from mlxcel.topology.partition import format_range
 
 from .beacon import BeaconSender
 from .channel import FrameChannel
@@ -45,7 +45,7 @@ from .machine import (
 from .plan import peer_header, publish, stage_file
 from .wire import ASSIGNMENT_WAIT_S
 
-log = logging.getLogger("mlxcel.bringup.peer")
+log = logging.getLogger("mlxcel.roles.pp_peer")
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """The bring-up flags, checked and resolved: ``--pp-auto N`` / ``--pp-peer`` and their ``--cluster-*`` flags.
 
 ``check_bringup_flags`` runs first among the server's flag checks, before anything is loaded or
-bound (one ``CLIError`` line each); ``bringup_settings`` resolves the defaults for the two roles;
-``preflight_bringup`` loads the cluster secret (fail closed) before any socket is bound.
+bound (one ``CLIError`` line each); ``bringup_settings`` resolves the defaults for the two roles
+(whose ``configure`` hooks, ``mlxcel/roles/pp_auto.py`` and ``pp_peer.py``, load the secret).
 """
 
 from __future__ import annotations
@@ -194,12 +194,3 @@ def _peer_address(args: argparse.Namespace, mode: str) -> PeerId:
                        "coordinator lists in --cluster-peers), or --cluster-discovery=mdns to announce an "
                        "OS-assigned port")
     return listener
-
-
-def preflight_bringup(args: argparse.Namespace) -> None:
-    """Before any socket is bound: a bring-up role needs the cluster secret (fail closed)."""
-    if not wants_bringup(args):
-        return
-    from mlxcel.cluster.secret import load_secret
-
-    load_secret(_get(args, "cluster_secret_file"), required=True)  # type: ignore[arg-type]

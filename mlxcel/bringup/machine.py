@@ -38,8 +38,8 @@ from typing import Any
 
 from mlxcel.cluster.errors import LocalProtocolError
 from mlxcel.cluster.identity import PeerId, canonical_ip
-from mlxcel.pipeline.cluster_config import ClusterConfig, ClusterConfigError, parse_cluster_config
-from mlxcel.pipeline.partition import PartitionError, StageCosts, format_range, plan_stages
+from mlxcel.topology.cluster_config import ClusterConfig, ClusterConfigError, parse_cluster_config
+from mlxcel.topology.partition import PartitionError, StageCosts, format_range, plan_stages
 
 from .errors import AssignmentProtocolError, ProtocolMismatch, Refusal
 from .messages import Message, Msg, decode, encode

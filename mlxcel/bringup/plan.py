@@ -18,7 +18,7 @@ from pathlib import Path
 import tomli_w
 
 from mlxcel.cluster.identity import PeerId
-from mlxcel.pipeline.partition import StageCosts, format_range, human_bytes, plan_stages
+from mlxcel.topology.partition import StageCosts, format_range, human_bytes, plan_stages
 
 from .wire import ASSIGNMENT_PROTOCOL_VERSION, COORDINATOR_NODE_ID
 

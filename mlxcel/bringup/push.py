@@ -23,7 +23,7 @@ from typing import Callable
 from mlxcel.cluster.errors import ClusterError, HandshakeError
 from mlxcel.cluster.identity import PeerId
 from mlxcel.cluster.secret import ClusterSecret
-from mlxcel.pipeline.partition import PartitionError, StageCosts
+from mlxcel.topology.partition import PartitionError, StageCosts
 
 from .channel import FrameChannel, dial
 from .errors import BringupError, BringupFailed, ChannelClosed
@@ -31,7 +31,7 @@ from .machine import CoordinatorSession, Informed, PeerAccepted, PeerCommitFaile
 from .plan import ClusterPlan, offer_fields, plan_cluster
 from .wire import FRAME_TIMEOUT_S, OFFER_MARGIN_S, PUSH_WINDOW_S, STATIC_RETRY_S
 
-log = logging.getLogger("mlxcel.bringup.coordinator")
+log = logging.getLogger("mlxcel.roles.pp_auto")
 
 
 class _PeerFailed(Exception):

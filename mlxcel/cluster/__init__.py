@@ -13,6 +13,7 @@ Module map (one concept each; the protocol core is sans-I/O):
 - ``messages``   message kinds, fragmentation and reassembly over frames
 - ``ratelimit``  the four rate-limited warning classes
 - ``rpc``        response waiters, typed RPC errors
+- ``aead_pipeline``  sealing and opening a large message's chunks on helper threads beside the socket copy
 - ``options``    ``TransportOptions``: every bound and default of a transport
 - ``sockets``    socket options of every connection
 - ``socket_handshake``  the handshake machines driven over a blocking socket
@@ -20,6 +21,9 @@ Module map (one concept each; the protocol core is sans-I/O):
 - ``listener``   accept loop, pending-handshake pool, admission
 - ``pool``       dialler with backoff, pooled outbound connections
 - ``transport``  ``Transport``: one node (listener + pool), the public API
+- ``outbox``     one sender thread per transport: replies and forwards queued off the reader threads
+- ``exchanges``  nonce -> waiter table with absolute deadlines and an expected sender
+- ``health``     ``PeerMonitor``: probes, up/down, boot ids
 
 See docs/protocol.md for the wire format.
 """

@@ -18,7 +18,7 @@ from .handshake import Established
 from .identity import PeerId
 from .messages import Assembler, Message, encode_error, plan
 from .options import TransportOptions
-from .pipeline import CryptoPool, OpenPipeline, SealPipeline
+from .aead_pipeline import CryptoPool, OpenPipeline, SealPipeline
 from .ratelimit import RateLimitedLog, WarnClass
 from .reader import FrameReader
 from .rpc import Waiter, answer, outcome

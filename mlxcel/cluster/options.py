@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .pipeline import auto_workers
+from .aead_pipeline import auto_workers
 from .wire import (
     ASSIGNMENT_MAX_PENDING_HANDSHAKES,
     ASSIGNMENT_MAX_PENDING_HANDSHAKES_PER_SOURCE,

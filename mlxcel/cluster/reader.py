@@ -38,7 +38,7 @@ from .messages import alloc
 from .wire import DEFAULT_CHUNK_LEN, FRAME_HEADER, FRAME_HEADER_LEN, Kind
 
 if TYPE_CHECKING:
-    from .pipeline import OpenPipeline
+    from .aead_pipeline import OpenPipeline
 
 _unpack_header = FRAME_HEADER.unpack_from
 _CONTINUE = int(Kind.MESSAGE_CONTINUE)

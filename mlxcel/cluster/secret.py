@@ -9,7 +9,7 @@ Sources, highest precedence first (reference, "Cluster authentication"):
    the TOML's own directory.
 
 The TOML is parsed once, by the cluster config loader
-(``mlxcel.pipeline.cluster_config``): it applies ``secret_file_of`` to the ``[cluster]``
+(``mlxcel.topology.cluster_config``): it applies ``secret_file_of`` to the ``[cluster]``
 table and hands the resolved path to ``load_secret(toml_secret_file=...)``; nothing here
 reads the TOML.
 
@@ -22,10 +22,11 @@ from __future__ import annotations
 import hmac
 import logging
 import os
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, NoReturn
+
+from mlxcel.private_file import read_private_file
 
 from .errors import SecretError
 
@@ -100,17 +101,7 @@ def _trim(raw: bytes) -> bytes:
 
 
 def _read_file(path: Path, label: str) -> bytes:
-    try:
-        st = path.stat()
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise SecretError(f"cannot read the cluster secret file {path} (from {label}): {exc.strerror or type(exc).__name__}") from None
-    if st.st_mode & (stat.S_IRGRP | stat.S_IROTH):
-        log.warning(
-            "the cluster secret file %s is group- or world-readable (mode %04o); restrict it with chmod 600",
-            path, stat.S_IMODE(st.st_mode),
-        )
-    return raw
+    return read_private_file(path, "the cluster secret file", f"{path} (from {label})", SecretError, log)
 
 
 def secret_file_of(cluster: Mapping[str, object], toml_path: Path) -> Path | None:

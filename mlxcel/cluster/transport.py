@@ -38,7 +38,7 @@ from .identity import PeerId, PeerLike, as_peer
 from .listener import Listener
 from .messages import Message
 from .options import TransportOptions
-from .pipeline import CryptoPool
+from .aead_pipeline import CryptoPool
 from .pool import Pool
 from .ratelimit import RateLimitedLog, WarnClass, cluster_warnings
 from .secret import ClusterSecret

@@ -19,7 +19,7 @@ from mlxcel.errors import CLIError
 from mlxcel.models.loading import check_checkpoint, load_checkpoint
 from mlxcel.parallel.options import prepare_tp
 from mlxcel.pipeline.inprocess import InProcessPipeline, stage_ranges
-from mlxcel.pipeline.partition import PartitionError
+from mlxcel.topology.partition import PartitionError
 
 
 def _prompt_text(args: argparse.Namespace) -> str:

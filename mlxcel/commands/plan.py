@@ -15,7 +15,7 @@ import argparse
 import json
 
 from mlxcel.errors import CLIError
-from mlxcel.pipeline.partition import (
+from mlxcel.topology.partition import (
     PartitionError,
     Stage,
     StageCosts,

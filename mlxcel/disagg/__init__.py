@@ -14,5 +14,6 @@ Module map (the codecs are sans-I/O; the services own sockets and threads):
 - ``router``      ``RouterEngine``: the OpenAI API's engine, round-robin over healthy nodes, failover, demux
 - ``policy``      ``RoutePolicy``: the router's pick (round-robin over nodes up) and retry decisions, over plain data
 - ``loop``        an asyncio loop on a thread (the scheduler's event streams need one)
-- ``worker``, ``prefill_role``, ``decode_role``, ``router_role``: the processes (``mlxcel/roles.py``)
+- ``worker``      a prefill or decode process: the model loads while /health says how it goes
+  (the roles themselves are ``mlxcel/roles/prefill.py``, ``decode.py`` and ``router.py``)
 """

@@ -17,15 +17,15 @@ from mlxcel.cluster.identity import PeerId
 from mlxcel.disagg.wire import (
     DEFAULT_HANDOFF_TIMEOUT_S,
     DEFAULT_PROBE_INTERVAL_S,
-    DISAGG_ROLES,
     MIN_HANDOFF_TIMEOUT_S,
     PROGRESS_INTERVAL_S,
 )
 from mlxcel.errors import CLIError
+from mlxcel.topology.names import DISAGG_ROLES, HYBRID, NODE_ROLE_CHOICES
 
 if TYPE_CHECKING:
     from mlxcel.cluster.secret import ClusterSecret
-    from mlxcel.pipeline.runtime import Distributed
+    from mlxcel.topology.distributed import Distributed
 
 _ROLE_FLAGS = ("serving_bind", "prefill_peers", "decode_peers", "handoff_timeout", "probe_interval")
 
@@ -52,7 +52,7 @@ def node_role(args: argparse.Namespace, dist: Distributed | None) -> str:
     """The role this process plays: the TOML node's, else ``--node-role``, else hybrid."""
     if dist is not None:
         return dist.node.role
-    return getattr(args, "node_role", None) or "hybrid"
+    return getattr(args, "node_role", None) or HYBRID
 
 
 def parse_address(text: str, flag: str) -> PeerId:
@@ -151,17 +151,16 @@ def node_config(args: argparse.Namespace, dist: Distributed | None) -> NodeConfi
                       probe or DEFAULT_PROBE_INTERVAL_S, f"{role}@{bind}")
 
 
-def preflight_disagg(args: argparse.Namespace, dist: Distributed | None) -> None:
-    """Before any socket is bound: flag combinations, and the secret of a prefill, decode or router (fail closed)."""
-    if node_role(args, dist) in DISAGG_ROLES or any(getattr(args, f, None) is not None for f in _ROLE_FLAGS):
-        node_config(args, dist)
+def wants_disagg(args: argparse.Namespace, dist: Distributed | None) -> bool:
+    """A disaggregated role is configured, or one of its flags is given (then its checks say what is missing)."""
+    return node_role(args, dist) in DISAGG_ROLES or any(getattr(args, f, None) is not None for f in _ROLE_FLAGS)
 
 
 def add_disagg_arguments(group: Any) -> None:
-    """The flags, on the argument group ``mlxcel/server/launch.py`` gives them."""
+    """The flags, on the argument group ``mlxcel/commands/serve.py`` gives them."""
     from mlxcel.config import seconds
 
-    group.add_argument("--node-role", choices=("prefill", "decode", "router", "hybrid"), default=None,
+    group.add_argument("--node-role", choices=NODE_ROLE_CHOICES, default=None,
                        help="this process's role (default hybrid: one node does everything); prefill, decode and "
                             "router need the cluster secret")
     group.add_argument("--serving-bind", default=None, metavar="IP:PORT",

@@ -37,7 +37,7 @@ from mlxcel.disagg.service import role_transport
 from mlxcel.disagg.wire import PROBE_TIMEOUT_S, MsgType
 from mlxcel.engine.interface import EngineRequest, EngineUnavailable, EventStream, FinishEvent
 from mlxcel.error_codes import CodedError, ErrorCode, code_of
-from mlxcel.pipeline.outbox import Outbox
+from mlxcel.cluster.outbox import Outbox
 
 log = logging.getLogger("mlxcel.disagg.router")
 

@@ -17,7 +17,7 @@ from mlxcel.disagg import messages as m
 from mlxcel.disagg.flags import NodeConfig
 from mlxcel.disagg.wire import DIAL_RETRIES, MsgType
 from mlxcel.error_codes import ErrorCode
-from mlxcel.pipeline.outbox import Outbox
+from mlxcel.cluster.outbox import Outbox
 
 log = logging.getLogger("mlxcel.disagg")
 

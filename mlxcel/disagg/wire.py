@@ -70,9 +70,7 @@ NONCE_HEX_LEN = 16
 
 # --- roles, flags and defaults -------------------------------------------------------------------
 
-NODE_ROLES = ("prefill", "decode", "router", "hybrid")
-DISAGG_ROLES = ("prefill", "decode", "router")
-DEFAULT_NODE_ROLE = "hybrid"
+# the role names (--node-role's choices among them) are written once, in mlxcel/topology/names.py
 ALLOWLIST_ENV = "MLXCEL_DECODE_ALLOWLIST"
 STATS_VERBOSE_ENV = "MLXCEL_ROUTER_STATS_VERBOSE"
 STEP_DELAY_ENV = "MLXCEL_DISAGG_STEP_DELAY_S"  # test aid: a decode node sleeps this long before each decode step

@@ -7,12 +7,12 @@ state (sequences holding KV, handoffs arriving, counters) once it serves on its 
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any, Callable
 
-from mlxcel.disagg.flags import NodeConfig, node_config
+from mlxcel.disagg.flags import NodeConfig
 from mlxcel.loading_process import LoadingProcess, serve_loading
-from mlxcel.process import RoleContext
+from mlxcel.process import Endpoint
+from mlxcel.server.runtime import ServerConfig
 
 log = logging.getLogger("mlxcel.disagg")
 
@@ -20,43 +20,39 @@ log = logging.getLogger("mlxcel.disagg")
 class WorkerProcess(LoadingProcess):
     """Loading -> ready (serving on the role transport) | failed."""
 
-    def __init__(self, context: RoleContext, cfg: NodeConfig):
+    def __init__(self, server: ServerConfig, cfg: NodeConfig):
         super().__init__()
-        self.context = context
+        self.server = server
         self.cfg = cfg
 
     def load(self, on_fatal: Callable[[str], None]) -> None:
         from mlxcel.models.identity import model_identity
         from mlxcel.models.loading import load_checkpoint
-        from mlxcel.server.runtime import context_length
+        from mlxcel.models.facts import context_length
 
-        config = self.context.config
-        start = time.perf_counter()
-        try:
-            loaded = load_checkpoint(config.model)
+        config, loaded = self.server, []
+
+        def build() -> Any:
+            checkpoint = load_checkpoint(config.model)
+            loaded.append(checkpoint)
             kwargs: dict[str, Any] = dict(identity=model_identity(config.model),
-                                          context_length=context_length(loaded.config), parallel=config.parallel,
+                                          context_length=context_length(checkpoint.config), parallel=config.parallel,
                                           max_batch_size=config.max_batch_size, max_queue=config.max_queue,
                                           warmup=config.warmup)
             if self.cfg.role == "prefill":
                 from mlxcel.disagg.prefill import PrefillService
 
-                service: Any = PrefillService(self.cfg, loaded.model, loaded.tokenizer,
-                                              prefix_cache_bytes=config.prefix_cache_mb << 20, **kwargs)
-            else:
-                from mlxcel.disagg.decode import DecodeService
+                return PrefillService(self.cfg, checkpoint.model, checkpoint.tokenizer,
+                                      prefix_cache_bytes=config.prefix_cache_mb << 20, **kwargs)
+            from mlxcel.disagg.decode import DecodeService
 
-                service = DecodeService(self.cfg, loaded.model, loaded.tokenizer, **kwargs)
-            service.start()
-        except OSError as exc:
-            self._fail(f"{self.cfg.role} node: cannot listen on {self.cfg.serving_bind}: {exc.strerror or exc}", on_fatal)
-            return
-        except Exception as exc:  # noqa: BLE001 - one line, then exit
-            self._fail(f"{self.cfg.role} node: {exc}", on_fatal)
-            return
-        self._ready(service)
-        log.info("%s node serving %s on cluster address %s in %.1fs", self.cfg.role, loaded.name,
-                 service.transport.identity, time.perf_counter() - start)
+            return DecodeService(self.cfg, checkpoint.model, checkpoint.tokenizer, **kwargs)
+
+        seconds = self.start_service(build, who=f"{self.cfg.role} node", address=self.cfg.serving_bind,
+                                     on_fatal=on_fatal)
+        if seconds is not None:
+            log.info("%s node serving %s on cluster address %s in %.1fs", self.cfg.role, loaded[0].name,
+                     self.service.transport.identity, seconds)
 
     def health_body(self) -> dict[str, Any]:
         body: dict[str, Any] = {"status": self.state, "role": self.cfg.role, "node_id": self.cfg.node_id}
@@ -65,9 +61,8 @@ class WorkerProcess(LoadingProcess):
         return body
 
 
-def run_worker(context: RoleContext) -> int:
+def run_worker(endpoint: Endpoint, server: ServerConfig, cfg: NodeConfig) -> int:
     """Serve a prefill or decode node until SIGINT/SIGTERM; returns the exit code."""
-    cfg = node_config(context.args, context.dist)
-    process = WorkerProcess(context, cfg)
-    return serve_loading(context, process, f"mlxcel {cfg.role}", lambda switch: process.load(switch.fatal),
+    process = WorkerProcess(server, cfg)
+    return serve_loading(endpoint, process, f"mlxcel {cfg.role}", lambda switch: process.load(switch.fatal),
                          f"mlxcel-{cfg.role}-load", f"mlxcel: {cfg.role} node on cluster address {cfg.serving_bind}")

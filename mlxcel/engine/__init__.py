@@ -1,0 +1,15 @@
+"""The engine: generation on one device and continuous batching over any executor (docs/engine.md).
+
+Module map:
+
+- ``interface``     the contract between the HTTP front and whatever generates tokens (``Engine``)
+- ``scheduler``     continuous batching: admission, prefill budget, micro-batches, cancellation, emission
+- ``executor``      the seam between the scheduler and the compute (``Executor``, ``LocalExecutor``)
+- ``runner``        one model slice for many sequences: per-sequence prefill, batched decode
+- ``model_slice``   a contiguous slice of a model (embedding? + layers + norm and head?)
+- ``generate``      single-sequence generation for ``mlxcel generate``
+- ``sampling``      sampling parameters and samplers (greedy, temperature, top-p, top-k, seeds)
+- ``prefix_cache``  reuse the KV of earlier prompts that share a prefix
+- ``prompts``       user input -> token ids (chat template or raw)
+- ``stops``, ``textstream``  stop strings and streaming detokenization
+"""

@@ -17,6 +17,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from mlxcel.config import RANDOM_FAMILIES
+
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -77,9 +79,6 @@ def _family_fields(family: str, hidden: int, head_dim: int, intermediate: int) -
     return fields[family]
 
 
-# The families make-random builds (mlx-lm model_type names).
-RANDOM_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "phi3", "gemma3_text", "deepseek_v3", "gpt_oss",
-                   "glm4_moe", "qwen3_next")
 TIED = {"qwen2", "qwen3", "gemma3_text"}  # families whose checkpoints share the embedding as the head
 
 

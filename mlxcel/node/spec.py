@@ -140,7 +140,7 @@ def _default_match(doc: dict[str, Any], command: tuple[str, ...]) -> str:
 
 def _environment(doc: dict[str, Any], path: Path) -> dict[str, str]:
     from mlxcel.cluster.secret import ENV_SECRET
-    from mlxcel.server.access import ENV_KEY
+    from mlxcel.config import ENV_KEY
 
     env = doc.get("environment", {})
     if not isinstance(env, dict) or not all(isinstance(v, str) for v in env.values()):

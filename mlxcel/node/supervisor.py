@@ -27,7 +27,7 @@ from typing import Iterator
 from mlxcel.node.spec import NodeSpec
 
 POLL_S = 0.1
-PROBE_TIMEOUT_S = 2.0
+READY_PROBE_TIMEOUT_S = 2.0
 TAIL_LINES = 15
 COMMAND_KEY = "command line"  # the inputs entry that stands for the command, environment and directory
 
@@ -204,7 +204,7 @@ def probe(url: str) -> tuple[int | None, dict | str]:
     """HTTP status and body of ``url`` (parsed when JSON); None and the reason when nothing answers."""
     context = ssl._create_unverified_context()  # a liveness probe of our own node, not a trust decision
     try:
-        with urllib.request.urlopen(url, timeout=PROBE_TIMEOUT_S, context=context) as resp:
+        with urllib.request.urlopen(url, timeout=READY_PROBE_TIMEOUT_S, context=context) as resp:
             return resp.status, _body(resp.read())
     except urllib.error.HTTPError as err:
         return err.code, _body(err.read())

@@ -13,7 +13,7 @@ other ranks replay its steps (``follower``), told over the authenticated cluster
 - ``launch``: starting the local follower ranks, ring addresses, ``mx.distributed.init`` with a deadline.
 - ``executor``: ``TPExecutor``, rank 0's executor for the scheduler.
 - ``follower``: a follower rank's replay loop (``python -m mlxcel.parallel.follower``).
-- ``server`` / ``rank_server``: the roles ``tp`` (rank 0 serving the API) and ``tp-rank`` (a follower
-  joined through a hostfile).
+- ``session``: rank 0's side of a group (start, shard, executor, stop); the roles ``tp`` and ``tp-rank``
+  (``mlxcel/roles/tp.py``, ``tp_rank.py``) run it.
 - ``generate``: ``mlxcel generate --tp-size N``.
 """

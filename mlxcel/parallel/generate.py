@@ -37,7 +37,7 @@ class TPGeneration:
     def __enter__(self) -> "TPGeneration":
         from mlxcel.engine.scheduler import Scheduler
         from mlxcel.models.loading import load_checkpoint
-        from mlxcel.server.runtime import context_length
+        from mlxcel.models.facts import context_length
 
         try:
             self.rank0.start()

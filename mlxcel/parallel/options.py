@@ -158,12 +158,9 @@ def prepare_tp(args: argparse.Namespace, model_dir: Path, config: Mapping[str, A
     allow = bool(_get(args, "tp_allow_plaintext_network", False))
     hostfile = None
     port = _get(args, "tp_port")
-    if _get(args, "tp_hostfile") is not None:
-        from mlxcel.cluster.secret import load_secret
-
+    if _get(args, "tp_hostfile") is not None:  # the caller loads the secret (fail closed): the channel crosses hosts
         hostfile = load_hostfile(args.tp_hostfile, size, allow_plaintext=allow)
         port = DEFAULT_TP_HOSTFILE_PORT if port is None else port
-        load_secret(_get(args, "cluster_secret_file"), required=True)  # fail closed: the control channel crosses hosts
     options = TPOptions(size=size, plan=plan, backend=_get(args, "tp_backend", "auto"),
                         rank=_get(args, "tp_rank") or 0, hostfile=hostfile, port=port, allow_plaintext=allow,
                         timeout=_get(args, "tp_timeout", DEFAULT_TP_TIMEOUT_S),

@@ -38,8 +38,8 @@ from mlxcel.engine.runner import RowSampler, Sampled, sample_rows
 from mlxcel.engine.sampling import SamplingParams
 from mlxcel.error_codes import ErrorCode
 from mlxcel.models.token_ids import check_token_ids
-from mlxcel.pipeline.cluster_config import ClusterConfig, Node
-from mlxcel.pipeline.outbox import Outbox, fast_handoffs
+from mlxcel.topology.cluster_config import ClusterConfig, Node
+from mlxcel.cluster.outbox import Outbox, fast_handoffs
 from mlxcel.pipeline.params import count_from_wire, params_to_wire
 from mlxcel.pipeline.protocol import (
     MsgType,
@@ -49,7 +49,7 @@ from mlxcel.pipeline.protocol import (
     decode,
     encode,
 )
-from mlxcel.pipeline.stage import ModelFacts
+from mlxcel.models.facts import ModelFacts
 from mlxcel.pipeline.tensors import ids_to_wire
 from mlxcel.strict_json import is_int, is_number
 

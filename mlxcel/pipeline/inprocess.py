@@ -89,7 +89,7 @@ class InProcessPipeline:
 
 def stage_ranges(model_dir: Any, num_layers: int, pp_size: int, pp_layers: str | None) -> list[tuple[int, int]]:
     """Explicit ``--pp-layers`` (validated against the model) or a split by parameter bytes."""
-    from mlxcel.pipeline.partition import layer_costs, parse_layer_ranges, plan_stages
+    from mlxcel.topology.partition import layer_costs, parse_layer_ranges, plan_stages
 
     if pp_layers is not None:
         return parse_layer_ranges(pp_layers, num_layers)

@@ -38,8 +38,9 @@ from mlxcel.config import MAX_PREFIX_TOKENS
 from mlxcel.engine.prefix_cache import PrefixCache
 from mlxcel.engine.runner import RowSampler, RunnerError, Sampled, SliceRunner
 from mlxcel.engine.sampling import SamplingError
-from mlxcel.pipeline.cluster_config import ClusterConfig
-from mlxcel.pipeline.outbox import Outbox, fast_handoffs
+from mlxcel.models.facts import ModelFacts
+from mlxcel.topology.cluster_config import ClusterConfig
+from mlxcel.cluster.outbox import Outbox, fast_handoffs
 from mlxcel.pipeline.params import count_from_wire, params_from_wire, tokens_from_wire
 from mlxcel.pipeline.protocol import (
     COMMANDS,
@@ -58,17 +59,7 @@ from mlxcel.pipeline.protocol import (
 log = logging.getLogger("mlxcel.pipeline.stage")
 _STOP = object()
 # Test and rehearsal aid: sleep this many seconds per step (simulates a slow stage, e.g. for cancellation tests).
-STEP_DELAY_ENV = "MLXCEL_STAGE_STEP_DELAY_S"
-
-
-@dataclass(frozen=True)
-class ModelFacts:
-    """What a stage and the coordinator compare: identity and the shapes that bound tensors."""
-
-    identity: str
-    num_layers: int
-    hidden_size: int
-    vocab_size: int
+STAGE_STEP_DELAY_ENV = "MLXCEL_STAGE_STEP_DELAY_S"
 
 
 @dataclass(frozen=True)
@@ -118,7 +109,7 @@ class StageService:
         # seconds spent since start, per part of a step: decoding on the reader thread, waiting for the
         # worker, computing (tensor in, forward, evaluation or sampling), sending (tensor out, encode, send)
         self.timings = dict.fromkeys(STATE_SECONDS, 0.0)
-        self._delay = float(os.environ.get(STEP_DELAY_ENV, "0") or 0)
+        self._delay = float(os.environ.get(STAGE_STEP_DELAY_ENV, "0") or 0)
 
     @property
     def is_first(self) -> bool:

@@ -41,7 +41,7 @@ DIM = struct.Struct(">I")
 PHASES = ("prefill", "decode")
 SAMPLE_FLAG = 0x01
 DTYPE_CODES = {"int32": 1, "uint32": 2, "float32": 3, "float16": 4, "bfloat16": 5}
-DTYPE_NAMES = {v: k for k, v in DTYPE_CODES.items()}
+DTYPE_BY_CODE = {v: k for k, v in DTYPE_CODES.items()}
 RESULT_NONE, RESULT_TOKENS, RESULT_LOGITS = 0, 1, 2
 MAX_ROWS = 255
 MAX_ID_BYTES = 128
@@ -183,13 +183,13 @@ def _request_id(r: _Reader) -> str:
 
 def _read_descriptor(r: _Reader) -> tuple[str, list[int]]:
     code, rank = r.unpack(DESCRIPTOR, "the tensor descriptor")
-    if code not in DTYPE_NAMES:
+    if code not in DTYPE_BY_CODE:
         raise StepFormatError(ErrorCode.BAD_TENSOR, f"tensor dtype code {code} is not accepted "
                                                     "(compressed or quantized activations are refused)")
     if not 1 <= rank <= 3:
         raise StepFormatError(ErrorCode.BAD_TENSOR, f"tensor rank must be 1 to 3, got {rank}")
     dims = [r.unpack(DIM, "the tensor's dimensions")[0] for _ in range(rank)]
-    return DTYPE_NAMES[code], dims
+    return DTYPE_BY_CODE[code], dims
 
 
 def _decode_result(r: _Reader, header: dict[str, Any], rows: int) -> tuple[str, list[int]] | None:

@@ -26,19 +26,18 @@ import ipaddress
 import logging
 import os
 import socket
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, NoReturn
 
+from mlxcel.config import ENV_KEY, ENV_KEY_FILE
 from mlxcel.errors import CLIError
+from mlxcel.private_file import read_private_file
 from mlxcel.server.tls import TLSConfig, add_tls_arguments, load_tls
 
 log = logging.getLogger("mlxcel.server.access")
 
 CLI_FLAG = "--api-key-file"
-ENV_KEY_FILE = "MLXCEL_API_KEY_FILE"
-ENV_KEY = "MLXCEL_API_KEY"
 OPEN_PATHS = frozenset({"/health"})
 METRICS_PATH = "/metrics"
 SHORT_KEY_LEN = 16
@@ -111,14 +110,7 @@ def parse_keys(text: str, source: str) -> list[str]:
 
 def _read_key_file(path: Path, label: str) -> str:
     source = f"{path} (from {label})"
-    try:
-        st = path.stat()
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise AccessError(f"cannot read the API key file {source}: {exc.strerror or type(exc).__name__}") from None
-    if st.st_mode & (stat.S_IRGRP | stat.S_IROTH):
-        log.warning("the API key file %s is group- or world-readable (mode %04o); restrict it with chmod 600",
-                    path, stat.S_IMODE(st.st_mode))
+    raw = read_private_file(path, "the API key file", source, AccessError, log)
     try:
         return raw.decode("ascii")
     except UnicodeDecodeError:

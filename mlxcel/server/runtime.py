@@ -16,11 +16,10 @@ from typing import Any, Callable
 
 from mlxcel.config import DEFAULT_MAX_QUEUE, DEFAULT_PARALLEL, DEFAULT_PREFIX_CACHE_MB
 from mlxcel.engine.interface import Engine, EngineUnavailable
+from mlxcel.models.facts import context_length
 
 log = logging.getLogger("mlxcel.server")
 
-CONTEXT_KEYS = ("max_position_embeddings", "max_sequence_length", "n_ctx", "seq_length")
-DEFAULT_CONTEXT = 4096
 # Test and rehearsal aid: hold readiness this many seconds after warmup (simulates a slow warmup).
 WARMUP_DELAY_ENV = "MLXCEL_WARMUP_DELAY_S"
 
@@ -37,14 +36,6 @@ class ServerConfig:
     prefix_cache_mb: int = DEFAULT_PREFIX_CACHE_MB
     lazy_weights: bool = False  # a pipeline coordinator holds no layers: never read the weights
 
-
-def context_length(config: dict) -> int:
-    """The checkpoint's context window, from the first config key that names one."""
-    for key in CONTEXT_KEYS:
-        value = config.get(key)
-        if isinstance(value, int) and value > 0:
-            return value
-    return DEFAULT_CONTEXT
 
 
 EngineFactory = Callable[[Any, Any, int, ServerConfig], Engine]

@@ -14,11 +14,11 @@ import pytest
 
 from mlxcel.config import DEFAULT_PREFIX_CACHE_MB
 from mlxcel.models.random_checkpoint import make_random_checkpoint
-from mlxcel.pipeline.cluster_config import load_cluster_config
-from mlxcel.pipeline.partition import PartitionError, parse_layer_ranges
+from mlxcel.topology.cluster_config import load_cluster_config
+from mlxcel.topology.partition import PartitionError, parse_layer_ranges
 from tests.ansible.playbook import HOSTS, REPO, Deployment
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.proc]
 
 
 def _inventory(path: Path, host_vars: dict[str, dict]) -> str:

@@ -24,11 +24,11 @@ import tomllib
 import openai
 import pytest
 
-from mlxcel.pipeline.cluster_config import load_cluster_config
+from mlxcel.topology.cluster_config import load_cluster_config
 
 from tests.ansible.playbook import HOSTS, REPO, Deployment, free_port
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.proc]
 NODES = tuple(HOSTS)
 PP_AUTO = {"mlxcel_bringup": "pp_auto"}
 ANSWERS: dict[str, str] = {}  # bring-up -> the greedy answer to one prompt

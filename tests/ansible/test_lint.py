@@ -8,6 +8,8 @@ import pytest
 
 from tests.ansible.playbook import REPO
 
+pytestmark = pytest.mark.proc  # starts processes (tests/proc_marker.py)
+
 LINT = REPO / ".venv" / "bin" / "ansible-lint"
 
 

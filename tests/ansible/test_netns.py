@@ -44,7 +44,8 @@ def _can_run() -> bool:
     return probe.returncode == 0
 
 
-pytestmark = [pytest.mark.timeout(600), pytest.mark.skipif(not _can_run(), reason="needs root, ip netns and sshd")]
+pytestmark = [pytest.mark.timeout(600), pytest.mark.skipif(not _can_run(), reason="needs root, ip netns and sshd"),
+              pytest.mark.proc]
 
 
 def _netns(*args: str, state: Path) -> subprocess.CompletedProcess:

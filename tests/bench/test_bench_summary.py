@@ -10,6 +10,9 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+import pytest
+
+pytestmark = pytest.mark.proc  # starts processes (tests/proc_marker.py)
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "roles" / "mlxcel_bench" / "files" / "bench_summary.py"

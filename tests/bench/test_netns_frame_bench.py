@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.proc  # starts processes (tests/proc_marker.py)
+
 REPO = Path(__file__).resolve().parents[2]
 
 

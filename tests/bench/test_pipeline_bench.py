@@ -15,6 +15,8 @@ import pytest
 
 from bench import pipeline_bench as pb
 
+pytestmark = pytest.mark.proc  # starts processes (tests/proc_marker.py)
+
 MODES = ["single", "inproc_pp", "remote_pp"]
 RUNS, TOKENS = 2, 4
 NEW_FIELDS = ("worker_pid", "cpu_s_worker", "cpu_s_worker_total", "cpu_s_stage", "cpu_s_stages", "wall_s",

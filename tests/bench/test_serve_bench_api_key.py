@@ -15,7 +15,7 @@ import pytest
 from bench import serve_bench
 from tests.server.util import ServerProcess
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.proc]
 REPO = Path(__file__).resolve().parents[2]
 KEY = "sk-bench-test-5b1e0c7d9a2f4e6b8c3d"
 QUICK = ["--concurrency", "1", "--requests", "1", "--max-tokens", "4", "--ignore-eos", "--rounds", "1"]

@@ -18,7 +18,7 @@ from mlxcel.bringup.machine import PeerFacts, PeerMachine
 from mlxcel.cluster.identity import PeerId
 from mlxcel.cluster.secret import load_secret
 from mlxcel.models.identity import model_identity
-from mlxcel.pipeline.partition import layer_costs
+from mlxcel.topology.partition import layer_costs
 from tests.bringup.procs import free_port
 
 

@@ -20,8 +20,10 @@ from mlxcel.bringup.plan import coordinator_header, write_file
 from mlxcel.bringup.push import Push, PushConfig, _Peer
 from mlxcel.cluster.identity import PeerId
 from mlxcel.cluster.secret import ClusterSecret
-from mlxcel.pipeline.partition import StageCosts
+from mlxcel.topology.partition import StageCosts
 from tests.bringup.procs import free_port
+
+pytestmark = pytest.mark.proc  # starts processes (tests/proc_marker.py)
 
 SECRET = ClusterSecret(b"in-process bring-up test secret!")
 COSTS = StageCosts(model="m", layers=(100,) * 6, embed=300, norm=1, head=300, tied=True)

@@ -18,7 +18,7 @@ from mlxcel.cluster.identity import PeerId
 from mlxcel.cluster.secret import load_secret
 from tests.bringup.procs import COORDINATOR_HOST, free_port, write_secret
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.proc]
 
 
 def _complete(url: str) -> dict:

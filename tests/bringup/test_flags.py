@@ -101,6 +101,6 @@ def test_defaults_follow_the_reference():
     assert str(peer.config_path("stage-1")) == ".mlxcel/cluster-stage-1.toml"
     # --pp-peer with a cluster TOML is that TOML's node: the bring-up flags are not read
     args = parsed("--pp-peer", "--distributed-config", "c.toml", "--node-id", "stage-0")
-    from mlxcel.server.launch import check_cluster_flags
+    from mlxcel.commands.serve import check_cluster_flags
 
     check_cluster_flags(args)

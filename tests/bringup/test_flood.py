@@ -13,7 +13,7 @@ import pytest
 
 from mlxcel.cluster.identity import PeerId
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.proc]
 
 
 class Flood:

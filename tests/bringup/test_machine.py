@@ -29,7 +29,7 @@ from mlxcel.bringup.messages import Msg, decode, encode
 from mlxcel.bringup.plan import offer_fields, plan_cluster
 from mlxcel.cluster.errors import LocalProtocolError
 from mlxcel.cluster.identity import PeerId
-from mlxcel.pipeline.partition import StageCosts
+from mlxcel.topology.partition import StageCosts
 
 COSTS = StageCosts(model="m", layers=(100, 100, 100, 100, 100, 100), embed=300, norm=1, head=300, tied=True)
 COORD = PeerId.of("127.0.0.2", 19000)

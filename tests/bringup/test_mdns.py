@@ -18,7 +18,7 @@ from mlxcel.cluster.secret import ClusterSecret, load_secret
 from tests.bringup.conftest import chat_text
 from tests.bringup.procs import free_port
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.proc]
 
 
 def _send(data: bytes, source: str, port: int) -> None:

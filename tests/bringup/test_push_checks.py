@@ -11,7 +11,7 @@ from mlxcel import __version__
 from tests.bringup.fake_peers import FakePeer
 from tests.bringup.test_agent import agent, push
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.proc]
 
 
 @pytest.fixture

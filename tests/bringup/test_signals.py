@@ -15,7 +15,7 @@ import pytest
 
 from tests.bringup.fake_peers import FakePeer
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.proc]
 
 PROMPT_S = 5.0  # generous on a loaded 2-core box; a read of the push waits up to 10 s
 

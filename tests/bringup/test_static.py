@@ -12,7 +12,7 @@ import pytest
 from tests.bringup.conftest import chat_text
 from tests.bringup.procs import COORDINATOR_HOST, free_port
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.proc]
 
 
 def _body(path) -> str:

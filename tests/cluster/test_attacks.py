@@ -25,7 +25,7 @@ from mlxcel.cluster.wire import FRAME_HEADER, MAGIC, PROTOCOL_VERSION, RECORD_PR
 
 from .conftest import CLIENT_IP, HONEST_IP, SERVER_IP, RawClient, assert_serves, wait_until
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.proc]
 
 
 def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:

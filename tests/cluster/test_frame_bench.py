@@ -9,7 +9,7 @@ import pytest
 
 from bench import frame_bench
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.proc]
 
 
 def test_frame_bench_quick(tmp_path, capsys):

@@ -22,7 +22,7 @@ from mlxcel.cluster.errors import FrameAuthError, SequenceExhausted
 from mlxcel.cluster.frames import FrameOpener, FrameSealer
 from mlxcel.cluster.identity import PeerId
 from mlxcel.cluster.messages import Assembler, chunk_sizes, plan
-from mlxcel.cluster.pipeline import CryptoPool, Job, OpenPipeline, auto_workers
+from mlxcel.cluster.aead_pipeline import CryptoPool, Job, OpenPipeline, auto_workers
 from mlxcel.cluster.reader import FrameReader
 from mlxcel.cluster.transport import Transport
 from mlxcel.cluster.wire import FRAME_HEADER, MESSAGE_BEGIN, Kind, Suite

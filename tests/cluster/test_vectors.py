@@ -18,7 +18,7 @@ from mlxcel.cluster.handshake import ClientHandshake, ClientVerified, Establishe
 from mlxcel.cluster.identity import PeerId
 from mlxcel.cluster.keys import derive_keys
 from mlxcel.cluster.messages import Assembler
-from mlxcel.cluster.pipeline import CryptoPool, OpenPipeline
+from mlxcel.cluster.aead_pipeline import CryptoPool, OpenPipeline
 from mlxcel.cluster.reader import FrameReader
 from mlxcel.cluster.secret import ClusterSecret
 from mlxcel.cluster.wire import MESSAGE_BEGIN, STREAM_DATA, Channel, Kind, RejectReason, Suite

@@ -113,3 +113,14 @@ class DisaggCluster:
         for node in [self.router, *self.prefills, *self.decodes]:
             if node is not None:
                 node.stop()
+
+
+def wait_for(predicate, timeout: float = 20, what: str = "condition"):
+    """``predicate()``'s first truthy value, polled every 50 ms; AssertionError naming ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")

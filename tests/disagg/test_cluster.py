@@ -25,8 +25,10 @@ from mlxcel.disagg.wire import CacheKind, DType, MsgType
 from mlxcel.engine.interface import FinishEvent, TokenEvent
 from mlxcel.engine.sampling import SamplingParams
 from mlxcel.error_codes import ErrorCode
-from tests.disagg.cluster import DECODE_HOSTS, DisaggCluster, RoleNode
+from tests.disagg.cluster import DECODE_HOSTS, DisaggCluster, RoleNode, wait_for
 from tests.server.util import ServerProcess
+
+pytestmark = pytest.mark.proc  # starts processes (tests/proc_marker.py)
 
 STEP_DELAY = "0.03"  # decode nodes sleep this long per step, so requests stay in flight while we act
 FORGER_IP, FAKE_ROUTER_IP, EXFIL_IP = "127.0.0.30", "127.0.0.31", "127.0.0.32"
@@ -80,15 +82,6 @@ def listener(ip: str, c: DisaggCluster) -> tuple[Transport, list]:
     t.serve(on_message=lambda msg: got.append((msg.peer, msg.kind, bytes(msg.payload), msg.id, msg.status)))
     return t, got
 
-
-def wait_for(predicate, timeout: float = 20, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def control(got: list, kind: MsgType) -> list[dict]:

@@ -22,8 +22,10 @@ from mlxcel.disagg.wire import CacheKind, DType, MsgType
 from mlxcel.engine.interface import TokenEvent
 from mlxcel.engine.sampling import SamplingParams
 from mlxcel.error_codes import ErrorCode
-from tests.disagg.cluster import FAST, RoleNode
+from tests.disagg.cluster import FAST, RoleNode, wait_for
 from tests.pipeline.cluster import free_port, write_secret
+
+pytestmark = pytest.mark.proc  # starts processes (tests/proc_marker.py)
 
 DECODE_IP, IDLER_IP, HONEST_IP, PROBER_IP = "127.0.0.50", "127.0.0.51", "127.0.0.52", "127.0.0.53"
 LAYOUT = KVLayout(tuple(LayerSpec(CacheKind.KV, DType.FLOAT32, 2, 16, 16) for _ in range(4)))  # tiny_llama's
@@ -66,15 +68,6 @@ def decode(tmp_path_factory, tiny_llama):
         for member in members.values():
             member.close()
 
-
-def wait_for(predicate, timeout: float = 15, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def full_handoff(member: Member, target: PeerId, nonce: str) -> None:

@@ -8,6 +8,8 @@ import pytest
 from tests.disagg.cluster import DisaggCluster
 from tests.server.util import ServerProcess
 
+pytestmark = pytest.mark.proc  # starts processes (tests/proc_marker.py)
+
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea."]
 
 

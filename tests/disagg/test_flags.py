@@ -15,10 +15,12 @@ from mlxcel.cluster.errors import SecretError
 from mlxcel.cluster.identity import PeerId
 from mlxcel.disagg.allowlist import Allowlist
 from mlxcel.disagg.flags import check_disagg_flags, node_config
-from mlxcel.disagg.router_role import stats_verbose
+from mlxcel.roles.router import stats_verbose
 from mlxcel.errors import CLIError
-from mlxcel.pipeline.cluster_config import ClusterConfigError, load_cluster_config
+from mlxcel.topology.cluster_config import ClusterConfigError, load_cluster_config
 from mlxcel.roles import select_role
+
+pytestmark = pytest.mark.proc  # starts processes (tests/proc_marker.py)
 
 NO_SECRET_ENV = {k: v for k, v in os.environ.items() if not k.startswith("MLXCEL_CLUSTER_SECRET")}
 
@@ -54,9 +56,9 @@ def test_bad_flag_combinations_are_named(argv, words):
 def test_roles_select_their_modules():
     router = args("--node-role", "router", "--serving-bind", "127.0.0.1:9000", "--prefill-peers", "127.0.0.2:1",
                   "--decode-peers", "127.0.0.3:2")
-    assert select_role(router, None).module == "mlxcel.disagg.router_role"
+    assert select_role(router, None).module == "mlxcel.roles.router"
     assert select_role(args("--node-role", "prefill"), None).serves_api is False
-    assert select_role(args("--node-role", "decode"), None).module == "mlxcel.disagg.decode_role"
+    assert select_role(args("--node-role", "decode"), None).module == "mlxcel.roles.decode"
     assert select_role(args("--node-role", "hybrid"), None).name == "single"
     assert select_role(args(), None).name == "single"
 
@@ -125,7 +127,7 @@ def write_toml(tmp: Path, text: str = DISAGG_TOML) -> Path:
 
 
 def test_the_cluster_toml_gives_the_roles_their_addresses_and_peers(tmp_path, tiny_llama):
-    from mlxcel.pipeline.runtime import prepare_distributed
+    from mlxcel.commands.serve import cluster_node
 
     toml = write_toml(tmp_path)
     cluster = load_cluster_config(toml)
@@ -133,21 +135,21 @@ def test_the_cluster_toml_gives_the_roles_their_addresses_and_peers(tmp_path, ti
     assert [n.id for n in cluster.with_role("decode")] == ["d0", "d1"]
     for node_id, role in (("router", "router"), ("p0", "prefill"), ("d1", "decode")):
         a = args("-m", str(tiny_llama), "--distributed-config", str(toml), "--node-id", node_id)
-        dist = prepare_distributed(a, tiny_llama)
+        dist = cluster_node(a, tiny_llama)
         assert select_role(a, dist).name == role
         cfg = node_config(a, dist)
         assert cfg.role == role and cfg.serving_bind == dist.node.address and cfg.probe_interval_s == 0.5
         assert cfg.secret.source == "secret_file under [cluster]" or cfg.secret.path == (tmp_path / "s.secret").resolve()
     router = node_config(args("--distributed-config", str(toml), "--node-id", "router"),
-                         prepare_distributed(args("--distributed-config", str(toml), "--node-id", "router"), tiny_llama))
+                         cluster_node(args("--distributed-config", str(toml), "--node-id", "router"), tiny_llama))
     assert router.prefill_peers == (PeerId.parse("127.0.0.51:19001"),)
     assert router.decode_peers == (PeerId.parse("127.0.0.52:19002"), PeerId.parse("127.0.0.53:19003"))
     a = args("--distributed-config", str(toml), "--node-id", "p0", "--node-role", "decode")
     with pytest.raises(CLIError, match="contradicts node 'p0'"):
-        check_disagg_flags(a, prepare_distributed(a, tiny_llama))
+        check_disagg_flags(a, cluster_node(a, tiny_llama))
     a = args("--distributed-config", str(toml), "--node-id", "p0", "--serving-bind", "127.0.0.51:1")
     with pytest.raises(CLIError, match="come from the cluster TOML"):
-        check_disagg_flags(a, prepare_distributed(a, tiny_llama))
+        check_disagg_flags(a, cluster_node(a, tiny_llama))
 
 
 @pytest.mark.parametrize("change, words", [
@@ -185,7 +187,7 @@ def test_stats_verbosity_follows_the_variable(value, verbose):
 
 
 def test_the_example_toml_loads_as_a_disaggregated_cluster():
-    from mlxcel.pipeline.cluster_config import load_cluster_config
+    from mlxcel.topology.cluster_config import load_cluster_config
 
     example = Path(__file__).resolve().parents[2] / "examples" / "disagg-loopback.toml"
     cluster = load_cluster_config(example)

@@ -19,6 +19,8 @@ from mlxcel.engine.sampling import SamplingParams
 from mlxcel.error_codes import ErrorCode
 from tests.pipeline.cluster import free_port
 
+pytestmark = pytest.mark.proc  # starts processes (tests/proc_marker.py)
+
 SECRET = ClusterSecret(b"prefill-refusal-tests-secret-0123456789")
 PREFILL_IP, ROUTER_IP, DECODE_IP = "127.0.0.60", "127.0.0.61", "127.0.0.62"
 

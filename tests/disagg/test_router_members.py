@@ -22,8 +22,10 @@ from mlxcel.cluster.wire import Kind
 from mlxcel.disagg import messages as m
 from mlxcel.disagg.wire import MsgType
 from mlxcel.models.identity import model_identity
-from tests.disagg.cluster import RoleNode
+from tests.disagg.cluster import RoleNode, wait_for
 from tests.pipeline.cluster import free_port, write_secret
+
+pytestmark = pytest.mark.proc  # starts processes (tests/proc_marker.py)
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "disagg.md"
 ROUTER_IP, PREFILL_IP, WRONG_IP, ABSENT_IP, DECODE_IP = (f"127.0.0.{i}" for i in range(40, 45))
@@ -76,15 +78,6 @@ def setup(tmp_path_factory, tiny_llama):
         for member in members:
             member.close()
 
-
-def wait_for(predicate, timeout: float = 15, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def stats(node: RoleNode) -> dict:

@@ -8,6 +8,9 @@ import time
 import openai
 
 from tests.disagg.cluster import DisaggCluster
+import pytest
+
+pytestmark = pytest.mark.proc  # starts processes (tests/proc_marker.py)
 
 
 def test_a_request_queued_longer_than_the_handoff_timeout_still_completes(tmp_path, tiny_llama):

@@ -28,6 +28,8 @@ from mlxcel.error_codes import ErrorCode
 from tests.disagg.cluster import FAST, RoleNode
 from tests.pipeline.cluster import free_port, write_secret
 
+pytestmark = pytest.mark.proc  # starts processes (tests/proc_marker.py)
+
 VOCAB = 320  # tiny_llama's vocabulary
 CONTEXT = 2048
 PREFILL_IP, DECODE_IP, MEMBER_IP = "127.0.0.70", "127.0.0.71", "127.0.0.72"

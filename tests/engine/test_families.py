@@ -23,7 +23,7 @@ from mlxcel.cli import main
 from mlxcel.engine.model_slice import FAMILIES, ModelSlice, family_of
 from mlxcel.models.loading import load_checkpoint
 from mlxcel.models.random_checkpoint import RANDOM_FAMILIES, make_random_checkpoint
-from mlxcel.pipeline.partition import layer_costs, plan_stages
+from mlxcel.topology.partition import layer_costs, plan_stages
 
 KV, ROT, SSM = KVCache, RotatingKVCache, ArraysCache
 # family (model_type) -> the cache type of each of its 4 layers

@@ -9,7 +9,7 @@ from mlxcel.engine.sampling import SamplingError, SamplingParams
 from mlxcel.engine.stops import StopMatcher
 from mlxcel.models.loading import load_checkpoint
 from mlxcel.pipeline.inprocess import InProcessPipeline
-from mlxcel.pipeline.partition import layer_costs, plan_stages
+from mlxcel.topology.partition import layer_costs, plan_stages
 
 PROMPT = [1, 40, 41, 42, 43, 44]
 

@@ -20,7 +20,7 @@ from mlxcel.engine.generate import make_cache
 from mlxcel.engine.model_slice import FAMILIES, Family, ModelSlice
 from mlxcel.models.errors import ModelError
 from mlxcel.models.loading import load_checkpoint
-from mlxcel.pipeline.partition import StageCosts, layer_costs, plan_stages
+from mlxcel.topology.partition import StageCosts, layer_costs, plan_stages
 
 VOCAB = 96
 BASE = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,

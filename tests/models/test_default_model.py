@@ -15,6 +15,8 @@ from mlxcel.models import default_model as dm
 from mlxcel.models.errors import ModelError
 from tests.models.tiny_gguf import write_tiny_gguf
 
+pytestmark = pytest.mark.proc  # starts processes (tests/proc_marker.py)
+
 
 @pytest.fixture
 def tiny_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:

@@ -18,7 +18,7 @@ import pytest
 from mlxcel.node import supervisor
 from mlxcel.node.spec import NodeSpec, NodeSpecError, load_node_spec
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.proc]
 REPO = Path(__file__).resolve().parents[2]
 
 # argv: port, HTTP status to answer, 1 to ignore SIGTERM, a marker (the test's directory)

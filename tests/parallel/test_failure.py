@@ -15,7 +15,7 @@ import pytest
 from tests.parallel.util import alive, followers, wait_gone
 from tests.server.util import MODEL, ServerProcess
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.proc]
 CLI = [sys.executable, "-m", "mlxcel"]
 LONG = {"model": MODEL, "prompt": [1, 40, 41], "max_tokens": 1500, "temperature": 0, "ignore_eos": True}
 

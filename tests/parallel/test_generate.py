@@ -10,7 +10,7 @@ import pytest
 CLI = [sys.executable, "-m", "mlxcel"]
 PROMPT = "The quick brown fox"
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.proc]
 
 
 def generate(model, *flags: str, n: int = 16) -> subprocess.CompletedProcess:

@@ -14,7 +14,7 @@ from tests.parallel.test_server import complete
 from tests.parallel.util import wait_gone
 from tests.server.util import ServerProcess, stop_process
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.proc]
 CLI = [sys.executable, "-m", "mlxcel"]
 
 

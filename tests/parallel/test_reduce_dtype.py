@@ -16,7 +16,7 @@ import pytest
 from mlxcel.parallel.errors import TPError
 from mlxcel.parallel.reduce import CastShardedToAllLinear, reduced_layers, set_reduce_dtype
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.proc]
 
 
 def sharded(path):

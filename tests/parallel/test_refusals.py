@@ -14,10 +14,13 @@ from pathlib import Path
 import pytest
 
 from mlxcel.cli import build_parser
+from mlxcel.commands.serve import serve_config
 from mlxcel.cluster.errors import SecretError
 from mlxcel.parallel.errors import HostfileError, ShardRefusal, TPError
 from mlxcel.parallel.options import prepare_tp
 from mlxcel.parallel.plan import check_shardable
+
+pytestmark = pytest.mark.proc  # starts processes (tests/proc_marker.py)
 
 CLI = [sys.executable, "-m", "mlxcel"]
 SMOLLM2 = {"model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9,
@@ -114,8 +117,11 @@ def test_hostfile_without_a_cluster_secret_is_refused(tiny_6_3, tmp_path, monkey
     monkeypatch.delenv("MLXCEL_CLUSTER_SECRET", raising=False)
     monkeypatch.delenv("MLXCEL_CLUSTER_SECRET_FILE", raising=False)
     hosts = _hostfile(tmp_path, "127.0.0.1", "127.0.0.2", "127.0.0.3")
-    with pytest.raises(SecretError, match="a cluster secret is required but none was configured"):
-        _prepare(tiny_6_3, "--tp-size", "3", "--tp-hostfile", str(hosts))
+    for rank in ("0", "1"):  # the tp and tp-rank roles' configure hooks, before anything is bound
+        args = build_parser().parse_args(["serve", "-m", str(tiny_6_3), "--tp-size", "3", "--tp-hostfile", str(hosts),
+                                          "--tp-rank", rank])
+        with pytest.raises(SecretError, match="a cluster secret is required but none was configured"):
+            serve_config(args)
 
 
 @pytest.mark.parametrize("content,message", [

@@ -11,7 +11,7 @@ import pytest
 from tests.parallel.util import alive, followers
 from tests.server.util import MODEL, ServerProcess, metrics
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.proc]
 PROMPTS = [[1, 40, 41, 42, 43, 44], [1, 50, 51], [1, 60, 61, 62, 63, 64, 65, 66, 67], [1, 80, 81, 82, 83]]
 
 

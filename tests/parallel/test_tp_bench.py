@@ -8,7 +8,7 @@ import pytest
 
 from bench import tp_bench
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.proc]
 
 
 def test_rows_for_both_paths_in_abba_order(tiny_llama, tmp_path, capsys):

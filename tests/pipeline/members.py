@@ -24,7 +24,7 @@ from mlxcel.cluster.wire import Kind
 from mlxcel.engine.executor import Step
 from mlxcel.engine.runner import SliceRunner
 from mlxcel.engine.sampling import SamplingParams
-from mlxcel.pipeline.cluster_config import ClusterConfig, parse_cluster_config
+from mlxcel.topology.cluster_config import ClusterConfig, parse_cluster_config
 from mlxcel.pipeline.coordinator import PipelineExecutor
 from mlxcel.pipeline.protocol import (
     MsgType,
@@ -33,7 +33,8 @@ from mlxcel.pipeline.protocol import (
     decode,
     encode,
 )
-from mlxcel.pipeline.stage import ModelFacts, StageService
+from mlxcel.models.facts import ModelFacts
+from mlxcel.pipeline.stage import StageService
 from mlxcel.pipeline.tensors import to_wire
 
 SECRET = ClusterSecret(b"pipeline-authorization-tests-0123456789", source="test")

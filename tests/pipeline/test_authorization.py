@@ -31,11 +31,11 @@ from mlxcel.cluster.wire import Kind
 from mlxcel.engine.executor import ExecutorError, LocalExecutor, Step, slice_runner
 from mlxcel.engine.sampling import SamplingParams
 from mlxcel.error_codes import ErrorCode
-from mlxcel.pipeline.cluster_config import ClusterConfig
+from mlxcel.topology.cluster_config import ClusterConfig
 from mlxcel.pipeline.coordinator import PipelineExecutor
 from mlxcel.pipeline.params import params_to_wire
 from mlxcel.pipeline.protocol import ENVELOPE, MsgType, StageMessage, encode, new_nonce
-from mlxcel.pipeline.runtime import model_facts
+from mlxcel.models.facts import model_facts
 from mlxcel.pipeline.stage import StageService
 from tests.pipeline.members import (
     COORDINATOR_IP,
@@ -56,7 +56,7 @@ from tests.pipeline.members import (
     start_stage,
 )
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.proc]
 
 PROMPT = [1, 40, 41, 42, 43]
 N = 5  # tokens per sequence: prefill + 4 decode steps

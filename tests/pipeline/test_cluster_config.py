@@ -9,10 +9,12 @@ import sys
 import pytest
 
 from mlxcel.cluster.secret import TOML_FIELD
-from mlxcel.pipeline.cluster_config import ClusterConfigError, load_cluster_config
-from mlxcel.pipeline.runtime import prepare_distributed
-from tests.engine.test_cli import assert_one_line_error, mlxcel
+from mlxcel.topology.cluster_config import ClusterConfigError, load_cluster_config
+from mlxcel.commands.serve import cluster_node
+from tests.commands.test_cli import assert_one_line_error, mlxcel
 from tests.pipeline.cluster_toml import COORDINATOR_AND_STAGE_0, write_toml
+
+pytestmark = pytest.mark.proc  # starts processes (tests/proc_marker.py)
 
 GOOD = """
 [cluster]
@@ -129,7 +131,7 @@ def test_a_node_reads_the_cluster_toml_once(tmp_path, tiny_llama, monkeypatch):
         _record_opens.added = True  # type: ignore[attr-defined]
     _opened = []
     try:
-        dist = prepare_distributed(args, tiny_llama)
+        dist = cluster_node(args, tiny_llama)
         opened = list(_opened)
     finally:
         _opened = None

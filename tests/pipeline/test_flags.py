@@ -80,7 +80,7 @@ def test_server_cluster_flag_errors(tmp_path, capsys, entry, argv, message):
 def test_server_cluster_flags_parse():
     args = build_parser().parse_args(["serve", "--distributed-config", "c.toml", "--node-id", "coordinator",
                                       "--cluster-secret-file", "s", "--pp-micro-batch-size", "4"])
-    from mlxcel.server.launch import check_cluster_flags
+    from mlxcel.commands.serve import check_cluster_flags
 
     check_cluster_flags(args)
     assert (args.distributed_config, args.node_id, args.cluster_secret_file, args.pp_micro_batch_size) == (

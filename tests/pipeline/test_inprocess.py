@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.engine.test_cli import assert_one_line_error, mlxcel
+from tests.commands.test_cli import assert_one_line_error, mlxcel
+
+pytestmark = pytest.mark.proc  # starts processes (tests/proc_marker.py)
 
 
 _single: dict[str, str] = {}

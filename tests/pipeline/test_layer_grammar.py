@@ -15,11 +15,13 @@ import pytest
 
 from mlxcel.cli import build_parser, check_pipeline_flags, main
 from mlxcel.errors import CLIError
-from mlxcel.pipeline.cluster_config import ClusterConfigError, load_cluster_config
+from mlxcel.topology.cluster_config import ClusterConfigError, load_cluster_config
 from mlxcel.pipeline.inprocess import stage_ranges
-from mlxcel.pipeline.partition import PartitionError
+from mlxcel.topology.partition import PartitionError
 from tests.pipeline.cluster_toml import COORDINATOR_AND_STAGE_0, write_toml
 from tests.pipeline.test_partition import make_checkpoint
+
+pytestmark = pytest.mark.proc  # starts processes (tests/proc_marker.py)
 
 LAYERS = 4
 ACCEPTED = ["0-3", " 0 - 3 ", "0 -3", "00-03", "0\t-\t3"]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from mlxcel.cli import main
-from mlxcel.pipeline.partition import (
+from mlxcel.topology.partition import (
     PartitionError,
     StageCosts,
     human_bytes,

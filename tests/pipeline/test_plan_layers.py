@@ -7,7 +7,7 @@ import json
 import pytest
 
 from mlxcel.cli import main
-from mlxcel.pipeline.partition import PartitionError, parse_layer_ranges
+from mlxcel.topology.partition import PartitionError, parse_layer_ranges
 from tests.pipeline.test_partition import make_checkpoint
 
 

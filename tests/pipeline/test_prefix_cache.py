@@ -25,11 +25,11 @@ from mlxcel.config import DEFAULT_PREFIX_CACHE_MB, MAX_PREFIX_TOKENS
 from mlxcel.engine.executor import ExecutorError, LocalExecutor, Step, slice_runner
 from mlxcel.engine.sampling import SamplingParams
 from mlxcel.error_codes import ErrorCode
-from mlxcel.pipeline.cluster_config import ClusterConfig, ClusterConfigError, load_cluster_config, parse_cluster_config
+from mlxcel.topology.cluster_config import ClusterConfig, ClusterConfigError, load_cluster_config, parse_cluster_config
 from mlxcel.pipeline.coordinator import PipelineExecutor
 from mlxcel.pipeline.params import params_to_wire
 from mlxcel.pipeline.protocol import MsgType, StageMessage
-from mlxcel.pipeline.runtime import model_facts
+from mlxcel.models.facts import model_facts
 from mlxcel.pipeline.stage import StageService
 from tests.pipeline.cluster import LocalCluster
 from tests.pipeline.cluster_toml import COORDINATOR_AND_STAGE_0, write_toml
@@ -48,7 +48,7 @@ from tests.pipeline.members import (
 )
 from tests.server.util import metrics
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.proc]
 
 VOCAB = 320
 N = 4  # tokens generated per sequence

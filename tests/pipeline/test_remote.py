@@ -18,7 +18,7 @@ import pytest
 from tests.pipeline.cluster import LocalCluster
 from tests.server.util import metrics
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.proc]
 PROMPTS = [[1, 40, 41, 42, 43, 44], [1, 50, 51], [1, 60, 61, 62, 63, 64, 65, 66, 67], [1, 80, 81, 82, 83]]
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from tests.pipeline.cluster import LocalCluster
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.proc]
 
 
 def _stream(url: str, n: int, out: dict) -> None:

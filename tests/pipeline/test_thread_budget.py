@@ -13,6 +13,8 @@ from mlxcel.blas import apply_thread_budget, blas_in_use, blas_threads, set_blas
 from mlxcel.cli import build_parser, server_main
 from mlxcel.threads import blas_environment, env_budget
 
+pytestmark = pytest.mark.proc  # starts processes (tests/proc_marker.py)
+
 needs_openblas = pytest.mark.skipif(not blas_in_use().startswith("openblas"),
                                     reason="needs the preloaded OpenBLAS (scripts/setup.sh)")
 

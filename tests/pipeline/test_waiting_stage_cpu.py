@@ -25,8 +25,8 @@ TOKENS = 24
 STEP_DELAY_S = 0.03  # per stage and step: each stage waits ~2 delays per token, under OpenBLAS's spin time
 BUSY_FRACTION = 0.3  # a spinning stage is near 1.0 of the request's wall time; a sleeping one ~0.1
 
-pytestmark = pytest.mark.skipif(not blas_in_use().startswith("openblas") or os.cpu_count() == 1,
-                                reason="needs the preloaded OpenBLAS (scripts/setup.sh) and 2 cores")
+pytestmark = [pytest.mark.skipif(not blas_in_use().startswith("openblas") or os.cpu_count() == 1,
+                                reason="needs the preloaded OpenBLAS (scripts/setup.sh) and 2 cores"), pytest.mark.proc]
 
 
 def cpu_seconds(pid: int) -> float:

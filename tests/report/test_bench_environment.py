@@ -11,6 +11,8 @@ import pytest
 
 from bench.environment import COMMIT_ENV, environment, git_commit, write_jsonl
 
+pytestmark = pytest.mark.proc  # starts processes (tests/proc_marker.py)
+
 REPO = Path(__file__).resolve().parents[2]
 COMMIT = re.compile(r"^[0-9a-f]{40}(-dirty)?$")
 

@@ -33,8 +33,8 @@ def find_browser() -> str | None:
 
 
 BROWSER = find_browser()
-pytestmark = pytest.mark.skipif(
-    BROWSER is None, reason="no Chromium found (apt-get install chromium, or set MLXCEL_CHROMIUM)")
+pytestmark = [pytest.mark.skipif(
+    BROWSER is None, reason="no Chromium found (apt-get install chromium, or set MLXCEL_CHROMIUM)"), pytest.mark.proc]
 
 
 class DevTools:

@@ -11,6 +11,9 @@ import pandas as pd
 
 from mlxcel.cli import main
 from tests.report.conftest import FIXTURES
+import pytest
+
+pytestmark = pytest.mark.proc  # starts processes (tests/proc_marker.py)
 
 BAD = FIXTURES / "bad"
 EXPECTED = [

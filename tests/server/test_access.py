@@ -28,7 +28,7 @@ from mlxcel.server.access import (
 )
 from tests.server.util import CLI, MODEL, chat_body, stop_process
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.proc]
 KEY = "sk-mlxcel-test-3f9a1c0d5e7b2a4468"
 SECOND_KEY = "sk-mlxcel-second-9d0e1f2a3b4c5d6e"
 WRONG_KEY = "sk-mlxcel-wrong-77aa88bb99cc00dd"

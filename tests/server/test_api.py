@@ -7,7 +7,7 @@ import pytest
 
 from tests.server.util import MODEL, chat_body, sse_events
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.proc]
 
 
 def test_models_lists_the_served_name(client):

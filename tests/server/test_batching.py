@@ -10,7 +10,7 @@ import pytest
 
 from tests.server.util import MODEL, chat_body, metrics
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.timeout(90), pytest.mark.proc]
 PROMPTS = [[1, 40, 41, 42, 43, 44], [1, 50, 51], [1, 60, 61, 62, 63, 64, 65, 66, 67], [1, 80, 81, 82, 83]]
 LONG = {"max_tokens": 1900, "temperature": 0, "ignore_eos": True}
 

@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180), pytest.mark.proc]
 QUESTIONS = ["What is the capital of France?", "Name a primary color.", "What is 2 + 2?"]
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from tests.server.util import MODEL, chat_body
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.proc]
 CONTEXT = 2048  # the random checkpoint's max_position_embeddings
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from tests.server.util import CLI, chat_body, sse_events
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.timeout(90), pytest.mark.proc]
 LONG = {"max_tokens": 1900, "temperature": 0, "ignore_eos": True}
 
 

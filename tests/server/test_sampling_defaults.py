@@ -8,6 +8,8 @@ import pytest
 
 from tests.server.util import chat_body
 
+pytestmark = pytest.mark.proc  # starts processes (tests/proc_marker.py)
+
 
 @pytest.fixture(scope="module")
 def greedy_by_default(start_server, tiny_llama, tmp_path_factory):

@@ -19,7 +19,7 @@ from mlxcel.server.tls import TLSError, load_tls
 from tests.server.test_access import KEY, LoggedServer, clean_env, key_file, run_serve
 from tests.server.util import MODEL
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.proc]
 
 
 def make_certificate(directory: Path, name: str = "mlxcel-test") -> tuple[Path, Path]:

@@ -13,7 +13,7 @@ from openai.types import completion_create_params as text_params
 from mlxcel.server import protocol as p
 from tests.server.util import MODEL, chat_body, sse_events
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.proc]
 
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
 # field -> a value that asks for something this server does not do

@@ -1,16 +1,19 @@
-"""``mlxcel serve`` / ``mlxcel-server``: flags, preflight, then the role this configuration selects.
+"""``mlxcel serve`` / ``mlxcel-server``: the flags, parsed once into a ``ServeConfig``, then the role it names.
 
-Order of checks (cheap first, each a one-line error): flag combinations, the
-checkpoint directory, the cluster TOML, access control, the listening socket; only then does
-the role (``mlxcel/roles.py``) start and the model load (in the background, /health answering
-503 until it is ready). Socket, exit and uvicorn plumbing live in ``mlxcel/process.py``.
+Order of checks (cheap first, each a one-line error): flag combinations, the checkpoint directory,
+the cluster TOML with its secret, the role's own hook (``configure``: its settings and secret), the
+thread budget, access control, the listening socket; only then does the role
+(``mlxcel/roles/``) start and the model load (in the background, /health answering 503 until it
+is ready). Socket, exit and uvicorn plumbing live in ``mlxcel/process.py``.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mlxcel.config import (
     DEFAULT_DRAIN_TIMEOUT_S,
@@ -26,8 +29,18 @@ from mlxcel.config import (
     seconds,
     thread_count,
 )
+from mlxcel.bringup import wire
+from mlxcel.bringup.flags import check_bringup_flags
 from mlxcel.config import port as tcp_port
+from mlxcel.disagg.flags import add_disagg_arguments
 from mlxcel.errors import CLIError
+from mlxcel.parallel.options import add_tp_arguments
+from mlxcel.server.access import add_access_arguments
+from mlxcel.roles.context import RoleContext, ServeConfig
+from mlxcel.topology.distributed import Distributed, PipelineOptions, load_distributed
+
+if TYPE_CHECKING:
+    from mlxcel.server.runtime import ServerConfig
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -63,12 +76,8 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="log verbosity (default info)")
     _add_cluster_arguments(parser)
     _add_bringup_arguments(parser)
-    _add_disagg_arguments(parser)
-    from mlxcel.parallel.options import add_tp_arguments
-
+    add_disagg_arguments(parser.add_argument_group("disaggregated inference (docs/disagg.md)"))
     add_tp_arguments(parser, server=True)
-    from mlxcel.server.access import add_access_arguments
-
     add_access_arguments(parser)
 
 
@@ -92,8 +101,6 @@ def _add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _add_bringup_arguments(parser: argparse.ArgumentParser) -> None:
     """Zero-config bring-up (docs/bringup.md); checked by ``mlxcel.bringup.flags``."""
-    from mlxcel.bringup import wire
-
     group = parser.add_argument_group("zero-config bring-up (docs/bringup.md)")
     group.add_argument("--pp-auto", type=positive_int, default=None, metavar="N",
                        help="coordinator of an N-stage pipeline: find N --pp-peer processes, plan the cluster, "
@@ -122,17 +129,8 @@ def _add_bringup_arguments(parser: argparse.ArgumentParser) -> None:
                        help="--pp-auto only: plan the cluster, write --cluster-config-out and exit")
 
 
-def _add_disagg_arguments(parser: argparse.ArgumentParser) -> None:
-    """Disaggregated prefill/decode/router roles (docs/disagg.md); checked by ``mlxcel.disagg.flags``."""
-    from mlxcel.disagg.flags import add_disagg_arguments
-
-    add_disagg_arguments(parser.add_argument_group("disaggregated inference (docs/disagg.md)"))
-
-
 def check_cluster_flags(args: argparse.Namespace) -> None:
     """--distributed-config and --node-id come together; pipeline-only flags need them."""
-    from mlxcel.bringup.flags import check_bringup_flags
-
     check_bringup_flags(args)  # --pp-auto / --pp-peer exclusions first: --dry-run with --pp-peer binds nothing
     if args.node_id is not None and args.distributed_config is None:
         raise CLIError("--node-id needs --distributed-config (the cluster TOML that defines the node)")
@@ -147,27 +145,30 @@ def check_cluster_flags(args: argparse.Namespace) -> None:
         raise CLIError("--pp-stop-stages needs --distributed-config or --pp-auto (it stops a pipeline's stages)")
 
 
-def build_config(args: argparse.Namespace):
-    """Check flag combinations and the checkpoint; return a ServerConfig. Raises CLIError/ModelError."""
+def check_flags(args: argparse.Namespace) -> None:
+    """Flag combinations of every feature (nothing is read or bound yet)."""
+    from mlxcel.parallel.options import check_tp_flags
+
+    check_cluster_flags(args)
+    check_tp_flags(args)
+    if (args.max_batch_size or args.parallel) > args.parallel:
+        raise CLIError(f"--max-batch-size ({args.max_batch_size}) cannot exceed --parallel ({args.parallel}): "
+                       "a decode step batches only sequences that hold a slot")
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    """The checkpoint (checked) and the batching settings; raises CLIError/ModelError."""
     from mlxcel.models.loading import check_checkpoint
     from mlxcel.server.runtime import ServerConfig
 
-    check_cluster_flags(args)
-    batch = args.max_batch_size or args.parallel
-    if batch > args.parallel:
-        raise CLIError(f"--max-batch-size ({batch}) cannot exceed --parallel ({args.parallel}): "
-                       "a decode step batches only sequences that hold a slot")
     model = Path(args.model)
-    checkpoint = check_checkpoint(model)
-    from mlxcel.parallel.options import prepare_tp
-
-    prepare_tp(args, model, checkpoint)  # --tp-*: flags, hostfile, shard plan; refused before any weight is read
+    check_checkpoint(model)
     name = args.served_model_name if args.served_model_name is not None else model.resolve().name
     if not name.strip():
         raise CLIError("--served-model-name must not be empty")
-    return ServerConfig(model=model, served_model_name=name, parallel=args.parallel, max_batch_size=batch,
-                        max_queue=args.max_queue, request_timeout=args.request_timeout, warmup=args.warmup,
-                        prefix_cache_mb=args.prefix_cache_mb)
+    return ServerConfig(model=model, served_model_name=name, parallel=args.parallel,
+                        max_batch_size=args.max_batch_size or args.parallel, max_queue=args.max_queue,
+                        request_timeout=args.request_timeout, warmup=args.warmup, prefix_cache_mb=args.prefix_cache_mb)
 
 
 def apply_threads(args: argparse.Namespace) -> int:
@@ -180,26 +181,51 @@ def apply_threads(args: argparse.Namespace) -> int:
         raise CLIError(str(exc)) from None
 
 
-def run_server(args: argparse.Namespace) -> int:
-    """Check, select the role, bind, run it; returns only for preflight errors (raised), else exits the process."""
-    from mlxcel.bringup.flags import preflight_bringup
-    from mlxcel.disagg.flags import preflight_disagg
-    from mlxcel.pipeline.runtime import prepare_distributed
-    from mlxcel.process import RoleContext, bind_socket, exit_process
+def pipeline_options(args: argparse.Namespace) -> PipelineOptions:
+    return PipelineOptions(getattr(args, "pp_micro_batch_size", None), getattr(args, "pp_return_logits", False),
+                           getattr(args, "pp_stop_stages", False))
+
+
+def cluster_node(args: argparse.Namespace, model: Path) -> Distributed | None:
+    """--distributed-config: the TOML, the node, the secret (fail closed), the stage ranges; else None."""
+    if args.distributed_config is None:
+        return None
+    return load_distributed(args.distributed_config, args.node_id, model,
+                            secret_file=getattr(args, "cluster_secret_file", None), options=pipeline_options(args))
+
+
+def serve_config(args: argparse.Namespace) -> ServeConfig:
+    """Every check before anything listens, then the chosen role's ``configure`` hook; the one config."""
+    from mlxcel.disagg.flags import check_disagg_flags, wants_disagg
     from mlxcel.roles import select_role
+
+    check_flags(args)
+    server = server_config(args)
+    dist = cluster_node(args, server.model)
+    if wants_disagg(args, dist):
+        check_disagg_flags(args, dist)
+    role = select_role(args, dist)
+    base = ServeConfig(role=role.name, server=server, log_level=args.log_level, drain_timeout_s=args.drain_timeout,
+                       pipeline=pipeline_options(args), dist=dist, secret=dist.secret if dist else None)
+    config = role.configure(args, base)
+    return replace(config, threads=apply_threads(args))
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """Configure, bind, run the role; returns only for preflight errors (raised), else exits the process."""
     from mlxcel.blas import blas_in_use
+    from mlxcel.process import Endpoint, bind_socket, exit_process
+    from mlxcel.roles import ROLES
     from mlxcel.server.access import prepare_access
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = build_config(args)
-    threads = apply_threads(args)
-    dist = prepare_distributed(args, config.model)  # cluster TOML, node, secret (fail closed), stage ranges
-    preflight_bringup(args)  # --pp-auto / --pp-peer: the secret (fail closed)
-    preflight_disagg(args, dist)  # --node-role prefill|decode|router: flags and the secret (fail closed)
-    role = select_role(args, dist)
+    config = serve_config(args)
+    role = ROLES[config.role]
     # keys, TLS files and the fail-closed bind policy, before anything listens
     access = prepare_access(args, health_only=not role.serves_api)
     sock = bind_socket(args.host, args.port)
     # after every preflight check, so that a refusal stays one line on stderr
-    logging.getLogger("mlxcel.server").info("BLAS %s: %d thread(s) per matrix product", blas_in_use(), threads)
-    exit_process(role.run(RoleContext(args, config, dist, access, sock)))
+    logging.getLogger("mlxcel.server").info("BLAS %s: %d thread(s) per matrix product", blas_in_use(), config.threads)
+    endpoint = Endpoint(sock, scheme=access.scheme, log_level=config.log_level,
+                        drain_timeout_s=config.drain_timeout_s, uvicorn_options=access.uvicorn_options())
+    exit_process(role.run(RoleContext(config, access, endpoint)))

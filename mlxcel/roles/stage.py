@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import argparse
 import logging
-import time
 from pathlib import Path
 from typing import Any, Callable
 
 from mlxcel.errors import CLIError
 from mlxcel.loading_process import LoadingProcess, serve_loading
-from mlxcel.pipeline.runtime import Distributed, load_stage_runner, model_facts
+from mlxcel.models.facts import model_facts
+from mlxcel.pipeline.slice_loading import load_stage_runner
 from mlxcel.pipeline.stage import StageService
-from mlxcel.process import RoleContext
+from mlxcel.roles.context import RoleContext, ServeConfig
+from mlxcel.topology.distributed import Distributed
 
 log = logging.getLogger("mlxcel.pipeline.stage")
 
@@ -27,25 +29,21 @@ class StageProcess(LoadingProcess):
         self.model_dir = model_dir
 
     def load(self, on_fatal: Callable[[str], None], on_shutdown: Callable[[], None]) -> None:
-        start = time.perf_counter()
-        node = self.dist.node
-        layers = node.layers
-        try:
-            if layers is None or self.dist.secret is None:
+        node, loaded = self.dist.node, []
+
+        def build() -> StageService:
+            if node.layers is None or self.dist.secret is None:
                 raise ValueError("a stage needs its layer range and the cluster secret")
-            runner, loaded = load_stage_runner(self.model_dir, *layers, max_rows=self.dist.cluster.max_batch_size)
-            service = StageService(self.dist.cluster, node.id, runner, self.dist.secret, model_facts(self.model_dir),
-                                   on_shutdown=on_shutdown)
-            service.start()
-        except OSError as exc:
-            self._fail(f"stage {node.id}: cannot listen on {node.address}: {exc.strerror or exc}", on_fatal)
-            return
-        except Exception as exc:  # noqa: BLE001 - one line, then exit
-            self._fail(f"stage {node.id}: {exc}", on_fatal)
-            return
-        self._ready(service)
-        log.info("stage %s serving layers %d-%d of %s (%s) on %s in %.1fs", node.id, layers[0], layers[1] - 1,
-                 loaded.name, loaded.describe_weights(), node.address, time.perf_counter() - start)
+            runner, checkpoint = load_stage_runner(self.model_dir, *node.layers,
+                                                   max_rows=self.dist.cluster.max_batch_size)
+            loaded.append(checkpoint)
+            return StageService(self.dist.cluster, node.id, runner, self.dist.secret, model_facts(self.model_dir),
+                                on_shutdown=on_shutdown)
+
+        seconds = self.start_service(build, who=f"stage {node.id}", address=node.address, on_fatal=on_fatal)
+        if seconds is not None and node.layers is not None:
+            log.info("stage %s serving layers %d-%d of %s (%s) on %s in %.1fs", node.id, node.layers[0],
+                     node.layers[1] - 1, loaded[0].name, loaded[0].describe_weights(), node.address, seconds)
 
     def health_body(self) -> dict[str, Any]:
         node = self.dist.node
@@ -57,14 +55,20 @@ class StageProcess(LoadingProcess):
         return body
 
 
+def configure(args: argparse.Namespace, config: ServeConfig) -> ServeConfig:
+    """The cluster TOML's stage node (loaded with the secret before the role was chosen)."""
+    if config.dist is None:
+        raise CLIError("the stage role needs --distributed-config and --node-id")
+    return config
+
+
 def run(context: RoleContext) -> int:
     """Role ``stage``: serve this node's layers until SIGINT/SIGTERM or the coordinator's SHUTDOWN;
     returns the exit code."""
-    dist = context.dist
-    if dist is None:
-        raise CLIError("the stage role needs --distributed-config and --node-id")
-    process = StageProcess(dist, context.config.model)
+    dist = context.config.dist
+    assert dist is not None  # configure checked it
+    process = StageProcess(dist, context.config.server.model)
     layers = dist.node.layers or (0, 0)
     banner = f"mlxcel: stage {dist.node.id} (layers {layers[0]}-{layers[1] - 1}) on cluster address {dist.node.address}"
-    return serve_loading(context, process, "mlxcel stage", lambda switch: process.load(switch.fatal, switch.stop),
+    return serve_loading(context.endpoint, process, "mlxcel stage", lambda switch: process.load(switch.fatal, switch.stop),
                          "mlxcel-stage-load", banner)

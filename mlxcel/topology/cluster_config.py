@@ -26,11 +26,9 @@ from mlxcel import config as defaults
 from mlxcel.cluster.errors import SecretError
 from mlxcel.cluster.identity import PeerId
 from mlxcel.cluster.secret import secret_file_of
-from mlxcel.pipeline.partition import PartitionError, check_contiguous, check_coverage, parse_range
+from mlxcel.topology.names import DISAGG_ROLES, NODE_ROLES, PIPELINE_ROLES
+from mlxcel.topology.partition import PartitionError, check_contiguous, check_coverage, parse_range
 
-PIPELINE_ROLES = ("coordinator", "stage")
-DISAGG_NODE_ROLES = ("prefill", "decode", "router")
-ROLES = PIPELINE_ROLES + DISAGG_NODE_ROLES
 _TOP_KEYS = {"cluster", "pipeline", "timeouts", "nodes"}
 _CLUSTER_KEYS = {"name", "pipeline_parallel_size", "secret_file"}
 _PIPELINE_KEYS = {"micro_batch_size", "max_batch_size", "prefix_cache_mb"}
@@ -152,7 +150,7 @@ def parse_cluster_config(doc: dict[str, Any], path: Path) -> ClusterConfig:
     if not isinstance(name, str) or not name.strip():
         raise ClusterConfigError(f"{path}: name under [cluster] must be a non-empty string")
     nodes = _nodes(doc, path)
-    if any(n.role in DISAGG_NODE_ROLES for n in nodes):
+    if any(n.role in DISAGG_ROLES for n in nodes):
         return _disaggregated(nodes, cluster, path, name, secret_file, timeouts)
     coordinators = [n for n in nodes if n.role == "coordinator"]
     stages = tuple(n for n in nodes if n.role == "stage")
@@ -196,8 +194,8 @@ def _nodes(doc: dict[str, Any], path: Path) -> list[Node]:
             raise ClusterConfigError(f"{where}: id must be a non-empty string")
         if node_id in seen_ids:
             raise ClusterConfigError(f"{where}: duplicate id {node_id!r}")
-        if role not in ROLES:
-            raise ClusterConfigError(f"{where} ({node_id}): role must be one of {', '.join(ROLES)}, got {role!r}")
+        if role not in NODE_ROLES:
+            raise ClusterConfigError(f"{where} ({node_id}): role must be one of {', '.join(NODE_ROLES)}, got {role!r}")
         try:
             peer = PeerId.parse(address)
         except ValueError:
@@ -223,7 +221,7 @@ def _disaggregated(nodes: list[Node], cluster: dict[str, Any], path: Path, name:
     if mixed:
         raise ClusterConfigError(f"{path}: a cluster is a pipeline or disaggregated, not both: {', '.join(mixed)} "
                                  "cannot join prefill, decode and router nodes")
-    for role in DISAGG_NODE_ROLES:
+    for role in DISAGG_ROLES:
         if not any(n.role == role for n in nodes):
             raise ClusterConfigError(f"{path}: a disaggregated cluster needs at least one node with role = \"{role}\"")
     if "pipeline_parallel_size" in cluster:

@@ -8,6 +8,7 @@ says why, the server drains (``--drain-timeout``) and exits 1; the local followe
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import sys
@@ -16,28 +17,37 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from mlxcel.process import RoleContext, error_line
+from mlxcel.process import error_line
+from mlxcel.roles.context import RoleContext, ServeConfig
 from mlxcel.server.runtime import ServerConfig, ServerRuntime
 from mlxcel.server.serve import serve_openai
 
 DECODE_PATH = "decode path: native batched forward"
 
 
+def configure(args: argparse.Namespace, config: ServeConfig) -> ServeConfig:
+    """The shard plan and the group's settings (checked before any weight is read) and, with a
+    hostfile, the cluster secret (fail closed: the control channel crosses hosts)."""
+    from mlxcel.cluster.secret import load_secret
+    from mlxcel.models.loading import check_checkpoint
+    from mlxcel.parallel.options import prepare_tp
+
+    tp = prepare_tp(args, config.server.model, check_checkpoint(config.server.model))
+    assert tp is not None  # the role is chosen by --tp-size above 1
+    return replace(config, tp=tp, secret=load_secret(args.cluster_secret_file, required=not tp.local))
+
+
 class TPServer:
     """The rank-0 session of a server and what its engine factory needs."""
 
     def __init__(self, context: RoleContext):
-        from mlxcel.cluster.secret import load_secret
-        from mlxcel.models.loading import check_checkpoint
-        from mlxcel.parallel.options import prepare_tp
         from mlxcel.parallel.session import RankZero
 
-        config = context.config
-        tp = prepare_tp(context.args, config.model, check_checkpoint(config.model))
-        assert tp is not None
+        config = context.config.server
+        tp = context.config.tp
+        assert tp is not None  # configure set it
         self.tp = tp
-        secret = load_secret(context.args.cluster_secret_file, required=not tp.local)
-        self.rank0 = RankZero(tp, Path(config.model), secret, max_batch_size=config.max_batch_size,
+        self.rank0 = RankZero(tp, Path(config.model), context.config.secret, max_batch_size=config.max_batch_size,
                               prefix_cache_bytes=config.prefix_cache_mb << 20)
         self.error: str | None = None
         self._once = threading.Lock()
@@ -67,12 +77,12 @@ class TPServer:
 def run(context: RoleContext) -> int:
     """Serve as rank 0 of ``--tp-size`` ranks until stopped; 1 when the group broke."""
     server = TPServer(context)
-    config = replace(context.config, lazy_weights=True)  # the weights are read only once sharded
+    config = replace(context.config.server, lazy_weights=True)  # the weights are read only once sharded
     reduce = "" if server.tp.reduce_dtype == "model" else f", all-reduce in {server.tp.reduce_dtype}"
     print(f"mlxcel: tensor parallel over {server.tp.size} ranks ({server.tp.plan.describe()}{reduce}); {DECODE_PATH}",
           file=sys.stderr, flush=True)
     try:
-        code = serve_openai(context, ServerRuntime(config, server.build),
+        code = serve_openai(context.endpoint, context.access, ServerRuntime(config, server.build),
                             described_as=f" as rank 0 of {server.tp.size} tensor-parallel ranks")
     finally:
         server.rank0.close()

@@ -8,12 +8,14 @@ file and exits without assigning anything.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import signal
 import socket
 import sys
 from contextlib import contextmanager
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, Iterator
 
 from mlxcel import __version__
@@ -21,17 +23,18 @@ from mlxcel.cluster.identity import PeerId
 from mlxcel.cluster.secret import ClusterSecret, load_secret
 from mlxcel.cluster.sockets import family
 from mlxcel.errors import CLIError
-from mlxcel.pipeline.partition import PartitionError, format_range, layer_costs
-from mlxcel.process import RoleContext
+from mlxcel.topology.partition import PartitionError, format_range, layer_costs
+from mlxcel.roles.context import RoleContext, ServeConfig
+from mlxcel.topology.distributed import from_toml
 
-from .beacon import BeaconListener, BeaconVerifier
-from .errors import BringupError
-from .flags import BringupSettings, bringup_settings, check_reachable
-from .plan import ClusterPlan, coordinator_header, write_file
-from .push import Push, PushConfig
-from .wire import COORDINATOR_NODE_ID, DISCOVERY_SETTLE_S, DISCOVERY_WINDOW_S
+from mlxcel.bringup.beacon import BeaconListener, BeaconVerifier
+from mlxcel.bringup.errors import BringupError
+from mlxcel.bringup.flags import BringupSettings, bringup_settings, check_reachable
+from mlxcel.bringup.plan import ClusterPlan, coordinator_header, write_file
+from mlxcel.bringup.push import Push, PushConfig
+from mlxcel.bringup.wire import COORDINATOR_NODE_ID, DISCOVERY_SETTLE_S, DISCOVERY_WINDOW_S
 
-log = logging.getLogger("mlxcel.bringup.coordinator")
+log = logging.getLogger("mlxcel.roles.pp_auto")
 
 EXIT_INTERRUPTED = 130  # as the CLI's for SIGINT
 
@@ -85,9 +88,8 @@ def check_control_address(control: PeerId) -> None:
         sock.close()
 
 
-def push(context: RoleContext, settings: BringupSettings, secret: ClusterSecret) -> ClusterPlan:
+def push(model: Path, settings: BringupSettings, secret: ClusterSecret) -> ClusterPlan:
     """Discover (mdns) or take the listed peers (static), then run the push; ``CLIError`` on failure."""
-    model = context.config.model
     from mlxcel.models.identity import model_identity
 
     try:
@@ -129,6 +131,11 @@ def sigterm_interrupts() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def configure(args: argparse.Namespace, config: ServeConfig) -> ServeConfig:
+    """The bring-up flags resolved, and the cluster secret (fail closed)."""
+    return replace(config, bringup=bringup_settings(args), secret=load_secret(args.cluster_secret_file, required=True))
+
+
 def run(context: RoleContext) -> int:
     """Role ``pp-auto``: the push, then the ``coordinator`` role on the generated TOML (or exit, dry run).
 
@@ -147,26 +154,17 @@ def run(context: RoleContext) -> int:
 
 
 def _run(context: RoleContext, pushed: list[bool]) -> int:
-    from mlxcel.pipeline.cluster_config import ClusterConfigError, load_cluster_config
-    from mlxcel.pipeline.runtime import Distributed
-    from mlxcel.roles import select_role
+    from mlxcel.roles import ROLES
 
-    args = context.args
-    settings = bringup_settings(args)
-    secret = load_secret(args.cluster_secret_file, required=True)
-    plan = push(context, settings, secret)
+    config = context.config
+    settings, secret = config.bringup, config.secret
+    assert settings is not None and secret is not None  # configure set them
+    plan = push(config.server.model, settings, secret)
     pushed.append(True)
     path = settings.config_path().resolve()
     if settings.dry_run:
         _say(f"dry run: planned {_describe(plan)}; wrote {path}")
         return 0
     _say(f"assigned {_describe(plan)}; wrote {path}")
-    try:
-        cluster = load_cluster_config(path)
-        node = cluster.node(COORDINATOR_NODE_ID)
-    except ClusterConfigError as exc:
-        raise CLIError(str(exc)) from None
-    dist = Distributed(cluster, node, secret, micro_batch_size=args.pp_micro_batch_size,
-                       return_logits=args.pp_return_logits)
-    role = select_role(args, dist)
-    return role.run(replace(context, dist=dist))
+    dist = from_toml(path, COORDINATOR_NODE_ID, secret, config.pipeline)
+    return ROLES["coordinator"].run(context.as_role("coordinator", dist))

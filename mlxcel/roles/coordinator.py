@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import replace
 from typing import Any
 
 from mlxcel.errors import CLIError
-from mlxcel.pipeline.runtime import Distributed, model_facts
-from mlxcel.process import RoleContext
+from mlxcel.models.facts import model_facts
+from mlxcel.roles.context import RoleContext, ServeConfig
 from mlxcel.server.runtime import ServerRuntime
 from mlxcel.server.serve import serve_openai
+from mlxcel.topology.distributed import Distributed
+
+
+def configure(args: argparse.Namespace, config: ServeConfig) -> ServeConfig:
+    """The cluster TOML's coordinator node (loaded with the secret before the role was chosen)."""
+    if config.dist is None:
+        raise CLIError("the coordinator role needs --distributed-config and --node-id")
+    return config
 
 
 def coordinator_factory(dist: Distributed, *, stop_stages: bool = False):
@@ -43,10 +52,10 @@ def coordinator_factory(dist: Distributed, *, stop_stages: bool = False):
 
 
 def run(context: RoleContext) -> int:
-    """Serve the OpenAI API, driving the stages of ``context.dist``, until stopped; returns the exit code."""
-    dist = context.dist
-    if dist is None:
-        raise CLIError("the coordinator role needs --distributed-config and --node-id")
-    config = replace(context.config, lazy_weights=True)  # the tokenizer and config only, never the weights
-    runtime = ServerRuntime(config, coordinator_factory(dist, stop_stages=context.args.pp_stop_stages))
-    return serve_openai(context, runtime, described_as=f" as coordinator of {len(dist.cluster.stages)} pipeline stages")
+    """Serve the OpenAI API, driving the stages of the cluster TOML, until stopped; returns the exit code."""
+    dist = context.config.dist
+    assert dist is not None  # configure checked it
+    server = replace(context.config.server, lazy_weights=True)  # the tokenizer and config only, never the weights
+    runtime = ServerRuntime(server, coordinator_factory(dist, stop_stages=dist.options.stop_stages))
+    return serve_openai(context.endpoint, context.access, runtime,
+                        described_as=f" as coordinator of {len(dist.cluster.stages)} pipeline stages")

@@ -16,6 +16,8 @@ from mlxcel import blas_shim
 from mlxcel.blas import THREAD_ENVS, default_threads
 from mlxcel.threads import available_cores
 
+pytestmark = pytest.mark.proc  # starts processes (tests/proc_marker.py)
+
 linux = pytest.mark.skipif(not sys.platform.startswith("linux") or blas_shim.machine() is None,
                            reason="the PyPI OpenBLAS is a dependency on x86-64 and AArch64 Linux only")
 

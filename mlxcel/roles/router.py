@@ -7,8 +7,8 @@ is 1, true, yes or on.
 
 from __future__ import annotations
 
+import argparse
 import os
-import sys
 from dataclasses import replace
 from typing import Any
 
@@ -17,9 +17,9 @@ from fastapi.responses import JSONResponse
 
 from mlxcel.disagg.flags import NodeConfig, node_config
 from mlxcel.disagg.wire import STATS_VERBOSE_ENV, VERBOSE_VALUES
-from mlxcel.process import ExitSwitch, RoleContext, http_server
-from mlxcel.server.app import create_app
+from mlxcel.roles.context import RoleContext, ServeConfig
 from mlxcel.server.runtime import ServerRuntime
+from mlxcel.server.serve import serve_openai
 
 
 def stats_verbose(env: dict[str, str] | None = None) -> bool:
@@ -44,27 +44,31 @@ def router_factory(cfg: NodeConfig):
     return build
 
 
+def configure(args: argparse.Namespace, config: ServeConfig) -> ServeConfig:
+    """The prefill and decode nodes it balances (flags or the cluster TOML) and the cluster secret (fail closed)."""
+    return replace(config, disagg=node_config(args, config.dist))
+
+
+def stats_route(runtime: ServerRuntime, verbose: bool):
+    """``GET /router/stats`` on the app (behind the API key like every endpoint but /health)."""
+
+    def add(app: Any) -> None:
+        @app.get("/router/stats")
+        async def router_stats(_: Request) -> JSONResponse:
+            engine = runtime.engine
+            if engine is None:
+                return JSONResponse({"status": runtime.state}, status_code=503, headers={"Retry-After": "1"})
+            return JSONResponse(engine.router_stats(verbose))  # type: ignore[attr-defined]
+
+    return add
+
+
 def run(context: RoleContext) -> int:
     """Serve the OpenAI API and /router/stats until SIGINT/SIGTERM; returns the exit code."""
-    cfg = node_config(context.args, context.dist)
-    config = replace(context.config, lazy_weights=True)  # the tokenizer and config only
-    runtime = ServerRuntime(config, router_factory(cfg))
-    switch = ExitSwitch()
-    app = create_app(runtime, on_fatal=switch.fatal, access=context.access)
-    verbose = stats_verbose()
-
-    @app.get("/router/stats")
-    async def router_stats(_: Request) -> JSONResponse:
-        engine = runtime.engine
-        if engine is None:
-            return JSONResponse({"status": runtime.state}, status_code=503, headers={"Retry-After": "1"})
-        return JSONResponse(engine.router_stats(verbose))  # type: ignore[attr-defined]
-
-    server = http_server(app, switch, log_level=context.args.log_level,
-                         uvicorn_options=context.access.uvicorn_options(), graceful_shutdown_s=context.args.drain_timeout)
-    host, port = context.address
-    print(f"mlxcel: serving {config.served_model_name} on {context.access.scheme}://{host}:{port} as router over "
-          f"{len(cfg.prefill_peers)} prefill and {len(cfg.decode_peers)} decode nodes (cluster address "
-          f"{cfg.serving_bind})", file=sys.stderr, flush=True)
-    server.run(sockets=[context.sock])
-    return switch.exit_code()
+    cfg = context.config.disagg
+    assert cfg is not None  # configure set it
+    server = replace(context.config.server, lazy_weights=True)  # the tokenizer and config only
+    runtime = ServerRuntime(server, router_factory(cfg))
+    return serve_openai(context.endpoint, context.access, runtime, routes=stats_route(runtime, stats_verbose()),
+                        described_as=f" as router over {len(cfg.prefill_peers)} prefill and {len(cfg.decode_peers)} "
+                                     "decode nodes", details=f"cluster address {cfg.serving_bind}")

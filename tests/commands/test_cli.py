@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.proc  # starts processes (tests/proc_marker.py)
+
 
 def mlxcel(*args, stdin=None):
     return subprocess.run([sys.executable, "-m", "mlxcel", *args], capture_output=True, text=True,

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
-from mlxcel.process import RoleContext
+import argparse
+
+from mlxcel.roles.context import RoleContext, ServeConfig
 from mlxcel.server.runtime import ServerRuntime
 from mlxcel.server.serve import serve_openai
 
 
+def configure(args: argparse.Namespace, config: ServeConfig) -> ServeConfig:
+    """Nothing beyond the flags every role shares."""
+    return config
+
+
 def run(context: RoleContext) -> int:
     """Serve the model of ``context.config`` until stopped; returns the exit code."""
-    return serve_openai(context, ServerRuntime(context.config))
+    return serve_openai(context.endpoint, context.access, ServerRuntime(context.config.server))

@@ -11,33 +11,36 @@ refused"; SIGINT/SIGTERM while waiting end it with exit 0.
 
 from __future__ import annotations
 
+import argparse
 import signal
 import sys
 import threading
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from mlxcel import __version__
 from mlxcel.cluster.secret import load_secret
 from mlxcel.errors import CLIError
-from mlxcel.pipeline.partition import PartitionError, format_range, human_bytes, layer_costs
-from mlxcel.process import ExitSwitch, RoleContext, http_server
+from mlxcel.topology.partition import PartitionError, format_range, human_bytes, layer_costs
+from mlxcel.process import Endpoint, ExitSwitch, http_server
+from mlxcel.roles.context import RoleContext, ServeConfig
+from mlxcel.topology.distributed import from_toml
 
-from .agent import Activation, PeerAgent, physical_memory
-from .errors import AssignmentRefused, AssignmentTimeout
-from .flags import BringupSettings, bringup_settings
-from .machine import PeerFacts
+from mlxcel.bringup.agent import Activation, PeerAgent, physical_memory
+from mlxcel.bringup.errors import AssignmentRefused, AssignmentTimeout
+from mlxcel.bringup.flags import BringupSettings, bringup_settings
+from mlxcel.bringup.machine import PeerFacts
 
 
 def _say(text: str) -> None:
     print(f"mlxcel: pp-peer: {text}", file=sys.stderr, flush=True)
 
 
-def local_facts(context: RoleContext, settings: BringupSettings) -> PeerFacts:
+def local_facts(model: Path, settings: BringupSettings) -> PeerFacts:
     """This peer's versions, cluster, checkpoint identity, parameter bytes and memory."""
     from mlxcel.models.identity import model_identity
 
-    model = context.config.model
     try:
         costs = layer_costs(model)
     except PartitionError as exc:
@@ -62,7 +65,7 @@ def waiting_app(agent: PeerAgent, settings: BringupSettings) -> Any:
     return app
 
 
-def wait_serving_health(context: RoleContext, agent: PeerAgent, settings: BringupSettings,
+def wait_serving_health(endpoint: Endpoint, agent: PeerAgent, settings: BringupSettings,
                         stop: threading.Event) -> Activation | None:
     """Run ``agent.wait`` on a thread while uvicorn answers ``/health`` on a duplicate of the bound
     socket (the original stays open for the stage role); ``stop`` (or SIGINT/SIGTERM, which uvicorn
@@ -78,10 +81,9 @@ def wait_serving_health(context: RoleContext, agent: PeerAgent, settings: Bringu
         finally:
             switch.stop()
 
-    server = http_server(waiting_app(agent, settings), switch, log_level=context.args.log_level,
-                         uvicorn_options=context.access.uvicorn_options())
+    server = http_server(waiting_app(agent, settings), switch, endpoint)
     waiter = threading.Thread(target=wait, name="mlxcel-pp-peer-wait", daemon=True)
-    sock = context.sock.dup()
+    sock = endpoint.sock.dup()
     waiter.start()
     try:
         server.run(sockets=[sock])
@@ -112,16 +114,18 @@ class _Signals:
             signal.signal(sig, handler)
 
 
+def configure(args: argparse.Namespace, config: ServeConfig) -> ServeConfig:
+    """The bring-up flags resolved, and the cluster secret (fail closed)."""
+    return replace(config, bringup=bringup_settings(args), secret=load_secret(args.cluster_secret_file, required=True))
+
+
 def run(context: RoleContext) -> int:
     """Role ``pp-peer``: wait for the assignment, then run the ``stage`` role on the TOML received."""
-    from mlxcel.pipeline.cluster_config import ClusterConfigError, load_cluster_config
-    from mlxcel.pipeline.runtime import Distributed
-    from mlxcel.roles import select_role
+    from mlxcel.roles import ROLES
 
-    args = context.args
-    settings = bringup_settings(args)
-    secret = load_secret(args.cluster_secret_file, required=True)
-    facts = local_facts(context, settings)
+    settings, secret = context.config.bringup, context.config.secret
+    assert settings is not None and secret is not None  # configure set them
+    facts = local_facts(context.config.server.model, settings)
     agent = PeerAgent(settings, facts, secret)
     with _Signals() as signals:
         try:
@@ -130,11 +134,10 @@ def run(context: RoleContext) -> int:
             raise CLIError(f"cannot listen for the assignment on {settings.control}: {exc.strerror or exc}") from None
         how = (f"beaconing to {settings.discovery_target}:{settings.discovery_port}" if settings.discovery == "mdns"
                else "static discovery")
-        host, port = context.address
         _say(f"waiting for a stage assignment on {address} (cluster {settings.cluster!r}, {how}, "
-             f"{human_bytes(facts.memory)} of memory), health on {context.access.scheme}://{host}:{port}/health")
+             f"{human_bytes(facts.memory)} of memory), health on {context.endpoint.url('/health')}")
         try:
-            activation = wait_serving_health(context, agent, settings, signals.stop)
+            activation = wait_serving_health(context.endpoint, agent, settings, signals.stop)
         finally:
             agent.close()
     if activation is None:
@@ -143,10 +146,6 @@ def run(context: RoleContext) -> int:
     a = activation.assignment
     _say(f"activated as {a.node_id} (layers {format_range(*a.layers)}) by the coordinator at {a.coordinator}; "
          f"wrote {activation.path}")
-    try:
-        cluster = load_cluster_config(activation.path)  # what a later --distributed-config run reads
-        dist = Distributed(cluster, cluster.node(a.node_id), secret)
-    except ClusterConfigError as exc:
-        raise CLIError(str(exc)) from None
-    return select_role(args, dist).run(replace(context, dist=dist))
+    dist = from_toml(activation.path, a.node_id, secret)  # what a later --distributed-config run reads
+    return ROLES["stage"].run(context.as_role("stage", dist))
 

@@ -1,0 +1,31 @@
+"""A stage's slice of the checkpoint, loaded without reading the other layers' weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def load_stage_runner(model_dir: Path, start: int, end: int, *, max_rows: int) -> tuple[Any, Any]:
+    """The stage's layers only: the checkpoint loads lazily and only this slice's weights are evaluated,
+    so the other layers are never read from disk (MLX loads an array's data when it is first evaluated)."""
+    import mlx.core as mx
+
+    from mlxcel.engine.executor import slice_runner
+    from mlxcel.models.loading import load_checkpoint
+
+    loaded = load_checkpoint(model_dir, lazy=True)
+    model = loaded.model
+    runner = slice_runner(model, start, end, max_rows=max_rows)
+    inner = model.model
+    keep = [layer.parameters() for layer in inner.layers[start:end]]
+    last = end == len(inner.layers)
+    head = getattr(model, "lm_head", None)
+    if start == 0 or (last and head is None):  # the first stage embeds; a tied head reuses the embedding
+        keep.append(inner.embed_tokens.parameters())
+    if last:
+        keep.append(inner.norm.parameters())
+        if head is not None:
+            keep.append(head.parameters())
+    mx.eval(keep)
+    return runner, loaded
