@@ -280,10 +280,25 @@ class Scheduler:
             log.exception("warmup failed")
             self._fail_all("warmup failed")
         self._ready.set()
-        while self._handle(block=self._idle()):
+        while self._turn():
+            pass
+        self._fail_all("the server is shutting down", ErrorCode.UNAVAILABLE)
+
+    def _turn(self) -> bool:
+        """One pass of the loop; False when told to stop. A bug raised here fails the requests open at
+        that moment (500) instead of ending the thread and hanging every request after it."""
+        try:
+            if not self._handle(block=self._idle()):
+                return False
             self._admit()
             self._submit_work()
-        self._fail_all("the server is shutting down", ErrorCode.UNAVAILABLE)
+        except Exception as exc:  # noqa: BLE001 - the scheduler thread must outlive any one step's bug
+            log.exception("scheduler: internal error; failing the requests in flight")
+            try:
+                self._fail_all(f"internal error in the scheduler: {exc}")
+            except Exception:  # noqa: BLE001 - nothing left to fail them with; keep serving new ones
+                log.exception("scheduler: could not fail the requests in flight")
+        return True
 
     def _idle(self) -> bool:
         return self._steps_inflight > 0 or not self._seqs
@@ -419,7 +434,12 @@ class Scheduler:
                 self.counters.overlapped_steps += 1
             self._steps_inflight += 1
             self.counters.inflight_steps = self._steps_inflight
-            self.executor.submit(step, self._step_done)
+            try:
+                self.executor.submit(step, self._step_done)
+            except Exception as exc:  # noqa: BLE001 - an executor must report failures through done; if it
+                # raises instead, the step failed all the same: its requests get the error, their KV is freed
+                log.exception("scheduler: the executor raised on submit")
+                self._step_done(step, exc)
 
     def _next_step(self) -> Step | None:
         """Alternate: after a decode step prefer a prompt chunk, after a chunk prefer decoding."""

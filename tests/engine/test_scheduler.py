@@ -515,6 +515,52 @@ async def test_a_request_the_executor_cannot_start_fails_alone():
     assert "a" not in ex.released_ids()  # never prepared, nothing to free
 
 
+class _SubmitRaises(FakeExecutor):
+    """An executor whose ``submit`` raises once (a bug: it should report failures through ``done``)."""
+
+    def __init__(self, **options):
+        super().__init__(**options)
+        self.raise_once: Exception | None = RuntimeError("submit blew up")
+
+    def submit(self, step, done) -> None:
+        if self.raise_once is not None:
+            exc, self.raise_once = self.raise_once, None
+            raise exc
+        super().submit(step, done)
+
+
+@run_async
+async def test_an_executor_that_raises_on_submit_fails_that_step_and_the_next_request_is_served():
+    ex = _SubmitRaises(auto=True)
+    with scheduler(ex) as sched:
+        _, finish = await collect(sched.submit(request("a")))
+        await until(lambda: "a" in ex.released_ids(), "a released")
+        tokens, ok = await collect(sched.submit(request("b", max_tokens=2)))
+        assert sched._thread.is_alive() and sched.counters.running == 0
+    assert "submit blew up" in finish.error and http_of(finish).status == 500
+    assert ok.finish_reason == "length" and len(tokens) == 2
+
+
+@run_async
+async def test_a_bug_on_the_scheduler_thread_fails_the_open_requests_and_the_next_is_served():
+    ex = FakeExecutor(auto=True)
+    with scheduler(ex) as sched:
+        planned, calls = sched._submit_work, []
+
+        def broken_once() -> None:  # a bug anywhere in one pass of the loop
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError("a bug")
+            planned()
+
+        sched._submit_work = broken_once
+        _, finish = await collect(sched.submit(request("a")))
+        tokens, ok = await collect(sched.submit(request("b", max_tokens=2)))
+        assert sched._thread.is_alive()
+    assert finish.error == "internal error in the scheduler: a bug" and http_of(finish).status == 500
+    assert ok.finish_reason == "length" and len(tokens) == 2 and "a" in ex.released_ids()
+
+
 @run_async
 async def test_shutdown_fails_running_requests_as_unavailable_and_refuses_new_ones():
     ex = FakeExecutor()
