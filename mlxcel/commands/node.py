@@ -1,4 +1,4 @@
-"""``mlxcel node start|stop|restart|status|show --config FILE``: supervise one node described by a node TOML.
+"""``mlxcel node start|stop|restart|status|wait|show --config FILE``: supervise one node described by a node TOML.
 
 Every command prints one JSON object on stdout (the Ansible role parses it): ``changed`` says whether
 a process was started or stopped, ``failed`` marks a failure. Exit status: 0 done (``status`` always,
@@ -29,14 +29,16 @@ def add_node_parser(sub: argparse._SubParsersAction) -> None:
         "stop": "SIGTERM, then SIGKILL after the grace period; nothing to do when it is gone",
         "restart": "stop if running, start, wait until ready",
         "status": "pid and what the readiness URL answers (exit 0 running or not)",
+        "wait": "wait until the running node is ready (exit 1 if it exits or the timeout passes); starts nothing",
         "show": "the resolved node TOML and its inputs fingerprint",
     }
     for action, text in helps.items():
         p = actions.add_parser(action, help=text)
         p.add_argument("--config", required=True, metavar="FILE", help="the node TOML (see mlxcel/node/spec.py)")
-        if action in ("start", "restart"):
+        if action in ("start", "restart", "wait"):
             p.add_argument("--timeout", type=seconds, default=None, metavar="S",
                            help="seconds to wait for readiness (default: [ready] timeout_s of the TOML)")
+        if action in ("start", "restart"):
             p.add_argument("--no-wait", dest="wait", action="store_false", help="do not wait for readiness")
         p.set_defaults(func=run_node)
 
@@ -64,6 +66,8 @@ def run_node(args: argparse.Namespace) -> int:
         result = supervisor.stop(spec)
     elif action == "status":
         result = supervisor.status(spec)
+    elif action == "wait":
+        result = supervisor.wait_ready(spec, args.timeout)
     else:
         result = describe(spec)
     print(json.dumps(result), flush=True)

@@ -210,6 +210,21 @@ def test_cli_prints_json_and_exits_1_on_a_failed_start(home: Path) -> None:
     assert broken.returncode == 1 and "unknown key(s) bogus" in broken.stderr and broken.stdout == ""
 
 
+def test_cli_wait_waits_for_a_started_node_and_fails_for_one_not_running(home: Path) -> None:
+    spec_path = write_spec(home)
+    cli = [sys.executable, "-m", "mlxcel", "node"]
+    gone = subprocess.run([*cli, "wait", "--config", str(spec_path)], capture_output=True, text=True, cwd=REPO)
+    assert gone.returncode == 1 and "exited during start-up" in json.loads(gone.stdout)["msg"]
+    started = subprocess.run([*cli, "start", "--no-wait", "--config", str(spec_path)], capture_output=True, text=True,
+                             cwd=REPO)
+    try:
+        pid = json.loads(started.stdout)["pid"]
+        ready = subprocess.run([*cli, "wait", "--config", str(spec_path)], capture_output=True, text=True, cwd=REPO)
+        assert ready.returncode == 0 and json.loads(ready.stdout)["pid"] == pid
+    finally:
+        supervisor.stop(load_node_spec(spec_path))
+
+
 def test_spec_defaults_and_relative_paths(tmp_path: Path) -> None:
     (tmp_path / "n.toml").write_text('command = ["/bin/sleep", "30"]\ninputs = ["a.toml"]\n')
     spec = load_node_spec(tmp_path / "n.toml")
