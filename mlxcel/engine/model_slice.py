@@ -11,8 +11,15 @@ embedding, ``model.make_cache``). Where a family differs, a small hook in its
 ``Family`` row says how: the embedding (gemma3 scales it by sqrt(hidden)), the
 kind of attention of a layer by its ABSOLUTE index (full, sliding window of n,
 or linear attention; a slice of layers [start, end) asks for start + i), and
-masks as arrays (deepseek_v3's MLA). MoE blocks, attention sinks and dense
-leading layers live inside mlx-lm's layers and need no hook. The rows are
+masks as arrays (deepseek_v3's MLA), the cache a mask is built from (deepseek_v32's
+CacheList), and a ``Flow``: what one forward pass carries from layer to layer and
+across a stage boundary. The generic flow carries the hidden state [B, L, D] and
+calls ``layer(h, mask, cache=c)``; ministral3's passes llama 4's position-dependent
+query scale, gemma4_text's unpacks its layers' (h, kv, offset) triples, and kimi_k3's
+carries its attention residuals: the block summaries a later layer mixes in cross a
+boundary packed beside h, [B, L, (1 + blocks) * D], a bounded width each stage
+checks (``ModelSlice.input_width``, docs/pipeline.md §3.3). MoE blocks, attention
+sinks and dense leading layers live inside mlx-lm's layers and need no hook. The rows are
 keyed by the mlx-lm module that implements the family (a checkpoint's
 ``model_type`` may map onto one, e.g. mistral onto llama), each tested against
 the whole model (tests/engine/test_families.py). Any other family is refused by
@@ -39,16 +46,52 @@ def _embed_tokens(model: Any, inputs: mx.array) -> mx.array:
     return model.model.embed_tokens(inputs)
 
 
+def lm_head(model: Any) -> Any:
+    """The model's lm_head, or None where it is tied to the embedding. mlx-lm builds (or, in sanitize,
+    keeps) lm_head only for untied checkpoints; multimodal wrappers (qwen3_5, kimi_k3) hold it in their
+    ``language_model``."""
+    holder = getattr(model, "language_model", model)
+    return getattr(holder, "lm_head", None) if "lm_head" in holder else None
+
+
 def _norm_and_head(model: Any, h: mx.array) -> mx.array:
     """Final norm, then lm_head, or the embedding as the head where the model has no lm_head (tied)."""
     h = model.model.norm(h)
-    if "lm_head" in model:  # mlx-lm builds (or, in sanitize, keeps) lm_head only for untied checkpoints
-        return model.lm_head(h)
-    return model.model.embed_tokens.as_linear(h)
+    head = lm_head(model)
+    return head(h) if head is not None else model.model.embed_tokens.as_linear(h)
 
 
 def _full_attention(model: Any, index: int) -> Hashable:
     return None
+
+
+def hidden_size(model: Any) -> int:
+    """The model's hidden size, read from its final norm (wrapper configs such as kimi_k3's nest it)."""
+    return int(model.model.norm.weight.shape[0])
+
+
+class Flow:
+    """What one forward pass through a slice carries from layer to layer: here, the hidden state alone.
+
+    ``enter`` takes the embedding (first slice) or what the previous stage sent; ``leave`` returns what
+    the next stage receives (``width(model, end)`` wide in its last axis) or, from the last slice, the
+    hidden state the head reads. A family whose layers pass more subclasses it.
+    """
+
+    def __init__(self, model: Any, start: int, carried: mx.array, cache: list):
+        self.model = model
+        self.h = carried
+
+    @staticmethod
+    def width(model: Any, boundary: int) -> int:
+        """The last dimension of what crosses the boundary before layer ``boundary``."""
+        return hidden_size(model)
+
+    def layer(self, index: int, layer: Any, mask: Any, cache: Any) -> None:
+        self.h = layer(self.h, mask, cache=cache)
+
+    def leave(self, last: bool) -> mx.array:
+        return self.h
 
 
 @dataclass(frozen=True)
@@ -60,6 +103,10 @@ class Family:
     # (model, absolute layer index) -> the layer's attention kind: None (full), a sliding window's size, or LINEAR
     attention: Callable[[Any, int], Hashable] = _full_attention
     array_masks: bool = False  # masks as arrays, never "causal" (as the family's own forward asks for them)
+    mask_cache: Callable[[Any], Any] = lambda cache: cache  # the cache a layer's mask is built from
+    flow: type[Flow] = Flow
+    # (model) -> None, or ModelError naming what this checkpoint has that slicing does not support
+    check: Callable[[Any], None] = lambda model: None
 
 
 def _llama_attention(model: Any, index: int) -> Hashable:
@@ -87,6 +134,112 @@ def _linear_or_full(model: Any, index: int) -> Hashable:
     return LINEAR if model.model.layers[index].is_linear else None
 
 
+class Ministral3Flow(Flow):
+    """ministral3 scales its queries by llama 4's factor of the absolute position, one per forward pass."""
+
+    def __init__(self, model: Any, start: int, carried: mx.array, cache: list):
+        from mlx_lm.models.ministral3 import _get_llama_4_attn_scale
+
+        super().__init__(model, start, carried, cache)
+        rope = model.args.rope_parameters
+        offset = cache[0].offset if cache and cache[0] is not None else 0
+        self.scale = _get_llama_4_attn_scale(carried.shape[1], offset, rope["llama_4_scaling_beta"],
+                                             rope["original_max_position_embeddings"]).astype(carried.dtype)
+
+    def layer(self, index: int, layer: Any, mask: Any, cache: Any) -> None:
+        self.h = layer(self.h, self.scale, mask, cache=cache)
+
+
+def _sliding_or_full(model: Any, index: int) -> Hashable:
+    """ministral3: the layer's own use_sliding, set from its absolute index."""
+    return model.model.sliding_window if model.model.layers[index].use_sliding else None
+
+
+class Gemma4Flow(Flow):
+    """gemma4_text's layers return (h, this layer's kv, its offset) for KV-shared layers, which
+    ``_gemma4_check`` refuses; so each layer runs on its own KV, as in Gemma4TextModel."""
+
+    def layer(self, index: int, layer: Any, mask: Any, cache: Any) -> None:
+        self.h, _, _ = layer(self.h, mask, cache)
+
+
+def _gemma4_embed(model: Any, inputs: mx.array) -> mx.array:
+    return model.model.embed_tokens(inputs) * model.model.embed_scale
+
+
+def _gemma4_head(model: Any, h: mx.array) -> mx.array:
+    from mlx_lm.models.gemma4_text import logit_softcap
+
+    out = _norm_and_head(model, h)
+    cap = model.final_logit_softcapping
+    return logit_softcap(cap, out) if cap is not None else out
+
+
+def _gemma4_attention(model: Any, index: int) -> Hashable:
+    return model.model.window_size if model.model.layers[index].layer_type == "sliding_attention" else None
+
+
+def _gemma4_check(model: Any) -> None:
+    """Per-layer inputs (gemma-4 E2B/E4B) are computed from the token ids by the first stage's tables and
+    KV-shared layers read a layer's keys that may sit on another stage: neither crosses a boundary yet."""
+    args = model.args
+    if args.hidden_size_per_layer_input or args.num_kv_shared_layers:
+        raise ModelError("gemma4_text with per-layer inputs (hidden_size_per_layer_input "
+                         f"{args.hidden_size_per_layer_input}) or KV-shared layers (num_kv_shared_layers "
+                         f"{args.num_kv_shared_layers}) cannot be sliced into pipeline stages; both must be 0 "
+                         "(gemma-4 26B-A4B and 31B shapes)")
+
+
+def _residual_blocks(model: Any, boundary: int) -> int:
+    """kimi_k3: the attention-residual blocks begun before layer ``boundary`` (a block starts every
+    attn_res_block_size layers, at layer 0 first); 0 without attention residuals."""
+    size = model.model.args.attn_res_block_size
+    return -(-boundary // size) if size else 0
+
+
+class KimiK3Flow(Flow):
+    """kimi_k3 with attention residuals: each layer mixes the summaries of the blocks begun so far
+    (``ResidualBlocks``) into its input, and the final norm's input too. A stage boundary carries those
+    summaries beside h, packed along the last axis: [B, L, (blocks + 1) * D], blocks first, as
+    mlx-lm's own pipeline packs them (its recv of [in_blocks + 1, B, L, D])."""
+
+    def __init__(self, model: Any, start: int, carried: mx.array, cache: list):
+        from mlx_lm.models.kimi_k3 import ResidualBlocks
+
+        super().__init__(model, start, carried, cache)
+        args = model.model.args
+        self.dtype = carried.dtype
+        self.blocks = ResidualBlocks(args.rms_norm_eps) if args.attn_res_block_size else None
+        count = _residual_blocks(model, start)
+        if self.blocks is not None and count:
+            d = hidden_size(model)
+            packed = carried.reshape(*carried.shape[:2], count + 1, d)
+            self.h = packed[..., count, :]
+            self.blocks.raw = packed[..., :count, :].transpose(2, 0, 1, 3)  # [blocks, B, L, D]
+            xf = self.blocks.raw.astype(mx.float32)
+            self.blocks.inv_rms = mx.rsqrt((xf * xf).mean(axis=-1) + args.rms_norm_eps)
+
+    @staticmethod
+    def width(model: Any, boundary: int) -> int:
+        return hidden_size(model) * (_residual_blocks(model, boundary) + 1)
+
+    def layer(self, index: int, layer: Any, mask: Any, cache: Any) -> None:
+        self.h, self.blocks = layer(self.h, mask=mask, cache=cache, blocks=self.blocks)
+
+    def leave(self, last: bool) -> mx.array:
+        if self.blocks is None or self.blocks.raw is None:
+            return self.h
+        if last:  # as KimiK3TextModel: the output mix of every block and h, then the final norm (the head)
+            from mlx_lm.models.kimi_k3 import _attn_res_mix
+
+            inner = self.model.model
+            w_eff = inner.output_attn_res_norm.weight.astype(mx.float32) * inner.output_attn_res_proj.weight.reshape(-1)
+            return _attn_res_mix(self.blocks, self.h, w_eff, inner.args.rms_norm_eps)
+        raw = self.blocks.raw.transpose(1, 2, 0, 3)  # [B, L, blocks, D]
+        packed = mx.concatenate([raw, self.h[..., None, :]], axis=2).astype(self.dtype)
+        return packed.reshape(*self.h.shape[:2], -1)
+
+
 GENERIC = Family()
 
 # Keyed by the mlx-lm module (mlx_lm.models.<name>) whose Model the checkpoint loads into.
@@ -104,6 +257,19 @@ FAMILIES: dict[str, Family] = {
     "gpt_oss": Family(attention=_gpt_oss_attention),  # attention sinks live in the attention module
     "glm4_moe": GENERIC,
     "qwen3_next": Family(attention=_linear_or_full),
+    "qwen3_5": Family(attention=_linear_or_full),  # qwen3_5_moe's Model subclasses qwen3_5's
+    "qwen3_5_moe": Family(attention=_linear_or_full),
+    "ernie4_5": GENERIC,
+    "ernie4_5_moe": GENERIC,  # dense leading layers (moe_layer_start_index) are chosen inside each layer
+    "hunyuan_v1_dense": GENERIC,
+    "minimax": GENERIC,
+    "ministral3": Family(attention=_sliding_or_full, flow=Ministral3Flow),
+    # the lightning indexer's cache rides beside MLA's in a CacheList; the mask comes from MLA's
+    "deepseek_v32": Family(array_masks=True, mask_cache=lambda cache: cache[0] if cache else None),
+    "gemma4_text": Family(embed=_gemma4_embed, head=_gemma4_head, attention=_gemma4_attention, flow=Gemma4Flow,
+                          check=_gemma4_check),
+    # Kimi Delta Attention (linear) and MLA layers by absolute index, MLA's masks as arrays
+    "kimi_k3": Family(attention=_linear_or_full, array_masks=True, flow=KimiK3Flow),
 }
 
 
@@ -116,6 +282,7 @@ def family_of(model: Any) -> Family:
         kind = getattr(model, "model_type", None) or name or type(model).__name__
         raise ModelError(f"model family {kind!r} cannot be sliced into pipeline stages "
                          f"(supported: {', '.join(sorted(FAMILIES))})")
+    family.check(model)
     return family
 
 
@@ -160,14 +327,23 @@ class ModelSlice:
             return make()[self.start:self.end]
         return [KVCache() for _ in self.layers]
 
+    @property
+    def input_width(self) -> int:
+        """The last dimension of the hidden states this slice takes (not the first slice): the model's
+        hidden size, or more where the family carries more across a boundary (``Flow.width``)."""
+        return self.family.flow.width(self.model, self.start)
+
     def __call__(self, inputs: mx.array, cache: list | None = None) -> mx.array:
-        """Token ids [B, L] (first slice) or hidden states [B, L, D] -> hidden states or logits."""
+        """Token ids [B, L] (first slice) or hidden states [B, L, input_width] -> hidden states
+        [B, L, Flow.width at end] or logits."""
         h = self.family.embed(self.model, inputs) if self.is_first else inputs
         cache = cache if cache is not None else [None] * (self.end - self.start)
+        flow = self.family.flow(self.model, self.start, h, cache)
         masks: dict[Hashable, Any] = {}
         for index, layer, layer_cache in zip(range(self.start, self.end), self.layers, cache):
             kind = self.family.attention(self.model, index)
             if kind not in masks:  # as mlx-lm: one mask per attention kind, from its first layer's cache
-                masks[kind] = make_mask(h, layer_cache, kind, self.family.array_masks)
-            h = layer(h, masks[kind], cache=layer_cache)
-        return self.family.head(self.model, h) if self.is_last else h
+                masks[kind] = make_mask(flow.h, self.family.mask_cache(layer_cache), kind, self.family.array_masks)
+            flow.layer(index, layer, masks[kind], layer_cache)
+        out = flow.leave(self.is_last)
+        return self.family.head(self.model, out) if self.is_last else out

@@ -28,6 +28,9 @@ from pathlib import Path
 from typing import Sequence
 
 LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
+# multimodal wrappers (qwen3_5, kimi_k3) hold the text model one level down: "language_model.model.layers.3."
+# as mlx-lm names it, "model.language_model.layers.3." as Hugging Face checkpoints do
+_WRAPPED = re.compile(r"^(?:language_model\.(?=model\.|lm_head\.)|model\.language_model\.)")
 EMBED_PREFIX = "model.embed_tokens."
 NORM_PREFIX = "model.norm."
 HEAD_PREFIX = "lm_head."
@@ -203,6 +206,7 @@ def layer_costs(model_dir: str | Path) -> StageCosts:
             if name == "__metadata__":
                 continue
             size = _tensor_bytes(path, name, info)
+            name = unwrap(name)
             match = LAYER_KEY.match(name)
             if match:
                 index = int(match.group(1))
@@ -216,6 +220,16 @@ def layer_costs(model_dir: str | Path) -> StageCosts:
     head = groups["embed"] if tied else groups["head"]
     return StageCosts(model=model_dir.resolve().name, layers=tuple(layers), embed=groups["embed"],
                       norm=groups["norm"], head=head, tied=tied, other=groups["other"])
+
+
+def unwrap(name: str) -> str:
+    """A tensor name with a multimodal wrapper's prefix removed: "language_model.model.norm.weight" ->
+    "model.norm.weight", "model.language_model.layers.0.x" -> "model.layers.0.x"."""
+    match = _WRAPPED.match(name)
+    if match is None:
+        return name
+    rest = name[match.end():]
+    return rest if match.group(0).startswith("language_model.") else "model." + rest
 
 
 def _group(name: str) -> str:

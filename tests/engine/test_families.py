@@ -17,7 +17,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache, make_prompt_cache
 
 from mlxcel.cli import main
 from mlxcel.engine.model_slice import FAMILIES, ModelSlice, family_of
@@ -25,7 +25,7 @@ from mlxcel.models.loading import load_checkpoint
 from mlxcel.models.random_checkpoint import RANDOM_FAMILIES, make_random_checkpoint
 from mlxcel.topology.partition import layer_costs, plan_stages
 
-KV, ROT, SSM = KVCache, RotatingKVCache, ArraysCache
+KV, ROT, SSM, CL = KVCache, RotatingKVCache, ArraysCache, CacheList
 # family (model_type) -> the cache type of each of its 4 layers
 TABLE: dict[str, list[type]] = {
     "llama": [KV] * 4,
@@ -39,6 +39,18 @@ TABLE: dict[str, list[type]] = {
     "gpt_oss": [ROT, KV, ROT, KV],  # sliding / full alternating, attention sinks
     "glm4_moe": [KV] * 4,  # layer 0 dense, the others MoE
     "qwen3_next": [SSM, KV, SSM, KV],  # gated delta net (linear attention) / full attention
+    "qwen3_5": [SSM, KV, SSM, KV],  # gated delta net / full attention, dense MLPs
+    "qwen3_5_moe": [SSM, KV, SSM, KV],  # the same with MoE blocks and a shared expert
+    "ernie4_5": [KV] * 4,
+    "ernie4_5_moe": [KV] * 4,  # layer 0 dense, the others MoE with a shared expert
+    "hunyuan_v1_dense": [KV] * 4,  # query/key norms, dynamic NTK-alpha rope
+    "minimax": [KV] * 4,  # MoE, partial rotary, query/key norms over all heads
+    "ministral3": [ROT, KV, ROT, KV],  # sliding / full alternating, llama 4's position-dependent query scale
+    "deepseek_v32": [CL] * 4,  # MLA + the lightning indexer's keys (top 4 of them), one CacheList per layer
+    "gemma4_text": [ROT, KV, ROT, KV],  # sliding / full, k = v in the full layers, MoE beside each MLP, softcap
+    # Kimi Delta Attention / MLA; attention residuals over blocks of 2 layers, so 1 or 2 block summaries
+    # cross each stage boundary beside h
+    "kimi_k3": [SSM, KV, SSM, KV],
 }
 PROMPT = [[5, 17, 90, 3, 42, 7], [7, 7, 1, 60, 33, 2]]
 STEPS = 5  # decode steps after the prompt: 11 positions, so the windows of 4 wrap
