@@ -172,3 +172,34 @@ def test_deepseek_v3_needs_array_masks(checkpoints):
     whole.family = Family()
     with pytest.raises(ValueError):
         whole(mx.array([PROMPT[0]]))
+
+
+@pytest.mark.parametrize("field", ["hidden_size_per_layer_input", "num_kv_shared_layers"])
+def test_gemma4_per_layer_inputs_and_kv_sharing_are_refused_by_name(field):
+    """gemma-4 E2B/E4B shapes: per-layer inputs and KV-shared layers do not cross a stage boundary yet."""
+    from mlx_lm.utils import _get_classes
+
+    from mlxcel.models.errors import ModelError
+    from mlxcel.models.random_checkpoint import _config
+
+    config = {**_config("gemma4_text", 4, 64, 4, 2, 320, None, None), field: 1, "vocab_size_per_layer_input": 320}
+    model_cls, args_cls = _get_classes(config)
+    with pytest.raises(ModelError, match=f"gemma4_text with per-layer inputs .* cannot be sliced") as info:
+        ModelSlice(model_cls(args_cls.from_dict(config)), 0, 2)
+    assert f"{field} 1" in str(info.value)
+
+
+def test_kimi_k3_stages_carry_their_residual_blocks(checkpoints):
+    """Without the carried block summaries a later stage computes other logits: the carry is what makes them equal."""
+    model = load_checkpoint(checkpoints("kimi_k3")).model
+    first, second = ModelSlice(model, 0, 2), ModelSlice(model, 2, 4)
+    assert second.input_width == 2 * 64  # h and the summary of block 0 (layers 0-1)
+    x = mx.array([PROMPT[0]])
+    carried = first(x)
+    assert carried.shape == (1, 6, 128)
+    # block 0's summary first (block 0 begins at layer 0, whose input is the embedding), then h
+    assert mx.array_equal(carried[..., :64], model.model.embed_tokens(x))
+    whole = model(x)
+    assert float(mx.abs(second(carried) - whole).max()) <= 1e-4
+    blanked = mx.concatenate([mx.zeros_like(carried[..., :64]), carried[..., 64:]], axis=-1)
+    assert float(mx.abs(second(blanked) - whole).max()) > 1e-3  # the block summary is read, not just passed
