@@ -150,7 +150,17 @@ def _config(family: str, layers: int, hidden: int, heads: int, kv_heads: int, vo
         "eos_token_id": 2,
     }
     config.update(_family_fields(family, hidden, head_dim, intermediate))
+    _per_layer(config, layers)
     return config
+
+
+def _per_layer(config: dict, layers: int) -> None:
+    """Fields listed per layer follow ``layers``: sliding / full and linear / MLA alternating, as at 4."""
+    if "layer_types" in config:
+        config["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    linear = config.get("linear_attn_config")
+    if linear is not None:
+        config["linear_attn_config"] = {**linear, "kda_layers": [i + 1 for i in range(layers) if i % 2 == 0]}
 
 
 def make_random_checkpoint(
