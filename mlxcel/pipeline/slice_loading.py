@@ -26,8 +26,7 @@ def load_stage_runner(model_dir: Path, start: int, end: int, *, max_rows: int) -
         keep.append(inner.embed_tokens.parameters())
     if last:  # the final norm, and whatever else the text model applies after its layers (kimi_k3's output
         # attention-residual mix): every part of it but the layers and the embedding
-        keep.extend(module.parameters() for name, module in inner.children().items()
-                    if name not in ("layers", "embed_tokens"))
+        keep.extend(params for name, params in inner.parameters().items() if name not in ("layers", "embed_tokens"))
         if head is not None:
             keep.append(head.parameters())
     mx.eval(keep)  # on this thread: a lazily loaded array evaluated first on another thread has no stream there
