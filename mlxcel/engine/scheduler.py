@@ -649,7 +649,7 @@ class Scheduler:
             check()  # a node that restarted is seen as such before the sequence is placed on it
         full = list(seq.request.prompt) + seq.generated
         return self.executor.prepare(seq.rid, seq.params or seq.request.params, seq.request.top_logprobs, full,
-                                     draws=len(seq.generated))
+                                     draws=len(seq.generated), attempt=seq.resumes)
 
     def _still_resumable(self, exc: BaseException) -> bool:
         resumable = getattr(self.executor, "resumable", None)

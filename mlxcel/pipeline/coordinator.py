@@ -97,6 +97,7 @@ class PipelineExecutor:
         self._samplers: dict[str, RowSampler] = {}
         self._prepared: set[str] = set()  # request ids prepared on every stage
         self._lost: set[str] = set()  # prepared before a stage restarted: their state is gone
+        self._wire: dict[str, str] = {}  # request id -> its id on the wire (another one after a resume)
         self.prefix_on = cluster.prefix_cache_mb > 0  # the stages keep prefix caches: send prompts and tokens
         self.prefix_hits = 0  # sequences that every stage started from a cached prefix
         self.prefix_tokens = 0  # prompt tokens those sequences did not prefill
@@ -162,11 +163,16 @@ class PipelineExecutor:
     # -- the Executor interface (scheduler thread) ----------------------------------------------------
 
     def prepare(self, rid: str, params: SamplingParams, top_logprobs: int, prompt: Sequence[int], *,
-                draws: int = 0) -> int:
+                draws: int = 0, attempt: int = 0) -> int:
         down = [self._nodes[p].id for p in self.monitor.down()]
         if down:
             raise ExecutorError(f"pipeline stage {', '.join(down)} is unreachable; retry shortly", ErrorCode.UNREACHABLE)
-        header: dict[str, Any] = {"request_id": rid, "params": params_to_wire(params, top_logprobs),
+        # a resumed sequence goes on the wire under a fresh id: a frozen stage that thaws still forwards
+        # the steps it held of the old one, and those must not touch the new sequence (they fail not_found)
+        wire = rid if attempt == 0 else f"{rid}#{attempt}"
+        with self._lock:
+            self._wire[rid] = wire
+        header: dict[str, Any] = {"request_id": wire, "params": params_to_wire(params, top_logprobs),
                                   "return": "logits" if self.return_logits else "token"}
         if self.prefix_on and len(prompt) > 1:
             header["prompt"] = list(prompt[:MAX_PREFIX_TOKENS])
@@ -217,7 +223,7 @@ class PipelineExecutor:
         ex = self.exchanges.open(self.exchange_s, senders=self.stage_addrs, context=step,
                                  then=lambda e: done(step, e.error if e.error is not None else e.reply))
         header = {"nonce": ex.nonce, "phase": step.kind, "micro_batch": max(step.slot, 0),
-                  "request_ids": step.rids, "sample": step.sample}
+                  "request_ids": self._wire_ids(step.rids), "sample": step.sample}
         payload = encode(MsgType.RUN_ENTRY, header, {"input_ids": ids_to_wire(step.tokens)})
         self.outbox.send(self.first, Kind.TENSOR_DATA, payload, self._undeliverable(ex.nonce, "the first stage"),
                          wanted=lambda: self.exchanges.is_open(ex.nonce))
@@ -245,8 +251,8 @@ class PipelineExecutor:
 
     def release(self, rid: str, tokens: Sequence[int] | None = None) -> None:
         """RELEASE on every stage; stages do not answer it, so no exchange stays open for it."""
-        self._forget(rid)
-        header: dict[str, Any] = {"request_id": rid, "nonce": new_nonce()}
+        wire = self._forget(rid)
+        header: dict[str, Any] = {"request_id": wire, "nonce": new_nonce()}
         if tokens is not None and self.prefix_on:  # each stage keeps its slice's KV under these tokens
             header["tokens"] = list(tokens[:MAX_PREFIX_TOKENS])
         payload = encode(MsgType.RELEASE, header)
@@ -256,19 +262,25 @@ class PipelineExecutor:
     def cancel(self, rid: str) -> None:
         """CANCEL on every stage (a request whose client gave up): like RELEASE, but each stage ACKs it,
         and a stage that does not is logged; nothing waits for the answers."""
-        self._forget(rid)
+        wire = self._forget(rid)
         for node in self.cluster.stages:
             def answered(ex: Exchange, node: Node = node) -> None:
                 if ex.error is not None and not self.exchanges.closing:
                     log.warning("stage %s did not confirm CANCEL of %s: %s", node.id, rid, ex.error)
-            self._command_async(node.address, MsgType.CANCEL, {"request_id": rid}, then=answered)
+            self._command_async(node.address, MsgType.CANCEL, {"request_id": wire}, then=answered)
 
-    def _forget(self, rid: str) -> None:
-        """This coordinator's own state of a sequence that ends (released or cancelled)."""
+    def _forget(self, rid: str) -> str:
+        """This coordinator's own state of a sequence that ends (released or cancelled); its id on the wire."""
         self._samplers.pop(rid, None)
         with self._lock:
             self._prepared.discard(rid)
             self._lost.discard(rid)
+            return self._wire.pop(rid, rid)
+
+    def _wire_ids(self, rids: Sequence[str]) -> list[str]:
+        """The ids the stages know these sequences by (a resumed one's carries its attempt: ``req-7#1``)."""
+        with self._lock:
+            return [self._wire.get(r, r) for r in rids]
 
     def stop_stages(self, timeout: float = COMMAND_TIMEOUT_S) -> list[str]:
         """SHUTDOWN every stage (the operator asked the coordinator to stop the cluster); returns the ids of
@@ -363,7 +375,7 @@ class PipelineExecutor:
             self._drop(peer, f"{m.type.name} for a step, not a RUN_RESULT from the last stage")
             return
         h = m.header
-        if not result_is_for(h, step.rids, max(step.slot, 0), phase=step.kind, sample=step.sample):
+        if not result_is_for(h, self._wire_ids(step.rids), max(step.slot, 0), phase=step.kind, sample=step.sample):
             self._drop(peer, "a RUN_RESULT for other requests, another micro-batch, phase or sample flag")
             return
         try:

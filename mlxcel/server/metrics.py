@@ -33,7 +33,11 @@ _ENGINE_COUNTERS = {
     "prefix_hits": ("mlxcel_prefix_cache_hits", "Prompts that started from a cached prefix"),
     "prefix_tokens": ("mlxcel_prefix_cache_reused_tokens", "Prompt tokens taken from the prefix cache, not prefilled"),
     "overlapped_steps": ("mlxcel_overlapped_steps", "Steps submitted while another was in flight (micro-batching)"),
-    "failed_steps": ("mlxcel_failed_steps", "Steps that failed (their requests ended with an error)"),
+    "failed_steps": ("mlxcel_failed_steps", "Steps that failed (their requests ended with an error or were resumed)"),
+    "resumed": ("mlxcel_resumed_requests", "Requests resumed after a node failure: prompt + tokens prefilled again, "
+                                           "the stream continued"),
+    "resume_failed": ("mlxcel_resume_failed_requests", "Requests that waited to resume after a node failure and "
+                                                       "failed (503): bounds spent or no node took them"),
     "wire_frames": ("mlxcel_pipeline_frames", "Cluster frames the coordinator sent and received for pipeline steps"),
     "wire_bytes": ("mlxcel_pipeline_wire_bytes", "Payload bytes the coordinator sent and received for pipeline steps"),
 }

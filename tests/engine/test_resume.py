@@ -38,6 +38,7 @@ class ResumingExecutor(FakeExecutor):
         self.draws: list[tuple[str, tuple[int, ...], int]] = []
         self.prepare_failures: list[Exception] = []  # raised by the next prepares, in order
         self.checked = 0
+        self.attempts: list[int] = []
 
     def resumable(self, exc: BaseException) -> bool:
         return isinstance(exc, ExecutorError) and exc.code.retryable
@@ -46,10 +47,11 @@ class ResumingExecutor(FakeExecutor):
         self.checked += 1
 
     def prepare(self, rid: str, params: SamplingParams, top_logprobs: int, prompt: Sequence[int], *,
-                draws: int = 0) -> int:
+                draws: int = 0, attempt: int = 0) -> int:
         if self.prepare_failures:
             raise self.prepare_failures.pop(0)
         self.draws.append((rid, tuple(prompt), draws))
+        self.attempts.append(attempt)
         return super().prepare(rid, params, top_logprobs, prompt)
 
 
@@ -90,7 +92,7 @@ async def test_a_decode_step_lost_to_a_node_resumes_with_prompt_plus_tokens_and_
         assert (finish.finish_reason, finish.error, finish.completion_tokens) == ("length", None, 6)
         # prepared again with the prompt and the 3 tokens streamed, its sampler 3 draws on
         assert ex.draws == [("a", (1, 2, 3), 0), ("a", (1, 2, 3, 100, 101, 102), 3)]
-        assert ex.released_ids()[0] == "a" and ex.checked == 1
+        assert ex.released_ids()[0] == "a" and ex.checked == 1 and ex.attempts == [0, 1]
         assert (sched.counters.resumed, sched.counters.resume_failed) == (1, 0)
 
 
