@@ -428,6 +428,8 @@ class Scheduler:
         req = seq.request
         params = seq.params or req.params
         if seq.handoff is None:
+            if req.draws:  # resumed elsewhere (a prefill node re-prefilling for the router): the sampler goes on
+                return self.executor.prepare(seq.rid, params, req.top_logprobs, req.prompt, draws=req.draws)
             return self.executor.prepare(seq.rid, params, req.top_logprobs, req.prompt)
         adopter = cast(Adopter, self.executor)
         adopter.adopt(seq.rid, params, req.top_logprobs, seq.handoff.cache, len(req.prompt))
