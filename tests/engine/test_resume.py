@@ -215,3 +215,70 @@ def test_draw_seeds_are_splitmix64():
     # SplitMix64's reference outputs for seed 0 (state += 0x9E3779B97F4A7C15, then the mix)
     assert [draw_seed(0, n) for n in range(3)] == [0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4, 0x06C45D188009454F]
     assert draw_seed(-1, 0) == draw_seed(2**64 - 1, 0)
+
+
+# -- the bounds: flags, the cluster TOML, the policy ------------------------------------------------
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max-resumes", "17"], "must be at most 16"),
+    (["--max-resumes", "-1"], "must be >= 0"),
+    (["--resume-timeout", "0"], "must be > 0 seconds"),
+    (["--resume-timeout", "601"], "must be at most 600 seconds"),
+])
+def test_resume_flags_are_bounded(capsys, argv, message):
+    from mlxcel.cli import build_parser
+
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["serve", *argv])
+    assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_flags_override_the_cluster_toml_and_reach_the_coordinator_and_the_router(tmp_path):
+    from mlxcel.cli import build_parser
+    from mlxcel.commands.serve import pipeline_options
+    from mlxcel.disagg.flags import _resume
+    from mlxcel.topology.cluster_config import load_cluster_config
+    from tests.pipeline.cluster_toml import COORDINATOR_AND_STAGE_0, write_toml
+
+    path = write_toml(tmp_path, f"[pipeline]\nmax_resumes = 5\n[timeouts]\nresume_s = 12\n{COORDINATOR_AND_STAGE_0}")
+    cluster = load_cluster_config(path)
+    assert (cluster.max_resumes, cluster.timeouts.resume_s) == (5, 12.0)
+    args = build_parser().parse_args(["serve", "--max-resumes", "2", "--resume-timeout", "7"])
+    options = pipeline_options(args)
+    assert cluster.with_resume(options.max_resumes, options.resume_timeout_s).max_resumes == 2
+    assert cluster.with_resume(None, None).timeouts.resume_s == 12.0
+    assert _resume(args, 30.0) == (2, 7.0)
+    assert _resume(build_parser().parse_args(["serve"]), 12.0) == (3, 12.0)  # the defaults, the TOML's timeout
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[pipeline]\nmax_resumes = 17\n", "max_resumes under [pipeline] must be an integer from 0 to 16"),
+    ("[pipeline]\nmax_resumes = true\n", "max_resumes under [pipeline] must be an integer"),
+    ("[timeouts]\nresume_s = 1000\n", "resume_s under [timeouts] must be at most 600"),
+])
+def test_the_toml_keys_are_bounded(tmp_path, text, message):
+    from mlxcel.topology.cluster_config import ClusterConfigError, load_cluster_config
+    from tests.pipeline.cluster_toml import COORDINATOR_AND_STAGE_0, write_toml
+
+    with pytest.raises(ClusterConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        load_cluster_config(write_toml(tmp_path, text + COORDINATOR_AND_STAGE_0))
+
+
+@pytest.mark.parametrize("kw, expected", [
+    ({}, True),
+    ({"resumes": 3}, False),  # bounds spent
+    ({"closing": True}, False),
+    ({"code": ErrorCode.BAD_REQUEST}, False),  # about the request itself
+    ({"code": ErrorCode.CANCELLED}, False),
+    ({"tokens": 8}, False),  # nothing left to generate
+    ({"prompt": 1000}, False),  # prompt + tokens no longer fit the context: cannot be prefilled again
+])
+def test_the_router_policy_resumes_only_within_its_bounds(kw, expected):
+    from mlxcel.disagg.policy import may_resume
+
+    args = dict(code=ErrorCode.UNREACHABLE, resumes=0, max_resumes=3, closing=False, tokens=4, prompt=10,
+                max_tokens=8, context_length=1000)
+    args.update(kw)
+    code = args.pop("code")
+    assert may_resume(code, **args) is expected
