@@ -57,8 +57,9 @@ class Load:
     """``streams`` client threads sending ``prompts`` in turn until ``stop()``."""
 
     def __init__(self, url: str, prompts: list[list[int]], expected: list[str], *, max_tokens: int,
-                 streams: int = 4, hang_s: float = 90.0):
+                 streams: int = 4, hang_s: float = 90.0, pause_s: float = 0.2):
         self.url, self.prompts, self.expected = url, prompts, expected
+        self.pause_s = pause_s  # between two requests of one stream: bounded load
         self.max_tokens, self.streams, self.hang_s = max_tokens, streams, hang_s
         self.counts = Counts()
         self._lock = threading.Lock()
@@ -90,8 +91,7 @@ class Load:
                 setattr(self.counts, outcome, getattr(self.counts, outcome) + 1)
                 if outcome in ("hung", "truncated"):
                     self.counts.problems.append(detail)
-            if outcome == "failed_clean":
-                time.sleep(0.2)  # a client backing off after a 503
+            time.sleep(self.pause_s if outcome != "failed_clean" else 1.0)  # a client backs off after a 503
 
     def _one(self, prompt: list[int], expected: str, *, stream: bool) -> tuple[str, str]:
         body = {"model": "tiny", "prompt": prompt, "max_tokens": self.max_tokens, "temperature": 0,
