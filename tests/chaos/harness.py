@@ -159,22 +159,25 @@ class Target:
 
 
 class Chaos:
-    """Every ``interval`` (+-50%) seconds, one random action on one random target, for ``duration`` seconds."""
+    """Every ``interval`` (+-50%) seconds, one action on one random target, for ``duration`` seconds and at
+    least ``min_actions`` actions; the actions come in rounds of all three in a random order (so a short
+    run still kills, freezes and restarts). Each action waits until the cluster is whole again."""
 
     def __init__(self, targets: list[Target], healthy: Callable[[], bool], counts: Counts, *,
-                 duration: float = 60.0, interval: float = 6.0, seed: int = 25):
+                 duration: float = 60.0, interval: float = 5.0, min_actions: int = 3, seed: int = 25):
         self.targets, self.healthy, self.counts = targets, healthy, counts
-        self.duration, self.interval = duration, interval
+        self.duration, self.interval, self.min_actions = duration, interval, min_actions
         self.rng = random.Random(seed)
 
     def run(self) -> None:
         end = time.monotonic() + self.duration
-        while time.monotonic() < end:
+        actions: list[str] = []
+        while time.monotonic() < end or len(self.counts.events) < self.min_actions:
             time.sleep(self.interval * self.rng.uniform(0.5, 1.5))
-            if time.monotonic() >= end:
-                break
-            target, action = self.rng.choice(self.targets), self.rng.choice(ACTIONS)
-            self.counts.events.append({"node": target.name, "action": action, **getattr(self, f"_{action}")(target)})
+            actions = actions or self.rng.sample(ACTIONS, len(ACTIONS))
+            target, action = self.rng.choice(self.targets), actions.pop(0)
+            event = {"node": target.name, "action": action, "at_s": round(time.monotonic() - end + self.duration, 1)}
+            self.counts.events.append({**event, **getattr(self, f"_{action}")(target)})
 
     def _kill(self, target: Target) -> dict:
         t0 = time.monotonic()
@@ -209,8 +212,10 @@ class Chaos:
             os.kill(pid, signal.SIGCONT)
         return {"frozen_s": round(frozen, 2), "to_serving_s": self._until_healthy(t0)}
 
-    def _until_healthy(self, t0: float, timeout: float = 90.0) -> float | None:
-        while time.monotonic() - t0 < timeout:
+    def _until_healthy(self, t0: float, timeout: float = 240.0) -> float | None:
+        """Seconds from ``t0`` until ``healthy()``; None if it is not within ``timeout`` from now."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
             if self.healthy():
                 return round(time.monotonic() - t0, 2)
             time.sleep(0.1)

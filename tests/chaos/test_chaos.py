@@ -52,7 +52,7 @@ def undisturbed(url: str) -> list[str]:
 def run_chaos(name: str, url: str, targets: list[Target], healthy, tmp_path: Path) -> Counts:
     expected = undisturbed(url)
     resumed_before = metrics(url).get("mlxcel_resumed_requests_total", 0)
-    load = Load(url, PROMPTS, expected, max_tokens=MAX_TOKENS).start()
+    load = Load(url, PROMPTS, expected, max_tokens=MAX_TOKENS, pause_s=0.5).start()
     try:
         Chaos(targets, healthy, load.counts, duration=DURATION_S).run()
     finally:
@@ -83,7 +83,9 @@ def test_chaos_pipeline_two_stages(tmp_path, tiny_llama):
                 return False
 
         counts = run_chaos("pipeline", c.url, targets, healthy, tmp_path)
-        assert counts.resumed >= 1 and counts.completed > 0
+        assert counts.completed > 0
+        if any(e["action"] == "kill" for e in counts.events):  # a killed stage had requests in flight
+            assert counts.resumed >= 1, counts.summary()
     finally:
         c.stop()
 
@@ -104,7 +106,8 @@ def test_chaos_disaggregated_two_of_each_role(tmp_path, tiny_llama):
                 return False
 
         counts = run_chaos("disagg", c.url, targets, healthy, tmp_path)
-        assert counts.resumed >= 1
         assert counts.completed >= 0.99 * counts.started, counts.summary()
+        if any(e["action"] == "kill" and e["node"].startswith("decode") for e in counts.events):
+            assert counts.resumed >= 1, counts.summary()  # a killed decode node was streaming
     finally:
         c.stop()
