@@ -628,15 +628,22 @@ class Scheduler:
     def _resume_due(self) -> None:
         """Prepare again every resuming sequence whose try is due; fail those past their deadline."""
         now = time.monotonic()
-        for seq in [s for s in self._resuming if s.resume_next <= now]:
+        due = [s for s in self._resuming if s.resume_next <= now]
+        if not due:
+            return
+        check = getattr(self.executor, "check_peers", None)
+        try:
+            if check is not None:
+                check()  # once per pass: a node that restarted is seen as such before a sequence goes on it
+        except Exception as exc:  # noqa: BLE001 - no node for them yet: try again, up to their deadlines
+            for seq in due:
+                self._not_yet(seq, exc)
+            return
+        for seq in due:
             try:
                 cached = self._prepare_again(seq)
-            except Exception as exc:  # noqa: BLE001 - no node for it yet: try again, up to the deadline
-                seq.resume_error = exc
-                if time.monotonic() >= seq.resume_deadline or not self._still_resumable(exc):
-                    self._resume_failed(seq)
-                else:
-                    seq.resume_next = time.monotonic() + RESUME_RETRY_S
+            except Exception as exc:  # noqa: BLE001 - as above
+                self._not_yet(seq, exc)
                 continue
             full = list(seq.request.prompt) + seq.generated
             seq.todo = full[cached:]
@@ -644,11 +651,16 @@ class Scheduler:
             self.counters.resumed += 1
             log.info("request %s resumed: re-prefilling %d tokens (%d cached)", seq.rid, len(full) - cached, cached)
 
+    def _not_yet(self, seq: _Sequence, exc: BaseException) -> None:
+        """A try to resume ``seq`` failed with ``exc``: try again shortly, or fail it past its deadline."""
+        seq.resume_error = exc
+        if time.monotonic() >= seq.resume_deadline or not self._still_resumable(exc):
+            self._resume_failed(seq)
+        else:
+            seq.resume_next = time.monotonic() + RESUME_RETRY_S
+
     def _prepare_again(self, seq: _Sequence) -> int:
         """The executor's ``prepare`` with prompt + generated, the sampler past the tokens sampled so far."""
-        check = getattr(self.executor, "check_peers", None)
-        if check is not None:
-            check()  # a node that restarted is seen as such before the sequence is placed on it
         full = list(seq.request.prompt) + seq.generated
         return self.executor.prepare(seq.rid, seq.params or seq.request.params, seq.request.top_logprobs, full,
                                      draws=len(seq.generated), attempt=seq.resumes)

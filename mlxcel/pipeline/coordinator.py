@@ -239,6 +239,9 @@ class PipelineExecutor:
     def check_peers(self) -> None:
         """GET_STATE on every stage now, through the monitor (a new boot id is a restart: what it held is
         lost); raises ExecutorError (unreachable) if one does not answer within two heartbeats."""
+        down = [self._nodes[p].id for p in self.monitor.down()]
+        if down:  # known down: no round trip (a dead stage's delivery would take the dial budget)
+            raise ExecutorError(f"pipeline stage {', '.join(down)} is unreachable", ErrorCode.UNREACHABLE)
         timeout = max(2 * self.monitor.interval_s, 1.0)
         waits = [(n, self._command_async(n.address, MsgType.GET_STATE, {}, timeout=timeout)) for n in self.cluster.stages]
         for node, ex in waits:
