@@ -196,7 +196,8 @@ class RouterEngine:
                     if not status.up and info.down_reason:
                         entry["down_reason"] = info.down_reason
                 nodes.append(entry)
-        body: dict[str, Any] = {"addresses_redacted": not verbose, "nodes": nodes, "metrics": self.stats()}
+        metrics = {k: v for k, v in self.stats().items() if k.startswith("router_")}  # /metrics has the rest
+        body: dict[str, Any] = {"addresses_redacted": not verbose, "nodes": nodes, "metrics": metrics}
         if verbose:
             body["router"] = str(self.transport.identity)
         return body
