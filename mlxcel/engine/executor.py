@@ -91,7 +91,11 @@ class Executor(Protocol):
     micro_batch_size: int  # rows per decode step at most
 
     def prepare(self, rid: str, params: SamplingParams, top_logprobs: int, prompt: Sequence[int]) -> int:
-        """Make room for a sequence; returns how many leading prompt tokens are already cached."""
+        """Make room for a sequence; returns how many leading prompt tokens are already cached.
+
+        An executor that resumes sequences (``mlxcel.engine.resume``) also takes ``draws=n`` and
+        ``attempt=k``: the sequence's ``k``-th resume, after ``n`` sampled tokens, so its sampler starts at
+        draw ``n`` (a remote executor may name it anew per attempt, so stale steps cannot touch it)."""
 
     def submit(self, step: Step, done: Done) -> None:
         """Start a step; ``done`` is called exactly once when it finishes or fails."""
@@ -133,10 +137,13 @@ class LocalExecutor:
         self._exports: dict[str, KVExport | Exception | None] = {}  # rid -> its export once it ended
         self._lock = threading.Lock()  # _exports: the scheduler thread fills it, the sender reads and frees it
 
-    def prepare(self, rid: str, params: SamplingParams, top_logprobs: int, prompt: Sequence[int]) -> int:
+    def prepare(self, rid: str, params: SamplingParams, top_logprobs: int, prompt: Sequence[int], *,
+                draws: int = 0, attempt: int = 0) -> int:
         cache, n = self.prefix.lookup(prompt)
         for i, runner in enumerate(self.runners):
             row = RowSampler(params, top_logprobs) if runner.is_last else None
+            if row is not None:
+                row.skip(draws)
             runner.prepare(rid, row, cache=cache if i == 0 else None, length=n)
         return n
 

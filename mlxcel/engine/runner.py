@@ -59,12 +59,11 @@ class RowSampler:
             self.sampler = make_sampler(self.params)
 
     def skip(self, draws: int) -> None:
-        """Advance a seeded sampler past ``draws`` made elsewhere (a prefill node): its random stream goes on."""
-        if self.sampler is None:
-            return
-        dummy = mx.zeros((1, 2))
-        for _ in range(draws):
-            self.sampler(dummy)
+        """Advance a seeded sampler past ``draws`` made elsewhere (a prefill node, the attempt before a
+        resume): its random stream goes on (draw n's key depends only on the seed and n)."""
+        skip = getattr(self.sampler, "skip", None)
+        if skip is not None and draws:
+            skip(draws)
 
 
 def sample_rows(logits: mx.array, rows: Sequence[RowSampler]) -> list[Sampled]:
