@@ -70,6 +70,8 @@ REPO = Path(__file__).resolve().parent.parent  # where ``python -m bench.pipelin
 MODES = ("single", "inproc_pp", "remote_pp", "remote_pp_logits")
 WORKER_TIMEOUT_S = 900
 _TIMING_SUFFIXES = ("_s", "_ms", "_us", "_ns")
+#: environment variables that change what is measured; rows record the ones set
+BENCH_ENV = ("MLXCEL_COMPILE_STEP", "MLX_MAX_OPS_PER_BUFFER", "MLX_MAX_MB_PER_BUFFER", "CUDA_VISIBLE_DEVICES")
 
 
 def free_port(host: str) -> int:
@@ -262,13 +264,16 @@ def worker(args: argparse.Namespace, out: TextIO) -> int:
             remote_driver.timeline = tl
             return remote_driver.generate(prompt, n, logits)
     else:
+        from mlxcel.engine.compiled_step import decode_forward
+
         model = loaded.model
         if mode == "single":
-            forward, cache_of = (lambda x, c: model(x, cache=c)), model
+            forward, cache_of = decode_forward(lambda x, c: model(x, cache=c)), model
         else:
             from mlxcel.pipeline.inprocess import InProcessPipeline, stage_ranges
 
-            forward = cache_of = InProcessPipeline(model, stage_ranges(args.model, loaded.num_layers, args.stages, None))
+            cache_of = InProcessPipeline(model, stage_ranges(args.model, loaded.num_layers, args.stages, None))
+            forward = decode_forward(cache_of)
 
         def run(n: int, tl: Timeline | None) -> tuple[list[int], list[float]]:
             return timed_tokens(forward, cache_of, prompt, n, tl)
@@ -284,7 +289,9 @@ def worker(args: argparse.Namespace, out: TextIO) -> int:
         tokens, gaps = run(args.tokens, timeline)
         wall, cpu = time.perf_counter() - wall0, self_cpu_s() - cpu0
         stage1 = [proc_cpu_s(p) for p in args.stage_pids]
-        result: dict[str, Any] = {"pid": os.getpid(), "mode": mode, "prompt_tokens": len(prompt), "tokens": tokens,
+        from mlxcel.engine.compiled_step import compile_enabled
+
+        result: dict[str, Any] = {"pid": os.getpid(), "mode": mode, "compile_step": compile_enabled(), "prompt_tokens": len(prompt), "tokens": tokens,
                                   "gaps_s": gaps, "wall_s": wall, "cpu_s_worker": cpu,
                                   "cpu_s_stage": cpu_delta(stage0, stage1), "load_s": load_s, "load_1m": load_1m,
                                   "steps": [{**s, "t_submit": s["t_submit"] - wall0, "t_done": s["t_done"] - wall0}
@@ -424,7 +431,8 @@ def row_of(args: argparse.Namespace, name: str, run: int, position: int, res: di
         "worker_pid": res["pid"], "wall_s": res["wall_s"], "cpu_s_worker": round(res["cpu_s_worker"], 3),
         "cpu_s_worker_total": round(res["cpu_s_worker_total"], 3), "cpu_s_stage": stage_cpu,
         "cpu_s_stages": round(sum(stage_cpu), 3) if stage_cpu else None, "stage_state": res.get("stage_state"),
-        "load_1m": res.get("load_1m"),
+        "load_1m": res.get("load_1m"), "compile_step": res.get("compile_step"),
+        "env": {k: os.environ[k] for k in BENCH_ENV if k in os.environ},
     }
 
 
