@@ -21,7 +21,7 @@ from mlxcel.engine.sampling import SamplingParams
 from mlxcel.models.loading import load_checkpoint
 from mlxcel.models.random_checkpoint import make_random_checkpoint
 
-FAMILIES = ["llama", "qwen3", "qwen3_moe"]
+FAMILIES = ["llama", "qwen3", "qwen3_moe", "deepseek_v3"]  # deepseek_v3: MLA latents in a KVCache
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
