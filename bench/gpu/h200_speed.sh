@@ -89,6 +89,9 @@ main() {
   install
   export PYTHONPATH=/tmp/site:$SRC MLXCEL_GIT_COMMIT=${MLXCEL_GIT_COMMIT:-} PYTHONUNBUFFERED=1
   [ -n "$MLXCEL_GIT_COMMIT" ] || unset MLXCEL_GIT_COMMIT
+  # run from a copy outside any git checkout: the device's copy of the session checkout holds a .git,
+  # whose commit is not this code's (rows take MLXCEL_GIT_COMMIT instead)
+  rm -rf /tmp/src && cp -r "$SRC" /tmp/src && SRC=/tmp/src && export PYTHONPATH=/tmp/site:$SRC
   cd "$SRC"
   python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device())"
   nvidia-smi --query-gpu=name,memory.used,clocks.sm,utilization.gpu --format=csv,noheader

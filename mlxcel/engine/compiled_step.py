@@ -16,8 +16,13 @@ their integer ``offset``, so batching, the prefix cache and the KV handoff see n
 The step applies only where it is exact by construction: one row, one new position, every layer
 a plain ``KVCache`` already holding the prompt (``CompiledDecode.accepts``); anything else (a
 prompt chunk, a batched micro-batch, rotating, quantized, MLA or linear-attention caches) runs
-the plain forward. It is on by default on a GPU, where it was measured (docs/benchmarks.md), and
-off on the CPU; ``MLXCEL_COMPILE_STEP=1`` or ``0`` forces it either way.
+the plain forward.
+
+It is OFF by default (``MLXCEL_COMPILE_STEP=1`` turns it on): measured on an H200 (MLX CUDA 0.32.4,
+2026-12-02, docs/benchmarks.md) it made a Qwen3-0.6B-shaped stage step slower, 3.7 -> 5.9 ms of
+compute per token in bfloat16 and 4.0 -> 4.3 ms in 4-bit, and the single process too (149.6 -> 115.7
+tok/s in bfloat16), although it ran faster on the CPU (a 28-layer tiny model, 57 -> 43 ms per
+step on the loaded 2-core box). It is kept as an opt-in, with its tests, for the next MLX.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ COMPILE_ENV = "MLXCEL_COMPILE_STEP"
 
 
 def compile_enabled() -> bool:
-    """``MLXCEL_COMPILE_STEP`` when set (1/0), else on exactly when MLX's default device is a GPU."""
+    """``MLXCEL_COMPILE_STEP`` when set (1/0), else off (it measured slower on the H200; see the module)."""
     value = os.environ.get(COMPILE_ENV, "").strip().lower()
     if value in ("1", "true", "yes", "on"):
         return True
@@ -41,7 +46,7 @@ def compile_enabled() -> bool:
         return False
     if value:
         raise ValueError(f"{COMPILE_ENV} must be 1 or 0, got {value!r}")
-    return mx.default_device().type == mx.DeviceType.gpu
+    return False
 
 
 class _FixedView:
