@@ -13,6 +13,7 @@
 #   moe30b-q4         Qwen3-30B-A3B shape 4-bit (48 layers, hidden 2048, 128 experts, 8 active, width 768) + moe_probe
 #   ds-q4             deepseek_v3 classes at DeepSeek-V2-Lite's scale (27 layers, hidden 2048, 64 experts, 6 active,
 #                     width 1408, 2 shared, MLA rank 512) 4-bit + moe_probe
+#   probe-bf16        bench/gpu/step_probe.py on the 0.6B bf16 shape: graph build vs step, plain / masked / compiled
 # Everything lands in $OUT/results.tar.gz (rows, traces, logs) and $OUT/log.txt.
 set -uo pipefail
 SRC=$(cd "$(dirname "$0")/../.." && pwd)
@@ -98,6 +99,8 @@ main() {
   for s in "$@"; do
     case $s in
       tiny) suite tiny 10 ;;  # a smoke test of this script (CPU or GPU)
+      probe-bf16) make_model q06-bf16 && python3 -m bench.gpu.step_probe -m /tmp/models/q06-bf16 --steps 64 \
+                    --label h200-q06-bf16 --out "$RES/step_probe.jsonl" ;;
       q06-bf16) suite q06-bf16 150 ;;
       q06-q4) suite q06-q4 300 ;;
       q8b-q4) suite q8b-q4 240 ;;
