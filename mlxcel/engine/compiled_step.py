@@ -22,7 +22,10 @@ It is OFF by default (``MLXCEL_COMPILE_STEP=1`` turns it on): measured on an H20
 2026-12-02, docs/benchmarks.md) it made a Qwen3-0.6B-shaped stage step slower, 3.7 -> 5.9 ms of
 compute per token in bfloat16 and 4.0 -> 4.3 ms in 4-bit, and the single process too (149.6 -> 115.7
 tok/s in bfloat16), although it ran faster on the CPU (a 28-layer tiny model, 57 -> 43 ms per
-step on the loaded 2-core box). It is kept as an opt-in, with its tests, for the next MLX.
+step on the loaded 2-core box). bench/gpu/step_probe.py found why: compiling cut the graph
+construction of 14 layers from 0.63 to 0.35 ms, but the boolean mask over the buffer costs about
+1 ms there (MLX's CUDA attention leaves its decode kernel), and even unmasked the compiled step was
+no faster than the plain 1.86 ms. It is kept as an opt-in, with its tests, for the next MLX.
 """
 
 from __future__ import annotations

@@ -142,12 +142,12 @@ def make_random_checkpoint(
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if head_dim is None and hidden % heads:
         raise ValueError(f"hidden ({hidden}) is not a multiple of heads ({heads}): give head_dim")
+    fixed = {"model_type", "num_hidden_layers", "hidden_size", "vocab_size"} & set(overrides or {})
+    if fixed:
+        raise ValueError(f"give {', '.join(sorted(fixed))} with its own flag, not as an override")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     config = _config(family, layers, hidden, heads, kv_heads, vocab, intermediate, head_dim)
-    fixed = {"model_type", "num_hidden_layers", "hidden_size", "vocab_size"}
-    if overrides and fixed & set(overrides):
-        raise ValueError(f"give {', '.join(sorted(fixed & set(overrides)))} with its own flag, not as an override")
     config.update(overrides or {})
     if dtype != "float32":  # float32 checkpoints stay as they always were
         config["torch_dtype"] = dtype
