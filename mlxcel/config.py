@@ -82,6 +82,12 @@ def seconds(text: str) -> float:
 # Node supervisor (``mlxcel node``, the pidfile mode of the Ansible role)
 DEFAULT_NODE_READY_TIMEOUT_S = 180.0  # a (re)started node loads its checkpoint before its readiness URL says 200
 DEFAULT_NODE_STOP_GRACE_S = 10.0  # SIGTERM, then SIGKILL after this long
+# restarts of a node that died (``mlxcel node supervise``; the node TOML's [restart]; docs/deploy.md "Supervision")
+DEFAULT_NODE_RESTART_POLICY = "on-failure"  # or "never"
+DEFAULT_NODE_RESTART_BACKOFF_S = 0.5  # the first restart's delay; it doubles with each quick failure in a row
+DEFAULT_NODE_RESTART_BACKOFF_MAX_S = 30.0  # the delay never grows past this
+DEFAULT_NODE_RESTART_LIMIT = 5  # restarts in a row, each run shorter than reset_s, before the supervisor gives up
+DEFAULT_NODE_RESTART_RESET_S = 60.0  # a run at least this long resets the delay and the count
 
 # Stopping a server (SIGINT/SIGTERM): requests in flight may finish for this long, new ones are refused.
 # Keep it below the supervisor's stop grace (DEFAULT_NODE_STOP_GRACE_S), or the drain is cut by SIGKILL.

@@ -247,3 +247,108 @@ def test_spec_errors_name_the_key(tmp_path: Path, body: str, message: str) -> No
     with pytest.raises(NodeSpecError, match="n.toml: ") as err:
         load_node_spec(tmp_path / "n.toml")
     assert message in str(err.value)
+
+
+# -- supervision: restarts, their causes, the crash-loop limit, stopping it all -----------------------------------
+
+# CHILD, but a run that finds <home>/crash exits 1 at once (before it is ready): a crash loop on demand
+CRASHY = "import os, sys\nif os.path.exists(os.path.join(sys.argv[4], 'crash')):\n    sys.exit(1)\n" + CHILD
+FAST = {"restart": {"backoff_s": 0.05, "backoff_max_s": 0.2, "limit": 3, "reset_s": 30}}
+
+
+def write_supervised_spec(home: Path, script: str = CHILD, restart: dict | None = None) -> Path:
+    path = write_spec(home, script=script)
+    table = (restart or FAST)["restart"]
+    path.write_text(path.read_text() + "[restart]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in table.items()))
+    return path
+
+
+def wait_for(predicate, timeout_s: float = 10.0):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"not within {timeout_s} s")
+
+
+def test_a_killed_node_is_restarted_by_its_supervisor_and_serves_again(home: Path) -> None:
+    spec = load_node_spec(write_supervised_spec(home))
+    first = supervisor.start(spec)
+    sup = first["supervisor_pid"]
+    assert first["changed"] and alive(sup) and os.getpgid(sup) == sup != os.getpgid(first["pid"])
+    killed_at = time.monotonic()
+    os.kill(first["pid"], signal.SIGKILL)
+    status = wait_for(lambda: (s := supervisor.status(spec))["http_status"] == 200 and s["pid"] != first["pid"] and s)
+    healed = time.monotonic() - killed_at
+    assert status["pid"] == int(spec.pidfile.read_text()) and alive(status["pid"])
+    assert (status["restarts"], status["last_cause"]) == (1, "signal SIGKILL"), status
+    assert status["supervisor"]["pid"] == sup and status["changed_inputs"] == []
+    assert wait_for(lambda: supervisor.status(spec)["supervisor"]["state"] == "running")
+    assert healed < 5, healed
+    log = spec.log.read_text()
+    assert "mlxcel node supervise: test-node ended (signal SIGKILL) after" in log and "restart 1 in 0.05 s" in log
+    assert "test-node ready again" in log and "(signal SIGKILL; restart 1)" in log
+    assert supervisor.start(spec)["changed"] is False  # healed: nothing to do
+    stopped = supervisor.stop(spec)
+    assert stopped["changed"] and stopped["supervisor_pid"] == sup and not alive(sup) and not alive(status["pid"])
+    assert _pids_naming(str(home)) == [] and not spec.pidfile.exists()
+    assert supervisor.status(spec)["supervisor"]["state"] == "stopped"
+
+
+def test_a_crash_loop_stops_at_the_limit_with_a_clear_status(home: Path) -> None:
+    spec = load_node_spec(write_supervised_spec(home, script=CRASHY))
+    first = supervisor.start(spec)
+    assert first["changed"] and not first.get("failed"), first
+    (home / "crash").touch()  # from now on every run exits 1 at once
+    os.kill(first["pid"], signal.SIGKILL)
+    sup = wait_for(lambda: (s := supervisor.status(spec)["supervisor"])["state"] == "crash-loop" and s["pid"] is None
+                   and s)  # the supervisor gave up and exited
+    assert (sup["restarts"], sup["last_cause"]) == (3, "exit 1"), sup
+    assert "crash loop, 3 restarts in a row, none of which ran 30 s" in sup["message"] and "giving up" in sup["message"]
+    assert supervisor.status(spec)["pid"] is None and _pids_naming(str(home)) == []
+    log = spec.log.read_text()
+    assert [line.count("ended (exit 1)") for line in log.splitlines() if "ended (" in line].count(1) == 3, log
+    waited = supervisor.wait_ready(spec, 5)
+    assert waited["failed"] and "crash loop" in waited["msg"]
+    (home / "crash").unlink()
+    again = supervisor.start(spec)  # the operator's start begins afresh
+    assert again["changed"] and not again.get("failed"), again
+    assert supervisor.status(spec)["restarts"] == 0
+    supervisor.stop(spec)
+
+
+def test_a_clean_exit_and_a_usage_error_are_not_restarted(home: Path) -> None:
+    for code, state in ((0, "exited"), (2, "failed")):
+        script = f"import os, sys, time\nif os.path.exists(os.path.join(sys.argv[4], 'quit')):\n    sys.exit({code})\n" \
+                 "open(os.path.join(sys.argv[4], 'quit'), 'w').close()\n" + CHILD
+        spec = load_node_spec(write_supervised_spec(home, script=script))
+        (home / "quit").unlink(missing_ok=True)
+        first = supervisor.start(spec)
+        os.kill(first["pid"], signal.SIGKILL)  # the restart then ends with the code
+        sup = wait_for(lambda: (s := supervisor.status(spec)["supervisor"])["state"] in ("exited", "failed")
+                       and s["pid"] is None and s)
+        assert (sup["state"], sup["restarts"], sup["last_cause"]) == (state, 1, f"exit {code}"), sup
+        assert "not restarted" in sup["message"]
+
+
+def test_sigterm_to_the_supervisor_stops_the_node_too(home: Path) -> None:
+    spec = load_node_spec(write_supervised_spec(home))
+    first = supervisor.start(spec)
+    os.kill(first["supervisor_pid"], signal.SIGTERM)
+    wait_for(lambda: not alive(first["supervisor_pid"]) and not alive(first["pid"]))
+    assert supervisor.status(spec)["supervisor"]["state"] == "stopped" and not spec.pidfile.exists()
+
+
+def test_a_node_running_without_its_supervisor_is_restarted_under_one(home: Path) -> None:
+    spec = load_node_spec(write_supervised_spec(home))
+    first = supervisor.start(spec)
+    os.kill(first["supervisor_pid"], signal.SIGKILL)  # the node runs on, unsupervised
+    wait_for(lambda: not alive(first["supervisor_pid"]))
+    assert supervisor.status(spec)["changed_inputs"] == ["supervision"]
+    again = supervisor.start(spec)
+    assert again["restarted"] and again["msg"] == "test-node restarted (supervision changed)", again
+    assert again["pid"] != first["pid"] and not alive(first["pid"])
+    assert supervisor.supervisor_pid(spec) is not None
+    supervisor.stop(spec)
