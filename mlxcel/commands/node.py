@@ -33,6 +33,7 @@ def add_node_parser(sub: argparse._SubParsersAction) -> None:
         "restart": "stop if running, start, wait until ready",
         "status": "pid and what the readiness URL answers (exit 0 running or not)",
         "wait": "wait until the running node is ready (exit 1 if it exits or the timeout passes); starts nothing",
+        "drain": "a stage, prefill or decode node takes no new work (SIGUSR1); what it holds finishes",
         "show": "the resolved node TOML and its inputs fingerprint",
         "supervise": "run the node as a child and restart it when it dies (what start runs in the background)",
     }
@@ -76,6 +77,8 @@ def run_node(args: argparse.Namespace) -> int:
         result = supervisor.status(spec)
     elif action == "wait":
         result = supervisor.wait_ready(spec, args.timeout)
+    elif action == "drain":
+        result = supervisor.drain(spec)
     else:
         result = describe(spec)
     print(json.dumps(result), flush=True)

@@ -384,6 +384,29 @@ def start(spec: NodeSpec, *, wait: bool = True, timeout_s: float | None = None) 
             "supervisor_pid": supervisor_pid(spec), "msg": msg}
 
 
+DRAINABLE = ("stage", "prefill", "decode")  # the roles that drain on SIGUSR1 (mlxcel/loading_process.py)
+
+
+def drain(spec: NodeSpec) -> dict:
+    """SIGUSR1 to a serving stage, prefill or decode node: it takes no new work, what it holds finishes.
+
+    Refused (nothing signalled) unless its readiness URL answers 200 naming one of those roles: any
+    other process would die of SIGUSR1 (a coordinator or router drains when it stops, on SIGTERM)."""
+    pid = running_pid(spec)
+    if pid is None:
+        return {"failed": True, "changed": False, "pid": None, "msg": f"{spec.name} not running"}
+    code, body = probe(spec.ready_url) if spec.ready_url else (None, "no readiness URL")
+    role = body.get("role") if isinstance(body, dict) else None
+    if code != 200 or role not in DRAINABLE:
+        return {"failed": True, "changed": False, "pid": pid,
+                "msg": f"{spec.name} cannot be drained: only a serving {', '.join(DRAINABLE)} node can "
+                       f"({spec.ready_url} answers {code} {body})"}
+    if isinstance(body, dict) and body.get("draining"):
+        return {"changed": False, "pid": pid, "health": body, "msg": f"{spec.name} already draining"}
+    os.kill(pid, signal.SIGUSR1)
+    return {"changed": True, "pid": pid, "msg": f"{spec.name} draining"}
+
+
 def restart(spec: NodeSpec, *, wait: bool = True, timeout_s: float | None = None) -> dict:
     """Stop (if running), start, wait for readiness."""
     stop(spec)

@@ -20,6 +20,8 @@ import stat
 import subprocess
 import time
 import tomllib
+import urllib.error
+import urllib.request
 
 import openai
 import pytest
@@ -111,6 +113,53 @@ def test_chat_through_the_coordinator_with_openai(deployment: Deployment) -> Non
     ANSWERS["toml"] = _greedy_answer(deployment)
 
 
+def _supervisors(deployment: Deployment) -> dict[int, str]:
+    """The deployment's live supervisors (mlxcel node supervise), pid -> the node TOML each supervises."""
+    found = {}
+    for pid in deployment.pids():
+        try:
+            argv = open(f"/proc/{pid}/cmdline", "rb").read().decode().split("\0")
+        except OSError:
+            continue
+        if "supervise" in argv:
+            found[pid] = argv[argv.index("--config") + 1]
+    return found
+
+
+def _answer_when_served(deployment: Deployment, timeout_s: float) -> str:
+    """The greedy answer, asked again and again (a 503 or a refused connection is a node not back yet)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return _greedy_answer(deployment)
+        except (openai.APIStatusError, openai.APIConnectionError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def test_a_killed_stage_is_restarted_by_its_supervisor_and_serves_again(deployment: Deployment) -> None:
+    """pidfile mode: SIGKILL a stage; its supervisor restarts it, the coordinator re-admits it, within 10 s."""
+    _deployed(deployment)
+    if "toml" not in ANSWERS:
+        pytest.skip("no answer to compare with (see test_chat_through_the_coordinator)")
+    assert sorted(_supervisors(deployment).values()) == sorted(str(deployment.home(n) / "node.toml") for n in NODES)
+    pid = int((deployment.home("stage-1") / "node.pid").read_text())
+    killed = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    answer = _answer_when_served(deployment, timeout_s=60)
+    healed = time.monotonic() - killed
+    assert answer == ANSWERS["toml"]
+    assert int((deployment.home("stage-1") / "node.pid").read_text()) != pid
+    state = json.loads((deployment.home("stage-1") / "node.pid.state").read_text())
+    assert (state["state"], state["restarts"], state["last_cause"]) == ("running", 1, "signal SIGKILL"), state
+    log = (deployment.home("stage-1") / "node.log").read_text()
+    assert "mlxcel node supervise: stage-1 ended (signal SIGKILL) after" in log and "stage-1 ready again" in log
+    print(f"SIGKILL of stage-1 to the cluster serving again: {healed:.1f} s (the stage ready again "
+          f"{state['last_heal_s']} s after its death)")
+    assert healed <= 10, f"{healed:.1f} s from SIGKILL to serving again (target: 10 s)"
+
+
 def _assert_redeploy_changes_nothing(deployment: Deployment, *args: str, nodes: tuple[str, ...] = NODES,
                                      **more: object) -> None:
     pids = _pids(deployment, nodes)
@@ -123,6 +172,7 @@ def _assert_redeploy_changes_nothing(deployment: Deployment, *args: str, nodes: 
 
 
 def test_redeploy_changes_nothing(deployment: Deployment) -> None:
+    """After the healed crash of test_a_killed_stage_is_restarted_...: nothing to do."""
     _deployed(deployment)
     _assert_redeploy_changes_nothing(deployment)
 
@@ -137,6 +187,8 @@ def test_status_reports_role_pid_port_and_health(deployment: Deployment) -> None
         line = next((ln for ln in result.output.splitlines() if f" {node} " in f" {ln.strip(' -')} "), "")
         assert role in line and pid in line and f"{address}:{deployment.http_port}" in line, result.output[-3000:]
         assert str(deployment.cluster_port) in line and "200 " in line, line
+        # the restarts column: the stage killed above was restarted once by its supervisor
+        assert line.rstrip().endswith(" 1 (signal SIGKILL)" if node == "stage-1" else " 0"), line
 
 
 def test_secret_is_0600_everywhere_and_never_leaks(deployment: Deployment) -> None:
@@ -256,19 +308,32 @@ def test_pp_auto_redeploy_changes_nothing(deployment: Deployment) -> None:
 def test_pp_auto_a_dead_peer_restarts_the_whole_cluster(deployment: Deployment) -> None:
     _pp_auto(deployment)
     pids = _pids(deployment)
-    os.kill(int(pids["stage-1"]), signal.SIGKILL)  # a crash: restarted alone it would wait for an assignment forever
-    deadline = time.monotonic() + 10
-    while int(pids["stage-1"]) in deployment.pids() and time.monotonic() < deadline:
-        time.sleep(0.1)
+    os.kill(int(pids["stage-1"]), signal.SIGKILL)  # a crash: its supervisor restarts it, as a peer waiting for an offer
+    health = f"http://{HOSTS['stage-1']}:{deployment.http_port}/health"
+    deadline = time.monotonic() + 60
+    while not _answers_waiting(health) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert (deployment.home("stage-1") / "node.pid").read_text() != pids["stage-1"]
     result = deployment.run("deploy.yml", **PP_AUTO)
     assert result.rc == 0, result.output[-4000:]
-    assert "local-stage-1 (not running)" in " ".join(result.output.split()), result.output[-4000:]
+    assert "local-stage-1 (/health answers 503)" in " ".join(result.output.split()), result.output[-4000:]
     assert all(pids[n] != p for n, p in _pids(deployment).items())  # the coordinator and stage-0 too
     assert _greedy_answer(deployment) == ANSWERS["toml"]
 
 
+def _answers_waiting(url: str) -> bool:
+    try:
+        urllib.request.urlopen(url, timeout=2)
+    except urllib.error.HTTPError as err:
+        return err.code == 503 and json.loads(err.read() or b"{}").get("status") == "waiting"
+    except OSError:
+        return False
+    return False
+
+
 def test_teardown_leaves_no_process(deployment: Deployment) -> None:
     assert deployment.pids(), "nothing to tear down: the deployment never started"
+    assert len(_supervisors(deployment)) == len(NODES)  # one supervisor per node, stopped with it
     result = deployment.run("teardown.yml")
     assert result.rc == 0, result.output[-4000:]
     assert deployment.pids() == []
