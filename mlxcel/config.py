@@ -88,6 +88,9 @@ DEFAULT_NODE_RESTART_BACKOFF_S = 0.5  # the first restart's delay; it doubles wi
 DEFAULT_NODE_RESTART_BACKOFF_MAX_S = 30.0  # the delay never grows past this
 DEFAULT_NODE_RESTART_LIMIT = 5  # restarts in a row, each run shorter than reset_s, before the supervisor gives up
 DEFAULT_NODE_RESTART_RESET_S = 60.0  # a run at least this long resets the delay and the count
+DEFAULT_NODE_RESTART_STANDBY = True  # keep a warm mlxcel-server (imports done, nothing read or bound) for the restart
+#: set by the supervisor on its standby: "<go fd>,<warm fd>" (mlxcel/commands/standby.py)
+ENV_NODE_STANDBY_FDS = "MLXCEL_NODE_STANDBY_FDS"
 
 # Stopping a server (SIGINT/SIGTERM): requests in flight may finish for this long, new ones are refused.
 # Keep it below the supervisor's stop grace (DEFAULT_NODE_STOP_GRACE_S), or the drain is cut by SIGKILL.

@@ -8,6 +8,7 @@ The node TOML's ``[restart]`` table (``mlxcel/node/spec.py``)::
     backoff_max_s = 30        # the delay never grows past this
     limit = 5                 # this many restarts in a row, each after a run shorter than reset_s: a crash loop
     reset_s = 60              # a run at least this long resets the delay and the count
+    standby = true            # keep a warm standby of an mlxcel-server node for its next restart
 
 Restarted (``on-failure``): a death by signal (SIGKILL, an OOM kill, SIGSEGV) and any exit status but
 0 and 2. Never restarted: 0, a clean stop (SIGTERM or SIGINT drains and exits 0, and so does a stage
@@ -17,6 +18,10 @@ would fail the same way). Exit 1 is restarted: the engine exits 1 for every erro
 within ``startup_s``, a port still held by a dying process) and some of which do not (a bad
 checkpoint); the crash-loop limit bounds the second kind. The same choice is rendered into the
 systemd unit (``RestartPreventExitStatus=2``, ``StartLimitBurst``), so both supervisors agree.
+
+``standby`` (``mlxcel node`` only; ``mlxcel/commands/standby.py``): while an ``mlxcel-server`` node
+serves, its supervisor keeps a second copy of its command line that has done its imports and waits;
+a restart hands over to it instead of starting from nothing.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ class RestartPolicy:
     backoff_max_s: float = defaults.DEFAULT_NODE_RESTART_BACKOFF_MAX_S
     limit: int = defaults.DEFAULT_NODE_RESTART_LIMIT
     reset_s: float = defaults.DEFAULT_NODE_RESTART_RESET_S
+    standby: bool = defaults.DEFAULT_NODE_RESTART_STANDBY
 
 
 def exit_cause(returncode: int) -> str:

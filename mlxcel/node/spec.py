@@ -41,7 +41,7 @@ from mlxcel.node.restart import POLICIES, RestartPolicy
 _KEYS = {"name", "command", "server", "directory", "match", "pidfile", "log", "inputs", "stop_grace_s", "environment",
          "ready", "restart"}
 _READY_KEYS = {"url", "timeout_s"}
-_RESTART_KEYS = {"policy", "backoff_s", "backoff_max_s", "limit", "reset_s"}
+_RESTART_KEYS = {"policy", "backoff_s", "backoff_max_s", "limit", "reset_s", "standby"}
 
 
 @dataclass(frozen=True)
@@ -178,12 +178,17 @@ def _restart(doc: dict[str, Any], path: Path) -> RestartPolicy:
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
         raise NodeSpecError(f"{path}: [restart] limit must be a positive integer, got {limit!r}")
 
+    standby = table.get("standby", defaults.DEFAULT_NODE_RESTART_STANDBY)
+    if not isinstance(standby, bool):
+        raise NodeSpecError(f"{path}: [restart] standby must be true or false, got {standby!r}")
+
     def seconds(key: str, default: float) -> float:
         return _seconds(table, key, path, f"[restart] {key}", default)
 
     return RestartPolicy(policy=policy, backoff_s=seconds("backoff_s", defaults.DEFAULT_NODE_RESTART_BACKOFF_S),
                          backoff_max_s=seconds("backoff_max_s", defaults.DEFAULT_NODE_RESTART_BACKOFF_MAX_S),
-                         limit=limit, reset_s=seconds("reset_s", defaults.DEFAULT_NODE_RESTART_RESET_S))
+                         limit=limit, reset_s=seconds("reset_s", defaults.DEFAULT_NODE_RESTART_RESET_S),
+                         standby=standby)
 
 
 def _url(ready: dict[str, Any], path: Path) -> str | None:

@@ -10,6 +10,8 @@ Written by ``mlxcel node supervise`` at every change, read by ``mlxcel node stat
      "last_exit": "2026-12-02T01:10:00Z",
      "last_heal_s": 4.2,              # from the last death to ready again, null before any
      "killed": false,                 # on stop: whether the node needed SIGKILL after the grace
+     "standby_pid": 4130,             # the warm standby for the next restart (null when none)
+     "standby_warm": true,            # whether it has done its imports
      "message": "..."}                # the last thing the supervisor logged about it
 
 ``starting``: the first run, not ready yet; ``running``: ready (or, with no readiness URL, alive);
@@ -43,6 +45,8 @@ class SupervisorState:
     last_exit: str | None = None
     last_heal_s: float | None = None
     killed: bool = False
+    standby_pid: int | None = None
+    standby_warm: bool = False
     message: str = ""
 
     def write(self, path: Path) -> None:

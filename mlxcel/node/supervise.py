@@ -11,6 +11,11 @@ log's last lines as it did without a supervisor.
 
 SIGTERM or SIGINT to the supervisor stops the node (SIGTERM to its session, SIGKILL after
 ``stop_grace_s``) and then the supervisor; ``mlxcel node stop`` does exactly that.
+
+Once an ``mlxcel-server`` node is ready, the supervisor also starts its standby (``[restart]
+standby``, on by default; ``mlxcel/commands/standby.py``): the same command line, which imports what
+a start needs and waits. A restart hands over to it (one byte on a pipe), so the restarted node skips
+its imports; a new standby follows once that node is ready. The standby ends with the supervisor.
 """
 
 from __future__ import annotations
@@ -30,6 +35,54 @@ WATCH_S = 0.05  # how often the supervisor looks at its child (its exit is seen 
 PROBE_EVERY_S = 0.2  # the readiness URL is probed this often until it first answers 200
 
 
+class Standby:
+    """A warm copy of the node's command line, waiting on a pipe (``spawn_standby``)."""
+
+    def __init__(self, spec: NodeSpec):
+        self.proc, self._go, self._warm_pipe = supervisor.spawn_standby(spec)
+        self.warm = False
+
+    def became_warm(self) -> bool:
+        """True once, when it reports its imports done."""
+        if self.warm:
+            return False
+        try:
+            self.warm = os.read(self._warm_pipe, 1) == b"w"
+        except BlockingIOError:
+            return False
+        return self.warm
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def activate(self) -> bool:
+        """Tell it to become the node; False when it cannot (it died)."""
+        try:
+            os.write(self._go, b"g")
+        except OSError:
+            return False
+        finally:
+            self._close()
+        return self.alive()
+
+    def discard(self) -> None:
+        """End it: a closed pipe makes it exit 0; SIGKILL if it does not within a second."""
+        self._close()
+        try:
+            self.proc.wait(1.0)
+        except subprocess.TimeoutExpired:
+            supervisor.signal_session(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def _close(self) -> None:
+        for fd in (self._go, self._warm_pipe):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._go = self._warm_pipe = -1
+
+
 class Supervisor:
     """The supervising loop of one node."""
 
@@ -39,12 +92,20 @@ class Supervisor:
         self.backoff = Backoff(spec.restart)
         self.state = SupervisorState(supervisor_pid=os.getpid())
         self.died_at: float | None = None  # monotonic time of the last death, until the node is ready again
+        self.standby: Standby | None = None
 
     def run(self) -> int:
         """Supervise until the node ends for good or the supervisor is told to stop; the exit status."""
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._stop)
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        try:
+            return self._supervise()
+        finally:
+            if self.standby is not None:
+                self.standby.discard()
+
+    def _supervise(self) -> int:
         first = True
         while not self.stopping:
             proc = self._spawn()
@@ -68,6 +129,15 @@ class Supervisor:
     # -- one run ----------------------------------------------------------------------------------------
 
     def _spawn(self) -> subprocess.Popen | None:
+        standby, self.standby = self.standby, None
+        if standby is not None and standby.activate():
+            supervisor.record_started(self.spec, standby.proc.pid)
+            self.state.pid, self.state.standby_pid, self.state.standby_warm = standby.proc.pid, None, False
+            self._record("starting", f"{self.spec.name} restarted (restart {self.state.restarts}) from its "
+                                     f"{'warm' if standby.warm else 'still warming'} standby, pid {standby.proc.pid}")
+            return standby.proc
+        if standby is not None:
+            standby.discard()
         try:
             proc = supervisor.spawn_node(self.spec)
         except OSError as exc:
@@ -87,6 +157,7 @@ class Supervisor:
             returncode = proc.poll()
             if returncode is not None:
                 return returncode, ready
+            self._watch_standby()
             if not ready and time.monotonic() >= next_probe:
                 ready = supervisor.probe(self.spec.ready_url)[0] == 200
                 next_probe = time.monotonic() + PROBE_EVERY_S
@@ -95,7 +166,32 @@ class Supervisor:
             time.sleep(WATCH_S)
         return None, ready
 
+    def _watch_standby(self) -> None:
+        standby = self.standby
+        if standby is None:
+            return
+        if not standby.alive():
+            self.standby = None
+            self.state.standby_pid, self.state.standby_warm = None, False
+            self._record(self.state.state, f"{self.spec.name}: its standby ended "
+                                           f"({exit_cause(standby.proc.returncode)}); the next restart starts cold")
+            standby.discard()
+        elif standby.became_warm():
+            self.state.standby_warm = True
+            self._record(self.state.state, f"{self.spec.name}: standby pid {standby.proc.pid} warm", log=False)
+
+    def _start_standby(self) -> None:
+        if self.standby is not None or not supervisor.wants_standby(self.spec):
+            return
+        try:
+            self.standby = Standby(self.spec)
+        except OSError as exc:
+            self._record(self.state.state, f"{self.spec.name}: no standby ({exc.strerror or exc})")
+            return
+        self.state.standby_pid, self.state.standby_warm = self.standby.proc.pid, False
+
     def _ready(self) -> None:
+        self._start_standby()
         if self.died_at is None:
             self._record("running", f"{self.spec.name} ready, pid {self.state.pid}", log=False)
             return

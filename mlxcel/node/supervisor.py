@@ -30,6 +30,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Iterator
 
+from mlxcel.config import ENV_NODE_STANDBY_FDS
 from mlxcel.node.spec import NodeSpec
 from mlxcel.node.state import FINAL, read_state
 
@@ -52,9 +53,18 @@ def running_pid(spec: NodeSpec) -> int | None:
     if pid is not None and _has(_settled_command_line(pid) or "", spec.match):
         return pid
     for pid, command in _processes():
-        if _has(command, spec.match) and _has(command, spec.command[0]) and pid != os.getpid():
+        if _has(command, spec.match) and _has(command, spec.command[0]) and pid != os.getpid() \
+                and not _is_standby(pid):
             return pid
     return None
+
+
+def _is_standby(pid: int) -> bool:
+    """A supervisor's standby has the node's command line: told apart by its environment (Linux; else never)."""
+    try:
+        return f"{ENV_NODE_STANDBY_FDS}=".encode() in Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return False
 
 
 def _has(command: str, words: str) -> bool:
@@ -149,15 +159,49 @@ def changed_inputs(spec: NodeSpec) -> list[str]:
 
 def spawn_node(spec: NodeSpec) -> subprocess.Popen:
     """Run the node's command in a session of its own, output appended to the log; record its pid and inputs."""
+    proc = _popen_node(spec, {})
+    record_started(spec, proc.pid)
+    return proc
+
+
+def record_started(spec: NodeSpec, pid: int) -> None:
+    """``pid`` is the node now: the pidfile, and the inputs it reads as they are."""
+    _write_atomically(spec.inputs_file, json.dumps(input_digests(spec)) + "\n")
+    _write_atomically(spec.pidfile, f"{pid}\n")
+
+
+def wants_standby(spec: NodeSpec) -> bool:
+    """A warm standby serves only an mlxcel server (``mlxcel-server ...`` or ``mlxcel serve ...``) that restarts."""
+    program = os.path.basename(spec.command[0])
+    server = program == "mlxcel-server" or (program == "mlxcel" and spec.command[1:2] == ("serve",))
+    return server and spec.restart.standby and spec.restart.policy == "on-failure"
+
+
+def spawn_standby(spec: NodeSpec) -> tuple[subprocess.Popen, int, int]:
+    """The node's command as a standby (``mlxcel/commands/standby.py``): the process, the write end of its
+    go pipe and the (non-blocking) read end of its warm pipe."""
+    go_r, go_w = os.pipe()
+    warm_r, warm_w = os.pipe()
+    try:
+        proc = _popen_node(spec, {ENV_NODE_STANDBY_FDS: f"{go_r},{warm_w}"}, pass_fds=(go_r, warm_w))
+    except OSError:
+        for fd in (go_w, warm_r):
+            os.close(fd)
+        raise
+    finally:
+        os.close(go_r)
+        os.close(warm_w)
+    os.set_blocking(warm_r, False)
+    return proc, go_w, warm_r
+
+
+def _popen_node(spec: NodeSpec, env: dict[str, str], pass_fds: tuple[int, ...] = ()) -> subprocess.Popen:
     spec.pidfile.parent.mkdir(parents=True, exist_ok=True)
     spec.log.parent.mkdir(parents=True, exist_ok=True)
     with open(spec.log, "ab") as log:
-        proc = subprocess.Popen(list(spec.command), cwd=spec.directory, env={**os.environ, **spec.environment},
+        return subprocess.Popen(list(spec.command), cwd=spec.directory, env={**os.environ, **spec.environment, **env},
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True, close_fds=True)
-    _write_atomically(spec.inputs_file, json.dumps(input_digests(spec)) + "\n")
-    _write_atomically(spec.pidfile, f"{proc.pid}\n")
-    return proc
+                                start_new_session=True, close_fds=True, pass_fds=pass_fds)
 
 
 def supervisor_command(spec: NodeSpec) -> list[str]:
@@ -314,10 +358,12 @@ def supervision(spec: NodeSpec) -> dict:
     sup = supervisor_pid(spec)
     if recorded is None:
         return {"pid": sup, "state": None, "restarts": 0, "last_cause": None, "last_exit": None,
-                "last_heal_s": None, "message": ""}
+                "last_heal_s": None, "standby_pid": None, "standby_warm": False, "message": ""}
     state = recorded.state if sup is not None or recorded.state in FINAL else "gone"  # killed with SIGKILL
+    standby = recorded.standby_pid if sup is not None else None
     return {"pid": sup, "state": state, "restarts": recorded.restarts, "last_cause": recorded.last_cause,
-            "last_exit": recorded.last_exit, "last_heal_s": recorded.last_heal_s, "message": recorded.message}
+            "last_exit": recorded.last_exit, "last_heal_s": recorded.last_heal_s, "standby_pid": standby,
+            "standby_warm": bool(standby and recorded.standby_warm), "message": recorded.message}
 
 
 def status(spec: NodeSpec) -> dict:

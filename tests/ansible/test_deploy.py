@@ -1,12 +1,14 @@
 """deploy.yml / status.yml / teardown.yml on the loopback inventory: 3 real processes on 127.0.0.2-4.
 
-The tests run in file order on one deployment: deploy, chat, redeploy (changed=0), status, secrets,
+The tests run in file order on one deployment: deploy, chat,
+a SIGKILLed stage restarted by its supervisor, redeploy (changed=0), status with the restart, secrets,
 secret rotation, bench (all with the rendered TOML), then the same hosts brought up again with
 mlxcel_bringup=pp_auto (--pp-auto / --pp-peer): the same answer, status with each peer's assignment,
-redeploy (changed=0), a dead peer restarting the whole cluster; then teardown. Then the same three
-addresses as a disaggregated cluster (mlxcel_topology disagg: router, prefill, decode) with the API key
-on the router: the start order, the pipeline's greedy answer through the router, redeploy (changed=0),
-status, teardown. The API key and TLS of a pipeline are tested on the namespace cluster (test_netns.py),
+redeploy (changed=0), a dead peer restarting the whole cluster; then teardown (supervisors included). Then the same three
+addresses and a fourth as a disaggregated cluster (mlxcel_topology disagg: router, prefill, two decode
+nodes) with the API key on the router: the start order, the pipeline's greedy answer through the router,
+redeploy (changed=0), status, a rolling restart of the decode nodes under load (no request fails),
+teardown. The API key and TLS of a pipeline are tested on the namespace cluster (test_netns.py),
 where the OpenAI port is off loopback.
 """
 
@@ -18,6 +20,7 @@ import re
 import signal
 import stat
 import subprocess
+import threading
 import time
 import tomllib
 import urllib.error
@@ -28,7 +31,7 @@ import pytest
 
 from mlxcel.topology.cluster_config import load_cluster_config
 
-from tests.ansible.playbook import HOSTS, REPO, Deployment, free_port
+from tests.ansible.playbook import HOSTS, REPO, SPARE_ADDRESS, Deployment, free_port
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.proc]
 NODES = tuple(HOSTS)
@@ -346,13 +349,14 @@ def test_teardown_leaves_no_process(deployment: Deployment) -> None:
 # -- the same three addresses as a disaggregated cluster (mlxcel_topology disagg) --------------------------------
 
 DISAGG = {"router": ("router", HOSTS["coordinator"]), "prefill-0": ("prefill", HOSTS["stage-0"]),
-          "decode-0": ("decode", HOSTS["stage-1"])}
+          "decode-0": ("decode", HOSTS["stage-1"]), "decode-1": ("decode", SPARE_ADDRESS)}
 DISAGG_NODES = tuple(DISAGG)
 
 
 @pytest.fixture(scope="module")
 def disagg(deployment: Deployment, tmp_path_factory: pytest.TempPathFactory):
-    """The inventory: router, prefill and decode groups on 127.0.0.2-4 with the API key on; torn down at the end."""
+    """The inventory: a router, a prefill node and two decode nodes on 127.0.0.2-5 with the API key on; torn down at
+    the end."""
     hosts = {role: {"hosts": {f"local-{node}": {"ansible_host": address, "mlxcel_node_id": node}}}
              for node, (role, address) in DISAGG.items()}
     inventory = {"mlxcel_cluster": {
@@ -400,14 +404,14 @@ def test_disagg_deploy_starts_decode_then_prefill_then_router(deployment: Deploy
         # the OpenAI API, its key and TLS are the router's; prefill and decode nodes serve /health only
         assert ("--api-key-file" in argv) == (role == "router") == (home / "api.key").exists()
         # the prefill and decode nodes share this machine's cores; the router holds no layers
-        assert _flag(argv, "--threads") == ("1" if role == "router" else _layer_threads(2))
+        assert _flag(argv, "--threads") == ("1" if role == "router" else _layer_threads(3))
         config = load_cluster_config(home / "cluster.toml")
         assert [(n.id, n.role, str(n.address)) for n in config.disagg] == [
             (n, r, f"{a}:{deployment.cluster_port}") for n, (r, a) in DISAGG.items()]
         environ = open(f"/proc/{pid}/environ", "rb").read().decode(errors="replace").split("\0")
         allowlist = [e for e in environ if e.startswith("MLXCEL_DECODE_ALLOWLIST=")]
-        assert allowlist == ([f"MLXCEL_DECODE_ALLOWLIST={HOSTS['stage-1']}:{deployment.cluster_port}"]
-                             if role == "prefill" else []), allowlist
+        decodes = ",".join(f"{a}:{deployment.cluster_port}" for r, a in DISAGG.values() if r == "decode")
+        assert allowlist == ([f"MLXCEL_DECODE_ALLOWLIST={decodes}"] if role == "prefill" else []), allowlist
         assert key not in (home / "node.toml").read_text() + (home / "node.log").read_text()
     print(f"disaggregated deploy: {result.seconds:.1f} s")
 
@@ -438,8 +442,72 @@ def test_disagg_status_reports_each_role_and_health(deployment: Deployment, disa
             for node, (role, address) in DISAGG.items()}
     assert all(rows.values()), result.output[-3000:]
     # a ready router shows no detail; a prefill or decode node its sequences in progress
-    assert [rows[n][1] for n in DISAGG_NODES] == ["-", "sequences 0", "sequences 0"], result.output[-3000:]
+    assert [rows[n][1] for n in DISAGG_NODES] == ["-"] + ["sequences 0"] * 3, result.output[-3000:]
     assert [rows[n].start() for n in DISAGG_NODES] == sorted(rows[n].start() for n in DISAGG_NODES)  # TOML order
+
+
+def test_disagg_rolling_restart_of_the_decode_nodes_under_load_fails_nothing(deployment: Deployment,
+                                                                            disagg: str) -> None:
+    """rolling_restart.yml on the decode nodes while two clients stream: each is drained (the router sends it
+    nothing new, what it holds finishes), restarted and used again before the next; no request fails."""
+    _disagg_deployed(deployment)
+    key = _api_key(deployment)
+    expected = _greedy_answer(deployment, api_key=key)
+    decodes = ("decode-0", "decode-1")
+    pids = _pids(deployment, decodes)
+    others = _pids(deployment, ("router", "prefill-0"))
+    load = _Load(deployment, key, streams=2)
+    load.start()
+    try:
+        wait_until = time.monotonic() + 60
+        while load.completed < 2 and time.monotonic() < wait_until:  # the load runs before the first drain
+            time.sleep(0.1)
+        result = deployment.run("rolling_restart.yml", inventory=disagg, mlxcel_node_rolling_roles=["decode"],
+                                timeout=500)
+        done_during = load.completed
+    finally:
+        load.stop()
+    assert result.rc == 0, result.output[-4000:]
+    assert all(pids[n] != p for n, p in _pids(deployment, decodes).items())  # both restarted
+    assert _pids(deployment, ("router", "prefill-0")) == others  # the roles not rolled are left alone
+    text = " ".join(result.output.split())
+    assert text.find("local-decode-0") < text.find("local-decode-1"), result.output[-3000:]  # one at a time
+    print(f"rolling restart of 2 decode nodes: {result.seconds:.1f} s; {load.completed} requests completed "
+          f"({done_during} by its end), {len(load.failures)} failed")
+    assert load.failures == [], load.failures[:5]
+    assert done_during >= 4 and set(load.answers) == {expected}, (done_during, set(load.answers))
+
+
+class _Load:
+    """``streams`` clients, each streaming one greedy chat completion after another until stopped."""
+
+    def __init__(self, deployment: Deployment, key: str, streams: int):
+        self.client = openai.OpenAI(base_url=f"{deployment.url}/v1", api_key=key, max_retries=0, timeout=120)
+        self.model = self.client.models.list().data[0].id
+        self.streams, self.stopping = streams, False
+        self.completed, self.failures, self.answers = 0, [], []  # type: ignore[var-annotated]
+        self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(streams)]
+
+    def start(self) -> None:
+        for thread in self.threads:
+            thread.start()
+
+    def stop(self) -> None:
+        self.stopping = True
+        for thread in self.threads:
+            thread.join(timeout=120)
+
+    def _run(self) -> None:
+        while not self.stopping:
+            try:
+                stream = self.client.chat.completions.create(
+                    model=self.model, max_tokens=12, temperature=0, stream=True,
+                    messages=[{"role": "user", "content": "Name three colours."}])
+                text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+                self.answers.append(text)
+                self.completed += 1
+            except Exception as exc:  # noqa: BLE001 - every failure counts
+                self.failures.append(f"{type(exc).__name__}: {exc}")
 
 
 def test_disagg_teardown_leaves_no_process(deployment: Deployment, disagg: str) -> None:

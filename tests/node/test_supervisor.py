@@ -352,3 +352,30 @@ def test_a_node_running_without_its_supervisor_is_restarted_under_one(home: Path
     assert again["pid"] != first["pid"] and not alive(first["pid"])
     assert supervisor.supervisor_pid(spec) is not None
     supervisor.stop(spec)
+
+
+def test_a_restart_hands_over_to_the_warm_standby(home: Path) -> None:
+    """An mlxcel-server node gets a standby (its command line, imports done, waiting on a pipe) once it is ready;
+    a restart makes that process the node, and a new standby follows."""
+    program = home / "mlxcel-server"  # the real standby protocol, with one module to warm
+    program.write_text(f"#!{sys.executable}\nimport mlxcel.commands.standby as standby\n"
+                       "standby.WARM_MODULES = ('json',)\nstandby.wait_if_standby()\n" + CHILD)
+    program.chmod(0o755)
+    path = write_supervised_spec(home)
+    text = path.read_text().replace(json.dumps(sys.executable) + ', "-c", ' + json.dumps(CHILD), json.dumps(str(program)))
+    assert text != path.read_text()
+    path.write_text(text)
+    spec = load_node_spec(path)
+    first = supervisor.start(spec)
+    sup = wait_for(lambda: (s := supervisor.status(spec)["supervisor"])["standby_warm"] and s)
+    standby = sup["standby_pid"]
+    assert alive(standby) and supervisor.running_pid(spec) == first["pid"]  # the standby is not the node
+    spec.pidfile.unlink()
+    assert supervisor.running_pid(spec) == first["pid"]  # nor found as the node by its command line
+    os.kill(first["pid"], signal.SIGKILL)
+    status = wait_for(lambda: (s := supervisor.status(spec))["http_status"] == 200 and s["pid"] == standby and s)
+    assert status["restarts"] == 1 and "from its warm standby" in spec.log.read_text()
+    after = wait_for(lambda: (s := supervisor.status(spec)["supervisor"])["standby_warm"] and s)
+    assert after["standby_pid"] not in (None, standby)
+    supervisor.stop(spec)
+    assert not alive(after["standby_pid"]) and _pids_naming(str(home)) == []
