@@ -357,8 +357,10 @@ DISAGG_NODES = tuple(DISAGG)
 def disagg(deployment: Deployment, tmp_path_factory: pytest.TempPathFactory):
     """The inventory: a router, a prefill node and two decode nodes on 127.0.0.2-5 with the API key on; torn down at
     the end."""
-    hosts = {role: {"hosts": {f"local-{node}": {"ansible_host": address, "mlxcel_node_id": node}}}
-             for node, (role, address) in DISAGG.items()}
+    hosts: dict[str, dict] = {}
+    for node, (role, address) in DISAGG.items():
+        group = hosts.setdefault(role, {"hosts": {}})
+        group["hosts"][f"local-{node}"] = {"ansible_host": address, "mlxcel_node_id": node}
     inventory = {"mlxcel_cluster": {
         "vars": {"mlxcel_topology": "disagg", "mlxcel_api_key_enabled": True, "ansible_connection": "local",
                  "ansible_python_interpreter": "{{ ansible_playbook_python }}",
