@@ -118,7 +118,10 @@ class Supervisor:
             ran = time.monotonic() - began
             self.spec.pidfile.unlink(missing_ok=True)
             if not self._restart_after(returncode, ran, first_and_never_ready=first and not ready):
-                return 0 if self.stopping or returncode == 0 else 1
+                if self.stopping:  # told to stop during the backoff
+                    self._record("stopped", f"{self.spec.name} not restarted: its supervisor was told to stop")
+                    return 0
+                return 0 if returncode == 0 else 1
             first = False
         self._record("stopped", f"{self.spec.name} not restarted: its supervisor was told to stop")
         return 0

@@ -83,7 +83,7 @@ class Deployment:
                 "mlxcel_cluster_port": self.cluster_port, "mlxcel_node_health_timeout_s": 90,
                 **self.extra, **more}
 
-    def run(self, playbook: str, *args: str, inventory: str = "inventory", timeout: float = 240,
+    def run(self, playbook: str, *args: str, inventory: str = "inventory", timeout: float = 480,
             **more: object) -> Result:
         """ansible-playbook PLAYBOOK -i INVENTORY -e <this deployment's variables> ARGS, from the repository root."""
         cmd = [str(ANSIBLE_PLAYBOOK), playbook, "-i", inventory, "-e", json.dumps(self.variables(**more)), *args]

@@ -379,3 +379,16 @@ def test_a_restart_hands_over_to_the_warm_standby(home: Path) -> None:
     assert after["standby_pid"] not in (None, standby)
     supervisor.stop(spec)
     assert not alive(after["standby_pid"]) and _pids_naming(str(home)) == []
+
+
+def test_stop_during_a_restart_backoff_leaves_no_process(home: Path) -> None:
+    slow = {"restart": {"backoff_s": 30, "limit": 3, "standby": False}}
+    spec = load_node_spec(write_supervised_spec(home, restart=slow))
+    first = supervisor.start(spec)
+    os.kill(first["pid"], signal.SIGKILL)
+    wait_for(lambda: supervisor.status(spec)["supervisor"]["state"] == "restarting")
+    assert supervisor.launch(spec)["msg"] == "test-node is being restarted by its supervisor"  # no second copy
+    began = time.monotonic()
+    stopped = supervisor.stop(spec)
+    assert stopped["changed"] and time.monotonic() - began < 5, stopped
+    assert supervisor.status(spec)["supervisor"]["state"] == "stopped" and _pids_naming(str(home)) == []
