@@ -4,8 +4,9 @@ No operator action: the node's supervisor (``mlxcel node supervise``) restarts i
 standby when it has one, and the front end (coordinator or router) takes it back at its next probe.
 Each run waits until the supervisor reports the node running (and, unless ``--cold``, its standby
 warm), kills the node's process, then sends a chat request (4 tokens, no retries of its own) every
-100 ms until one completes. A row records: kill -> the node's ``/health`` 200 (``node_ready_s``,
-the supervisor's own ``last_heal_s``) and kill -> a completed request (``serving_s``).
+100 ms until one completes. A row records: kill -> the node's ``/health`` 200 (``node_ready_s``, as
+seen between requests, and the supervisor's own ``last_heal_s``), kill -> a completed request
+(``serving_s``) and every request (``attempts``: start after the kill, seconds, HTTP status).
 
     python -m bench.heal_bench --node .mlxcel/cluster/stage-1/node.toml --url http://127.0.0.2:8080 --runs 3
 
@@ -41,15 +42,21 @@ def wait_for(predicate, timeout_s: float, what: str):  # type: ignore[no-untyped
     raise SystemExit(f"heal_bench: {what} not within {timeout_s:g} s")
 
 
-def served(client: httpx.Client, url: str, model: str) -> bool:
+def served(client: httpx.Client, url: str, model: str, attempts: list | None = None, timeout_s: float = 30) -> bool:
+    """One chat request; ``attempts`` gets (start, seconds, HTTP status or the error's name)."""
     body = {"model": model, "max_tokens": 4, "temperature": 0, "messages": [{"role": "user", "content": "Hi"}]}
+    began = time.monotonic()
     try:
-        return client.post(f"{url}/v1/chat/completions", json=body, timeout=30).status_code == 200
-    except httpx.HTTPError:
-        return False
+        status: int | str = client.post(f"{url}/v1/chat/completions", json=body, timeout=timeout_s).status_code
+    except httpx.HTTPError as exc:
+        status = type(exc).__name__
+    if attempts is not None:
+        attempts.append((began, time.monotonic() - began, status))
+    return status == 200
 
 
-def one_run(spec, url: str, model: str, cold: bool, settle_s: float) -> dict:  # type: ignore[no-untyped-def]
+def one_run(spec, url: str, model: str, cold: bool, settle_s: float,  # type: ignore[no-untyped-def]
+            attempt_s: float) -> dict:
     def settled() -> dict | None:
         status = supervisor.status(spec)
         sup = status["supervisor"]
@@ -62,8 +69,8 @@ def one_run(spec, url: str, model: str, cold: bool, settle_s: float) -> dict:  #
         wait_for(lambda: served(client, url, model), 120, "the cluster serving before the kill")
         killed = time.monotonic()
         os.kill(before["pid"], signal.SIGKILL)
-        ready_at = None
-        while not served(client, url, model):
+        ready_at, attempts = None, []  # type: ignore[var-annotated]
+        while not served(client, url, model, attempts, attempt_s):
             if ready_at is None and supervisor.status(spec)["http_status"] == 200:
                 ready_at = time.monotonic()
             time.sleep(POLL_S)
@@ -72,7 +79,8 @@ def one_run(spec, url: str, model: str, cold: bool, settle_s: float) -> dict:  #
     return {"bench": "heal", "node": spec.name, "cold": cold, "serving_s": round(serving, 2),
             "node_ready_s": round((ready_at or time.monotonic()) - killed, 2),
             "last_heal_s": after["supervisor"]["last_heal_s"], "restarts": after["restarts"],
-            "from_standby": after["pid"] == before["supervisor"]["standby_pid"]}
+            "from_standby": after["pid"] == before["supervisor"]["standby_pid"],
+            "attempts": [[round(t - killed, 2), round(d, 2), code] for t, d, code in attempts]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--cold", action="store_true", help="do not wait for the standby (measure a cold restart)")
     p.add_argument("--settle", type=float, default=2.0, help="seconds to wait once settled, before the kill")
+    p.add_argument("--attempt-timeout", type=float, default=30.0,
+                   help="give up a request after this long and send the next (a request sent to the dead node "
+                        "waits for the coordinator's exchange deadline; a new one shows when the cluster serves)")
     p.add_argument("--out", default=None, help="append the rows (with the environment) to this JSONL file")
     args = p.parse_args(argv)
     spec = load_node_spec(args.node)
@@ -93,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     model = args.model or httpx.get(f"{args.url}/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
     rows = []
     for _ in range(args.runs):
-        row = one_run(spec, args.url, model, args.cold, args.settle)
+        row = one_run(spec, args.url, model, args.cold, args.settle, args.attempt_timeout)
         print(json.dumps(row), flush=True)
         rows.append(row)
     print(f"kill -> serving: median {statistics.median(r['serving_s'] for r in rows):.1f} s "

@@ -87,7 +87,9 @@ DEFAULT_NODE_RESTART_POLICY = "on-failure"  # or "never"
 DEFAULT_NODE_RESTART_BACKOFF_S = 0.5  # the first restart's delay; it doubles with each quick failure in a row
 DEFAULT_NODE_RESTART_BACKOFF_MAX_S = 30.0  # the delay never grows past this
 DEFAULT_NODE_RESTART_LIMIT = 5  # restarts in a row, each run shorter than reset_s, before the supervisor gives up
-DEFAULT_NODE_RESTART_RESET_S = 60.0  # a run at least this long resets the delay and the count
+# a run at least this long resets the delay and the count (systemd's StartLimitIntervalSec is 10 s by default too):
+# a node that dies on its own within seconds of its start is a crash loop; one killed every 20 s is not
+DEFAULT_NODE_RESTART_RESET_S = 10.0
 DEFAULT_NODE_RESTART_STANDBY = True  # keep a warm mlxcel-server (imports done, nothing read or bound) for the restart
 #: set by the supervisor on its standby: "<go fd>,<warm fd>" (mlxcel/commands/standby.py)
 ENV_NODE_STANDBY_FDS = "MLXCEL_NODE_STANDBY_FDS"

@@ -7,7 +7,7 @@ The node TOML's ``[restart]`` table (``mlxcel/node/spec.py``)::
     backoff_s = 0.5           # the first restart's delay; doubled with each quick failure in a row
     backoff_max_s = 30        # the delay never grows past this
     limit = 5                 # this many restarts in a row, each after a run shorter than reset_s: a crash loop
-    reset_s = 60              # a run at least this long resets the delay and the count
+    reset_s = 10              # a run at least this long resets the delay and the count
     standby = true            # keep a warm standby of an mlxcel-server node for its next restart
 
 Restarted (``on-failure``): a death by signal (SIGKILL, an OOM kill, SIGSEGV) and any exit status but

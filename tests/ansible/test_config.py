@@ -158,7 +158,7 @@ def test_systemd_unit_restarts_every_failure_but_a_usage_error(deployment: Deplo
         assert "Restart=on-failure" in text
         # only a usage error (exit 2) is final; exit 1 restarts, up to the crash-loop limit (the engine's defaults)
         assert "RestartPreventExitStatus=2\n" in text and "RestartPreventExitStatus=1" not in text, text
-        assert "RestartSec=0.5\n" in text and "StartLimitBurst=6\n" in text and "StartLimitIntervalSec=300\n" in text
+        assert "RestartSec=0.5\n" in text and "StartLimitBurst=6\n" in text and "StartLimitIntervalSec=50\n" in text
         flag = {"toml": "--distributed-config", "pp_auto": "--pp-auto 2" if node == "coordinator" else "--pp-peer"}
         assert f" {flag[bringup]} " in exec_start, exec_start
         legacy = json.loads((deployment.home(node) / "legacy-argv.json").read_text())
