@@ -241,6 +241,11 @@ def test_spec_defaults_and_relative_paths(tmp_path: Path) -> None:
     ("command = ['a']\n[ready]\nurl = 'localhost:80'\n", "url must be an http:// or https:// URL"),
     ("command = ['a']\n[ready]\ntimeout = 3\n", "unknown key(s) timeout in [ready]"),
     ("command = ['a'\n", "not valid TOML"),
+    ("command = ['a']\n[restart]\npolicy = 'always'\n", "[restart] policy must be one of on-failure, never"),
+    ("command = ['a']\n[restart]\nlimit = 0\n", "[restart] limit must be a positive integer"),
+    ("command = ['a']\n[restart]\nbackoff_s = -1\n", "[restart] backoff_s must be a positive number of seconds"),
+    ("command = ['a']\n[restart]\nstandby = 'yes'\n", "[restart] standby must be true or false"),
+    ("command = ['a']\n[restart]\nretries = 3\n", "unknown key(s) retries in [restart]"),
 ])
 def test_spec_errors_name_the_key(tmp_path: Path, body: str, message: str) -> None:
     (tmp_path / "n.toml").write_text(body)
