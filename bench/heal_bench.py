@@ -90,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None, help="model name (default: the first of /v1/models)")
     p.add_argument("--api-key-file", default=None)
     p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--cold", action="store_true", help="do not wait for the standby (measure a cold restart)")
+    p.add_argument("--cold", action="store_true",
+                   help="do not wait for a warm standby (a cluster deployed with mlxcel_node_restart standby false)")
     p.add_argument("--settle", type=float, default=2.0, help="seconds to wait once settled, before the kill")
     p.add_argument("--attempt-timeout", type=float, default=30.0,
                    help="give up a request after this long and send the next (a request sent to the dead node "

@@ -1,4 +1,4 @@
-"""``mlxcel node start|stop|restart|status|wait|show|supervise --config FILE``: one node described by a node TOML.
+"""``mlxcel node start|stop|restart|status|wait|drain|show|supervise --config FILE``: one node (a node TOML).
 
 Every command but ``supervise`` prints one JSON object on stdout (the Ansible role parses it): ``changed``
 says whether a process was started or stopped, ``failed`` marks a failure. Exit status: 0 done (``status``
