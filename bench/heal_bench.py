@@ -56,7 +56,7 @@ def served(client: httpx.Client, url: str, model: str, attempts: list | None = N
 
 
 def one_run(spec, url: str, model: str, cold: bool, settle_s: float,  # type: ignore[no-untyped-def]
-            attempt_s: float) -> dict:
+            attempt_s: float, headers: dict[str, str]) -> dict:
     def settled() -> dict | None:
         status = supervisor.status(spec)
         sup = status["supervisor"]
@@ -65,7 +65,7 @@ def one_run(spec, url: str, model: str, cold: bool, settle_s: float,  # type: ig
 
     before = wait_for(settled, 300, "the node running (with its standby warm)")
     time.sleep(settle_s)
-    with httpx.Client() as client:
+    with httpx.Client(headers=headers) as client:
         wait_for(lambda: served(client, url, model), 120, "the cluster serving before the kill")
         killed = time.monotonic()
         os.kill(before["pid"], signal.SIGKILL)
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     model = args.model or httpx.get(f"{args.url}/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
     rows = []
     for _ in range(args.runs):
-        row = one_run(spec, args.url, model, args.cold, args.settle, args.attempt_timeout)
+        row = one_run(spec, args.url, model, args.cold, args.settle, args.attempt_timeout, headers)
         print(json.dumps(row), flush=True)
         rows.append(row)
     print(f"kill -> serving: median {statistics.median(r['serving_s'] for r in rows):.1f} s "
