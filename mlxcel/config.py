@@ -104,6 +104,17 @@ def resume_seconds(text: str) -> float:
 # Node supervisor (``mlxcel node``, the pidfile mode of the Ansible role)
 DEFAULT_NODE_READY_TIMEOUT_S = 180.0  # a (re)started node loads its checkpoint before its readiness URL says 200
 DEFAULT_NODE_STOP_GRACE_S = 10.0  # SIGTERM, then SIGKILL after this long
+# restarts of a node that died (``mlxcel node supervise``; the node TOML's [restart]; docs/deploy.md "Supervision")
+DEFAULT_NODE_RESTART_POLICY = "on-failure"  # or "never"
+DEFAULT_NODE_RESTART_BACKOFF_S = 0.5  # the first restart's delay; it doubles with each quick failure in a row
+DEFAULT_NODE_RESTART_BACKOFF_MAX_S = 30.0  # the delay never grows past this
+DEFAULT_NODE_RESTART_LIMIT = 5  # restarts in a row, each run shorter than reset_s, before the supervisor gives up
+# a run at least this long resets the delay and the count (systemd's StartLimitIntervalSec is 10 s by default too):
+# a node that dies on its own within seconds of its start is a crash loop; one killed every 20 s is not
+DEFAULT_NODE_RESTART_RESET_S = 10.0
+DEFAULT_NODE_RESTART_STANDBY = True  # keep a warm mlxcel-server (imports done, nothing read or bound) for the restart
+#: set by the supervisor on its standby: "<go fd>,<warm fd>" (mlxcel/commands/standby.py)
+ENV_NODE_STANDBY_FDS = "MLXCEL_NODE_STANDBY_FDS"
 
 # Stopping a server (SIGINT/SIGTERM): requests in flight may finish for this long, new ones are refused.
 # Keep it below the supervisor's stop grace (DEFAULT_NODE_STOP_GRACE_S), or the drain is cut by SIGKILL.

@@ -2,10 +2,16 @@
 
 Loading -> ready (its service serving) | failed: 503 until ready, 200 after. Neutral ground like
 ``mlxcel.process``: the stage, prefill and decode roles build on it; it imports no role.
+
+SIGUSR1 drains the node (``mlxcel node drain``; docs/deploy.md, "Rolling restart"): its service's
+``draining`` becomes true, now or as soon as it serves. A draining stage refuses new sequences (as
+after BEGIN_DRAIN); a draining prefill or decode node says so in its STATE answer and ``/health``, and
+routers send it no new request, while what it holds finishes. Only a restart ends draining.
 """
 
 from __future__ import annotations
 
+import signal
 import sys
 import threading
 import time
@@ -24,10 +30,20 @@ class LoadingProcess:
         self.state = "loading"
         self.error: str | None = None
         self.service: Any = None
+        self.drain_requested = False
 
     def _ready(self, service: Any) -> None:
         self.service = service
         self.state = "ready"
+        if self.drain_requested:
+            self.drain()
+
+    def drain(self) -> None:
+        """Accept no new work from now on (the service, once it serves); what it holds finishes."""
+        self.drain_requested = True
+        if self.service is not None and not self.service.draining:
+            self.service.draining = True
+            print("mlxcel: draining (SIGUSR1): no new work; what is in flight finishes", file=sys.stderr, flush=True)
 
     def _fail(self, message: str, on_fatal: Callable[[str], None]) -> None:
         self.state, self.error = "failed", message
@@ -74,6 +90,7 @@ def serve_loading(endpoint: Endpoint, process: LoadingProcess, title: str, load:
     """Serve /health, run ``load(switch)`` on a thread, print ``banner`` and the health URL; the exit code."""
     switch = ExitSwitch()
     server = http_server(health_app(process, title), switch, endpoint)
+    signal.signal(signal.SIGUSR1, lambda signum, frame: process.drain())
     threading.Thread(target=load, args=(switch,), name=thread_name, daemon=True).start()
     host, port = endpoint.address
     print(f"{banner}, health on http://{host}:{port}/health", file=sys.stderr, flush=True)

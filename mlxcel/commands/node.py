@@ -1,15 +1,18 @@
-"""``mlxcel node start|stop|restart|status|wait|show --config FILE``: supervise one node described by a node TOML.
+"""``mlxcel node start|stop|restart|status|wait|drain|show|supervise --config FILE``: one node (a node TOML).
 
-Every command prints one JSON object on stdout (the Ansible role parses it): ``changed`` says whether
-a process was started or stopped, ``failed`` marks a failure. Exit status: 0 done (``status`` always,
-running or not); 1 the node failed to start or get ready (the message ends with the log's last lines),
-or the TOML is invalid (one line on stderr); 2 usage.
+Every command but ``supervise`` prints one JSON object on stdout (the Ansible role parses it): ``changed``
+says whether a process was started or stopped, ``failed`` marks a failure. Exit status: 0 done (``status``
+always, running or not); 1 the node failed to start or get ready (the message ends with the log's last
+lines), or the TOML is invalid (one line on stderr); 2 usage. ``supervise`` is the supervising process
+that ``start`` runs in the background (``mlxcel/node/supervise.py``): it logs to its stdout and exits 0
+when stopped or when the node ended cleanly, 1 when it gave up.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 from mlxcel.config import seconds
@@ -30,7 +33,9 @@ def add_node_parser(sub: argparse._SubParsersAction) -> None:
         "restart": "stop if running, start, wait until ready",
         "status": "pid and what the readiness URL answers (exit 0 running or not)",
         "wait": "wait until the running node is ready (exit 1 if it exits or the timeout passes); starts nothing",
+        "drain": "a stage, prefill or decode node takes no new work (SIGUSR1); what it holds finishes",
         "show": "the resolved node TOML and its inputs fingerprint",
+        "supervise": "run the node as a child and restart it when it dies (what start runs in the background)",
     }
     for action, text in helps.items():
         p = actions.add_parser(action, help=text)
@@ -49,7 +54,7 @@ def describe(spec: NodeSpec) -> dict:
             "match": spec.match, "pidfile": str(spec.pidfile), "log": str(spec.log),
             "inputs": [str(p) for p in spec.inputs], "environment": spec.environment,
             "ready": {"url": spec.ready_url, "timeout_s": spec.ready_timeout_s}, "stop_grace_s": spec.stop_grace_s,
-            "fingerprint": supervisor.fingerprint(spec)}
+            "restart": asdict(spec.restart), "fingerprint": supervisor.fingerprint(spec)}
 
 
 def run_node(args: argparse.Namespace) -> int:
@@ -58,6 +63,10 @@ def run_node(args: argparse.Namespace) -> int:
     except NodeSpecError as exc:
         raise CLIError(str(exc)) from None
     action = args.node_command
+    if action == "supervise":
+        from mlxcel.node.supervise import supervise
+
+        return supervise(spec)
     if action == "start":
         result = supervisor.start(spec, wait=args.wait, timeout_s=args.timeout)
     elif action == "restart":
@@ -68,6 +77,8 @@ def run_node(args: argparse.Namespace) -> int:
         result = supervisor.status(spec)
     elif action == "wait":
         result = supervisor.wait_ready(spec, args.timeout)
+    elif action == "drain":
+        result = supervisor.drain(spec)
     else:
         result = describe(spec)
     print(json.dumps(result), flush=True)

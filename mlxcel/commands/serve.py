@@ -236,10 +236,12 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
 def run_server(args: argparse.Namespace) -> int:
     """Configure, bind, run the role; returns only for preflight errors (raised), else exits the process."""
     from mlxcel.blas import blas_in_use
+    from mlxcel.commands.standby import wait_if_standby
     from mlxcel.process import Endpoint, bind_socket, exit_process
     from mlxcel.roles import ROLES
     from mlxcel.server.access import prepare_access
 
+    wait_if_standby()  # a supervisor's warm standby waits here until it is to become the node
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = serve_config(args)
     role = ROLES[config.role]

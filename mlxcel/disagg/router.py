@@ -173,7 +173,7 @@ class RouterEngine:
                 "router_in_flight": float(len(self._by_rid))}
 
     def health(self) -> dict[str, Any]:
-        up = {role: [self.nodes[p].id for p in peers if self.monitor.is_up(p)] for role, peers in self._peers.items()}
+        up = {role: [self.nodes[p].id for p in peers if self._usable(p)] for role, peers in self._peers.items()}
         ok = bool(up["prefill"]) and bool(up["decode"])
         return {"status": "ok" if ok else "degraded", "prefill_up": len(up["prefill"]), "decode_up": len(up["decode"])}
 
@@ -188,7 +188,8 @@ class RouterEngine:
             nodes = []
             for peer, info in self.nodes.items():
                 status = self.monitor.status[peer]
-                entry: dict[str, Any] = {"id": info.id, "role": info.role, "status": "up" if status.up else "down",
+                shown = ("draining" if status.state.get("draining") else "up") if status.up else "down"
+                entry: dict[str, Any] = {"id": info.id, "role": info.role, "status": shown,
                                          "dispatched": info.dispatched, "completed": info.completed,
                                          "failures": info.failures, "in_flight": in_flight.get(peer, 0)}
                 if verbose:
@@ -204,8 +205,13 @@ class RouterEngine:
 
     # -- dispatching ------------------------------------------------------------------------------------
 
+    def _usable(self, peer: PeerId) -> bool:
+        """Up and not draining (a draining node, ``mlxcel node drain``, finishes what it holds but gets nothing new)."""
+        status = self.monitor.status[peer]
+        return status.up and not status.state.get("draining")
+
     def _pick(self) -> tuple[PeerId, PeerId]:
-        route = self.policy.pick(self.monitor.is_up)
+        route = self.policy.pick(self._usable)
         if isinstance(route, NoneUp):
             raise self._unavailable(route)
         return route.prefill, route.decode
@@ -214,7 +220,7 @@ class RouterEngine:
         """Count a request no node can take and say which nodes are down."""
         self.counters["unavailable"] += 1
         ids = ", ".join(self.nodes[p].id for p in self._peers[none.role])
-        return EngineUnavailable(f"no {none.role} node is up ({ids} down); retry later")
+        return EngineUnavailable(f"no {none.role} node is up ({ids} down or draining); retry later")
 
     def _dispatch(self, routed: Routed, prefill: PeerId, decode: PeerId) -> None:
         """Open the exchange of a new attempt and send GENERATE (under the lock)."""
@@ -259,7 +265,7 @@ class RouterEngine:
                 if peer is not None:
                     self.nodes[peer].failures += 1
             decision = self.policy.after_failure(code, attempts=routed.attempts, emitted=routed.emitted,
-                                                 closing=self.exchanges.closing, is_up=self.monitor.is_up)
+                                                 closing=self.exchanges.closing, is_up=self._usable)
             if isinstance(decision, Route):
                 self._fail_over(routed, message, decision)
             elif self._may_resume(routed, code):

@@ -41,6 +41,7 @@ class RoleService:
         self.lock = threading.Lock()
         self.started = time.monotonic()
         self.refused = 0  # control messages refused as malformed
+        self.draining = False  # SIGUSR1 (mlxcel.loading_process): routers send no new request; the rest finishes
 
     def serve(self) -> None:
         self.transport.serve(self._on_message, self._on_request)
@@ -73,7 +74,8 @@ class RoleService:
             raise RequestError(ErrorCode.BAD_REQUEST, str(exc)) from None
         if kind is not MsgType.STATE:
             raise RequestError(ErrorCode.UNSUPPORTED, f"a {self.role} node answers STATE requests only")
-        return m.state_doc(role=self.role, boot_id=self.boot_id, model=self.identity, **self.state())
+        return m.state_doc(role=self.role, boot_id=self.boot_id, model=self.identity, **self.state(),
+                           draining=self.draining)
 
     def send(self, peer: PeerId, message: Any, on_error: Callable[[BaseException], None] | None = None) -> None:
         """A control message to ``peer`` (a router), in order, never blocking on a dead peer."""

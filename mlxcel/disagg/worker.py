@@ -57,7 +57,7 @@ class WorkerProcess(LoadingProcess):
     def health_body(self) -> dict[str, Any]:
         body: dict[str, Any] = {"status": self.state, "role": self.cfg.role, "node_id": self.cfg.node_id}
         if self.service is not None:
-            body.update(self.service.state())
+            body.update(self.service.state(), draining=self.service.draining)
         return body
 
 

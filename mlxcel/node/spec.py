@@ -18,6 +18,9 @@ Schema (every path relative to the TOML's own directory; the Ansible role render
     [ready]                                # without url: running counts as ready
     url = "http://127.0.0.3:8080/health"   # ready when it answers 200
     timeout_s = 180
+    [restart]                              # optional: how its supervisor restarts it (mlxcel/node/restart.py)
+    policy = "on-failure"
+    backoff_s = 0.5
 
 Secrets go in as file paths only: the environment variables that carry a secret's value are refused.
 Every problem is a ``NodeSpecError`` naming the file and the key.
@@ -33,10 +36,12 @@ from typing import Any
 
 from mlxcel import config as defaults
 from mlxcel.node.errors import NodeSpecError
+from mlxcel.node.restart import POLICIES, RestartPolicy
 
 _KEYS = {"name", "command", "server", "directory", "match", "pidfile", "log", "inputs", "stop_grace_s", "environment",
-         "ready"}
+         "ready", "restart"}
 _READY_KEYS = {"url", "timeout_s"}
+_RESTART_KEYS = {"policy", "backoff_s", "backoff_max_s", "limit", "reset_s", "standby"}
 
 
 @dataclass(frozen=True)
@@ -54,11 +59,18 @@ class NodeSpec:
     ready_url: str | None = None
     ready_timeout_s: float = defaults.DEFAULT_NODE_READY_TIMEOUT_S
     stop_grace_s: float = defaults.DEFAULT_NODE_STOP_GRACE_S
+    restart: RestartPolicy = RestartPolicy()
+    source: Path | None = field(default=None, compare=False)  # the node TOML itself (its supervisor reads it)
 
     @property
     def inputs_file(self) -> Path:
         """Where a start records the digests of what the node was started with."""
         return self.pidfile.with_name(self.pidfile.name + ".inputs")
+
+    @property
+    def state_file(self) -> Path:
+        """Where the node's supervisor records itself, the node's pid, its restarts and how it last ended."""
+        return self.pidfile.with_name(self.pidfile.name + ".state")
 
 
 def load_node_spec(path: str | Path) -> NodeSpec:
@@ -92,6 +104,8 @@ def parse_node_spec(doc: dict[str, Any], path: Path) -> NodeSpec:
         ready_url=_url(ready, path),
         ready_timeout_s=_seconds(ready, "timeout_s", path, "[ready] timeout_s", defaults.DEFAULT_NODE_READY_TIMEOUT_S),
         stop_grace_s=_seconds(doc, "stop_grace_s", path, "stop_grace_s", defaults.DEFAULT_NODE_STOP_GRACE_S),
+        restart=_restart(doc, path),
+        source=path.resolve(),
     )
 
 
@@ -150,6 +164,31 @@ def _environment(doc: dict[str, Any], path: Path) -> dict[str, str]:
             raise NodeSpecError(f"{path}: [environment] {name} would put a secret's value in a file and the "
                                 f"process environment; pass its path instead ({name}_FILE)")
     return dict(env)
+
+
+def _restart(doc: dict[str, Any], path: Path) -> RestartPolicy:
+    table = doc.get("restart", {})
+    if not isinstance(table, dict):
+        raise NodeSpecError(f"{path}: [restart] must be a table")
+    _no_unknown(table, _RESTART_KEYS, path, "[restart]")
+    policy = table.get("policy", defaults.DEFAULT_NODE_RESTART_POLICY)
+    if policy not in POLICIES:
+        raise NodeSpecError(f"{path}: [restart] policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+    limit = table.get("limit", defaults.DEFAULT_NODE_RESTART_LIMIT)
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise NodeSpecError(f"{path}: [restart] limit must be a positive integer, got {limit!r}")
+
+    standby = table.get("standby", defaults.DEFAULT_NODE_RESTART_STANDBY)
+    if not isinstance(standby, bool):
+        raise NodeSpecError(f"{path}: [restart] standby must be true or false, got {standby!r}")
+
+    def seconds(key: str, default: float) -> float:
+        return _seconds(table, key, path, f"[restart] {key}", default)
+
+    return RestartPolicy(policy=policy, backoff_s=seconds("backoff_s", defaults.DEFAULT_NODE_RESTART_BACKOFF_S),
+                         backoff_max_s=seconds("backoff_max_s", defaults.DEFAULT_NODE_RESTART_BACKOFF_MAX_S),
+                         limit=limit, reset_s=seconds("reset_s", defaults.DEFAULT_NODE_RESTART_RESET_S),
+                         standby=standby)
 
 
 def _url(ready: dict[str, Any], path: Path) -> str | None:

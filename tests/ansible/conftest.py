@@ -7,7 +7,7 @@ from typing import Iterator
 
 import pytest
 
-from tests.ansible.playbook import ANSIBLE_PLAYBOOK, HOSTS, Deployment, free_port
+from tests.ansible.playbook import ANSIBLE_PLAYBOOK, HOSTS, SPARE_ADDRESS, Deployment, free_port
 
 
 @pytest.fixture(scope="module")
@@ -15,7 +15,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> It
     """Not yet deployed: tests run deploy.yml themselves. Torn down (and any leftover killed) at the end."""
     if not ANSIBLE_PLAYBOOK.exists():
         pytest.skip("ansible-playbook is not installed in .venv (pip install -e '.[test]')")
-    hosts = tuple(HOSTS.values())
+    hosts = (*HOSTS.values(), SPARE_ADDRESS)
     http_port = free_port(*hosts)
     d = Deployment(root=tmp_path_factory.mktemp("ansible"), model=tiny_llama, http_port=http_port,
                    cluster_port=free_port(*hosts, avoid=(http_port,)))

@@ -19,6 +19,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 ANSIBLE_PLAYBOOK = REPO / ".venv" / "bin" / "ansible-playbook"
 HOSTS = {"coordinator": "127.0.0.2", "stage-0": "127.0.0.3", "stage-1": "127.0.0.4"}
+SPARE_ADDRESS = "127.0.0.5"  # a fourth host (the disaggregated cluster's second decode node): its ports are free too
 _RECAP = re.compile(r"^(\S+)\s+: ok=(\d+)\s+changed=(\d+)\s+unreachable=(\d+)\s+failed=(\d+)", re.M)
 
 
@@ -82,7 +83,7 @@ class Deployment:
                 "mlxcel_cluster_port": self.cluster_port, "mlxcel_node_health_timeout_s": 90,
                 **self.extra, **more}
 
-    def run(self, playbook: str, *args: str, inventory: str = "inventory", timeout: float = 240,
+    def run(self, playbook: str, *args: str, inventory: str = "inventory", timeout: float = 480,
             **more: object) -> Result:
         """ansible-playbook PLAYBOOK -i INVENTORY -e <this deployment's variables> ARGS, from the repository root."""
         cmd = [str(ANSIBLE_PLAYBOOK), playbook, "-i", inventory, "-e", json.dumps(self.variables(**more)), *args]

@@ -146,7 +146,7 @@ FRONT_FLAGS = {"toml": ["--distributed-config", "--api-key-file", "--ssl-certfil
 
 
 @pytest.mark.parametrize("bringup", ["toml", "pp_auto"])
-def test_systemd_unit_keeps_a_refused_peer_down_only_with_pp_auto(deployment: Deployment, bringup: str) -> None:
+def test_systemd_unit_restarts_every_failure_but_a_usage_error(deployment: Deployment, bringup: str) -> None:
     """Also: every node's command line, each optional flag on, is the old vars' (_commands), and so is ExecStart."""
     commands = _commands(deployment, HOSTS, mlxcel_bringup=bringup, mlxcel_node_supervisor="systemd",
                          **OPTIONS[bringup])
@@ -156,8 +156,9 @@ def test_systemd_unit_keeps_a_refused_peer_down_only_with_pp_auto(deployment: De
         text = unit.read_text()
         exec_start = next(line for line in text.splitlines() if line.startswith("ExecStart="))
         assert "Restart=on-failure" in text
-        # "stage assignment refused" (and a --pp-auto coordinator restarted after its bring-up) exit 1
-        assert ("RestartPreventExitStatus=1" in text) == (bringup == "pp_auto"), text
+        # only a usage error (exit 2) is final; exit 1 restarts, up to the crash-loop limit (the engine's defaults)
+        assert "RestartPreventExitStatus=2\n" in text and "RestartPreventExitStatus=1" not in text, text
+        assert "RestartSec=0.5\n" in text and "StartLimitBurst=6\n" in text and "StartLimitIntervalSec=50\n" in text
         flag = {"toml": "--distributed-config", "pp_auto": "--pp-auto 2" if node == "coordinator" else "--pp-peer"}
         assert f" {flag[bringup]} " in exec_start, exec_start
         legacy = json.loads((deployment.home(node) / "legacy-argv.json").read_text())

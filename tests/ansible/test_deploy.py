@@ -1,12 +1,14 @@
 """deploy.yml / status.yml / teardown.yml on the loopback inventory: 3 real processes on 127.0.0.2-4.
 
-The tests run in file order on one deployment: deploy, chat, redeploy (changed=0), status, secrets,
+The tests run in file order on one deployment: deploy, chat,
+a SIGKILLed stage restarted by its supervisor, redeploy (changed=0), status with the restart, secrets,
 secret rotation, bench (all with the rendered TOML), then the same hosts brought up again with
 mlxcel_bringup=pp_auto (--pp-auto / --pp-peer): the same answer, status with each peer's assignment,
-redeploy (changed=0), a dead peer restarting the whole cluster; then teardown. Then the same three
-addresses as a disaggregated cluster (mlxcel_topology disagg: router, prefill, decode) with the API key
-on the router: the start order, the pipeline's greedy answer through the router, redeploy (changed=0),
-status, teardown. The API key and TLS of a pipeline are tested on the namespace cluster (test_netns.py),
+redeploy (changed=0), a dead peer restarting the whole cluster; then teardown (supervisors included). Then the same three
+addresses and a fourth as a disaggregated cluster (mlxcel_topology disagg: router, prefill, two decode
+nodes) with the API key on the router: the start order, the pipeline's greedy answer through the router,
+redeploy (changed=0), status, a rolling restart of the decode nodes under load (no request fails),
+teardown. The API key and TLS of a pipeline are tested on the namespace cluster (test_netns.py),
 where the OpenAI port is off loopback.
 """
 
@@ -18,15 +20,18 @@ import re
 import signal
 import stat
 import subprocess
+import threading
 import time
 import tomllib
+import urllib.error
+import urllib.request
 
 import openai
 import pytest
 
 from mlxcel.topology.cluster_config import load_cluster_config
 
-from tests.ansible.playbook import HOSTS, REPO, Deployment, free_port
+from tests.ansible.playbook import HOSTS, REPO, SPARE_ADDRESS, Deployment, free_port
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.proc]
 NODES = tuple(HOSTS)
@@ -111,6 +116,59 @@ def test_chat_through_the_coordinator_with_openai(deployment: Deployment) -> Non
     ANSWERS["toml"] = _greedy_answer(deployment)
 
 
+def _supervisors(deployment: Deployment) -> dict[int, str]:
+    """The deployment's live supervisors (mlxcel node supervise), pid -> the node TOML each supervises."""
+    found = {}
+    for pid in deployment.pids():
+        try:
+            argv = open(f"/proc/{pid}/cmdline", "rb").read().decode().split("\0")
+        except OSError:
+            continue
+        if "supervise" in argv:
+            found[pid] = argv[argv.index("--config") + 1]
+    return found
+
+
+def _answer_when_served(deployment: Deployment, timeout_s: float) -> str:
+    """The greedy answer, asked again and again (a 503 or a refused connection is a node not back yet)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return _greedy_answer(deployment)
+        except (openai.APIStatusError, openai.APIConnectionError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def test_a_killed_stage_is_restarted_by_its_supervisor_and_serves_again(deployment: Deployment) -> None:
+    """pidfile mode: SIGKILL a stage; its supervisor restarts it (from its warm standby), the coordinator re-admits
+    it, and the cluster serves again within 10 s."""
+    _deployed(deployment)
+    if "toml" not in ANSWERS:
+        pytest.skip("no answer to compare with (see test_chat_through_the_coordinator)")
+    assert sorted(_supervisors(deployment).values()) == sorted(str(deployment.home(n) / "node.toml") for n in NODES)
+    state_file = deployment.home("stage-1") / "node.pid.state"
+    deadline = time.monotonic() + 180  # its standby (mlxcel/commands/standby.py) has done its imports
+    while not json.loads(state_file.read_text())["standby_warm"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    pid = int((deployment.home("stage-1") / "node.pid").read_text())
+    killed = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    answer = _answer_when_served(deployment, timeout_s=60)
+    healed = time.monotonic() - killed
+    assert answer == ANSWERS["toml"]
+    assert int((deployment.home("stage-1") / "node.pid").read_text()) != pid
+    state = json.loads((deployment.home("stage-1") / "node.pid.state").read_text())
+    assert (state["state"], state["restarts"], state["last_cause"]) == ("running", 1, "signal SIGKILL"), state
+    log = (deployment.home("stage-1") / "node.log").read_text()
+    assert "mlxcel node supervise: stage-1 ended (signal SIGKILL) after" in log and "stage-1 ready again" in log
+    assert "restarted (restart 1) from its warm standby" in log
+    print(f"SIGKILL of stage-1 to the cluster serving again: {healed:.1f} s (the stage ready again "
+          f"{state['last_heal_s']} s after its death)")
+    assert healed <= 10, f"{healed:.1f} s from SIGKILL to serving again (target: 10 s)"
+
+
 def _assert_redeploy_changes_nothing(deployment: Deployment, *args: str, nodes: tuple[str, ...] = NODES,
                                      **more: object) -> None:
     pids = _pids(deployment, nodes)
@@ -123,6 +181,7 @@ def _assert_redeploy_changes_nothing(deployment: Deployment, *args: str, nodes: 
 
 
 def test_redeploy_changes_nothing(deployment: Deployment) -> None:
+    """After the healed crash of test_a_killed_stage_is_restarted_...: nothing to do."""
     _deployed(deployment)
     _assert_redeploy_changes_nothing(deployment)
 
@@ -137,6 +196,8 @@ def test_status_reports_role_pid_port_and_health(deployment: Deployment) -> None
         line = next((ln for ln in result.output.splitlines() if f" {node} " in f" {ln.strip(' -')} "), "")
         assert role in line and pid in line and f"{address}:{deployment.http_port}" in line, result.output[-3000:]
         assert str(deployment.cluster_port) in line and "200 " in line, line
+        # the restarts column: the stage killed above was restarted once by its supervisor
+        assert line.rstrip().endswith(" 1 (signal SIGKILL)" if node == "stage-1" else " 0"), line
 
 
 def test_secret_is_0600_everywhere_and_never_leaks(deployment: Deployment) -> None:
@@ -256,19 +317,32 @@ def test_pp_auto_redeploy_changes_nothing(deployment: Deployment) -> None:
 def test_pp_auto_a_dead_peer_restarts_the_whole_cluster(deployment: Deployment) -> None:
     _pp_auto(deployment)
     pids = _pids(deployment)
-    os.kill(int(pids["stage-1"]), signal.SIGKILL)  # a crash: restarted alone it would wait for an assignment forever
-    deadline = time.monotonic() + 10
-    while int(pids["stage-1"]) in deployment.pids() and time.monotonic() < deadline:
-        time.sleep(0.1)
+    os.kill(int(pids["stage-1"]), signal.SIGKILL)  # a crash: its supervisor restarts it, as a peer waiting for an offer
+    health = f"http://{HOSTS['stage-1']}:{deployment.http_port}/health"
+    deadline = time.monotonic() + 60
+    while not _answers_waiting(health) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert (deployment.home("stage-1") / "node.pid").read_text() != pids["stage-1"]
     result = deployment.run("deploy.yml", **PP_AUTO)
     assert result.rc == 0, result.output[-4000:]
-    assert "local-stage-1 (not running)" in " ".join(result.output.split()), result.output[-4000:]
+    assert "local-stage-1 (/health answers 503)" in " ".join(result.output.split()), result.output[-4000:]
     assert all(pids[n] != p for n, p in _pids(deployment).items())  # the coordinator and stage-0 too
     assert _greedy_answer(deployment) == ANSWERS["toml"]
 
 
+def _answers_waiting(url: str) -> bool:
+    try:
+        urllib.request.urlopen(url, timeout=2)
+    except urllib.error.HTTPError as err:
+        return err.code == 503 and json.loads(err.read() or b"{}").get("status") == "waiting"
+    except OSError:
+        return False
+    return False
+
+
 def test_teardown_leaves_no_process(deployment: Deployment) -> None:
     assert deployment.pids(), "nothing to tear down: the deployment never started"
+    assert len(_supervisors(deployment)) == len(NODES)  # one supervisor per node, stopped with it
     result = deployment.run("teardown.yml")
     assert result.rc == 0, result.output[-4000:]
     assert deployment.pids() == []
@@ -281,15 +355,18 @@ def test_teardown_leaves_no_process(deployment: Deployment) -> None:
 # -- the same three addresses as a disaggregated cluster (mlxcel_topology disagg) --------------------------------
 
 DISAGG = {"router": ("router", HOSTS["coordinator"]), "prefill-0": ("prefill", HOSTS["stage-0"]),
-          "decode-0": ("decode", HOSTS["stage-1"])}
+          "decode-0": ("decode", HOSTS["stage-1"]), "decode-1": ("decode", SPARE_ADDRESS)}
 DISAGG_NODES = tuple(DISAGG)
 
 
 @pytest.fixture(scope="module")
 def disagg(deployment: Deployment, tmp_path_factory: pytest.TempPathFactory):
-    """The inventory: router, prefill and decode groups on 127.0.0.2-4 with the API key on; torn down at the end."""
-    hosts = {role: {"hosts": {f"local-{node}": {"ansible_host": address, "mlxcel_node_id": node}}}
-             for node, (role, address) in DISAGG.items()}
+    """The inventory: a router, a prefill node and two decode nodes on 127.0.0.2-5 with the API key on; torn down at
+    the end."""
+    hosts: dict[str, dict] = {}
+    for node, (role, address) in DISAGG.items():
+        group = hosts.setdefault(role, {"hosts": {}})
+        group["hosts"][f"local-{node}"] = {"ansible_host": address, "mlxcel_node_id": node}
     inventory = {"mlxcel_cluster": {
         "vars": {"mlxcel_topology": "disagg", "mlxcel_api_key_enabled": True, "ansible_connection": "local",
                  "ansible_python_interpreter": "{{ ansible_playbook_python }}",
@@ -313,10 +390,11 @@ def _disagg_deployed(deployment: Deployment) -> None:
         pytest.skip("the disaggregated cluster did not come up (see test_disagg_deploy_starts_decode_prefill_router)")
 
 
+@pytest.mark.timeout(900)
 def test_disagg_deploy_starts_decode_then_prefill_then_router(deployment: Deployment, disagg: str) -> None:
     if deployment.pids():
         pytest.skip("the pipeline is still up on these addresses (see test_teardown_leaves_no_process)")
-    result = deployment.run("deploy.yml", inventory=disagg)
+    result = deployment.run("deploy.yml", inventory=disagg, timeout=800)  # four nodes: slow on a loaded box
     assert result.rc == 0, result.output[-4000:]
     recap = result.recap()
     assert set(recap) == {f"local-{n}" for n in DISAGG_NODES} and all(r["failed"] == 0 for r in recap.values())
@@ -335,14 +413,14 @@ def test_disagg_deploy_starts_decode_then_prefill_then_router(deployment: Deploy
         # the OpenAI API, its key and TLS are the router's; prefill and decode nodes serve /health only
         assert ("--api-key-file" in argv) == (role == "router") == (home / "api.key").exists()
         # the prefill and decode nodes share this machine's cores; the router holds no layers
-        assert _flag(argv, "--threads") == ("1" if role == "router" else _layer_threads(2))
+        assert _flag(argv, "--threads") == ("1" if role == "router" else _layer_threads(3))
         config = load_cluster_config(home / "cluster.toml")
         assert [(n.id, n.role, str(n.address)) for n in config.disagg] == [
             (n, r, f"{a}:{deployment.cluster_port}") for n, (r, a) in DISAGG.items()]
         environ = open(f"/proc/{pid}/environ", "rb").read().decode(errors="replace").split("\0")
         allowlist = [e for e in environ if e.startswith("MLXCEL_DECODE_ALLOWLIST=")]
-        assert allowlist == ([f"MLXCEL_DECODE_ALLOWLIST={HOSTS['stage-1']}:{deployment.cluster_port}"]
-                             if role == "prefill" else []), allowlist
+        decodes = ",".join(f"{a}:{deployment.cluster_port}" for r, a in DISAGG.values() if r == "decode")
+        assert allowlist == ([f"MLXCEL_DECODE_ALLOWLIST={decodes}"] if role == "prefill" else []), allowlist
         assert key not in (home / "node.toml").read_text() + (home / "node.log").read_text()
     print(f"disaggregated deploy: {result.seconds:.1f} s")
 
@@ -373,8 +451,73 @@ def test_disagg_status_reports_each_role_and_health(deployment: Deployment, disa
             for node, (role, address) in DISAGG.items()}
     assert all(rows.values()), result.output[-3000:]
     # a ready router shows no detail; a prefill or decode node its sequences in progress
-    assert [rows[n][1] for n in DISAGG_NODES] == ["-", "sequences 0", "sequences 0"], result.output[-3000:]
+    assert [rows[n][1] for n in DISAGG_NODES] == ["-"] + ["sequences 0"] * 3, result.output[-3000:]
     assert [rows[n].start() for n in DISAGG_NODES] == sorted(rows[n].start() for n in DISAGG_NODES)  # TOML order
+
+
+@pytest.mark.timeout(900)
+def test_disagg_rolling_restart_of_the_decode_nodes_under_load_fails_nothing(deployment: Deployment,
+                                                                            disagg: str) -> None:
+    """rolling_restart.yml on the decode nodes while two clients stream: each is drained (the router sends it
+    nothing new, what it holds finishes), restarted and used again before the next; no request fails."""
+    _disagg_deployed(deployment)
+    key = _api_key(deployment)
+    expected = _greedy_answer(deployment, api_key=key)
+    decodes = ("decode-0", "decode-1")
+    pids = _pids(deployment, decodes)
+    others = _pids(deployment, ("router", "prefill-0"))
+    load = _Load(deployment, key, streams=2)
+    load.start()
+    try:
+        wait_until = time.monotonic() + 60
+        while load.completed < 2 and time.monotonic() < wait_until:  # the load runs before the first drain
+            time.sleep(0.1)
+        result = deployment.run("rolling_restart.yml", inventory=disagg, mlxcel_node_rolling_roles=["decode"],
+                                timeout=800)
+        done_during = load.completed
+    finally:
+        load.stop()
+    assert result.rc == 0, result.output[-4000:]
+    assert all(pids[n] != p for n, p in _pids(deployment, decodes).items())  # both restarted
+    assert _pids(deployment, ("router", "prefill-0")) == others  # the roles not rolled are left alone
+    text = " ".join(result.output.split())
+    assert text.find("local-decode-0") < text.find("local-decode-1"), result.output[-3000:]  # one at a time
+    print(f"rolling restart of 2 decode nodes: {result.seconds:.1f} s; {load.completed} requests completed "
+          f"({done_during} by its end), {len(load.failures)} failed")
+    assert load.failures == [], load.failures[:5]
+    assert done_during >= 4 and set(load.answers) == {expected}, (done_during, set(load.answers))
+
+
+class _Load:
+    """``streams`` clients, each streaming one greedy chat completion after another until stopped."""
+
+    def __init__(self, deployment: Deployment, key: str, streams: int):
+        self.client = openai.OpenAI(base_url=f"{deployment.url}/v1", api_key=key, max_retries=0, timeout=120)
+        self.model = self.client.models.list().data[0].id
+        self.streams, self.stopping = streams, False
+        self.completed, self.failures, self.answers = 0, [], []  # type: ignore[var-annotated]
+        self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(streams)]
+
+    def start(self) -> None:
+        for thread in self.threads:
+            thread.start()
+
+    def stop(self) -> None:
+        self.stopping = True
+        for thread in self.threads:
+            thread.join(timeout=120)
+
+    def _run(self) -> None:
+        while not self.stopping:
+            try:
+                stream = self.client.chat.completions.create(
+                    model=self.model, max_tokens=12, temperature=0, stream=True,
+                    messages=[{"role": "user", "content": "Name three colours."}])
+                text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+                self.answers.append(text)
+                self.completed += 1
+            except Exception as exc:  # noqa: BLE001 - every failure counts
+                self.failures.append(f"{type(exc).__name__}: {exc}")
 
 
 def test_disagg_teardown_leaves_no_process(deployment: Deployment, disagg: str) -> None:

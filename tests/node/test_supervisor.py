@@ -241,9 +241,159 @@ def test_spec_defaults_and_relative_paths(tmp_path: Path) -> None:
     ("command = ['a']\n[ready]\nurl = 'localhost:80'\n", "url must be an http:// or https:// URL"),
     ("command = ['a']\n[ready]\ntimeout = 3\n", "unknown key(s) timeout in [ready]"),
     ("command = ['a'\n", "not valid TOML"),
+    ("command = ['a']\n[restart]\npolicy = 'always'\n", "[restart] policy must be one of on-failure, never"),
+    ("command = ['a']\n[restart]\nlimit = 0\n", "[restart] limit must be a positive integer"),
+    ("command = ['a']\n[restart]\nbackoff_s = -1\n", "[restart] backoff_s must be a positive number of seconds"),
+    ("command = ['a']\n[restart]\nstandby = 'yes'\n", "[restart] standby must be true or false"),
+    ("command = ['a']\n[restart]\nretries = 3\n", "unknown key(s) retries in [restart]"),
 ])
 def test_spec_errors_name_the_key(tmp_path: Path, body: str, message: str) -> None:
     (tmp_path / "n.toml").write_text(body)
     with pytest.raises(NodeSpecError, match="n.toml: ") as err:
         load_node_spec(tmp_path / "n.toml")
     assert message in str(err.value)
+
+
+# -- supervision: restarts, their causes, the crash-loop limit, stopping it all -----------------------------------
+
+# CHILD, but a run that finds <home>/crash exits 1 at once (before it is ready): a crash loop on demand
+CRASHY = "import os, sys\nif os.path.exists(os.path.join(sys.argv[4], 'crash')):\n    sys.exit(1)\n" + CHILD
+FAST = {"restart": {"backoff_s": 0.05, "backoff_max_s": 0.2, "limit": 3, "reset_s": 30}}
+
+
+def write_supervised_spec(home: Path, script: str = CHILD, restart: dict | None = None) -> Path:
+    path = write_spec(home, script=script)
+    table = (restart or FAST)["restart"]
+    path.write_text(path.read_text() + "[restart]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in table.items()))
+    return path
+
+
+def wait_for(predicate, timeout_s: float = 10.0):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"not within {timeout_s} s")
+
+
+def test_a_killed_node_is_restarted_by_its_supervisor_and_serves_again(home: Path) -> None:
+    spec = load_node_spec(write_supervised_spec(home))
+    first = supervisor.start(spec)
+    sup = first["supervisor_pid"]
+    assert first["changed"] and alive(sup) and os.getpgid(sup) == sup != os.getpgid(first["pid"])
+    killed_at = time.monotonic()
+    os.kill(first["pid"], signal.SIGKILL)
+    status = wait_for(lambda: (s := supervisor.status(spec))["http_status"] == 200 and s["pid"] != first["pid"] and s)
+    healed = time.monotonic() - killed_at
+    assert status["pid"] == int(spec.pidfile.read_text()) and alive(status["pid"])
+    assert (status["restarts"], status["last_cause"]) == (1, "signal SIGKILL"), status
+    assert status["supervisor"]["pid"] == sup and status["changed_inputs"] == []
+    assert wait_for(lambda: supervisor.status(spec)["supervisor"]["state"] == "running")
+    assert healed < 20, healed  # a python child and 0.05 s of backoff; slow only on a loaded box
+    log = spec.log.read_text()
+    assert "mlxcel node supervise: test-node ended (signal SIGKILL) after" in log and "restart 1 in 0.05 s" in log
+    assert "test-node ready again" in log and "(signal SIGKILL; restart 1)" in log
+    assert supervisor.start(spec)["changed"] is False  # healed: nothing to do
+    stopped = supervisor.stop(spec)
+    assert stopped["changed"] and stopped["supervisor_pid"] == sup and not alive(sup) and not alive(status["pid"])
+    assert _pids_naming(str(home)) == [] and not spec.pidfile.exists()
+    assert supervisor.status(spec)["supervisor"]["state"] == "stopped"
+
+
+def test_a_crash_loop_stops_at_the_limit_with_a_clear_status(home: Path) -> None:
+    spec = load_node_spec(write_supervised_spec(home, script=CRASHY))
+    first = supervisor.start(spec)
+    assert first["changed"] and not first.get("failed"), first
+    (home / "crash").touch()  # from now on every run exits 1 at once
+    os.kill(first["pid"], signal.SIGKILL)
+    sup = wait_for(lambda: (s := supervisor.status(spec)["supervisor"])["state"] == "crash-loop" and s["pid"] is None
+                   and s)  # the supervisor gave up and exited
+    assert (sup["restarts"], sup["last_cause"]) == (3, "exit 1"), sup
+    assert "crash loop, 3 restarts in a row, none of which ran 30 s" in sup["message"] and "giving up" in sup["message"]
+    assert supervisor.status(spec)["pid"] is None and _pids_naming(str(home)) == []
+    log = spec.log.read_text()
+    assert [line.count("ended (exit 1)") for line in log.splitlines() if "ended (" in line].count(1) == 3, log
+    waited = supervisor.wait_ready(spec, 5)
+    assert waited["failed"] and "crash loop" in waited["msg"]
+    (home / "crash").unlink()
+    again = supervisor.start(spec)  # the operator's start begins afresh
+    assert again["changed"] and not again.get("failed"), again
+    assert supervisor.status(spec)["restarts"] == 0
+    supervisor.stop(spec)
+
+
+def test_a_clean_exit_and_a_usage_error_are_not_restarted(home: Path) -> None:
+    for code, state in ((0, "exited"), (2, "failed")):
+        script = f"import os, sys, time\nif os.path.exists(os.path.join(sys.argv[4], 'quit')):\n    sys.exit({code})\n" \
+                 "open(os.path.join(sys.argv[4], 'quit'), 'w').close()\n" + CHILD
+        spec = load_node_spec(write_supervised_spec(home, script=script))
+        (home / "quit").unlink(missing_ok=True)
+        first = supervisor.start(spec)
+        os.kill(first["pid"], signal.SIGKILL)  # the restart then ends with the code
+        sup = wait_for(lambda: (s := supervisor.status(spec)["supervisor"])["state"] in ("exited", "failed")
+                       and s["pid"] is None and s)
+        assert (sup["state"], sup["restarts"], sup["last_cause"]) == (state, 1, f"exit {code}"), sup
+        assert "not restarted" in sup["message"]
+
+
+def test_sigterm_to_the_supervisor_stops_the_node_too(home: Path) -> None:
+    spec = load_node_spec(write_supervised_spec(home))
+    first = supervisor.start(spec)
+    os.kill(first["supervisor_pid"], signal.SIGTERM)
+    wait_for(lambda: not alive(first["supervisor_pid"]) and not alive(first["pid"]))
+    assert supervisor.status(spec)["supervisor"]["state"] == "stopped" and not spec.pidfile.exists()
+
+
+def test_a_node_running_without_its_supervisor_is_restarted_under_one(home: Path) -> None:
+    spec = load_node_spec(write_supervised_spec(home))
+    first = supervisor.start(spec)
+    os.kill(first["supervisor_pid"], signal.SIGKILL)  # the node runs on, unsupervised
+    wait_for(lambda: not alive(first["supervisor_pid"]))
+    assert supervisor.status(spec)["changed_inputs"] == ["supervision"]
+    again = supervisor.start(spec)
+    assert again["restarted"] and again["msg"] == "test-node restarted (supervision changed)", again
+    assert again["pid"] != first["pid"] and not alive(first["pid"])
+    assert supervisor.supervisor_pid(spec) is not None
+    supervisor.stop(spec)
+
+
+def test_a_restart_hands_over_to_the_warm_standby(home: Path) -> None:
+    """An mlxcel-server node gets a standby (its command line, imports done, waiting on a pipe) once it is ready;
+    a restart makes that process the node, and a new standby follows."""
+    program = home / "mlxcel-server"  # the real standby protocol, with one module to warm
+    program.write_text(f"#!{sys.executable}\nimport mlxcel.commands.standby as standby\n"
+                       "standby.WARM_MODULES = ('json',)\nstandby.wait_if_standby()\n" + CHILD)
+    program.chmod(0o755)
+    path = write_supervised_spec(home)
+    text = path.read_text().replace(json.dumps(sys.executable) + ', "-c", ' + json.dumps(CHILD), json.dumps(str(program)))
+    assert text != path.read_text()
+    path.write_text(text)
+    spec = load_node_spec(path)
+    first = supervisor.start(spec)
+    sup = wait_for(lambda: (s := supervisor.status(spec)["supervisor"])["standby_warm"] and s)
+    standby = sup["standby_pid"]
+    assert alive(standby) and supervisor.running_pid(spec) == first["pid"]  # the standby is not the node
+    spec.pidfile.unlink()
+    assert supervisor.running_pid(spec) == first["pid"]  # nor found as the node by its command line
+    os.kill(first["pid"], signal.SIGKILL)
+    status = wait_for(lambda: (s := supervisor.status(spec))["http_status"] == 200 and s["pid"] == standby and s)
+    assert status["restarts"] == 1 and "from its warm standby" in spec.log.read_text()
+    after = wait_for(lambda: (s := supervisor.status(spec)["supervisor"])["standby_warm"] and s)
+    assert after["standby_pid"] not in (None, standby)
+    supervisor.stop(spec)
+    assert not alive(after["standby_pid"]) and _pids_naming(str(home)) == []
+
+
+def test_stop_during_a_restart_backoff_leaves_no_process(home: Path) -> None:
+    slow = {"restart": {"backoff_s": 30, "limit": 3, "standby": False}}
+    spec = load_node_spec(write_supervised_spec(home, restart=slow))
+    first = supervisor.start(spec)
+    os.kill(first["pid"], signal.SIGKILL)
+    wait_for(lambda: supervisor.status(spec)["supervisor"]["state"] == "restarting")
+    assert supervisor.launch(spec)["msg"] == "test-node is being restarted by its supervisor"  # no second copy
+    began = time.monotonic()
+    stopped = supervisor.stop(spec)
+    assert stopped["changed"] and time.monotonic() - began < 5, stopped
+    assert supervisor.status(spec)["supervisor"]["state"] == "stopped" and _pids_naming(str(home)) == []
