@@ -446,14 +446,19 @@ class PipelineExecutor:
             self._prepared = set()
         log.warning("pipeline stage %s restarted; its sequences are lost and their requests fail", node.id)
         self._fail_steps(f"pipeline stage {node.id} restarted")
+        self._fail_prepares(addr, f"pipeline stage {node.id} restarted")
 
     def _stage_down(self, addr: PeerId, why: str) -> None:
         node = self._nodes[addr]
         log.warning("pipeline stage %s at %s is unreachable (%s); failing its open exchanges, /health says degraded",
                     node.id, addr, why)
         self._fail_steps(f"pipeline stage {node.id} at {addr} is unreachable")
+        self._fail_prepares(addr, f"pipeline stage {node.id} is unreachable")
+
+    def _fail_prepares(self, addr: PeerId, message: str) -> None:
+        """The PREPAREs awaiting ``addr`` fail at once, not at their deadline: the process that would answer is gone."""
         for ex in self.exchanges.where(lambda e: e.context is _PREPARE and addr in e.senders):
-            self.exchanges.resolve(ex, error=ExecutorError(f"pipeline stage {node.id} is unreachable", ErrorCode.UNREACHABLE))
+            self.exchanges.resolve(ex, error=ExecutorError(message, ErrorCode.UNREACHABLE))
 
     def _fail_steps(self, message: str) -> None:
         """Every step runs through every stage: one stage lost fails them all."""
