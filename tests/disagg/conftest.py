@@ -35,7 +35,7 @@ def tiny_bf16(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_mamba(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 2-layer mamba: a recurrent ArraysCache per layer, which no handoff can carry."""
+    """A 2-layer mamba: a recurrent ArraysCache per layer (conv and SSM state), which travels whole."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.utils import _get_classes
@@ -47,6 +47,33 @@ def tiny_mamba(tmp_path_factory: pytest.TempPathFactory) -> Path:
               "state_size": 4, "num_hidden_layers": 2, "conv_kernel": 4, "use_bias": False,
               "use_conv_bias": True, "time_step_rank": 4, "tie_word_embeddings": True,
               "max_position_embeddings": 2048, "eos_token_id": 2}
+    model_cls, args_cls = _get_classes(config)
+    mx.random.seed(0)
+    model = model_cls(args_cls.from_dict(config))
+    weights = dict(tree_flatten(model.parameters()))
+    mx.eval(weights)
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama4(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 1-layer llama4: its chunked-attention layer keeps a ChunkedKVCache, which no handoff carries."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes
+
+    from mlxcel.models.random_checkpoint import make_random_checkpoint
+
+    path = make_random_checkpoint(tmp_path_factory.mktemp("tiny-llama4"), family="llama", layers=1)
+    text = {"attention_bias": False, "attention_chunk_size": 8, "head_dim": 16, "hidden_size": 32,
+            "interleave_moe_layer_step": 4, "intermediate_size": 32, "intermediate_size_mlp": 64,
+            "max_position_embeddings": 2048, "model_type": "llama4_text", "num_attention_heads": 2,
+            "num_experts_per_tok": 1, "num_hidden_layers": 1, "num_key_value_heads": 1, "num_local_experts": 2,
+            "rms_norm_eps": 1e-5, "rope_scaling": None, "rope_theta": 10000.0, "use_qk_norm": False,
+            "vocab_size": 320}
+    config = {"model_type": "llama4", "text_config": text, "eos_token_id": 2, "max_position_embeddings": 2048}
     model_cls, args_cls = _get_classes(config)
     mx.random.seed(0)
     model = model_cls(args_cls.from_dict(config))
