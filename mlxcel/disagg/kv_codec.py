@@ -168,8 +168,8 @@ def check_spec(spec: LayerSpec) -> None:
             raise ValueError(f"a {spec.kind.name} layer holds {len(items)} items (1..{most} can travel)")
         for t in spec.arrays:
             if not 1 <= len(t.shape) <= MAX_KV_NDIM or not all(0 < d <= _U32 for d in t.shape):
-                raise ValueError(f"an array of shape {list(t.shape)} cannot travel (1..{MAX_KV_NDIM} dimensions, "
-                                 "each 1..2^32-1)")
+                raise ValueError(f"an array of {len(t.shape)} dimensions {list(t.shape)} cannot travel "
+                                 f"(1..{MAX_KV_NDIM} dimensions, each 1..2^32-1)")
         if any(p.kind in (CacheKind.LIST, CacheKind.ARRAY) for p in spec.parts):
             raise ValueError("a CacheList inside a CacheList cannot travel")
         return
