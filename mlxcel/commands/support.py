@@ -61,22 +61,26 @@ def single_support(config: Mapping[str, Any]) -> Support:
     return Support(True)
 
 
-def pp_support(config: Mapping[str, Any]) -> Support:
+def pp_support(config: Mapping[str, Any], verbose: bool = False) -> Support:
     from mlxcel.engine.model_slice import FAMILIES
 
-    return Support(module_of(str(config.get("model_type"))) in FAMILIES)
+    module = module_of(str(config.get("model_type")))
+    if module in FAMILIES:
+        return Support(True)
+    return Support(False, f"no pipeline slice for mlx-lm's {module} (sliced: {', '.join(sorted(FAMILIES))})"
+                   if verbose else "")
 
 
-def tp_support(config: Mapping[str, Any], sizes: bool = False) -> Support:
-    """Whether tensor parallelism takes the family; with ``sizes``, also the --tp-size values that divide."""
+def tp_support(config: Mapping[str, Any], verbose: bool = False) -> Support:
+    """Whether tensor parallelism takes the family; ``verbose``: the --tp-size values that divide, or the refusal."""
     from mlxcel.parallel.errors import ShardRefusal
     from mlxcel.parallel.plan import check_shardable
 
     try:
-        check_shardable(config, 1)
-    except ShardRefusal:
-        return Support(False)
-    if not sizes:
+        check_shardable(config, 1, "this checkpoint")
+    except ShardRefusal as exc:
+        return Support(False, str(exc).removeprefix("this checkpoint: ") if verbose else "")
+    if not verbose:
         return Support(True)
     works = []
     for n in range(2, MAX_TP_SIZE + 1):
@@ -110,9 +114,9 @@ def di_support(config: Mapping[str, Any]) -> Support:
     return Support(True, ", ".join(sorted({type(c).__name__ for c in caches})))
 
 
-def modes(config: Mapping[str, Any], tp_sizes: bool = False) -> dict[str, Support]:
-    """Every mode's support for a checkpoint's config.json (a text_config is the model's own)."""
-    return {"single": single_support(config), "PP": pp_support(config), "TP": tp_support(config, tp_sizes),
+def modes(config: Mapping[str, Any], verbose: bool = False) -> dict[str, Support]:
+    """Every mode's support for a checkpoint's config.json; ``verbose``: refusals and TP sizes spelled out."""
+    return {"single": single_support(config), "PP": pp_support(config, verbose), "TP": tp_support(config, verbose),
             "DI": di_support(config)}
 
 
@@ -121,7 +125,7 @@ def describe_modes(model_dir: str | Path) -> str:
     from mlxcel.models.identity import read_config
 
     _, config = read_config(Path(model_dir))
-    lines = [f"{'mode ' + name + ':':<13}{support.cell()}" for name, support in modes(config, tp_sizes=True).items()]
+    lines = [f"{'mode ' + name + ':':<13}{support.cell()}" for name, support in modes(config, verbose=True).items()]
     return "\n".join(lines)
 
 
