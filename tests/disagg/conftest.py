@@ -85,6 +85,29 @@ def tiny_llama4(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_deepseek_v32(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 4-layer deepseek_v32 built with mlx-lm's own classes: every layer keeps a CacheList of two KVCaches
+    (MLA's latents, the indexer's keys), and its indexer keeps 4 positions of longer prompts."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes
+
+    from mlxcel.models.random_checkpoint import _config, make_random_checkpoint
+
+    path = make_random_checkpoint(tmp_path_factory.mktemp("tiny-deepseek-v32"), family="llama", layers=1)
+    config = {**_config("deepseek_v3", 4, 64, 4, 4, 320, None, None), "model_type": "deepseek_v32",
+              "index_head_dim": 16, "index_n_heads": 2, "index_topk": 4}
+    model_cls, args_cls = _get_classes(config)
+    mx.random.seed(7)
+    model = model_cls(args_cls.from_dict(config))
+    weights = dict(tree_flatten(model.parameters()))
+    mx.eval(weights)
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
+@pytest.fixture(scope="session")
 def tiny_gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 4-layer gemma3_text built with mlx-lm's own classes: layers 0 and 2 keep an 8-token
     RotatingKVCache (gemma3's sliding layers), layers 1 and 3 a KVCache."""

@@ -74,7 +74,8 @@ def run(coro):
     return asyncio.run(coro)
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_sliding", "tiny_gemma3", "tiny_bf16", "tiny_mamba"])
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_sliding", "tiny_gemma3", "tiny_bf16", "tiny_mamba",
+                                     "tiny_deepseek_v32"])
 def test_an_adopted_handoff_continues_exactly_like_one_node(fixture, request):
     loaded = load(request.getfixturevalue(fixture))
 
@@ -191,6 +192,16 @@ def test_a_chunked_attention_model_is_unsupported_by_name(tiny_llama4):
     assert layout.unsupported is not None and "layer 0 keeps a ChunkedKVCache" in layout.unsupported
     with pytest.raises(ValueError):
         HandoffDecoder(layout, 2048)
+
+
+def test_a_cache_list_travels_as_its_caches(tiny_deepseek_v32):
+    """deepseek_v32: a CacheList per layer (MLA latents and the indexer's keys), each part a KV record."""
+    layout = probe_layout(load(tiny_deepseek_v32).model)
+    assert layout.unsupported is None and [s.kind for s in layout.layers] == [CacheKind.LIST] * 4
+    assert [p.kind for p in layout.layers[0].parts] == [CacheKind.KV, CacheKind.KV]
+    assert (layout.layers[0].parts[0].heads, layout.layers[0].parts[1].k_dim) == (1, 16)  # latents; indexer keys
+    _, back, _ = handed_over(load(tiny_deepseek_v32), greedy(PROMPT, "v32"))
+    assert all(type(c).__name__ == "CacheList" and c.caches[0].offset == len(PROMPT) for c in back)
 
 
 def test_a_mamba_state_travels_whole(tiny_mamba):
