@@ -28,7 +28,7 @@ from mlxcel.engine.interface import EngineRequest, FinishEvent
 from mlxcel.engine.sampling import SamplingParams
 from tests.disagg.cluster import DisaggCluster
 from tests.family_checkpoints import family_checkpoint  # noqa: F401  (fixture)
-from tests.pipeline.cluster import free_port
+from tests.pipeline.cluster import Node, free_port
 
 pytestmark = pytest.mark.proc  # the last test starts the three role processes (tests/proc_marker.py)
 
@@ -143,9 +143,12 @@ def test_router_prefill_decode_continue_exactly_like_one_node(family, family_che
         assert router.counters["handoff_bytes"] > 2 * decode.layout.nbytes(len(PROMPTS[1]))
 
 
-def test_a_linear_attention_cluster_of_role_processes_answers_like_one_node(tmp_path, family_checkpoint):  # noqa: F811
+def test_a_linear_attention_cluster_of_role_processes_answers_like_one_node(tmp_path, family_checkpoint,  # noqa: F811
+                                                                            monkeypatch):
     """qwen3_next, whose linear-attention state was refused before, through the three role processes."""
     path = family_checkpoint("qwen3_next")
+    monkeypatch.setattr(Node, "start_wait_s", 180.0)  # three processes starting on a loaded 2-core box
+    monkeypatch.setattr(Node, "ready_wait_s", 180.0)
     from tests.server.test_batching import reference_text
 
     cluster = DisaggCluster(tmp_path, path).start()
