@@ -6,15 +6,22 @@ windows, linear-attention state). For each, a router, a prefill node and a decod
 process as the role processes run them (``RouterEngine``, ``PrefillService``, ``DecodeService``) on
 real transports over loopback, each on its own 127.0.0.x identity, with the cluster handshake and
 AES-GCM; two concurrent greedy requests (batched together on the decode node) give the tokens a
-single node's scheduler gives. Processes are not started per family: the role processes' wiring is
-family-agnostic and ``tests/disagg/test_cluster.py`` drives it; ``test_a_linear_attention_cluster``
-runs the three role processes once, on qwen3_next.
+single node's scheduler gives. The same across processes, grouped rather than started per family:
+one process hosts every family's decode node and another every family's prefill node
+(``tests/disagg/role_host.py``: the services the prefill and decode roles of ``mlxcel-server`` build),
+and each family's router engine runs in this process, so the table starts 2 processes.
+``test_a_linear_attention_cluster`` runs the three role processes of ``mlxcel-server`` once, on
+qwen3_next, through the CLI and the OpenAI API.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import subprocess
+import sys
+from pathlib import Path
 from typing import Iterator
 
 import httpx
@@ -51,6 +58,8 @@ PROMPTS = (tuple(range(40, 58)), (1, 50, 51, 52, 53))  # 18 tokens: past the win
 N = 5
 SECRET = ClusterSecret(b"disagg-family-table-secret-0123456789abcdef")
 ROUTER_IP, PREFILL_IP, DECODE_IP = "127.0.0.70", "127.0.0.71", "127.0.0.72"
+HOST_IPS = {"router": "127.0.0.73", "prefill": "127.0.0.74", "decode": "127.0.0.75"}
+HOST_START_S = 400.0  # each host loads every family's checkpoint (a loaded 2-core box is slow)
 
 
 def test_the_table_is_every_random_family():
@@ -141,6 +150,56 @@ def test_router_prefill_decode_continue_exactly_like_one_node(family, family_che
         assert got == reference
         assert router.counters["handoffs"] == 2 and decode.counters["handoffs"] == 2
         assert router.counters["handoff_bytes"] > 2 * decode.layout.nbytes(len(PROMPTS[1]))
+
+
+@pytest.fixture(scope="module")
+def hosted(tmp_path_factory, family_checkpoint):  # noqa: F811
+    """Every family's decode node in one process and its prefill node in another; yields family -> (prefill,
+    decode) addresses, and the secret."""
+    from mlxcel.cluster.secret import load_secret
+    from tests.pipeline.cluster import write_secret
+    from tests.pipeline.stage_host_util import first_line, stop
+
+    tmp = tmp_path_factory.mktemp("role-hosts")
+    secret_file = write_secret(tmp)
+    nodes = {f: {r: f"{HOST_IPS[r]}:{free_port(HOST_IPS[r])}" for r in ("prefill", "decode")} for f in TABLE}
+    hosts = []
+    try:
+        for role in ("decode", "prefill"):
+            spec = {"role": role, "secret_file": str(secret_file), "nodes": [
+                {"model": str(family_checkpoint(f)), "bind": addrs[role], "decode_peers": [addrs["decode"]]}
+                for f, addrs in nodes.items()]}
+            (tmp / f"{role}.json").write_text(json.dumps(spec))
+            hosts.append(subprocess.Popen([sys.executable, "-m", "tests.disagg.role_host", str(tmp / f"{role}.json")],
+                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+        for host in hosts:
+            line = first_line(host, HOST_START_S)
+            assert line == f"ready {len(nodes)}", f"a role host did not start: {line!r}"
+        yield nodes, load_secret(secret_file, env={})
+    finally:
+        for host in hosts:
+            stop(host)
+
+
+@pytest.mark.parametrize("family", RANDOM_FAMILIES)
+def test_prefill_and_decode_processes_continue_exactly_like_one_node(family, hosted, family_checkpoint):  # noqa: F811
+    from mlxcel.disagg.flags import NodeConfig
+    from mlxcel.disagg.router import RouterEngine
+    from mlxcel.models.identity import model_identity
+    from mlxcel.models.loading import load_checkpoint
+
+    nodes, secret = hosted
+    path = family_checkpoint(family)
+    prefill, decode = PeerId.parse(nodes[family]["prefill"]), PeerId.parse(nodes[family]["decode"])
+    bind = PeerId.parse(f"{HOST_IPS['router']}:{free_port(HOST_IPS['router'])}")
+    router = RouterEngine(NodeConfig("router", bind, (prefill,), (decode,), secret, probe_interval_s=0.3),
+                          load_checkpoint(path, lazy=True).tokenizer, context_length=2048,
+                          identity=model_identity(path)).start()
+    try:
+        assert asyncio.run(both(router)) == single_node(path)
+        assert router.counters["handoffs"] == 2
+    finally:
+        router.close()
 
 
 def test_a_linear_attention_cluster_of_role_processes_answers_like_one_node(tmp_path, family_checkpoint,  # noqa: F811

@@ -29,6 +29,7 @@ from mlxcel.engine.interface import EngineRequest, FinishEvent
 from mlxcel.engine.sampling import SamplingParams
 from tests.family_checkpoints import family_checkpoint  # noqa: F401  (fixture)
 from tests.pipeline.cluster import COORDINATOR_HOST, STAGE_HOSTS, LocalCluster, Node, free_port, write_secret
+from tests.pipeline.stage_host_util import first_line, stop
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.proc]
 
@@ -83,32 +84,12 @@ def tomls(tmp_path_factory, family_checkpoint):  # noqa: F811
              for i in range(2)]
     try:
         for host in hosts:
-            line = _first_line(host, HOST_START_S)
+            line = first_line(host, HOST_START_S)
             assert line == f"ready {len(made)}", f"a stage host did not start: {line!r}"
         yield made
     finally:
         for host in hosts:
-            _stop(host)
-
-
-def _first_line(proc: subprocess.Popen, timeout: float) -> str:
-    import threading
-
-    got: list[str] = []
-    reader = threading.Thread(target=lambda: got.append(proc.stdout.readline()), daemon=True)  # type: ignore[union-attr]
-    reader.start()
-    reader.join(timeout)
-    return got[0].strip() if got else ""
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        try:
-            proc.stdin.close()  # type: ignore[union-attr]
-            proc.wait(20)
-        except (OSError, subprocess.TimeoutExpired):
-            proc.kill()
-            proc.wait(10)
+            stop(host)
 
 
 async def collect(stream) -> list[int]:
