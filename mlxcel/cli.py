@@ -11,7 +11,7 @@ from typing import Callable, Sequence
 
 from mlxcel import __version__
 from mlxcel.config import (DEFAULT_MAX_TOKENS, DEFAULT_MODEL_DIR, DEFAULT_PP_MICRO_BATCH_SIZE, DEFAULT_PP_SIZE,
-                           MAX_PP_MICRO_BATCH_SIZE, RANDOM_FAMILIES, positive_int)
+                           MAX_PP_MICRO_BATCH_SIZE, RANDOM_FAMILIES, non_negative_int, positive_int)
 from mlxcel.errors import CLIError
 
 __all__ = ["CLIError", "DEFAULT_MODEL_DIR", "build_parser", "main", "positive_int", "server_main"]
@@ -186,6 +186,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="usable memory per stage, e.g. 8GiB,16GiB (or one value for all; B, KB/KiB, MB/MiB, GB/GiB)")
     pl.add_argument("--layers", default=None, metavar="RANGES",
                     help="check these inclusive ranges (e.g. 0-11,12-29) against the checkpoint and price them")
+    pl.add_argument("--context", type=non_negative_int, default=0, metavar="TOKENS",
+                    help="price every layer's cache for sequences of this many tokens (default 0: weights only)")
+    pl.add_argument("--rows", type=positive_int, default=1, metavar="N",
+                    help="sequences per decode step: how many of an MoE layer's experts a step touches, and "
+                         "how many caches (default 1)")
     pl.add_argument("--json", action="store_true", help="print JSON instead of a table")
     pl.set_defaults(func=_cmd_plan)
 

@@ -253,4 +253,5 @@ def slice_runner(model: Any, start: int, end: int, *, max_rows: int) -> SliceRun
     """Layers [start, end) of ``model`` as a runner (a pipeline stage)."""
     piece = ModelSlice(model, start, end)
     return SliceRunner(lambda x, c: piece(x, c), piece.make_cache, is_first=piece.is_first,
-                       is_last=piece.is_last, max_rows=max_rows)
+                       is_last=piece.is_last, max_rows=max_rows,
+                       input_width=None if piece.is_first else piece.input_width)

@@ -117,8 +117,10 @@ class SliceRunner:
     """The caches and the compute of one slice for every sequence prepared on it."""
 
     def __init__(self, forward: Forward, make_cache: Callable[[], list], *, is_first: bool, is_last: bool,
-                 max_rows: int = 64):
+                 max_rows: int = 64, input_width: int | None = None):
         self.forward = forward
+        # the last dimension of the hidden states a non-first slice takes (None: the model's hidden size)
+        self.input_width = input_width
         self._make_cache = make_cache
         self.is_first = is_first
         self.is_last = is_last

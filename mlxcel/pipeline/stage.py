@@ -246,7 +246,7 @@ class StageService:
         try:
             if refused is not None:
                 raise refused
-            check_hidden(m, max_rows=self.max_rows, width=self.model.hidden_size)
+            check_hidden(m, max_rows=self.max_rows, width=getattr(self.runner, "input_width", None) or self.model.hidden_size)
         except ProtocolError as exc:
             self._reply_error(owner, m, exc.code, str(exc))
             return
