@@ -81,7 +81,9 @@ def probe_layout(model: Any) -> KVLayout:
     if why:
         return KVLayout(unsupported=why)
     caches = make_prompt_cache(model)
-    model(mx.array([[0]], dtype=mx.uint32), cache=caches)
+    # evaluated here: whatever the forward leaves in the model (kimi_k3 keeps arrays of its first call) must
+    # not stay lazy on this thread's stream, which the scheduler's thread does not have
+    mx.eval(model(mx.array([[0]], dtype=mx.uint32), cache=caches), [c.state for c in caches])
     try:
         layers = tuple(spec_of(type(c).__name__, c.state) for c in caches)
     except ValueError as exc:

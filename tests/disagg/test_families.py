@@ -39,7 +39,7 @@ from tests.pipeline.cluster import Node, free_port
 
 pytestmark = pytest.mark.proc  # the last test starts the three role processes (tests/proc_marker.py)
 
-KV, ROT, ARR = CacheKind.KV, CacheKind.ROTATING, CacheKind.ARRAYS
+KV, ROT, ARR, LIST = CacheKind.KV, CacheKind.ROTATING, CacheKind.ARRAYS, CacheKind.LIST
 # family -> the record kind of each of its 4 layers' caches
 TABLE: dict[str, list[CacheKind]] = {
     "llama": [KV] * 4,
@@ -53,6 +53,16 @@ TABLE: dict[str, list[CacheKind]] = {
     "gpt_oss": [ROT, KV, ROT, KV],
     "glm4_moe": [KV] * 4,
     "qwen3_next": [ARR, KV, ARR, KV],  # gated delta net state (conv + recurrent arrays) / full attention
+    "gemma4_text": [ROT, KV, ROT, KV],
+    "qwen3_5": [ARR, KV, ARR, KV],
+    "ernie4_5": [KV] * 4,
+    "hunyuan_v1_dense": [KV] * 4,
+    "ministral3": [ROT, KV, ROT, KV],
+    "minimax": [KV] * 4,
+    "qwen3_5_moe": [ARR, KV, ARR, KV],
+    "ernie4_5_moe": [KV] * 4,
+    "deepseek_v32": [LIST] * 4,  # MLA latents and the lightning indexer's keys
+    "kimi_k3": [ARR, KV, ARR, KV],  # Kimi Delta Attention state / NoPE MLA
 }
 PROMPTS = (tuple(range(40, 58)), (1, 50, 51, 52, 53))  # 18 tokens: past the windows of 4
 N = 5
