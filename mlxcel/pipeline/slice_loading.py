@@ -26,9 +26,20 @@ def load_stage_runner(model_dir: Path, start: int, end: int, *, max_rows: int) -
         keep.append(inner.embed_tokens.parameters())
     if last:  # the final norm, and whatever else the text model applies after its layers (kimi_k3's output
         # attention-residual mix): every part of it but the layers and the embedding
-        keep.extend(module.parameters() for name, module in inner.children().items()
+        keep.extend(_parameters(child) for name, child in inner.children().items()
                     if name not in ("layers", "embed_tokens"))
         if head is not None:
             keep.append(head.parameters())
     mx.eval(keep)  # on this thread: a lazily loaded array evaluated first on another thread has no stream there
     return runner, loaded
+
+
+def _parameters(child: Any) -> Any:
+    """A child's parameters; ``children()`` also gives lists and dicts of modules and plain arrays."""
+    if not hasattr(child, "parameters") and not isinstance(child, (list, tuple, dict)):
+        return child  # an array (or a value) the module holds directly
+    if isinstance(child, (list, tuple)):
+        return [_parameters(c) for c in child]
+    if isinstance(child, dict):
+        return {k: _parameters(c) for k, c in child.items()}
+    return child.parameters()
