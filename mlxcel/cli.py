@@ -112,9 +112,18 @@ def _cmd_fetch_default(args: argparse.Namespace) -> int:
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
+    from mlxcel.commands.support import describe_modes
     from mlxcel.models.info import describe_checkpoint
 
     print(describe_checkpoint(args.model_dir))
+    print(describe_modes(args.model_dir))
+    return 0
+
+
+def _cmd_matrix(args: argparse.Namespace) -> int:
+    from mlxcel.commands.support import matrix_markdown
+
+    print(matrix_markdown())
     return 0
 
 
@@ -213,9 +222,13 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "auto", "quantized"], default="auto",
                    help="weight representation (default auto: fastest for this device)")
     f.set_defaults(func=_cmd_fetch_default)
-    i = msub.add_parser("info", help="show a checkpoint's family, size, weights and identity")
+    i = msub.add_parser("info", help="show a checkpoint's family, size, weights, identity and the modes it runs in "
+                                     "(single, PP, TP, DI)")
     i.add_argument("model_dir")
     i.set_defaults(func=_cmd_info)
+    x = msub.add_parser("matrix", help="print the family x mode support matrix of docs/models.md, from the code's "
+                                       "own tables")
+    x.set_defaults(func=_cmd_matrix)
     r = msub.add_parser("make-random", help="write a tiny random-weight checkpoint (for tests and rehearsals)")
     r.add_argument("out_dir")
     r.add_argument("--family", choices=RANDOM_FAMILIES, default="llama",
@@ -255,7 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 #: errors phrased for the operator, by module: looked up only once raised, so a command that never
-#: imports a module (``mlxcel models info`` never loads mlx-lm) does not pay for importing it here
+#: imports a module does not pay for importing it here
 _USER_ERRORS = (
     ("mlxcel.cluster.errors", "SecretError"),
     ("mlxcel.engine.prompts", "PromptError"),

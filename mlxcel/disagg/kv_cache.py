@@ -1,12 +1,24 @@
-"""mlx-lm KV caches <-> the handoff's raw tensors (``kv_codec``), and a model's ``KVLayout``.
+"""mlx-lm caches <-> the handoff's raw tensors (``kv_codec``), and a model's ``KVLayout``.
+
+Everything here goes through mlx-lm's cache state contract: a cache's ``state`` (what
+``save_prompt_cache`` writes) is read, and a cache is rebuilt with its class's ``from_state`` (what
+``load_prompt_cache`` does); no private field is touched. mlx-lm 0.32 keeps a cache's scalars
+(offset, window, quantization) inside ``state``; it has no separate ``meta_state``.
 
 ``probe_layout(model)`` learns, once per process, what every layer's cache holds by running one
-token through a fresh ``make_prompt_cache``: the cache class, dtype, KV heads and widths. Three
-classes can be handed off: ``KVCache`` (every position), ``RotatingKVCache`` (sliding-window layers:
-the last ``max_size`` positions in temporal order, which is exactly what the next decode step keeps)
-and ``QuantizedKVCache`` (packed keys and values with their scales and biases). Any other class
-(recurrent ``ArraysCache``, ``ChunkedKVCache``, ``CacheList``, ...) makes the layout ``unsupported``,
-and a prefill node refuses such a model's requests before any prefill work.
+token through a fresh ``make_prompt_cache``: the cache class, dtype, KV heads and widths. These
+classes can be handed off:
+
+- ``KVCache`` (every position; deepseek's MLA keeps its latents in one: one head, latent and rope widths);
+- ``RotatingKVCache`` (sliding-window layers: the last ``max_size`` positions in temporal order, which
+  is exactly what the next decode step keeps);
+- ``QuantizedKVCache`` (packed keys and values with their scales and biases);
+- ``ArraysCache`` (linear attention, SSM: qwen3_next's gated delta net, mamba): its arrays as they are,
+  whose shapes do not depend on the prompt's length; a recurrent state cannot be cut, so it travels whole;
+- ``CacheList`` (several of the above for one layer, e.g. deepseek_v32's attention and indexer keys).
+
+Any other class (``ChunkedKVCache``, batch caches, a CacheList inside a CacheList, ...) makes the
+layout ``unsupported``, and a prefill node refuses such a model's requests before any prefill work.
 
 Run these on the thread that runs the model (they evaluate MLX arrays).
 """
@@ -17,40 +29,101 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import (
+    ArraysCache,
+    CacheList,
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+    make_prompt_cache,
+)
 
-from mlxcel.disagg.kv_codec import Handoff, HandoffError, KVLayout, LayerSpec, dtype_code
+from mlxcel.disagg.kv_codec import Handoff, HandoffError, KVLayout, LayerSpec, TensorSpec, dtype_code
 from mlxcel.disagg.wire import CacheKind, DType
 
-SUPPORTED = (KVCache, RotatingKVCache, QuantizedKVCache)
+#: the cache classes a handoff carries, by the record kind that describes them
+CLASSES: dict[CacheKind, type] = {CacheKind.KV: KVCache, CacheKind.ROTATING: RotatingKVCache,
+                                  CacheKind.QUANTIZED: QuantizedKVCache, CacheKind.ARRAYS: ArraysCache,
+                                  CacheKind.LIST: CacheList}
+_KINDS = {cls.__name__: kind for kind, cls in CLASSES.items()}
+SUPPORTED = tuple(CLASSES.values())
+_PREFIX = "this model's KV cache cannot be handed off to a decode node: "
+
+
+def unsupported_cache(cache: Any, depth: int = 0) -> str | None:
+    """Why ``cache`` (one layer's, fresh from ``make_prompt_cache``) cannot travel; None if it can."""
+    if type(cache) not in SUPPORTED:
+        return f"keeps a {type(cache).__name__}"
+    if isinstance(cache, CacheList):
+        if depth:
+            return "keeps a CacheList inside a CacheList"
+        for part in cache.caches:
+            why = unsupported_cache(part, depth + 1)
+            if why:
+                return why
+    return None
+
+
+def cache_classes_supported(model: Any) -> str | None:
+    """Why ``model``'s caches cannot travel (naming the first such layer), from their classes alone; None if
+    they can. Needs no weights: ``make_prompt_cache`` only builds empty caches."""
+    for i, c in enumerate(make_prompt_cache(model)):
+        why = unsupported_cache(c)
+        if why:
+            return (f"{_PREFIX}layer {i} {why} (supported: {', '.join(t.__name__ for t in SUPPORTED)}; "
+                    "a CacheList of the others)")
+    return None
 
 
 def probe_layout(model: Any) -> KVLayout:
     """The KV layout of ``model``; ``unsupported`` names the first layer whose cache cannot travel."""
+    why = cache_classes_supported(model)
+    if why:
+        return KVLayout(unsupported=why)
     caches = make_prompt_cache(model)
-    for i, c in enumerate(caches):
-        if type(c) not in SUPPORTED:
-            return KVLayout(unsupported=f"this model's KV cache cannot be handed off to a decode node: layer {i} "
-                                        f"keeps a {type(c).__name__} (supported: "
-                                        f"{', '.join(t.__name__ for t in SUPPORTED)})")
-    model(mx.array([[0]], dtype=mx.uint32), cache=caches)
+    # evaluated here: whatever the forward leaves in the model (kimi_k3 keeps arrays of its first call) must
+    # not stay lazy on this thread's stream, which the scheduler's thread does not have
+    mx.eval(model(mx.array([[0]], dtype=mx.uint32), cache=caches), [c.state for c in caches])
     try:
-        layers = tuple(_layer_spec(c) for c in caches)
+        layers = tuple(spec_of(type(c).__name__, c.state) for c in caches)
     except ValueError as exc:
-        return KVLayout(unsupported=f"this model's KV cache cannot be handed off to a decode node: {exc}")
+        return KVLayout(unsupported=f"{_PREFIX}{exc}")
     return KVLayout(layers)
 
 
-def _layer_spec(c: Any) -> LayerSpec:
-    if isinstance(c, QuantizedKVCache):
-        (kq, ks, _), (vq, _, _) = c.keys, c.values
-        return LayerSpec(CacheKind.QUANTIZED, dtype_code(_name(ks.dtype)), kq.shape[1], kq.shape[-1] * 32 // c.bits,
-                         vq.shape[-1] * 32 // c.bits, group_size=c.group_size, bits=c.bits)
-    spec = LayerSpec(CacheKind.KV, dtype_code(_name(c.keys.dtype)), c.keys.shape[1], c.keys.shape[-1], c.values.shape[-1])
-    if isinstance(c, RotatingKVCache):
-        return LayerSpec(CacheKind.ROTATING, spec.dtype, spec.heads, spec.k_dim, spec.v_dim,
-                         max_size=c.max_size, keep=c.keep)
-    return spec
+def spec_of(name: str, state: Any) -> LayerSpec:
+    """The layer spec of a cache of class ``name`` whose ``state`` is ``state`` (ValueError: cannot travel)."""
+    kind = _KINDS.get(name)
+    if kind is CacheKind.QUANTIZED:
+        (kq, ks, _), (vq, _, _), _, group_size, bits = state
+        return LayerSpec(kind, dtype_code(_name(ks.dtype)), kq.shape[1], kq.shape[-1] * 32 // bits,
+                         vq.shape[-1] * 32 // bits, group_size=group_size, bits=bits)
+    if kind is CacheKind.KV:
+        keys, values, _ = state
+        return LayerSpec(kind, dtype_code(_name(keys.dtype)), keys.shape[1], keys.shape[-1], values.shape[-1])
+    if kind is CacheKind.ROTATING:
+        keys, values, _, keep, max_size, _ = state
+        return LayerSpec(kind, dtype_code(_name(keys.dtype)), keys.shape[1], keys.shape[-1], values.shape[-1],
+                         max_size=max_size, keep=keep)
+    if kind is CacheKind.ARRAYS:
+        return LayerSpec(kind, arrays=tuple(TensorSpec(dtype_code(_name(a.dtype)), tuple(a.shape))
+                                            for a in _arrays(state)))
+    if kind is CacheKind.LIST:
+        return LayerSpec(kind, parts=tuple(spec_of(sub_name, sub_state) for sub_state, sub_name in state))
+    raise ValueError(f"a {name} cannot travel")
+
+
+def _arrays(state: Any) -> list[mx.array]:
+    """An ArraysCache's arrays from its ``state`` (arrays, left_padding, lengths) of one unpadded sequence."""
+    arrays, left_padding, lengths = state
+    if left_padding is not None or lengths is not None:
+        raise ValueError("an ArraysCache of a padded batch cannot travel (one sequence's state can)")
+    for i, a in enumerate(arrays):
+        if a is None:
+            raise ValueError(f"ArraysCache entry {i} is still empty after a token")
+        if a.ndim == 0 or a.shape[0] != 1:
+            raise ValueError(f"ArraysCache entry {i} has shape {list(a.shape)}, not one sequence's [1, ...]")
+    return list(arrays)
 
 
 def _name(dtype: Any) -> str:
@@ -63,19 +136,38 @@ def export_cache(cache: list, layout: KVLayout, length: int) -> list[np.ndarray]
         raise HandoffError(f"the cache has {len(cache)} layers; the model has {len(layout.layers)}", )
     arrays: list[mx.array] = []
     for c, spec in zip(cache, layout.layers):
-        if getattr(c, "offset", None) != length:
-            raise HandoffError(f"a layer cache holds {getattr(c, 'offset', None)} tokens, the prompt has {length}")
-        arrays += _layer_arrays(c, spec, length)
+        arrays += _layer_arrays(type(c).__name__, c.state, spec, length)
+    wanted = layout.tensors(length)
+    for a, t in zip(arrays, wanted):
+        if tuple(a.shape) != t.shape or dtype_code(_name(a.dtype)) is not t.dtype:
+            raise HandoffError(f"a cache tensor is {_name(a.dtype)} {list(a.shape)}; the model's layout says "
+                               f"{t.dtype.name.lower()} {list(t.shape)}")
     mx.eval(arrays)
     return [_to_numpy(a) for a in arrays]
 
 
-def _layer_arrays(c: Any, spec: LayerSpec, length: int) -> list[mx.array]:
+def _layer_arrays(name: str, state: Any, spec: LayerSpec, length: int) -> list[mx.array]:
+    """One layer's tensors in wire order, from its cache's ``state``."""
+    if _KINDS.get(name) is not spec.kind:
+        raise HandoffError(f"a layer cache is a {name}; the model's layout says {spec.kind.name.lower()}")
+    if spec.kind is CacheKind.ARRAYS:
+        try:
+            return _arrays(state)
+        except ValueError as exc:
+            raise HandoffError(str(exc)) from None
+    if spec.kind is CacheKind.LIST:
+        if len(state) != len(spec.parts):
+            raise HandoffError(f"a CacheList holds {len(state)} caches; the model's layout says {len(spec.parts)}")
+        return [a for (sub_state, sub_name), part in zip(state, spec.parts)
+                for a in _layer_arrays(sub_name, sub_state, part, length)]
+    keys, values, offset = state[:3]
+    if offset != length:
+        raise HandoffError(f"a layer cache holds {offset} tokens, the prompt has {length}")
     if spec.kind is CacheKind.QUANTIZED:
-        return [x[..., :length, :] for x in (*c.keys, *c.values)]
+        return [x[..., :length, :] for x in (*keys, *values)]
     if spec.kind is CacheKind.KV:
-        return [c.keys[..., :length, :], c.values[..., :length, :]]
-    keys, values, offset, keep, _, write = c.state  # RotatingKVCache.state; ``write``: the next write index
+        return [keys[..., :length, :], values[..., :length, :]]
+    _, _, _, keep, _, write = state  # RotatingKVCache.state; ``write``: the next write index
     n = spec.positions(length)
     return [_window(_temporal(x, write, offset, keep), keep, n) for x in (keys, values)]
 
@@ -108,8 +200,8 @@ def import_cache(handoff: Handoff) -> list:
     length = len(handoff.prompt)
     out = []
     for spec, tensors in handoff.layer_tensors():
-        arrays = [_from_numpy(t, spec.dtype if t.dtype != np.uint32 else DType.UINT32) for t in tensors]
-        out.append(_layer_cache(spec, arrays, length))
+        arrays = [_from_numpy(t, ts.dtype) for t, ts in zip(tensors, spec.tensors(length))]
+        out.append(CLASSES[spec.kind].from_state(_state(spec, arrays, length)))
     mx.eval([c.state for c in out])  # no lazy op left to tie the arrays to this thread's stream
     return out
 
@@ -119,10 +211,20 @@ def _from_numpy(t: np.ndarray, dtype: DType) -> mx.array:
     return a.view(mx.bfloat16) if dtype is DType.BFLOAT16 else a
 
 
-def _layer_cache(spec: LayerSpec, arrays: list[mx.array], length: int) -> Any:
-    """A cache rebuilt through mlx-lm's ``from_state``; a rotating one's next write goes after its last position."""
+def _state(spec: LayerSpec, arrays: list[mx.array], length: int) -> Any:
+    """The ``state`` that mlx-lm's ``from_state`` of the spec's class takes; a rotating cache's next write
+    goes after its last position, a CacheList's parts come with their class names."""
     if spec.kind is CacheKind.QUANTIZED:
-        return QuantizedKVCache.from_state((tuple(arrays[:3]), tuple(arrays[3:]), length, spec.group_size, spec.bits))
+        return tuple(arrays[:3]), tuple(arrays[3:]), length, spec.group_size, spec.bits
     if spec.kind is CacheKind.KV:
-        return KVCache.from_state((arrays[0], arrays[1], length))
-    return RotatingKVCache.from_state((arrays[0], arrays[1], length, spec.keep, spec.max_size, arrays[0].shape[2]))
+        return arrays[0], arrays[1], length
+    if spec.kind is CacheKind.ROTATING:
+        return arrays[0], arrays[1], length, spec.keep, spec.max_size, arrays[0].shape[2]
+    if spec.kind is CacheKind.ARRAYS:
+        return list(arrays), None, None
+    out, i = [], 0
+    for part in spec.parts:
+        k = len(part.tensors(length))
+        out.append((_state(part, arrays[i:i + k], length), CLASSES[part.kind].__name__))
+        i += k
+    return out

@@ -5,7 +5,9 @@ are *parts*:
 
 * ``HEADER``: magic, version, the request document (JSON, at most ``MAX_KV_META_LEN`` bytes), the
   prompt's token ids (u32 little-endian) and one 24-byte record per layer (cache kind, dtype,
-  KV heads, key and value widths, positions held, tokens seen, kind parameters);
+  KV heads, key and value widths, positions held, tokens seen, kind parameters); an ARRAYS layer
+  (linear-attention or SSM state) is followed by one ARRAY record per array (dtype and shape), a
+  LIST layer (several caches) by the records of its caches;
 * ``CHUNK``: a consecutive index and raw tensor bytes (at most ``MAX_KV_CHUNK_LEN``); the bytes of
   every tensor, layer by layer, concatenated, cut anywhere;
 * ``END``: the number of chunks and of tensor bytes.
@@ -31,8 +33,11 @@ from mlxcel.disagg.wire import (
     KV_CHUNK_LEN,
     KV_MAGIC,
     KV_VERSION,
+    MAX_KV_ARRAYS,
     MAX_KV_CHUNK_LEN,
+    MAX_KV_LIST,
     MAX_KV_META_LEN,
+    MAX_KV_NDIM,
     CacheKind,
     DType,
     Part,
@@ -46,6 +51,9 @@ _COUNT = struct.Struct(">I")
 _LAYERS = struct.Struct(">H")
 #: kind, dtype, heads, k_dim, v_dim, positions, offset, a, b
 LAYER_RECORD = struct.Struct(">BBHHHIIII")
+#: an ARRAYS layer's array: kind (ARRAY), dtype, ndim, 0, five dimensions (unused ones 0)
+ARRAY_RECORD = struct.Struct(">BBBB5I")
+RECORD_LEN = LAYER_RECORD.size  # == ARRAY_RECORD.size: every record is 24 bytes
 _CHUNK = struct.Struct(">BI")
 _END = struct.Struct(">BIQ")
 _NUMPY = {DType.FLOAT32: np.float32, DType.FLOAT16: np.float16, DType.BFLOAT16: np.uint16, DType.UINT32: np.uint32}
@@ -75,33 +83,53 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class LayerSpec:
-    """What one layer's cache holds for this model: kind, dtype, heads and widths, kind parameters."""
+    """What one layer's cache holds for this model: kind, dtype, heads and widths, kind parameters.
+
+    An ARRAYS layer (``ArraysCache``) holds ``arrays`` of fixed shapes whatever the prompt's length; a
+    LIST layer (``CacheList``) holds ``parts``, one spec per cache (none of them a LIST).
+    """
 
     kind: CacheKind
-    dtype: DType  # keys and values (a quantized layer: its scales and biases)
-    heads: int
-    k_dim: int
-    v_dim: int
+    dtype: DType | None = None  # keys and values (a quantized layer: its scales and biases); None: ARRAYS, LIST
+    heads: int = 0
+    k_dim: int = 0
+    v_dim: int = 0
     max_size: int = 0  # ROTATING: positions kept
     keep: int = 0  # ROTATING: leading positions never evicted
     group_size: int = 0  # QUANTIZED
     bits: int = 0  # QUANTIZED
+    arrays: tuple[TensorSpec, ...] = ()  # ARRAYS: each array's dtype and shape, in the cache's order
+    parts: tuple["LayerSpec", ...] = ()  # LIST: the caches, in the CacheList's order
+
+    def __post_init__(self) -> None:
+        check_spec(self)
 
     def positions(self, length: int) -> int:
-        """Positions the cache holds after ``length`` tokens."""
+        """Positions the cache holds after ``length`` tokens (0: ARRAYS and LIST hold no positions of their own)."""
+        if self.kind in (CacheKind.ARRAYS, CacheKind.LIST):
+            return 0
         return min(length, self.max_size) if self.kind is CacheKind.ROTATING else length
 
     def params(self) -> tuple[int, int]:
-        """The record's (a, b): (keep, max_size), (group_size, bits), or (0, 0)."""
+        """The record's (a, b): (keep, max_size), (group_size, bits), (arrays, 0), (caches, 0) or (0, 0)."""
         if self.kind is CacheKind.ROTATING:
             return self.keep, self.max_size
         if self.kind is CacheKind.QUANTIZED:
             return self.group_size, self.bits
+        if self.kind is CacheKind.ARRAYS:
+            return len(self.arrays), 0
+        if self.kind is CacheKind.LIST:
+            return len(self.parts), 0
         return 0, 0
 
     def tensors(self, length: int) -> list[TensorSpec]:
         """The tensors of this layer after ``length`` tokens, in wire order."""
+        if self.kind is CacheKind.ARRAYS:
+            return list(self.arrays)
+        if self.kind is CacheKind.LIST:
+            return [t for part in self.parts for t in part.tensors(length)]
         n, h = self.positions(length), self.heads
+        assert self.dtype is not None
         if self.kind is not CacheKind.QUANTIZED:
             return [TensorSpec(self.dtype, (1, h, n, self.k_dim)), TensorSpec(self.dtype, (1, h, n, self.v_dim))]
         out = []
@@ -112,9 +140,45 @@ class LayerSpec:
         return out
 
     def record(self, length: int) -> bytes:
+        """This layer's records: its own 24 bytes, then an ARRAYS layer's ARRAY records or a LIST's parts'."""
         a, b = self.params()
-        return LAYER_RECORD.pack(self.kind, self.dtype, self.heads, self.k_dim, self.v_dim,
-                                 self.positions(length), length, a, b)
+        own = LAYER_RECORD.pack(self.kind, self.dtype or 0, self.heads, self.k_dim, self.v_dim,
+                                self.positions(length), length, a, b)
+        if self.kind is CacheKind.ARRAYS:
+            return own + b"".join(array_record(t) for t in self.arrays)
+        if self.kind is CacheKind.LIST:
+            return own + b"".join(part.record(length) for part in self.parts)
+        return own
+
+
+def array_record(spec: TensorSpec) -> bytes:
+    dims = tuple(spec.shape) + (0,) * (MAX_KV_NDIM - len(spec.shape))
+    return ARRAY_RECORD.pack(CacheKind.ARRAY, spec.dtype, len(spec.shape), 0, *dims)
+
+
+_U16, _U32 = 0xFFFF, 0xFFFFFFFF
+
+
+def check_spec(spec: LayerSpec) -> None:
+    """ValueError unless ``spec`` fits its records' fields and bounds (a model this codec cannot describe)."""
+    if spec.kind in (CacheKind.ARRAYS, CacheKind.LIST):
+        items = spec.arrays if spec.kind is CacheKind.ARRAYS else spec.parts
+        most = MAX_KV_ARRAYS if spec.kind is CacheKind.ARRAYS else MAX_KV_LIST
+        if not 1 <= len(items) <= most:
+            raise ValueError(f"a {spec.kind.name} layer holds {len(items)} items (1..{most} can travel)")
+        for t in spec.arrays:
+            if not 1 <= len(t.shape) <= MAX_KV_NDIM or not all(0 < d <= _U32 for d in t.shape):
+                raise ValueError(f"an array of {len(t.shape)} dimensions {list(t.shape)} cannot travel "
+                                 f"(1..{MAX_KV_NDIM} dimensions, each 1..2^32-1)")
+        if any(p.kind in (CacheKind.LIST, CacheKind.ARRAY) for p in spec.parts):
+            raise ValueError("a CacheList inside a CacheList cannot travel")
+        return
+    if spec.kind is CacheKind.ARRAY or spec.dtype is None:
+        raise ValueError(f"a {spec.kind.name} layer needs a dtype")
+    if max(spec.heads, spec.k_dim, spec.v_dim) > _U16 or max(spec.max_size, spec.keep, spec.group_size,
+                                                             spec.bits) > _U32:
+        raise ValueError(f"a {spec.kind.name.lower()} layer of {spec.heads} heads, widths {spec.k_dim}/{spec.v_dim} "
+                         "does not fit its record (heads and widths at most 65535)")
 
 
 @dataclass(frozen=True)
@@ -295,14 +359,16 @@ class HandoffDecoder:
         off += _LAYERS.size
         if layers != len(self.layout.layers):
             raise HandoffError(f"the handoff names {layers} layers; this model has {len(self.layout.layers)}")
-        if len(view) != off + layers * LAYER_RECORD.size:
-            raise HandoffError(f"the handoff header is {len(view)} bytes; {layers} layer records make it "
-                               f"{off + layers * LAYER_RECORD.size}", ErrorCode.BAD_REQUEST)
-        for i, spec in enumerate(self.layout.layers):
-            got = bytes(view[off + i * LAYER_RECORD.size: off + (i + 1) * LAYER_RECORD.size])
-            if got != spec.record(count):
-                raise HandoffError(f"layer {i}: {_describe(got)} does not match this model's "
-                                   f"{_describe(spec.record(count))}")
+        expected = [spec.record(count) for spec in self.layout.layers]  # this model's, never the sender's claim
+        size = sum(len(r) for r in expected)
+        if len(view) != off + size:
+            raise HandoffError(f"the handoff header is {len(view)} bytes; {size // RECORD_LEN} layer records make "
+                               f"it {off + size}", ErrorCode.BAD_REQUEST)
+        for i, want in enumerate(expected):
+            got = bytes(view[off:off + len(want)])
+            if got != want:
+                raise HandoffError(f"layer {i}: {_describe(got)} does not match this model's {_describe(want)}")
+            off += len(want)
         self._specs = list(reversed(self.layout.tensors(count)))
         self.expected = sum(t.nbytes for t in self._specs)
         self.state = "chunks"
@@ -374,9 +440,22 @@ def _json_object(raw: memoryview, claimed: int) -> dict[str, Any]:
     return doc
 
 
-def _describe(record: bytes) -> str:
+def _describe(records: bytes) -> str:
+    """A layer's records in words ("rotating float32 [2 heads, k 16, v 16] 4 positions of 7 tokens (0, 4)")."""
+    return "; ".join(_describe_one(records[i:i + RECORD_LEN]) for i in range(0, len(records), RECORD_LEN))
+
+
+def _describe_one(record: bytes) -> str:
+    if record[0] == CacheKind.ARRAY:
+        _, dtype, ndim, _, *dims = ARRAY_RECORD.unpack(record)
+        return f"array {_dtype_name(dtype)} of {ndim} dimensions {list(dims)}"
     kind, dtype, heads, k_dim, v_dim, positions, offset, a, b = LAYER_RECORD.unpack(record)
     kind_name = CacheKind(kind).name.lower() if kind in CacheKind._value2member_map_ else f"kind {kind}"
-    dtype_name = DTYPE_NAMES.get(dtype, f"dtype {dtype}")  # type: ignore[call-overload]
-    return (f"{kind_name} {dtype_name} [{heads} heads, k {k_dim}, v {v_dim}] {positions} positions of {offset} tokens"
-            f" ({a}, {b})")
+    if kind in (CacheKind.ARRAYS, CacheKind.LIST):
+        return f"{kind_name} of {a} after {offset} tokens"
+    return (f"{kind_name} {_dtype_name(dtype)} [{heads} heads, k {k_dim}, v {v_dim}] {positions} positions of "
+            f"{offset} tokens ({a}, {b})")
+
+
+def _dtype_name(code: int) -> str:
+    return DTYPE_NAMES.get(code, f"dtype {code}")  # type: ignore[call-overload]

@@ -27,11 +27,20 @@ class Part(enum.IntEnum):
 
 
 class CacheKind(enum.IntEnum):
-    """How one layer's KV is held (mlx-lm's cache classes)."""
+    """The first byte of a layer record: how one layer's cache is held (mlx-lm's cache classes)."""
 
-    KV = 1  # KVCache: every position
+    KV = 1  # KVCache: every position (MLA's latent cache too: one head, latent and rope widths)
     ROTATING = 2  # RotatingKVCache: the last max_size positions (sliding-window layers)
     QUANTIZED = 3  # QuantizedKVCache: packed uint32 + scales + biases per keys and values
+    ARRAYS = 4  # ArraysCache: fixed-shape state arrays (linear attention, SSM); ARRAY records follow
+    LIST = 5  # CacheList: several caches for one layer; their records follow
+    ARRAY = 6  # not a layer: one array of the ARRAYS record before it (dtype and shape)
+
+
+#: most arrays in one ARRAYS layer, most caches in one LIST layer, most dimensions of one array
+MAX_KV_ARRAYS = 8
+MAX_KV_LIST = 8
+MAX_KV_NDIM = 5
 
 
 class DType(enum.IntEnum):

@@ -107,6 +107,9 @@ class _Seq:
 class _Slot:
     rids: list[str] = field(default_factory=list)
     cache: list = field(default_factory=list)  # per layer: one row's cache, or a batched cache
+    # whether ``cache`` is merged (mlx-lm's batch caches); known here, since a one-row ArraysCache
+    # (linear attention) looks like a merged one
+    batched: bool = False
 
 
 class SliceRunner:
@@ -158,7 +161,7 @@ class SliceRunner:
         if seq.slot is None:
             return seq.cache, seq.length
         slot = self._slots[seq.slot]
-        if len(slot.rids) == 1 and not _is_batched(slot.cache):
+        if len(slot.rids) == 1 and not slot.batched:
             return slot.cache, seq.length
         i = slot.rids.index(rid)
         return [c.extract(i) for c in slot.cache], seq.length
@@ -253,8 +256,8 @@ class SliceRunner:
     def _filter(self, slot: _Slot, indices: list[int]) -> None:
         slot.rids = [slot.rids[i] for i in indices]
         if not slot.rids:
-            slot.cache = []
-        elif _is_batched(slot.cache):
+            slot.cache, slot.batched = [], False
+        elif slot.batched:
             for c in slot.cache:
                 c.filter(indices)
 
@@ -268,12 +271,9 @@ class SliceRunner:
             if not slot.rids:
                 slot.cache = merged
             else:
-                if not _is_batched(slot.cache):
+                if not slot.batched:
                     slot.cache = [c.merge([c]) for c in slot.cache]
                 for c, m in zip(slot.cache, merged):
                     c.extend(m)
+            slot.batched = True
         slot.rids = slot.rids + [s.rid for s in joining]
-
-
-def _is_batched(cache: list) -> bool:
-    return bool(cache) and hasattr(cache[0], "left_padding")

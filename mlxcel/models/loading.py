@@ -112,4 +112,21 @@ def load_checkpoint(model_dir: str | Path, *, lazy: bool = False) -> LoadedModel
         model, tokenizer, config = mlx_lm.load(str(path), lazy=lazy, return_config=True)
     except (ValueError, FileNotFoundError, KeyError, OSError) as exc:
         raise ModelError(f"{path}: cannot load checkpoint: {exc}") from None
+    _eval_private_arrays(model)
     return LoadedModel(model=model, tokenizer=tokenizer, config=config, path=path)
+
+
+def _eval_private_arrays(model: Any) -> None:
+    """Evaluate the arrays a model keeps outside its parameters (``_``-prefixed: rope frequencies, ...).
+
+    mlx-lm's ``load`` evaluates the parameters only; a family that builds, say, ``rope._freqs`` at
+    construction leaves it a lazy array of the loading thread's stream, and the scheduler's thread,
+    which has no such stream, then fails ("There is no Stream(cpu, 0) in current thread"). They are
+    computed, never read from the checkpoint, so this reads no weight even for a lazy load.
+    """
+    import mlx.core as mx
+
+    private = [v for _, module in model.named_modules() for k, v in module.items()
+               if k.startswith("_") and isinstance(v, mx.array)]
+    if private:
+        mx.eval(private)

@@ -31,3 +31,4 @@ def load_stage_runner(model_dir: Path, start: int, end: int, *, max_rows: int) -
             keep.append(head.parameters())
     mx.eval(keep)  # on this thread: a lazily loaded array evaluated first on another thread has no stream there
     return runner, loaded
+

@@ -35,7 +35,8 @@ def patient_starts(monkeypatch):
     """A node started again under load on a shared 2-core box may take minutes to print its URL."""
     from tests.pipeline.cluster import Node
 
-    monkeypatch.setattr(Node, "start_timeout_s", 240.0)
+    monkeypatch.setattr(Node, "start_wait_s", 240.0)
+    monkeypatch.setattr(Node, "ready_wait_s", 240.0)
 
 
 def undisturbed(url: str) -> list[str]:

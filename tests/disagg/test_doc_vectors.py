@@ -1,4 +1,4 @@
-"""The worked example of docs/disagg.md §4.4 is what the codec writes and reads."""
+"""The worked examples of docs/disagg.md §4.4 and §4.5 are what the codec writes and reads."""
 
 from __future__ import annotations
 
@@ -7,15 +7,15 @@ from pathlib import Path
 
 import numpy as np
 
-from mlxcel.disagg.kv_codec import HandoffDecoder, KVLayout, LayerSpec, encode_chunks, encode_header
+from mlxcel.disagg.kv_codec import HandoffDecoder, KVLayout, LayerSpec, TensorSpec, encode_chunks, encode_header
 from mlxcel.disagg.wire import CacheKind, DType
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "disagg.md"
 
 
-def example_parts() -> list[bytes]:
+def example_parts(section: str = "### 4.4 Worked example") -> list[bytes]:
     text = DOC.read_text()
-    block = text[text.index("### 4.4 Worked example"):]
+    block = text[text.index(section):]
     block = block[block.index("```") + 3:]
     block = block[:block.index("```")]
     parts, current = [], ""
@@ -41,3 +41,20 @@ def test_the_worked_example_matches_the_codec():
         dec.feed(part)
     got = dec.result()
     assert got.prompt == (7, 8) and np.array_equal(got.tensors[0], keys) and np.array_equal(got.tensors[1], -keys)
+
+
+def test_the_state_and_list_example_matches_the_codec():
+    state = LayerSpec(CacheKind.ARRAYS, arrays=(TensorSpec(DType.FLOAT32, (1, 3)), TensorSpec(DType.FLOAT32, (1, 1, 1, 2))))
+    kv = LayerSpec(CacheKind.KV, DType.FLOAT32, 1, 1, 1)
+    layout = KVLayout((state, LayerSpec(CacheKind.LIST, parts=(kv, kv))))
+    sent = [np.array([[1.0, 2.0, 3.0]], np.float32), np.array([[[[4.0, 5.0]]]], np.float32),
+            *(np.full((1, 1, 1, 1), v, np.float32) for v in (6.0, 7.0, 8.0, 9.0))]
+    written = [encode_header({"nonce": "0123456789abcdef"}, (7,), layout), *encode_chunks(sent, 24)]
+    parts = example_parts("### 4.5 Worked example")
+    assert parts == written
+    dec = HandoffDecoder(layout, 16)
+    for part in parts:
+        dec.feed(part)
+    got = dec.result()
+    assert got.prompt == (7,) and all(np.array_equal(a, b) for a, b in zip(got.tensors, sent))
+    assert [t.shape for t in got.tensors][:2] == [(1, 3), (1, 1, 1, 2)]

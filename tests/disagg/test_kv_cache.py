@@ -74,7 +74,8 @@ def run(coro):
     return asyncio.run(coro)
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_sliding", "tiny_gemma3", "tiny_bf16"])
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_sliding", "tiny_gemma3", "tiny_bf16", "tiny_mamba",
+                                     "tiny_deepseek_v32"])
 def test_an_adopted_handoff_continues_exactly_like_one_node(fixture, request):
     loaded = load(request.getfixturevalue(fixture))
 
@@ -163,7 +164,7 @@ def test_an_imported_rotating_cache_goes_on_like_the_original(keep, steps):
 
 
 def test_a_quantized_cache_round_trips_bit_for_bit():
-    from mlxcel.disagg.kv_cache import _layer_spec
+    from mlxcel.disagg.kv_cache import spec_of
 
     quantized = []
     for seed in range(3):
@@ -171,7 +172,7 @@ def test_a_quantized_cache_round_trips_bit_for_bit():
         k = mx.random.normal((1, 2, len(PROMPT), 64), key=mx.random.key(seed)).astype(mx.bfloat16)
         c.update_and_fetch(k, -k)
         quantized.append(c.to_quantized(group_size=32, bits=4))
-    layout = KVLayout(tuple(_layer_spec(c) for c in quantized))
+    layout = KVLayout(tuple(spec_of(type(c).__name__, c.state) for c in quantized))
     assert layout.layers[0].kind is CacheKind.QUANTIZED and layout.layers[0].k_dim == 64
     assert layout.layers[0].dtype is DType.BFLOAT16
     tensors = export_cache(quantized, layout, len(PROMPT))
@@ -186,12 +187,29 @@ def test_a_quantized_cache_round_trips_bit_for_bit():
             assert mx.array_equal(x[..., :len(PROMPT), :], y).item()
 
 
-def test_a_recurrent_model_is_unsupported_by_name(tiny_mamba):
-    layout = probe_layout(load(tiny_mamba).model)
-    assert layout.unsupported is not None
-    assert "layer 0 keeps a ArraysCache" in layout.unsupported or "MambaCache" in layout.unsupported
+def test_a_chunked_attention_model_is_unsupported_by_name(tiny_llama4):
+    layout = probe_layout(load(tiny_llama4).model)
+    assert layout.unsupported is not None and "layer 0 keeps a ChunkedKVCache" in layout.unsupported
     with pytest.raises(ValueError):
         HandoffDecoder(layout, 2048)
+
+
+def test_a_cache_list_travels_as_its_caches(tiny_deepseek_v32):
+    """deepseek_v32: a CacheList per layer (MLA latents and the indexer's keys), each part a KV record."""
+    layout = probe_layout(load(tiny_deepseek_v32).model)
+    assert layout.unsupported is None and [s.kind for s in layout.layers] == [CacheKind.LIST] * 4
+    assert [p.kind for p in layout.layers[0].parts] == [CacheKind.KV, CacheKind.KV]
+    assert (layout.layers[0].parts[0].heads, layout.layers[0].parts[1].k_dim) == (1, 16)  # latents; indexer keys
+    _, back, _ = handed_over(load(tiny_deepseek_v32), greedy(PROMPT, "v32"))
+    assert all(type(c).__name__ == "CacheList" and c.caches[0].offset == len(PROMPT) for c in back)
+
+
+def test_a_mamba_state_travels_whole(tiny_mamba):
+    """A recurrent model (ArraysCache in every layer): its conv and SSM state arrays, whatever the prompt's length."""
+    layout = probe_layout(load(tiny_mamba).model)
+    assert layout.unsupported is None
+    assert [s.kind for s in layout.layers] == [CacheKind.ARRAYS] * 2
+    assert layout.nbytes(3) == layout.nbytes(300) > 0
 
 
 def test_a_cache_whose_length_is_not_the_prompt_is_not_exported(tiny_llama):

@@ -10,15 +10,17 @@ import numpy as np
 import pytest
 
 from mlxcel.disagg.kv_codec import (
+    ARRAY_RECORD,
     LAYER_RECORD,
     HandoffDecoder,
     HandoffError,
     KVLayout,
     LayerSpec,
+    TensorSpec,
     encode_chunks,
     encode_header,
 )
-from mlxcel.disagg.wire import MAX_KV_CHUNK_LEN, MAX_KV_META_LEN, CacheKind, DType, Part
+from mlxcel.disagg.wire import MAX_KV_ARRAYS, MAX_KV_CHUNK_LEN, MAX_KV_META_LEN, CacheKind, DType, Part
 from mlxcel.error_codes import ErrorCode
 
 KV = LayerSpec(CacheKind.KV, DType.FLOAT32, heads=2, k_dim=8, v_dim=8)
@@ -264,3 +266,97 @@ def test_parts_out_of_place_are_refused():
 def test_an_unsupported_layout_cannot_receive():
     with pytest.raises(ValueError, match="cannot"):
         HandoffDecoder(KVLayout(unsupported="cannot be handed off"), CONTEXT)
+
+
+# -- linear-attention state (ARRAYS) and several caches per layer (LIST) ---------------------------
+
+STATE = LayerSpec(CacheKind.ARRAYS, arrays=(TensorSpec(DType.FLOAT32, (1, 3, 24)),
+                                            TensorSpec(DType.BFLOAT16, (1, 4, 8, 8))))  # conv and recurrent state
+PAIR = LayerSpec(CacheKind.LIST, parts=(KV, LayerSpec(CacheKind.KV, DType.FLOAT32, 1, 4, 4)))  # attention + indexer
+MIXED = KVLayout((STATE, KV, PAIR, SLIDING, STATE))
+
+
+@pytest.mark.parametrize("chunk_len", [1, 7, 1000])
+def test_arrays_and_list_layers_round_trip_beside_the_old_kinds(chunk_len):
+    sent = tensors_for(MIXED, len(PROMPT))
+    dec = decoder(MIXED)
+    for part in parts(MIXED, chunk_len=chunk_len):
+        dec.feed(part)
+    got = dec.result()
+    assert all(np.array_equal(a, b) and a.dtype == b.dtype for a, b in zip(got.tensors, sent))
+    assert [t.shape for t in got.tensors][:2] == [(1, 3, 24), (1, 4, 8, 8)]  # a state's arrays, whole
+    assert [len(ts) for _, ts in got.layer_tensors()] == [2, 2, 4, 2, 2]
+
+
+def test_a_state_is_the_same_size_whatever_the_prompt():
+    layout = KVLayout((STATE,))
+    assert layout.nbytes(1) == layout.nbytes(10_000) == 3 * 24 * 4 + 4 * 8 * 8 * 2
+
+
+def test_arrays_and_list_records_are_the_documented_ones():
+    header = encode_header({}, (7, 8), KVLayout((STATE, PAIR)))
+    records = header[-24 * 6:]
+    assert len(header) == 10 + 2 + 4 + 8 + 2 + 24 * 6  # 2 layers, 6 records: ARRAYS + 2 ARRAY, LIST + 2 KV
+    assert records[:24] == LAYER_RECORD.pack(CacheKind.ARRAYS, 0, 0, 0, 0, 0, 2, 2, 0)
+    assert records[24:48] == ARRAY_RECORD.pack(CacheKind.ARRAY, DType.FLOAT32, 3, 0, 1, 3, 24, 0, 0)
+    assert records[48:72] == ARRAY_RECORD.pack(CacheKind.ARRAY, DType.BFLOAT16, 4, 0, 1, 4, 8, 8, 0)
+    assert records[72:96] == LAYER_RECORD.pack(CacheKind.LIST, 0, 0, 0, 0, 0, 2, 2, 0)
+    assert records[96:120] == LAYER_RECORD.pack(CacheKind.KV, DType.FLOAT32, 2, 8, 8, 2, 2, 0, 0)
+    assert records[120:] == LAYER_RECORD.pack(CacheKind.KV, DType.FLOAT32, 1, 4, 4, 2, 2, 0, 0)
+
+
+@pytest.mark.parametrize("theirs, words", [
+    (LayerSpec(CacheKind.ARRAYS, arrays=(TensorSpec(DType.FLOAT32, (1, 3, 25)), STATE.arrays[1])), "array"),
+    (LayerSpec(CacheKind.ARRAYS, arrays=(STATE.arrays[1], STATE.arrays[0])), "bfloat16"),
+    (LayerSpec(CacheKind.ARRAYS, arrays=(TensorSpec(DType.FLOAT32, (1, 3, 24)),
+                                         TensorSpec(DType.BFLOAT16, (1, 4, 8, 8, 1)))), "5 dimensions"),
+    (LayerSpec(CacheKind.LIST, parts=(KV, KV, KV)), "list of 3"),
+    (KV, "kv float32"),
+])
+def test_a_state_or_list_record_that_differs_from_the_model_is_refused(theirs, words):
+    ours = KVLayout((STATE, PAIR))
+    mine, other = (theirs, PAIR) if theirs.kind is CacheKind.ARRAYS else (STATE, theirs)
+    header = encode_header(META, PROMPT, KVLayout((mine, other)))
+    if len(header) != len(encode_header(META, PROMPT, ours)):
+        refused(decoder(ours), header, "layer records make it")
+    else:
+        err = refused(decoder(ours), header, "layer", words)
+        assert err.code is ErrorCode.BAD_TENSOR
+
+
+def test_an_arrays_record_claiming_more_arrays_is_refused():
+    header = bytearray(encode_header(META, PROMPT, KVLayout((STATE,))))
+    start = len(header) - 3 * 24
+    record = list(LAYER_RECORD.unpack_from(header, start))
+    record[7] = 3  # three arrays, with only two ARRAY records after it
+    header[start:start + 24] = LAYER_RECORD.pack(*record)
+    refused(decoder(KVLayout((STATE,))), bytes(header), "layer 0", "arrays of 3")
+
+
+def test_random_corruption_of_a_state_header_never_escapes_as_another_error():
+    header = encode_header(META, PROMPT, MIXED)
+    rng = random.Random(23)
+    for _ in range(1000):
+        bad = bytearray(header)
+        for _ in range(rng.randint(1, 4)):
+            bad[rng.randrange(len(bad))] = rng.randrange(256)
+        dec = decoder(MIXED)
+        try:
+            dec.feed(bytes(bad))
+        except HandoffError:
+            continue
+        assert dec.state == "chunks" and dec.expected <= MIXED.nbytes(CONTEXT)
+
+
+@pytest.mark.parametrize("build, words", [
+    (lambda: LayerSpec(CacheKind.ARRAYS), "holds 0 items"),
+    (lambda: LayerSpec(CacheKind.ARRAYS, arrays=(STATE.arrays[0],) * (MAX_KV_ARRAYS + 1)), "holds 9 items"),
+    (lambda: LayerSpec(CacheKind.ARRAYS, arrays=(TensorSpec(DType.FLOAT32, (1,) * 6),)), "of 6 dimensions"),
+    (lambda: LayerSpec(CacheKind.ARRAYS, arrays=(TensorSpec(DType.FLOAT32, (1, 0)),)), "each 1..2^32-1"),
+    (lambda: LayerSpec(CacheKind.LIST, parts=(PAIR,)), "inside a CacheList"),
+    (lambda: LayerSpec(CacheKind.KV, DType.FLOAT32, 70_000, 8, 8), "at most 65535"),
+    (lambda: LayerSpec(CacheKind.KV), "needs a dtype"),
+])
+def test_a_model_the_records_cannot_describe_is_refused_when_its_layout_is_made(build, words):
+    with pytest.raises(ValueError, match=words.replace("^", r"\^").replace(".", r"\.")):
+        build()

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
-from mlxcel.engine.prefix_cache import MIN_PREFIX, PrefixCache
+from mlxcel.engine.prefix_cache import CUT, MIN_PREFIX, WHOLE, PrefixCache, reuse_kind
 
 LAYERS = 2
 BYTES_PER_TOKEN = LAYERS * 2 * (1 * 2 * 4) * 4  # layers x (keys, values) x [B=1, H=2, D=4] x float32
@@ -54,20 +54,73 @@ def test_at_least_one_prompt_token_is_left_to_prefill():
     assert n == 9 and cache[0].offset == 9
 
 
-def test_short_matches_and_caches_that_cannot_be_cut_are_not_used():
+def test_short_matches_and_caches_that_cannot_be_reused_are_not_used():
     pc = PrefixCache(1 << 20)
     pc.store(list(range(MIN_PREFIX - 1)), kv(MIN_PREFIX - 1))  # too short to be worth storing
     assert len(pc) == 0
     pc.store(list(range(10)), kv(10))
     assert pc.lookup(list(range(MIN_PREFIX - 1)) + [77, 78]) == (None, 0)
-    rotating = RotatingKVCache(max_size=16)
-    x = mx.zeros((1, 2, 10, 4))
-    rotating.update_and_fetch(x, x)
-    pc.store(list(range(20, 30)), [rotating])
+    wide = KVCache()
+    wide.update_and_fetch(mx.zeros((1, 2, 10, 32)), mx.zeros((1, 2, 10, 32)))
+    quantized = wide.to_quantized(group_size=32, bits=4)
+    pc.store(list(range(20, 30)), [quantized])  # a quantized cache is not kept
+    empty = ArraysCache(2)
+    pc.store(list(range(40, 50)), [empty])  # nor a state that was never written
     assert len(pc) == 1 and pc.hits == 0
     off = PrefixCache(0)
     off.store(list(range(10)), kv(10))
     assert len(off) == 0 and off.lookup(list(range(10))) == (None, 0)
+
+
+def state_and_kv(n: int, mark: float) -> list:
+    """A hybrid layer pair after n tokens: a linear-attention state (fixed shapes) and a KV layer."""
+    state = ArraysCache(2)
+    state[0], state[1] = mx.full((1, 3, 8), mark), mx.full((1, 2, 4, 4), mark + 1)
+    return [state, kv(n)[0]]
+
+
+def test_a_linear_attention_state_is_reused_only_whole():
+    """An ArraysCache cannot be cut back to fewer tokens: its entry serves only prompts that start with all of
+    it (the next turn of a chat), never one that diverges inside it, nor a pipeline's shorter agreed prefix."""
+    pc = PrefixCache(1 << 20)
+    pc.store(list(range(10)), state_and_kv(10, 5.0))
+    assert reuse_kind(state_and_kv(3, 0.0)) == WHOLE and reuse_kind(kv(3)) == CUT
+    cache, n = pc.lookup(list(range(10)) + [50, 51])
+    assert n == 10 and isinstance(cache[0], ArraysCache) and cache[1].offset == 10
+    assert mx.array_equal(cache[0][0], mx.full((1, 3, 8), 5.0)).item()
+    assert pc.lookup(list(range(6)) + [77, 78, 79, 80, 81]) == (None, 0)  # diverges inside: no cut
+    assert pc.lookup(list(range(10)) + [50], limit=8) == (None, 0)  # a pipeline agreed on 8: not 10
+    assert pc.lookup(list(range(10))) == (None, 0)  # it would leave no token to prefill
+    pc.store(list(range(6)) + [77, 78], kv(8))  # a cuttable entry still serves the diverging prompt
+    assert pc.lookup(list(range(6)) + [77, 78, 79, 80, 81])[1] == 8
+
+
+def test_a_reused_state_can_go_on_without_touching_the_stored_entry():
+    pc = PrefixCache(1 << 20)
+    pc.store(list(range(10)), state_and_kv(10, 5.0))
+    cache, _ = pc.lookup(list(range(10)) + [1])
+    cache[0][1] = mx.zeros((1, 2, 4, 4))  # what a model's step does: a new array in the state's slot
+    again, _ = pc.lookup(list(range(10)) + [1])
+    assert cache[0] is not again[0] and mx.array_equal(again[0][1], mx.full((1, 2, 4, 4), 6.0)).item()
+
+
+def test_a_state_is_not_stored_under_fewer_tokens_than_it_has_seen():
+    pc = PrefixCache(1 << 20)
+    pc.store(list(range(8)), state_and_kv(10, 5.0))  # the state saw 10 tokens; only 8 are known
+    assert len(pc) == 0
+    pc.store(list(range(12)), state_and_kv(10, 5.0))  # prompt + generated: the last 2 were never fed
+    assert pc.lookup(list(range(12)))[1] == 10
+
+
+def test_a_sliding_window_cache_is_reused_only_whole():
+    pc = PrefixCache(1 << 20)
+    rotating = RotatingKVCache(max_size=4)
+    x = mx.arange(10, dtype=mx.float32)[None, None, :, None] * mx.ones((1, 2, 10, 4))
+    rotating.update_and_fetch(x, x)
+    pc.store(list(range(20, 30)), [rotating])
+    assert pc.lookup(list(range(20, 27)) + [0, 0]) == (None, 0)
+    cache, n = pc.lookup(list(range(20, 30)) + [0])
+    assert n == 10 and cache[0].offset == 10 and cache[0] is not rotating
 
 
 def test_entries_are_kept_under_tokens_the_cache_holds():

@@ -43,7 +43,10 @@ def write_secret(tmp: Path) -> Path:
 class Node:
     """One cluster process; ``url`` is its HTTP address once it listens, stderr kept in ``lines``."""
 
-    start_timeout_s = 60.0  # how long _spawn waits for the URL (the chaos tests wait longer on a loaded box)
+    #: how long a started process may take to print its URL, and then to be ready (a test starting many
+    #: at once raises them)
+    start_wait_s = 60.0
+    ready_wait_s = 60.0
 
     def __init__(self, model: Path, toml: Path, node_id: str, host: str, *flags: str, env: dict | None = None):
         cmd = [*CLI, "-m", str(model), "--distributed-config", str(toml), "--node-id", node_id,
@@ -52,14 +55,14 @@ class Node:
         self._spawn(cmd, env)
 
     def _spawn(self, cmd: list[str], env: dict | None) -> None:
-        """Start ``cmd`` and wait up to ``start_timeout_s`` for the URL on its stderr; stop it and raise if none comes."""
+        """Start ``cmd`` and wait up to ``start_wait_s`` for the URL on its stderr; stop it and raise if none comes."""
         self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
                                      env={**os.environ, **(env or {})})
         self.lines: list[str] = []
         self.url = ""
         self._listening = threading.Event()
         threading.Thread(target=self._drain, daemon=True).start()
-        if not self._listening.wait(self.start_timeout_s):
+        if not self._listening.wait(self.start_wait_s):
             self.stop()
             raise RuntimeError(f"{self.node_id} did not start:\n" + "".join(self.lines))
 
@@ -77,7 +80,7 @@ class Node:
         return httpx.get(f"{self.url}/health", timeout=5)
 
     def wait_ready(self, timeout: float | None = None) -> None:
-        deadline = time.monotonic() + (timeout or self.start_timeout_s)
+        deadline = time.monotonic() + (self.ready_wait_s if timeout is None else timeout)
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.node_id} exited:\n" + "".join(self.lines))

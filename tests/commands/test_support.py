@@ -1,0 +1,91 @@
+"""Which modes a family runs in, from the code's own tables: ``mlxcel models info`` and docs/models.md's matrix.
+
+The matrix in docs/models.md must be exactly what ``mlxcel models matrix`` prints: a family added to
+``model_slice.FAMILIES``, ``parallel.plan`` or ``RANDOM_FAMILIES``, or a cache class the handoff
+learns, changes the generated matrix, and this test fails until the docs say so too.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mlxcel.commands.support import (
+    MATRIX_BEGIN,
+    MATRIX_END,
+    di_support,
+    matrix_markdown,
+    matrix_rows,
+    module_of,
+    pp_support,
+    tp_support,
+)
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "models.md"
+LLAMA4 = {"model_type": "llama4", "eos_token_id": 2, "text_config": {
+    "attention_bias": False, "attention_chunk_size": 8, "head_dim": 16, "hidden_size": 32,
+    "interleave_moe_layer_step": 4, "intermediate_size": 32, "intermediate_size_mlp": 64,
+    "max_position_embeddings": 2048, "model_type": "llama4_text", "num_attention_heads": 2,
+    "num_experts_per_tok": 1, "num_hidden_layers": 2, "num_key_value_heads": 1, "num_local_experts": 2,
+    "rms_norm_eps": 1e-5, "rope_scaling": None, "rope_theta": 10000.0, "use_qk_norm": False, "vocab_size": 320}}
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return dict(matrix_rows())
+
+
+def test_the_docs_matrix_is_the_generated_one():
+    text = DOC.read_text()
+    assert MATRIX_BEGIN in text and MATRIX_END in text, "docs/models.md lost its matrix markers"
+    documented = text[text.index(MATRIX_BEGIN):text.index(MATRIX_END) + len(MATRIX_END)]
+    assert documented == matrix_markdown(), "docs/models.md's matrix differs from the code: paste `mlxcel models matrix`"
+
+
+def test_every_family_a_table_names_has_a_row(rows):
+    from mlxcel.config import RANDOM_FAMILIES
+    from mlxcel.engine.model_slice import FAMILIES as PP
+    from mlxcel.parallel.plan import FAMILIES as TP
+
+    assert set(RANDOM_FAMILIES) | set(PP) | set(TP) == set(rows)
+
+
+def test_each_column_follows_the_table_of_its_mode(rows):
+    from mlxcel.engine.model_slice import FAMILIES as PP
+    from mlxcel.parallel.plan import FAMILIES as TP
+
+    for family, support in rows.items():
+        assert support["PP"].ok is (module_of(family) in PP), family
+        assert support["single"].ok is True, family
+        if family in TP:
+            assert support["TP"].ok is True, family
+
+
+def test_the_handoff_column_names_the_cache_classes(rows):
+    assert rows["qwen3_next"]["DI"].cell() == "yes (ArraysCache, KVCache)"
+    assert rows["gemma3_text"]["DI"].cell() == "yes (KVCache, RotatingKVCache)"
+    assert rows["deepseek_v3"]["DI"].cell() == "yes (KVCache)"  # MLA's latents
+
+
+def test_a_family_whose_cache_cannot_travel_says_which_layer():
+    support = di_support(LLAMA4)
+    assert support.ok is False and support.detail == "layer 0 keeps a ChunkedKVCache"
+    assert pp_support(LLAMA4, verbose=True).detail.startswith("no pipeline slice for mlx-lm's llama4")
+    assert tp_support(LLAMA4).ok is False
+
+
+def test_models_info_prints_the_modes_of_a_checkpoint(tmp_path, capsys):
+    from mlxcel.cli import main
+    from mlxcel.models.random_checkpoint import make_random_checkpoint
+
+    path = make_random_checkpoint(tmp_path / "qn", family="qwen3_next")
+    assert main(["models", "info", str(path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    modes = {line.split(":")[0]: line.split(":", 1)[1].strip() for line in out if line.startswith("mode ")}
+    assert modes["mode single"] == "yes" and modes["mode PP"] == "yes"
+    assert modes["mode DI"] == "yes (ArraysCache, KVCache)"
+    assert modes["mode TP"].startswith("no (") and "qwen3_next" in modes["mode TP"]
+    llama = make_random_checkpoint(tmp_path / "ll", family="llama")
+    assert main(["models", "info", str(llama)]) == 0
+    assert "mode TP:     yes (--tp-size 2)" in capsys.readouterr().out.splitlines()
