@@ -116,7 +116,8 @@ def _cmd_info(args: argparse.Namespace) -> int:
     from mlxcel.models.info import describe_checkpoint
 
     print(describe_checkpoint(args.model_dir))
-    print(describe_modes(args.model_dir))
+    if not args.brief:
+        print(describe_modes(args.model_dir))
     return 0
 
 
@@ -225,6 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
     i = msub.add_parser("info", help="show a checkpoint's family, size, weights, identity and the modes it runs in "
                                      "(single, PP, TP, DI)")
     i.add_argument("model_dir")
+    i.add_argument("--brief", action="store_true",
+                   help="the checkpoint's facts and identity only, without the modes (which build the model from "
+                        "config.json: seconds for a large one); what the deploy's checkpoint check reads")
     i.set_defaults(func=_cmd_info)
     x = msub.add_parser("matrix", help="print the family x mode support matrix of docs/models.md, from the code's "
                                        "own tables")
