@@ -44,6 +44,12 @@ def _tokenizer_json() -> dict:
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
 
+def _qwen3_5_linear() -> dict:
+    """qwen3_5's gated delta net at a tiny scale, in layers 0 and 2 (full attention every 2nd layer)."""
+    return {"linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "full_attention_interval": 2}
+
+
 def _family_fields(family: str, hidden: int, head_dim: int, intermediate: int) -> dict:
     """The fields ``family``'s ModelArgs needs beyond the common ones, at a tiny scale."""
     moe = max(intermediate // 2, 8)
@@ -73,13 +79,54 @@ def _family_fields(family: str, hidden: int, head_dim: int, intermediate: int) -
                        "num_experts_per_tok": 2, "decoder_sparse_step": 1, "shared_expert_intermediate_size": moe,
                        "mlp_only_layers": [], "moe_intermediate_size": moe, "partial_rotary_factor": 0.25,
                        "full_attention_interval": 2, "norm_topk_prob": True},
+        "ernie4_5": {"use_bias": False},
+        # layers 1-3 MoE (moe_layer_start_index 1) with a shared expert, layer 0 dense
+        "ernie4_5_moe": {"use_bias": False, "moe_num_experts": 4, "moe_k": 2, "moe_layer_start_index": 1,
+                         "moe_intermediate_size": moe, "moe_num_shared_experts": 1},
+        "hunyuan_v1_dense": {"use_qk_norm": True, "attention_bias": False,
+                             "rope_scaling": {"alpha": 1000.0, "factor": 1.0, "type": "dynamic"}},
+        # sliding / full alternating (a window of 4); llama 4's position-dependent query scale, whose
+        # original_max_position_embeddings of 4 makes it change within a few positions
+        "ministral3": {"sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"] * 2,
+                       "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                           "llama_4_scaling_beta": 0.1, "original_max_position_embeddings": 4}},
+        "minimax": {"num_local_experts": 4, "num_experts_per_tok": 2, "shared_intermediate_size": 0,
+                    "rotary_dim": head_dim // 2, "use_qk_norm": True},
+        # linear attention (gated delta net) in layers 0 and 2, full attention in 1 and 3; dense MLPs
+        "qwen3_5": {**_qwen3_5_linear(), "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                             "partial_rotary_factor": 0.25}},
+        "qwen3_5_moe": {**_qwen3_5_linear(), "num_experts": 4, "num_experts_per_tok": 2,
+                        "shared_expert_intermediate_size": moe, "moe_intermediate_size": moe,
+                        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                            "partial_rotary_factor": 0.25}},
+        # deepseek_v3's MLA and MoE, plus the lightning indexer that keeps the top index_topk keys: a top-k
+        # of 4 so that the sparse path (more than 4 keys) runs within a few positions
+        "deepseek_v32": {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
+                         "moe_intermediate_size": moe, "first_k_dense_replace": 1, "kv_lora_rank": 32,
+                         "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
+                         "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0, "norm_topk_prob": True,
+                         "index_head_dim": 16, "index_n_heads": 2, "index_topk": 4},
+        # Kimi Delta Attention (linear) in layers 0 and 2, NoPE MLA in 1 and 3, layer 0 dense and MoE after it
+        # (a shared expert), attention residuals over blocks of 2 layers (so a block crosses stage boundaries)
+        "kimi_k3": {"linear_attn_config": {"kda_layers": [1, 3], "num_heads": 2, "head_dim": 16,
+                                           "short_conv_kernel_size": 4},
+                    "attn_res_block_size": 2, "q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+                    "qk_rope_head_dim": 8, "v_head_dim": 16, "num_experts": 4, "num_experts_per_token": 2,
+                    "num_shared_experts": 1, "moe_intermediate_size": moe, "first_k_dense_replace": 1,
+                    "num_expert_group": 1, "topk_group": 1},
+        # sliding / full alternating (a window of 4), k = v in the global layers, one MoE block beside each
+        # MLP (gemma-4-26B-A4B's shape); no per-layer inputs nor KV-shared layers (see model_slice)
+        "gemma4_text": {"sliding_window": 4, "sliding_window_pattern": 2, "hidden_size_per_layer_input": 0,
+                        "num_kv_shared_layers": 0, "global_head_dim": head_dim, "attention_k_eq_v": True,
+                        "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
+                        "moe_intermediate_size": moe, "vocab_size_per_layer_input": 0},
     }
     if family not in fields:
         raise ValueError(f"family must be one of {', '.join(RANDOM_FAMILIES)}, got {family!r}")
     return fields[family]
 
 
-TIED = {"qwen2", "qwen3", "gemma3_text"}  # families whose checkpoints share the embedding as the head
+TIED = {"qwen2", "qwen3", "gemma3_text", "gemma4_text", "ministral3"}  # families whose checkpoints share the embedding as the head
 
 
 def _config(family: str, layers: int, hidden: int, heads: int, kv_heads: int, vocab: int,
@@ -152,7 +199,7 @@ def make_random_checkpoint(
         nn.quantize(model, group_size=group_size, bits=quantize_bits)
         config["quantization"] = {"group_size": group_size, "bits": quantize_bits}
     weights = dict(tree_flatten(model.parameters()))
-    if family == "gemma3_text":  # tied as real gemma3 checkpoints: no lm_head, which mlx-lm's sanitize then drops
+    if family in ("gemma3_text", "gemma4_text") and "lm_head.weight" in weights:  # tied as real gemma checkpoints: no lm_head, which mlx-lm's sanitize then drops
         weights.pop("lm_head.weight")
     mx.eval(weights)
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
