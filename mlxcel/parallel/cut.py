@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import mlx.core as mx
+
 from mlxcel.parallel import experts as ep
 from mlxcel.parallel import megatron
 from mlxcel.parallel.errors import ShardRefusal
@@ -44,3 +46,10 @@ def cut(model: Any, family: TPFamily, moe_mode: str | None, group: Any) -> None:
     if moe_mode is not None and family.shard == "mlxcel":
         assert family.experts is not None
         megatron.reduce_experts(model, family.experts, group)
+    mx.eval(private_arrays(model))
+
+
+def private_arrays(model: Any) -> list[mx.array]:
+    """Arrays modules keep outside their parameters (hunyuan's rope ``_freqs``): evaluated here, on the
+    thread that loads, for the step thread that later reads them has none of this thread's streams."""
+    return [v for _, m in model.named_modules() for k, v in m.items() if k.startswith("_") and isinstance(v, mx.array)]
