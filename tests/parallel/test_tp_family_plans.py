@@ -171,3 +171,32 @@ def test_qwen3_5s_head_stays_whole(tmp_path):
     lm = loaded.model.language_model
     assert type(lm.lm_head).__name__ == "Linear" and lm.lm_head.weight.shape == (320, 64)
     assert lm.sharding_group is None
+
+
+def _table_families(text: str, heading: str) -> tuple[set[str], set[str]]:
+    """(families of the rows that say yes / a cut, families of the refused rows) of the table under ``heading``."""
+    lines = text.split(heading, 1)[1].splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+    rows = [line for line in lines[start:end] if line.startswith("| `")]
+    yes, no = set(), set()
+    for row in rows:
+        cells = row.split("|")
+        names = set(re.findall(r"`([a-z0-9_]+)`", cells[1]))
+        (no if "refused" in row else yes).update(names)
+    return yes, no
+
+
+def test_docs_name_every_tp_family():
+    """docs/models.md's TP column and docs/tp.md's family table say what FAMILIES says."""
+    from pathlib import Path
+
+    docs = Path(__file__).resolve().parents[2] / "docs"
+    yes, no = _table_families((docs / "models.md").read_text(), "### Tensor parallelism (`--tp-size`)")
+    assert yes == set(FAMILIES) and not (no & set(FAMILIES))
+    tp_yes, _ = _table_families((docs / "tp.md").read_text(), "## Supported families")
+    assert tp_yes == set(FAMILIES)
+    for name, family in FAMILIES.items():  # the cut column
+        row = next(line for line in (docs / "tp.md").read_text().splitlines()
+                   if line.startswith("| `") and f"`{name}`" in line.split("|")[1])
+        assert row.split("|")[2].strip() == family.shard, name
