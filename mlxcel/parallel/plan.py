@@ -21,7 +21,7 @@ from typing import Any, Mapping
 
 from mlxcel.config import DEFAULT_TP_MOE_MODE, TP_MOE_MODES
 from mlxcel.parallel.errors import ShardRefusal
-from mlxcel.parallel.families import FAMILIES, FAMILIES_HELP, Dim, TPFamily, is_moe, text_config
+from mlxcel.parallel.families import FAMILIES, FAMILIES_HELP, Dim, TPFamily, is_moe, key, text_config
 
 __all__ = ["FAMILIES", "FAMILIES_HELP", "ShardPlan", "apply_plan", "check_shardable", "working_sizes"]
 
@@ -35,10 +35,6 @@ class ShardPlan:
     dims: tuple[tuple[str, int], ...]
     moe_mode: str | None = None  # None: no routed experts
     experts: int = 0
-
-    @property
-    def heads(self) -> int:
-        return self.dims[0][1]
 
     def describe(self) -> str:
         n = self.size
@@ -95,9 +91,8 @@ def _expert_dim(family: TPFamily, mode: str) -> Dim:
     assert family.experts is not None
     ex = family.experts
     if mode == "expert_parallel":
-        return Dim(f"routed experts ({ex.count})", f"{{}} routed experts", "experts", ex.experts)
-    width = lambda c: c.get(ex.width)  # noqa: E731
-    return Dim(f"expert width ({ex.width})", f"expert width {{}}", "expert columns", width, width)
+        return Dim(f"routed experts ({ex.count})", "{} routed experts", "experts", ex.experts)
+    return Dim(f"expert width ({ex.width})", "expert width {}", "expert columns", key(ex.width), key(ex.width))
 
 
 def _check_divides(found: list[tuple[Dim, int]], size: int, where: str, mode: str | None) -> None:

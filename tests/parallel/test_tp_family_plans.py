@@ -200,3 +200,23 @@ def test_docs_name_every_tp_family():
         row = next(line for line in (docs / "tp.md").read_text().splitlines()
                    if line.startswith("| `") and f"`{name}`" in line.split("|")[1])
         assert row.split("|")[2].strip() == family.shard, name
+
+
+@pytest.mark.parametrize("mode", ["expert_parallel", "within_expert"])
+def test_rank_0s_moe_mode_reaches_every_follower(tmp_path, mode):
+    """A follower cuts with the mode in rank 0's hello reply, not its own flags (a mismatch would sum
+    1/N-wide expert outputs with whole-expert ones without any error)."""
+    from mlxcel.models.random_checkpoint import make_random_checkpoint
+    from mlxcel.parallel.follower import _load
+    from mlxcel.parallel.options import TPOptions
+    from mlxcel.parallel.session import RankZero
+
+    path = make_random_checkpoint(tmp_path / "m", family="qwen3_moe", layers=2)
+    import json
+
+    plan = check_shardable(json.loads((path / "config.json").read_text()), 1, moe_mode=mode)
+    rank0 = RankZero(TPOptions(size=1, plan=plan), path, None, max_batch_size=2, prefix_cache_bytes=0)
+    assert rank0.settings["moe_mode"] == mode
+    shard = _load(path, 1, mx.distributed.init(), rank0.settings)
+    switch = shard.model.layers[0].mlp.switch_mlp
+    assert isinstance(switch, LocalExperts) == (mode == "expert_parallel")
