@@ -71,7 +71,7 @@ def test_tp_2_prints_tp_1s_greedy_text(checkpoint, family, mode):
     model = checkpoint(family)
     if family not in _single:
         _single[family] = generate(model).stdout
-    flags = ["--tp-size", "2"] + (["--tp-moe-mode", mode] if mode else [])
+    flags = ["--tp-size", "2", "--tp-timeout", "120"] + (["--tp-moe-mode", mode] if mode else [])
     sharded = generate(model, *flags)
     assert f"{family} over 2 ranks" in sharded.stderr and "ring backend" in sharded.stderr
     if mode == "expert_parallel":
