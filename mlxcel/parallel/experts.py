@@ -57,8 +57,10 @@ def saved(model: Any, experts: Experts) -> list[dict]:
 
 
 def _keep(total: int, start: int, count: int):
-    def take(p: mx.array) -> mx.array:
-        return p[start:start + count] if isinstance(p, mx.array) and p.ndim and p.shape[0] == total else p
+    def take(p: mx.array) -> mx.array:  # contiguous, as MLX's own shard: a slice's view would keep every expert
+        if isinstance(p, mx.array) and p.ndim and p.shape[0] == total:
+            return mx.contiguous(p[start:start + count])
+        return p
     return take
 
 
