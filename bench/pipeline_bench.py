@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import resource
@@ -70,6 +71,8 @@ REPO = Path(__file__).resolve().parent.parent  # where ``python -m bench.pipelin
 MODES = ("single", "inproc_pp", "remote_pp", "remote_pp_logits")
 WORKER_TIMEOUT_S = 900
 _TIMING_SUFFIXES = ("_s", "_ms", "_us", "_ns")
+#: environment variables that change what is measured; rows record the ones set
+BENCH_ENV = ("MLXCEL_COMPILE_STEP", "MLX_MAX_OPS_PER_BUFFER", "MLX_MAX_MB_PER_BUFFER", "CUDA_VISIBLE_DEVICES")
 
 
 def free_port(host: str) -> int:
@@ -241,8 +244,12 @@ def stage_state_delta(before: list[dict[str, Any]], after: list[dict[str, Any]])
     return out
 
 
-def worker(args: argparse.Namespace, out: TextIO) -> int:
-    """Warm up, then measure one run of ``args.worker``; print its result as one JSON line to ``out``."""
+def worker(args: argparse.Namespace, out: TextIO, commands: TextIO | None = None) -> int:
+    """Warm up, then measure one run of ``args.worker``; print its result as one JSON line to ``out``.
+
+    With ``commands`` (``--serve-runs``), the process stays: it measures one more run for every
+    "run" line read there (no new warm-up: the earlier runs warmed it), until "exit" or EOF.
+    """
     import mlxcel  # noqa: F401  (before mlx.core: picks up OpenBLAS, see mlxcel/blas.py)
     from mlxcel.engine.prompts import encode_chat
     from mlxcel.models.loading import load_checkpoint
@@ -251,7 +258,6 @@ def worker(args: argparse.Namespace, out: TextIO) -> int:
     t_start = time.perf_counter()
     loaded = load_checkpoint(args.model, lazy=remote)  # the coordinator holds no layers: tokenizer and config
     prompt = encode_chat(loaded.tokenizer, [{"role": "user", "content": args.prompt}])
-    timeline = Timeline()
     driver = None
     if remote:
         driver = RemoteDriver(Path(args.model), args.cluster / "cluster.toml", args.cluster / "cluster.secret",
@@ -262,13 +268,16 @@ def worker(args: argparse.Namespace, out: TextIO) -> int:
             remote_driver.timeline = tl
             return remote_driver.generate(prompt, n, logits)
     else:
+        from mlxcel.engine.compiled_step import decode_forward
+
         model = loaded.model
         if mode == "single":
-            forward, cache_of = (lambda x, c: model(x, cache=c)), model
+            forward, cache_of = decode_forward(lambda x, c: model(x, cache=c)), model
         else:
             from mlxcel.pipeline.inprocess import InProcessPipeline, stage_ranges
 
-            forward = cache_of = InProcessPipeline(model, stage_ranges(args.model, loaded.num_layers, args.stages, None))
+            cache_of = InProcessPipeline(model, stage_ranges(args.model, loaded.num_layers, args.stages, None))
+            forward = decode_forward(cache_of)
 
         def run(n: int, tl: Timeline | None) -> tuple[list[int], list[float]]:
             return timed_tokens(forward, cache_of, prompt, n, tl)
@@ -276,32 +285,43 @@ def worker(args: argparse.Namespace, out: TextIO) -> int:
         if args.warmup:
             run(args.warmup, None)
         load_s = time.perf_counter() - t_start
-        states = driver.states() if driver else []
-        wire0 = driver.wire(states) if driver else None
-        stage0 = [proc_cpu_s(p) for p in args.stage_pids]
-        load_1m = os.getloadavg()[0] if hasattr(os, "getloadavg") else None  # how busy the host was
-        cpu0, wall0 = self_cpu_s(), time.perf_counter()
-        tokens, gaps = run(args.tokens, timeline)
-        wall, cpu = time.perf_counter() - wall0, self_cpu_s() - cpu0
-        stage1 = [proc_cpu_s(p) for p in args.stage_pids]
-        result: dict[str, Any] = {"pid": os.getpid(), "mode": mode, "prompt_tokens": len(prompt), "tokens": tokens,
-                                  "gaps_s": gaps, "wall_s": wall, "cpu_s_worker": cpu,
-                                  "cpu_s_stage": cpu_delta(stage0, stage1), "load_s": load_s, "load_1m": load_1m,
-                                  "steps": [{**s, "t_submit": s["t_submit"] - wall0, "t_done": s["t_done"] - wall0}
-                                            for s in timeline.steps]}
-        if driver:
-            time.sleep(0.2)  # let the release round trip land in the counters
-            after = driver.states()
-            wire1 = driver.wire(after)
-            n = max(len(tokens), 1)
-            result.update(frames_per_token=(wire1[0] - wire0[0]) / n, bytes_per_token=(wire1[1] - wire0[1]) / n,
-                          stage_state=stage_state_delta(states, after))
+        for index in itertools.count():
+            out.write(json.dumps({**measure(args, run, driver, prompt), "load_s": load_s, "worker_run": index}) + "\n")
+            out.flush()
+            if commands is None or commands.readline().strip() != "run":
+                break
     finally:
         if driver:
             driver.close()
-    out.write(json.dumps(result) + "\n")
-    out.flush()
     return 0
+
+
+def measure(args: argparse.Namespace, run: Callable, driver: "RemoteDriver | None", prompt: list[int]) -> dict[str, Any]:
+    """One measured run of ``run`` (tokens, gaps, CPU, per-token timeline, wire and stage deltas)."""
+    from mlxcel.engine.compiled_step import compile_enabled
+
+    timeline = Timeline()
+    states = driver.states() if driver else []
+    wire0 = driver.wire(states) if driver else None
+    stage0 = [proc_cpu_s(p) for p in args.stage_pids]
+    load_1m = os.getloadavg()[0] if hasattr(os, "getloadavg") else None  # how busy the host was
+    cpu0, wall0 = self_cpu_s(), time.perf_counter()
+    tokens, gaps = run(args.tokens, timeline)
+    wall, cpu = time.perf_counter() - wall0, self_cpu_s() - cpu0
+    stage1 = [proc_cpu_s(p) for p in args.stage_pids]
+    result: dict[str, Any] = {"pid": os.getpid(), "mode": args.worker, "compile_step": compile_enabled(),
+                              "prompt_tokens": len(prompt), "tokens": tokens, "gaps_s": gaps, "wall_s": wall,
+                              "cpu_s_worker": cpu, "cpu_s_stage": cpu_delta(stage0, stage1), "load_1m": load_1m,
+                              "steps": [{**s, "t_submit": s["t_submit"] - wall0, "t_done": s["t_done"] - wall0}
+                                        for s in timeline.steps]}
+    if driver:
+        time.sleep(0.2)  # let the release round trip land in the counters
+        after = driver.states()
+        wire1 = driver.wire(after)
+        n = max(len(tokens), 1)
+        result.update(frames_per_token=(wire1[0] - wire0[0]) / n, bytes_per_token=(wire1[1] - wire0[1]) / n,
+                      stage_state=stage_state_delta(states, after))
+    return result
 
 
 def worker_main(args: argparse.Namespace) -> int:
@@ -309,7 +329,7 @@ def worker_main(args: argparse.Namespace) -> int:
     out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     sys.stdout = sys.stderr
-    return worker(args, out)
+    return worker(args, out, sys.stdin if args.serve_runs else None)
 
 
 # -- remote stages --------------------------------------------------------------------------------
@@ -385,14 +405,20 @@ class WorkerError(RuntimeError):
     """A worker process failed or printed no result."""
 
 
-def run_worker(args: argparse.Namespace, mode: str, cluster: StageCluster | None, *, tokens: int,
-               warmup: int) -> dict[str, Any]:
-    """One fresh worker process; its result plus ``cpu_s_worker_total`` (its whole life: imports,
-    load, warm-up and run)."""
+def worker_command(args: argparse.Namespace, mode: str, cluster: StageCluster | None, *, tokens: int,
+                   warmup: int) -> list[str]:
     cmd = [sys.executable, "-m", "bench.pipeline_bench", "--worker", mode, "-m", str(Path(args.model).resolve()),
            "--stages", str(args.stages), "--tokens", str(tokens), "--warmup", str(warmup), "--prompt", args.prompt]
     if cluster is not None:
         cmd += ["--cluster", str(cluster.workdir), "--stage-pids", ",".join(map(str, cluster.pids))]
+    return cmd
+
+
+def run_worker(args: argparse.Namespace, mode: str, cluster: StageCluster | None, *, tokens: int,
+               warmup: int) -> dict[str, Any]:
+    """One fresh worker process; its result plus ``cpu_s_worker_total`` (its whole life: imports,
+    load, warm-up and run)."""
+    cmd = worker_command(args, mode, cluster, tokens=tokens, warmup=warmup)
     cpu0 = children_cpu_s()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S, cwd=REPO)
     cpu = children_cpu_s() - cpu0
@@ -401,6 +427,55 @@ def run_worker(args: argparse.Namespace, mode: str, cluster: StageCluster | None
         stages = f"\n{cluster.log_tails()}" if cluster is not None else ""
         raise WorkerError(f"worker {mode} exited with {proc.returncode}: {proc.stderr[-3000:]}{stages}")
     return {**json.loads(lines[-1]), "cpu_s_worker_total": cpu}
+
+
+class ReusedWorkers:
+    """``--reuse-workers``: one worker process per mode, kept for every run of that mode (loaded once).
+
+    The runs of the modes still alternate (ABBA) and no two modes share a process; what is given up
+    is only the fresh process per run, which on a GPU host costs 10-20 s of start-up per run
+    (imports, CUDA context, checkpoint load). Rows say ``worker_reused``.
+    """
+
+    def __init__(self, args: argparse.Namespace, cluster: StageCluster | None):
+        self.args, self.cluster = args, cluster
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.logs: dict[str, Any] = {}
+
+    def run(self, mode: str) -> dict[str, Any]:
+        proc = self.procs.get(mode)
+        if proc is None:
+            cmd = worker_command(self.args, mode, self.cluster, tokens=self.args.tokens, warmup=self.args.warmup)
+            self.logs[mode] = tempfile.TemporaryFile()
+            proc = self.procs[mode] = subprocess.Popen(cmd + ["--serve-runs"], stdin=subprocess.PIPE,
+                                                       stdout=subprocess.PIPE, stderr=self.logs[mode], text=True, cwd=REPO)
+        else:
+            proc.stdin.write("run\n")
+            proc.stdin.flush()
+        line = proc.stdout.readline()
+        while line and not line.startswith("{"):
+            line = proc.stdout.readline()
+        if not line:
+            self.logs[mode].seek(0)
+            stages = f"\n{self.cluster.log_tails()}" if self.cluster is not None else ""
+            raise WorkerError(f"worker {mode} exited with {proc.wait()}: "
+                              f"{self.logs[mode].read()[-3000:].decode(errors='replace')}{stages}")
+        return {**json.loads(line), "cpu_s_worker_total": None}
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                try:
+                    proc.stdin.write("exit\n")
+                    proc.stdin.close()
+                except OSError:
+                    pass
+        for proc in self.procs.values():
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 def ms_percentile(values: list[float], q: float) -> float | None:
@@ -422,9 +497,11 @@ def row_of(args: argparse.Namespace, name: str, run: int, position: int, res: di
         "bytes_per_token": res.get("bytes_per_token"), "return": "logits" if name.endswith("logits") else "token",
         "identical": res["tokens"] == reference, "model": Path(args.model).name, "fair_comparison": True,
         "worker_pid": res["pid"], "wall_s": res["wall_s"], "cpu_s_worker": round(res["cpu_s_worker"], 3),
-        "cpu_s_worker_total": round(res["cpu_s_worker_total"], 3), "cpu_s_stage": stage_cpu,
+        "cpu_s_worker_total": None if res["cpu_s_worker_total"] is None else round(res["cpu_s_worker_total"], 3), "cpu_s_stage": stage_cpu,
         "cpu_s_stages": round(sum(stage_cpu), 3) if stage_cpu else None, "stage_state": res.get("stage_state"),
-        "load_1m": res.get("load_1m"),
+        "load_1m": res.get("load_1m"), "compile_step": res.get("compile_step"),
+        "bench_env": {k: os.environ[k] for k in BENCH_ENV if k in os.environ},
+        "worker_reused": res.get("worker_run", 0) > 0, "worker_run": res.get("worker_run", 0),
     }
 
 
@@ -435,17 +512,28 @@ def trace_lines(name: str, run: int, res: dict[str, Any]) -> list[dict[str, Any]
 
 
 def single_stream(args: argparse.Namespace, cluster: StageCluster | None) -> tuple[list[dict], list[dict]]:
-    """ABBA runs of every mode, each in a fresh worker; (rows, trace lines)."""
+    """ABBA runs of every mode, each in a fresh worker (or one per mode, ``--reuse-workers``); (rows, trace lines)."""
     modes = [m for m in MODES if m in args.modes]
-    if cluster is not None and args.warmup and any(m.startswith("remote_") for m in modes):
+    if cluster is not None and args.warmup and any(m.startswith("remote_") for m in modes) and not args.reuse_workers:
         run_worker(args, "remote_pp", cluster, tokens=max(args.warmup, 2), warmup=0)  # the stages' own warm-up
     rows: list[dict] = []
     traces: list[dict] = []
+    pool = ReusedWorkers(args, cluster) if args.reuse_workers else None
+    try:
+        return _abba(args, modes, cluster, pool, rows, traces)
+    finally:
+        if pool is not None:
+            pool.close()
+
+
+def _abba(args: argparse.Namespace, modes: list[str], cluster: StageCluster | None, pool: ReusedWorkers | None,
+          rows: list[dict], traces: list[dict]) -> tuple[list[dict], list[dict]]:
     reference: list[int] | None = None
     for run in range(args.runs):
         order = modes if run % 2 == 0 else modes[::-1]
         for position, name in enumerate(order):
-            res = run_worker(args, name, cluster, tokens=args.tokens, warmup=args.warmup)
+            res = pool.run(name) if pool is not None else run_worker(args, name, cluster, tokens=args.tokens,
+                                                                     warmup=args.warmup)
             reference = reference or res["tokens"]
             rows.append(row_of(args, name, run, position, res, reference))
             traces += trace_lines(name, run, res)
@@ -589,12 +677,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="OPENBLAS_NUM_THREADS of each stage process (stages that share one host's cores)")
     p.add_argument("--label", default=None, help="free-form label recorded in every row (e.g. h200-x2)")
     p.add_argument("--trace", action="store_true", help="also write trace-<mode>.jsonl: one line per token")
+    p.add_argument("--reuse-workers", action="store_true",
+                   help="one worker process per mode for all its runs (loaded and warmed once), not one per run")
     p.add_argument("--quick", action="store_true", help="2 runs of 16 tokens, streams 2, 16 tokens (smoke test)")
     p.add_argument("--out", type=Path, default=Path("bench/results") / time.strftime("%Y-%m-%d"))
     internal = p.add_argument_group("worker (internal: one mode, one run, started by the benchmark itself)")
     internal.add_argument("--worker", choices=MODES, default=None, help=argparse.SUPPRESS)
     internal.add_argument("--cluster", type=Path, default=None, help=argparse.SUPPRESS)
     internal.add_argument("--stage-pids", type=_pids, default=[], help=argparse.SUPPRESS)
+    internal.add_argument("--serve-runs", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
         args.runs, args.tokens, args.streams, args.server_tokens, args.rounds = 2, 16, [2], 16, 1

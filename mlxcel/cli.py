@@ -6,12 +6,13 @@ Errors the user can fix print one line on stderr and exit non-zero; no traceback
 from __future__ import annotations
 
 import argparse
+import json
 import sys
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from mlxcel import __version__
 from mlxcel.config import (DEFAULT_MAX_TOKENS, DEFAULT_MODEL_DIR, DEFAULT_PP_MICRO_BATCH_SIZE, DEFAULT_PP_SIZE,
-                           MAX_PP_MICRO_BATCH_SIZE, RANDOM_FAMILIES, positive_int)
+                           MAX_PP_MICRO_BATCH_SIZE, RANDOM_FAMILIES, non_negative_int, positive_int)
 from mlxcel.errors import CLIError
 
 __all__ = ["CLIError", "DEFAULT_MODEL_DIR", "build_parser", "main", "positive_int", "server_main"]
@@ -117,6 +118,17 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def config_field(text: str) -> tuple[str, Any]:
+    """FIELD=JSON (``--set``): a config.json field name and its JSON value (a bare word is a string)."""
+    name, eq, value = text.partition("=")
+    if not eq or not name.isidentifier():
+        raise argparse.ArgumentTypeError(f"expected FIELD=VALUE with FIELD a config.json key, got {text!r}")
+    try:
+        return name, json.loads(value)
+    except ValueError:
+        return name, value
+
+
 def _cmd_make_random(args: argparse.Namespace) -> int:
     from mlxcel.models.random_checkpoint import make_random_checkpoint
 
@@ -124,7 +136,8 @@ def _cmd_make_random(args: argparse.Namespace) -> int:
         out = make_random_checkpoint(args.out_dir, family=args.family, layers=args.layers, hidden=args.hidden,
                                      heads=args.heads, kv_heads=args.kv_heads, intermediate=args.intermediate,
                                      vocab=args.vocab, seed=args.seed, quantize_bits=args.bits, dtype=args.dtype,
-                                     head_dim=args.head_dim, group_size=args.group_size)
+                                     head_dim=args.head_dim, group_size=args.group_size,
+                                     overrides=dict(args.set or []))
     except ValueError as exc:  # a shape the checkpoint cannot have
         raise CLIError(str(exc)) from None
     print(out)
@@ -177,6 +190,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="usable memory per stage, e.g. 8GiB,16GiB (or one value for all; B, KB/KiB, MB/MiB, GB/GiB)")
     pl.add_argument("--layers", default=None, metavar="RANGES",
                     help="check these inclusive ranges (e.g. 0-11,12-29) against the checkpoint and price them")
+    pl.add_argument("--context", type=non_negative_int, default=0, metavar="TOKENS",
+                    help="price every layer's cache for sequences of this many tokens (default 0: weights only)")
+    pl.add_argument("--rows", type=positive_int, default=1, metavar="N",
+                    help="sequences per decode step: how many of an MoE layer's experts a step touches, and "
+                         "how many caches (default 1)")
     pl.add_argument("--json", action="store_true", help="print JSON instead of a table")
     pl.set_defaults(func=_cmd_plan)
 
@@ -214,6 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weights' dtype, and a quantized model's scales and biases (default float32)")
     r.add_argument("--bits", type=int, choices=[4, 8], default=None, help="quantize to this many bits")
     r.add_argument("--group-size", type=int, choices=[32, 64, 128], default=32, help="quantization group (default 32)")
+    r.add_argument("--set", type=config_field, action="append", metavar="FIELD=JSON",
+                   help="replace or add a config.json field after the family's tiny defaults, e.g. "
+                        "--set num_experts=128 --set num_experts_per_tok=8 (repeatable)")
     r.set_defaults(func=_cmd_make_random)
 
     from mlxcel.commands.report import add_report_arguments

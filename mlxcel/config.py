@@ -36,6 +36,12 @@ DEFAULT_STARTUP_S = 60.0  # coordinator waits this long for every stage at start
 DEFAULT_EXCHANGE_S = 30.0  # absolute deadline of one exchange, RunEntry -> RunResult
 DEFAULT_HEARTBEAT_S = 2.0  # coordinator probes each stage this often
 DEFAULT_CLUSTER_NAME = "mlxcel-cluster"
+# Resuming a request whose node failed mid-stream (``--max-resumes``, ``--resume-timeout``; the pipeline
+# coordinator and the disaggregated router; mlxcel/engine/resume.py, docs/pipeline.md §5.6, docs/disagg.md §6)
+DEFAULT_MAX_RESUMES = 3  # resumes per request; 0 = a node failure fails the request (503), as before
+MAX_RESUMES = 16  # its bound: each resume re-prefills prompt + generated, so more only multiplies the work
+DEFAULT_RESUME_TIMEOUT_S = 30.0  # one resume waits this long for a node to take the request again
+MAX_RESUME_TIMEOUT_S = 600.0  # its bound
 
 
 def positive_int(text: str) -> int:
@@ -76,6 +82,22 @@ def seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
+    return value
+
+
+def resume_count(text: str) -> int:
+    """argparse type: ``--max-resumes``, 0 to MAX_RESUMES."""
+    value = non_negative_int(text)
+    if value > MAX_RESUMES:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_RESUMES}, got {value}")
+    return value
+
+
+def resume_seconds(text: str) -> float:
+    """argparse type: ``--resume-timeout``, > 0 to MAX_RESUME_TIMEOUT_S seconds."""
+    value = seconds(text)
+    if value > MAX_RESUME_TIMEOUT_S:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_RESUME_TIMEOUT_S:g} seconds, got {text}")
     return value
 
 

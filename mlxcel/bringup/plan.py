@@ -2,7 +2,8 @@
 
 Stage ids follow the lexicographic order of the peers' addresses (``str(PeerId)``): stage-0 is the
 smallest. Layers come from the partitioner ``mlxcel plan`` uses (``plan_stages``), priced by
-parameter bytes and capped by the memory each peer reported. The body is deterministic: the same
+parameter bytes and layer kind (docs/pipeline.md, "Partition by cost") and capped by the memory each
+peer reported. The body is deterministic: the same
 checkpoint, peers, memories, name, control address and secret file give the same bytes, so the
 coordinator's file is reproduced byte for byte by rerunning its command. The coordinator's and a
 peer's file share the body and differ in their header comments.

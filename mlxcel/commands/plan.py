@@ -1,5 +1,8 @@
 """``mlxcel plan``: print how a checkpoint's layers split into pipeline stages, with bytes per stage.
 
+Each layer is priced by its bytes and its kind (``mlxcel.topology.layer_cost``; ``--context`` and
+``--rows`` size the caches and the experts a decode step touches): docs/pipeline.md, "Partition by cost".
+
 Reads only the safetensors headers (no weights, no MLX). The JSON form is the
 one in the pipeline contract: {"model", "num_layers", "stages": [{"stage",
 "layers", "start", "end", "bytes"}]}.
@@ -38,18 +41,38 @@ def plan_json(costs: StageCosts, stages: list[Stage]) -> dict:
     }
 
 
+def kinds_line(costs: StageCosts) -> str:
+    """"layer kinds: 0 mla+dense, 1-60 mla+moe": runs of equal kind, in layer order."""
+    runs: list[tuple[int, int, str]] = []
+    for i, kind in enumerate(costs.kinds):
+        if runs and runs[-1][2] == kind and runs[-1][1] == i - 1:
+            runs[-1] = (runs[-1][0], i, kind)
+        else:
+            runs.append((i, i, kind))
+    if len(runs) > 8:  # a periodic mix (kimi_k3's MLA every 4th layer): counts, not runs
+        counts = {k: costs.kinds.count(k) for k in dict.fromkeys(costs.kinds)}
+        return "layer kinds: " + ", ".join(f"{n} x {k}" for k, n in counts.items())
+    return "layer kinds: " + ", ".join(f"{a}-{b} {k}" if a != b else f"{a} {k}" for a, b, k in runs)
+
+
 def plan_table(costs: StageCosts, stages: list[Stage], memory: list[int] | None) -> str:
-    """Stage, inclusive layers, bytes (readable and exact), share of all stages' bytes, memory if given."""
+    """Stage, inclusive layers, bytes (readable and exact), share of all stages' bytes, memory if given;
+    with experts or caches priced, what a decode step of each stage reads too."""
     total = sum(s.bytes for s in stages)
     head = "tied to the embedding, also charged to the last stage" if costs.tied else "a separate lm_head"
     lines = [f"model: {costs.model} ({costs.num_layers} layers, {human_bytes(costs.total)} of tensors; head {head})"]
-    header = ["stage", "layers", "bytes", "exact bytes", "share"] + (["memory"] if memory else [])
+    step = costs.by_kind
+    header = ["stage", "layers", "bytes", "exact bytes", "share"] + (["step reads"] if step else []) \
+        + (["memory"] if memory else [])
     rows = [[str(s.index), s.layers, human_bytes(s.bytes), str(s.bytes), f"{100 * s.bytes / total:.1f}%"]
+            + ([human_bytes(s.step or 0)] if step else [])
             + ([human_bytes(memory[s.index])] if memory else []) for s in stages]
     widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
     for row in [header, *rows]:
         cells = [cell.ljust(w) if c < 2 else cell.rjust(w) for c, (cell, w) in enumerate(zip(row, widths))]
         lines.append("  ".join(cells).rstrip())
+    if costs.kinds:
+        lines.append(kinds_line(costs))
     return "\n".join(lines)
 
 
@@ -70,7 +93,7 @@ def given_stages(costs: StageCosts, text: str, n: int, memory: list[int] | None)
 
 def run_plan(args: argparse.Namespace) -> int:
     try:
-        costs = layer_costs(args.model)
+        costs = layer_costs(args.model, context=args.context, rows=args.rows)
         memory = parse_memory_list(args.memory, args.pp_size) if args.memory else None
         if args.layers is not None:
             stages = given_stages(costs, args.layers, args.pp_size, memory)

@@ -23,9 +23,15 @@ from mlxcel.config import (
     DEFAULT_PARALLEL,
     DEFAULT_PORT,
     DEFAULT_PREFIX_CACHE_MB,
+    DEFAULT_MAX_RESUMES,
+    DEFAULT_RESUME_TIMEOUT_S,
+    MAX_RESUME_TIMEOUT_S,
+    MAX_RESUMES,
     THREADS_ENV,
     non_negative_int,
     positive_int,
+    resume_count,
+    resume_seconds,
     seconds,
     thread_count,
 )
@@ -75,6 +81,7 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                         help="model id clients send and /v1/models lists (default: the directory name)")
     parser.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="log verbosity (default info)")
     _add_cluster_arguments(parser)
+    _add_resume_arguments(parser)
     _add_bringup_arguments(parser)
     add_disagg_arguments(parser.add_argument_group("disaggregated inference (docs/disagg.md)"))
     add_tp_arguments(parser, server=True)
@@ -97,6 +104,20 @@ def _add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--pp-stop-stages", action="store_true",
                        help="coordinator: when it stops (after draining), send SHUTDOWN to every stage, which "
                             "exits 0 (default: the stages keep running for the next coordinator)")
+
+
+def _add_resume_arguments(parser: argparse.ArgumentParser) -> None:
+    """Resuming requests whose node failed (the coordinator and the router; docs/pipeline.md §5.6)."""
+    group = parser.add_argument_group("resuming requests after a node failure (coordinator, router)")
+    group.add_argument("--max-resumes", type=resume_count, default=None, metavar="N",
+                       help=f"resume a request in flight at most N times after a stage, prefill or decode node "
+                            f"died, froze or restarted: its prompt and the tokens streamed are prefilled again and "
+                            f"the stream goes on (0 to {MAX_RESUMES}; 0 fails it with 503 as before; default "
+                            f"{DEFAULT_MAX_RESUMES}, or the TOML's max_resumes)")
+    group.add_argument("--resume-timeout", type=resume_seconds, default=None, metavar="S",
+                       help=f"how long one resume waits for a node to take the request before it fails with 503 "
+                            f"(at most {MAX_RESUME_TIMEOUT_S:g}; default {DEFAULT_RESUME_TIMEOUT_S:g}, or the TOML's "
+                            "resume_s)")
 
 
 def _add_bringup_arguments(parser: argparse.ArgumentParser) -> None:
@@ -183,7 +204,8 @@ def apply_threads(args: argparse.Namespace) -> int:
 
 def pipeline_options(args: argparse.Namespace) -> PipelineOptions:
     return PipelineOptions(getattr(args, "pp_micro_batch_size", None), getattr(args, "pp_return_logits", False),
-                           getattr(args, "pp_stop_stages", False))
+                           getattr(args, "pp_stop_stages", False), getattr(args, "max_resumes", None),
+                           getattr(args, "resume_timeout", None))
 
 
 def cluster_node(args: argparse.Namespace, model: Path) -> Distributed | None:

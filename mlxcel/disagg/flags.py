@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from mlxcel.cluster.identity import PeerId
+from mlxcel.config import DEFAULT_MAX_RESUMES, DEFAULT_RESUME_TIMEOUT_S
 from mlxcel.disagg.wire import (
     DEFAULT_HANDOFF_TIMEOUT_S,
     DEFAULT_PROBE_INTERVAL_S,
@@ -46,6 +47,8 @@ class NodeConfig:
     handoff_timeout_s: float = DEFAULT_HANDOFF_TIMEOUT_S
     probe_interval_s: float = DEFAULT_PROBE_INTERVAL_S
     node_id: str = ""
+    max_resumes: int = DEFAULT_MAX_RESUMES  # router: resumes per request after a node failure (§6)
+    resume_timeout_s: float = DEFAULT_RESUME_TIMEOUT_S  # router: one resume waits this long for a node of each role
 
 
 def node_role(args: argparse.Namespace, dist: Distributed | None) -> str:
@@ -142,13 +145,20 @@ def node_config(args: argparse.Namespace, dist: Distributed | None) -> NodeConfi
         peers = {r: tuple(n.address for n in cluster.with_role(r)) for r in ("prefill", "decode")}
         return NodeConfig(role, dist.node.address, peers["prefill"] if role == "router" else (),
                           peers["decode"] if role != "decode" else (), secret, timeout,
-                          probe or cluster.timeouts.heartbeat_s, dist.node.id)
+                          probe or cluster.timeouts.heartbeat_s, dist.node.id, *_resume(args, cluster.timeouts.resume_s))
     secret = load_secret(getattr(args, "cluster_secret_file", None), required=True)
     assert secret is not None
     bind = parse_address(args.serving_bind, "--serving-bind")
     return NodeConfig(role, bind, parse_peers(getattr(args, "prefill_peers", None), "--prefill-peers"),
                       parse_peers(getattr(args, "decode_peers", None), "--decode-peers"), secret, timeout,
-                      probe or DEFAULT_PROBE_INTERVAL_S, f"{role}@{bind}")
+                      probe or DEFAULT_PROBE_INTERVAL_S, f"{role}@{bind}", *_resume(args, DEFAULT_RESUME_TIMEOUT_S))
+
+
+def _resume(args: argparse.Namespace, toml_timeout_s: float) -> tuple[int, float]:
+    """--max-resumes and --resume-timeout (the TOML's [timeouts] resume_s where the flag is not given)."""
+    count = getattr(args, "max_resumes", None)
+    timeout = getattr(args, "resume_timeout", None)
+    return (DEFAULT_MAX_RESUMES if count is None else count), (toml_timeout_s if timeout is None else timeout)
 
 
 def wants_disagg(args: argparse.Namespace, dist: Distributed | None) -> bool:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlxcel.cluster.identity import PeerId
-from mlxcel.config import MAX_TOP_LOGPROBS
+from mlxcel.config import MAX_TOKENS_LIMIT, MAX_TOP_LOGPROBS
 from mlxcel.disagg.wire import MAX_CONTROL_LEN, MAX_EVENTS_PER_MESSAGE, NONCE_HEX_LEN, MsgType
 from mlxcel.engine.interface import EngineRequest, FinishEvent, TokenEvent
 from mlxcel.engine import sampling_wire
@@ -150,12 +150,15 @@ class Generate:
     top_logprobs: int = 0
     ignore_eos: bool = False
     decode_target: PeerId | None = None
+    draws: int = 0  # a resumed request: tokens sampled before (the prompt ends with them); the sampler goes on
 
     def encode(self) -> bytes:
         doc: dict[str, Any] = {"nonce": self.nonce, "prompt": list(self.prompt), "params": params_doc(self.params),
                                "top_logprobs": self.top_logprobs, "ignore_eos": self.ignore_eos}
         if self.decode_target is not None:
             doc["decode_target"] = str(self.decode_target)
+        if self.draws:
+            doc["draws"] = self.draws
         return encode(MsgType.GENERATE, doc)
 
     @classmethod
@@ -170,10 +173,12 @@ class Generate:
             except ValueError:
                 raise MessageRefused(f"decode_target must be a numeric ip:port, got {target!r}") from None
         return cls(nonce, prompt, params_of(doc.get("params")),
-                   _int(doc, "top_logprobs", 0, MAX_TOP_LOGPROBS, default=0), _bool(doc, "ignore_eos"), target)
+                   _int(doc, "top_logprobs", 0, MAX_TOP_LOGPROBS, default=0), _bool(doc, "ignore_eos"), target,
+                   _int(doc, "draws", 0, MAX_TOKENS_LIMIT, default=0))
 
     def request(self) -> EngineRequest:
-        return EngineRequest(self.prompt, self.params, self.top_logprobs, self.ignore_eos, request_id=self.nonce)
+        return EngineRequest(self.prompt, self.params, self.top_logprobs, self.ignore_eos, request_id=self.nonce,
+                             draws=self.draws)
 
 
 def event_doc(ev: TokenEvent) -> list:
@@ -329,7 +334,7 @@ class HandoffMeta:
         in_vocab((first.token, *(t for t, _ in first.top_logprobs)), vocab_size, "first")
         return cls(nonce_of(doc), router, params_of(doc.get("params")), first,
                    _int(doc, "top_logprobs", 0, MAX_TOP_LOGPROBS, default=0), _bool(doc, "ignore_eos"),
-                   _int(doc, "draws", 0, 1))
+                   _int(doc, "draws", 0, MAX_TOKENS_LIMIT + 1))
 
 
 def reply_to(doc: dict) -> tuple[str, PeerId] | None:

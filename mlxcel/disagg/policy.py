@@ -9,9 +9,13 @@ Its only state is one round-robin cursor per role, so the router calls it under 
 - ``after_failure(code, ...)``: ``Route`` (fail over to those nodes), ``NoneUp`` (fail over wanted,
   nobody to take it: the request fails UNAVAILABLE) or ``GiveUp(code)`` (the request fails with it).
 - ``depends_on(peer, ...)``: whether an attempt is lost when ``peer`` goes down or restarts.
+- ``may_resume(code, ...)``: whether a failed request is resumed instead (docs/disagg.md §6.1).
 
 Failover happens only before the first token reaches the client, for at most ``max_attempts``
 attempts in all, never while the router shuts down, and never for a bad-input or cancelled code.
+A request failover does not take (tokens were streamed, no node is up now, the attempts are spent) is
+resumed: at most ``max_resumes`` times, never while shutting down, never for a bad-input or cancelled
+code, and only if its prompt plus the tokens streamed still fit the context for a re-prefill.
 """
 
 from __future__ import annotations
@@ -58,6 +62,14 @@ def may_retry(code: ErrorCode, *, attempts: int, emitted: int, closing: bool,
               max_attempts: int = MAX_DISPATCH_ATTEMPTS) -> bool:
     """Whether a failed attempt (``attempts`` made so far, ``emitted`` tokens relayed) goes to other nodes."""
     return not closing and emitted == 0 and attempts < max_attempts and code.error_class not in NO_RETRY
+
+
+def may_resume(code: ErrorCode, *, resumes: int, max_resumes: int, closing: bool, tokens: int, prompt: int,
+               max_tokens: int, context_length: int) -> bool:
+    """Whether a failed request (``resumes`` made, ``tokens`` streamed after a ``prompt``-token prompt) is
+    resumed: prefilled again with prompt + tokens on nodes that are up (waiting for one if none is)."""
+    return (not closing and resumes < max_resumes and code.error_class not in NO_RETRY
+            and tokens < max_tokens and prompt + tokens <= context_length)
 
 
 def final_code(code: ErrorCode) -> ErrorCode:

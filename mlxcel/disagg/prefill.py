@@ -61,7 +61,7 @@ class Job:
     def prefill_request(self) -> EngineRequest:
         """The request this node runs: the prompt and one token, no stop strings, EOS kept."""
         return EngineRequest(self.gen.prompt, replace(self.params, max_tokens=1, stop=()),
-                             self.gen.top_logprobs, ignore_eos=True, request_id=self.nonce)
+                             self.gen.top_logprobs, ignore_eos=True, request_id=self.nonce, draws=self.gen.draws)
 
 
 class PrefillService(RoleService):
@@ -228,7 +228,7 @@ class PrefillService(RoleService):
         """Stream header, chunks and end record to the decode node (a worker thread)."""
         tensors, length = kv.data, kv.length
         meta = m.HandoffMeta(job.nonce, job.router, job.params, first, job.gen.top_logprobs, job.gen.ignore_eos,
-                             draws=0 if job.params.greedy else 1)
+                             draws=0 if job.params.greedy else job.gen.draws + 1)
         prefill_s = time.perf_counter() - job.started
         start = time.perf_counter()
         sent = 0

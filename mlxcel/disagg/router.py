@@ -11,8 +11,14 @@ node's listener; the demux delivers one only when its handshake-bound sender is 
 Failures: no node up -> ``EngineUnavailable`` at submit (HTTP 503 + Retry-After, never 429). A node
 that goes down, refuses, or does not answer within ``--handoff-timeout`` fails the attempt: a request
 that has not emitted a token yet is dispatched again to other nodes (at most ``MAX_DISPATCH_ATTEMPTS``
-attempts; a down node is not picked again until a probe sees it back), one that has emitted tokens
-ends with a retryable error. A cancelled request (client gone) sends CANCEL to both of its nodes.
+attempts; a down node is not picked again until a probe sees it back). One that has emitted tokens (or
+that failover cannot place) is **resumed** (docs/disagg.md §6.1): a new attempt whose prompt is the
+request's prompt plus the tokens streamed, with ``max_tokens`` less those, the request's seed (resolved
+here when it named none) and ``draws`` = the tokens streamed, so the nodes' samplers go on where they
+stopped; its text is assembled here from then on (the request's stop strings apply here), so the
+client sees one unbroken stream. A resume waits up to ``--resume-timeout`` for a node of each role to
+be up; at most ``--max-resumes`` per request, then a retryable error (503 + Retry-After). A cancelled
+request (client gone) sends CANCEL to both of its nodes.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mlxcel.cluster.exchanges import Exchange, ExchangeTable
@@ -32,10 +38,13 @@ from mlxcel.cluster.ratelimit import WarnClass
 from mlxcel.cluster.wire import Kind
 from mlxcel.disagg import messages as m
 from mlxcel.disagg.flags import NodeConfig
-from mlxcel.disagg.policy import GiveUp, NoneUp, Route, RoutePolicy, depends_on
+from mlxcel.disagg.policy import GiveUp, NoneUp, Route, RoutePolicy, depends_on, may_resume
 from mlxcel.disagg.service import role_transport
 from mlxcel.disagg.wire import PROBE_TIMEOUT_S, MsgType
-from mlxcel.engine.interface import EngineRequest, EngineUnavailable, EventStream, FinishEvent
+from mlxcel.engine.interface import EngineRequest, EngineUnavailable, EventStream, FinishEvent, TokenEvent
+from mlxcel.engine.resume import RETRY_S as RESUME_RETRY_S
+from mlxcel.engine.sampling import SamplingParams, random_seed
+from mlxcel.engine.textstream import SequenceText
 from mlxcel.error_codes import CodedError, ErrorCode, code_of
 from mlxcel.cluster.outbox import Outbox
 
@@ -71,6 +80,12 @@ class Routed:
     handed_off: bool = False
     done: bool = False
     started: float = field(default_factory=time.perf_counter)
+    params: SamplingParams | None = None  # the request's, its seed resolved so that a resume replays it
+    tokens: list[int] = field(default_factory=list)  # every token relayed to the client, in order
+    text: SequenceText | None = None  # after a resume: the text is assembled here (the nodes' starts midway)
+    resumes: int = 0
+    resume_deadline: float = 0.0  # while a resume waits for nodes (monotonic)
+    resume_error: tuple[ErrorCode, str] = (ErrorCode.UNAVAILABLE, "")  # the failure being resumed
 
 
 class RouterEngine:
@@ -103,7 +118,8 @@ class RouterEngine:
         self.counters: dict[str, float] = {
             "requests": 0, "completed": 0, "failed": 0, "cancelled": 0, "failovers": 0, "unavailable": 0,
             "dropped_frames": 0, "handoffs": 0, "handoff_bytes": 0, "handoff_seconds": 0.0,
-            "handoff_bytes_last": 0, "handoff_seconds_last": 0.0, "handoff_seconds_max": 0.0, "prefill_seconds": 0.0}
+            "handoff_bytes_last": 0, "handoff_seconds_last": 0.0, "handoff_seconds_max": 0.0, "prefill_seconds": 0.0,
+            "resumed": 0, "resume_failed": 0}
 
     # -- lifecycle ------------------------------------------------------------------------------------
 
@@ -138,14 +154,21 @@ class RouterEngine:
         with self._lock:
             self.counters["requests"] += 1
             prefill, decode = self._pick()
-            routed = Routed(request, EventStream(request, self._cancel))
+            routed = Routed(request, EventStream(request, self._cancel), params=self._resolved(request.params))
             self._by_rid[request.request_id] = routed
             self._dispatch(routed, prefill, decode)
         return routed.stream
 
+    def _resolved(self, params: SamplingParams) -> SamplingParams:
+        """A sampled request that names no seed gets one here, so that a resume continues its random stream."""
+        if self.cfg.max_resumes > 0 and not params.greedy and params.seed is None:
+            return replace(params, seed=random_seed())
+        return params
+
     def stats(self) -> dict[str, float]:
         up = {role: sum(1 for p in peers if self.monitor.is_up(p)) for role, peers in self._peers.items()}
         return {**{f"router_{k}": float(v) for k, v in self.counters.items()},
+                "resumed": float(self.counters["resumed"]), "resume_failed": float(self.counters["resume_failed"]),
                 "router_prefill_up": float(up["prefill"]), "router_decode_up": float(up["decode"]),
                 "router_in_flight": float(len(self._by_rid))}
 
@@ -173,7 +196,8 @@ class RouterEngine:
                     if not status.up and info.down_reason:
                         entry["down_reason"] = info.down_reason
                 nodes.append(entry)
-        body: dict[str, Any] = {"addresses_redacted": not verbose, "nodes": nodes, "metrics": self.stats()}
+        metrics = {k: v for k, v in self.stats().items() if k.startswith("router_")}  # /metrics has the rest
+        body: dict[str, Any] = {"addresses_redacted": not verbose, "nodes": nodes, "metrics": metrics}
         if verbose:
             body["router"] = str(self.transport.identity)
         return body
@@ -201,8 +225,7 @@ class RouterEngine:
         routed.exchange = ex
         self.nodes[prefill].dispatched += 1
         self.nodes[decode].dispatched += 1
-        req = routed.request
-        gen = m.Generate(ex.nonce, req.prompt, req.params, req.top_logprobs, req.ignore_eos, decode)
+        gen = self._generate(routed, ex.nonce, decode)
 
         def failed(exc: BaseException) -> None:
             self.monitor.lost(prefill, f"sending to it failed: {exc}")
@@ -210,6 +233,16 @@ class RouterEngine:
                                                         ErrorCode.UNREACHABLE))
 
         self.outbox.send(prefill, Kind.CONTROL, gen.encode(), failed)
+
+    def _generate(self, routed: Routed, nonce: str, decode: PeerId) -> m.Generate:
+        """The attempt's GENERATE: the request as is, or resumed after the tokens streamed so far (their
+        text is assembled here, so the nodes get no stop strings and the prompt ends with those tokens)."""
+        req, params, done = routed.request, routed.params or routed.request.params, len(routed.tokens)
+        if not done:
+            return m.Generate(nonce, req.prompt, params, req.top_logprobs, req.ignore_eos, decode)
+        params = replace(params, max_tokens=req.params.max_tokens - done, stop=())
+        return m.Generate(nonce, req.prompt + tuple(routed.tokens), params, req.top_logprobs, req.ignore_eos,
+                          decode, draws=done)
 
     def _ended(self, ex: Exchange) -> None:
         """An attempt's exchange ended: finished, failed (fail over or fail the request), or superseded."""
@@ -229,6 +262,8 @@ class RouterEngine:
                                                  closing=self.exchanges.closing, is_up=self.monitor.is_up)
             if isinstance(decision, Route):
                 self._fail_over(routed, message, decision)
+            elif self._may_resume(routed, code):
+                self._resume(routed, code, message)
             elif isinstance(decision, NoneUp):
                 self._fail(routed, decision.code, f"{message}; {self._unavailable(decision)}")
             else:
@@ -241,7 +276,67 @@ class RouterEngine:
                  self.nodes[route.prefill].id, self.nodes[route.decode].id)
         self._dispatch(routed, route.prefill, route.decode)
 
+    # -- resuming (docs/disagg.md §6.1) ----------------------------------------------------------------
+
+    def _may_resume(self, routed: Routed, code: ErrorCode) -> bool:
+        req = routed.request
+        return may_resume(code, resumes=routed.resumes, max_resumes=self.cfg.max_resumes,
+                          closing=self.exchanges.closing, tokens=len(routed.tokens), prompt=len(req.prompt),
+                          max_tokens=req.params.max_tokens, context_length=self._context_length)
+
+    def _resume(self, routed: Routed, code: ErrorCode, message: str) -> None:
+        """Start resuming a failed request (under the lock): its text is assembled here from now on."""
+        routed.resumes += 1
+        routed.resume_deadline = time.monotonic() + self.cfg.resume_timeout_s
+        routed.resume_error = (code, message)
+        if routed.text is None and routed.tokens:
+            routed.text = SequenceText(self._tokenizer, routed.request.params.stop)
+            for token in routed.tokens:  # the state the node's text had: the client has all it released
+                routed.text.feed(token)
+        log.warning("router: %s: %s after %d tokens; resuming it (%d of at most %d)", routed.request.request_id,
+                    message, len(routed.tokens), routed.resumes, self.cfg.max_resumes)
+        self._try_resume(routed)
+
+    def _try_resume(self, routed: Routed) -> None:
+        """Dispatch the resumed attempt if a node of each role is up; else try again shortly, until the deadline."""
+        with self._lock:
+            if routed.done:
+                return
+            route = self.policy.pick(self.monitor.is_up)
+            if isinstance(route, Route):
+                self.counters["resumed"] += 1
+                self._dispatch(routed, route.prefill, route.decode)
+                return
+            if time.monotonic() < routed.resume_deadline and not self.exchanges.closing:
+                timer = threading.Timer(RESUME_RETRY_S, self._try_resume, (routed,))
+                timer.daemon = True
+                timer.start()
+                return
+            self.counters["resume_failed"] += 1
+            code, message = routed.resume_error
+            self._fail(routed, code if code.retryable else ErrorCode.UNAVAILABLE,
+                       f"{message}; could not be resumed within {self.cfg.resume_timeout_s:g}s "
+                       f"(--resume-timeout): {self._unavailable(route)}")
+
+    def _relay(self, routed: Routed, ex: Exchange, events: tuple[TokenEvent, ...]) -> None:
+        """Pass an attempt's token events to the client (under the lock); after a resume with text made here,
+        ending the request on a stop string."""
+        for event in events:
+            routed.tokens.append(event.token)
+            if routed.text is None:
+                routed.stream.push(event)
+                continue
+            routed.stream.push(TokenEvent(event.token, routed.text.feed(event.token), event.logprob,
+                                          event.top_logprobs))
+            if routed.text.stopped:
+                self._cancel_on_nodes(routed, ex.nonce)
+                self.exchanges.resolve(ex, reply=FinishEvent("stop"))
+                return
+
     def _finish(self, routed: Routed, event: FinishEvent) -> None:
+        if routed.text is not None and event.error is None:  # resumed: the tail and the counts are this side's
+            event = FinishEvent(event.finish_reason, routed.text.finish(), len(routed.request.prompt),
+                                len(routed.tokens))
         routed.done = True
         self._by_rid.pop(routed.request.request_id, None)
         if event.error is None:
@@ -329,8 +424,7 @@ class RouterEngine:
                     return
                 routed.emitted += len(tokens.events)
                 ex.deadline = time.monotonic() + self.cfg.handoff_timeout_s  # an idle bound from now on
-                for event in tokens.events:
-                    routed.stream.push(event)
+                self._relay(routed, ex, tokens.events)
         elif kind is MsgType.PROGRESS:
             with self._lock:
                 if not routed.done and routed.exchange is ex:

@@ -6,7 +6,8 @@ Module map:
 - ``scheduler``     continuous batching: admission, prefill budget, micro-batches, cancellation, emission
 - ``executor``      the seam between the scheduler and the compute (``Executor``, ``LocalExecutor``)
 - ``runner``        one model slice for many sequences: per-sequence prefill, batched decode
-- ``model_slice``   a contiguous slice of a model (embedding? + layers + norm and head?)
+- ``model_slice``   a contiguous slice of a model (embedding? + layers + norm and head?), per-family hooks
+- ``flows``         what one forward pass carries layer to layer and across a stage boundary, per family
 - ``generate``      single-sequence generation for ``mlxcel generate``
 - ``sampling``      sampling parameters and samplers (greedy, temperature, top-p, top-k, seeds)
 - ``prefix_cache``  reuse the KV of earlier prompts that share a prefix

@@ -26,6 +26,7 @@ from typing import Any, Callable, Protocol, Sequence, Union
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
+from mlxcel.engine.compiled_step import decode_forward
 from mlxcel.engine.model_slice import ModelSlice
 from mlxcel.engine.prefix_cache import PrefixCache
 from mlxcel.engine.runner import RowSampler, Sampled, SliceRunner
@@ -91,7 +92,11 @@ class Executor(Protocol):
     micro_batch_size: int  # rows per decode step at most
 
     def prepare(self, rid: str, params: SamplingParams, top_logprobs: int, prompt: Sequence[int]) -> int:
-        """Make room for a sequence; returns how many leading prompt tokens are already cached."""
+        """Make room for a sequence; returns how many leading prompt tokens are already cached.
+
+        An executor that resumes sequences (``mlxcel.engine.resume``) also takes ``draws=n`` and
+        ``attempt=k``: the sequence's ``k``-th resume, after ``n`` sampled tokens, so its sampler starts at
+        draw ``n`` (a remote executor may name it anew per attempt, so stale steps cannot touch it)."""
 
     def submit(self, step: Step, done: Done) -> None:
         """Start a step; ``done`` is called exactly once when it finishes or fails."""
@@ -133,10 +138,13 @@ class LocalExecutor:
         self._exports: dict[str, KVExport | Exception | None] = {}  # rid -> its export once it ended
         self._lock = threading.Lock()  # _exports: the scheduler thread fills it, the sender reads and frees it
 
-    def prepare(self, rid: str, params: SamplingParams, top_logprobs: int, prompt: Sequence[int]) -> int:
+    def prepare(self, rid: str, params: SamplingParams, top_logprobs: int, prompt: Sequence[int], *,
+                draws: int = 0, attempt: int = 0) -> int:
         cache, n = self.prefix.lookup(prompt)
         for i, runner in enumerate(self.runners):
             row = RowSampler(params, top_logprobs) if runner.is_last else None
+            if row is not None:
+                row.skip(draws)
             runner.prepare(rid, row, cache=cache if i == 0 else None, length=n)
         return n
 
@@ -245,12 +253,13 @@ def whole_model_runner(model: Any, *, max_rows: int) -> SliceRunner:
     """The whole model as one runner: mlx-lm's own forward, so every family it supports works."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    return SliceRunner(lambda x, c: model(x, cache=c), lambda: make_prompt_cache(model),
+    return SliceRunner(decode_forward(lambda x, c: model(x, cache=c)), lambda: make_prompt_cache(model),
                        is_first=True, is_last=True, max_rows=max_rows)
 
 
 def slice_runner(model: Any, start: int, end: int, *, max_rows: int) -> SliceRunner:
     """Layers [start, end) of ``model`` as a runner (a pipeline stage)."""
     piece = ModelSlice(model, start, end)
-    return SliceRunner(lambda x, c: piece(x, c), piece.make_cache, is_first=piece.is_first,
-                       is_last=piece.is_last, max_rows=max_rows)
+    return SliceRunner(decode_forward(lambda x, c: piece(x, c)), piece.make_cache, is_first=piece.is_first,
+                       is_last=piece.is_last, max_rows=max_rows,
+                       input_width=None if piece.is_first else piece.input_width)

@@ -61,6 +61,7 @@ class EngineRequest:
     top_logprobs: int = 0  # alternatives reported per token (needs params.logprobs)
     ignore_eos: bool = False
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    draws: int = 0  # tokens sampled for it elsewhere already (a resumed request): its sampler starts after them
 
 
 @dataclass(frozen=True)

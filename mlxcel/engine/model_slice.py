@@ -11,8 +11,12 @@ embedding, ``model.make_cache``). Where a family differs, a small hook in its
 ``Family`` row says how: the embedding (gemma3 scales it by sqrt(hidden)), the
 kind of attention of a layer by its ABSOLUTE index (full, sliding window of n,
 or linear attention; a slice of layers [start, end) asks for start + i), and
-masks as arrays (deepseek_v3's MLA). MoE blocks, attention sinks and dense
-leading layers live inside mlx-lm's layers and need no hook. The rows are
+masks as arrays (deepseek_v3's MLA), the cache a mask is built from (deepseek_v32's
+CacheList), a check refusing what a checkpoint has and slicing does not support, and
+a ``Flow`` (``mlxcel.engine.flows``): what one forward pass carries from layer to
+layer and across a stage boundary (kimi_k3's attention-residual blocks cross it
+beside h, a bounded width each stage checks: ``ModelSlice.input_width``). MoE blocks, attention
+sinks and dense leading layers live inside mlx-lm's layers and need no hook. The rows are
 keyed by the mlx-lm module that implements the family (a checkpoint's
 ``model_type`` may map onto one, e.g. mistral onto llama), each tested against
 the whole model (tests/engine/test_families.py). Any other family is refused by
@@ -29,6 +33,7 @@ import mlx.core as mx
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 from mlx_lm.models.cache import KVCache
 
+from mlxcel.engine.flows import Flow, Gemma4Flow, KimiK3Flow, Ministral3Flow
 from mlxcel.models.errors import ModelError
 
 MLX_LM_MODELS = "mlx_lm.models."
@@ -39,12 +44,19 @@ def _embed_tokens(model: Any, inputs: mx.array) -> mx.array:
     return model.model.embed_tokens(inputs)
 
 
+def lm_head(model: Any) -> Any:
+    """The model's lm_head, or None where it is tied to the embedding. mlx-lm builds (or, in sanitize,
+    keeps) lm_head only for untied checkpoints; multimodal wrappers (qwen3_5, kimi_k3) hold it in their
+    ``language_model``."""
+    holder = getattr(model, "language_model", model)
+    return getattr(holder, "lm_head", None) if "lm_head" in holder else None
+
+
 def _norm_and_head(model: Any, h: mx.array) -> mx.array:
     """Final norm, then lm_head, or the embedding as the head where the model has no lm_head (tied)."""
     h = model.model.norm(h)
-    if "lm_head" in model:  # mlx-lm builds (or, in sanitize, keeps) lm_head only for untied checkpoints
-        return model.lm_head(h)
-    return model.model.embed_tokens.as_linear(h)
+    head = lm_head(model)
+    return head(h) if head is not None else model.model.embed_tokens.as_linear(h)
 
 
 def _full_attention(model: Any, index: int) -> Hashable:
@@ -60,6 +72,10 @@ class Family:
     # (model, absolute layer index) -> the layer's attention kind: None (full), a sliding window's size, or LINEAR
     attention: Callable[[Any, int], Hashable] = _full_attention
     array_masks: bool = False  # masks as arrays, never "causal" (as the family's own forward asks for them)
+    mask_cache: Callable[[Any], Any] = lambda cache: cache  # the cache a layer's mask is built from
+    flow: type[Flow] = Flow
+    # (model) -> None, or ModelError naming what this checkpoint has that slicing does not support
+    check: Callable[[Any], None] = lambda model: None
 
 
 def _llama_attention(model: Any, index: int) -> Hashable:
@@ -87,6 +103,38 @@ def _linear_or_full(model: Any, index: int) -> Hashable:
     return LINEAR if model.model.layers[index].is_linear else None
 
 
+def _sliding_or_full(model: Any, index: int) -> Hashable:
+    """ministral3: the layer's own use_sliding, set from its absolute index."""
+    return model.model.sliding_window if model.model.layers[index].use_sliding else None
+
+
+def _gemma4_embed(model: Any, inputs: mx.array) -> mx.array:
+    return model.model.embed_tokens(inputs) * model.model.embed_scale
+
+
+def _gemma4_head(model: Any, h: mx.array) -> mx.array:
+    from mlx_lm.models.gemma4_text import logit_softcap
+
+    out = _norm_and_head(model, h)
+    cap = model.final_logit_softcapping
+    return logit_softcap(cap, out) if cap is not None else out
+
+
+def _gemma4_attention(model: Any, index: int) -> Hashable:
+    return model.model.window_size if model.model.layers[index].layer_type == "sliding_attention" else None
+
+
+def _gemma4_check(model: Any) -> None:
+    """Per-layer inputs (gemma-4 E2B/E4B) are computed from the token ids by the first stage's tables and
+    KV-shared layers read a layer's keys that may sit on another stage: neither crosses a boundary yet."""
+    args = model.args
+    if args.hidden_size_per_layer_input or args.num_kv_shared_layers:
+        raise ModelError("gemma4_text with per-layer inputs (hidden_size_per_layer_input "
+                         f"{args.hidden_size_per_layer_input}) or KV-shared layers (num_kv_shared_layers "
+                         f"{args.num_kv_shared_layers}) cannot be sliced into pipeline stages; both must be 0 "
+                         "(gemma-4 26B-A4B and 31B shapes)")
+
+
 GENERIC = Family()
 
 # Keyed by the mlx-lm module (mlx_lm.models.<name>) whose Model the checkpoint loads into.
@@ -104,6 +152,19 @@ FAMILIES: dict[str, Family] = {
     "gpt_oss": Family(attention=_gpt_oss_attention),  # attention sinks live in the attention module
     "glm4_moe": GENERIC,
     "qwen3_next": Family(attention=_linear_or_full),
+    "qwen3_5": Family(attention=_linear_or_full),  # qwen3_5_moe's Model subclasses qwen3_5's
+    "qwen3_5_moe": Family(attention=_linear_or_full),
+    "ernie4_5": GENERIC,
+    "ernie4_5_moe": GENERIC,  # dense leading layers (moe_layer_start_index) are chosen inside each layer
+    "hunyuan_v1_dense": GENERIC,
+    "minimax": GENERIC,
+    "ministral3": Family(attention=_sliding_or_full, flow=Ministral3Flow),
+    # the lightning indexer's cache rides beside MLA's in a CacheList; the mask comes from MLA's
+    "deepseek_v32": Family(array_masks=True, mask_cache=lambda cache: cache[0] if cache else None),
+    "gemma4_text": Family(embed=_gemma4_embed, head=_gemma4_head, attention=_gemma4_attention, flow=Gemma4Flow,
+                          check=_gemma4_check),
+    # Kimi Delta Attention (linear) and MLA layers by absolute index, MLA's masks as arrays
+    "kimi_k3": Family(attention=_linear_or_full, array_masks=True, flow=KimiK3Flow),
 }
 
 
@@ -116,6 +177,7 @@ def family_of(model: Any) -> Family:
         kind = getattr(model, "model_type", None) or name or type(model).__name__
         raise ModelError(f"model family {kind!r} cannot be sliced into pipeline stages "
                          f"(supported: {', '.join(sorted(FAMILIES))})")
+    family.check(model)
     return family
 
 
@@ -160,14 +222,23 @@ class ModelSlice:
             return make()[self.start:self.end]
         return [KVCache() for _ in self.layers]
 
+    @property
+    def input_width(self) -> int:
+        """The last dimension of the hidden states this slice takes (not the first slice): the model's
+        hidden size, or more where the family carries more across a boundary (``Flow.width``)."""
+        return self.family.flow.width(self.model, self.start)
+
     def __call__(self, inputs: mx.array, cache: list | None = None) -> mx.array:
-        """Token ids [B, L] (first slice) or hidden states [B, L, D] -> hidden states or logits."""
+        """Token ids [B, L] (first slice) or hidden states [B, L, input_width] -> hidden states
+        [B, L, Flow.width at end] or logits."""
         h = self.family.embed(self.model, inputs) if self.is_first else inputs
         cache = cache if cache is not None else [None] * (self.end - self.start)
+        flow = self.family.flow(self.model, self.start, h, cache)
         masks: dict[Hashable, Any] = {}
         for index, layer, layer_cache in zip(range(self.start, self.end), self.layers, cache):
             kind = self.family.attention(self.model, index)
             if kind not in masks:  # as mlx-lm: one mask per attention kind, from its first layer's cache
-                masks[kind] = make_mask(h, layer_cache, kind, self.family.array_masks)
-            h = layer(h, masks[kind], cache=layer_cache)
-        return self.family.head(self.model, h) if self.is_last else h
+                masks[kind] = make_mask(flow.h, self.family.mask_cache(layer_cache), kind, self.family.array_masks)
+            flow.layer(index, layer, masks[kind], layer_cache)
+        out = flow.leave(self.is_last)
+        return self.family.head(self.model, out) if self.is_last else out

@@ -59,12 +59,11 @@ class RowSampler:
             self.sampler = make_sampler(self.params)
 
     def skip(self, draws: int) -> None:
-        """Advance a seeded sampler past ``draws`` made elsewhere (a prefill node): its random stream goes on."""
-        if self.sampler is None:
-            return
-        dummy = mx.zeros((1, 2))
-        for _ in range(draws):
-            self.sampler(dummy)
+        """Advance a seeded sampler past ``draws`` made elsewhere (a prefill node, the attempt before a
+        resume): its random stream goes on (draw n's key depends only on the seed and n)."""
+        skip = getattr(self.sampler, "skip", None)
+        if skip is not None and draws:
+            skip(draws)
 
 
 def sample_rows(logits: mx.array, rows: Sequence[RowSampler]) -> list[Sampled]:
@@ -114,8 +113,10 @@ class SliceRunner:
     """The caches and the compute of one slice for every sequence prepared on it."""
 
     def __init__(self, forward: Forward, make_cache: Callable[[], list], *, is_first: bool, is_last: bool,
-                 max_rows: int = 64):
+                 max_rows: int = 64, input_width: int | None = None):
         self.forward = forward
+        # the last dimension of the hidden states a non-first slice takes (None: the model's hidden size)
+        self.input_width = input_width
         self._make_cache = make_cache
         self.is_first = is_first
         self.is_last = is_last

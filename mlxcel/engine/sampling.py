@@ -55,24 +55,58 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-def make_sampler(params: SamplingParams) -> Sampler:
-    """A callable mapping log-probabilities [B, V] to token ids [B].
+_MASK64 = (1 << 64) - 1
+_GAMMA = 0x9E3779B97F4A7C15  # SplitMix64's increment
 
-    Each sampler owns its random key (from ``params.seed``, else from the OS), so concurrent requests never disturb each other's draws.
-    """
-    if params.greedy:
-        return lambda logprobs: mx.argmax(logprobs, axis=-1)
-    seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-    key = mx.random.key(seed)
-    state = {"key": key}
-    inv_temp = 1.0 / params.temperature
 
-    def sample(logprobs: mx.array) -> mx.array:
+def draw_seed(seed: int, draw: int) -> int:
+    """The 64-bit seed of a sequence's draw number ``draw`` (0 for its first sampled token): output
+    ``draw`` of SplitMix64 seeded with ``seed`` (mod 2^64). A token's random key depends only on the
+    request's seed and its position in the output, never on the draws before it, so a sequence resumed
+    elsewhere after ``draw`` tokens (docs/pipeline.md §5.6) samples exactly what it would have."""
+    z = ((seed & _MASK64) + (draw + 1) * _GAMMA) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+class SeededSampler:
+    """Temperature / top-p / top-k sampling of one sequence; draw ``n`` uses the key
+    ``mx.random.key(draw_seed(seed, n))``, so ``skip`` is O(1) and a resume reproduces the stream."""
+
+    def __init__(self, params: SamplingParams, seed: int, draws: int = 0):
+        self.params = params
+        self.seed = seed
+        self.draws = draws  # tokens sampled so far (here or, before a resume, elsewhere)
+        self._inv_temp = 1.0 / params.temperature
+
+    def skip(self, draws: int) -> None:
+        """Go past ``draws`` tokens sampled elsewhere (a prefill node, the run before a resume)."""
+        self.draws += draws
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        params = self.params
         if params.top_p < 1.0:
             logprobs = apply_top_p(logprobs, params.top_p)
         if 0 < params.top_k < logprobs.shape[-1]:
             logprobs = apply_top_k(logprobs, params.top_k)
-        state["key"], sub = mx.random.split(state["key"])
-        return mx.random.categorical(logprobs * inv_temp, key=sub)
+        key = mx.random.key(draw_seed(self.seed, self.draws))
+        self.draws += 1
+        return mx.random.categorical(logprobs * self._inv_temp, key=key)
 
-    return sample
+
+def random_seed() -> int:
+    """A seed from the OS for a request that names none."""
+    return int.from_bytes(os.urandom(8), "little") >> 1
+
+
+def make_sampler(params: SamplingParams, draws: int = 0) -> Sampler:
+    """A callable mapping log-probabilities [B, V] to token ids [B].
+
+    Each sampler owns its random stream (from ``params.seed``, else from the OS), so concurrent requests
+    never disturb each other's draws; ``draws`` starts it after that many tokens (a resumed sequence).
+    """
+    if params.greedy:
+        return lambda logprobs: mx.argmax(logprobs, axis=-1)
+    seed = params.seed if params.seed is not None else random_seed()
+    return SeededSampler(params, seed, draws)

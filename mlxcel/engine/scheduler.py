@@ -26,6 +26,14 @@ A request's state is one field, ``_Sequence.state`` (a ``RequestState``), change
     WAITING, PREFILLING --> FINISHED_ERROR, FINISHED_CANCELLED
     JOINING, RUNNING --> FINISHED_STOPPED (EOS, stop string), FINISHED_LENGTH (max_tokens),
                          FINISHED_ERROR, FINISHED_CANCELLED
+    PREFILLING, RUNNING --its step failed with a node failure--> RESUMING --prepared again--> PREFILLING
+    RESUMING --> FINISHED_ERROR (no node took it within the bounds), FINISHED_CANCELLED
+
+Resuming (``mlxcel.engine.resume``; only over an executor with a ``resume_policy``, the pipeline's): a
+sequence whose step failed because a node died, froze or restarted keeps its slot, its text state and
+its tokens; it is released on the executor and prepared again, every ``RETRY_S``, with ``prompt +
+generated`` as its prompt and its sampler ``len(generated)`` draws on, then prefilled like a new one.
+The token sampled after that prefill is its next token: the stream goes on as if nothing happened.
 
 A sequence enters JOINING before its first token is emitted, so that token can end it. A finished
 state is final; a finished sequence leaves ``_seqs``. ``busy`` (a prompt chunk in flight) and
@@ -45,7 +53,7 @@ import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, cast
 
 from mlxcel.config import (
@@ -63,8 +71,10 @@ from mlxcel.engine.interface import (
     FinishEvent,
     TokenEvent,
 )
+from mlxcel.engine.resume import RETRY_S as RESUME_RETRY_S
+from mlxcel.engine.resume import ResumePolicy
 from mlxcel.engine.runner import Sampled
-from mlxcel.engine.sampling import SamplingParams
+from mlxcel.engine.sampling import SamplingParams, random_seed
 from mlxcel.engine.textstream import SequenceText
 from mlxcel.error_codes import ErrorCode, code_of
 
@@ -87,6 +97,7 @@ class RequestState(enum.Enum):
     PREFILLING = "prefilling"  # admitted, prompt chunks to run (``_prefilling``)
     JOINING = "joining"  # first token sampled, waiting for room in a decode group (``_joining``)
     RUNNING = "running"  # a member of decode group ``group``
+    RESUMING = "resuming"  # lost to a node failure, waiting to be prepared again (``_resuming``)
     FINISHED_STOPPED = "finished_stopped"  # EOS or a stop string
     FINISHED_LENGTH = "finished_length"  # max_tokens
     FINISHED_ERROR = "finished_error"
@@ -102,9 +113,10 @@ _ENDS_EARLY = frozenset({S.FINISHED_ERROR, S.FINISHED_CANCELLED})
 _ENDS = _ENDS_EARLY | {S.FINISHED_STOPPED, S.FINISHED_LENGTH}
 TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
     S.WAITING: frozenset({S.PREFILLING, S.JOINING}) | _ENDS_EARLY,
-    S.PREFILLING: frozenset({S.JOINING}) | _ENDS_EARLY,
+    S.PREFILLING: frozenset({S.JOINING, S.RESUMING}) | _ENDS_EARLY,
     S.JOINING: frozenset({S.RUNNING}) | _ENDS,
-    S.RUNNING: _ENDS,
+    S.RUNNING: _ENDS | {S.RESUMING},
+    S.RESUMING: frozenset({S.PREFILLING}) | _ENDS_EARLY,
     **{end: frozenset() for end in _ENDS},
 }
 _FINISHED_BY_REASON = {"stop": S.FINISHED_STOPPED, "length": S.FINISHED_LENGTH, "error": S.FINISHED_ERROR}
@@ -133,6 +145,11 @@ class _Sequence:
     busy: bool = False  # a prefill step of it is in flight
     handoff: _Handoff | None = None  # prefilled elsewhere: adopted on admission instead of prefilled
     state: RequestState = RequestState.WAITING
+    params: SamplingParams | None = None  # the request's, its seed resolved where a resume must replay it
+    resumes: int = 0  # times it was resumed after a node failure
+    resume_deadline: float = 0.0  # while RESUMING: give up at this time (monotonic)
+    resume_next: float = 0.0  # while RESUMING: the next try
+    resume_error: BaseException | None = None  # while RESUMING: the failure, or the last try's
 
     @property
     def rid(self) -> str:
@@ -163,14 +180,19 @@ class EngineCounters:
     inflight_steps: int = 0
     overlapped_steps: int = 0  # steps submitted while another was in flight (micro-batching at work)
     failed_steps: int = 0
+    resumed: int = 0  # sequences prepared again after a node failure and continued (mlxcel/engine/resume.py)
+    resume_failed: int = 0  # sequences that waited to resume and failed: bounds spent, no node took them
 
 
 class Scheduler:
     """The ``Engine`` the HTTP front talks to, over any ``Executor``."""
 
     def __init__(self, executor: Executor, tokenizer: Any, *, context_length: int, parallel: int = DEFAULT_PARALLEL,
-                 max_queue: int = DEFAULT_MAX_QUEUE, prefill_step: int = PREFILL_STEP, warmup: bool = True):
+                 max_queue: int = DEFAULT_MAX_QUEUE, prefill_step: int = PREFILL_STEP, warmup: bool = True,
+                 resume: ResumePolicy | None = None):
         self.executor = executor
+        policy = resume if resume is not None else getattr(executor, "resume_policy", None)
+        self.resume = policy if policy is not None and policy.enabled else None
         self._tokenizer = tokenizer
         self._context_length = context_length
         self.parallel = parallel
@@ -188,8 +210,10 @@ class Scheduler:
         self._waiting: deque[_Sequence] = deque()
         self._prefilling: deque[_Sequence] = deque()
         self._joining: deque[_Sequence] = deque()  # first token sent, waiting for a group
+        self._resuming: deque[_Sequence] = deque()  # lost to a node failure, to be prepared again
         self._queues: dict[RequestState, deque[_Sequence]] = {  # the queued states, each in arrival order
-            S.WAITING: self._waiting, S.PREFILLING: self._prefilling, S.JOINING: self._joining}
+            S.WAITING: self._waiting, S.PREFILLING: self._prefilling, S.JOINING: self._joining,
+            S.RESUMING: self._resuming}
         self._groups: list[list[str]] = [[] for _ in range(executor.depth)]
         self._group_busy = [False] * executor.depth
         self._steps_inflight = 0
@@ -290,6 +314,7 @@ class Scheduler:
         try:
             if not self._handle(block=self._idle()):
                 return False
+            self._resume_due()
             self._admit()
             self._submit_work()
         except Exception as exc:  # noqa: BLE001 - the scheduler thread must outlive any one step's bug
@@ -301,7 +326,15 @@ class Scheduler:
         return True
 
     def _idle(self) -> bool:
-        return self._steps_inflight > 0 or not self._seqs
+        """Nothing to do but wait for an input: a step in flight, no request, or only resumes not due yet."""
+        if self._steps_inflight > 0 or not self._seqs:
+            return True
+        if not self._resuming:
+            return False
+        now = time.monotonic()
+        busy = (self._prefilling or self._joining or any(self._groups)
+                or (self._waiting and self._admitted() < self.parallel))
+        return not busy and all(seq.resume_next > now for seq in self._resuming)
 
     def _handle(self, *, block: bool) -> bool:
         """Apply queued inputs (blocking for the first one if asked); False when told to stop."""
@@ -363,7 +396,10 @@ class Scheduler:
         if getattr(stream, "cancelled", False):
             self._release_slot()
             return
-        seq = _Sequence(req, stream, SequenceText(self._tokenizer, req.params.stop), handoff=handoff)
+        params = req.params
+        if self.resume is not None and not params.greedy and params.seed is None:
+            params = replace(params, seed=random_seed())  # a resume replays the same random stream
+        seq = _Sequence(req, stream, SequenceText(self._tokenizer, req.params.stop), handoff=handoff, params=params)
         self._seqs[req.request_id] = seq
         self._waiting.append(seq)
         self.counters.waiting = len(self._waiting)
@@ -390,10 +426,13 @@ class Scheduler:
     def _prepare(self, seq: _Sequence) -> int:
         """Make room on the executor; returns how many prompt tokens are already in the cache."""
         req = seq.request
+        params = seq.params or req.params
         if seq.handoff is None:
-            return self.executor.prepare(seq.rid, req.params, req.top_logprobs, req.prompt)
+            if req.draws:  # resumed elsewhere (a prefill node re-prefilling for the router): the sampler goes on
+                return self.executor.prepare(seq.rid, params, req.top_logprobs, req.prompt, draws=req.draws)
+            return self.executor.prepare(seq.rid, params, req.top_logprobs, req.prompt)
         adopter = cast(Adopter, self.executor)
-        adopter.adopt(seq.rid, req.params, req.top_logprobs, seq.handoff.cache, len(req.prompt))
+        adopter.adopt(seq.rid, params, req.top_logprobs, seq.handoff.cache, len(req.prompt))
         return len(req.prompt)
 
     def _adopted(self, seq: _Sequence) -> None:
@@ -530,7 +569,11 @@ class Scheduler:
         message = f"generation failed: {exc}"
         for rid in step.rids:
             seq = self._seqs.get(rid)
-            if seq is not None:
+            if seq is None:
+                continue
+            if self._may_resume(seq, exc):
+                self._suspend(seq, exc)
+            else:
                 self._finish(seq, "error", error=message, code=code_of(exc))
         if step.kind == "decode":
             self._groups[step.slot] = [r for r in self._groups[step.slot] if r in self._seqs]
@@ -556,6 +599,84 @@ class Scheduler:
             return False
         return True
 
+    # -- resuming after a node failure (mlxcel/engine/resume.py) ---------------------------------------
+
+    def _may_resume(self, seq: _Sequence, exc: BaseException) -> bool:
+        """Whether ``seq``, whose step failed with ``exc``, is resumed instead of failed: the executor says
+        the node failure lost its state, its bounds are not spent, it fits the context for a re-prefill."""
+        if self.resume is None or self._closed or seq.resumes >= self.resume.max_resumes:
+            return False
+        resumable = getattr(self.executor, "resumable", None)
+        if resumable is None or not resumable(exc):
+            return False
+        return len(seq.request.prompt) + len(seq.generated) <= self._context_length
+
+    def _suspend(self, seq: _Sequence, exc: BaseException) -> None:
+        """Take ``seq`` off the executor (its step just returned, so nothing names it) to resume it."""
+        assert self.resume is not None
+        was = self._move(seq, S.RESUMING)
+        if was is S.RUNNING and seq.group is not None:
+            self._groups[seq.group] = [r for r in self._groups[seq.group] if r != seq.rid]
+        seq.group, seq.todo = None, []
+        seq.resumes += 1
+        now = time.monotonic()
+        seq.resume_deadline, seq.resume_next, seq.resume_error = now + self.resume.wait_s, now + RESUME_RETRY_S, exc
+        log.warning("request %s lost to a node failure after %d tokens (%s); resuming it (%d of at most %d)",
+                    seq.rid, len(seq.generated), exc, seq.resumes, self.resume.max_resumes)
+        self._release(seq.rid, None)
+
+    def _resume_due(self) -> None:
+        """Prepare again every resuming sequence whose try is due; fail those past their deadline."""
+        now = time.monotonic()
+        due = [s for s in self._resuming if s.resume_next <= now]
+        if not due:
+            return
+        check = getattr(self.executor, "check_peers", None)
+        try:
+            if check is not None:
+                check()  # once per pass: a node that restarted is seen as such before a sequence goes on it
+        except Exception as exc:  # noqa: BLE001 - no node for them yet: try again, up to their deadlines
+            for seq in due:
+                self._not_yet(seq, exc)
+            return
+        for seq in due:
+            try:
+                cached = self._prepare_again(seq)
+            except Exception as exc:  # noqa: BLE001 - as above
+                self._not_yet(seq, exc)
+                continue
+            full = list(seq.request.prompt) + seq.generated
+            seq.todo = full[cached:]
+            self._move(seq, S.PREFILLING)
+            self.counters.resumed += 1
+            log.info("request %s resumed: re-prefilling %d tokens (%d cached)", seq.rid, len(full) - cached, cached)
+
+    def _not_yet(self, seq: _Sequence, exc: BaseException) -> None:
+        """A try to resume ``seq`` failed with ``exc``: try again shortly, or fail it past its deadline."""
+        seq.resume_error = exc
+        if time.monotonic() >= seq.resume_deadline or not self._still_resumable(exc):
+            self._resume_failed(seq)
+        else:
+            seq.resume_next = time.monotonic() + RESUME_RETRY_S
+
+    def _prepare_again(self, seq: _Sequence) -> int:
+        """The executor's ``prepare`` with prompt + generated, the sampler past the tokens sampled so far."""
+        full = list(seq.request.prompt) + seq.generated
+        return self.executor.prepare(seq.rid, seq.params or seq.request.params, seq.request.top_logprobs, full,
+                                     draws=len(seq.generated), attempt=seq.resumes)
+
+    def _still_resumable(self, exc: BaseException) -> bool:
+        resumable = getattr(self.executor, "resumable", None)
+        return resumable is not None and resumable(exc)
+
+    def _resume_failed(self, seq: _Sequence) -> None:
+        exc = seq.resume_error
+        self.counters.resume_failed += 1
+        assert self.resume is not None
+        log.warning("request %s could not be resumed within %gs: %s", seq.rid, self.resume.wait_s, exc)
+        self._finish(seq, "error", error=f"generation failed and could not be resumed: {exc}",
+                     code=code_of(exc) if exc is not None else ErrorCode.UNAVAILABLE)
+
     # -- ending requests ---------------------------------------------------------------------------
 
     def _finish(self, seq: _Sequence, reason: str, error: str | None = None, code: ErrorCode | None = None) -> None:
@@ -578,7 +699,7 @@ class Scheduler:
         self._seqs.pop(seq.rid, None)
         if was is S.RUNNING and seq.group is not None and not self._group_busy[seq.group]:
             self._groups[seq.group] = [r for r in self._groups[seq.group] if r != seq.rid]
-        if was is not S.WAITING:
+        if was not in (S.WAITING, S.RESUMING):  # a resuming sequence is released already
             keep, cancelled = end in (S.FINISHED_STOPPED, S.FINISHED_LENGTH), end is S.FINISHED_CANCELLED
             tokens = list(seq.request.prompt) + seq.generated if keep else None
             if seq.busy or (seq.group is not None and self._group_busy[seq.group]):

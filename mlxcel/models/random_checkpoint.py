@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -150,7 +151,17 @@ def _config(family: str, layers: int, hidden: int, heads: int, kv_heads: int, vo
         "eos_token_id": 2,
     }
     config.update(_family_fields(family, hidden, head_dim, intermediate))
+    _per_layer(config, layers)
     return config
+
+
+def _per_layer(config: dict, layers: int) -> None:
+    """Fields listed per layer follow ``layers``: sliding / full and linear / MLA alternating, as at 4."""
+    if "layer_types" in config:
+        config["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    linear = config.get("linear_attn_config")
+    if linear is not None:
+        config["linear_attn_config"] = {**linear, "kda_layers": [i + 1 for i in range(layers) if i % 2 == 0]}
 
 
 def make_random_checkpoint(
@@ -168,6 +179,7 @@ def make_random_checkpoint(
     dtype: str = "float32",
     head_dim: int | None = None,
     group_size: int = 32,
+    overrides: dict[str, Any] | None = None,
 ) -> Path:
     """Write config.json, model.safetensors and tokenizer files for a random model; return the dir.
 
@@ -176,7 +188,8 @@ def make_random_checkpoint(
     (float32, bfloat16, float16) is that of every weight, and of a quantized model's scales and
     biases, so a "4-bit bfloat16" model computes in bfloat16 like a real one; ``head_dim``
     defaults to hidden / heads (Qwen3-0.6B: hidden 1024, 16 heads, head_dim 128). ``family`` is
-    one of ``RANDOM_FAMILIES``.
+    one of ``RANDOM_FAMILIES``. ``overrides`` replaces or adds config.json fields after the family's
+    tiny defaults (e.g. ``{"num_experts": 128, "num_experts_per_tok": 8}`` for a Qwen3-30B-A3B shape).
     """
     from mlx_lm.utils import _get_classes
 
@@ -186,9 +199,13 @@ def make_random_checkpoint(
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if head_dim is None and hidden % heads:
         raise ValueError(f"hidden ({hidden}) is not a multiple of heads ({heads}): give head_dim")
+    fixed = {"model_type", "num_hidden_layers", "hidden_size", "vocab_size"} & set(overrides or {})
+    if fixed:
+        raise ValueError(f"give {', '.join(sorted(fixed))} with its own flag, not as an override")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     config = _config(family, layers, hidden, heads, kv_heads, vocab, intermediate, head_dim)
+    config.update(overrides or {})
     if dtype != "float32":  # float32 checkpoints stay as they always were
         config["torch_dtype"] = dtype
     model_cls, args_cls = _get_classes(config)

@@ -12,6 +12,11 @@ row (or logits of shape [rows, vocab]); ERROR for an exchange from any stage of 
 Everything else is dropped with a warning while the exchange keeps waiting for its absolute
 deadline. A stage that stops answering heartbeats marks the cluster degraded and fails every open
 exchange at once; it is used again as soon as it answers.
+
+Resuming (docs/pipeline.md §5.6): a step that failed because a stage died, froze or restarted is
+``resumable``; the scheduler then prepares the sequence again (``check_peers`` first, so a restart is
+seen before the sequence is placed on the new process) with its prompt plus the tokens streamed, and
+PREPARE's ``draws`` starts the last stage's sampler after the tokens already sampled.
 """
 
 from __future__ import annotations
@@ -32,8 +37,9 @@ from mlxcel.cluster.ratelimit import WarnClass, cluster_warnings
 from mlxcel.cluster.secret import ClusterSecret
 from mlxcel.cluster.transport import Transport
 from mlxcel.cluster.wire import FRAME_OVERHEAD, Kind
-from mlxcel.config import MAX_PREFIX_TOKENS
+from mlxcel.config import MAX_PREFIX_TOKENS, MAX_TOKENS_LIMIT
 from mlxcel.engine.executor import Done, ExecutorError, Step
+from mlxcel.engine.resume import ResumePolicy
 from mlxcel.engine.runner import RowSampler, Sampled, sample_rows
 from mlxcel.engine.sampling import SamplingParams
 from mlxcel.error_codes import ErrorCode
@@ -55,6 +61,7 @@ from mlxcel.strict_json import is_int, is_number
 
 log = logging.getLogger("mlxcel.pipeline.coordinator")
 COMMAND_TIMEOUT_S = 10.0
+_PREPARE = "prepare"  # the context of a PREPARE's exchange: failed at once when its stage goes down
 
 
 class PipelineExecutor:
@@ -72,6 +79,7 @@ class PipelineExecutor:
         self.depth = len(cluster.stages)
         self.micro_batch_size = min(micro_batch_size or cluster.micro_batch(max_batch_size), cluster.max_batch_size)
         self.return_logits = return_logits
+        self.resume_policy = ResumePolicy(cluster.max_resumes, cluster.timeouts.resume_s)
         self.stop_stages_on_close = stop_stages_on_close  # SHUTDOWN every stage when this coordinator stops
         self._started = False
         self.exchange_s = cluster.timeouts.exchange_s
@@ -89,6 +97,7 @@ class PipelineExecutor:
         self._samplers: dict[str, RowSampler] = {}
         self._prepared: set[str] = set()  # request ids prepared on every stage
         self._lost: set[str] = set()  # prepared before a stage restarted: their state is gone
+        self._wire: dict[str, str] = {}  # request id -> its id on the wire (another one after a resume)
         self.prefix_on = cluster.prefix_cache_mb > 0  # the stages keep prefix caches: send prompts and tokens
         self.prefix_hits = 0  # sequences that every stage started from a cached prefix
         self.prefix_tokens = 0  # prompt tokens those sequences did not prefill
@@ -153,19 +162,29 @@ class PipelineExecutor:
 
     # -- the Executor interface (scheduler thread) ----------------------------------------------------
 
-    def prepare(self, rid: str, params: SamplingParams, top_logprobs: int, prompt: Sequence[int]) -> int:
+    def prepare(self, rid: str, params: SamplingParams, top_logprobs: int, prompt: Sequence[int], *,
+                draws: int = 0, attempt: int = 0) -> int:
         down = [self._nodes[p].id for p in self.monitor.down()]
         if down:
             raise ExecutorError(f"pipeline stage {', '.join(down)} is unreachable; retry shortly", ErrorCode.UNREACHABLE)
-        header: dict[str, Any] = {"request_id": rid, "params": params_to_wire(params, top_logprobs),
+        # a resumed sequence goes on the wire under a fresh id: a frozen stage that thaws still forwards
+        # the steps it held of the old one, and those must not touch the new sequence (they fail not_found)
+        wire = rid if attempt == 0 else f"{rid}#{attempt}"
+        with self._lock:
+            self._wire[rid] = wire
+        header: dict[str, Any] = {"request_id": wire, "params": params_to_wire(params, top_logprobs),
                                   "return": "logits" if self.return_logits else "token"}
         if self.prefix_on and len(prompt) > 1:
             header["prompt"] = list(prompt[:MAX_PREFIX_TOKENS])
+        if draws:  # a resumed sequence: the last stage's sampler goes on after the tokens already sampled
+            header["draws"] = min(draws, MAX_TOKENS_LIMIT)
         cached = self._agree(header, self._prepare_on(self.cluster.stages, header))
         with self._lock:
             self._prepared.add(rid)
+            self._lost.discard(rid)
         if self.return_logits:
             self._samplers[rid] = RowSampler(params, top_logprobs)
+            self._samplers[rid].skip(draws)
         if cached:
             self.prefix_hits += 1
             self.prefix_tokens += cached
@@ -174,7 +193,7 @@ class PipelineExecutor:
     def _prepare_on(self, nodes: Sequence[Node], header: dict[str, Any]) -> dict[PeerId, int]:
         """PREPARE on ``nodes`` at once; per stage, the ``cached`` of its ACK (absent: 0, no cache there)."""
         most = min(max(len(header.get("prompt", ())) - 1, 0), header.get("max_cached", MAX_PREFIX_TOKENS))
-        waits = [(n, self._command_async(n.address, MsgType.PREPARE, header)) for n in nodes]
+        waits = [(n, self._command_async(n.address, MsgType.PREPARE, header, context=_PREPARE)) for n in nodes]
         held: dict[PeerId, int] = {}
         for node, ex in waits:
             ack = self._wait(ex, node.address, COMMAND_TIMEOUT_S)
@@ -204,15 +223,39 @@ class PipelineExecutor:
         ex = self.exchanges.open(self.exchange_s, senders=self.stage_addrs, context=step,
                                  then=lambda e: done(step, e.error if e.error is not None else e.reply))
         header = {"nonce": ex.nonce, "phase": step.kind, "micro_batch": max(step.slot, 0),
-                  "request_ids": step.rids, "sample": step.sample}
+                  "request_ids": self._wire_ids(step.rids), "sample": step.sample}
         payload = encode(MsgType.RUN_ENTRY, header, {"input_ids": ids_to_wire(step.tokens)})
         self.outbox.send(self.first, Kind.TENSOR_DATA, payload, self._undeliverable(ex.nonce, "the first stage"),
                          wanted=lambda: self.exchanges.is_open(ex.nonce))
 
+    def resumable(self, exc: BaseException) -> bool:
+        """Whether a failed step lost its sequences to a stage failure (resume them) rather than failed on
+        them: a stage unreachable, silent, restarted or unavailable, or a stage that no longer knows the
+        sequence (a restarted process answers ``not_found`` before the monitor saw its new boot id)."""
+        if not isinstance(exc, ExecutorError):
+            return False
+        return exc.code.retryable or exc.peer_code is ErrorCode.NOT_FOUND
+
+    def check_peers(self) -> None:
+        """GET_STATE on every stage now, through the monitor (a new boot id is a restart: what it held is
+        lost); raises ExecutorError (unreachable) if one does not answer within two heartbeats."""
+        down = [self._nodes[p].id for p in self.monitor.down()]
+        if down:  # known down: no round trip (a dead stage's delivery would take the dial budget)
+            raise ExecutorError(f"pipeline stage {', '.join(down)} is unreachable", ErrorCode.UNREACHABLE)
+        timeout = max(2 * self.monitor.interval_s, 1.0)
+        waits = [(n, self._command_async(n.address, MsgType.GET_STATE, {}, timeout=timeout)) for n in self.cluster.stages]
+        for node, ex in waits:
+            try:
+                state = self._wait(ex, node.address, timeout)
+            except ExecutorError as exc:
+                raise ExecutorError(f"pipeline stage {node.id} does not answer: {exc}", ErrorCode.UNREACHABLE) from None
+            if not self.monitor.observe(node.address, state.header):
+                raise ExecutorError(f"pipeline stage {node.id} answers as another stage", ErrorCode.UNREACHABLE)
+
     def release(self, rid: str, tokens: Sequence[int] | None = None) -> None:
         """RELEASE on every stage; stages do not answer it, so no exchange stays open for it."""
-        self._forget(rid)
-        header: dict[str, Any] = {"request_id": rid, "nonce": new_nonce()}
+        wire = self._forget(rid)
+        header: dict[str, Any] = {"request_id": wire, "nonce": new_nonce()}
         if tokens is not None and self.prefix_on:  # each stage keeps its slice's KV under these tokens
             header["tokens"] = list(tokens[:MAX_PREFIX_TOKENS])
         payload = encode(MsgType.RELEASE, header)
@@ -222,19 +265,25 @@ class PipelineExecutor:
     def cancel(self, rid: str) -> None:
         """CANCEL on every stage (a request whose client gave up): like RELEASE, but each stage ACKs it,
         and a stage that does not is logged; nothing waits for the answers."""
-        self._forget(rid)
+        wire = self._forget(rid)
         for node in self.cluster.stages:
             def answered(ex: Exchange, node: Node = node) -> None:
                 if ex.error is not None and not self.exchanges.closing:
                     log.warning("stage %s did not confirm CANCEL of %s: %s", node.id, rid, ex.error)
-            self._command_async(node.address, MsgType.CANCEL, {"request_id": rid}, then=answered)
+            self._command_async(node.address, MsgType.CANCEL, {"request_id": wire}, then=answered)
 
-    def _forget(self, rid: str) -> None:
-        """This coordinator's own state of a sequence that ends (released or cancelled)."""
+    def _forget(self, rid: str) -> str:
+        """This coordinator's own state of a sequence that ends (released or cancelled); its id on the wire."""
         self._samplers.pop(rid, None)
         with self._lock:
             self._prepared.discard(rid)
             self._lost.discard(rid)
+            return self._wire.pop(rid, rid)
+
+    def _wire_ids(self, rids: Sequence[str]) -> list[str]:
+        """The ids the stages know these sequences by (a resumed one's carries its attempt: ``req-7#1``)."""
+        with self._lock:
+            return [self._wire.get(r, r) for r in rids]
 
     def stop_stages(self, timeout: float = COMMAND_TIMEOUT_S) -> list[str]:
         """SHUTDOWN every stage (the operator asked the coordinator to stop the cluster); returns the ids of
@@ -281,8 +330,8 @@ class PipelineExecutor:
 
     def _command_async(self, stage: PeerId, mtype: MsgType, header: dict, *,
                        then: Callable[[Exchange], None] | None = None,
-                       timeout: float = COMMAND_TIMEOUT_S) -> Exchange:
-        ex = self.exchanges.open(timeout, senders=(stage,), then=then)
+                       timeout: float = COMMAND_TIMEOUT_S, context: Any = None) -> Exchange:
+        ex = self.exchanges.open(timeout, senders=(stage,), then=then, context=context)
         self.outbox.send(stage, Kind.CONTROL, encode(mtype, {**header, "nonce": ex.nonce}),
                          self._undeliverable(ex.nonce, f"stage {stage}"),
                          wanted=lambda: self.exchanges.is_open(ex.nonce))
@@ -329,7 +378,7 @@ class PipelineExecutor:
             self._drop(peer, f"{m.type.name} for a step, not a RUN_RESULT from the last stage")
             return
         h = m.header
-        if not result_is_for(h, step.rids, max(step.slot, 0), phase=step.kind, sample=step.sample):
+        if not result_is_for(h, self._wire_ids(step.rids), max(step.slot, 0), phase=step.kind, sample=step.sample):
             self._drop(peer, "a RUN_RESULT for other requests, another micro-batch, phase or sample flag")
             return
         try:
@@ -403,6 +452,8 @@ class PipelineExecutor:
         log.warning("pipeline stage %s at %s is unreachable (%s); failing its open exchanges, /health says degraded",
                     node.id, addr, why)
         self._fail_steps(f"pipeline stage {node.id} at {addr} is unreachable")
+        for ex in self.exchanges.where(lambda e: e.context is _PREPARE and addr in e.senders):
+            self.exchanges.resolve(ex, error=ExecutorError(f"pipeline stage {node.id} is unreachable", ErrorCode.UNREACHABLE))
 
     def _fail_steps(self, message: str) -> None:
         """Every step runs through every stage: one stage lost fails them all."""

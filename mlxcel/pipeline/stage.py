@@ -34,7 +34,7 @@ from mlxcel.cluster.ratelimit import WarnClass, cluster_warnings
 from mlxcel.cluster.secret import ClusterSecret
 from mlxcel.cluster.transport import Transport
 from mlxcel.cluster.wire import Kind
-from mlxcel.config import MAX_PREFIX_TOKENS
+from mlxcel.config import MAX_PREFIX_TOKENS, MAX_TOKENS_LIMIT
 from mlxcel.engine.prefix_cache import PrefixCache
 from mlxcel.engine.runner import RowSampler, RunnerError, Sampled, SliceRunner
 from mlxcel.engine.sampling import SamplingError
@@ -184,6 +184,7 @@ class StageService:
             prompt = tokens_from_wire(m.header.get("prompt"), "prompt", self.model.vocab_size)
             cap = m.header.get("max_cached")
             cap = None if cap is None else count_from_wire(cap, "max_cached", MAX_PREFIX_TOKENS)
+            draws = count_from_wire(m.header.get("draws", 0), "draws", MAX_TOKENS_LIMIT)
         except (TypeError, ValueError) as exc:
             raise ProtocolError(ErrorCode.BAD_REQUEST, str(exc)) from None
         with self._lock:
@@ -192,7 +193,10 @@ class StageService:
                 raise ProtocolError(ErrorCode.UNAUTHORIZED, f"request {rid} belongs to another identity")
             self._owners[rid] = peer
             self._returns[rid] = ret
-        self._work.put(("prepare", peer, m, _Prepare(RowSampler(params, top) if self.is_last else None, prompt, cap)))
+        row = RowSampler(params, top) if self.is_last else None
+        if row is not None:
+            row.skip(draws)  # a resumed sequence: its sampler goes on after the tokens sampled before
+        self._work.put(("prepare", peer, m, _Prepare(row, prompt, cap)))
 
     def _cmd_run_entry(self, peer: PeerId, m: StageMessage) -> None:
         if not self.is_first:
@@ -246,7 +250,7 @@ class StageService:
         try:
             if refused is not None:
                 raise refused
-            check_hidden(m, max_rows=self.max_rows, width=self.model.hidden_size)
+            check_hidden(m, max_rows=self.max_rows, width=getattr(self.runner, "input_width", None) or self.model.hidden_size)
         except ProtocolError as exc:
             self._reply_error(owner, m, exc.code, str(exc))
             return

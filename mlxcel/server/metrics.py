@@ -33,7 +33,11 @@ _ENGINE_COUNTERS = {
     "prefix_hits": ("mlxcel_prefix_cache_hits", "Prompts that started from a cached prefix"),
     "prefix_tokens": ("mlxcel_prefix_cache_reused_tokens", "Prompt tokens taken from the prefix cache, not prefilled"),
     "overlapped_steps": ("mlxcel_overlapped_steps", "Steps submitted while another was in flight (micro-batching)"),
-    "failed_steps": ("mlxcel_failed_steps", "Steps that failed (their requests ended with an error)"),
+    "failed_steps": ("mlxcel_failed_steps", "Steps that failed (their requests ended with an error or were resumed)"),
+    "resumed": ("mlxcel_resumed_requests", "Requests resumed after a node failure: prompt + tokens prefilled again, "
+                                           "the stream continued"),
+    "resume_failed": ("mlxcel_resume_failed_requests", "Requests that waited to resume after a node failure and "
+                                                       "failed (503): bounds spent or no node took them"),
     "wire_frames": ("mlxcel_pipeline_frames", "Cluster frames the coordinator sent and received for pipeline steps"),
     "wire_bytes": ("mlxcel_pipeline_wire_bytes", "Payload bytes the coordinator sent and received for pipeline steps"),
 }
@@ -53,6 +57,8 @@ _ROUTER_GAUGES = {
     "router_handoff_seconds_last": "Seconds of the last KV handoff stream",
     "router_handoff_seconds_max": "Seconds of the slowest KV handoff stream",
     "router_prefill_seconds": "Seconds from GENERATE received to first token, summed over handoffs",
+    "router_resumed": "Resumed attempts dispatched: a request's prompt plus its streamed tokens prefilled again",
+    "router_resume_failed": "Requests that could not be resumed within --resume-timeout (503)",
     "router_prefill_up": "Prefill nodes up now",
     "router_decode_up": "Decode nodes up now",
     "router_in_flight": "Requests in flight now",

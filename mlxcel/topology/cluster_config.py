@@ -3,8 +3,8 @@
 Schema (docs/pipeline.md has the commented example, ``examples/cluster-loopback.toml`` a file):
 
     [cluster]   name, pipeline_parallel_size, secret_file (a path; never the value)
-    [pipeline]  micro_batch_size, max_batch_size, prefix_cache_mb
-    [timeouts]  startup_s, exchange_s, heartbeat_s
+    [pipeline]  micro_batch_size, max_batch_size, prefix_cache_mb, max_resumes
+    [timeouts]  startup_s, exchange_s, heartbeat_s, resume_s
     [[nodes]]   id, role ("coordinator" | "stage" | "prefill" | "decode" | "router"), address ("ip:port"),
                 layers ("a-b", stages only)
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +31,8 @@ from mlxcel.topology.partition import PartitionError, check_contiguous, check_co
 
 _TOP_KEYS = {"cluster", "pipeline", "timeouts", "nodes"}
 _CLUSTER_KEYS = {"name", "pipeline_parallel_size", "secret_file"}
-_PIPELINE_KEYS = {"micro_batch_size", "max_batch_size", "prefix_cache_mb"}
-_TIMEOUT_KEYS = {"startup_s", "exchange_s", "heartbeat_s"}
+_PIPELINE_KEYS = {"micro_batch_size", "max_batch_size", "prefix_cache_mb", "max_resumes"}
+_TIMEOUT_KEYS = {"startup_s", "exchange_s", "heartbeat_s", "resume_s"}
 _NODE_KEYS = {"id", "role", "address", "layers"}
 
 
@@ -55,6 +55,8 @@ class Timeouts:
     startup_s: float = defaults.DEFAULT_STARTUP_S
     exchange_s: float = defaults.DEFAULT_EXCHANGE_S
     heartbeat_s: float = defaults.DEFAULT_HEARTBEAT_S
+    resume_s: float = defaults.DEFAULT_RESUME_TIMEOUT_S  # a resumed request waits this long for its stages
+
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,7 @@ class ClusterConfig:
     timeouts: Timeouts = field(default_factory=Timeouts)
     prefix_cache_mb: int = defaults.DEFAULT_PREFIX_CACHE_MB  # per stage, of its slice's KV; 0 = off
     disagg: tuple[Node, ...] = ()  # a disaggregated cluster's prefill, decode and router nodes, in file order
+    max_resumes: int = defaults.DEFAULT_MAX_RESUMES  # per request, after a stage failure (docs/pipeline.md §5.6)
 
     @property
     def nodes(self) -> tuple[Node, ...]:
@@ -97,9 +100,12 @@ class ClusterConfig:
     def with_layers(self, ranges: list[tuple[int, int]]) -> "ClusterConfig":
         """The same cluster with every stage's layer range set."""
         stages = tuple(Node(n.id, n.role, n.address, r) for n, r in zip(self.stages, ranges))
-        return ClusterConfig(self.path, self.name, self.pipeline_parallel_size, self.coordinator, stages,
-                             self.secret_file, self.micro_batch_size, self.max_batch_size, self.timeouts,
-                             self.prefix_cache_mb, self.disagg)
+        return replace(self, stages=stages)
+
+    def with_resume(self, max_resumes: int | None, resume_s: float | None) -> "ClusterConfig":
+        """The same cluster with the flags' resume bounds (``--max-resumes``, ``--resume-timeout``) where given."""
+        timeouts = self.timeouts if resume_s is None else replace(self.timeouts, resume_s=resume_s)
+        return replace(self, timeouts=timeouts, max_resumes=self.max_resumes if max_resumes is None else max_resumes)
 
     def check_layers(self, num_layers: int) -> None:
         """Stage ranges must be contiguous from 0 and cover every layer of the model."""
@@ -172,8 +178,10 @@ def parse_cluster_config(doc: dict[str, Any], path: Path) -> ClusterConfig:
             startup_s=_seconds(timeouts, "startup_s", path, defaults.DEFAULT_STARTUP_S),
             exchange_s=_seconds(timeouts, "exchange_s", path, defaults.DEFAULT_EXCHANGE_S),
             heartbeat_s=_seconds(timeouts, "heartbeat_s", path, defaults.DEFAULT_HEARTBEAT_S),
+            resume_s=_resume_s(timeouts, path),
         ),
         prefix_cache_mb=_mebibytes(pipeline, "prefix_cache_mb", path, defaults.DEFAULT_PREFIX_CACHE_MB),
+        max_resumes=_max_resumes(pipeline, path),
     )
 
 
@@ -233,6 +241,7 @@ def _disaggregated(nodes: list[Node], cluster: dict[str, Any], path: Path, name:
             startup_s=_seconds(timeouts, "startup_s", path, defaults.DEFAULT_STARTUP_S),
             exchange_s=_seconds(timeouts, "exchange_s", path, defaults.DEFAULT_EXCHANGE_S),
             heartbeat_s=_seconds(timeouts, "heartbeat_s", path, defaults.DEFAULT_HEARTBEAT_S),
+            resume_s=_resume_s(timeouts, path),
         ),
         disagg=tuple(nodes),
     )
@@ -288,3 +297,19 @@ def _seconds(table: dict[str, Any], key: str, path: Path, default: float) -> flo
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
         raise ClusterConfigError(f"{path}: {key} under [timeouts] must be a positive number of seconds, got {value!r}")
     return float(value)
+
+
+def _max_resumes(table: dict[str, Any], path: Path) -> int:
+    value = table.get("max_resumes", defaults.DEFAULT_MAX_RESUMES)
+    if not _is_int(value) or not 0 <= value <= defaults.MAX_RESUMES:
+        raise ClusterConfigError(f"{path}: max_resumes under [pipeline] must be an integer from 0 to "
+                                 f"{defaults.MAX_RESUMES}, got {value!r}")
+    return value
+
+
+def _resume_s(table: dict[str, Any], path: Path) -> float:
+    value = _seconds(table, "resume_s", path, defaults.DEFAULT_RESUME_TIMEOUT_S)
+    if value > defaults.MAX_RESUME_TIMEOUT_S:
+        raise ClusterConfigError(f"{path}: resume_s under [timeouts] must be at most {defaults.MAX_RESUME_TIMEOUT_S:g}"
+                                 f" seconds, got {value!r}")
+    return value

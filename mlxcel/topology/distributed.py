@@ -18,11 +18,14 @@ from mlxcel.topology.cluster_config import ClusterConfig, ClusterConfigError, No
 
 @dataclass(frozen=True)
 class PipelineOptions:
-    """The coordinator's pipeline flags (``--pp-micro-batch-size``, ``--pp-return-logits``, ``--pp-stop-stages``)."""
+    """The coordinator's pipeline flags (``--pp-micro-batch-size``, ``--pp-return-logits``, ``--pp-stop-stages``,
+    and ``--max-resumes``/``--resume-timeout``, which override the TOML's ``max_resumes``/``resume_s``)."""
 
     micro_batch_size: int | None = None
     return_logits: bool = False
     stop_stages: bool = False
+    max_resumes: int | None = None
+    resume_timeout_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,7 @@ def load_distributed(config_path: str | Path, node_id: str, model_dir: Path, *, 
     except ClusterConfigError as exc:
         raise CLIError(str(exc)) from None
     secret = load_secret(secret_file, toml_secret_file=cluster.secret_file, required=True)
+    cluster = cluster.with_resume(options.max_resumes, options.resume_timeout_s)
     return Distributed(cluster, node, secret, options)
 
 
@@ -76,7 +80,7 @@ def from_toml(path: str | Path, node_id: str, secret: ClusterSecret,
               options: PipelineOptions = PipelineOptions()) -> Distributed:
     """The node ``node_id`` of a TOML that bring-up just wrote (its ranges are already planned)."""
     try:
-        cluster = load_cluster_config(path)
+        cluster = load_cluster_config(path).with_resume(options.max_resumes, options.resume_timeout_s)
         return Distributed(cluster, cluster.node(node_id), secret, options)
     except ClusterConfigError as exc:
         raise CLIError(str(exc)) from None

@@ -16,6 +16,12 @@ What a stage is charged:
   With tied embeddings there is no head tensor: the last stage computes its
   logits with the embedding matrix, so it holds a copy and is charged the
   embedding's bytes too (once when one stage is both first and last).
+
+Each layer is priced by its kind too (``mlxcel.topology.layer_cost``): with config.json at hand,
+a stage's **step** cost charges a mixture-of-experts layer only the experts a decode step touches,
+and every layer the cache it reads at the planned context; its **resident** bytes add that cache to
+the weights. The split minimizes the heaviest stage's step cost within each stage's memory, which
+bounds the resident bytes. For a dense checkpoint at context 0 the two are the bytes above.
 """
 
 from __future__ import annotations
@@ -23,11 +29,23 @@ from __future__ import annotations
 import json
 import re
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
+from mlxcel.topology.layer_cost import (
+    cache_bytes,
+    config_layer_bytes,
+    is_expert_tensor,
+    layer_kinds,
+    step_bytes,
+    text_config,
+)
+
 LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
+# multimodal wrappers (qwen3_5, kimi_k3) hold the text model one level down: "language_model.model.layers.3."
+# as mlx-lm names it, "model.language_model.layers.3." as Hugging Face checkpoints do
+_WRAPPED = re.compile(r"^(?:language_model\.(?=model\.|lm_head\.)|model\.language_model\.)")
 EMBED_PREFIX = "model.embed_tokens."
 NORM_PREFIX = "model.norm."
 HEAD_PREFIX = "lm_head."
@@ -128,10 +146,37 @@ class StageCosts:
     head: int  # lm_head.*, or the embedding's bytes again when tied (last stage)
     tied: bool
     other: int = 0  # tensors outside these groups: not charged to any stage
+    active: tuple[int, ...] = ()  # bytes a decode step reads of layer i's weights (by its kind); () = layers
+    cache: tuple[int, ...] = ()  # cache bytes layer i holds and a decode step reads at the planned context
+    kinds: tuple[str, ...] = ()  # layer i's kind ("mla+moe", ...), where config.json says
 
     @property
     def num_layers(self) -> int:
         return len(self.layers)
+
+    @property
+    def by_kind(self) -> bool:
+        """Whether the step cost differs from the resident bytes (experts or caches priced)."""
+        return bool(self.cache and any(self.cache)) or bool(self.active and self.active != self.layers)
+
+    def _ends(self, start: int, end: int) -> int:
+        cost = self.embed if start == 0 else 0
+        if end == self.num_layers:
+            cost += self.norm
+            if not (self.tied and start == 0):
+                cost += self.head
+        return cost
+
+    def stage_step(self, start: int, end: int) -> int:
+        """What one decode step of the stage holding layers [start, end) reads: its layers' active
+        weights and caches, and the final norm and the head (a step gathers only its rows of the
+        embedding, so the first stage is not charged it). Without kinds (``active`` empty): its bytes."""
+        if not self.active:
+            return self.stage_bytes(start, end)
+        ends = self._ends(start, end) - (self.embed if start == 0 else 0)
+        if start == 0 and end == self.num_layers and self.tied:
+            ends += self.embed  # one stage: the tied head is the embedding, read whole
+        return sum(self.active[start:end]) + sum(self.cache[start:end]) + ends
 
     @property
     def total(self) -> int:
@@ -139,15 +184,8 @@ class StageCosts:
         return sum(self.layers) + self.embed + self.norm + (0 if self.tied else self.head) + self.other
 
     def stage_bytes(self, start: int, end: int) -> int:
-        """What the stage holding layers [start, end) loads."""
-        cost = sum(self.layers[start:end])
-        if start == 0:
-            cost += self.embed
-        if end == self.num_layers:
-            cost += self.norm
-            if not (self.tied and start == 0):
-                cost += self.head
-        return cost
+        """What the stage holding layers [start, end) holds: its weights and its layers' caches."""
+        return sum(self.layers[start:end]) + sum(self.cache[start:end]) + self._ends(start, end)
 
 
 def read_safetensors_header(path: Path) -> dict:
@@ -188,8 +226,18 @@ def _num_layers(model_dir: Path) -> int | None:
     return value if isinstance(value, int) else None
 
 
-def layer_costs(model_dir: str | Path) -> StageCosts:
-    """Bytes per layer, embedding, final norm and head, from the headers of ``model_dir/*.safetensors``."""
+def _config(model_dir: Path) -> dict | None:
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def layer_costs(model_dir: str | Path, *, context: int = 0, rows: int = 1) -> StageCosts:
+    """Bytes per layer, embedding, final norm and head, from the headers of ``model_dir/*.safetensors``;
+    with config.json, each layer's step bytes by its kind and its cache for ``rows`` sequences of
+    ``context`` tokens (``layer_cost``)."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise PartitionError(f"no such model directory: {model_dir}")
@@ -197,25 +245,82 @@ def layer_costs(model_dir: str | Path) -> StageCosts:
     if not files:
         raise PartitionError(f"{model_dir}: no *.safetensors files")
     per_layer: dict[int, int] = {}
+    experts: dict[int, int] = {}
     groups = {"embed": 0, "norm": 0, "head": 0, "other": 0}
+    itemsize = 2
     for path in files:
         for name, info in read_safetensors_header(path).items():
             if name == "__metadata__":
                 continue
             size = _tensor_bytes(path, name, info)
+            name = unwrap(name)
             match = LAYER_KEY.match(name)
             if match:
                 index = int(match.group(1))
                 per_layer[index] = per_layer.get(index, 0) + size
+                if is_expert_tensor(name):
+                    experts[index] = experts.get(index, 0) + size
             else:
                 groups[_group(name)] += size
+                if name == NORM_PREFIX + "weight" and isinstance(info, dict):  # caches take the model's dtype
+                    itemsize = _ITEMSIZE.get(info.get("dtype"), 2)
     layers = _ordered_layers(model_dir, per_layer)
     if groups["embed"] == 0:
         raise PartitionError(f"{model_dir}: no {EMBED_PREFIX}* tensors (not a llama-style checkpoint)")
     tied = groups["head"] == 0
     head = groups["embed"] if tied else groups["head"]
-    return StageCosts(model=model_dir.resolve().name, layers=tuple(layers), embed=groups["embed"],
-                      norm=groups["norm"], head=head, tied=tied, other=groups["other"])
+    costs = StageCosts(model=model_dir.resolve().name, layers=tuple(layers), embed=groups["embed"],
+                       norm=groups["norm"], head=head, tied=tied, other=groups["other"])
+    config = _config(model_dir)
+    if config is None:
+        return costs
+    return priced_by_kind(costs, config, [experts.get(i, 0) for i in range(len(layers))],
+                          context=context, rows=rows, itemsize=itemsize)
+
+
+_ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2}
+
+
+def priced_by_kind(costs: StageCosts, config: dict, expert_bytes: Sequence[int], *, context: int = 0,
+                   rows: int = 1, itemsize: int = 2) -> StageCosts:
+    """``costs`` with each layer's step bytes and cache from its kind (``layer_kinds(config)``), given
+    the bytes of its routed-expert tensors."""
+    try:
+        kinds = layer_kinds(config)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise PartitionError(f"{costs.model}: config.json cannot be priced by layer kind ({exc!r} missing or bad)") from None
+    if len(kinds) != costs.num_layers:
+        raise PartitionError(f"{costs.model}: config.json says {len(kinds)} layers but the weights hold {costs.num_layers}")
+    names = tuple(k.name for k in kinds)
+    if context == 0 and not any(k.experts for k in kinds):
+        return replace(costs, kinds=names)  # dense, no cache planned: priced by its bytes, as it always was
+    active = tuple(step_bytes(k, w, e, rows) for k, w, e in zip(kinds, costs.layers, expert_bytes))
+    cache = tuple(cache_bytes(config, k, context=context, rows=rows, itemsize=itemsize) for k in kinds)
+    return replace(costs, active=active, cache=cache, kinds=names)
+
+
+def config_costs(config: dict, *, bits: float = 16, context: int = 0, rows: int = 1, itemsize: int = 2,
+                 name: str = "config") -> StageCosts:
+    """A checkpoint's costs from config.json arithmetic alone (no weights): each layer's weights by its
+    kind at ``bits`` per parameter (``config_layer_bytes``), the embedding and head at the same rate."""
+    kinds = layer_kinds(config)
+    sized = [config_layer_bytes(config, k, bits=bits) for k in kinds]
+    c = text_config(config)
+    embed = int(c["vocab_size"]) * int(c["hidden_size"]) * bits // 8
+    tied = bool(c.get("tie_word_embeddings", False))
+    costs = StageCosts(model=name, layers=tuple(int(w) for w, _ in sized), embed=int(embed),
+                       norm=int(c["hidden_size"]) * itemsize, head=int(embed), tied=tied)
+    return priced_by_kind(costs, config, [e for _, e in sized], context=context, rows=rows, itemsize=itemsize)
+
+
+def unwrap(name: str) -> str:
+    """A tensor name with a multimodal wrapper's prefix removed: "language_model.model.norm.weight" ->
+    "model.norm.weight", "model.language_model.layers.0.x" -> "model.layers.0.x"."""
+    match = _WRAPPED.match(name)
+    if match is None:
+        return name
+    rest = name[match.end():]
+    return rest if match.group(0).startswith("language_model.") else "model." + rest
 
 
 def _group(name: str) -> str:
@@ -250,6 +355,7 @@ class Stage:
     start: int
     end: int
     bytes: int
+    step: int | None = None  # what one decode step reads (StageCosts.stage_step); None where not priced
 
     @property
     def layers(self) -> str:
@@ -259,14 +365,21 @@ class Stage:
 def stages_for_ranges(costs: StageCosts, ranges: Sequence[tuple[int, int]]) -> list[Stage]:
     """Price given ranges (e.g. from --pp-layers) as stages."""
     check_coverage(ranges, costs.num_layers, "layer ranges")
-    return [Stage(i, a, b, costs.stage_bytes(a, b)) for i, (a, b) in enumerate(ranges)]
+    return [_stage(costs, i, a, b) for i, (a, b) in enumerate(ranges)]
+
+
+def _stage(costs: StageCosts, index: int, start: int, end: int) -> Stage:
+    return Stage(index, start, end, costs.stage_bytes(start, end), costs.stage_step(start, end))
 
 
 def plan_stages(costs: StageCosts, n: int, memory: Sequence[int] | None = None) -> list[Stage]:
-    """Contiguous split into ``n`` stages that minimizes the heaviest stage's bytes.
+    """Contiguous split into ``n`` stages that minimizes the heaviest stage's step cost
+    (``StageCosts.stage_step``: its bytes, with MoE layers charged their active experts and every
+    layer its cache; the bytes alone for a dense checkpoint at context 0).
 
     Exact dynamic programme over split points. Ties on the heaviest stage are
-    broken by the smaller sum of squared stage bytes (the more even split),
+    broken by the smaller sum of squared stage costs (the more even split), then of
+    squared resident bytes,
     then by the later split point (later stages, which also run the head, get
     the fewer layers), so the result is deterministic.
     ``memory``: each stage's usable bytes (one value per stage); a stage never
@@ -277,9 +390,10 @@ def plan_stages(costs: StageCosts, n: int, memory: Sequence[int] | None = None) 
         raise PartitionError(f"cannot split {num_layers} layers into {n} stages (1 to {num_layers})")
     limits = _limits(memory, n)
     _check_total(costs, limits)
-    # best[k][j]: (heaviest, sum of squares, previous split) for layers [0, j) in k stages; None if impossible.
-    best: list[list[tuple[int, int, int] | None]] = [[None] * (num_layers + 1) for _ in range(n + 1)]
-    best[0][0] = (0, 0, 0)
+    # best[k][j]: (heaviest step, sum of squared steps, sum of squared resident bytes, previous split) for
+    # layers [0, j) in k stages; None if impossible.
+    best: list[list[tuple[int, int, int, int] | None]] = [[None] * (num_layers + 1) for _ in range(n + 1)]
+    best[0][0] = (0, 0, 0, 0)
     for k in range(1, n + 1):
         ends = [num_layers] if k == n else range(k, num_layers - (n - k) + 1)
         for j in ends:
@@ -304,23 +418,25 @@ def _check_total(costs: StageCosts, limits: list[int | None]) -> None:
         return
     available = sum(m for m in limits if m is not None)
     one_stage = len(limits) == 1
-    needed = sum(costs.layers) + costs.embed + costs.norm + (0 if costs.tied and one_stage else costs.head)
+    needed = (sum(costs.layers) + sum(costs.cache) + costs.embed + costs.norm
+              + (0 if costs.tied and one_stage else costs.head))
     if needed > available:
         raise PartitionError(f"the model needs {human_bytes(needed)} across {len(limits)} stages, "
                              f"but their memory adds up to {human_bytes(available)}")
 
 
 def _best_split(costs: StageCosts, previous: list, stage: int, j: int,
-                limit: int | None) -> tuple[int, int, int] | None:
+                limit: int | None) -> tuple[int, int, int, int] | None:
     best = None
     for i in range(stage, j):
         if previous[i] is None:
             continue
-        cost = costs.stage_bytes(i, j)
-        if limit is not None and cost > limit:
+        resident = costs.stage_bytes(i, j)
+        if limit is not None and resident > limit:
             continue
-        candidate = (max(previous[i][0], cost), previous[i][1] + cost * cost, i)
-        if best is None or candidate[:2] <= best[:2]:
+        cost = costs.stage_step(i, j)
+        candidate = (max(previous[i][0], cost), previous[i][1] + cost * cost, previous[i][2] + resident * resident, i)
+        if best is None or candidate[:3] <= best[:3]:
             best = candidate
     return best
 
@@ -344,10 +460,10 @@ def _backtrack(costs: StageCosts, best: list, n: int) -> list[Stage]:
     for k in range(n, 0, -1):
         entry = best[k][j]
         assert entry is not None
-        bounds.append((entry[2], j))
-        j = entry[2]
+        bounds.append((entry[3], j))
+        j = entry[3]
     bounds.reverse()
-    return [Stage(index, a, b, costs.stage_bytes(a, b)) for index, (a, b) in enumerate(bounds)]
+    return [_stage(costs, index, a, b) for index, (a, b) in enumerate(bounds)]
 
 
 # ---------------------------------------------------------------------------

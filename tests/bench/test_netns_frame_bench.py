@@ -19,10 +19,11 @@ REPO = Path(__file__).resolve().parents[2]
 def _can_make_namespaces() -> bool:
     if os.geteuid() != 0 or shutil.which("ip") is None:
         return False
-    probe = subprocess.run(["ip", "netns", "add", "mlxcel-probe"], capture_output=True)
+    name = f"mlxcel-probe-{os.getpid()}"  # private to this process: test workers collect in parallel
+    probe = subprocess.run(["ip", "netns", "add", name], capture_output=True)
     if probe.returncode != 0:
         return False
-    subprocess.run(["ip", "netns", "del", "mlxcel-probe"], capture_output=True)
+    subprocess.run(["ip", "netns", "del", name], capture_output=True)
     return True
 
 

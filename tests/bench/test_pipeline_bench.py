@@ -136,3 +136,16 @@ def test_a_remote_worker_needs_the_cluster_and_modes_are_checked(capsys) -> None
     with pytest.raises(SystemExit):
         pb.parse_args(["--modes", "single,remote"])
     assert "unknown mode(s) remote" in capsys.readouterr().err
+
+
+def test_reused_workers_keep_one_process_per_mode_in_abba_order(tiny_llama: Path, tmp_path: Path) -> None:
+    """--reuse-workers: every run of a mode in the same process, no two modes in one, ABBA kept, rows marked."""
+    out = tmp_path / "reused"
+    assert pb.main(["-m", str(tiny_llama), "--runs", "2", "--tokens", "3", "--warmup", "1", "--streams", "",
+                    "--modes", "single,remote_pp", "--reuse-workers", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in (out / "pipeline_bench.jsonl").read_text().splitlines()]
+    assert [(r["run"], r["mode"]) for r in rows] == [(0, "single"), (0, "remote_pp"), (1, "remote_pp"), (1, "single")]
+    pids = {m: {r["worker_pid"] for r in rows if r["mode"] == m} for m in ("single", "remote_pp")}
+    assert all(len(p) == 1 for p in pids.values()) and not pids["single"] & pids["remote_pp"]
+    assert [r["worker_reused"] for r in rows] == [False, False, True, True]
+    assert all(r["identical"] and r["tokens"] == 3 and r["compile_step"] is False for r in rows)

@@ -83,7 +83,7 @@ def test_a_refused_handoff_with_a_readable_document_is_answered_to_its_router(de
     before = node.state()["refused"]
     cases = {  # nonce -> (document changes, prompt, layout)
         "00000000000000d1": ({"params": {"max_tokens": 0}}, PROMPT, LAYOUT),  # one bad field
-        "00000000000000d2": ({"draws": 7}, PROMPT, LAYOUT),
+        "00000000000000d2": ({"draws": -1}, PROMPT, LAYOUT),
         "00000000000000d3": ({"first": [1, "", None]}, PROMPT, KVLayout(LAYOUT.layers[:3])),  # and 3 layers
     }
     for nonce, (changes, prompt, layout) in cases.items():

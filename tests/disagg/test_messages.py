@@ -106,7 +106,7 @@ def test_finish_and_handoff_meta_are_checked():
     with pytest.raises(m.MessageRefused, match="reason must be one of"):
         m.Finish.parse({"nonce": NONCE, "reason": "done", "text": "", "prompt_tokens": 1, "completion_tokens": 1})
     meta = m.HandoffMeta(NONCE, PeerId.parse("127.0.0.2:1"), PARAMS, TokenEvent(1, ""), draws=1).doc()
-    for key, value, words in (("router", "router.lan:1", "router must be"), ("draws", 2, "draws must be"),
+    for key, value, words in (("router", "router.lan:1", "router must be"), ("draws", -1, "draws must be"),
                               ("first", [1, "", None], "must be [token")):
         with pytest.raises(m.MessageRefused, match=re.escape(words)):
             m.HandoffMeta.parse({**meta, key: value})

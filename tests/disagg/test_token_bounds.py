@@ -20,6 +20,7 @@ from mlxcel.cluster.identity import PeerId
 from mlxcel.cluster.secret import load_secret
 from mlxcel.cluster.transport import Transport
 from mlxcel.cluster.wire import Kind
+from mlxcel.config import MAX_TOKENS_LIMIT
 from mlxcel.disagg import messages as m
 from mlxcel.disagg.kv_codec import KVLayout, LayerSpec, encode_chunks, encode_header
 from mlxcel.disagg.wire import CacheKind, DType, MsgType
@@ -214,7 +215,7 @@ def _decode_case(field: str, value: int) -> tuple[dict, ErrorCode | None]:
     if field == "prompt length":
         return {"count": u32}, None if u32 == len(PROMPT) else ErrorCode.BAD_TENSOR
     if field == "draws":
-        return {"draws": value}, None if 0 <= value <= 1 else ErrorCode.BAD_REQUEST
+        return {"draws": value}, None if 0 <= value <= MAX_TOKENS_LIMIT + 1 else ErrorCode.BAD_REQUEST
     assert field == "top_logprobs"
     return {"top_logprobs": value}, None if 0 <= value <= 20 else ErrorCode.BAD_REQUEST
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache, make_prompt_cache
 
 from mlxcel.cli import main
 from mlxcel.engine.model_slice import FAMILIES, ModelSlice, family_of
@@ -25,7 +25,7 @@ from mlxcel.models.loading import load_checkpoint
 from mlxcel.models.random_checkpoint import RANDOM_FAMILIES, make_random_checkpoint
 from mlxcel.topology.partition import layer_costs, plan_stages
 
-KV, ROT, SSM = KVCache, RotatingKVCache, ArraysCache
+KV, ROT, SSM, CL = KVCache, RotatingKVCache, ArraysCache, CacheList
 # family (model_type) -> the cache type of each of its 4 layers
 TABLE: dict[str, list[type]] = {
     "llama": [KV] * 4,
@@ -39,6 +39,18 @@ TABLE: dict[str, list[type]] = {
     "gpt_oss": [ROT, KV, ROT, KV],  # sliding / full alternating, attention sinks
     "glm4_moe": [KV] * 4,  # layer 0 dense, the others MoE
     "qwen3_next": [SSM, KV, SSM, KV],  # gated delta net (linear attention) / full attention
+    "qwen3_5": [SSM, KV, SSM, KV],  # gated delta net / full attention, dense MLPs
+    "qwen3_5_moe": [SSM, KV, SSM, KV],  # the same with MoE blocks and a shared expert
+    "ernie4_5": [KV] * 4,
+    "ernie4_5_moe": [KV] * 4,  # layer 0 dense, the others MoE with a shared expert
+    "hunyuan_v1_dense": [KV] * 4,  # query/key norms, dynamic NTK-alpha rope
+    "minimax": [KV] * 4,  # MoE, partial rotary, query/key norms over all heads
+    "ministral3": [ROT, KV, ROT, KV],  # sliding / full alternating, llama 4's position-dependent query scale
+    "deepseek_v32": [CL] * 4,  # MLA + the lightning indexer's keys (top 4 of them), one CacheList per layer
+    "gemma4_text": [ROT, KV, ROT, KV],  # sliding / full, k = v in the full layers, MoE beside each MLP, softcap
+    # Kimi Delta Attention / MLA; attention residuals over blocks of 2 layers, so 1 or 2 block summaries
+    # cross each stage boundary beside h
+    "kimi_k3": [SSM, KV, SSM, KV],
 }
 PROMPT = [[5, 17, 90, 3, 42, 7], [7, 7, 1, 60, 33, 2]]
 STEPS = 5  # decode steps after the prompt: 11 positions, so the windows of 4 wrap
@@ -160,3 +172,34 @@ def test_deepseek_v3_needs_array_masks(checkpoints):
     whole.family = Family()
     with pytest.raises(ValueError):
         whole(mx.array([PROMPT[0]]))
+
+
+@pytest.mark.parametrize("field", ["hidden_size_per_layer_input", "num_kv_shared_layers"])
+def test_gemma4_per_layer_inputs_and_kv_sharing_are_refused_by_name(field):
+    """gemma-4 E2B/E4B shapes: per-layer inputs and KV-shared layers do not cross a stage boundary yet."""
+    from mlx_lm.utils import _get_classes
+
+    from mlxcel.models.errors import ModelError
+    from mlxcel.models.random_checkpoint import _config
+
+    config = {**_config("gemma4_text", 4, 64, 4, 2, 320, None, None), field: 1, "vocab_size_per_layer_input": 320}
+    model_cls, args_cls = _get_classes(config)
+    with pytest.raises(ModelError, match=f"gemma4_text with per-layer inputs .* cannot be sliced") as info:
+        ModelSlice(model_cls(args_cls.from_dict(config)), 0, 2)
+    assert f"{field} 1" in str(info.value)
+
+
+def test_kimi_k3_stages_carry_their_residual_blocks(checkpoints):
+    """Without the carried block summaries a later stage computes other logits: the carry is what makes them equal."""
+    model = load_checkpoint(checkpoints("kimi_k3")).model
+    first, second = ModelSlice(model, 0, 2), ModelSlice(model, 2, 4)
+    assert second.input_width == 2 * 64  # h and the summary of block 0 (layers 0-1)
+    x = mx.array([PROMPT[0]])
+    carried = first(x)
+    assert carried.shape == (1, 6, 128)
+    # block 0's summary first (block 0 begins at layer 0, whose input is the embedding), then h
+    assert mx.array_equal(carried[..., :64], model.model.embed_tokens(x))
+    whole = model(x)
+    assert float(mx.abs(second(carried) - whole).max()) <= 1e-4
+    blanked = mx.concatenate([mx.zeros_like(carried[..., :64]), carried[..., 64:]], axis=-1)
+    assert float(mx.abs(second(blanked) - whole).max()) > 1e-3  # the block summary is read, not just passed

@@ -160,8 +160,9 @@ def test_gemma2_is_refused_by_name():
     with pytest.raises(ModelError) as info:
         ModelSlice(gemma2(), 0, 2)
     assert str(info.value) == ("model family 'gemma2' cannot be sliced into pipeline stages (supported: "
-                               "deepseek_v3, gemma3_text, glm4_moe, gpt_oss, llama, mixtral, phi3, qwen2, qwen3, "
-                               "qwen3_moe, qwen3_next)")
+                               "deepseek_v3, deepseek_v32, ernie4_5, ernie4_5_moe, gemma3_text, gemma4_text, "
+                               "glm4_moe, gpt_oss, hunyuan_v1_dense, kimi_k3, llama, minimax, ministral3, mixtral, "
+                               "phi3, qwen2, qwen3, qwen3_5, qwen3_5_moe, qwen3_moe, qwen3_next)")
 
 
 def gemma3_text():

@@ -77,3 +77,27 @@ def test_heads_that_do_not_divide_hidden_need_a_head_dim(tmp_path: Path, capsys)
     assert main(["models", "make-random", str(tmp_path / "x"), "--hidden", "60", "--heads", "8"]) != 0
     assert "not a multiple of heads (8): give head_dim" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def test_set_overrides_config_fields_and_the_model_follows(tmp_path: Path, capsys) -> None:
+    """--set FIELD=JSON: a MoE shape beyond the family's tiny defaults (what the H200 MoE rows are built with)."""
+    out = tmp_path / "moe"
+    assert main(["models", "make-random", str(out), "--family", "qwen3_moe", "--layers", "2", "--hidden", "64",
+                 "--set", "num_experts=16", "--set", "num_experts_per_tok=3", "--set", "moe_intermediate_size=24"]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert (config["num_experts"], config["num_experts_per_tok"], config["moe_intermediate_size"]) == (16, 3, 24)
+    block = load_checkpoint(out).model.model.layers[0].mlp
+    assert (block.num_experts, block.top_k) == (16, 3)
+    assert block.switch_mlp.gate_proj.weight.shape == (16, 24, 64)
+
+
+def test_a_malformed_set_is_a_usage_error(tmp_path: Path, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["models", "make-random", str(tmp_path / "x"), "--set", "num_experts"])
+    assert exc.value.code == 2 and "FIELD=VALUE" in capsys.readouterr().err
+
+
+def test_a_field_with_its_own_flag_cannot_be_set(tmp_path: Path, capsys) -> None:
+    assert main(["models", "make-random", str(tmp_path / "x"), "--set", "hidden_size=128"]) != 0
+    assert "give hidden_size with its own flag" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()

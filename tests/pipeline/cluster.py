@@ -43,6 +43,8 @@ def write_secret(tmp: Path) -> Path:
 class Node:
     """One cluster process; ``url`` is its HTTP address once it listens, stderr kept in ``lines``."""
 
+    start_timeout_s = 60.0  # how long _spawn waits for the URL (the chaos tests wait longer on a loaded box)
+
     def __init__(self, model: Path, toml: Path, node_id: str, host: str, *flags: str, env: dict | None = None):
         cmd = [*CLI, "-m", str(model), "--distributed-config", str(toml), "--node-id", node_id,
                "--host", host, "--port", "0", "--served-model-name", "tiny", "--log-level", "info", *flags]
@@ -50,14 +52,14 @@ class Node:
         self._spawn(cmd, env)
 
     def _spawn(self, cmd: list[str], env: dict | None) -> None:
-        """Start ``cmd`` and wait up to 60 s for the URL on its stderr; stop it and raise if none comes."""
+        """Start ``cmd`` and wait up to ``start_timeout_s`` for the URL on its stderr; stop it and raise if none comes."""
         self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
                                      env={**os.environ, **(env or {})})
         self.lines: list[str] = []
         self.url = ""
         self._listening = threading.Event()
         threading.Thread(target=self._drain, daemon=True).start()
-        if not self._listening.wait(60):
+        if not self._listening.wait(self.start_timeout_s):
             self.stop()
             raise RuntimeError(f"{self.node_id} did not start:\n" + "".join(self.lines))
 
@@ -74,8 +76,8 @@ class Node:
     def health(self) -> httpx.Response:
         return httpx.get(f"{self.url}/health", timeout=5)
 
-    def wait_ready(self, timeout: float = 60) -> None:
-        deadline = time.monotonic() + timeout
+    def wait_ready(self, timeout: float | None = None) -> None:
+        deadline = time.monotonic() + (timeout or self.start_timeout_s)
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.node_id} exited:\n" + "".join(self.lines))

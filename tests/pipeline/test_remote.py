@@ -102,7 +102,8 @@ def test_three_stages_of_qwen3_equal_single_device(tmp_path, tiny_qwen3):
 
 
 def test_stage_killed_mid_generation_then_restarted(tmp_path, tiny_llama):
-    c = LocalCluster(tmp_path, tiny_llama, stage_delay=0.01).start()
+    """With resuming off (--max-resumes 0) the request fails at once (tests/pipeline/test_resume.py: resumed)."""
+    c = LocalCluster(tmp_path, tiny_llama, stage_delay=0.01, coordinator_flags=("--max-resumes", "0")).start()
     try:
         body = {"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 1900, "temperature": 0, "ignore_eos": True}
         with ThreadPoolExecutor(1) as pool:

@@ -69,6 +69,7 @@ FIELDS: list[tuple[str, tuple, dict, Callable[[dict], None]]] = [
     ("PREPARE", ("top_logprobs",), {"top_logprobs": 1, "logprobs": True}, _params),
     ("PREPARE", ("prompt", 1), {"prompt": [7, 1, 2]}, _tokens("prompt")),  # true is not token 1
     ("PREPARE", ("max_cached",), {"max_cached": 1}, _count("max_cached", 1 << 16)),
+    ("PREPARE", ("draws",), {"draws": 1}, _count("draws", 1 << 20)),  # a resumed sequence's sampler offset
     ("ACK", ("cached",), {"cached": 1}, _count("cached", 5)),
     ("RELEASE", ("tokens", 1), {"tokens": [7, 1, 2]}, _tokens("tokens")),
     ("tensor descriptor", ("shape", 0), {"shape": [1, 1]}, _descriptor),

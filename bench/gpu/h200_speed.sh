@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# Issue 24 item 1 (the stage step) and issue 23 item 6 (MoE rows) on a lent NVIDIA H200.
+#
+# The wheels travel as for h200_pipeline.sh (prepare them with bench/gpu/prepare_wheels.sh into
+# .gpu/a and .gpu/b); this checkout's code travels as .gpu/src (rsync -a --delete mlxcel bench
+# pyproject.toml .gpu/src/), because the device tool sends the session's checkout, not a worktree:
+#   call 1: carry .gpu/a            -> cp .gpu/a/cuda.part.aa /tmp/ (the stash; the machine stays warm 30 s)
+#   call 2: carry .gpu/b .gpu/src   -> GPU_DIR=.gpu bash .gpu/src/bench/gpu/h200_speed.sh SUITE...
+# SUITES (run in order, each skipped once less than its budget is left of DEADLINE_S, default 560 s):
+#   q06-bf16 q06-q4   Qwen3-0.6B shape, 5 ABBA runs x (single, in-process 2, remote 2 protected), 128 tokens,
+#                     for every lever set in LEVERS (default "compile1 compile0": MLXCEL_COMPILE_STEP=1 / 0)
+#   q8b-q4            Qwen3-8B shape 4-bit (36 layers, hidden 4096, 32/8 heads, intermediate 12288)
+#   moe30b-q4         Qwen3-30B-A3B shape 4-bit (48 layers, hidden 2048, 128 experts, 8 active, width 768) + moe_probe
+#   ds-q4             deepseek_v3 classes at DeepSeek-V2-Lite's scale (27 layers, hidden 2048, 64 experts, 6 active,
+#                     width 1408, 2 shared, MLA rank 512) 4-bit + moe_probe
+#   probe-bf16        bench/gpu/step_probe.py on the 0.6B bf16 shape: graph build vs step, plain / masked / compiled
+# Everything lands in $OUT/results.tar.gz (rows, traces, logs) and $OUT/log.txt.
+set -uo pipefail
+SRC=$(cd "$(dirname "$0")/../.." && pwd)
+GPU_DIR=$(cd "${GPU_DIR:-.gpu}" && pwd)
+T0=$(date +%s)
+DEADLINE_S=${DEADLINE_S:-560}
+RUNS=${RUNS:-5}
+TOKENS=${TOKENS:-128}
+LEVERS=${LEVERS:-compile1 compile0}
+RES=/tmp/results
+mkdir -p "$RES"
+left() { echo $(( DEADLINE_S - ($(date +%s) - T0) )); }
+
+install() {
+  [ -d /tmp/site/mlx ] || [ -n "${SKIP_INSTALL:-}" ] && return 0
+  cat /tmp/cuda.part.aa "$GPU_DIR/b/cuda.part.ab" > /tmp/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl
+  (cd /tmp && sha256sum -c "$GPU_DIR/b/cuda.sha256") || exit 3
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+    /tmp/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl "$GPU_DIR"/b/mlx-0.32.4-*.whl "$GPU_DIR"/b/mlx_lm-*.whl
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site "$GPU_DIR"/b/deps/*.whl 2>&1 | grep -v WARNING
+  ln -sfn /opt/torch/.venv/lib/python3.12/site-packages/nvidia /tmp/site/nvidia
+}
+
+make_model() {  # name -> /tmp/models/name (built here, on the GPU)
+  local dir=/tmp/models/$1
+  [ -e "$dir/config.json" ] && return 0
+  local q06=(--family qwen3 --layers 28 --hidden 1024 --heads 16 --kv-heads 8 --head-dim 128 --intermediate 3072 --vocab 151936)
+  local q4=(--dtype bfloat16 --bits 4 --group-size 64)
+  local args
+  case $1 in
+    tiny) args=(--family qwen3_moe --layers 4 --hidden 128 --heads 4 --kv-heads 2 --set num_experts=8 "${q4[@]}") ;;
+    q06-bf16) args=("${q06[@]}" --dtype bfloat16) ;;
+    q06-q4) args=("${q06[@]}" "${q4[@]}") ;;
+    q8b-q4) args=(--family qwen3 --layers 36 --hidden 4096 --heads 32 --kv-heads 8 --head-dim 128 --intermediate 12288
+                  --vocab 151936 "${q4[@]}") ;;
+    moe30b-q4) args=(--family qwen3_moe --layers 48 --hidden 2048 --heads 32 --kv-heads 4 --head-dim 128 --intermediate 6144
+                     --vocab 151936 --set num_experts=128 --set num_experts_per_tok=8 --set moe_intermediate_size=768
+                     "${q4[@]}") ;;
+    ds-q4) args=(--family deepseek_v3 --layers 27 --hidden 2048 --heads 16 --kv-heads 16 --intermediate 10944 --vocab 102400
+                 --set n_routed_experts=64 --set num_experts_per_tok=6 --set moe_intermediate_size=1408
+                 --set n_shared_experts=2 --set first_k_dense_replace=1 --set kv_lora_rank=512 --set q_lora_rank=null
+                 --set qk_rope_head_dim=64 --set qk_nope_head_dim=128 --set v_head_dim=128 "${q4[@]}") ;;
+    *) echo "unknown model $1" >&2; return 2 ;;
+  esac
+  local t=$(date +%s)
+  python3 -m mlxcel models make-random "$dir" "${args[@]}" && echo "made $1 in $(( $(date +%s) - t )) s, $(du -sh "$dir" | cut -f1)"
+}
+
+bench() {  # model lever
+  local model=$1 lever=$2 compile
+  case $lever in compile1) compile=1 ;; compile0) compile=0 ;; *) echo "unknown lever $lever"; return 2 ;; esac
+  echo "== $model $lever ($(left) s left)"
+  MLXCEL_COMPILE_STEP=$compile python3 -m bench.pipeline_bench -m "/tmp/models/$model" --runs "$RUNS" --tokens "$TOKENS" \
+    --modes "${MODES:-single,inproc_pp,remote_pp}" --streams "" --trace --reuse-workers \
+    --label "h200-$model-$lever" --out "$RES/$model-$lever" 2>&1 | grep -v "^WARNING"
+}
+
+suite() {  # suite name, its budget in seconds
+  local name=$1 budget=$2
+  if [ "$(left)" -lt "$budget" ]; then echo "== skip $name: $(left) s left, needs $budget"; return 0; fi
+  make_model "$name" || return 0
+  for lever in $LEVERS; do
+    if [ "$(left)" -lt $(( budget / 2 )) ]; then echo "== skip $name $lever: $(left) s left"; continue; fi
+    bench "$name" "$lever"
+  done
+  case $name in moe30b-q4|ds-q4|tiny)
+    [ "$(left)" -gt 60 ] && python3 -m bench.gpu.moe_probe -m "/tmp/models/$name" --steps 64 --label "h200-$name" \
+      --out "$RES/moe_probe.jsonl" ;;
+  esac
+  rm -rf "/tmp/models/$name"  # the disk holds 64 GiB
+}
+
+main() {
+  install
+  export PYTHONPATH=/tmp/site:$SRC MLXCEL_GIT_COMMIT=${MLXCEL_GIT_COMMIT:-} PYTHONUNBUFFERED=1
+  [ -n "$MLXCEL_GIT_COMMIT" ] || unset MLXCEL_GIT_COMMIT
+  # run from a copy outside any git checkout: the device's copy of the session checkout holds a .git,
+  # whose commit is not this code's (rows take MLXCEL_GIT_COMMIT instead)
+  rm -rf /tmp/src && cp -r "$SRC" /tmp/src && SRC=/tmp/src && export PYTHONPATH=/tmp/site:$SRC
+  cd "$SRC"
+  python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device())"
+  nvidia-smi --query-gpu=name,memory.used,clocks.sm,utilization.gpu --format=csv,noheader
+  for s in "$@"; do
+    case $s in
+      tiny) suite tiny 10 ;;  # a smoke test of this script (CPU or GPU)
+      probe-bf16) make_model q06-bf16 && python3 -m bench.gpu.step_probe -m /tmp/models/q06-bf16 --steps 64 \
+                    --label h200-q06-bf16 --out "$RES/step_probe.jsonl" ;;
+      q06-bf16) suite q06-bf16 150 ;;
+      q06-q4) suite q06-q4 300 ;;
+      q8b-q4) suite q8b-q4 240 ;;
+      moe30b-q4) suite moe30b-q4 300 ;;
+      ds-q4) suite ds-q4 240 ;;
+      *) echo "unknown suite $s" ;;
+    esac
+  done
+  du -sh /tmp/mlx 2>/dev/null
+  echo "done in $(( $(date +%s) - T0 )) s"
+}
+
+main "$@" 2>&1 | tee "$RES/log.txt"
+cp "$RES/log.txt" "$OUT/log.txt"
+tar czf "$OUT/results.tar.gz" -C "$RES" .

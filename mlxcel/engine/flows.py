@@ -1,0 +1,120 @@
+"""What one forward pass through a model slice carries from layer to layer and across a stage boundary.
+
+The generic ``Flow`` carries the hidden state [B, L, D] and calls ``layer(h, mask, cache=c)``, as
+most mlx-lm families' forward passes do. A family whose layers take or return more has its own
+(``model_slice.FAMILIES`` names it): ministral3 passes llama 4's position-dependent query scale,
+gemma4_text unpacks its layers' (h, kv, offset) triples, and kimi_k3 carries its attention
+residuals, whose block summaries cross a stage boundary packed beside h ([B, L, (1 + blocks) * D];
+docs/pipeline.md §3.3). ``Flow.width`` is the exact width a stage takes, which it checks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+
+def hidden_size(model: Any) -> int:
+    """The model's hidden size, read from its final norm (wrapper configs such as kimi_k3's nest it)."""
+    return int(model.model.norm.weight.shape[0])
+
+
+class Flow:
+    """What one forward pass through a slice carries from layer to layer: here, the hidden state alone.
+
+    Built per forward pass from the slice's first layer index, the embedding (first slice) or what the
+    previous stage sent (``width(model, start)`` wide in its last axis), and the slice's caches;
+    ``layer`` runs one layer on it; ``leave`` returns what the next stage receives (``width(model,
+    end)`` wide) or, from the last slice, the hidden state the head reads. A family whose layers pass
+    more subclasses it.
+    """
+
+    def __init__(self, model: Any, start: int, carried: mx.array, cache: list):
+        self.model = model
+        self.h = carried
+
+    @staticmethod
+    def width(model: Any, boundary: int) -> int:
+        """The last dimension of what crosses the boundary before layer ``boundary``."""
+        return hidden_size(model)
+
+    def layer(self, index: int, layer: Any, mask: Any, cache: Any) -> None:
+        self.h = layer(self.h, mask, cache=cache)
+
+    def leave(self, last: bool) -> mx.array:
+        return self.h
+
+
+class Ministral3Flow(Flow):
+    """ministral3 scales its queries by llama 4's factor of the absolute position, one per forward pass."""
+
+    def __init__(self, model: Any, start: int, carried: mx.array, cache: list):
+        from mlx_lm.models.ministral3 import _get_llama_4_attn_scale
+
+        super().__init__(model, start, carried, cache)
+        rope = model.args.rope_parameters
+        offset = cache[0].offset if cache and cache[0] is not None else 0
+        self.scale = _get_llama_4_attn_scale(carried.shape[1], offset, rope["llama_4_scaling_beta"],
+                                             rope["original_max_position_embeddings"]).astype(carried.dtype)
+
+    def layer(self, index: int, layer: Any, mask: Any, cache: Any) -> None:
+        self.h = layer(self.h, self.scale, mask, cache=cache)
+
+
+class Gemma4Flow(Flow):
+    """gemma4_text's layers return (h, this layer's kv, its offset) for KV-shared layers, which
+    ``_gemma4_check`` refuses; so each layer runs on its own KV, as in Gemma4TextModel."""
+
+    def layer(self, index: int, layer: Any, mask: Any, cache: Any) -> None:
+        self.h, _, _ = layer(self.h, mask, cache)
+
+
+def _residual_blocks(model: Any, boundary: int) -> int:
+    """kimi_k3: the attention-residual blocks begun before layer ``boundary`` (a block starts every
+    attn_res_block_size layers, at layer 0 first); 0 without attention residuals."""
+    size = model.model.args.attn_res_block_size
+    return -(-boundary // size) if size else 0
+
+
+class KimiK3Flow(Flow):
+    """kimi_k3 with attention residuals: each layer mixes the summaries of the blocks begun so far
+    (``ResidualBlocks``) into its input, and the final norm's input too. A stage boundary carries those
+    summaries beside h, packed along the last axis: [B, L, (blocks + 1) * D], blocks first, as
+    mlx-lm's own pipeline packs them (its recv of [in_blocks + 1, B, L, D])."""
+
+    def __init__(self, model: Any, start: int, carried: mx.array, cache: list):
+        from mlx_lm.models.kimi_k3 import ResidualBlocks
+
+        super().__init__(model, start, carried, cache)
+        args = model.model.args
+        self.dtype = carried.dtype
+        self.blocks = ResidualBlocks(args.rms_norm_eps) if args.attn_res_block_size else None
+        count = _residual_blocks(model, start)
+        if self.blocks is not None and count:
+            d = hidden_size(model)
+            packed = carried.reshape(*carried.shape[:2], count + 1, d)
+            self.h = packed[..., count, :]
+            self.blocks.raw = packed[..., :count, :].transpose(2, 0, 1, 3)  # [blocks, B, L, D]
+            xf = self.blocks.raw.astype(mx.float32)
+            self.blocks.inv_rms = mx.rsqrt((xf * xf).mean(axis=-1) + args.rms_norm_eps)
+
+    @staticmethod
+    def width(model: Any, boundary: int) -> int:
+        return hidden_size(model) * (_residual_blocks(model, boundary) + 1)
+
+    def layer(self, index: int, layer: Any, mask: Any, cache: Any) -> None:
+        self.h, self.blocks = layer(self.h, mask=mask, cache=cache, blocks=self.blocks)
+
+    def leave(self, last: bool) -> mx.array:
+        if self.blocks is None or self.blocks.raw is None:
+            return self.h
+        if last:  # as KimiK3TextModel: the output mix of every block and h, then the final norm (the head)
+            from mlx_lm.models.kimi_k3 import _attn_res_mix
+
+            inner = self.model.model
+            w_eff = inner.output_attn_res_norm.weight.astype(mx.float32) * inner.output_attn_res_proj.weight.reshape(-1)
+            return _attn_res_mix(self.blocks, self.h, w_eff, inner.args.rms_norm_eps)
+        raw = self.blocks.raw.transpose(1, 2, 0, 3)  # [B, L, blocks, D]
+        packed = mx.concatenate([raw, self.h[..., None, :]], axis=2).astype(self.dtype)
+        return packed.reshape(*self.h.shape[:2], -1)

@@ -1,0 +1,199 @@
+"""What one decoder layer costs, by its kind: the bytes it holds, the bytes a decode step reads, its cache.
+
+No MLX here. A layer's **kind** comes from config.json arithmetic (``layer_kinds``): its attention
+(full, a sliding window, MLA's compressed latent, or linear attention with a fixed-size state) and
+its MLP (dense, or mixture-of-experts with ``experts`` routed experts of which ``active`` serve a
+token). From the kind and the layer's weight bytes (the safetensors headers, or ``config_layer_bytes``
+when there are no weights):
+
+- **resident bytes** = its weights + its cache at the planned context (``cache_bytes``): what a stage
+  must fit in its memory;
+- **step bytes** = what one decode step of ``rows`` rows reads: every non-expert weight, the routed
+  experts' weights times the share of experts the step can touch, min(1, rows x active / experts),
+  and its cache (attention reads every cached position; a linear layer its state). A decode step is
+  bound by memory bandwidth, so these bytes stand for its time.
+
+So a dense layer and a 15 GB MoE layer differ by their real weight, and an MoE layer's step reads only
+its active experts; a dense leading layer (deepseek's ``first_k_dense_replace``) reads all of its MLP.
+``docs/pipeline.md`` ("Partition by cost") states the model and its limits.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+FULL, SLIDING, MLA, LINEAR = "full", "sliding", "mla", "linear"
+EXPERTS_KEYS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts")
+ACTIVE_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_k", "top_k_experts")
+EXPERT_MARKERS = (".switch_mlp.", ".switch_glu.", ".experts.")  # stacked routed-expert tensors (mlx-lm names)
+
+
+@dataclass(frozen=True)
+class LayerKind:
+    """One decoder layer's attention and MLP kind."""
+
+    attention: str  # FULL, SLIDING, MLA or LINEAR
+    experts: int = 0  # routed experts; 0 for a dense MLP
+    active: int = 0  # routed experts per token
+    window: int | None = None  # SLIDING: the window
+
+    @property
+    def name(self) -> str:
+        """e.g. "mla+moe", "linear+dense"."""
+        return f"{self.attention}+{'moe' if self.experts else 'dense'}"
+
+
+def text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The text model's fields (multimodal configs nest them in text_config)."""
+    nested = config.get("text_config")
+    return nested if isinstance(nested, Mapping) else config
+
+
+def _first(config: Mapping[str, Any], keys: tuple[str, ...]) -> int:
+    for key in keys:
+        value = config.get(key)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 0
+
+
+def _is_moe(c: Mapping[str, Any], index: int) -> bool:
+    """Whether layer ``index`` has routed experts, by the fields each family uses."""
+    if not _first(c, EXPERTS_KEYS) or c.get("enable_moe_block") is False:
+        return False
+    if index < int(c.get("first_k_dense_replace") or 0) or index < int(c.get("moe_layer_start_index") or 0):
+        return False
+    end = c.get("moe_layer_end_index")
+    if isinstance(end, int) and end >= 0 and index > end:
+        return False
+    if index in (c.get("mlp_only_layers") or []):
+        return False
+    step = int(c.get("decoder_sparse_step") or 1)
+    if "decoder_sparse_step" in c and (index + 1) % step:
+        return False
+    freq = int(c.get("moe_layer_freq") or 1)
+    return index % freq == 0
+
+
+def _attention(c: Mapping[str, Any], index: int) -> tuple[str, int | None]:
+    linear = c.get("linear_attn_config")
+    if isinstance(linear, Mapping) and "kda_layers" in linear:  # kimi_k3: KDA where (i + 1) is listed, else MLA
+        return (LINEAR, None) if index + 1 in linear["kda_layers"] else (MLA, None)
+    if "linear_num_value_heads" in c and (index + 1) % int(c.get("full_attention_interval") or 4):
+        return LINEAR, None  # qwen3_next, qwen3_5: gated delta net but every full_attention_interval-th layer
+    if c.get("kv_lora_rank"):
+        return MLA, None
+    types = c.get("layer_types")
+    window = c.get("sliding_window")
+    if isinstance(types, list) and index < len(types):
+        return (SLIDING, window) if types[index] == "sliding_attention" else (FULL, None)
+    pattern = c.get("sliding_window_pattern")
+    if isinstance(pattern, int) and pattern > 0 and window:
+        return (FULL, None) if index % pattern == pattern - 1 else (SLIDING, window)
+    return FULL, None
+
+
+def layer_kinds(config: Mapping[str, Any]) -> list[LayerKind]:
+    """Every layer's kind, from config.json (``text_config`` where nested)."""
+    c = text_config(config)
+    experts, active = _first(c, EXPERTS_KEYS), _first(c, ACTIVE_KEYS)
+    kinds = []
+    for index in range(int(c["num_hidden_layers"])):
+        attention, window = _attention(c, index)
+        moe = _is_moe(c, index)
+        kinds.append(LayerKind(attention, experts if moe else 0, active if moe else 0, window))
+    return kinds
+
+
+def is_expert_tensor(name: str) -> bool:
+    """A routed expert's weights (stacked over the experts); a shared expert is not one."""
+    return any(marker in name for marker in EXPERT_MARKERS)
+
+
+def step_bytes(kind: LayerKind, weights: int, expert_weights: int, rows: int = 1) -> int:
+    """Weight bytes one decode step of ``rows`` rows reads from a layer of ``weights`` bytes, of which
+    ``expert_weights`` are routed experts'."""
+    if not kind.experts:
+        return weights
+    touched = min(kind.experts, rows * kind.active)
+    return weights - expert_weights + expert_weights * touched // kind.experts
+
+
+def _head_dim(c: Mapping[str, Any]) -> int:
+    return int(c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"])
+
+
+def cache_bytes(config: Mapping[str, Any], kind: LayerKind, *, context: int, rows: int = 1, itemsize: int = 2) -> int:
+    """The cache a layer holds for ``rows`` sequences of ``context`` tokens (``itemsize`` bytes a value):
+    keys and values (full: every position; sliding: at most the window), MLA's latent and rope key, or
+    a linear layer's fixed state (float32 recurrent state; its short convolution is left out)."""
+    if not context:
+        return 0
+    c = text_config(config)
+    if kind.attention == LINEAR:
+        linear = c.get("linear_attn_config")
+        if isinstance(linear, Mapping):  # kimi_k3's KDA: heads x head_dim x head_dim
+            state = int(linear["num_heads"]) * int(linear["head_dim"]) ** 2
+        else:  # gated delta net: value heads x key dim x value dim
+            state = int(c["linear_num_value_heads"]) * int(c["linear_key_head_dim"]) * int(c["linear_value_head_dim"])
+        return rows * state * 4
+    tokens = min(context, kind.window) if kind.attention == SLIDING and kind.window else context
+    if kind.attention == MLA:
+        per_token = int(c["kv_lora_rank"]) + int(c["qk_rope_head_dim"])
+    else:
+        kv_heads = int(c.get("num_key_value_heads") or c["num_attention_heads"])
+        per_token = 2 * kv_heads * _head_dim(c)
+    return rows * tokens * per_token * itemsize
+
+
+# ---------------------------------------------------------------------------
+# Weight bytes from config arithmetic (planning without the weights)
+
+
+def _attention_params(c: Mapping[str, Any], kind: LayerKind) -> int:
+    d, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
+    if kind.attention == MLA:
+        nope, rope, v = int(c["qk_nope_head_dim"]), int(c["qk_rope_head_dim"]), int(c["v_head_dim"])
+        q_rank, kv_rank = c.get("q_lora_rank"), int(c["kv_lora_rank"])
+        q = d * q_rank + q_rank * heads * (nope + rope) if q_rank else d * heads * (nope + rope)
+        return q + d * (kv_rank + rope) + kv_rank * heads * (nope + v) + heads * v * d
+    if kind.attention == LINEAR:
+        linear = c.get("linear_attn_config")
+        if isinstance(linear, Mapping):  # KDA: qkv, low-rank forget and output gates, beta, output
+            h, hd = int(linear["num_heads"]), int(linear["head_dim"])
+            p = h * hd
+            return 3 * d * p + 2 * (d * hd + hd * p) + d * h + p * d
+        hk, hv = int(c["linear_num_key_heads"]), int(c["linear_num_value_heads"])
+        dk, dv = int(c["linear_key_head_dim"]), int(c["linear_value_head_dim"])
+        return d * (2 * hk * dk + 2 * hv * dv) + d * 2 * hv + hv * dv * d
+    kv_heads, hd = int(c.get("num_key_value_heads") or heads), _head_dim(c)
+    return d * heads * hd + 2 * d * kv_heads * hd + heads * hd * d
+
+
+def _moe_width(c: Mapping[str, Any]) -> int:
+    return int(c.get("moe_intermediate_size") or c["intermediate_size"])
+
+
+def _shared_params(c: Mapping[str, Any]) -> int:
+    d = int(c["hidden_size"])
+    width = int(c.get("shared_expert_intermediate_size") or 0)
+    shared = _first(c, ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts"))
+    return 3 * d * (width or shared * _moe_width(c))
+
+
+def config_layer_bytes(config: Mapping[str, Any], kind: LayerKind, *, bits: float = 16) -> tuple[int, int]:
+    """(weight bytes, routed-expert bytes of them) of a layer of ``kind``, from config arithmetic at
+    ``bits`` per parameter (4-bit with a 16-bit scale and bias per 64 weights is 4.5). Norms and biases
+    are left out: they are a rounding error beside the projections."""
+    c = text_config(config)
+    d = int(c["hidden_size"])
+    attention = _attention_params(c, kind)
+    if kind.experts:
+        experts = kind.experts * 3 * d * _moe_width(c)
+        other = attention + _shared_params(c) + d * kind.experts  # + the router
+    else:
+        experts, other = 0, attention + 3 * d * int(c["intermediate_size"])
+    to_bytes = lambda params: math.ceil(params * bits / 8)  # noqa: E731
+    return to_bytes(other + experts), to_bytes(experts)
