@@ -201,4 +201,7 @@ def test_server_refuses_before_loading_weights_or_binding(unreadable_weights, tm
 @pytest.mark.parametrize("argv", [["generate", "--help"], ["serve", "--help"]])
 def test_help_names_the_supported_families(argv):
     text = " ".join(_run(*argv).stdout.split())
-    assert "--tp-size N" in text and "Supported: dense text families llama" in text and "qwen3 (Qwen 3)" in text
+    from mlxcel.parallel.families import FAMILIES
+
+    assert "--tp-size N" in text and "Families: " + ", ".join(FAMILIES) in text
+    assert "expert_parallel = E/N whole experts per rank" in text and "within_expert = every expert" in text
