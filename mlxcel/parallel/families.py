@@ -94,8 +94,11 @@ class Experts:
     width: str  # config key: each expert's intermediate size
     block: str  # attribute of a decoder layer holding the MoE block
     switch: str  # attribute of that block holding the routed experts (a SwitchGLU)
+    enabled: str | None = None  # config key that must be true for the experts to exist (gemma4's enable_moe_block)
 
     def experts(self, c: Config) -> int | None:
+        if self.enabled is not None and not c.get(self.enabled):
+            return None
         return _int(c.get(self.count)) or None
 
 
@@ -142,7 +145,8 @@ FAMILIES: dict[str, TPFamily] = {
     "ministral3": TPFamily("Ministral 3", "mlx-lm", DENSE),
     "gemma3_text": TPFamily("Gemma 3 text", "mlxcel", DENSE),
     "gemma4_text": TPFamily("Gemma 4 text, with or without its MoE block", "mlxcel", (*DENSE, _GEMMA4_GLOBAL_KV),
-                            Experts("num_experts", "moe_intermediate_size", "experts", "switch_glu")),
+                            Experts("num_experts", "moe_intermediate_size", "experts", "switch_glu",
+                                    "enable_moe_block")),
     "ernie4_5": TPFamily("ERNIE 4.5 dense", "mlxcel", DENSE),
     "hunyuan_v1_dense": TPFamily("Hunyuan v1 Dense", "mlxcel", DENSE),
     "qwen3_5": TPFamily("Qwen 3.5 text (gated delta net + attention)", "mlx-lm", _QWEN3_5, _QWEN3_5_MOE,

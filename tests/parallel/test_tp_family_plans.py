@@ -92,6 +92,9 @@ def test_a_mode_that_does_not_apply_is_refused():
     assert check_shardable(tiny("llama"), 2, moe_mode="expert_parallel").moe_mode is None  # the default: harmless
     dense_qwen3_5 = tiny("qwen3_5")
     assert "has no routed experts" in refused(dense_qwen3_5, 2, "within_expert")
+    dense_gemma4 = tiny("gemma4_text", enable_moe_block=False)  # experts configured but switched off
+    assert "has no routed experts" in refused(dense_gemma4, 2, "within_expert")
+    assert check_shardable(dense_gemma4, 2).moe_mode is None
 
 
 def test_reduce_dtype_is_refused_where_blocks_reduce_inside(tmp_path):
