@@ -13,7 +13,7 @@ Rank 0 -> follower, requests (answered after everything sent before them is appl
   ``prepare``  {rid, prompt, limit} -> {cached}: a fresh sequence, its prefix cut to at most ``limit``
   ``ping``     {} -> {ok}: answered at once, even while a step runs
 Follower -> rank 0, requests:
-  ``hello``    {rank, pid, identity} -> {max_batch_size, prefix_cache_bytes, reduce_dtype}: this rank is up
+  ``hello``    {rank, pid, identity} -> {max_batch_size, prefix_cache_bytes, reduce_dtype, moe_mode}: this rank is up
   ``ready``    {rank}: loaded and sharded;  ``failed`` {rank, error}: it cannot go on (it exits)
 """
 

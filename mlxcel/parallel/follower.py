@@ -138,7 +138,9 @@ def _load(model_dir: Path, size: int, group: Any, settings: dict) -> Any:
     from mlxcel.parallel.replay import ShardRunner
 
     loaded = load_checkpoint(model_dir, lazy=True)
-    apply_plan(loaded.model, check_shardable(loaded.config, size, model_dir), group)
+    moe_mode = settings.get("moe_mode")  # rank 0's choice, as the reduce dtype
+    apply_plan(loaded.model, check_shardable(loaded.config, size, model_dir,
+                                             moe_mode=moe_mode if isinstance(moe_mode, str) else None), group)
     set_reduce_dtype(loaded.model, str(settings.get("reduce_dtype", DEFAULT_TP_REDUCE_DTYPE)))  # rank 0's choice
     mx.eval(loaded.model.parameters())
     return ShardRunner(loaded.model, head=False, max_rows=int(settings["max_batch_size"]),

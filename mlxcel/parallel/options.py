@@ -30,7 +30,7 @@ from mlxcel.config import (
 )
 from mlxcel.parallel.errors import TPError
 from mlxcel.parallel.hostfile import PLAINTEXT_FLAG, Hostfile, load_hostfile
-from mlxcel.parallel.plan import FAMILIES_HELP, ShardPlan, check_shardable
+from mlxcel.parallel.plan import FAMILIES, FAMILIES_HELP, ShardPlan, check_shardable
 
 log = logging.getLogger("mlxcel.parallel")
 
@@ -72,7 +72,8 @@ def add_tp_arguments(parser: argparse.ArgumentParser, *, server: bool) -> None:
     group = parser.add_argument_group("tensor parallelism (docs/tp.md)")
     group.add_argument("--tp-size", type=positive_int, default=DEFAULT_TP_SIZE, metavar="N",
                        help=f"shard every layer over N ranks (default {DEFAULT_TP_SIZE} = off); N must divide the "
-                            f"attention heads, KV heads and intermediate size. Supported: {FAMILIES_HELP}")
+                            f"attention heads, KV heads, intermediate size (and the experts or their width, see "
+                            f"--tp-moe-mode). Families: {FAMILIES_HELP}")
     group.add_argument("--tp-backend", choices=TP_BACKENDS, default="auto",
                        help="MLX distributed backend: ring (TCP, CPU hosts), nccl (NVIDIA), jaccl (Thunderbolt "
                             "Macs); auto = the hostfile's backend, else nccl on CUDA, else ring (default auto)")
@@ -92,8 +93,11 @@ def add_tp_arguments(parser: argparse.ArgumentParser, *, server: bool) -> None:
                        help="embedding table: replicated on every rank (default; vocab_parallel is refused)")
     group.add_argument("--tp-lm-head-mode", choices=TP_VOCAB_MODES, default=DEFAULT_TP_VOCAB_MODE,
                        help="LM head: replicated on every rank (default; vocab_parallel is refused)")
-    group.add_argument("--tp-moe-mode", choices=TP_MOE_MODES, default=DEFAULT_TP_MOE_MODE,
-                       help=f"MoE experts (default {DEFAULT_TP_MOE_MODE}); MoE families are refused for now")
+    group.add_argument("--tp-moe-mode", choices=TP_MOE_MODES, default=None,
+                       help="routed experts of a mixture-of-experts checkpoint: expert_parallel = E/N whole experts "
+                            "per rank (N must divide the experts), within_expert = every expert on every rank, 1/N "
+                            f"of its width each (N must divide the expert width); default {DEFAULT_TP_MOE_MODE}. "
+                            "Refused for a checkpoint without experts")
     group.add_argument("--tp-reduce-dtype", choices=TP_REDUCE_DTYPES, default=DEFAULT_TP_REDUCE_DTYPE,
                        help="dtype of the partial sums each all-reduce carries: model = the model's own (default), "
                             "bfloat16 halves a float32 model's bytes at bfloat16 precision (greedy output may "
@@ -154,7 +158,12 @@ def prepare_tp(args: argparse.Namespace, model_dir: Path, config: Mapping[str, A
     size = _get(args, "tp_size", DEFAULT_TP_SIZE)
     if size < 2:
         return None
-    plan = check_shardable(config, size, model_dir)
+    plan = check_shardable(config, size, model_dir, moe_mode=_get(args, "tp_moe_mode"))
+    reduce_dtype = _get(args, "tp_reduce_dtype", DEFAULT_TP_REDUCE_DTYPE)
+    if reduce_dtype != DEFAULT_TP_REDUCE_DTYPE and (plan.moe_mode or not FAMILIES[plan.family].linear_reduces):
+        raise TPError(f"--tp-reduce-dtype {reduce_dtype} does not apply to this {plan.family} checkpoint: some of "
+                      "its all-reduces run inside its MoE or linear-attention blocks, in the model's dtype "
+                      "(use --tp-reduce-dtype model, the default)")
     allow = bool(_get(args, "tp_allow_plaintext_network", False))
     hostfile = None
     port = _get(args, "tp_port")
@@ -164,7 +173,7 @@ def prepare_tp(args: argparse.Namespace, model_dir: Path, config: Mapping[str, A
     options = TPOptions(size=size, plan=plan, backend=_get(args, "tp_backend", "auto"),
                         rank=_get(args, "tp_rank") or 0, hostfile=hostfile, port=port, allow_plaintext=allow,
                         timeout=_get(args, "tp_timeout", DEFAULT_TP_TIMEOUT_S),
-                        reduce_dtype=_get(args, "tp_reduce_dtype", DEFAULT_TP_REDUCE_DTYPE))
+                        reduce_dtype=reduce_dtype)
     if allow and hostfile is not None and hostfile.non_loopback():
         log.warning(PLAINTEXT_WARNING)
     return options

@@ -57,7 +57,7 @@ def reduced_layers(model: Any) -> list[tuple[Any, str]]:
     """(parent module, attribute) of every all-reducing linear layer ``shard()`` made, in layer order."""
     found = []
     for layer in model.layers:
-        for parent, name in ((layer.self_attn, "o_proj"), (layer.mlp, "down_proj")):
+        for parent, name in ((getattr(layer, "self_attn", None), "o_proj"), (getattr(layer, "mlp", None), "down_proj")):
             if isinstance(getattr(parent, name, None), tuple(_CAST)):
                 found.append((parent, name))
     return found

@@ -49,7 +49,8 @@ class RankZero:
         self.model_dir = model_dir
         self.secret = secret if secret is not None else ClusterSecret(launch_secret(None), source="this launch")
         self.settings = {"identity": model_identity(model_dir), "max_batch_size": max_batch_size,
-                         "prefix_cache_bytes": prefix_cache_bytes, "reduce_dtype": tp.reduce_dtype}
+                         "prefix_cache_bytes": prefix_cache_bytes, "reduce_dtype": tp.reduce_dtype,
+                         "moe_mode": tp.plan.moe_mode}
         self.local = LocalRanks() if tp.local else None
         self.control: RankZeroControl | None = None
         self.spec: GroupSpec | None = None

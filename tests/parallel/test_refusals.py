@@ -57,12 +57,12 @@ def test_quantized_shares_must_be_whole_groups():
         check_shardable(config, 6)
 
 
-def test_unsupported_and_moe_families_are_refused():
+def test_unsupported_families_are_refused():
     with pytest.raises(ShardRefusal, match=r"^m: model family 'gpt2' is not supported by tensor parallelism; "
-                                           r"supported: llama, mistral, qwen2, qwen3$"):
+                                           r"supported: llama, mistral, qwen2, qwen3, ministral3, gemma3_text, "):
         check_shardable({**SMOLLM2, "model_type": "gpt2"}, 3, "m")
-    with pytest.raises(ShardRefusal, match=r"^m: qwen3_moe is a mixture-of-experts family"):
-        check_shardable({**SMOLLM2, "model_type": "qwen3_moe", "num_experts": 8}, 3, "m")
+    with pytest.raises(ShardRefusal, match=r"^m: model family 'mixtral' is not supported by tensor parallelism"):
+        check_shardable({**SMOLLM2, "model_type": "mixtral", "num_local_experts": 8}, 3, "m")  # no shard() in mlx-lm
 
 
 def _prepare(model: Path, *flags: str):
@@ -201,4 +201,7 @@ def test_server_refuses_before_loading_weights_or_binding(unreadable_weights, tm
 @pytest.mark.parametrize("argv", [["generate", "--help"], ["serve", "--help"]])
 def test_help_names_the_supported_families(argv):
     text = " ".join(_run(*argv).stdout.split())
-    assert "--tp-size N" in text and "Supported: dense text families llama" in text and "qwen3 (Qwen 3)" in text
+    from mlxcel.parallel.families import FAMILIES
+
+    assert "--tp-size N" in text and "Families: " + ", ".join(FAMILIES) in text
+    assert "expert_parallel = E/N whole experts per rank" in text and "within_expert = every expert" in text
