@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
 
         with open(args.out, "a", encoding="utf-8") as out:
             for row in rows:
-                out.write(json.dumps({**row, "environment": environment()}) + "\n")
+                out.write(json.dumps({**row, "env": environment()}) + "\n")
     return 0
 
 

@@ -453,7 +453,7 @@ class PipelineExecutor:
         log.warning("pipeline stage %s at %s is unreachable (%s); failing its open exchanges, /health says degraded",
                     node.id, addr, why)
         self._fail_steps(f"pipeline stage {node.id} at {addr} is unreachable")
-        self._fail_prepares(addr, f"pipeline stage {node.id} is unreachable")
+        self._fail_prepares(addr, f"pipeline stage {node.id} at {addr} is unreachable")
 
     def _fail_prepares(self, addr: PeerId, message: str) -> None:
         """The PREPAREs awaiting ``addr`` fail at once, not at their deadline: the process that would answer is gone."""

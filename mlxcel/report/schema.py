@@ -25,6 +25,7 @@ class Field:
     nullable: bool = False
     choices: tuple[str, ...] | None = None
     default: Any = None
+    signed: bool = False  # a number that may be negative (a difference of two timings); others must not be
 
 
 @dataclass(frozen=True)
@@ -126,6 +127,24 @@ SCHEMAS: dict[str, Schema] = {s.bench: s for s in (
         _num("decode_tok_s", nullable=True), _num("wall_s"), _int("rc"), _num("load1", required=False, nullable=True),
         _str("procedure", required=False, nullable=True),
     )),
+    # bench/heal_bench.py: a node killed under a supervisor, until the cluster serves again (validated; no section)
+    Schema("heal", "heal", (
+        _str("node"), Field("cold", "bool"), _num("serving_s"), _num("node_ready_s"), _num("last_heal_s", nullable=True),
+        _int("restarts"), Field("from_standby", "bool", nullable=True),
+    )),
+    # bench/gpu/moe_probe.py and step_probe.py: one H200 probe each (docs/benchmarks.md "H200, 2026-12-02";
+    # validated; no section): the MoE block's share of a stage step, a step's graph build against its evaluation
+    Schema("moe_probe", "moe_probe", (
+        _str("label"), _str("model"), Field("compiled", "bool"), _int("steps"), _num("full_ms_p50"),
+        _num("no_moe_ms_p50"), _num("fixed_routing_ms_p50"),
+        # by difference of two timings: noise can make either negative (docs/benchmarks.md says so)
+        _num("experts_ms", signed=True), _num("routing_ms", signed=True), _num("experts_fraction", signed=True),
+        _num("routing_fraction", signed=True),
+    )),
+    Schema("step_probe", "step_probe", (
+        _str("label"), _str("model"), _str("variant"), _int("round"), _int("steps"), _num("build_ms_p50"),
+        _num("step_ms_p50"),
+    )),
     # bench/disagg_bench.py (validated so its rows can live under bench/results; no report section yet)
     Schema("disagg_frames", "disagg_frames", (
         _str("run"), _str("suite"), _str("dtype"), _int("prompt_tokens"), _int("tensor_bytes"), _int("repeats"),
@@ -186,7 +205,7 @@ def _coerce(f: Field, value: Any, from_text: bool) -> Any:
         raise RowError(f"field {f.name!r}: expected {_KIND_WORDS[f.kind]}, got {value!r}") from None
     if f.choices and out not in f.choices:
         raise RowError(f"field {f.name!r}: {out!r} is not one of {', '.join(f.choices)}")
-    if f.kind in ("int", "num") and out < 0:
+    if f.kind in ("int", "num") and out < 0 and not f.signed:
         raise RowError(f"field {f.name!r}: negative value {out!r}")
     return out
 

@@ -31,11 +31,12 @@ from mlxcel.cluster.identity import PeerId
 from mlxcel.cluster.secret import ClusterSecret
 from mlxcel.config import RANDOM_FAMILIES
 from mlxcel.disagg.wire import CacheKind
-from mlxcel.engine.interface import EngineRequest, FinishEvent
+from mlxcel.engine.interface import EngineRequest
 from mlxcel.engine.sampling import SamplingParams
 from tests.disagg.cluster import DisaggCluster
 from tests.family_checkpoints import family_checkpoint  # noqa: F401  (fixture)
 from tests.pipeline.cluster import Node, free_port
+from tests.engine.fakes import collect_tokens
 
 pytestmark = pytest.mark.proc  # the last test starts the three role processes (tests/proc_marker.py)
 
@@ -80,19 +81,9 @@ def greedy(prompt: tuple[int, ...], rid: str) -> EngineRequest:
     return EngineRequest(prompt, SamplingParams(max_tokens=N), ignore_eos=True, request_id=rid)
 
 
-async def collect(stream) -> list[int]:
-    tokens = []
-    async for ev in stream:
-        if isinstance(ev, FinishEvent):
-            assert ev.error is None, ev.error
-            return tokens
-        tokens.append(ev.token)
-    return tokens
-
-
 async def both(engine) -> list[list[int]]:
     streams = [engine.submit(greedy(p, f"r{i}")) for i, p in enumerate(PROMPTS)]
-    return list(await asyncio.gather(*(collect(s) for s in streams)))
+    return list(await asyncio.gather(*(collect_tokens(s) for s in streams)))
 
 
 def single_node(path) -> list[list[int]]:

@@ -14,9 +14,10 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 from mlxcel.disagg.kv_cache import export_cache, import_cache, probe_layout
 from mlxcel.disagg.kv_codec import HandoffDecoder, HandoffError, KVLayout, LayerSpec, encode_chunks, encode_header
 from mlxcel.disagg.wire import CacheKind, DType
-from mlxcel.engine.interface import EngineRequest, FinishEvent
+from mlxcel.engine.interface import EngineRequest
 from mlxcel.engine.sampling import SamplingParams
 from mlxcel.engine.scheduler import Scheduler
+from tests.engine.fakes import collect_tokens
 
 PROMPT = tuple(range(40, 60))  # 20 tokens: longer than the sliding window (8)
 OTHER = (1, 50, 51, 52, 53)
@@ -42,16 +43,6 @@ def local(loaded) -> Iterator[Scheduler]:
 
 def greedy(prompt, rid: str, n: int = 10) -> EngineRequest:
     return EngineRequest(tuple(prompt), SamplingParams(max_tokens=n), ignore_eos=True, request_id=rid)
-
-
-async def collect(stream) -> list[int]:
-    tokens = []
-    async for ev in stream:
-        if isinstance(ev, FinishEvent):
-            assert ev.error is None, ev.error
-            return tokens
-        tokens.append(ev.token)
-    return tokens
 
 
 def handed_over(loaded, request: EngineRequest, chunk_len: int = 4096):
@@ -81,12 +72,12 @@ def test_an_adopted_handoff_continues_exactly_like_one_node(fixture, request):
 
     async def main():
         with local(loaded) as sched:
-            ref = [await collect(sched.submit(greedy(p, f"ref{i}"))) for i, p in enumerate((PROMPT, OTHER))]
+            ref = [await collect_tokens(sched.submit(greedy(p, f"ref{i}"))) for i, p in enumerate((PROMPT, OTHER))]
         first, cache, _ = handed_over(loaded, greedy(PROMPT, "h"))
         with local(loaded) as sched:
             other = sched.submit(greedy(OTHER, "other"))  # batched beside the adopted row
             adopted = sched.submit_prefilled(greedy(PROMPT, "h"), first, cache)
-            got = [await collect(adopted), await collect(other)]
+            got = [await collect_tokens(adopted), await collect_tokens(other)]
         assert got == ref
 
     run(main())

@@ -232,3 +232,15 @@ async def collect(stream: EventStream) -> tuple[list[TokenEvent], FinishEvent]:
         if isinstance(event, FinishEvent):
             return tokens, event
         tokens.append(event)
+
+
+async def collect_tokens(stream: EventStream) -> list[int]:
+    """The token ids of every event up to the FinishEvent, which must carry no error (no deadline per event:
+    for real engines across processes; the test's own timeout bounds it)."""
+    tokens: list[int] = []
+    async for event in stream:
+        if isinstance(event, FinishEvent):
+            assert event.error is None, event.error
+            break
+        tokens.append(event.token)
+    return tokens

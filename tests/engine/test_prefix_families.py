@@ -15,23 +15,14 @@ import asyncio
 import pytest
 
 from mlxcel.config import RANDOM_FAMILIES
-from mlxcel.engine.interface import EngineRequest, FinishEvent
+from mlxcel.engine.interface import EngineRequest
 from mlxcel.engine.sampling import SamplingParams
 from tests.family_checkpoints import family_checkpoint  # noqa: F401  (fixture)
+from tests.engine.fakes import collect_tokens
 
 FIRST = tuple(range(40, 52))  # 12 tokens
 N = 4
 DIVERGING = FIRST[:8] + (7, 7, 9)
-
-
-async def collect(stream) -> list[int]:
-    tokens = []
-    async for ev in stream:
-        if isinstance(ev, FinishEvent):
-            assert ev.error is None, ev.error
-            return tokens
-        tokens.append(ev.token)
-    return tokens
 
 
 def run(loaded, prompts: list[tuple[int, ...]], prefix_bytes: int) -> tuple[list[list[int]], object]:
@@ -45,7 +36,7 @@ def run(loaded, prompts: list[tuple[int, ...]], prefix_bytes: int) -> tuple[list
     async def main() -> list[list[int]]:
         out = []
         for i, p in enumerate(prompts):
-            out.append(await collect(sched.submit(EngineRequest(p, SamplingParams(max_tokens=N), ignore_eos=True,
+            out.append(await collect_tokens(sched.submit(EngineRequest(p, SamplingParams(max_tokens=N), ignore_eos=True,
                                                                 request_id=f"r{i}"))))
         return out
 

@@ -25,11 +25,12 @@ import httpx
 import pytest
 
 from mlxcel.config import RANDOM_FAMILIES
-from mlxcel.engine.interface import EngineRequest, FinishEvent
+from mlxcel.engine.interface import EngineRequest
 from mlxcel.engine.sampling import SamplingParams
 from tests.family_checkpoints import family_checkpoint  # noqa: F401  (fixture)
 from tests.pipeline.cluster import COORDINATOR_HOST, STAGE_HOSTS, LocalCluster, Node, free_port, write_secret
 from tests.pipeline.stage_host_util import first_line, stop
+from tests.engine.fakes import collect_tokens
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.proc]
 
@@ -92,16 +93,6 @@ def tomls(tmp_path_factory, family_checkpoint):  # noqa: F811
             stop(host)
 
 
-async def collect(stream) -> list[int]:
-    tokens = []
-    async for ev in stream:
-        if isinstance(ev, FinishEvent):
-            assert ev.error is None, ev.error
-            return tokens
-        tokens.append(ev.token)
-    return tokens
-
-
 def remote_tokens(toml: Path, model_dir: Path) -> list[list[int]]:
     """Both prompts at once through the coordinator role's engine: a Scheduler over a PipelineExecutor."""
     from mlxcel.cluster.secret import load_secret
@@ -121,7 +112,7 @@ def remote_tokens(toml: Path, model_dir: Path) -> list[list[int]]:
     async def both() -> list[list[int]]:
         streams = [sched.submit(EngineRequest(p, SamplingParams(max_tokens=N), ignore_eos=True, request_id=f"r{i}"))
                    for i, p in enumerate(PROMPTS)]
-        return list(await asyncio.gather(*(collect(s) for s in streams)))
+        return list(await asyncio.gather(*(collect_tokens(s) for s in streams)))
 
     try:
         sched.start().wait_ready()
