@@ -76,5 +76,27 @@ if [ -n "$dl_pid" ]; then
   dl_pid=
   rm -rf "$dl_dir" "$dl_dir.log"; dl_dir=
 fi
+# --- byte-compile what the nodes, the CLI and the playbooks import (a warm import with bytecode writing on), once per
+# install, in the background while the model builds. Where PYTHONDONTWRITEBYTECODE is set (as in some CI shells) every
+# process would compile them again: importing the serving stack takes about 6 CPU-seconds instead of 2.6.
+compiled=$VENV/.mlxcel-compiled compile_pid=
+if [ ! -f "$compiled" ] || [ "$stamp" -nt "$compiled" ]; then
+  (env -u PYTHONDONTWRITEBYTECODE "$VENV/bin/python" -c '
+import importlib, pkgutil
+import mlxcel.roles
+names = ["mlxcel.cli", "mlxcel.commands.serve", "mlxcel.server.app", "mlxcel.node.supervisor", "mlxcel.report.build",
+         "ansible.cli.playbook", "ansible.executor.task_executor", "ansible.plugins.strategy.linear",
+         "ansible.plugins.callback.default", "openai", "httpx"]
+names += [f"mlxcel.roles.{m.name}" for m in pkgutil.iter_modules(mlxcel.roles.__path__)]
+for name in names:
+    try:
+        importlib.import_module(name)
+    except Exception:
+        pass  # compiling is an optimisation only
+' >/dev/null 2>&1 && touch "$compiled") &
+  compile_pid=$!
+fi
+
 echo "==> default model"
 "$VENV/bin/mlxcel" models fetch-default
+[ -z "$compile_pid" ] || wait "$compile_pid" || true
