@@ -15,6 +15,26 @@ def _edit_config(path: Path, **changes: object) -> Path:
     return path
 
 
+def _model_checkpoint(tmp_path_factory: pytest.TempPathFactory, name: str, config: dict, seed: int) -> Path:
+    """A checkpoint of ``config`` built with mlx-lm's own classes (seeded random weights), with the tokenizer
+    files of a tiny llama from ``make_random_checkpoint``."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes
+
+    from mlxcel.models.random_checkpoint import make_random_checkpoint
+
+    path = make_random_checkpoint(tmp_path_factory.mktemp(name), family="llama", layers=1)
+    model_cls, args_cls = _get_classes(config)
+    mx.random.seed(seed)
+    model = model_cls(args_cls.from_dict(config))
+    weights = dict(tree_flatten(model.parameters()))
+    mx.eval(weights)
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_sliding(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 4-layer llama whose odd layers attend over an 8-token sliding window (RotatingKVCache)."""
@@ -36,37 +56,16 @@ def tiny_bf16(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_mamba(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-layer mamba: a recurrent ArraysCache per layer (conv and SSM state), which travels whole."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-    from mlx_lm.utils import _get_classes
-
-    from mlxcel.models.random_checkpoint import make_random_checkpoint
-
-    path = make_random_checkpoint(tmp_path_factory.mktemp("tiny-mamba"), family="llama", layers=1)
     config = {"model_type": "mamba", "vocab_size": 320, "hidden_size": 32, "intermediate_size": 64,
               "state_size": 4, "num_hidden_layers": 2, "conv_kernel": 4, "use_bias": False,
               "use_conv_bias": True, "time_step_rank": 4, "tie_word_embeddings": True,
               "max_position_embeddings": 2048, "eos_token_id": 2}
-    model_cls, args_cls = _get_classes(config)
-    mx.random.seed(0)
-    model = model_cls(args_cls.from_dict(config))
-    weights = dict(tree_flatten(model.parameters()))
-    mx.eval(weights)
-    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
-    (path / "config.json").write_text(json.dumps(config, indent=2))
-    return path
+    return _model_checkpoint(tmp_path_factory, "tiny-mamba", config, 0)
 
 
 @pytest.fixture(scope="session")
 def tiny_llama4(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 1-layer llama4: its chunked-attention layer keeps a ChunkedKVCache, which no handoff carries."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-    from mlx_lm.utils import _get_classes
-
-    from mlxcel.models.random_checkpoint import make_random_checkpoint
-
-    path = make_random_checkpoint(tmp_path_factory.mktemp("tiny-llama4"), family="llama", layers=1)
     text = {"attention_bias": False, "attention_chunk_size": 8, "head_dim": 16, "hidden_size": 32,
             "interleave_moe_layer_step": 4, "intermediate_size": 32, "intermediate_size_mlp": 64,
             "max_position_embeddings": 2048, "model_type": "llama4_text", "num_attention_heads": 2,
@@ -74,58 +73,26 @@ def tiny_llama4(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "rms_norm_eps": 1e-5, "rope_scaling": None, "rope_theta": 10000.0, "use_qk_norm": False,
             "vocab_size": 320}
     config = {"model_type": "llama4", "text_config": text, "eos_token_id": 2, "max_position_embeddings": 2048}
-    model_cls, args_cls = _get_classes(config)
-    mx.random.seed(0)
-    model = model_cls(args_cls.from_dict(config))
-    weights = dict(tree_flatten(model.parameters()))
-    mx.eval(weights)
-    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
-    (path / "config.json").write_text(json.dumps(config, indent=2))
-    return path
+    return _model_checkpoint(tmp_path_factory, "tiny-llama4", config, 0)
 
 
 @pytest.fixture(scope="session")
 def tiny_deepseek_v32(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 4-layer deepseek_v32 built with mlx-lm's own classes: every layer keeps a CacheList of two KVCaches
     (MLA's latents, the indexer's keys), and its indexer keeps 4 positions of longer prompts."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-    from mlx_lm.utils import _get_classes
+    from mlxcel.models.random_checkpoint import _config
 
-    from mlxcel.models.random_checkpoint import _config, make_random_checkpoint
-
-    path = make_random_checkpoint(tmp_path_factory.mktemp("tiny-deepseek-v32"), family="llama", layers=1)
     config = {**_config("deepseek_v3", 4, 64, 4, 4, 320, None, None), "model_type": "deepseek_v32",
               "index_head_dim": 16, "index_n_heads": 2, "index_topk": 4}
-    model_cls, args_cls = _get_classes(config)
-    mx.random.seed(7)
-    model = model_cls(args_cls.from_dict(config))
-    weights = dict(tree_flatten(model.parameters()))
-    mx.eval(weights)
-    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
-    (path / "config.json").write_text(json.dumps(config, indent=2))
-    return path
+    return _model_checkpoint(tmp_path_factory, "tiny-deepseek-v32", config, 7)
 
 
 @pytest.fixture(scope="session")
 def tiny_gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 4-layer gemma3_text built with mlx-lm's own classes: layers 0 and 2 keep an 8-token
     RotatingKVCache (gemma3's sliding layers), layers 1 and 3 a KVCache."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-    from mlx_lm.models.gemma3_text import Model, ModelArgs
-
-    from mlxcel.models.random_checkpoint import make_random_checkpoint
-
-    path = make_random_checkpoint(tmp_path_factory.mktemp("tiny-gemma3"), family="llama", layers=1)
     config = {"model_type": "gemma3_text", "vocab_size": 320, "hidden_size": 32, "intermediate_size": 64,
               "num_hidden_layers": 4, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
               "query_pre_attn_scalar": 16, "sliding_window": 8, "sliding_window_pattern": 2,
               "max_position_embeddings": 2048, "eos_token_id": 2}
-    mx.random.seed(5)
-    model = Model(ModelArgs.from_dict(config))
-    weights = dict(tree_flatten(model.parameters()))
-    mx.eval(weights)
-    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
-    (path / "config.json").write_text(json.dumps(config, indent=2))
-    return path
+    return _model_checkpoint(tmp_path_factory, "tiny-gemma3", config, 5)
