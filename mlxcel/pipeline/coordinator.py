@@ -178,7 +178,11 @@ class PipelineExecutor:
             header["prompt"] = list(prompt[:MAX_PREFIX_TOKENS])
         if draws:  # a resumed sequence: the last stage's sampler goes on after the tokens already sampled
             header["draws"] = min(draws, MAX_TOKENS_LIMIT)
-        cached = self._agree(header, self._prepare_on(self.cluster.stages, header))
+        try:
+            cached = self._agree(header, self._prepare_on(self.cluster.stages, header))
+        except BaseException:
+            self.release(rid)  # a stage that acknowledged frees what it allocated; the others ignore the id
+            raise
         with self._lock:
             self._prepared.add(rid)
             self._lost.discard(rid)

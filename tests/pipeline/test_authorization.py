@@ -425,6 +425,23 @@ def test_the_coordinator_may_drain_and_shut_a_stage_down(model, facts):
         stage.close()
 
 
+def test_a_prepare_refused_by_one_stage_is_released_on_the_others(strict, expected):
+    """Stage 1 draining refuses the PREPARE that stage 0 acknowledged: the request fails, and stage 0 does not
+    keep the sequence it allocated (the coordinator releases it); once stage 1 takes work again, all is well."""
+    last, half = strict.stages[1], rid("half")
+    last.draining = True  # as BEGIN_DRAIN sets it (the positive control below sends the command itself)
+    try:
+        with pytest.raises(ExecutorError) as refused:
+            strict.coordinator.prepare(half, SamplingParams(), 0, PROMPT)
+    finally:
+        last.draining = False
+    assert refused.value.peer_code is ErrorCode.UNAVAILABLE, refused.value
+    assert wait_until(lambda: all(half not in s.runner for s in strict.real()))
+    run = GreedyRun(strict.coordinator, rid("after-half"), PROMPT)
+    assert run.run(N) == expected
+    run.release()
+
+
 # -- the strict pipeline: tensor bounds on RUN_ENTRY --------------------------------------------------
 
 I32 = np.int32
