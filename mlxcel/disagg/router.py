@@ -91,9 +91,11 @@ class Routed:
 class RouterEngine:
     """The ``Engine`` of a router process (``mlxcel.engine.interface``)."""
 
-    def __init__(self, cfg: NodeConfig, tokenizer: Any, *, context_length: int, identity: str):
+    def __init__(self, cfg: NodeConfig, tokenizer: Any, *, context_length: int, identity: str,
+                 vocab_size: int | None = None):
         self.cfg = cfg
         self._tokenizer = tokenizer
+        self.vocab_size = vocab_size  # every token id a decode node streams is below it (None: unchecked)
         self._context_length = context_length
         self.identity = identity
         self.transport = role_transport(cfg)
@@ -425,6 +427,8 @@ class RouterEngine:
     def _result(self, kind: MsgType, doc: dict[str, Any], ex: Exchange, routed: Routed) -> None:
         if kind is MsgType.TOKENS:
             tokens = m.Tokens.parse(doc)
+            if not self._in_vocab(tokens, ex, routed):
+                return
             with self._lock:
                 if routed.done or routed.exchange is not ex:
                     return
@@ -452,6 +456,22 @@ class RouterEngine:
             if err.code is ErrorCode.UNREACHABLE and err.node is not None:
                 self._reported_down(err.node, err.message)
             self.exchanges.resolve(ex, error=CodedError(err.message, err.code))
+
+    def _in_vocab(self, tokens: m.Tokens, ex: Exchange, routed: Routed) -> bool:
+        """Whether every id of a TOKENS message (sampled and top-logprob) is a token of the model; if not, the
+        attempt fails (and is resumed like any failed attempt): its decode node streams what no model samples,
+        and relaying the rest would leave a hole in the text."""
+        ids = [i for e in tokens.events for i in (e.token, *(t for t, _ in e.top_logprobs))]
+        try:
+            m.in_vocab(ids, self.vocab_size, "events")
+        except m.MessageRefused as exc:
+            self.counters["dropped_frames"] += 1
+            self.transport.warnings.warning(WarnClass.ROUTER_DROP, "router: dropping result frame from %s: %s",
+                                            routed.decode, exc)
+            self.exchanges.resolve(ex, error=CodedError(f"decode node {self.nodes[routed.decode].id} streamed {exc}",
+                                                        ErrorCode.INTERNAL))
+            return False
+        return True
 
     def _reported_down(self, node: str, why: str) -> None:
         """A prefill node could not reach a decode node: that one is down until a probe sees it again."""

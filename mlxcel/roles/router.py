@@ -32,9 +32,11 @@ def router_factory(cfg: NodeConfig):
 
     def build(model: Any, tokenizer: Any, ctx: int, config: Any) -> Any:
         from mlxcel.disagg.router import RouterEngine
+        from mlxcel.models.facts import model_facts
         from mlxcel.models.identity import model_identity
 
-        engine = RouterEngine(cfg, tokenizer, context_length=ctx, identity=model_identity(config.model))
+        engine = RouterEngine(cfg, tokenizer, context_length=ctx, identity=model_identity(config.model),
+                              vocab_size=model_facts(config.model).vocab_size)
         try:
             return engine.start()
         except BaseException:

@@ -165,36 +165,77 @@ def _free(host: str) -> int:
 # -- security -------------------------------------------------------------------------------------------
 
 
+class _InFlight:
+    """A greedy stream of CHATS[2] through the router, read until its first text: its nonce (from the prefill
+    nodes' debug log) and the decode node it is assigned to are known, and a resume (not a fail-over) follows
+    a failure."""
+
+    KW = dict(max_tokens=120, temperature=0)  # about 4 s of decoding: in flight while a test acts
+
+    def __init__(self, cluster: DisaggCluster):
+        seen = [len(p.lines) for p in cluster.prefills]
+        stream = client(cluster.url).chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": CHATS[2]}], stream=True, **self.KW)
+        self.chunks = iter(stream)
+        self.parts: list[str] = []
+        while not "".join(self.parts):  # a token reached the client (the first chunk may carry the role only)
+            self.parts += [c.delta.content or "" for c in next(self.chunks).choices]
+        self.nonce = wait_for(lambda: _nonce([line for p, n in zip(cluster.prefills, seen) for line in p.lines[n:]]),
+                              what="the request's nonce")
+        busy = wait_for(lambda: [n["id"] for n in cluster.stats()["nodes"] if n["role"] == "decode" and n["in_flight"]])
+        self.busy = int(busy[0][-1])
+
+    def text(self) -> str:
+        self.parts += [c.choices[0].delta.content or "" for c in self.chunks if c.choices]
+        return "".join(self.parts)
+
+
+def _posing(cluster: DisaggCluster, decode: int) -> Transport:
+    """A secret holder on a configured decode node's IP and port, sending only."""
+    return Transport(f"{DECODE_HOSTS[decode]}:{PeerId.parse(cluster.decode_addrs[decode]).port}", secret_of(cluster))
+
+
 def test_forged_result_frames_are_dropped(cluster, single):
-    kw = dict(max_tokens=120, temperature=0)  # about 4 s of decoding: in flight while we forge
-    ref = chat(single.url, CHATS[2], **kw).choices[0].message.content
-    seen = [len(p.lines) for p in cluster.prefills]
-    stream = client(cluster.url).chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": CHATS[2]}], stream=True, **kw)
-    chunks = iter(stream)
-    parts = [next(chunks).choices[0].delta.content or ""]  # the request is in flight now
-    nonce = wait_for(lambda: _nonce([line for p, n in zip(cluster.prefills, seen) for line in p.lines[n:]]),
-                     what="the request's nonce")
-    busy = wait_for(lambda: [n["id"] for n in cluster.stats()["nodes"] if n["role"] == "decode" and n["in_flight"]])
-    idle = DECODE_HOSTS[1 - int(busy[0][-1])]
-    idle_port = PeerId.parse(cluster.decode_addrs[1 - int(busy[0][-1])]).port
-    forged = [m.Tokens(nonce, (TokenEvent(5, " FORGED"),)).encode(),
-              m.Finish(nonce, FinishEvent("stop", " FORGED")).encode()]
+    ref = chat(single.url, CHATS[2], **_InFlight.KW).choices[0].message.content
+    flight = _InFlight(cluster)
+    forged = [m.Tokens(flight.nonce, (TokenEvent(5, " FORGED"),)).encode(),
+              m.Finish(flight.nonce, FinishEvent("stop", " FORGED")).encode()]
     outsider, _ = listener(FORGER_IP, cluster)  # holds the secret, is no configured peer
-    posing = Transport(f"{idle}:{idle_port}", secret_of(cluster))  # a configured decode's IP and port, sending only
+    posing = _posing(cluster, 1 - flight.busy)  # the idle decode node: not assigned this request
     try:
         for t in (outsider, posing):
             for payload in forged:
                 t.send(PeerId.parse(cluster.router_addr), Kind.CONTROL, payload)
-        parts += [c.choices[0].delta.content or "" for c in chunks if c.choices]
+        text = flight.text()
     finally:
         outsider.close()
         posing.close()
-    assert "".join(parts) == ref and "FORGED" not in "".join(parts)
+    assert text == ref and "FORGED" not in text
     log = "".join(cluster.router.lines)
     assert f"router: dropping result frame from {FORGER_IP}:" in log
     assert "a TOKENS for a request it was not assigned" in log and "a FINISH for a request it was not assigned" in log
     assert cluster.stats()["metrics"]["router_dropped_frames"] >= 4
+
+
+@pytest.mark.parametrize("where", ["token", "top_logprobs"])
+def test_a_token_id_outside_the_vocabulary_from_the_assigned_decode_node_is_resumed_not_relayed(
+        cluster, single, where):
+    """The assigned decode node (a member holding the secret) streams an id no model samples: the router
+    relays none of it, fails the attempt and resumes it, so the client still gets the undisturbed text."""
+    ref = chat(single.url, CHATS[2], **_InFlight.KW).choices[0].message.content
+    resumed = cluster.stats()["metrics"]["router_resumed"]
+    flight = _InFlight(cluster)
+    event = TokenEvent(320, " FORGED") if where == "token" else TokenEvent(5, " FORGED", -0.1, ((2**32 - 1, -0.2),))
+    posing = _posing(cluster, flight.busy)
+    try:
+        posing.send(PeerId.parse(cluster.router_addr), Kind.CONTROL, m.Tokens(flight.nonce, (event,)).encode())
+        text = flight.text()
+    finally:
+        posing.close()
+    assert text == ref and "FORGED" not in text
+    log = "".join(cluster.router.lines)
+    assert "out of range [0, 320)" in log
+    assert cluster.stats()["metrics"]["router_resumed"] == resumed + 1, log[-3000:]
 
 
 def _nonce(lines: list[str]) -> str | None:
