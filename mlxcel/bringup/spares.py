@@ -1,0 +1,102 @@
+"""Spare peers of a --pp-auto coordinator: standbys that take over a stage which stays down (docs/bringup.md §5.6).
+
+``SparePool.replace(node_id)`` runs one push against one standby (query, info, offer, commit, the
+coordinator's file rewritten, activate): the plan is the running cluster's with that stage's address
+set to the spare's, and the same layers. A spare that fails any step (unreachable, another secret or
+identity, a refusal, a protocol error, a frame that does not open) is dropped from the pool with its
+reason, and the next one is tried; None when no standby is left. No MLX here.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import replace
+from typing import Any, Callable
+
+from mlxcel.cluster.identity import PeerId
+from mlxcel.cluster.secret import ClusterSecret
+from mlxcel.topology.partition import PartitionError, StageCosts, format_range, human_bytes, plan_stages
+
+from .errors import BringupError
+from .plan import ClusterPlan
+from .push import Push, PushConfig
+from .wire import DEFAULT_SPARE_AFTER_S, SPARE_PUSH_WINDOW_S
+
+log = logging.getLogger("mlxcel.roles.pp_auto")
+
+
+def replacement_plan(plan: ClusterPlan, node_id: str, spare: PeerId, memory: int, costs: StageCosts) -> ClusterPlan:
+    """``plan`` with stage ``node_id`` at ``spare`` (which reported ``memory``) and every layer range unchanged;
+    ``PartitionError`` when that memory would split the model otherwise (the stages running keep their slices)."""
+    index = next(i for i, s in enumerate(plan.stages) if s.node_id == node_id)
+    old = plan.stages[index]
+    memories = plan.memory
+    memories[index] = memory
+    planned = plan_stages(costs, len(plan.stages), memories)  # PartitionError: the spare cannot hold the stage
+    if any((p.start, p.end) != (s.start, s.end) for p, s in zip(planned, plan.stages)):
+        raise PartitionError(f"the spare {spare} reports {human_bytes(memory)} of memory, which would split the model "
+                             f"differently from the running stages ({node_id} holds layers "
+                             f"{format_range(old.start, old.end)}, {human_bytes(old.bytes)})")
+    stages = list(plan.stages)
+    stages[index] = replace(old, address=spare, memory=memory)
+    return replace(plan, stages=tuple(stages))
+
+
+class SparePool:
+    """The standbys of one coordinator and the plan it runs; ``replace`` is called from one thread at a time."""
+
+    def __init__(self, config: PushConfig, secret: ClusterSecret, plan: ClusterPlan, spares: list[PeerId], *,
+                 write_plan: Callable[[ClusterPlan], None], after_s: float = DEFAULT_SPARE_AFTER_S,
+                 window_s: float = SPARE_PUSH_WINDOW_S) -> None:
+        self.config, self._secret = config, secret
+        self.plan = plan
+        self.after_s = after_s
+        self._write_plan = write_plan
+        self._window_s = window_s
+        self._lock = threading.Lock()
+        self._state: dict[PeerId, str] = {p: "standby" for p in spares}
+        self._why: dict[PeerId, str] = {}
+
+    def status(self) -> list[dict[str, Any]]:
+        """Each spare and its state: ``standby``, ``assigning stage-i``, ``stage-i`` (took it over) or
+        ``failed`` (with ``reason``); in the order they are tried."""
+        with self._lock:
+            return [{"address": str(p), "state": s, **({"reason": self._why[p]} if p in self._why else {})}
+                    for p, s in self._state.items()]
+
+    def standbys(self) -> list[PeerId]:
+        with self._lock:
+            return [p for p, s in self._state.items() if s == "standby"]
+
+    def replace(self, node_id: str) -> PeerId | None:
+        """Assign stage ``node_id``'s layers to the first standby that completes the push; its address, or None."""
+        for spare in self.standbys():
+            self._set(spare, f"assigning {node_id}")
+            try:
+                plan = self._push(spare, node_id)
+            except BringupError as exc:
+                self._set(spare, "failed", str(exc))
+                log.warning("spare %s did not take over %s: %s", spare, node_id, exc)
+                continue
+            self.plan = plan
+            self._set(spare, node_id)
+            log.warning("spare %s took over %s (layers %s)", spare, node_id,
+                        format_range(*next((s.start, s.end) for s in plan.stages if s.node_id == node_id)))
+            return spare
+        log.error("no spare left to take over %s: it stays down (requests fail with 503 until it answers again)",
+                  node_id)
+        return None
+
+    def _push(self, spare: PeerId, node_id: str) -> ClusterPlan:
+        def planner(memory: dict[PeerId, int]) -> ClusterPlan:
+            return replacement_plan(self.plan, node_id, spare, memory[spare], self.config.costs)
+
+        return Push(self.config, self._secret, [spare], write_plan=self._write_plan, window_s=self._window_s,
+                    stages=len(self.plan.stages), planner=planner).run()
+
+    def _set(self, spare: PeerId, state: str, why: str | None = None) -> None:
+        with self._lock:
+            self._state[spare] = state
+            if why is not None:
+                self._why[spare] = why
