@@ -98,7 +98,6 @@ class PipelineExecutor:
                                    check=self._check_state, on_up=self._stage_up, on_down=self._stage_down,
                                    on_restart=self._stage_restarted)
         self.replacer = replacer
-        self._moved: dict[str, PeerId] = {}  # node id -> the address a spare serves it at
         self._takeover = None
         if replacer is not None:
             from mlxcel.pipeline.takeover import Takeover
@@ -441,43 +440,16 @@ class PipelineExecutor:
         return self._nodes.get(addr)
 
     def move_stage(self, old: PeerId, new: PeerId) -> None:
-        """Stage ``old`` is served at ``new`` from now on (a spare took its layers): its neighbours are told
-        (RELOCATE) before the coordinator uses the new address; it counts as down until it answers GET_STATE."""
+        """Stage ``old`` is served at ``new`` from now on (a spare took its layers; its neighbours were told with
+        RELOCATE): it counts as down until it answers GET_STATE as that stage."""
         node = self._nodes[old]
-        moved = replace(node, address=new)
-        stages = tuple(moved if n.address == old else n for n in self.cluster.stages)
-        self._moved[node.id] = new
-        for neighbour in self._neighbours(stages, node.id):
-            self._relocate(neighbour, node.id, new)
+        stages = tuple(replace(n, address=new) if n.address == old else n for n in self.cluster.stages)
         self.cluster = replace(self.cluster, stages=stages)
         self._nodes = {n.address: n for n in stages}
         self.first, self.last = stages[0].address, stages[-1].address
         self.stage_addrs = frozenset(self._nodes)
         self.monitor.replace(old, new)
         log.warning("pipeline stage %s moved from %s to %s; it is used once it answers", node.id, old, new)
-
-    @staticmethod
-    def _neighbours(stages: Sequence[Node], node_id: str) -> list[Node]:
-        i = next(k for k, n in enumerate(stages) if n.id == node_id)
-        return [stages[k] for k in (i - 1, i + 1) if 0 <= k < len(stages)]
-
-    def _relocate(self, neighbour: Node, node_id: str, address: PeerId) -> None:
-        """RELOCATE on one stage, waited for (a neighbour that does not answer is down: it is told when it is back)."""
-        try:
-            self.command(neighbour.address, MsgType.RELOCATE, {"node_id": node_id, "address": str(address)})
-        except ExecutorError as exc:
-            log.warning("stage %s did not confirm that %s moved to %s: %s", neighbour.id, node_id, address, exc)
-
-    def _relocate_moved(self, addr: PeerId) -> None:
-        """A stage that restarted reads its own cluster TOML again: tell it where its moved neighbours are."""
-        node = self._nodes.get(addr)
-        if node is None or not self._moved:
-            return
-        around = {n.id for n in self._neighbours(self.cluster.stages, node.id)}
-        for node_id, address in self._moved.items():
-            if node_id in around:
-                threading.Thread(target=self._relocate, args=(node, node_id, address), daemon=True,
-                                 name="mlxcel-relocate").start()
 
     def _probe(self, addr: PeerId, answered: Callable[..., None]) -> None:
         """GET_STATE with a deadline of two heartbeats; the answer marks the stage up, its absence down."""
@@ -494,28 +466,37 @@ class PipelineExecutor:
 
     def _check_state(self, addr: PeerId, state: dict[str, Any]) -> None:
         """A stage that answers must still be the same stage (ValueError otherwise)."""
-        problems = self._stage_problems(self._nodes[addr], state)
+        node = self._nodes.get(addr)
+        if node is None:  # a spare took its stage over meanwhile (§5.7)
+            raise ValueError(f"{addr} is no longer a stage of this cluster")
+        problems = self._stage_problems(node, state)
         if problems:
             cluster_warnings.warning(WarnClass.DIAGNOSTIC, "coordinator: not using %s: %s", addr, "; ".join(problems))
             raise ValueError("; ".join(problems))
 
     def _stage_up(self, addr: PeerId, returned: bool) -> None:
-        if returned:
-            log.warning("pipeline stage %s at %s answers again; the cluster is healthy", self._nodes[addr].id, addr)
+        node = self._nodes.get(addr)
+        if returned and node is not None:
+            log.warning("pipeline stage %s at %s answers again; the cluster is healthy", node.id, addr)
 
     def _stage_restarted(self, addr: PeerId) -> None:
         """A restarted stage lost every sequence: fail their open steps, and any later step, at once."""
-        node = self._nodes[addr]
+        node = self._nodes.get(addr)
+        if node is None:
+            return
         with self._lock:
             self._lost |= self._prepared
             self._prepared = set()
-        self._relocate_moved(addr)
+        if self._takeover is not None:
+            self._takeover.restarted(node)
         log.warning("pipeline stage %s restarted; its sequences are lost and their requests fail", node.id)
         self._fail_steps(f"pipeline stage {node.id} restarted")
         self._fail_prepares(addr, f"pipeline stage {node.id} restarted")
 
     def _stage_down(self, addr: PeerId, why: str) -> None:
-        node = self._nodes[addr]
+        node = self._nodes.get(addr)
+        if node is None:
+            return
         log.warning("pipeline stage %s at %s is unreachable (%s); failing its open exchanges, /health says degraded",
                     node.id, addr, why)
         self._fail_steps(f"pipeline stage {node.id} at {addr} is unreachable")

@@ -2,19 +2,23 @@
 
 ``Takeover.tick`` runs on the coordinator's timer thread: a stage the monitor has seen go down and that
 has stayed down ``replacer.after_s`` seconds gets one takeover thread, which asks the replacer (the
-``--pp-auto`` coordinator's ``SparePool``) for a spare and, when one took the stage's layers, swaps the
-stage's address in the executor (``PipelineExecutor.move_stage``: the neighbours are told with
-RELOCATE first). Requests waiting to resume go on once the spare answers GET_STATE as that stage. A
-stage no spare took stays down: its requests fail with 503 as without spares. No MLX, no sockets here.
+``--pp-auto`` coordinator's ``SparePool``) for a spare. When one took the stage's layers, the stage's
+neighbours are told with RELOCATE (again whenever one of them restarts) and the executor swaps the
+stage's address (``PipelineExecutor.move_stage``). Requests waiting to resume go on once the spare
+answers GET_STATE as that stage. A stage no spare took stays down: its requests fail with 503 as
+without spares. No MLX here; the executor sends the commands.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 from mlxcel.cluster.identity import PeerId
+from mlxcel.engine.executor import ExecutorError
+from mlxcel.pipeline.protocol import MsgType
+from mlxcel.topology.cluster_config import Node
 
 if TYPE_CHECKING:
     from mlxcel.pipeline.coordinator import PipelineExecutor
@@ -40,6 +44,7 @@ class Takeover:
         self._lock = threading.Lock()
         self._running: threading.Thread | None = None
         self._given_up: set[PeerId] = set()  # no spare took it: not retried (it may still come back by itself)
+        self._moved: dict[str, PeerId] = {}  # node id -> the address a spare serves it at
 
     def tick(self, now: float) -> None:
         """Start a takeover for the first stage down past the bound (timer thread)."""
@@ -76,4 +81,28 @@ class Takeover:
         if spare is None:
             self._given_up.add(addr)
             return
+        self._moved[node.id] = spare
+        for neighbour in neighbours(self.executor.cluster.stages, node.id):
+            self._relocate(neighbour, node.id, spare)  # before any step can reach the new process
         self.executor.move_stage(addr, spare)
+
+    def restarted(self, node: Node) -> None:
+        """A stage that restarted read its own cluster TOML again: tell it where its moved neighbours are."""
+        around = {n.id for n in neighbours(self.executor.cluster.stages, node.id)}
+        for node_id, address in self._moved.items():
+            if node_id in around:
+                threading.Thread(target=self._relocate, args=(node, node_id, address), daemon=True,
+                                 name="mlxcel-relocate").start()
+
+    def _relocate(self, stage: Node, node_id: str, address: PeerId) -> None:
+        """RELOCATE on one stage, waited for (a neighbour that does not answer is down: it is told when it is back)."""
+        try:
+            self.executor.command(stage.address, MsgType.RELOCATE, {"node_id": node_id, "address": str(address)})
+        except ExecutorError as exc:
+            log.warning("stage %s did not confirm that %s moved to %s: %s", stage.id, node_id, address, exc)
+
+
+def neighbours(stages: Sequence[Node], node_id: str) -> list[Node]:
+    """The stages before and after ``node_id`` (one at either end of the pipeline)."""
+    i = next(k for k, n in enumerate(stages) if n.id == node_id)
+    return [stages[k] for k in (i - 1, i + 1) if 0 <= k < len(stages)]
