@@ -212,7 +212,8 @@ class PeerAgent:
         while True:
             event = machine.receive(chan.recv(machine.wait_s))
             if isinstance(event, Queried):
-                log.info("queried by the coordinator at %s", session.peer)
+                checked = self.standby_for == session.peer  # a spare's periodic check: not worth a line
+                (log.debug if checked else log.info)("queried by the coordinator at %s", session.peer)
                 chan.send(event.reply)
             elif isinstance(event, OfferAccepted):
                 a = event.assignment
@@ -242,10 +243,13 @@ class PeerAgent:
 
     def _stand_by(self, coordinator: PeerId, stages: int) -> None:
         """A spare: wait (with no time limit, beacons stopped) for this coordinator to assign a stage."""
+        again = self.standby_for == coordinator  # the coordinator's periodic check
         self.standby_for = coordinator
         if self._beacons is not None:
             self._beacons.pause()
-        log.info("standing by as a spare of the %d-stage cluster of the coordinator at %s", stages, coordinator)
+        if not again:
+            log.info("standing by as a spare of the %d-stage cluster of the coordinator at %s", stages,
+                     coordinator)
 
     def _refused(self, session: _Session, event: OfferRefused) -> None:
         try:

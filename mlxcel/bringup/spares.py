@@ -4,7 +4,12 @@
 coordinator's file rewritten, activate): the plan is the running cluster's with that stage's address
 set to the spare's, and the same layers. A spare that fails any step (unreachable, another secret or
 identity, a refusal, a protocol error, a frame that does not open) is dropped from the pool with its
-reason, and the next one is tried; None when no standby is left. No MLX here.
+reason, and the next one is tried; None when no standby is left.
+
+``start()`` checks every spare every 10 s (``SPARE_CHECK_S``) with a short session (query, info,
+standby): one that does not answer is ``unreachable`` (with the reason) until it answers again, and is
+tried after the ones that answered. Checks and takeovers never overlap (one session per spare at a
+time, or the spare would refuse the second as busy). No MLX here.
 """
 
 from __future__ import annotations
@@ -18,10 +23,14 @@ from mlxcel.cluster.identity import PeerId
 from mlxcel.cluster.secret import ClusterSecret
 from mlxcel.topology.partition import PartitionError, StageCosts, format_range, human_bytes, plan_stages
 
+from mlxcel.cluster.errors import ClusterError
+
+from .channel import dial
 from .errors import BringupError
+from .machine import CoordinatorSession, Informed, PeerRefused
 from .plan import ClusterPlan
-from .push import Push, PushConfig
-from .wire import DEFAULT_SPARE_AFTER_S, SPARE_PUSH_WINDOW_S
+from .push import Push, PushConfig, version_mismatch
+from .wire import DEFAULT_SPARE_AFTER_S, FRAME_TIMEOUT_S, SPARE_CHECK_S, SPARE_PUSH_WINDOW_S
 
 log = logging.getLogger("mlxcel.roles.pp_auto")
 
@@ -55,26 +64,80 @@ class SparePool:
         self._write_plan = write_plan
         self._window_s = window_s
         self._lock = threading.Lock()
+        self._sessions = threading.Lock()  # one session (a check or a takeover) at a time
+        self._stop = threading.Event()
         self._state: dict[PeerId, str] = {p: "standby" for p in spares}
         self._why: dict[PeerId, str] = {}
 
+    # -- liveness --
+
+    def start(self, interval_s: float = SPARE_CHECK_S) -> "SparePool":
+        """Check the spares every ``interval_s`` on a daemon thread until ``close``."""
+        def loop() -> None:
+            while not self._stop.wait(interval_s):
+                self.check_all()
+
+        threading.Thread(target=loop, name="mlxcel-spares", daemon=True).start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def check_all(self) -> None:
+        """One check of every spare still waiting (``standby`` or ``unreachable``)."""
+        for spare in self.standbys():
+            with self._sessions:
+                if self._state.get(spare) not in ("standby", "unreachable"):
+                    continue
+                try:
+                    self._check(spare)
+                except (BringupError, ClusterError, OSError) as exc:
+                    why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc) or type(exc).__name__
+                    if self._state.get(spare) == "standby":
+                        log.warning("spare %s does not answer: %s", spare, why)
+                    self._set(spare, "unreachable", why)
+                else:
+                    if self._state.get(spare) == "unreachable":
+                        log.warning("spare %s answers again", spare)
+                    self._set(spare, "standby")
+
+    def _check(self, spare: PeerId) -> None:
+        """query, info, standby on one short session; raises on any failure."""
+        session = CoordinatorSession(spare)
+        chan = dial(spare, self.config.control, self._secret)
+        try:
+            chan.send(session.query())
+            event = session.receive(chan.recv(FRAME_TIMEOUT_S))
+            if isinstance(event, PeerRefused):
+                raise BringupError(f"it refused: {event.refusal.reason}")
+            assert isinstance(event, Informed)
+            if event.mlxcel != self.config.mlxcel:
+                raise BringupError(version_mismatch(event.mlxcel, self.config.mlxcel))
+            chan.send(session.standby(len(self.plan.stages)))
+        finally:
+            chan.close()
+
     def status(self) -> list[dict[str, Any]]:
-        """Each spare and its state: ``standby``, ``assigning stage-i``, ``stage-i`` (took it over) or
-        ``failed`` (with ``reason``); in the order they are tried."""
+        """Each spare and its state: ``standby``, ``unreachable`` (its last check failed; with ``reason``),
+        ``assigning stage-i``, ``stage-i`` (took it over) or ``failed`` (with ``reason``)."""
         with self._lock:
-            return [{"address": str(p), "state": s, **({"reason": self._why[p]} if p in self._why else {})}
+            return [{"address": str(p), "state": s,
+                     **({"reason": self._why[p]} if s in ("unreachable", "failed") and p in self._why else {})}
                     for p, s in self._state.items()]
 
     def standbys(self) -> list[PeerId]:
+        """The spares a takeover may try, in order: those that answered their last check, then the others."""
         with self._lock:
-            return [p for p, s in self._state.items() if s == "standby"]
+            return ([p for p, s in self._state.items() if s == "standby"]
+                    + [p for p, s in self._state.items() if s == "unreachable"])
 
     def replace(self, node_id: str) -> PeerId | None:
         """Assign stage ``node_id``'s layers to the first standby that completes the push; its address, or None."""
         for spare in self.standbys():
             self._set(spare, f"assigning {node_id}")
             try:
-                plan = self._push(spare, node_id)
+                with self._sessions:
+                    plan = self._push(spare, node_id)
             except BringupError as exc:
                 self._set(spare, "failed", str(exc))
                 log.warning("spare %s did not take over %s: %s", spare, node_id, exc)

@@ -44,6 +44,7 @@ ASSIGNMENT_WAIT_S = 600.0  # a peer's wait for any assignment
 #: a spare's takeover push (reach and offer end OFFER_MARGIN_S before it): a standby that does not answer
 #: within 10 s is skipped for the next one
 SPARE_PUSH_WINDOW_S = 20.0
+SPARE_CHECK_S = 10.0  # the coordinator checks that each spare still answers this often
 STATIC_RETRY_S = 0.5  # the coordinator redials an unreachable static peer this often
 DISCOVERY_WINDOW_S = 30.0  # the coordinator listens for beacons this long
 BEACON_INTERVAL_S = 1.0  # a peer beacons this often until its assignment is committed

@@ -121,7 +121,8 @@ def push(model: Path, settings: BringupSettings, secret: ClusterSecret) -> tuple
         raise CLIError(str(exc)) from None
     if not settings.spares or settings.dry_run:
         return plan, None
-    pool = SparePool(config, secret, plan, attempt.spares, write_plan=write_plan, after_s=settings.spare_after_s)
+    pool = SparePool(config, secret, plan, attempt.spares, write_plan=write_plan,
+                     after_s=settings.spare_after_s).start()
     _say(f"spares standing by: {', '.join(map(str, attempt.spares)) or 'none'}; a stage down for "
          f"{settings.spare_after_s:g}s is assigned to one")
     return plan, pool

@@ -69,6 +69,14 @@ def peers(tmp_path, tiny_llama, coordinator):
         peer.close()
 
 
+def _eventually(pred, timeout: float = 5.0) -> bool:
+    """A peer handles a message on its session thread, after the coordinator's side returned."""
+    deadline = time.monotonic() + timeout
+    while not pred() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return pred()
+
+
 def _states(pool: SparePool) -> list[tuple[str, str]]:
     return [(s["address"], s["state"]) for s in pool.status()]
 
@@ -79,10 +87,7 @@ def test_a_push_with_a_spare_leaves_it_standing_by_for_that_coordinator_only(coo
                    write_plan=coordinator.written.append, stages=1)
     plan = attempt.run()
     assert [s.address for s in plan.stages] == [stage.address] and attempt.spares == [spare.address]
-    deadline = time.monotonic() + 5  # the peer handles STANDBY on its session thread
-    while spare.state != "standby" and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert spare.state == "standby" and spare.standby_for == coordinator.control
+    assert _eventually(lambda: spare.state == "standby") and spare.standby_for == coordinator.control
     assert stage.wait(stage.release) is not None  # the stage was activated, the spare was not
 
     other = PeerId.of(COORDINATOR_HOST, free_port(COORDINATOR_HOST))  # another coordinator holding the secret
@@ -96,6 +101,20 @@ def test_a_push_with_a_spare_leaves_it_standing_by_for_that_coordinator_only(coo
     pool = SparePool(coordinator.config, coordinator.secret, plan, attempt.spares, write_plan=coordinator.written.append)
     assert pool.replace("stage-0") == spare.address
     assert spare.wait(spare.release).assignment.node_id == "stage-0"
+
+
+def test_checks_report_a_spare_that_stops_answering_and_a_takeover_tries_it_last(coordinator, peers):
+    gone, honest = peers(FakePeer, "127.0.0.5"), peers(FakePeer, "127.0.0.6")
+    pool = coordinator.pool(gone, honest)
+    pool.check_all()
+    assert _states(pool) == [(str(gone.address), "standby"), (str(honest.address), "standby")]
+    assert _eventually(lambda: gone.standby_for == honest.standby_for == coordinator.control)  # a standby session
+    gone.close()
+    pool.check_all()
+    assert _states(pool) == [(str(gone.address), "unreachable"), (str(honest.address), "standby")]
+    assert pool.status()[0]["reason"] == "Connection refused"
+    assert pool.standbys() == [honest.address, gone.address]
+    assert pool.replace("stage-1") == honest.address  # at once: the unreachable one comes last
 
 
 def test_a_spare_holding_another_secret_is_skipped_and_the_next_one_takes_the_stage(coordinator, peers, tmp_path):
