@@ -9,7 +9,6 @@ takes the stage, or, with none left, nothing is written and ``replace`` says so 
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -26,6 +25,7 @@ from mlxcel.models.identity import model_identity
 from mlxcel.topology.partition import PartitionError, layer_costs
 from tests.bringup.fake_peers import FakePeer, LyingPeer, ReplayingPeer
 from tests.bringup.procs import COORDINATOR_HOST, free_port, write_secret
+from tests.pipeline.test_authorization import wait_until  # a peer handles a message after our side returned
 
 pytestmark = [pytest.mark.timeout(120)]
 MEMORY = 1 << 34  # what a FakePeer reports
@@ -69,14 +69,6 @@ def peers(tmp_path, tiny_llama, coordinator):
         peer.close()
 
 
-def _eventually(pred, timeout: float = 5.0) -> bool:
-    """A peer handles a message on its session thread, after the coordinator's side returned."""
-    deadline = time.monotonic() + timeout
-    while not pred() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return pred()
-
-
 def _states(pool: SparePool) -> list[tuple[str, str]]:
     return [(s["address"], s["state"]) for s in pool.status()]
 
@@ -87,7 +79,7 @@ def test_a_push_with_a_spare_leaves_it_standing_by_for_that_coordinator_only(coo
                    write_plan=coordinator.written.append, stages=1)
     plan = attempt.run()
     assert [s.address for s in plan.stages] == [stage.address] and attempt.spares == [spare.address]
-    assert _eventually(lambda: spare.state == "standby") and spare.standby_for == coordinator.control
+    assert wait_until(lambda: spare.state == "standby") and spare.standby_for == coordinator.control
     assert stage.wait(stage.release) is not None  # the stage was activated, the spare was not
 
     other = PeerId.of(COORDINATOR_HOST, free_port(COORDINATOR_HOST))  # another coordinator holding the secret
@@ -108,7 +100,7 @@ def test_checks_report_a_spare_that_stops_answering_and_a_takeover_tries_it_last
     pool = coordinator.pool(gone, honest)
     pool.check_all()
     assert _states(pool) == [(str(gone.address), "standby"), (str(honest.address), "standby")]
-    assert _eventually(lambda: gone.standby_for == honest.standby_for == coordinator.control)  # a standby session
+    assert wait_until(lambda: gone.standby_for == honest.standby_for == coordinator.control)  # a standby session
     gone.close()
     pool.check_all()
     assert _states(pool) == [(str(gone.address), "unreachable"), (str(honest.address), "standby")]
