@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mlxcel.cluster.identity import PeerId
-from mlxcel.config import non_negative_int, seconds
+from mlxcel.config import DEFAULT_RESUME_TIMEOUT_S, non_negative_int, seconds
 from mlxcel.errors import CLIError
 
 from .wire import (
@@ -95,6 +95,11 @@ def _check_spare_flags(args: argparse.Namespace) -> None:
                 raise CLIError(f"{flag} needs --pp-auto (the coordinator keeps the spare peers and assigns them)")
     if after is not None and not spares:
         raise CLIError("--pp-spare-after needs --pp-spare 1 or more (with no spare peer there is nothing to assign)")
+    resume = _get(args, "resume_timeout") or DEFAULT_RESUME_TIMEOUT_S
+    if spares and (after or DEFAULT_SPARE_AFTER_S) >= resume:  # type: ignore[operator]
+        raise CLIError(f"--pp-spare-after {after or DEFAULT_SPARE_AFTER_S:g} is not below the resume timeout "
+                       f"({resume:g}s, --resume-timeout): requests in flight would fail before a spare takes "
+                       "their stage over; lower --pp-spare-after or raise --resume-timeout")
 
 
 def wants_bringup(args: argparse.Namespace) -> bool:

@@ -154,7 +154,8 @@ def _add_bringup_arguments(parser: argparse.ArgumentParser) -> None:
                             f"{wire.DEFAULT_SPARES}; static discovery lists N+K peers)")
     group.add_argument("--pp-spare-after", type=spare_seconds, default=None, metavar="S",
                        help=f"--pp-auto with --pp-spare: how long a stage stays down before its layers go to a spare "
-                            f"(> 0 to {wire.MAX_SPARE_AFTER_S:g} seconds; default {wire.DEFAULT_SPARE_AFTER_S:g})")
+                            f"(> 0 to {wire.MAX_SPARE_AFTER_S:g} seconds and below --resume-timeout; default "
+                            f"{wire.DEFAULT_SPARE_AFTER_S:g})")
 
 
 def check_cluster_flags(args: argparse.Namespace) -> None:

@@ -63,6 +63,11 @@ def error_of(capsys, *argv: str) -> str:
      "--pp-spare-after needs --pp-spare 1 or more (with no spare peer there is nothing to assign)"),
     (["--pp-auto", "2", "--pp-spare", "1", "--cluster-peers", "127.0.0.3:1,127.0.0.4:1"],
      "--cluster-peers lists 2 peers but --pp-auto 2 with --pp-spare 1 needs 3 (2 stages and 1 spare)"),
+    (["--pp-auto", "1", "--cluster-peers", "127.0.0.3:1,127.0.0.4:1", "--pp-spare", "1", "--pp-spare-after", "30"],
+     "--pp-spare-after 30 is not below the resume timeout (30s, --resume-timeout): requests in flight would fail "
+     "before a spare takes their stage over; lower --pp-spare-after or raise --resume-timeout"),
+    (["--pp-auto", "1", "--cluster-peers", "127.0.0.3:1,127.0.0.4:1", "--pp-spare", "1", "--resume-timeout", "4"],
+     "--pp-spare-after 5 is not below the resume timeout (4s, --resume-timeout)"),
     (["--pp-auto", "2", "--pp-spare", "2"], "--pp-auto 2 with --pp-spare 2 with static discovery needs --cluster-peers "
      "A:P,... (4 peer addresses)"),
 ])
