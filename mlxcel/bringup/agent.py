@@ -171,18 +171,15 @@ class PeerAgent:
 
     def serve_session(self, session: _Session) -> None:
         with self._cond:
+            keeper = self.standby_for
             busy = self._active is not None or self._outcome is not None
-            if not busy:
+            foreign = keeper is not None and session.peer != keeper  # a spare serves only its coordinator
+            if not busy and not foreign:
                 self._active = session
         machine = PeerMachine(self.facts, session.peer, session.channel.local_ip)
-        if busy:
-            self._refuse_busy(session, machine, "this peer is busy with another coordinator's assignment")
-            return
-        keeper = self.standby_for
-        if keeper is not None and session.peer != keeper:
-            with self._cond:
-                self._active = None
-            self._refuse_busy(session, machine, f"this peer is a spare of the coordinator at {keeper}")
+        if busy or foreign:
+            self._refuse_busy(session, machine, "this peer is busy with another coordinator's assignment" if busy
+                              else f"this peer is a spare of the coordinator at {keeper}")
             return
         staged: list[Path] = []
         try:
