@@ -14,7 +14,7 @@ threads stream SSE, odd ones do not) and sorting every outcome:
 ``Chaos`` picks a random node every ``interval`` (jittered) and kills it (SIGKILL, then starts it again
 with the same command line at once, as a supervisor would), freezes it (SIGSTOP, SIGCONT after 1.5-3 s)
 restarts it (SIGTERM, then starts it again) or, for targets with a ``link`` (hosts in network namespaces,
-``tests/chaos/netns.py``), cuts its link (down for 1.5-3 s, then up); for each action it records the
+``tests/chaos/netns.py``), cuts its link (down for 2.5-3 s, then up); for each action it records the
 seconds until the cluster serves with every node again (``healthy()``).
 """
 
@@ -33,6 +33,10 @@ import httpx
 
 ACTIONS = ("kill", "freeze", "restart")
 LINK_CUT = "cut"  # for targets with a link
+FREEZE_S = (1.5, 3.0)
+#: a cut outlasts the router's probe deadline (mlxcel.disagg.wire.PROBE_TIMEOUT_S, 2 s; probes every 0.3 s in the
+#: chaos cluster), so the cluster must count the node out, resume its streams elsewhere and take it back
+CUT_S = (2.5, 3.0)
 
 
 @dataclass
@@ -43,6 +47,7 @@ class Counts:
     hung: int = 0
     truncated: int = 0
     resumed: int = 0  # from the server's /metrics (mlxcel_resumed_requests_total) after the run
+    failovers: int = 0  # router only (/metrics router_failovers): attempts sent again before their first token
     problems: list[str] = field(default_factory=list)  # what each truncated/hung request looked like
     events: list[dict] = field(default_factory=list)  # chaos actions: node, action, seconds to serving again
 
@@ -208,17 +213,20 @@ class Chaos:
 
     def _freeze(self, target: Target) -> dict:
         pid = target.pid()
-        return self._outage(lambda: os.kill(pid, signal.SIGSTOP), lambda: os.kill(pid, signal.SIGCONT), "frozen_s")
+        return self._outage(lambda: os.kill(pid, signal.SIGSTOP), lambda: os.kill(pid, signal.SIGCONT), "frozen_s",
+                            FREEZE_S)
 
     def _cut(self, target: Target) -> dict:
         assert target.link is not None
         link = target.link
-        return self._outage(lambda: link(False), lambda: link(True), "cut_s")
+        return self._outage(lambda: link(False), lambda: link(True), "cut_s", CUT_S)
 
-    def _outage(self, begin: Callable[[], None], end: Callable[[], None], name: str) -> dict:
-        """``begin()``, 1.5-3 s, ``end()`` (also on failure): the outage's length as ``name``, whether the cluster
-        counted the node out by its end (``seen_down``: it is not ``healthy()``), then the heal time."""
-        seconds = self.rng.uniform(1.5, 3.0)
+    def _outage(self, begin: Callable[[], None], end: Callable[[], None], name: str,
+                span: tuple[float, float]) -> dict:
+        """``begin()``, ``span`` seconds (drawn), ``end()`` (also on failure): the outage's length as ``name``,
+        whether the cluster counted the node out (``seen_down``: not ``healthy()`` at the outage's end or at
+        the first look after it), then the heal time."""
+        seconds = self.rng.uniform(*span)
         t0 = time.monotonic()
         begin()
         try:
@@ -226,6 +234,7 @@ class Chaos:
             seen_down = not self.healthy()
         finally:
             end()
+        seen_down = seen_down or not self.healthy()
         return {name: round(seconds, 2), "seen_down": seen_down, "to_serving_s": self._until_healthy(t0)}
 
     def _until_healthy(self, t0: float, timeout: float = 240.0) -> float | None:
