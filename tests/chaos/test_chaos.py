@@ -61,12 +61,12 @@ def reroutes(url: str) -> tuple[int, int]:
 
 
 def run_chaos(name: str, url: str, targets: list[Target], healthy, tmp_path: Path,
-              actions: tuple[str, ...] = ACTIONS) -> Counts:
+              actions: tuple[str, ...] = ACTIONS, seed: int = 25) -> Counts:
     expected = undisturbed(url)
     before = reroutes(url)
     load = Load(url, PROMPTS, expected, max_tokens=MAX_TOKENS, pause_s=0.5).start()
     try:
-        Chaos(targets, healthy, load.counts, duration=DURATION_S, actions=actions).run()
+        Chaos(targets, healthy, load.counts, duration=DURATION_S, actions=actions, seed=seed).run()
     finally:
         counts = load.stop()
     counts.resumed, counts.failovers = (a - b for a, b in zip(reroutes(url), before))
@@ -139,13 +139,15 @@ def test_chaos_disaggregated_two_of_each_role(tmp_path, tiny_llama, lab):
             except (httpx.TransportError, ValueError):
                 return False
 
-        counts = run_chaos("disagg", c.url, targets, healthy, tmp_path, actions=(*ACTIONS, LINK_CUT))
+        # seed 18: the first round cuts decode-1, freezes decode-0, kills decode-0 and restarts prefill-0
+        counts = run_chaos("disagg", c.url, targets, healthy, tmp_path, actions=(*ACTIONS, LINK_CUT), seed=18)
         assert counts.completed >= 0.99 * counts.started, counts.summary()
         cuts = [e for e in counts.events if e["action"] == LINK_CUT]
         assert cuts and all(e["seen_down"] for e in cuts), cuts  # the router counted every cut node out
-        if any(e["node"].startswith("decode") for e in cuts):  # it had streams, which went to the other one
+        # a decode node killed or cut had requests, which went to the other one: resumed after their first
+        # token, or sent again before it (which of the two depends on the moment; tests/disagg/test_cluster.py
+        # proves a mid-stream resume)
+        if any(e["action"] in ("kill", LINK_CUT) and e["node"].startswith("decode") for e in counts.events):
             assert counts.resumed + counts.failovers >= 1, counts.summary()
-        if any(e["action"] == "kill" and e["node"].startswith("decode") for e in counts.events):
-            assert counts.resumed >= 1, counts.summary()  # a killed decode node was streaming
     finally:
         c.stop()
