@@ -41,6 +41,7 @@ from .machine import (
     PeerFacts,
     PeerMachine,
     Queried,
+    StoodBy,
 )
 from .plan import peer_header, publish, stage_file
 from .wire import ASSIGNMENT_WAIT_S
@@ -92,6 +93,7 @@ class PeerAgent:
         self._active: _Session | None = None
         self._outcome: Activation | AssignmentRefused | None = None
         self._deadline = time.monotonic() + wait_s
+        self.standby_for: PeerId | None = None  # a spare: the coordinator that keeps it (no wait limit)
         self.address: PeerId | None = None
 
     # -- starting and stopping --
@@ -121,10 +123,12 @@ class PeerAgent:
 
     @property
     def state(self) -> str:
-        """``waiting``, ``assigning`` (a coordinator's session is open) or ``activated``."""
+        """``waiting``, ``standby`` (a spare), ``assigning`` (a coordinator's session is open) or ``activated``."""
         if self._outcome is not None:
             return "activated" if isinstance(self._outcome, Activation) else "refused"
-        return "assigning" if self._active is not None else "waiting"
+        if self._active is not None:
+            return "assigning"
+        return "standby" if self.standby_for is not None else "waiting"
 
     @property
     def pending_handshakes(self) -> int:
@@ -138,7 +142,7 @@ class PeerAgent:
             while self._outcome is None:
                 if stop.is_set():
                     return None
-                if self._active is None and time.monotonic() >= self._deadline:
+                if self._active is None and self.standby_for is None and time.monotonic() >= self._deadline:
                     raise AssignmentTimeout(f"no stage assignment within {self.wait_s:g}s")
                 self._cond.wait(0.2)
             outcome = self._outcome
@@ -154,7 +158,7 @@ class PeerAgent:
     def _back_to_waiting(self) -> None:
         with self._cond:
             self._deadline = time.monotonic() + self.wait_s
-        if self._beacons is not None:
+        if self._beacons is not None and self.standby_for is None:  # a standby's coordinator knows it
             self._beacons.resume()
 
     # -- sessions (listener threads) --
@@ -167,12 +171,15 @@ class PeerAgent:
 
     def serve_session(self, session: _Session) -> None:
         with self._cond:
+            keeper = self.standby_for
             busy = self._active is not None or self._outcome is not None
-            if not busy:
+            foreign = keeper is not None and session.peer != keeper  # a spare serves only its coordinator
+            if not busy and not foreign:
                 self._active = session
         machine = PeerMachine(self.facts, session.peer, session.channel.local_ip)
-        if busy:
-            self._refuse_busy(session, machine)
+        if busy or foreign:
+            self._refuse_busy(session, machine, "this peer is busy with another coordinator's assignment" if busy
+                              else f"this peer is a spare of the coordinator at {keeper}")
             return
         staged: list[Path] = []
         try:
@@ -189,11 +196,11 @@ class PeerAgent:
             if self._outcome is None:
                 self._back_to_waiting()
 
-    def _refuse_busy(self, session: _Session, machine: PeerMachine) -> None:
+    def _refuse_busy(self, session: _Session, machine: PeerMachine, reason: str) -> None:
         try:
             event = machine.receive(session.channel.recv(machine.wait_s))
             if isinstance(event, Queried):
-                session.channel.send(machine.refuse("this peer is busy with another coordinator's assignment"))
+                session.channel.send(machine.refuse(reason))
         except (BringupError, ClusterError, OSError) as exc:
             log.debug("second assignment session from %s ended: %s", session.peer, exc)
 
@@ -202,7 +209,8 @@ class PeerAgent:
         while True:
             event = machine.receive(chan.recv(machine.wait_s))
             if isinstance(event, Queried):
-                log.info("queried by the coordinator at %s", session.peer)
+                checked = self.standby_for == session.peer  # a spare's periodic check: not worth a line
+                (log.debug if checked else log.info)("queried by the coordinator at %s", session.peer)
                 chan.send(event.reply)
             elif isinstance(event, OfferAccepted):
                 a = event.assignment
@@ -223,9 +231,22 @@ class PeerAgent:
             elif isinstance(event, Activated):
                 self._activate(event.assignment, staged)
                 return
+            elif isinstance(event, StoodBy):
+                self._stand_by(session.peer, event.stages)
+                return
             elif isinstance(event, Aborted):
                 log.warning("the coordinator at %s aborted the assignment: %s; waiting again", session.peer, event.reason)
                 return
+
+    def _stand_by(self, coordinator: PeerId, stages: int) -> None:
+        """A spare: wait (with no time limit, beacons stopped) for this coordinator to assign a stage."""
+        again = self.standby_for == coordinator  # the coordinator's periodic check
+        self.standby_for = coordinator
+        if self._beacons is not None:
+            self._beacons.pause()
+        if not again:
+            log.info("standing by as a spare of the %d-stage cluster of the coordinator at %s", stages,
+                     coordinator)
 
     def _refused(self, session: _Session, event: OfferRefused) -> None:
         try:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mlxcel.cluster.identity import PeerId
+from mlxcel.config import DEFAULT_RESUME_TIMEOUT_S, non_negative_int, seconds
 from mlxcel.errors import CLIError
 
 from .wire import (
@@ -24,6 +25,10 @@ from .wire import (
     DEFAULT_DISCOVERY_PORT,
     DEFAULT_DISCOVERY_TARGET,
     DEFAULT_PEER_CONFIG_OUT,
+    DEFAULT_SPARE_AFTER_S,
+    DEFAULT_SPARES,
+    MAX_SPARE_AFTER_S,
+    MAX_SPARES,
 )
 
 #: flags that only a --pp-auto coordinator or a --pp-peer reads (attribute, flag)
@@ -46,6 +51,13 @@ class BringupSettings:
     discovery_port: int
     config_out: str  # may hold "{node_id}" (a peer's default)
     dry_run: bool
+    spares: int = DEFAULT_SPARES  # --pp-spare: peers beyond the N stages wait as standbys (coordinator)
+    spare_after_s: float = DEFAULT_SPARE_AFTER_S  # --pp-spare-after: a stage down this long goes to a spare
+
+    @property
+    def peer_count(self) -> int:
+        """The peers a coordinator reaches: its N stages and its spares."""
+        return (self.stages or 0) + self.spares
 
     @property
     def is_coordinator(self) -> bool:
@@ -57,6 +69,37 @@ class BringupSettings:
 
 def _get(args: argparse.Namespace, name: str, default: object = None) -> object:
     return getattr(args, name, default)
+
+
+def spare_count(text: str) -> int:
+    """argparse type: ``--pp-spare``, 0 to MAX_SPARES."""
+    value = non_negative_int(text)
+    if value > MAX_SPARES:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_SPARES} spare peers, got {value}")
+    return value
+
+
+def spare_seconds(text: str) -> float:
+    """argparse type: ``--pp-spare-after``, > 0 to MAX_SPARE_AFTER_S seconds."""
+    value = seconds(text)
+    if value > MAX_SPARE_AFTER_S:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_SPARE_AFTER_S:g} seconds, got {text}")
+    return value
+
+
+def _check_spare_flags(args: argparse.Namespace) -> None:
+    spares, after = _get(args, "pp_spare"), _get(args, "pp_spare_after")
+    if not _get(args, "pp_auto"):
+        for value, flag in ((spares, "--pp-spare"), (after, "--pp-spare-after")):
+            if value is not None:
+                raise CLIError(f"{flag} needs --pp-auto (the coordinator keeps the spare peers and assigns them)")
+    if after is not None and not spares:
+        raise CLIError("--pp-spare-after needs --pp-spare 1 or more (with no spare peer there is nothing to assign)")
+    resume = _get(args, "resume_timeout") or DEFAULT_RESUME_TIMEOUT_S
+    if spares and (after or DEFAULT_SPARE_AFTER_S) >= resume:  # type: ignore[operator]
+        raise CLIError(f"--pp-spare-after {after or DEFAULT_SPARE_AFTER_S:g} is not below the resume timeout "
+                       f"({resume:g}s, --resume-timeout): requests in flight would fail before a spare takes "
+                       "their stage over; lower --pp-spare-after or raise --resume-timeout")
 
 
 def wants_bringup(args: argparse.Namespace) -> bool:
@@ -77,6 +120,7 @@ def check_bringup_flags(args: argparse.Namespace) -> None:
                        "writes its TOML; to start from a TOML use --distributed-config with --node-id")
     if _get(args, "dry_run") and not pp_auto:
         raise CLIError("--dry-run needs --pp-auto (it plans a zero-config cluster and exits)")
+    _check_spare_flags(args)
     if not wants_bringup(args):
         if not pp_peer:  # a --pp-peer with --distributed-config skips the wait and ignores them
             for attr, flag in _BRINGUP_ONLY:
@@ -130,9 +174,12 @@ def bringup_settings(args: argparse.Namespace) -> BringupSettings:
     else:
         control, peers = _peer_address(args, mode), ()
         out = _get(args, "cluster_config_out") or DEFAULT_PEER_CONFIG_OUT
+    after = _get(args, "pp_spare_after")
     return BringupSettings(stages=_get(args, "pp_auto") if coordinator else None, cluster=cluster,  # type: ignore[arg-type]
                            discovery=mode, control=control, peers=peers, discovery_target=target,
-                           discovery_port=port, config_out=str(out), dry_run=bool(_get(args, "dry_run")))
+                           discovery_port=port, config_out=str(out), dry_run=bool(_get(args, "dry_run")),
+                           spares=int(_get(args, "pp_spare") or 0),  # type: ignore[call-overload]
+                           spare_after_s=DEFAULT_SPARE_AFTER_S if after is None else float(after))  # type: ignore[arg-type]
 
 
 def _coordinator_addresses(args: argparse.Namespace, mode: str) -> tuple[PeerId, tuple[PeerId, ...]]:
@@ -149,20 +196,27 @@ def _coordinator_addresses(args: argparse.Namespace, mode: str) -> tuple[PeerId,
     if control.port == 0:
         raise CLIError("--cluster-control-addr needs a fixed port: the stages reply to it")
     n = _get(args, "pp_auto")
+    spares = int(_get(args, "pp_spare") or 0)  # type: ignore[call-overload]
     listed = _get(args, "cluster_peers")
     if mode == "mdns":
         if listed is not None:
             raise CLIError("--cluster-peers is for static discovery; with --cluster-discovery=mdns the peers are "
                            "learned from their beacons")
         return control, ()
+    want = n + spares  # type: ignore[operator]
+    with_spares = f" with --pp-spare {spares}" if spares else ""
     if listed is None:
-        raise CLIError(f"--pp-auto {n} with static discovery needs --cluster-peers A:P,... ({n} peer addresses), "
-                       "or --cluster-discovery=mdns")
+        raise CLIError(f"--pp-auto {n}{with_spares} with static discovery needs --cluster-peers A:P,... ({want} peer "
+                       "addresses), or --cluster-discovery=mdns")
     peers = tuple(_peer_id(item, "--cluster-peers") for item in str(listed).split(","))
     if len(set(peers)) != len(peers):
         raise CLIError("--cluster-peers lists an address twice")
-    if len(peers) != n:
-        raise CLIError(f"--cluster-peers lists {len(peers)} peer{'s' if len(peers) != 1 else ''} but --pp-auto is {n}")
+    if len(peers) != want:
+        listed_text = f"--cluster-peers lists {len(peers)} peer{'s' if len(peers) != 1 else ''}"
+        if spares:
+            raise CLIError(f"{listed_text} but --pp-auto {n} with --pp-spare {spares} needs {want} "
+                           f"({n} stages and {spares} spare{'s' if spares != 1 else ''})")
+        raise CLIError(f"{listed_text} but --pp-auto is {n}")
     for peer in peers:
         if peer.port == 0 or peer.ip.is_unspecified:
             raise CLIError(f"--cluster-peers: {peer} is not an address a peer listens on (a real IP and port)")

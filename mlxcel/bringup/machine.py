@@ -10,12 +10,14 @@ Peer:     IDLE --recv QUERY / send INFO--> INFORMED
                                                --commit_failed()--> FAILED      (close)
           COMMITTED --recv ACTIVATE--> ACTIVATED                                (close, start the stage)
           IDLE | INFORMED | ACCEPTED | COMMITTED --recv ABORT--> ABORTED        (close)
+          INFORMED --recv STANDBY--> STANDBY                                    (close, wait as a spare)
           any --a message of another protocol version / send REFUSED(fatal)--> REFUSED
 Session:  START --query()--> QUERIED --recv INFO--> INFORMED --offer()--> OFFERED
           OFFERED --recv ACCEPTED--> ACCEPTED --commit()--> COMMITTING
           COMMITTING --recv COMMITTED--> COMMITTED --activate()--> ACTIVATED
           QUERIED | OFFERED --recv REFUSED--> REFUSED;  COMMITTING --recv COMMIT_FAILED--> FAILED
-          any state but ACTIVATED --abort()--> ABORTED
+          INFORMED --standby()--> STANDBY (a spare: the bring-up succeeded without it)
+          any state but a final one --abort()--> ABORTED
 
 A message the current state does not expect raises ``AssignmentProtocolError`` and moves the
 machine to ERROR; calling a method in the wrong state raises ``LocalProtocolError``.
@@ -115,6 +117,13 @@ class Aborted:
     """Either side learned that the bring-up was abandoned; ``reason`` is the failure summary."""
 
     reason: str
+
+
+@dataclass(frozen=True)
+class StoodBy:
+    """Peer: the coordinator keeps this peer as a spare of its ``stages``-stage cluster."""
+
+    stages: int
 
 
 @dataclass(frozen=True)
@@ -274,7 +283,7 @@ def _check_coordinator(offer: Message, cluster: ClusterConfig, bound: PeerId) ->
 
 _PEER_RECEIVES: dict[str, frozenset[Msg]] = {
     "IDLE": frozenset({Msg.QUERY, Msg.ABORT}),
-    "INFORMED": frozenset({Msg.OFFER, Msg.ABORT}),
+    "INFORMED": frozenset({Msg.OFFER, Msg.ABORT, Msg.STANDBY}),
     "ACCEPTED": frozenset({Msg.COMMIT, Msg.ABORT}),
     "COMMITTED": frozenset({Msg.ACTIVATE, Msg.ABORT}),
 }
@@ -333,6 +342,9 @@ class PeerMachine(_Machine):
         if msg.kind is Msg.ABORT:
             self.state = "ABORTED"
             return Aborted(msg["reason"])
+        if msg.kind is Msg.STANDBY:
+            self.state = "STANDBY"
+            return StoodBy(msg["stages"])
         if msg.kind is Msg.QUERY:
             self.state = "INFORMED"
             return Queried(encode(Msg.INFO, mlxcel=self.facts.mlxcel, memory=self.facts.memory))
@@ -379,7 +391,7 @@ _SESSION_RECEIVES: dict[str, frozenset[Msg]] = {
     "OFFERED": frozenset({Msg.ACCEPTED, Msg.REFUSED}),
     "COMMITTING": frozenset({Msg.COMMITTED, Msg.COMMIT_FAILED}),
 }
-_TERMINAL = ("ACTIVATED", "ABORTED", "REFUSED", "FAILED", "ERROR")
+_TERMINAL = ("ACTIVATED", "ABORTED", "REFUSED", "FAILED", "ERROR", "STANDBY")
 
 
 class CoordinatorSession(_Machine):
@@ -392,6 +404,11 @@ class CoordinatorSession(_Machine):
 
     def __repr__(self) -> str:
         return f"CoordinatorSession(peer={self.peer}, state={self.state})"
+
+    @property
+    def finished(self) -> bool:
+        """In a final state: nothing more is sent on this session."""
+        return self.state in _TERMINAL
 
     def query(self) -> bytes:
         self._expect("START")
@@ -415,6 +432,12 @@ class CoordinatorSession(_Machine):
         self._expect("COMMITTED")
         self.state = "ACTIVATED"
         return encode(Msg.ACTIVATE)
+
+    def standby(self, stages: int) -> bytes:
+        """INFORMED -> STANDBY: the STANDBY message (this peer is a spare of a ``stages``-stage cluster)."""
+        self._expect("INFORMED")
+        self.state = "STANDBY"
+        return encode(Msg.STANDBY, stages=stages)
 
     def abort(self, reason: str) -> bytes:
         """Any live state -> ABORTED: the ABORT message carrying the failure summary."""

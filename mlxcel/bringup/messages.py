@@ -33,6 +33,7 @@ class Msg(str, enum.Enum):
     COMMIT_FAILED = "commit_failed"  # P -> C: could not prepare (reason)
     ACTIVATE = "activate"  # C -> P: every peer committed; write the TOML and start the stage
     ABORT = "abort"  # C -> P: the bring-up failed (the failure summary); back to waiting
+    STANDBY = "standby"  # C -> P: the bring-up succeeded without this peer; wait as a spare (stages)
 
 
 class _Layers:
@@ -61,6 +62,7 @@ FIELDS: dict[Msg, dict[str, type]] = {
     Msg.COMMIT_FAILED: {"reason": _Reason},
     Msg.ACTIVATE: {},
     Msg.ABORT: {"reason": _Reason},
+    Msg.STANDBY: {"stages": int},
 }
 
 

@@ -28,8 +28,11 @@ from mlxcel.topology.partition import PartitionError, StageCosts
 from .channel import FrameChannel, dial
 from .errors import BringupError, BringupFailed, ChannelClosed
 from .machine import CoordinatorSession, Informed, PeerAccepted, PeerCommitFailed, PeerCommitted, PeerRefused
-from .plan import ClusterPlan, offer_fields, plan_cluster
+from .plan import ClusterPlan, offer_fields, order_peers, plan_cluster
 from .wire import FRAME_TIMEOUT_S, OFFER_MARGIN_S, PUSH_WINDOW_S, STATIC_RETRY_S
+
+#: a replacement push: the plan for the peers reached (address -> reported memory); ``PartitionError``
+Planner = Callable[[dict[PeerId, int]], ClusterPlan]
 
 log = logging.getLogger("mlxcel.roles.pp_auto")
 
@@ -68,13 +71,20 @@ class PushConfig:
 
 
 class Push:
-    """One bring-up attempt against ``peers`` (their assignment listeners)."""
+    """One bring-up attempt against ``peers`` (their assignment listeners).
+
+    The first ``stages`` peers in address order become the stages (all of them by default); the others
+    are spares: reached and queried like the stages, then sent STANDBY once the stages are activated.
+    ``planner`` replaces the planning (a spare taking over one stage of a running cluster)."""
 
     def __init__(self, config: PushConfig, secret: ClusterSecret, peers: list[PeerId], *,
                  write_plan: Callable[[ClusterPlan], None], window_s: float = PUSH_WINDOW_S,
-                 stop: threading.Event | None = None) -> None:
+                 stop: threading.Event | None = None, stages: int | None = None,
+                 planner: Planner | None = None) -> None:
         self.config, self._secret = config, secret
         self.peers = [_Peer(p, CoordinatorSession(p)) for p in peers]
+        self.stages = len(peers) if stages is None else stages
+        self._planner = planner or self._default_plan
         self._write_plan = write_plan
         self.window_s = window_s
         self._stop = stop or threading.Event()
@@ -95,21 +105,32 @@ class Push:
                 self._write(plan)
                 self._abort_all("dry run: the coordinator planned the cluster and exits")
                 return plan
-            self._phase(lambda p, _: self._offer(p, plan, offer_deadline), offer_deadline)
-            self._phase(self._commit, deadline)
+            staged = self.stage_peers
+            self._phase(lambda p, _: self._offer(p, plan, offer_deadline), offer_deadline, staged)
+            self._phase(self._commit, deadline, staged)
             self._write(plan)  # the coordinator's own commit: a failed bring-up leaves no file
         except _Abandon as exc:
             self._abort_all(str(exc))
             raise BringupFailed(str(exc)) from None
-        for peer in self.peers:
+        for peer in staged:
             self._activate(peer)
         released = time.monotonic() + FRAME_TIMEOUT_S
-        for peer in self.peers:
+        for peer in staged:
             self._await_release(peer, released)
+        for peer in self.spare_peers:
+            self._standby(peer, len(plan.stages))
         return plan
 
-    def _phase(self, step: Callable[[_Peer, float], None], deadline: float) -> None:
-        """Run ``step`` for every peer in parallel; any failure abandons the bring-up."""
+    @property
+    def stage_peers(self) -> list[_Peer]:
+        return [p for p in self.peers if p.node_id]
+
+    @property
+    def spare_peers(self) -> list[_Peer]:
+        return [p for p in self.peers if not p.node_id]
+
+    def _phase(self, step: Callable[[_Peer, float], None], deadline: float, peers: list[_Peer] | None = None) -> None:
+        """Run ``step`` for each of ``peers`` (every peer by default) in parallel; any failure abandons the bring-up."""
         errors: list[BaseException] = []
 
         def work(peer: _Peer) -> None:
@@ -119,7 +140,8 @@ class Push:
                 errors.append(exc)
 
         # daemon threads: an interrupted coordinator exits without waiting for a dial or a read
-        threads = [threading.Thread(target=work, args=(p,), name="mlxcel-push", daemon=True) for p in self.peers]
+        peers = self.peers if peers is None else peers
+        threads = [threading.Thread(target=work, args=(p,), name="mlxcel-push", daemon=True) for p in peers]
         for t in threads:
             t.start()
         try:
@@ -198,17 +220,22 @@ class Push:
 
     # -- planning --
 
+    def _default_plan(self, memory: dict[PeerId, int]) -> ClusterPlan:
+        """The first ``stages`` peers in address order are the stages; the rest are spares."""
+        chosen = order_peers(list(memory))[: self.stages]
+        return plan_cluster(self.config.costs, name=self.config.cluster, coordinator=self.config.control,
+                            memory={p: memory[p] for p in chosen}, secret_file=self.config.secret_file)
+
     def _plan(self) -> ClusterPlan:
         memory = {p.address: p.memory for p in self.peers}
         try:
-            plan = plan_cluster(self.config.costs, name=self.config.cluster, coordinator=self.config.control,
-                                memory=memory, secret_file=self.config.secret_file)  # type: ignore[arg-type]
+            plan = self._planner(memory)  # type: ignore[arg-type]
         except PartitionError as exc:
-            raise _Abandon(f"stage assignment failed and no stage was started: cannot plan {len(self.peers)} "
+            raise _Abandon(f"stage assignment failed and no stage was started: cannot plan {self.stages} "
                            f"stages: {exc}") from None
         by_address = {s.address: s for s in plan.stages}
         for peer in self.peers:
-            peer.node_id = by_address[peer.address].node_id
+            peer.node_id = by_address[peer.address].node_id if peer.address in by_address else ""
         return plan
 
     def _write(self, plan: ClusterPlan) -> None:
@@ -265,12 +292,29 @@ class Push:
         finally:
             peer.channel.close()
 
+    def _standby(self, peer: _Peer, stages: int) -> None:
+        """Tell a spare that the bring-up succeeded without it: it waits as a standby (docs/bringup.md §5.6)."""
+        assert peer.channel is not None
+        try:
+            peer.channel.send(peer.session.standby(stages))
+            log.info("peer %s waits as a spare", peer.address)
+        except (BringupError, OSError) as exc:
+            peer.failure = _describe(exc)
+            log.warning("spare %s did not get its standby message: %s", peer.address, exc)
+        finally:
+            peer.channel.close()
+
+    @property
+    def spares(self) -> list[PeerId]:
+        """The spares that were told to stand by (after ``run``)."""
+        return [p.address for p in self.spare_peers if p.failure is None and p.session.state == "STANDBY"]
+
     def _abort_all(self, reason: str) -> None:
         for peer in self.peers:
             if peer.channel is None:
                 continue
             try:
-                if peer.session.state not in ("ACTIVATED", "ABORTED", "REFUSED", "FAILED", "ERROR"):
+                if not peer.session.finished:
                     peer.channel.send(peer.session.abort(reason), timeout=2.0)
             except (BringupError, OSError) as exc:
                 log.debug("abort to %s not delivered: %s", peer, exc)

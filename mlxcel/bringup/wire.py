@@ -24,6 +24,12 @@ DEFAULT_COORDINATOR_CONFIG_OUT = ".mlxcel/cluster.toml"
 #: ``{node_id}`` is replaced by the node id the peer was assigned
 DEFAULT_PEER_CONFIG_OUT = ".mlxcel/cluster-{node_id}.toml"
 COORDINATOR_NODE_ID = "coordinator"
+#: --pp-spare: standby peers a --pp-auto coordinator keeps for stages that stay down (0: none)
+DEFAULT_SPARES = 0
+MAX_SPARES = 16
+#: --pp-spare-after: a stage down this long (seconds) is assigned to a spare
+DEFAULT_SPARE_AFTER_S = 5.0
+MAX_SPARE_AFTER_S = 3600.0
 #: a cluster name travels in beacons and offers and is written into TOML: a safe, short charset
 CLUSTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
@@ -35,6 +41,10 @@ OFFER_MARGIN_S = 10.0  # the offer phase ends this long before the push window
 COMMIT_WAIT_S = 60.0  # a peer's wait between Accepted and Commit
 ACTIVATE_WAIT_S = 60.0  # a peer's wait between Committed and Activate
 ASSIGNMENT_WAIT_S = 600.0  # a peer's wait for any assignment
+#: a spare's takeover push (reach and offer end OFFER_MARGIN_S before it): a standby that does not answer
+#: within 10 s is skipped for the next one
+SPARE_PUSH_WINDOW_S = 20.0
+SPARE_CHECK_S = 10.0  # the coordinator checks that each spare still answers this often
 STATIC_RETRY_S = 0.5  # the coordinator redials an unreachable static peer this often
 DISCOVERY_WINDOW_S = 30.0  # the coordinator listens for beacons this long
 BEACON_INTERVAL_S = 1.0  # a peer beacons this often until its assignment is committed

@@ -68,7 +68,7 @@ class PeerMonitor:
         if now < self._next:
             return
         self._next = now + self.interval_s
-        for peer, status in self.status.items():
+        for peer, status in list(self.status.items()):
             with self._lock:
                 if status.probing:
                     continue
@@ -77,7 +77,10 @@ class PeerMonitor:
 
     def _answer_for(self, peer: PeerId) -> Answered:
         def answered(state: dict[str, Any] | None, why: str = "") -> None:
-            self.status[peer].probing = False
+            status = self.status.get(peer)
+            if status is None:  # replaced while the probe was out
+                return
+            status.probing = False
             if state is None:
                 self.lost(peer, why or "no answer to a probe")
             else:
@@ -86,7 +89,9 @@ class PeerMonitor:
 
     def observe(self, peer: PeerId, state: dict[str, Any]) -> bool:
         """A state the peer reported: checked, then up (or down if refused). True if accepted."""
-        status = self.status[peer]
+        status = self.status.get(peer)
+        if status is None:  # no longer watched (replaced)
+            return False
         try:
             self._check(peer, state)
         except ValueError as exc:  # the caller's check logs why (rate-limited)
@@ -100,11 +105,16 @@ class PeerMonitor:
         self._on_up(peer, returned)
         return True
 
+    def replace(self, old: PeerId, new: PeerId) -> None:
+        """Watch ``new`` instead of ``old``, in its place (a spare took that peer's role): down until it answers."""
+        with self._lock:
+            self.status = {(new if p == old else p): (PeerStatus(new) if p == old else s) for p, s in self.status.items()}
+
     def lost(self, peer: PeerId, why: str) -> None:
         """The peer failed a probe or a delivery: down (``on_down`` once per outage)."""
-        status = self.status[peer]
+        status = self.status.get(peer)
         with self._lock:
-            if not status.up:
+            if status is None or not status.up:
                 return
             status.up, status.last_down = False, time.monotonic()
         self._on_down(peer, why)

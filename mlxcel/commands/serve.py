@@ -36,7 +36,7 @@ from mlxcel.config import (
     thread_count,
 )
 from mlxcel.bringup import wire
-from mlxcel.bringup.flags import check_bringup_flags
+from mlxcel.bringup.flags import check_bringup_flags, spare_count, spare_seconds
 from mlxcel.config import port as tcp_port
 from mlxcel.disagg.flags import add_disagg_arguments
 from mlxcel.errors import CLIError
@@ -148,6 +148,14 @@ def _add_bringup_arguments(parser: argparse.ArgumentParser) -> None:
                             f"peer default {wire.DEFAULT_PEER_CONFIG_OUT}; {{node_id}} becomes the assigned node id)")
     group.add_argument("--dry-run", action="store_true",
                        help="--pp-auto only: plan the cluster, write --cluster-config-out and exit")
+    group.add_argument("--pp-spare", type=spare_count, default=None, metavar="K",
+                       help=f"--pp-auto only: K more --pp-peer processes wait as standbys; a stage down longer than "
+                            f"--pp-spare-after is assigned to one of them (0 to {wire.MAX_SPARES}; default "
+                            f"{wire.DEFAULT_SPARES}; static discovery lists N+K peers)")
+    group.add_argument("--pp-spare-after", type=spare_seconds, default=None, metavar="S",
+                       help=f"--pp-auto with --pp-spare: how long a stage stays down before its layers go to a spare "
+                            f"(> 0 to {wire.MAX_SPARE_AFTER_S:g} seconds and below --resume-timeout; default "
+                            f"{wire.DEFAULT_SPARE_AFTER_S:g})")
 
 
 def check_cluster_flags(args: argparse.Namespace) -> None:

@@ -24,7 +24,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import mlx.core as mx
 
@@ -59,6 +60,9 @@ from mlxcel.models.facts import ModelFacts
 from mlxcel.pipeline.tensors import ids_to_wire
 from mlxcel.strict_json import is_int, is_number
 
+if TYPE_CHECKING:
+    from mlxcel.pipeline.takeover import StageReplacer
+
 log = logging.getLogger("mlxcel.pipeline.coordinator")
 COMMAND_TIMEOUT_S = 10.0
 _PREPARE = "prepare"  # the context of a PREPARE's exchange: failed at once when its stage goes down
@@ -73,7 +77,7 @@ class PipelineExecutor:
 
     def __init__(self, cluster: ClusterConfig, secret: ClusterSecret, model: ModelFacts, *,
                  max_batch_size: int, micro_batch_size: int | None = None, return_logits: bool = False,
-                 stop_stages_on_close: bool = False):
+                 stop_stages_on_close: bool = False, replacer: StageReplacer | None = None):
         self.cluster = cluster
         self.model = model
         self.depth = len(cluster.stages)
@@ -93,6 +97,12 @@ class PipelineExecutor:
         self.monitor = PeerMonitor(self._nodes, interval_s=cluster.timeouts.heartbeat_s, probe=self._probe,
                                    check=self._check_state, on_up=self._stage_up, on_down=self._stage_down,
                                    on_restart=self._stage_restarted)
+        self.replacer = replacer
+        self._takeover = None
+        if replacer is not None:
+            from mlxcel.pipeline.takeover import Takeover
+
+            self._takeover = Takeover(self, replacer)
         self._lock = threading.Lock()
         self._samplers: dict[str, RowSampler] = {}
         self._prepared: set[str] = set()  # request ids prepared on every stage
@@ -315,9 +325,13 @@ class PipelineExecutor:
                 "prefix_bytes": float(sum(int(s.state.get("prefix_bytes", 0)) for s in self.monitor.status.values()))}
 
     def health(self) -> dict[str, Any]:
-        stages = [{"id": self._nodes[p].id, "address": str(p), "up": s.up, "layers": s.state.get("layers")}
-                  for p, s in self.monitor.status.items()]
-        return {"status": "ok" if all(s["up"] for s in stages) else "degraded", "stages": stages}
+        nodes = self._nodes
+        stages = [{"id": nodes[p].id, "address": str(p), "up": s.up, "layers": s.state.get("layers")}
+                  for p, s in self.monitor.status.items() if p in nodes]
+        body: dict[str, Any] = {"status": "ok" if all(s["up"] for s in stages) else "degraded", "stages": stages}
+        if self.replacer is not None:
+            body["spares"] = self.replacer.status()
+        return body
 
     def close(self) -> None:
         if self.stop_stages_on_close and self._started:
@@ -417,6 +431,25 @@ class PipelineExecutor:
 
     def _on_tick(self, now: float) -> None:
         self.monitor.beat(now)
+        if self._takeover is not None:
+            self._takeover.tick(now)
+
+    # -- a spare takes over a stage (docs/pipeline.md §5.7) ----------------------------------------------
+
+    def node_at(self, addr: PeerId) -> Node | None:
+        return self._nodes.get(addr)
+
+    def move_stage(self, old: PeerId, new: PeerId) -> None:
+        """Stage ``old`` is served at ``new`` from now on (a spare took its layers; its neighbours were told with
+        RELOCATE): it counts as down until it answers GET_STATE as that stage."""
+        node = self._nodes[old]
+        stages = tuple(replace(n, address=new) if n.address == old else n for n in self.cluster.stages)
+        self.cluster = replace(self.cluster, stages=stages)
+        self._nodes = {n.address: n for n in stages}
+        self.first, self.last = stages[0].address, stages[-1].address
+        self.stage_addrs = frozenset(self._nodes)
+        self.monitor.replace(old, new)
+        log.warning("pipeline stage %s moved from %s to %s; it is used once it answers", node.id, old, new)
 
     def _probe(self, addr: PeerId, answered: Callable[..., None]) -> None:
         """GET_STATE with a deadline of two heartbeats; the answer marks the stage up, its absence down."""
@@ -433,27 +466,37 @@ class PipelineExecutor:
 
     def _check_state(self, addr: PeerId, state: dict[str, Any]) -> None:
         """A stage that answers must still be the same stage (ValueError otherwise)."""
-        problems = self._stage_problems(self._nodes[addr], state)
+        node = self._nodes.get(addr)
+        if node is None:  # a spare took its stage over meanwhile (§5.7)
+            raise ValueError(f"{addr} is no longer a stage of this cluster")
+        problems = self._stage_problems(node, state)
         if problems:
             cluster_warnings.warning(WarnClass.DIAGNOSTIC, "coordinator: not using %s: %s", addr, "; ".join(problems))
             raise ValueError("; ".join(problems))
 
     def _stage_up(self, addr: PeerId, returned: bool) -> None:
-        if returned:
-            log.warning("pipeline stage %s at %s answers again; the cluster is healthy", self._nodes[addr].id, addr)
+        node = self._nodes.get(addr)
+        if returned and node is not None:
+            log.warning("pipeline stage %s at %s answers again; the cluster is healthy", node.id, addr)
 
     def _stage_restarted(self, addr: PeerId) -> None:
         """A restarted stage lost every sequence: fail their open steps, and any later step, at once."""
-        node = self._nodes[addr]
+        node = self._nodes.get(addr)
+        if node is None:
+            return
         with self._lock:
             self._lost |= self._prepared
             self._prepared = set()
+        if self._takeover is not None:
+            self._takeover.restarted(node)
         log.warning("pipeline stage %s restarted; its sequences are lost and their requests fail", node.id)
         self._fail_steps(f"pipeline stage {node.id} restarted")
         self._fail_prepares(addr, f"pipeline stage {node.id} restarted")
 
     def _stage_down(self, addr: PeerId, why: str) -> None:
-        node = self._nodes[addr]
+        node = self._nodes.get(addr)
+        if node is None:
+            return
         log.warning("pipeline stage %s at %s is unreachable (%s); failing its open exchanges, /health says degraded",
                     node.id, addr, why)
         self._fail_steps(f"pipeline stage {node.id} at {addr} is unreachable")

@@ -52,6 +52,7 @@ class MsgType(enum.IntEnum):
     BEGIN_DRAIN = 7  # coordinator -> stage: accept no new sequence
     SHUTDOWN = 8  # coordinator -> stage: exit after answering
     GET_STATE = 9  # coordinator -> stage: report identity, layers and load
+    RELOCATE = 10  # coordinator -> stage: another stage now listens at another address (a spare took it over)
     ACK = 16  # stage -> coordinator: a command succeeded
     STATE = 17  # stage -> coordinator: the answer to GET_STATE
     ERROR = 18  # stage -> owner: a command or a step failed (code, message)
@@ -60,7 +61,7 @@ class MsgType(enum.IntEnum):
 STEPS = frozenset({MsgType.RUN_ENTRY, MsgType.ACTIVATION, MsgType.RUN_RESULT})  # binary headers
 STEP_TENSOR = {MsgType.RUN_ENTRY: "input_ids", MsgType.ACTIVATION: "hidden", MsgType.RUN_RESULT: "logits"}
 COMMANDS = frozenset({MsgType.PREPARE, MsgType.RUN_ENTRY, MsgType.CANCEL, MsgType.RELEASE,
-                      MsgType.BEGIN_DRAIN, MsgType.SHUTDOWN, MsgType.GET_STATE})
+                      MsgType.BEGIN_DRAIN, MsgType.SHUTDOWN, MsgType.GET_STATE, MsgType.RELOCATE})
 REPLIES = frozenset({MsgType.ACK, MsgType.STATE, MsgType.ERROR})
 
 

@@ -238,6 +238,28 @@ class StageService:
         if self._on_shutdown is not None:
             threading.Timer(0.2, self._on_shutdown).start()
 
+    def _cmd_relocate(self, peer: PeerId, m: StageMessage) -> None:
+        """Another stage of the cluster now listens at ``address`` (a spare took it over): activations go
+        to it, or are accepted from it, when it is this stage's neighbour. ACK, or ERROR bad_request."""
+        node_id, text = m.header.get("node_id"), m.header.get("address")
+        index = next((i for i, n in enumerate(self.cluster.stages) if n.id == node_id), None)
+        if index is None or index == self.index:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"RELOCATE names {node_id!r}, which is not another stage of "
+                                f"cluster {self.cluster.name!r}")
+        try:
+            address = PeerId.parse(text) if isinstance(text, str) else None
+        except ValueError:
+            address = None
+        if address is None or address.port == 0 or address.ip.is_unspecified:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"RELOCATE address {text!r} is not a numeric ip:port a stage "
+                                "listens on")
+        if index == self.index - 1:
+            self.upstream = address
+        elif index == self.index + 1:
+            self.downstream = address
+        log.warning("stage %s: %s now listens at %s (relocated by the coordinator)", self.node.id, node_id, address)
+        self._reply(peer, MsgType.ACK, {"nonce": m.nonce})
+
     def _on_activation(self, peer: PeerId, m: StageMessage, refused: ProtocolError | None = None) -> None:
         if peer != self.upstream:
             cluster_warnings.warning(WarnClass.DIAGNOSTIC, "stage %s: dropping an activation from %s (only %s, the "

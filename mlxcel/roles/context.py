@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from mlxcel.cluster.secret import ClusterSecret
     from mlxcel.disagg.flags import NodeConfig
     from mlxcel.parallel.options import TPOptions
+    from mlxcel.pipeline.takeover import StageReplacer
     from mlxcel.server.access import AccessConfig
     from mlxcel.server.runtime import ServerConfig
 
@@ -38,6 +39,7 @@ class ServeConfig:
     bringup: BringupSettings | None = None  # pp-auto, pp-peer
     disagg: NodeConfig | None = None  # prefill, decode, router
     tp: TPOptions | None = None  # tp, tp-rank
+    replacer: StageReplacer | None = None  # coordinator after a --pp-auto push with --pp-spare: the spares
 
 
 @dataclass(frozen=True)

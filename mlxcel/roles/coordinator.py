@@ -21,7 +21,7 @@ def configure(args: argparse.Namespace, config: ServeConfig) -> ServeConfig:
     return config
 
 
-def coordinator_factory(dist: Distributed, *, stop_stages: bool = False):
+def coordinator_factory(dist: Distributed, *, stop_stages: bool = False, replacer: Any = None):
     """The server runtime's engine factory for the coordinator: a Scheduler over a PipelineExecutor."""
 
     def build(model: Any, tokenizer: Any, ctx: int, config: Any) -> Any:
@@ -33,7 +33,8 @@ def coordinator_factory(dist: Distributed, *, stop_stages: bool = False):
             raise CLIError("a pipeline needs the cluster secret")
         executor = PipelineExecutor(dist.cluster, dist.secret, model_facts(config.model),
                                     max_batch_size=config.max_batch_size, micro_batch_size=dist.micro_batch_size,
-                                    return_logits=dist.return_logits, stop_stages_on_close=stop_stages)
+                                    return_logits=dist.return_logits, stop_stages_on_close=stop_stages,
+                                    replacer=replacer)
         try:
             executor.start()
         except OSError as exc:
@@ -56,6 +57,7 @@ def run(context: RoleContext) -> int:
     dist = context.config.dist
     assert dist is not None  # configure checked it
     server = replace(context.config.server, lazy_weights=True)  # the tokenizer and config only, never the weights
-    runtime = ServerRuntime(server, coordinator_factory(dist, stop_stages=dist.options.stop_stages))
+    runtime = ServerRuntime(server, coordinator_factory(dist, stop_stages=dist.options.stop_stages,
+                                                        replacer=context.config.replacer))
     return serve_openai(context.endpoint, context.access, runtime,
                         described_as=f" as coordinator of {len(dist.cluster.stages)} pipeline stages")

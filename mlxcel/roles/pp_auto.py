@@ -32,6 +32,7 @@ from mlxcel.bringup.errors import BringupError
 from mlxcel.bringup.flags import BringupSettings, bringup_settings, check_reachable
 from mlxcel.bringup.plan import ClusterPlan, coordinator_header, write_file
 from mlxcel.bringup.push import Push, PushConfig
+from mlxcel.bringup.spares import SparePool
 from mlxcel.bringup.wire import COORDINATOR_NODE_ID, DISCOVERY_SETTLE_S, DISCOVERY_WINDOW_S
 
 log = logging.getLogger("mlxcel.roles.pp_auto")
@@ -45,8 +46,8 @@ def _say(text: str) -> None:
 
 def discover(settings: BringupSettings, secret: ClusterSecret, *,
              window_s: float = DISCOVERY_WINDOW_S) -> list[PeerId]:
-    """The peers whose beacons verify within the discovery window; ``CLIError`` unless exactly N."""
-    n = settings.stages or 0
+    """The peers whose beacons verify within the discovery window; ``CLIError`` unless exactly N (+ spares)."""
+    n = settings.peer_count
     verifier = BeaconVerifier(secret, mlxcel=__version__, cluster=settings.cluster)
     try:
         listener = BeaconListener(verifier, settings.discovery_port)
@@ -64,7 +65,8 @@ def discover(settings: BringupSettings, secret: ClusterSecret, *,
                        f"beaconing (--pp-peer --cluster-discovery=mdns, same --cluster-name, secret and "
                        f"--cluster-discovery-port) when the coordinator starts or within its window")
     if len(peers) > n:
-        raise CLIError(f"discovery found {len(peers)} peers for --pp-auto {n} ({found}): stop the extra peers, "
+        spares = f" with --pp-spare {settings.spares}" if settings.spares else ""
+        raise CLIError(f"discovery found {len(peers)} peers for --pp-auto {settings.stages}{spares} ({found}): stop the extra peers, "
                        "give them another --cluster-name, or list the peers with --cluster-peers")
     check_reachable(settings.control, peers)
     return peers
@@ -88,8 +90,9 @@ def check_control_address(control: PeerId) -> None:
         sock.close()
 
 
-def push(model: Path, settings: BringupSettings, secret: ClusterSecret) -> ClusterPlan:
-    """Discover (mdns) or take the listed peers (static), then run the push; ``CLIError`` on failure."""
+def push(model: Path, settings: BringupSettings, secret: ClusterSecret) -> tuple[ClusterPlan, SparePool | None]:
+    """Discover (mdns) or take the listed peers (static), then run the push; ``CLIError`` on failure.
+    Returns the plan and, with ``--pp-spare``, the pool of the spares told to stand by."""
     from mlxcel.models.identity import model_identity
 
     try:
@@ -108,12 +111,21 @@ def push(model: Path, settings: BringupSettings, secret: ClusterSecret) -> Clust
         write_file(path, coordinator_header(plan, __version__) + plan.body())
 
     what = "planning" if settings.dry_run else "assigning"
-    _say(f"{what} {len(peers)} stages of cluster {settings.cluster!r} over {', '.join(map(str, peers))} "
-         f"from control address {settings.control}")
+    spares = f" (and {settings.spares} spare{'s' if settings.spares != 1 else ''})" if settings.spares else ""
+    _say(f"{what} {settings.stages} stages{spares} of cluster {settings.cluster!r} over "
+         f"{', '.join(map(str, peers))} from control address {settings.control}")
+    attempt = Push(config, secret, peers, write_plan=write_plan, stages=settings.stages)
     try:
-        return Push(config, secret, peers, write_plan=write_plan).run()
+        plan = attempt.run()
     except BringupError as exc:
         raise CLIError(str(exc)) from None
+    if not settings.spares or settings.dry_run:
+        return plan, None
+    pool = SparePool(config, secret, plan, attempt.spares, write_plan=write_plan,
+                     after_s=settings.spare_after_s).start()
+    _say(f"spares standing by: {', '.join(map(str, attempt.spares)) or 'none'}; a stage down for "
+         f"{settings.spare_after_s:g}s is assigned to one")
+    return plan, pool
 
 
 def _interrupt(signum: int, frame: Any) -> None:
@@ -159,7 +171,7 @@ def _run(context: RoleContext, pushed: list[bool]) -> int:
     config = context.config
     settings, secret = config.bringup, config.secret
     assert settings is not None and secret is not None  # configure set them
-    plan = push(config.server.model, settings, secret)
+    plan, pool = push(config.server.model, settings, secret)
     pushed.append(True)
     path = settings.config_path().resolve()
     if settings.dry_run:
@@ -167,4 +179,7 @@ def _run(context: RoleContext, pushed: list[bool]) -> int:
         return 0
     _say(f"assigned {_describe(plan)}; wrote {path}")
     dist = from_toml(path, COORDINATOR_NODE_ID, secret, config.pipeline)
-    return ROLES["coordinator"].run(context.as_role("coordinator", dist))
+    coordinator = context.as_role("coordinator", dist)
+    if pool is not None:  # the coordinator role hands stages that stay down to the spares
+        coordinator = replace(coordinator, config=replace(coordinator.config, replacer=pool))
+    return ROLES["coordinator"].run(coordinator)

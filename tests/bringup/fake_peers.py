@@ -15,7 +15,9 @@ from mlxcel import __version__
 from mlxcel.bringup.agent import PeerAgent
 from mlxcel.bringup.flags import BringupSettings
 from mlxcel.bringup.machine import PeerFacts, PeerMachine
+from mlxcel.bringup.messages import Msg, encode
 from mlxcel.cluster.identity import PeerId
+from mlxcel.cluster.wire import Kind
 from mlxcel.cluster.secret import load_secret
 from mlxcel.models.identity import model_identity
 from mlxcel.topology.partition import layer_costs
@@ -56,3 +58,40 @@ class FakePeer(PeerAgent):
     def close(self) -> None:
         self.release.set()
         super().close()
+
+
+class LyingPeer(FakePeer):
+    """Answers an offer with ``accepted`` for another node than the one offered (a wrong identity)."""
+
+    def _drive(self, session, machine: PeerMachine, staged: list[Path]) -> None:  # noqa: ANN001
+        chan = session.channel
+        chan.send(machine.receive(chan.recv(machine.wait_s)).reply)  # query -> info
+        offer = machine.receive(chan.recv(machine.wait_s))
+        other = "stage-0" if offer.assignment.node_id != "stage-0" else "stage-1"
+        chan.send(encode(Msg.ACCEPTED, node_id=other))
+        _until_closed(chan)
+
+
+class ReplayingPeer(FakePeer):
+    """Records the sealed frame of its first ``accepted`` and, in every later session, sends those bytes
+    again instead of a fresh answer to the offer (a replayed accept)."""
+
+    recorded: bytes | None = None
+
+    def _drive(self, session, machine: PeerMachine, staged: list[Path]) -> None:  # noqa: ANN001
+        chan = session.channel
+        chan.send(machine.receive(chan.recv(machine.wait_s)).reply)  # query -> info
+        accepted = machine.receive(chan.recv(machine.wait_s)).reply
+        if self.recorded is None:
+            self.recorded = chan._sealer.seal(Kind.CONTROL, accepted)  # noqa: SLF001 - the bytes on the wire
+        chan.sock.sendall(self.recorded)
+        _until_closed(chan)
+
+
+def _until_closed(chan) -> None:  # noqa: ANN001 - a FrameChannel
+    """Read (and ignore) frames until the coordinator ends the session."""
+    try:
+        while True:
+            chan.recv(10)
+    except Exception:  # noqa: BLE001 - closed, timed out, or a frame that does not open: the session is over
+        return

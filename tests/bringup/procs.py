@@ -116,12 +116,12 @@ class Bringup:
         self.procs: list[Proc] = []
 
     def peer(self, name: str, host: str | None = None, *flags: str, model: Path | None = None,
-             secret: Path | None = None, port: int | None = None) -> Proc:
+             secret: Path | None = None, port: int | None = None, env: dict | None = None) -> Proc:
         """A --pp-peer; ``host`` given: static discovery on host:port (a free port unless given)."""
         argv = ["-m", str(model or self.model), "--pp-peer", "--cluster-secret-file", str(secret or self.secret)]
         if host is not None:
             argv += ["--host", host, "--cluster-control-addr", f"{host}:{port or free_port(host)}"]
-        proc = Proc(name, self.tmp / name, *argv, *flags)
+        proc = Proc(name, self.tmp / name, *argv, *flags, env=env)
         self.procs.append(proc)
         proc.listener  # noqa: B018 - waits until it listens
         return proc

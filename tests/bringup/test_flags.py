@@ -56,9 +56,43 @@ def error_of(capsys, *argv: str) -> str:
      "--cluster-discovery-target: 'broadcast' is not a numeric IP address"),
     (["--pp-peer", "--cluster-control-addr", "127.0.0.3:1", "--pp-micro-batch-size", "2"],
      "--pp-micro-batch-size needs --distributed-config or --pp-auto"),
+    (["--pp-peer", "--cluster-control-addr", "127.0.0.3:1", "--pp-spare", "1"],
+     "--pp-spare needs --pp-auto (the coordinator keeps the spare peers and assigns them)"),
+    (["--pp-spare-after", "3"], "--pp-spare-after needs --pp-auto"),
+    (["--pp-auto", "1", "--cluster-peers", "127.0.0.3:1", "--pp-spare-after", "3"],
+     "--pp-spare-after needs --pp-spare 1 or more (with no spare peer there is nothing to assign)"),
+    (["--pp-auto", "2", "--pp-spare", "1", "--cluster-peers", "127.0.0.3:1,127.0.0.4:1"],
+     "--cluster-peers lists 2 peers but --pp-auto 2 with --pp-spare 1 needs 3 (2 stages and 1 spare)"),
+    (["--pp-auto", "1", "--cluster-peers", "127.0.0.3:1,127.0.0.4:1", "--pp-spare", "1", "--pp-spare-after", "30"],
+     "--pp-spare-after 30 is not below the resume timeout (30s, --resume-timeout): requests in flight would fail "
+     "before a spare takes their stage over; lower --pp-spare-after or raise --resume-timeout"),
+    (["--pp-auto", "1", "--cluster-peers", "127.0.0.3:1,127.0.0.4:1", "--pp-spare", "1", "--resume-timeout", "4"],
+     "--pp-spare-after 5 is not below the resume timeout (4s, --resume-timeout)"),
+    (["--pp-auto", "2", "--pp-spare", "2"], "--pp-auto 2 with --pp-spare 2 with static discovery needs --cluster-peers "
+     "A:P,... (4 peer addresses)"),
 ])
 def test_flag_errors_are_one_line(tmp_path, capsys, argv, message):
     assert message in error_of(capsys, "-m", str(tmp_path / "absent"), *argv)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--pp-spare", "17"], "argument --pp-spare: must be at most 16 spare peers, got 17"),
+    (["--pp-spare", "-1"], "argument --pp-spare:"),
+    (["--pp-spare-after", "0"], "argument --pp-spare-after: must be > 0 seconds, got 0"),
+    (["--pp-spare-after", "3601"], "argument --pp-spare-after: must be at most 3600 seconds, got 3601"),
+])
+def test_spare_flags_are_bounded(capsys, argv, message):
+    with pytest.raises(SystemExit):
+        parsed("--pp-auto", "1", *argv)
+    assert message in capsys.readouterr().err
+
+
+def test_spare_flags_defaults_and_values():
+    settings = bringup_settings(parsed("--pp-auto", "2", "--cluster-peers", "127.0.0.3:1,127.0.0.4:1"))
+    assert (settings.spares, settings.spare_after_s, settings.peer_count) == (0, 5.0, 2)
+    settings = bringup_settings(parsed("--pp-auto", "2", "--pp-spare", "1", "--pp-spare-after", "1.5",
+                                       "--cluster-peers", "127.0.0.3:1,127.0.0.4:1,127.0.0.5:1"))
+    assert (settings.spares, settings.spare_after_s, settings.peer_count) == (1, 1.5, 3)
 
 
 def test_pp_peer_with_dry_run_is_refused_before_any_socket_is_bound(tmp_path, capsys, tiny_llama):

@@ -24,6 +24,7 @@ from mlxcel.bringup.machine import (
     PeerMachine,
     PeerRefused,
     Queried,
+    StoodBy,
 )
 from mlxcel.bringup.messages import Msg, decode, encode
 from mlxcel.bringup.plan import offer_fields, plan_cluster
@@ -197,6 +198,23 @@ def test_refusals_and_commit_failures_reach_the_session():
     event = session.receive(machine.commit_failed("cannot write /x: Permission denied"))
     assert isinstance(event, PeerCommitFailed) and "Permission denied" in event.reason
     assert (session.state, machine.state) == ("FAILED", "FAILED")
+
+
+def test_standby_after_info_makes_the_peer_a_spare():
+    session, machine = informed_pair()
+    event = machine.receive(session.standby(2))
+    assert isinstance(event, StoodBy) and event.stages == 2
+    assert machine.state == "STANDBY" == session.state and machine.wait_s == 0 and session.finished
+    with pytest.raises(LocalProtocolError):
+        session.abort("x")  # STANDBY is final: the connection closes
+    with pytest.raises(AssignmentProtocolError, match="unexpected standby message in state IDLE"):
+        PeerMachine(facts(), COORD, "127.0.0.3").receive(encode(Msg.STANDBY, stages=2))
+    accepted_pair, accepted = informed_pair()
+    accepted.receive(accepted_pair.offer(**offer_for(0)))
+    with pytest.raises(AssignmentProtocolError, match="unexpected standby message in state ACCEPTED"):
+        accepted.receive(encode(Msg.STANDBY, stages=2))  # only before an offer
+    with pytest.raises(LocalProtocolError):
+        CoordinatorSession(PEERS[0]).standby(2)  # not queried yet
 
 
 def test_busy_peer_refuses_without_judging():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import collections
 import time
 
 from mlxcel.cluster.exchanges import ExchangeTable
@@ -72,7 +73,7 @@ class Probes:
     """A scripted peer side: each probe is answered by what the test says, when it says."""
 
     def __init__(self):
-        self.pending: dict[PeerId, list] = {A: [], B: []}
+        self.pending: dict[PeerId, list] = collections.defaultdict(list)
         self.sent: list[PeerId] = []
 
     def __call__(self, peer, answered):
@@ -150,3 +151,19 @@ def test_a_failed_probe_of_a_peer_never_up_is_silent():
     mon.beat(0.0)
     probes.answer(A, None, "refused")
     assert events == [] and mon.down() == [A, B]
+
+
+def test_a_replaced_peer_is_watched_at_its_new_address_and_the_old_ones_answers_are_ignored():
+    probes, events = Probes(), []
+    mon = _monitor(probes, events)
+    mon.beat(0.0)
+    probes.answer(B, {"boot_id": "2"})
+    c = PeerId.parse("127.0.0.5:19003")
+    mon.replace(A, c)  # a spare took A's place while A's probe was out
+    assert list(mon.status) == [c, B] and mon.down() == [c]  # in A's place, down until it answers
+    probes.answer(A, {"boot_id": "1"})  # the old address's late answer changes nothing
+    mon.lost(A, "gone")
+    assert mon.down() == [c] and events == [("up", B, False)]
+    mon.beat(1.0)
+    probes.answer(c, {"boot_id": "3"})
+    assert mon.down() == [] and events[-1] == ("up", c, False)

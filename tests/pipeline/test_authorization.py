@@ -278,7 +278,7 @@ def _command(mtype: MsgType, victim: str) -> tuple[dict, dict | None, tuple[int,
 
 
 COMMANDS = [MsgType.PREPARE, MsgType.RUN_ENTRY, MsgType.CANCEL, MsgType.RELEASE, MsgType.BEGIN_DRAIN,
-            MsgType.SHUTDOWN, MsgType.GET_STATE]
+            MsgType.SHUTDOWN, MsgType.GET_STATE, MsgType.RELOCATE]
 
 
 @pytest.mark.parametrize("where", ["rogue", "rogue on the coordinator's port", "the last stage"])
@@ -324,6 +324,45 @@ def test_commands_only_from_the_coordinator(strict, expected, mtype, where):
     finally:
         if rogue is not None:
             rogue.close()
+
+
+@pytest.mark.parametrize("header", [{"node_id": "stage-9", "address": "127.0.0.9:1"},
+                                    {"node_id": "stage-1", "address": "127.0.0.9:1"},
+                                    {"node_id": "stage-0", "address": "0.0.0.0:1"},
+                                    {"node_id": "stage-0", "address": "127.0.0.9"}, {"node_id": "stage-0"}],
+                         ids=["unknown stage", "itself", "unspecified IP", "no port", "no address"])
+def test_relocate_is_checked_and_changes_nothing_when_refused(strict, expected, header):
+    """RELOCATE (docs/pipeline.md §5.7) must name another stage and a numeric ip:port; else bad_request."""
+    with pytest.raises(ExecutorError, match="bad_request.*RELOCATE"):
+        strict.coordinator.command(strict.addr(1), MsgType.RELOCATE, header)
+    assert strict.stages[1].upstream == strict.addr(0)
+    finish_victim(strict, start_victim(strict, expected), expected)
+
+
+def test_relocate_moves_where_activations_come_from_and_go(strict, expected, rogue):
+    """After RELOCATE the last stage takes activations only from the new address, the first sends them there."""
+    try:
+        strict.coordinator.command(strict.addr(1), MsgType.RELOCATE, {"node_id": "stage-0", "address": str(rogue.identity)})
+        strict.coordinator.command(strict.addr(0), MsgType.RELOCATE, {"node_id": "stage-1", "address": str(rogue.identity)})
+        assert strict.stages[1].upstream == rogue.identity and strict.stages[0].downstream == rogue.identity
+        victim = rid("moved")
+        strict.coordinator.prepare(victim, SamplingParams(), 0, PROMPT)
+        ex = strict.coordinator.exchanges.open(EXCHANGE_S, senders=strict.coordinator.stage_addrs)
+        header = {"nonce": ex.nonce, "phase": "prefill", "micro_batch": 0, "request_ids": [strict.coordinator._wire_ids([victim])[0]],
+                  "sample": True}
+        ids = np.array([PROMPT], dtype=np.int32)
+        strict.coordinator.transport.send(strict.addr(0), Kind.TENSOR_DATA,
+                                          encode(MsgType.RUN_ENTRY, header, {"input_ids": ("int32", ids)}))
+        sender, m = rogue.wait_for(lambda p, m: m.type is MsgType.ACTIVATION)  # stage 0 forwards to the new address
+        assert sender == strict.addr(0) and m.nonce == ex.nonce
+        strict.stages[0].transport.send(strict.addr(1), Kind.TENSOR_DATA, encode(MsgType.ACTIVATION, m.header, hidden(1, len(PROMPT))))
+        time.sleep(SETTLE_S)
+        assert strict.tap.about(ex.nonce) == []  # the old upstream's activation is dropped now
+        strict.coordinator.release(victim)
+    finally:
+        for i, j in ((1, 0), (0, 1)):
+            strict.coordinator.command(strict.addr(i), MsgType.RELOCATE, {"node_id": f"stage-{j}", "address": str(strict.addr(j))})
+    finish_victim(strict, start_victim(strict, expected), expected)
 
 
 ACTIVATION_SENDERS = {

@@ -144,7 +144,7 @@ def test_shorter_than_the_envelope(payload):
     assert refused(payload, ErrorCode.BAD_REQUEST).partial is None
 
 
-@pytest.mark.parametrize("mtype", [0, 10, 15, 19, 255])
+@pytest.mark.parametrize("mtype", [0, 11, 15, 19, 255])
 def test_unknown_message_type(mtype):
     refused(envelope(mtype, b"{}"), ErrorCode.BAD_REQUEST)
 
