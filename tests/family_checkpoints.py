@@ -1,4 +1,4 @@
-"""One tiny ``make-random`` checkpoint per family, built once per test session and shared by the family tables.
+"""One tiny ``make-random`` checkpoint per family, built once per test session, and what the family tables share.
 
 ``family_checkpoint`` is a session fixture: ``family_checkpoint("qwen3_next")`` is the path of a 4-layer
 checkpoint of that family (``mlxcel models make-random --family F``: mlx-lm's own classes, the real
@@ -12,17 +12,26 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Iterable
 
+import httpx
 import pytest
 
-#: one family per mechanism, whose rows of the remote family tables (tests/pipeline/test_families_remote.py,
-#: tests/disagg/test_families.py) run real ``mlxcel-server`` processes; the other families' nodes run in
+#: the families whose rows of the remote pipeline table (tests/pipeline/test_families_remote.py) run real
+#: ``mlxcel-server`` processes: one per slicing mechanism; the other families' stages run in
 #: ``tests/node_host.py`` (docs/models.md, "Where each family is tested")
-SERVER_FAMILIES: dict[str, str] = {
+PP_SERVER_FAMILIES: dict[str, str] = {
     "qwen3_next": "linear attention (gated delta net state) beside full attention, MoE",
     "deepseek_v3": "MLA (latent KV cache, array masks), dense leading layer, MoE",
-    "gemma3_text": "gemma: scaled embedding, sliding-window layers (rotating caches)",
+    "gemma3_text": "gemma: scaled embedding, sliding-window layers",
     "kimi_k3": "attention-residual blocks crossing the stage boundary, Kimi Delta Attention, NoPE MLA",
     "gpt_oss": "attention sinks, sliding / full layers, MoE",
+}
+#: the same for the disaggregated table (tests/disagg/test_families.py): one per cache record kind a handoff
+#: carries (docs/disagg.md)
+DI_SERVER_FAMILIES: dict[str, str] = {
+    "qwen3_next": "ArraysCache (linear-attention state) and KVCache",
+    "deepseek_v3": "MLA's latent KVCache",
+    "gemma3_text": "RotatingKVCache (sliding windows) and KVCache",
+    "deepseek_v32": "CacheList (MLA latents and the lightning indexer's keys)",
 }
 
 
@@ -58,3 +67,29 @@ def start_together(clusters: Iterable, start_s: float = 300.0) -> list:
             cluster.stop()
         raise next(e for e in errors if e is not None)
     return clusters
+
+
+def text_of(model_dir: Path, tokens: list[int]) -> str:
+    """The text the server's detokenizer makes of ``tokens``."""
+    from mlxcel.models.loading import load_checkpoint
+
+    detok = load_checkpoint(model_dir, lazy=True).tokenizer.detokenizer
+    for t in tokens:
+        detok.add_token(t)
+    detok.finalize()
+    return detok.text
+
+
+def completion(url: str, prompt: tuple[int, ...], n: int) -> str:
+    """The text of ``n`` greedy tokens (no EOS stop) from the OpenAI completions endpoint at ``url``."""
+    body = {"model": "tiny", "prompt": list(prompt), "max_tokens": n, "temperature": 0, "ignore_eos": True}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def concurrent_completions(url: str, prompts: Iterable[tuple[int, ...]], n: int) -> list[str]:
+    """Every prompt at once (batched together on the nodes): the texts, in prompt order."""
+    prompts = list(prompts)
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda p: completion(url, p, n), prompts))

@@ -78,7 +78,8 @@ def serve(command_lines: list[list[str]]) -> int:
 def first_line(proc: subprocess.Popen, timeout: float) -> str:
     """The first line the process prints on stdout, or "" if none comes within ``timeout``."""
     got: list[str] = []
-    reader = threading.Thread(target=lambda: got.append(proc.stdout.readline()), daemon=True)  # type: ignore[union-attr]
+    assert proc.stdout is not None
+    reader = threading.Thread(target=lambda: got.append(proc.stdout.readline()), daemon=True)
     reader.start()
     reader.join(timeout)
     return got[0].strip() if got else ""

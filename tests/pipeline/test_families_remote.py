@@ -7,9 +7,9 @@ that TOML (``-m DIR --distributed-config TOML --node-id ID``). Each row: two con
 (batched into one decode micro-batch on the stages) give the token ids of an in-process pipeline of
 the same split (``InProcessPipeline``, what ``mlxcel generate --pp-size 2`` runs), and one device's.
 
-- The representative families (``SERVER_FAMILIES``: one per mechanism) run as real processes: three
-  ``mlxcel-server`` processes each, every family's cluster started at once, asked through the OpenAI
-  API (the texts of those tokens).
+- The representative families (``PP_SERVER_FAMILIES``: one per slicing mechanism) run as real
+  processes: three ``mlxcel-server`` processes each, every family's cluster started at once, asked
+  through the OpenAI API (the texts of those tokens).
 - The other families' stages run grouped, not started per family: one process hosts stage 0 of each
   and another stage 1 (``tests/node_host.py``: the same flag parsing, preflight and role loading as
   ``mlxcel-server``, without its /health port and signals), and each family's coordinator is the
@@ -20,16 +20,15 @@ the same split (``InProcessPipeline``, what ``mlxcel generate --pp-size 2`` runs
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import pytest
 
 from mlxcel.config import RANDOM_FAMILIES
 from mlxcel.engine.interface import EngineRequest
 from mlxcel.engine.sampling import SamplingParams
-from tests.family_checkpoints import SERVER_FAMILIES, family_checkpoint, start_together  # noqa: F401  (fixture)
+from tests.family_checkpoints import (PP_SERVER_FAMILIES, concurrent_completions, family_checkpoint,  # noqa: F401
+                                      start_together, text_of)
 from tests.node_host import node_hosts, server_args
 from tests.pipeline.cluster import COORDINATOR_HOST, STAGE_HOSTS, LocalCluster, free_port, write_secret
 from tests.engine.fakes import collect_tokens
@@ -51,7 +50,7 @@ def sliced_families() -> list[str]:
 
 
 FAMILIES = sliced_families()
-HOSTED = [f for f in FAMILIES if f not in SERVER_FAMILIES]
+HOSTED = [f for f in FAMILIES if f not in PP_SERVER_FAMILIES]
 
 
 def test_every_random_family_slices():
@@ -102,8 +101,8 @@ def remote_tokens(toml: Path, model_dir: Path) -> list[list[int]]:
 
     args = server_args(command_line(model_dir, toml, "coordinator", *COORDINATOR_FLAGS))
     server = server_config(args)
-    engine = coordinator_factory(cluster_node(args, server.model))(None, load_checkpoint(model_dir, lazy=True).tokenizer,
-                                                                   2048, server)
+    tokenizer = load_checkpoint(model_dir, lazy=True).tokenizer
+    engine = coordinator_factory(cluster_node(args, server.model))(None, tokenizer, 2048, server)
 
     async def both() -> list[list[int]]:
         streams = [engine.submit(EngineRequest(p, SamplingParams(max_tokens=N), ignore_eos=True, request_id=f"r{i}"))
@@ -141,45 +140,22 @@ def test_a_remote_two_stage_pipeline_gives_the_in_process_tokens(family, tomls, 
     assert in_process == [in_process_tokens(path, p, whole=True) for p in PROMPTS]  # and one device's
 
 
-def text_of(model_dir: Path, tokens: list[int]) -> str:
-    from mlxcel.models.loading import load_checkpoint
-
-    detok = load_checkpoint(model_dir, lazy=True).tokenizer.detokenizer
-    for t in tokens:
-        detok.add_token(t)
-    detok.finalize()
-    return detok.text
-
-
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory, family_checkpoint):  # noqa: F811
     """Every representative family as three ``mlxcel-server`` processes (two stages, a coordinator), all
     families' clusters started at once."""
     clusters = start_together(LocalCluster(tmp_path_factory.mktemp(f"pp-server-{f}"), family_checkpoint(f),
-                                           coordinator_flags=COORDINATOR_FLAGS) for f in SERVER_FAMILIES)
+                                           coordinator_flags=COORDINATOR_FLAGS) for f in PP_SERVER_FAMILIES)
     try:
-        yield dict(zip(SERVER_FAMILIES, clusters))
+        yield dict(zip(PP_SERVER_FAMILIES, clusters))
     finally:
         for cluster in clusters:
             cluster.stop()
 
 
-def completion(url: str, prompt: tuple[int, ...]) -> str:
-    body = {"model": "tiny", "prompt": list(prompt), "max_tokens": N, "temperature": 0, "ignore_eos": True}
-    r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
-    assert r.status_code == 200, r.text
-    return r.json()["choices"][0]["text"]
-
-
-def concurrent_completions(url: str) -> list[str]:
-    """Both prompts at once (batched together on the nodes): the texts, in prompt order."""
-    with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        return list(pool.map(lambda p: completion(url, p), PROMPTS))
-
-
-@pytest.mark.parametrize("family", SERVER_FAMILIES)
+@pytest.mark.parametrize("family", PP_SERVER_FAMILIES)
 def test_mlxcel_server_processes_give_the_in_process_tokens(family, servers, family_checkpoint):  # noqa: F811
     path = family_checkpoint(family)
     in_process = [in_process_tokens(path, p) for p in PROMPTS]
-    assert concurrent_completions(servers[family].url) == [text_of(path, tokens) for tokens in in_process]
+    assert concurrent_completions(servers[family].url, PROMPTS, N) == [text_of(path, tokens) for tokens in in_process]
     assert in_process == [in_process_tokens(path, p, whole=True) for p in PROMPTS]  # and one device's
