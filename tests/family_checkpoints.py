@@ -35,16 +35,27 @@ DI_SERVER_FAMILIES: dict[str, str] = {
 }
 
 
+# gemma-4 E2B/E4B's shape: per-layer inputs (P = 8) and a KV-shared last layer, which reads layer 2's sliding KV
+GEMMA4_E2B = {"hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": 320, "num_kv_shared_layers": 1,
+              "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+              "enable_moe_block": False, "attention_k_eq_v": False}
+#: checkpoints of a family in another shape than make-random's: name -> (family, config.json overrides)
+VARIANTS: dict[str, tuple[str, dict]] = {"gemma4_text_e2b": ("gemma4_text", GEMMA4_E2B)}
+
+
 @pytest.fixture(scope="session")
 def family_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """``get(name)``: the checkpoint of a make-random family, or of one of ``VARIANTS``."""
     from mlxcel.models.random_checkpoint import make_random_checkpoint
 
     made: dict[str, Path] = {}
 
-    def get(family: str) -> Path:
-        if family not in made:
-            made[family] = make_random_checkpoint(tmp_path_factory.mktemp(f"family-{family}"), family=family, layers=4)
-        return made[family]
+    def get(name: str) -> Path:
+        if name not in made:
+            family, overrides = VARIANTS.get(name, (name, {}))
+            made[name] = make_random_checkpoint(tmp_path_factory.mktemp(f"family-{name}"), family=family, layers=4,
+                                                overrides=overrides)
+        return made[name]
 
     return get
 

@@ -24,6 +24,7 @@ from mlxcel.engine.model_slice import FAMILIES, ModelSlice, family_of
 from mlxcel.models.loading import load_checkpoint
 from mlxcel.models.random_checkpoint import RANDOM_FAMILIES, make_random_checkpoint
 from mlxcel.topology.partition import layer_costs, plan_stages
+from tests.family_checkpoints import family_checkpoint  # noqa: F401  (fixture)
 
 KV, ROT, SSM, CL = KVCache, RotatingKVCache, ArraysCache, CacheList
 # family (model_type) -> the cache type of each of its 4 layers
@@ -174,16 +175,9 @@ def test_deepseek_v3_needs_array_masks(checkpoints):
         whole(mx.array([PROMPT[0]]))
 
 
-# gemma-4 E2B/E4B's shape: per-layer inputs (P = 8) and a KV-shared last layer, which reads layer 2's sliding KV
-GEMMA4_E2B = {"hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": 320, "num_kv_shared_layers": 1,
-              "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
-              "enable_moe_block": False, "attention_k_eq_v": False}
-
-
 @pytest.fixture(scope="module")
-def gemma4_e2b(tmp_path_factory) -> Path:
-    return make_random_checkpoint(tmp_path_factory.mktemp("gemma4-e2b"), family="gemma4_text", layers=4,
-                                  overrides=GEMMA4_E2B)
+def gemma4_e2b(family_checkpoint) -> Path:  # noqa: F811
+    return family_checkpoint("gemma4_text_e2b")
 
 
 @pytest.mark.parametrize("ranges", [[(0, 2), (2, 4)], [(0, 1), (1, 2), (2, 4)]])
