@@ -277,7 +277,6 @@ def layer_costs(model_dir: str | Path, *, context: int = 0, rows: int = 1) -> St
     config = _config(model_dir)
     if config is None:
         return costs
-    costs = replace(costs, **dict(zip(("joined", "joined_why"), joined_boundaries(config))))
     return priced_by_kind(costs, config, [experts.get(i, 0) for i in range(len(layers))],
                           context=context, rows=rows, itemsize=itemsize)
 
@@ -308,7 +307,9 @@ def joined_boundaries(config: dict) -> tuple[frozenset[int], str]:
 def priced_by_kind(costs: StageCosts, config: dict, expert_bytes: Sequence[int], *, context: int = 0,
                    rows: int = 1, itemsize: int = 2) -> StageCosts:
     """``costs`` with each layer's step bytes and cache from its kind (``layer_kinds(config)``), given
-    the bytes of its routed-expert tensors."""
+    the bytes of its routed-expert tensors, and the split points the model forbids (``joined_boundaries``)."""
+    joined, why = joined_boundaries(config)
+    costs = replace(costs, joined=joined, joined_why=why)
     try:
         kinds = layer_kinds(config)
     except (KeyError, TypeError, ValueError) as exc:
