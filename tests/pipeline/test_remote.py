@@ -41,7 +41,9 @@ def remote_tokens(url: str, prompt: list[int], n: int) -> str:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, tiny_llama):
     # 10 ms per stage step: slow enough that a long request is still running when a test looks at it
-    c = LocalCluster(tmp_path_factory.mktemp("pp"), tiny_llama, stage_delay=0.01).start()
+    # micro-batches spread over the stages (a CPU coordinator would fill one first): they overlap
+    c = LocalCluster(tmp_path_factory.mktemp("pp"), tiny_llama, stage_delay=0.01,
+                     pipeline="micro_batch_fill = false").start()
     yield c
     c.stop()
 
