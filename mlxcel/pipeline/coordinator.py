@@ -475,7 +475,8 @@ def fill_micro_batches(cluster: ClusterConfig) -> bool:
     """Whether decode rows fill one micro-batch before the next (docs/pipeline.md §3.9): as configured,
     else on a CPU. There a step costs about the same for 2 rows as for 4 (the weights are read either
     way) and the stages share the host's cores, so splitting 4 streams into two micro-batches doubled
-    the work per token instead of overlapping it (0.45-0.6x the single node under load, 1.0x+ filled)."""
+    the work per token instead of overlapping it (4 streams, loaded box: 0.61x the single node spread,
+    0.95x filled in the same run; docs/benchmarks.md)."""
     if cluster.micro_batch_fill is not None:
         return cluster.micro_batch_fill
     return mx.default_device().type == mx.DeviceType.cpu
