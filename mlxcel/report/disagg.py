@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from mlxcel.report.tables import same_prompts, spread
+from mlxcel.report.tables import same_prompts, spread, spreads
 
 SINGLE = "hybrid"  # the topology every other one is held against
 
@@ -70,9 +70,7 @@ def handoff_summary(df: pd.DataFrame) -> pd.DataFrame:
     df = df.assign(**{c: _column(df, c) for c in ("handoff_bytes", "handoff_ms", "handoff_gib_s", "prefill_ms")})
     keys = ["session", "machine", "target_prompt_tokens"]
     by = [*keys, "topology"]
-    out = spread(df, by, "ttft_ms")
-    for value in ("handoff_ms", "handoff_gib_s"):
-        out = out.merge(spread(df, by, value), on=by, how="left")
+    out = spreads(df, by, ("ttft_ms", "handoff_ms", "handoff_gib_s"))
     g = df.groupby(by, sort=False, dropna=False)
     extra = pd.DataFrame({
         "prompt_tokens": g["prompt_tokens"].median(), "e2e_ms_median": g["e2e_ms"].median(),
@@ -97,9 +95,7 @@ def serve_summary(df: pd.DataFrame) -> pd.DataFrame:
                    **{c: _column(df, c) for c in ("handoff_bytes_mean", "handoff_ms_mean", "long_tokens")})
     keys = ["session", "machine", "prompt", "max_tokens", "concurrency"]
     by = [*keys, "topology"]
-    out = spread(df, by, "ttft_p50_ms")
-    for value in ("itl_p50_ms", "agg_tps", "handoff_ms_mean"):
-        out = out.merge(spread(df, by, value), on=by, how="left")
+    out = spreads(df, by, ("ttft_p50_ms", "itl_p50_ms", "agg_tps", "handoff_ms_mean"))
     g = df.groupby(by, sort=False, dropna=False)
     extra = pd.DataFrame({
         "ttft_p95_ms_median": g["ttft_p95_ms"].median(), "itl_p95_ms_median": g["itl_p95_ms"].median(),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import io
 from dataclasses import dataclass
+from typing import Any
 
 import pandas as pd
 from matplotlib.figure import Figure
@@ -79,13 +80,18 @@ def frame_plot(df: pd.DataFrame, title: str) -> Plot:
     ax_bw.set_ylabel("one-way bandwidth at p50 (GiB/s)")
     ax_bw.set_title("bandwidth vs payload")
     ax_bw.legend(fontsize=8)
-    ax_ov.axhline(1.0, color="#7f7f7f", linewidth=1, linestyle="--")
-    ax_ov.set_ylabel("p50 latency / unprotected p50 (x)")
-    ax_ov.set_title("protection overhead ratio")
-    if ax_ov.lines[1:]:
-        ax_ov.legend(fontsize=8)
+    _overhead_axis(ax_ov, "p50 latency / unprotected p50 (x)")
     fig.suptitle(title, fontsize=11)
     return _render(fig, title, f"Frame latency, bandwidth and overhead against payload size: {title}")
+
+
+def _overhead_axis(ax: Any, ylabel: str) -> None:
+    """The protection overhead panel: a ratio to unprotected, 1.0 marked; a legend once a protected line is drawn."""
+    ax.axhline(1.0, color="#7f7f7f", linewidth=1, linestyle="--")
+    ax.set_ylabel(ylabel)
+    ax.set_title("protection overhead ratio")
+    if ax.lines[1:]:
+        ax.legend(fontsize=8)
 
 
 def decode_plot(cmp: pd.DataFrame) -> Plot:
@@ -246,10 +252,6 @@ def handoff_frames_plot(df: pd.DataFrame, title: str) -> Plot:
     ax_bw.set_ylabel("handoff throughput at p50 (GiB/s)")
     ax_bw.set_title("handoff GiB/s, protected and unprotected")
     ax_bw.legend(fontsize=8)
-    ax_ov.axhline(1.0, color="#7f7f7f", linewidth=1, linestyle="--")
-    ax_ov.set_ylabel("protected p50 / unprotected p50 (x)")
-    ax_ov.set_title("protection overhead ratio")
-    if ax_ov.lines[1:]:
-        ax_ov.legend(fontsize=8)
+    _overhead_axis(ax_ov, "protected p50 / unprotected p50 (x)")
     fig.suptitle(title, fontsize=11)
     return _render(fig, title, f"KV handoff throughput and protection overhead against size: {title}")

@@ -29,6 +29,14 @@ def spread(df: pd.DataFrame, keys: list[str], value: str, prefix: str | None = N
     return g.agg(**{f"{p}_median": "median", f"{p}_min": "min", f"{p}_max": "max", f"{p}_n": "count"}).reset_index()
 
 
+def spreads(df: pd.DataFrame, keys: list[str], values: tuple[str, ...]) -> pd.DataFrame:
+    """``spread`` of each of ``values`` per ``keys`` group, side by side."""
+    out = spread(df, keys, values[0])
+    for value in values[1:]:
+        out = out.merge(spread(df, keys, value), on=keys, how="left")
+    return out
+
+
 def all_rows(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
     """Every row of every table, with its bench, session, machine and environment columns only."""
     frames = []
@@ -216,9 +224,7 @@ def serve_summary(df: pd.DataFrame) -> pd.DataFrame:
     df = df.copy()
     df["arrival"] = df["arrival"].fillna("herd")
     keys = ["session", "machine", "server", "arrival", "max_tokens", "concurrency"]
-    out = spread(df, keys, "ttft_p50_ms")
-    for value in ("itl_p50_ms", "agg_tps"):
-        out = out.merge(spread(df, keys, value), on=keys, how="left")
+    out = spreads(df, keys, ("ttft_p50_ms", "itl_p50_ms", "agg_tps"))
     g = df.groupby(keys, sort=False, dropna=False)
     extra = pd.DataFrame({
         "ttft_p95_ms_median": g["ttft_p95_ms"].median(), "itl_p95_ms_median": g["itl_p95_ms"].median(),
