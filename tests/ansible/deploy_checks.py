@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 
 import openai
 
@@ -46,3 +47,35 @@ def assert_redeploy_changes_nothing(deployment: Deployment, *args: str, nodes: t
         {f"local-{n}": 0 for n in nodes}, result.output[-4000:]
     assert pids == pids_of(deployment, nodes)  # nothing restarted
     print(f"re-run: {result.seconds:.1f} s")
+
+
+class StreamingLoad:
+    """``streams`` clients, each streaming one greedy chat completion after another until stopped."""
+
+    def __init__(self, deployment: Deployment, key: str, streams: int):
+        self.client = openai.OpenAI(base_url=f"{deployment.url}/v1", api_key=key, max_retries=0, timeout=120)
+        self.model = self.client.models.list().data[0].id
+        self.streams, self.stopping = streams, False
+        self.completed, self.failures, self.answers = 0, [], []  # type: ignore[var-annotated]
+        self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(streams)]
+
+    def start(self) -> None:
+        for thread in self.threads:
+            thread.start()
+
+    def stop(self) -> None:
+        self.stopping = True
+        for thread in self.threads:
+            thread.join(timeout=120)
+
+    def _run(self) -> None:
+        while not self.stopping:
+            try:
+                stream = self.client.chat.completions.create(
+                    model=self.model, max_tokens=12, temperature=0, stream=True,
+                    messages=[{"role": "user", "content": "Name three colours."}])
+                text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+                self.answers.append(text)
+                self.completed += 1
+            except Exception as exc:  # noqa: BLE001 - every failure counts
+                self.failures.append(f"{type(exc).__name__}: {exc}")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 import time
 from typing import Iterator
 
@@ -20,7 +19,7 @@ import pytest
 
 from mlxcel.topology.cluster_config import load_cluster_config
 
-from tests.ansible.deploy_checks import (argv_of, assert_redeploy_changes_nothing, flag, greedy_answer,
+from tests.ansible.deploy_checks import (StreamingLoad, argv_of, assert_redeploy_changes_nothing, flag, greedy_answer,
                                          layer_threads, pids_of)
 from tests.ansible.playbook import HOSTS, REPO, SPARE_ADDRESS, Deployment
 from tests.server.util import ServerProcess
@@ -146,7 +145,7 @@ def test_disagg_rolling_restart_of_the_decode_nodes_under_load_fails_nothing(dep
     decodes = ("decode-0", "decode-1")
     pids = pids_of(deployment, decodes)
     others = pids_of(deployment, ("router", "prefill-0"))
-    load = _Load(deployment, key, streams=2)
+    load = StreamingLoad(deployment, key, streams=2)
     load.start()
     try:
         wait_until = time.monotonic() + 60
@@ -182,38 +181,6 @@ def _roll_order(output: str) -> list[str]:
     order = [host for kind, host in events if kind == "idle"]
     assert events == [(kind, host) for host in order for kind in ("idle", "restart")], events
     return order
-
-
-class _Load:
-    """``streams`` clients, each streaming one greedy chat completion after another until stopped."""
-
-    def __init__(self, deployment: Deployment, key: str, streams: int):
-        self.client = openai.OpenAI(base_url=f"{deployment.url}/v1", api_key=key, max_retries=0, timeout=120)
-        self.model = self.client.models.list().data[0].id
-        self.streams, self.stopping = streams, False
-        self.completed, self.failures, self.answers = 0, [], []  # type: ignore[var-annotated]
-        self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(streams)]
-
-    def start(self) -> None:
-        for thread in self.threads:
-            thread.start()
-
-    def stop(self) -> None:
-        self.stopping = True
-        for thread in self.threads:
-            thread.join(timeout=120)
-
-    def _run(self) -> None:
-        while not self.stopping:
-            try:
-                stream = self.client.chat.completions.create(
-                    model=self.model, max_tokens=12, temperature=0, stream=True,
-                    messages=[{"role": "user", "content": "Name three colours."}])
-                text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
-                self.answers.append(text)
-                self.completed += 1
-            except Exception as exc:  # noqa: BLE001 - every failure counts
-                self.failures.append(f"{type(exc).__name__}: {exc}")
 
 
 def test_disagg_teardown_leaves_no_process(deployment: Deployment, disagg: str) -> None:
