@@ -41,6 +41,7 @@ class Counts:
     hung: int = 0
     truncated: int = 0
     resumed: int = 0  # from the server's /metrics (mlxcel_resumed_requests_total) after the run
+    held: int = 0  # from /metrics (mlxcel_requests_held_total): new requests that waited for a stage to be back
     problems: list[str] = field(default_factory=list)  # what each truncated/hung request looked like
     events: list[dict] = field(default_factory=list)  # chaos actions: node, action, seconds to serving again
 

@@ -1,11 +1,13 @@
 """Chaos: 4 streams of bounded load for about 60 s while a loop kills, freezes or restarts a random node.
 
-Two clusters of tiny random checkpoints on loopback addresses: a pipeline (coordinator + 2 stages) and
-a disaggregated one (router + 2 prefill + 2 decode nodes). A killed or restarted node is started again
-at once by the test with the same command line (a supervisor's job; issue 25 item 1). Counted
-(``tests/chaos/harness.py``): requests started, completed (whole, and equal to the undisturbed run,
-greedy, token for token), resumed (/metrics), failed with a clean error, hung (must be 0) and silently
-truncated (must be 0); with a second node of every role (disaggregated) at least 99% complete. The
+Two clusters of tiny random checkpoints on loopback addresses: a pipeline with a spare (``--pp-auto 2
+--pp-spare 1`` over three ``--pp-peer`` processes, ``tests/chaos/spare_cluster.py``) and a
+disaggregated one (router + 2 prefill + 2 decode nodes). A killed or restarted node is started again
+at once by the test with the same command line (a supervisor's job; issue 25 item 1), except the
+first stage killed, which the spare takes over. Counted (``tests/chaos/harness.py``): requests
+started, completed (whole, and equal to the undisturbed run, greedy, token for token), resumed and
+held (/metrics), failed with a clean error, hung (must be 0) and silently truncated (must be 0); at
+least 99% complete on both clusters (issue 25 item 6). The
 counts and the seconds from each kill to serving again go to ``$MLXCEL_CHAOS_OUT/<name>.json`` when
 set (docs/benchmarks.md records a run).
 """
@@ -22,7 +24,6 @@ import pytest
 from tests.chaos.harness import Chaos, Counts, Load, Target
 from tests.chaos.spare_cluster import SpareCluster
 from tests.disagg.cluster import DisaggCluster
-from tests.pipeline.cluster import LocalCluster
 from tests.server.util import metrics
 
 pytestmark = [pytest.mark.proc, pytest.mark.timeout(900)]
@@ -53,13 +54,15 @@ def undisturbed(url: str) -> list[str]:
 
 def run_chaos(name: str, url: str, targets: list[Target], healthy, tmp_path: Path) -> Counts:
     expected = undisturbed(url)
-    resumed_before = metrics(url).get("mlxcel_resumed_requests_total", 0)
+    before = metrics(url)
     load = Load(url, PROMPTS, expected, max_tokens=MAX_TOKENS, pause_s=0.5).start()
     try:
         Chaos(targets, healthy, load.counts, duration=DURATION_S).run()
     finally:
         counts = load.stop()
-    counts.resumed = int(metrics(url)["mlxcel_resumed_requests_total"] - resumed_before)
+    after = metrics(url)
+    counts.resumed, counts.held = (int(after.get(name, 0) - before.get(name, 0))
+                                   for name in ("mlxcel_resumed_requests_total", "mlxcel_requests_held_total"))
     summary = counts.summary()
     out = Path(os.environ.get("MLXCEL_CHAOS_OUT") or tmp_path)
     out.mkdir(parents=True, exist_ok=True)
@@ -72,38 +75,15 @@ def run_chaos(name: str, url: str, targets: list[Target], healthy, tmp_path: Pat
     return counts
 
 
-def test_chaos_pipeline_two_stages(tmp_path, tiny_llama):
-    c = LocalCluster(tmp_path, tiny_llama).start()
-    try:
-        targets = [Target(f"stage-{i}", pid=lambda i=i: c.stages[i].proc.pid, start=lambda i=i: c.start_stage(i),
-                          stop=lambda sig, i=i: c.stages[i].stop(sig)) for i in range(2)]
-
-        def healthy() -> bool:
-            try:
-                return c.coordinator.health().status_code == 200
-            except httpx.TransportError:
-                return False
-
-        counts = run_chaos("pipeline", c.url, targets, healthy, tmp_path)
-        assert counts.completed > 0
-        if any(e["action"] == "kill" for e in counts.events):  # a killed stage had requests in flight
-            assert counts.resumed >= 1, counts.summary()
-    finally:
-        c.stop()
-
-
-@pytest.mark.skipif(os.environ.get("MLXCEL_CHAOS_SPARE") != "1",
-                    reason="opt-in (MLXCEL_CHAOS_SPARE=1): about 80 s more than the suite's budget allows")
 def test_chaos_pipeline_two_stages_and_a_spare(tmp_path, tiny_llama):
     """--pp-auto 2 --pp-spare 1: the first killed stage is left dead and the spare takes it over; later
-    ones are started again from their TOML (the supervisor's job). New requests that arrive while a stage
-    is down are refused with 503 (docs/pipeline.md §5.6), so the completed share stays below the 99% a
-    second node of every role reaches; what is asserted: 0 hung, 0 truncated, every request completed
-    whole or failed clean, and the spare took the killed stage over."""
+    ones are started again from their TOML (the supervisor's job). Requests in flight at a failure are
+    resumed, and new ones that arrive while a stage is down are held until it is back (docs/pipeline.md
+    §5.6): at least 99% complete, 0 hung, 0 truncated, and the spare took the killed stage over."""
     c = SpareCluster(tmp_path, tiny_llama).start()
     try:
         counts = run_chaos("pipeline-spare", c.url, c.targets(), c.healthy, tmp_path)
-        assert counts.completed > 0
+        assert counts.completed >= 0.99 * counts.started, counts.summary()
         kills = [e for e in counts.events if e["action"] == "kill"]
         if kills:
             assert c.spare is None, "the spare took no stage over"
