@@ -25,7 +25,9 @@ over its level. ``--long`` replaces serve_bench's stock prompts with ones of abo
 ``encode_chunks``, one transport stream) to the decode side's real ``HandoffDecoder`` until
 ``result()``; timed end to end, AES-256-GCM against the unprotected suite in alternating rounds.
 
-Rows go to ``--out``/disagg_bench.jsonl (with the environment) and a CSV beside it.
+Rows go to ``--out``/disagg_bench.jsonl (with the environment) and a CSV beside it; each row records
+the host's 1-minute load average when it was measured (``load_1m``: other jobs on a shared box and
+this benchmark's own processes).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from typing import Any
 
 import httpx
 
-from bench.environment import write_jsonl
+from bench.environment import load_1m, write_jsonl
 
 ROUTER_IP, HYBRID_IP = "127.0.0.70", "127.0.0.69"
 PREFILL_IPS = ("127.0.0.71", "127.0.0.72")
@@ -181,7 +183,7 @@ def run_handoff(args: argparse.Namespace, secret: Path, common: list[str]) -> li
                     before = router_metrics(url) if topo != "hybrid" else {}
                     got = stream_once(url, long_prompt(length, f"h{length}-{rep}"), args.max_tokens)
                     row: dict[str, Any] = {"bench": "disagg_handoff", "topology": topo, "target_prompt_tokens": length,
-                                           "repeat": rep, "order": position, **got}
+                                           "repeat": rep, "order": position, **got, "load_1m": load_1m()}
                     if topo != "hybrid":
                         after = router_metrics(url)
                         d = {k: after.get(f"router_{k}", 0) - before.get(f"router_{k}", 0)
@@ -221,7 +223,8 @@ def run_serve(args: argparse.Namespace, secret: Path, common: list[str]) -> list
                     before = router_metrics(url)
                     row = {**serve_bench.bench_level(topo, url, "bench", n, sb_args, tag=f"r{rnd}-c{n}"),
                            "round": rnd, "order": order, "bench": "disagg_serve", "topology": topo,
-                           "prompt": "long" if args.long else "short"}
+                           "prompt": "long" if args.long else "short", "load_1m": load_1m(),
+                           "long_tokens": args.long_tokens if args.long else None}
                     after = router_metrics(url)
                     if after:
                         d = {k: after.get(f"router_{k}", 0) - before.get(f"router_{k}", 0)
@@ -308,7 +311,7 @@ def run_frames(args: argparse.Namespace) -> list[dict[str, Any]]:
                        "tensor_bytes": nbytes, "repeats": len(samples), "p50_ms": round(p50 * 1000, 3),
                        "p95_ms": round(percentile(samples, 95) * 1000, 3),
                        "gib_s": round(nbytes / p50 / 2**30, 3), "vs_unprotected": round(p50 / base, 3),
-                       "cpus": os.cpu_count()}
+                       "cpus": os.cpu_count(), "load_1m": load_1m()}
                 print("disagg_bench:", row, file=sys.stderr, flush=True)
                 rows.append(row)
     finally:

@@ -165,6 +165,11 @@ def environment() -> dict[str, Any]:
     return env
 
 
+def load_1m() -> float | None:
+    """The host's 1-minute load average (other jobs on a shared box, and this benchmark's own processes)."""
+    return round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
+
+
 def write_jsonl(path: str | os.PathLike[str], rows: Iterable[dict[str, Any]]) -> Path:
     """Append rows to a JSONL file, each with the environment under "env"; returns the path."""
     out = Path(path)

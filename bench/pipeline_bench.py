@@ -61,7 +61,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, TextIO
 
-from bench.environment import write_jsonl
+from bench.environment import load_1m as host_load, write_jsonl
 from bench.stats import percentile
 
 DEFAULT_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
@@ -304,7 +304,7 @@ def measure(args: argparse.Namespace, run: Callable, driver: "RemoteDriver | Non
     states = driver.states() if driver else []
     wire0 = driver.wire(states) if driver else None
     stage0 = [proc_cpu_s(p) for p in args.stage_pids]
-    load_1m = os.getloadavg()[0] if hasattr(os, "getloadavg") else None  # how busy the host was
+    load_1m = host_load()  # how busy the host was
     cpu0, wall0 = self_cpu_s(), time.perf_counter()
     tokens, gaps = run(args.tokens, timeline)
     wall, cpu = time.perf_counter() - wall0, self_cpu_s() - cpu0

@@ -43,7 +43,7 @@ from typing import Any
 
 import httpx
 
-from bench.environment import write_jsonl
+from bench.environment import load_1m, write_jsonl
 from bench.stats import percentile
 
 PROMPTS = [
@@ -365,7 +365,8 @@ def run_side_by_side(servers: dict[str, tuple[str, str]], args: argparse.Namespa
         for j, n in enumerate(args.concurrency):
             for order, label in enumerate(level_order(labels, rnd, j)):
                 url, name = servers[label]
-                row = {**bench_level(label, url, name, n, args, tag=f"r{rnd}-c{n}"), "round": rnd, "order": order}
+                row = {**bench_level(label, url, name, n, args, tag=f"r{rnd}-c{n}"), "round": rnd, "order": order,
+                       "load_1m": load_1m()}  # the host's load after the level: other jobs on a shared box
                 print(format_row(row, args.rounds), file=sys.stderr, flush=True)
                 rows.append(row)
     return rows

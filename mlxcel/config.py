@@ -7,6 +7,7 @@ any other mlxcel module, so every layer can import it.
 from __future__ import annotations
 
 import argparse
+from typing import Callable
 
 # Checkpoints
 DEFAULT_MODEL_DIR = "models/smollm2-135m-instruct"
@@ -85,20 +86,32 @@ def seconds(text: str) -> float:
     return value
 
 
-def resume_count(text: str) -> int:
-    """argparse type: ``--max-resumes``, 0 to MAX_RESUMES."""
-    value = non_negative_int(text)
-    if value > MAX_RESUMES:
-        raise argparse.ArgumentTypeError(f"must be at most {MAX_RESUMES}, got {value}")
-    return value
+def count_up_to(limit: int, unit: str = "") -> Callable[[str], int]:
+    """An argparse type: an integer from 0 to ``limit`` (``unit`` names what it counts in the error)."""
+
+    def parse(text: str) -> int:
+        value = non_negative_int(text)
+        if value > limit:
+            raise argparse.ArgumentTypeError(f"must be at most {limit}{unit}, got {value}")
+        return value
+
+    return parse
 
 
-def resume_seconds(text: str) -> float:
-    """argparse type: ``--resume-timeout``, > 0 to MAX_RESUME_TIMEOUT_S seconds."""
-    value = seconds(text)
-    if value > MAX_RESUME_TIMEOUT_S:
-        raise argparse.ArgumentTypeError(f"must be at most {MAX_RESUME_TIMEOUT_S:g} seconds, got {text}")
-    return value
+def seconds_up_to(limit: float) -> Callable[[str], float]:
+    """An argparse type: seconds above 0 and at most ``limit``."""
+
+    def parse(text: str) -> float:
+        value = seconds(text)
+        if value > limit:
+            raise argparse.ArgumentTypeError(f"must be at most {limit:g} seconds, got {text}")
+        return value
+
+    return parse
+
+
+resume_count = count_up_to(MAX_RESUMES)  # --max-resumes
+resume_seconds = seconds_up_to(MAX_RESUME_TIMEOUT_S)  # --resume-timeout
 
 
 # Node supervisor (``mlxcel node``, the pidfile mode of the Ansible role)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mlxcel.cluster.identity import PeerId
-from mlxcel.config import DEFAULT_RESUME_TIMEOUT_S, non_negative_int, seconds
+from mlxcel.config import DEFAULT_RESUME_TIMEOUT_S, count_up_to, seconds_up_to
 from mlxcel.errors import CLIError
 
 from .wire import (
@@ -71,20 +71,8 @@ def _get(args: argparse.Namespace, name: str, default: object = None) -> object:
     return getattr(args, name, default)
 
 
-def spare_count(text: str) -> int:
-    """argparse type: ``--pp-spare``, 0 to MAX_SPARES."""
-    value = non_negative_int(text)
-    if value > MAX_SPARES:
-        raise argparse.ArgumentTypeError(f"must be at most {MAX_SPARES} spare peers, got {value}")
-    return value
-
-
-def spare_seconds(text: str) -> float:
-    """argparse type: ``--pp-spare-after``, > 0 to MAX_SPARE_AFTER_S seconds."""
-    value = seconds(text)
-    if value > MAX_SPARE_AFTER_S:
-        raise argparse.ArgumentTypeError(f"must be at most {MAX_SPARE_AFTER_S:g} seconds, got {text}")
-    return value
+spare_count = count_up_to(MAX_SPARES, " spare peers")  # --pp-spare
+spare_seconds = seconds_up_to(MAX_SPARE_AFTER_S)  # --pp-spare-after
 
 
 def _check_spare_flags(args: argparse.Namespace) -> None:

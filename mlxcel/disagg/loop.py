@@ -36,9 +36,22 @@ class LoopThread:
             pass
 
     def close(self) -> None:
+        """Cancel what still runs on the loop (a service's endless keepalive, say), then stop and close it."""
         if self.loop.is_closed():
             return
+        if threading.current_thread() is not self._thread:
+            try:
+                self.submit(_cancel_the_others()).result(2.0)
+            except (concurrent.futures.TimeoutError, RuntimeError):
+                pass  # stopping below still ends the loop
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(5.0)
         if not self.loop.is_running():
             self.loop.close()
+
+
+async def _cancel_the_others() -> None:
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)

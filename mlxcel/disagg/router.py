@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -50,6 +51,7 @@ from mlxcel.cluster.outbox import Outbox
 
 log = logging.getLogger("mlxcel.disagg.router")
 
+MAX_LATE_HANDOFFS = 1024  # ended attempts whose HANDED_OFF may still come (their handoff is counted then)
 STARTUP_PROBE_WAIT_S = 3.0  # start() waits this long at most for every node's first probe answer
 
 
@@ -117,6 +119,7 @@ class RouterEngine:
         self.outbox = Outbox(self.transport)
         self._probes = ThreadPoolExecutor(max_workers=max(1, len(self.nodes)), thread_name_prefix="mlxcel-router-probe")
         self._by_rid: dict[str, Routed] = {}
+        self._late_handoffs: OrderedDict[str, PeerId] = OrderedDict()  # ended attempt's nonce -> its prefill node
         self.counters: dict[str, float] = {
             "requests": 0, "completed": 0, "failed": 0, "cancelled": 0, "failovers": 0, "unavailable": 0,
             "dropped_frames": 0, "handoffs": 0, "handoff_bytes": 0, "handoff_seconds": 0.0,
@@ -256,6 +259,10 @@ class RouterEngine:
         """An attempt's exchange ended: finished, failed (fail over or fail the request), or superseded."""
         routed: Routed = ex.context
         with self._lock:
+            if not routed.handed_off and routed.prefill is not None:  # its HANDED_OFF may come after the FINISH
+                self._late_handoffs[ex.nonce] = routed.prefill
+                while len(self._late_handoffs) > MAX_LATE_HANDOFFS:
+                    self._late_handoffs.popitem(last=False)
             if routed.exchange is not ex or routed.done:
                 return
             if ex.error is None:
@@ -406,7 +413,7 @@ class RouterEngine:
             kind, doc = m.decode(msg.payload)
             ex = self.exchanges.get(m.nonce_of(doc))
             if ex is None:
-                log.debug("router: %s from %s for an ended request", kind.name, info.id)
+                self._after_end(kind, doc, msg.peer, info.id)
                 return
             routed: Routed = ex.context
             allowed = {MsgType.TOKENS: (routed.decode,), MsgType.FINISH: (routed.decode,),
@@ -442,8 +449,26 @@ class RouterEngine:
         elif kind is MsgType.FINISH:
             self.exchanges.resolve(ex, reply=m.Finish.parse(doc).event)
         elif kind is MsgType.HANDED_OFF:
-            done = m.HandedOff.parse(doc)
             routed.handed_off = True
+            self._count_handoff(m.HandedOff.parse(doc))
+        elif kind is MsgType.ERROR:
+            err = m.Error.parse(doc)
+            if err.code is ErrorCode.UNREACHABLE and err.node is not None:
+                self._reported_down(err.node, err.message)
+            self.exchanges.resolve(ex, error=CodedError(err.message, err.code))
+
+    def _after_end(self, kind: MsgType, doc: dict[str, Any], peer: PeerId, node_id: str) -> None:
+        """A frame for an ended attempt: dropped, but a HANDED_OFF from that attempt's prefill node that came
+        after the decode node's FINISH (the two travel on different connections) still counts its handoff."""
+        with self._lock:
+            prefill = self._late_handoffs.pop(m.nonce_of(doc), None) if kind is MsgType.HANDED_OFF else None
+        if prefill is not None and prefill == peer:
+            self._count_handoff(m.HandedOff.parse(doc))
+            return
+        log.debug("router: %s from %s for an ended request", kind.name, node_id)
+
+    def _count_handoff(self, done: m.HandedOff) -> None:
+        with self._lock:
             c = self.counters
             c["handoffs"] += 1
             c["handoff_bytes"] += done.nbytes
@@ -451,11 +476,6 @@ class RouterEngine:
             c["prefill_seconds"] += done.prefill_seconds
             c["handoff_bytes_last"], c["handoff_seconds_last"] = done.nbytes, done.seconds
             c["handoff_seconds_max"] = max(c["handoff_seconds_max"], done.seconds)
-        elif kind is MsgType.ERROR:
-            err = m.Error.parse(doc)
-            if err.code is ErrorCode.UNREACHABLE and err.node is not None:
-                self._reported_down(err.node, err.message)
-            self.exchanges.resolve(ex, error=CodedError(err.message, err.code))
 
     def _in_vocab(self, tokens: m.Tokens, ex: Exchange, routed: Routed) -> bool:
         """Whether every id of a TOKENS message (sampled and top-logprob) is a token of the model; if not, the

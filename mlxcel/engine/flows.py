@@ -3,9 +3,10 @@
 The generic ``Flow`` carries the hidden state [B, L, D] and calls ``layer(h, mask, cache=c)``, as
 most mlx-lm families' forward passes do. A family whose layers take or return more has its own
 (``model_slice.FAMILIES`` names it): ministral3 passes llama 4's position-dependent query scale,
-gemma4_text unpacks its layers' (h, kv, offset) triples, and kimi_k3 carries its attention
-residuals, whose block summaries cross a stage boundary packed beside h ([B, L, (1 + blocks) * D];
-docs/pipeline.md §3.3). ``Flow.width`` is the exact width a stage takes, which it checks.
+gemma4_text hands each layer its per-layer input and KV-shared layers an earlier layer's KV (the
+per-layer inputs of later layers cross a stage boundary packed beside h), and kimi_k3 carries its
+attention residuals, whose block summaries cross a stage boundary packed beside h ([B, L, (1 +
+blocks) * D]; docs/pipeline.md §3.3). ``Flow.width`` is the exact width a stage takes, which it checks.
 """
 
 from __future__ import annotations
@@ -62,12 +63,49 @@ class Ministral3Flow(Flow):
         self.h = layer(self.h, self.scale, mask, cache=cache)
 
 
+def _per_layer_width(model: Any) -> int:
+    """gemma4_text: the width P of each layer's per-layer input (gemma-4 E2B/E4B), 0 without them."""
+    return int(model.model.hidden_size_per_layer_input or 0)
+
+
 class Gemma4Flow(Flow):
-    """gemma4_text's layers return (h, this layer's kv, its offset) for KV-shared layers, which
-    ``_gemma4_check`` refuses; so each layer runs on its own KV, as in Gemma4TextModel."""
+    """gemma4_text's layers take a per-layer input and an earlier layer's KV, and return (h, kv, offset).
+
+    Per-layer inputs (E2B/E4B: ``hidden_size_per_layer_input`` P > 0) come from the first slice's
+    embedding hook, packed after h; each layer takes its own and a boundary carries those of the
+    layers after it: [B, L, D + (layers - boundary) * P]. A KV-shared layer (the model's last
+    ``num_kv_shared_layers``) attends over the keys, values and offset the layer ``previous_kvs``
+    names returned in this forward pass, which the slice check keeps in the same slice; the others
+    run on their own cache, as in Gemma4TextModel.
+    """
+
+    def __init__(self, model: Any, start: int, carried: mx.array, cache: list):
+        super().__init__(model, start, carried, cache)
+        self.start, self.ran = start, 0
+        self.kvs: dict[int, tuple] = {}  # layer index -> the (keys, values) and offset it returned
+        self.per_layer = None
+        width = _per_layer_width(model)
+        if width:
+            d = hidden_size(model)
+            self.h = carried[..., :d]
+            self.per_layer = carried[..., d:].reshape(*carried.shape[:2], -1, width)  # [B, L, layers left, P]
+
+    @staticmethod
+    def width(model: Any, boundary: int) -> int:
+        return hidden_size(model) + (len(model.model.layers) - boundary) * _per_layer_width(model)
 
     def layer(self, index: int, layer: Any, mask: Any, cache: Any) -> None:
-        self.h, _, _ = layer(self.h, mask, cache)
+        kvs, offset = self.kvs.get(self.model.model.previous_kvs[index], (None, None))
+        own = self.per_layer[:, :, index - self.start, :] if self.per_layer is not None else None
+        self.h, kvs, offset = layer(self.h, mask, cache, per_layer_input=own, shared_kv=kvs, offset=offset)
+        self.kvs[index] = (kvs, offset)
+        self.ran += 1
+
+    def leave(self, last: bool) -> mx.array:
+        if last or self.per_layer is None:
+            return self.h
+        rest = self.per_layer[:, :, self.ran:, :]
+        return mx.concatenate([self.h, rest.reshape(*self.h.shape[:2], -1)], axis=-1)
 
 
 def _residual_blocks(model: Any, boundary: int) -> int:

@@ -12,10 +12,12 @@ embedding, ``model.make_cache``). Where a family differs, a small hook in its
 kind of attention of a layer by its ABSOLUTE index (full, sliding window of n,
 or linear attention; a slice of layers [start, end) asks for start + i), and
 masks as arrays (deepseek_v3's MLA), the cache a mask is built from (deepseek_v32's
-CacheList), a check refusing what a checkpoint has and slicing does not support, and
-a ``Flow`` (``mlxcel.engine.flows``): what one forward pass carries from layer to
-layer and across a stage boundary (kimi_k3's attention-residual blocks cross it
-beside h, a bounded width each stage checks: ``ModelSlice.input_width``). MoE blocks, attention
+CacheList), a check refusing a layer range that cannot be one slice (gemma4_text's
+KV-shared layers apart from the layer whose KV they read), and a ``Flow``
+(``mlxcel.engine.flows``): what one forward pass carries from layer to layer and
+across a stage boundary (kimi_k3's attention-residual blocks and gemma4_text's
+per-layer inputs cross it beside h, a bounded width each stage checks:
+``ModelSlice.input_width``). MoE blocks, attention
 sinks and dense leading layers live inside mlx-lm's layers and need no hook. The rows are
 keyed by the mlx-lm module that implements the family (a checkpoint's
 ``model_type`` may map onto one, e.g. mistral onto llama), each tested against
@@ -74,8 +76,10 @@ class Family:
     array_masks: bool = False  # masks as arrays, never "causal" (as the family's own forward asks for them)
     mask_cache: Callable[[Any], Any] = lambda cache: cache  # the cache a layer's mask is built from
     flow: type[Flow] = Flow
-    # (model) -> None, or ModelError naming what this checkpoint has that slicing does not support
-    check: Callable[[Any], None] = lambda model: None
+    # the text model's modules besides embed_tokens that ``embed`` reads (the first stage loads them, no other)
+    embed_modules: tuple[str, ...] = ()
+    # (model, start, end) -> None, or ModelError naming why layers [start, end) cannot be one slice
+    check_slice: Callable[[Any, int, int], None] = lambda model, start, end: None
 
 
 def _llama_attention(model: Any, index: int) -> Hashable:
@@ -109,7 +113,15 @@ def _sliding_or_full(model: Any, index: int) -> Hashable:
 
 
 def _gemma4_embed(model: Any, inputs: mx.array) -> mx.array:
-    return model.model.embed_tokens(inputs) * model.model.embed_scale
+    """The scaled embedding; with per-layer inputs (gemma-4 E2B/E4B), every layer's packed after it
+    ([B, L, D + layers * P]), computed from the token ids and the embedding as Gemma4TextModel does, for
+    ``Gemma4Flow`` to hand each layer its own and the next stage those of its layers."""
+    inner = model.model
+    h = inner.embed_tokens(inputs) * inner.embed_scale
+    if not inner.hidden_size_per_layer_input:
+        return h
+    per_layer = inner._project_per_layer_inputs(h, inner._get_per_layer_inputs(inputs))  # [B, L, layers, P]
+    return mx.concatenate([h, per_layer.reshape(*h.shape[:2], -1).astype(h.dtype)], axis=-1)
 
 
 def _gemma4_head(model: Any, h: mx.array) -> mx.array:
@@ -124,15 +136,20 @@ def _gemma4_attention(model: Any, index: int) -> Hashable:
     return model.model.window_size if model.model.layers[index].layer_type == "sliding_attention" else None
 
 
-def _gemma4_check(model: Any) -> None:
-    """Per-layer inputs (gemma-4 E2B/E4B) are computed from the token ids by the first stage's tables and
-    KV-shared layers read a layer's keys that may sit on another stage: neither crosses a boundary yet."""
-    args = model.args
-    if args.hidden_size_per_layer_input or args.num_kv_shared_layers:
-        raise ModelError("gemma4_text with per-layer inputs (hidden_size_per_layer_input "
-                         f"{args.hidden_size_per_layer_input}) or KV-shared layers (num_kv_shared_layers "
-                         f"{args.num_kv_shared_layers}) cannot be sliced into pipeline stages; both must be 0 "
-                         "(gemma-4 26B-A4B and 31B shapes)")
+# the per-layer input tables of gemma-4 E2B/E4B, which only the embedding hook reads
+GEMMA4_PER_LAYER_MODULES = ("embed_tokens_per_layer", "per_layer_model_projection", "per_layer_projection_norm")
+
+
+def _gemma4_slice_check(model: Any, start: int, end: int) -> None:
+    """A KV-shared layer (the last num_kv_shared_layers) attends over the keys and values an earlier layer
+    of its kind computes in the same forward pass (``previous_kvs``): both must be in one slice."""
+    for index in range(start, end):
+        source = model.model.previous_kvs[index]
+        if source < start:
+            raise ModelError(f"gemma4_text layer {index} reuses the KV cache of layer {source} (num_kv_shared_layers "
+                             f"{model.args.num_kv_shared_layers}), which a stage of layers {start}-{end - 1} does "
+                             f"not hold: a stage boundary cannot fall between layers {source} and {index}; put "
+                             f"layers {source}-{index} on one stage")
 
 
 GENERIC = Family()
@@ -162,7 +179,7 @@ FAMILIES: dict[str, Family] = {
     # the lightning indexer's cache rides beside MLA's in a CacheList; the mask comes from MLA's
     "deepseek_v32": Family(array_masks=True, mask_cache=lambda cache: cache[0] if cache else None),
     "gemma4_text": Family(embed=_gemma4_embed, head=_gemma4_head, attention=_gemma4_attention, flow=Gemma4Flow,
-                          check=_gemma4_check),
+                          check_slice=_gemma4_slice_check, embed_modules=GEMMA4_PER_LAYER_MODULES),
     # Kimi Delta Attention (linear) and MLA layers by absolute index, MLA's masks as arrays
     "kimi_k3": Family(attention=_linear_or_full, array_masks=True, flow=KimiK3Flow),
 }
@@ -177,7 +194,6 @@ def family_of(model: Any) -> Family:
         kind = getattr(model, "model_type", None) or name or type(model).__name__
         raise ModelError(f"model family {kind!r} cannot be sliced into pipeline stages "
                          f"(supported: {', '.join(sorted(FAMILIES))})")
-    family.check(model)
     return family
 
 
@@ -202,6 +218,7 @@ class ModelSlice:
         total = len(self.model.model.layers)
         if not 0 <= self.start < self.end <= total:
             raise ModelError(f"layer range {self.start}-{self.end - 1} is outside the model's 0-{total - 1}")
+        self.family.check_slice(self.model, self.start, self.end)
 
     @property
     def is_first(self) -> bool:
@@ -216,7 +233,8 @@ class ModelSlice:
         return self.model.model.layers[self.start:self.end]
 
     def make_cache(self) -> list:
-        """One KV cache per layer of the slice, of the type the family asks for."""
+        """One KV cache per layer of the slice, of the type the family asks for (none for layers that reuse
+        another's: gemma4_text's KV-shared layers, the model's last)."""
         make = getattr(self.model, "make_cache", None)
         if make is not None:
             return make()[self.start:self.end]
@@ -232,7 +250,7 @@ class ModelSlice:
         """Token ids [B, L] (first slice) or hidden states [B, L, input_width] -> hidden states
         [B, L, Flow.width at end] or logits."""
         h = self.family.embed(self.model, inputs) if self.is_first else inputs
-        cache = cache if cache is not None else [None] * (self.end - self.start)
+        cache = [*(cache or ()), *[None] * (self.end - self.start - len(cache or ()))]  # None: no cache of its own
         flow = self.family.flow(self.model, self.start, h, cache)
         masks: dict[Hashable, Any] = {}
         for index, layer, layer_cache in zip(range(self.start, self.end), self.layers, cache):

@@ -211,6 +211,7 @@ class Scheduler:
         self._context_length = context_length
         self.parallel = parallel
         self.max_batch_size = executor.micro_batch_size * executor.depth
+        self._fill = bool(getattr(executor, "fill_micro_batches", False))
         self.max_queue = max_queue
         self.prefill_step = prefill_step
         self._warmup = warmup
@@ -526,14 +527,17 @@ class Scheduler:
         return Step("prefill", [seq.rid], [chunk], sample=not seq.todo)
 
     def _decode_step(self) -> Step | None:
-        # Spread rows evenly over the groups (2 streams on 2 stages: one row each, both stages busy).
+        # Spread rows evenly over the groups (2 streams on 2 stages: one row each, both stages busy), or
+        # fill one group before the next (the executor's fill_micro_batches: fewer, fuller steps).
+        size = self.executor.micro_batch_size
         rows = sum(len(m) for m in self._groups) + len(self._joining)
-        share = min(self.executor.micro_batch_size, -(-rows // self.executor.depth))
+        share = size if self._fill else min(size, -(-rows // self.executor.depth))
+        target = next((g for g, m in enumerate(self._groups) if len(m) < size), None) if self._fill else None
         for g, busy in enumerate(self._group_busy):
             if busy:
                 continue
             members = self._groups[g]
-            while self._joining and len(members) < share:
+            while self._joining and len(members) < share and target in (None, g):
                 seq = self._joining[0]
                 self._move(seq, S.RUNNING)
                 seq.group = g

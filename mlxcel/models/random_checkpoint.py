@@ -116,7 +116,8 @@ def _family_fields(family: str, hidden: int, head_dim: int, intermediate: int) -
                     "num_shared_experts": 1, "moe_intermediate_size": moe, "first_k_dense_replace": 1,
                     "num_expert_group": 1, "topk_group": 1},
         # sliding / full alternating (a window of 4), k = v in the global layers, one MoE block beside each
-        # MLP (gemma-4-26B-A4B's shape); no per-layer inputs nor KV-shared layers (see model_slice)
+        # MLP (gemma-4-26B-A4B's shape); the E2B shape (per-layer inputs, KV-shared layers) is a row of its own in
+        # tests/engine/test_families.py
         "gemma4_text": {"sliding_window": 4, "sliding_window_pattern": 2, "hidden_size_per_layer_input": 0,
                         "num_kv_shared_layers": 0, "global_head_dim": head_dim, "attention_k_eq_v": True,
                         "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,

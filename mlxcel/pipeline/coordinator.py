@@ -82,6 +82,7 @@ class PipelineExecutor:
         self.model = model
         self.depth = len(cluster.stages)
         self.micro_batch_size = min(micro_batch_size or cluster.micro_batch(max_batch_size), cluster.max_batch_size)
+        self.fill_micro_batches = fill_micro_batches(cluster)
         self.return_logits = return_logits
         self.resume_policy = ResumePolicy(cluster.max_resumes, cluster.timeouts.resume_s)
         self.stop_stages_on_close = stop_stages_on_close  # SHUTDOWN every stage when this coordinator stops
@@ -511,6 +512,17 @@ class PipelineExecutor:
         """Every step runs through every stage: one stage lost fails them all."""
         for ex in self.exchanges.where(lambda e: isinstance(e.context, Step)):
             self.exchanges.resolve(ex, error=ExecutorError(message, ErrorCode.UNREACHABLE))
+
+
+def fill_micro_batches(cluster: ClusterConfig) -> bool:
+    """Whether decode rows fill one micro-batch before the next (docs/pipeline.md §3.9): as configured,
+    else on a CPU. There a step costs about the same for 2 rows as for 4 (the weights are read either
+    way) and the stages share the host's cores, so splitting 4 streams into two micro-batches doubled
+    the work per token instead of overlapping it (4 streams, loaded box: 0.61x the single node spread,
+    0.95x filled in the same run; docs/benchmarks.md)."""
+    if cluster.micro_batch_fill is not None:
+        return cluster.micro_batch_fill
+    return mx.default_device().type == mx.DeviceType.cpu
 
 
 def result_is_for(h: dict[str, Any], rids: list[str], micro_batch: int, *, phase: str | None = None,

@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING, Any, Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 from mlxcel.cluster.identity import PeerId
 from mlxcel.engine.executor import ExecutorError
 from mlxcel.pipeline.protocol import MsgType
-from mlxcel.topology.cluster_config import Node
-
-if TYPE_CHECKING:
-    from mlxcel.pipeline.coordinator import PipelineExecutor
+from mlxcel.cluster.health import PeerMonitor
+from mlxcel.topology.cluster_config import ClusterConfig, Node
 
 log = logging.getLogger("mlxcel.pipeline.coordinator")
 
@@ -36,10 +34,23 @@ class StageReplacer(Protocol):
     def status(self) -> list[dict[str, Any]]: ...
 
 
+class StageMover(Protocol):
+    """What a takeover needs of the coordinator's executor (``PipelineExecutor``)."""
+
+    monitor: PeerMonitor
+    cluster: ClusterConfig
+
+    def node_at(self, addr: PeerId) -> Node | None: ...
+
+    def move_stage(self, old: PeerId, new: PeerId) -> None: ...
+
+    def command(self, stage: PeerId, mtype: MsgType, header: dict, timeout: float = ...) -> Any: ...
+
+
 class Takeover:
     """Watches the executor's down stages; at most one takeover at a time (spares are tried in order)."""
 
-    def __init__(self, executor: PipelineExecutor, replacer: StageReplacer) -> None:
+    def __init__(self, executor: StageMover, replacer: StageReplacer) -> None:
         self.executor, self.replacer = executor, replacer
         self._lock = threading.Lock()
         self._running: threading.Thread | None = None

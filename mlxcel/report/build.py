@@ -13,7 +13,7 @@ import pandas as pd
 
 from mlxcel import __version__
 from mlxcel.report import baseline as _baseline
-from mlxcel.report import html, plots, reference, tables
+from mlxcel.report import disagg, html, plots, reference, tables
 from mlxcel.report.load import REPORT_MARKER, Loaded, ReportInputError, load
 
 
@@ -45,6 +45,9 @@ def summarize(loaded: Loaded) -> dict[str, pd.DataFrame]:
         "pipeline": tables.pipeline_summary(loaded.table("pipeline")),
         "serve": tables.serve_summary(loaded.table("serve")),
         "tp": tables.tp_summary(loaded.table("tp")),
+        "disagg_frames": disagg.frames_summary(loaded.table("disagg_frames")),
+        "disagg_handoff": disagg.handoff_summary(loaded.table("disagg_handoff")),
+        "disagg_serve": disagg.serve_summary(loaded.table("disagg_serve")),
         "environment": tables.environment_table(loaded.tables),
     }
 
@@ -137,6 +140,81 @@ def _serve_sections(df: pd.DataFrame) -> list[dict[str, Any]]:
     for (session, machine, arrival, max_tokens), g in df.groupby(["session", "machine", "arrival", "max_tokens"], sort=False):
         g = g.sort_values(["concurrency", "server"])
         title = f"{machine}, {arrival} arrivals, max_tokens {max_tokens} — {session}"
+        out.append({"title": title, "plot": plots.serve_plot(g, title),
+                    "table": html.table(g, cols, lambda r: "regression" if r["errors"] else "")})
+    return out
+
+
+_LOAD: html.Column = ("load (1 min)", ("load_1m_min", "load_1m_max"), html.spread(1))
+
+
+def _disagg_sections(summaries: dict[str, pd.DataFrame]) -> list[dict[str, Any]]:
+    """The handoff per request, its frames protected and unprotected, and serving against the single node."""
+    parts = ((_handoff_sections, "disagg_handoff"), (_handoff_frame_sections, "disagg_frames"),
+             (_disagg_serve_sections, "disagg_serve"))
+    return [s for sections, name in parts if not summaries[name].empty for s in sections(summaries[name])]
+
+
+def _handoff_sections(df: pd.DataFrame) -> list[dict[str, Any]]:
+    cols: list[html.Column] = [
+        ("prompt tokens (asked)", "target_prompt_tokens", html.num(0)), ("prompt tokens", "prompt_tokens", html.num(0)),
+        ("topology", "topology_label", html.text), ("repeats", "repeats", html.num(0)),
+        ("TTFT (ms)", "ttft_ms_median", html.num(1)), ("TTFT range", ("ttft_ms_min", "ttft_ms_max"), html.spread(1)),
+        ("TTFT vs single node", "ttft_vs_single_median", html.ratio),
+        ("ratio range", ("ttft_vs_single_min", "ttft_vs_single_max"), _ratio_range),
+        ("end to end (ms)", "e2e_ms_median", html.num(1)), ("prefill (ms)", "prefill_ms_median", html.num(1)),
+        ("handoff bytes", "handoff_bytes_median", html.mbytes), ("handoff stream (ms)", "handoff_ms_median", html.num(2)),
+        ("stream range", ("handoff_ms_min", "handoff_ms_max"), html.spread(2)),
+        ("handoff GiB/s", "handoff_gib_s_median", html.num(2)),
+        ("GiB/s range", ("handoff_gib_s_min", "handoff_gib_s_max"), html.spread(2)), _LOAD,
+    ]
+    out = []
+    for (session, machine), g in df.groupby(["session", "machine"], sort=False):
+        title = f"KV handoff per request, {machine} — {session}"
+        out.append({"title": title, "plot": plots.handoff_plot(g, title), "table": html.table(g, cols)})
+    return out
+
+
+def _handoff_frame_sections(df: pd.DataFrame) -> list[dict[str, Any]]:
+    cols: list[html.Column] = [
+        ("KV dtype", "dtype", html.text), ("prompt tokens", "prompt_tokens", html.num(0)), ("suite", "suite", html.text),
+        ("protected", "protected", html.text), ("tensor bytes", "tensor_bytes", html.mbytes),
+        ("repeats", "repeats", html.num(0)), ("p50 (ms)", "p50_ms", html.num(2)), ("p95 (ms)", "p95_ms", html.num(2)),
+        ("GiB/s at p50", "gib_s", html.num(2)), ("vs unprotected", "vs_unprotected", html.ratio),
+        ("load (1 min)", "load_1m", html.num(1)),
+    ]
+    out = []
+    for (session, machine), g in df.groupby(["session", "machine"], sort=False):
+        title = f"One handoff, protected and unprotected, {machine} — {session}"
+        out.append({"title": title, "plot": plots.handoff_frames_plot(g, title),
+                    "table": html.table(g, cols, lambda r: "chosen" if r["protected"] else "")})
+    return out
+
+
+def _disagg_serve_sections(df: pd.DataFrame) -> list[dict[str, Any]]:
+    cols: list[html.Column] = [
+        ("topology", "server", html.text), ("clients", "concurrency", html.num(0)), ("rounds", "rounds", html.num(0)),
+        ("same prompts", "same_prompts", html.text),
+        ("TTFT p50 (ms)", "ttft_p50_ms_median", html.num(1)),
+        ("TTFT p50 range", ("ttft_p50_ms_min", "ttft_p50_ms_max"), html.spread(1)),
+        ("TTFT p95 (ms)", "ttft_p95_ms_median", html.num(1)),
+        ("ITL p50 (ms)", "itl_p50_ms_median", html.num(1)),
+        ("ITL p50 range", ("itl_p50_ms_min", "itl_p50_ms_max"), html.spread(1)),
+        ("ITL p95 (ms)", "itl_p95_ms_median", html.num(1)),
+        ("aggregate tok/s", "agg_tps_median", html.num(2)), ("aggregate range", ("agg_tps_min", "agg_tps_max"), html.spread(2)),
+        ("tok/s vs single node", "tps_vs_single_median", html.ratio),
+        ("tok/s ratio range", ("tps_vs_single_min", "tps_vs_single_max"), _ratio_range),
+        ("TTFT p50 vs single node", "ttft_vs_single_median", html.ratio),
+        ("TTFT ratio range", ("ttft_vs_single_min", "ttft_vs_single_max"), _ratio_range),
+        ("ITL p50 vs single node", "itl_vs_single_median", html.ratio),
+        ("handoff per request", "handoff_bytes_mean_median", html.mbytes),
+        ("handoff ms per request", "handoff_ms_mean_median", html.num(2)),
+        ("requests", "requests", html.num(0)), ("errors", "errors", html.num(0)), _LOAD,
+    ]
+    out = []
+    for (session, machine, prompt, max_tokens), g in df.groupby(["session", "machine", "prompt", "max_tokens"], sort=False):
+        about = f" of about {int(g['long_tokens'].max())} tokens" if prompt == "long" and g["long_tokens"].notna().any() else ""
+        title = f"{machine}, {prompt} prompts{about}, max_tokens {max_tokens} — {session}"
         out.append({"title": title, "plot": plots.serve_plot(g, title),
                     "table": html.table(g, cols, lambda r: "regression" if r["errors"] else "")})
     return out
@@ -255,6 +333,8 @@ def build_report(inputs: Sequence[str | Path], out_dir: str | Path, *, baseline:
         "environment": summaries["environment"], "decode_summary": summaries["decode"],
         "decode_comparison": summaries["decode_comparison"], "frame_summary": summaries["frame"],
         "pipeline_summary": summaries["pipeline"], "serve_summary": summaries["serve"], "tp_summary": summaries["tp"],
+        "disagg_frames_summary": summaries["disagg_frames"], "disagg_handoff_summary": summaries["disagg_handoff"],
+        "disagg_serve_summary": summaries["disagg_serve"],
         "metrics": metrics,
         "reference_frame": reference.frame_table(), "reference_pipeline": reference.pipeline_table(),
         "baseline_comparison": comparison,
@@ -274,6 +354,7 @@ def build_report(inputs: Sequence[str | Path], out_dir: str | Path, *, baseline:
         "frame_sections": _frame_sections(summaries["frame"]) if not summaries["frame"].empty else [],
         "pipeline_sections": _pipeline_sections(summaries["pipeline"]) if not summaries["pipeline"].empty else [],
         "serve_sections": _serve_sections(summaries["serve"]) if not summaries["serve"].empty else [],
+        "disagg_sections": _disagg_sections(summaries),
         "tp_table": _tp_table(summaries["tp"]) if not summaries["tp"].empty else None, "tp_note": tables.TP_NOTE,
         "baseline": str(baseline) if baseline is not None else None,
         "comparison": _comparison_table(comparison) if comparison is not None else None,

@@ -48,6 +48,11 @@ def pct(v: Any) -> str:
     return "–" if _missing(v) else f"{v:+.1%}"
 
 
+def mbytes(v: Any) -> str:
+    """Decimal megabytes, as the handoff tables print sizes (4.52 MB)."""
+    return "–" if _missing(v) else f"{v / 1e6:,.2f} MB"
+
+
 def kib(v: Any) -> str:
     return "–" if _missing(v) else f"{v / 1024:,.1f} KiB"
 

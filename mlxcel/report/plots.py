@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 from matplotlib.figure import Figure
-from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter, NullLocator
 
 SUITE_LABELS = {"unprotected": "unprotected", "hmac_sha256": "HMAC-SHA256", "aes_256_gcm": "AES-256-GCM",
                 "chacha20_poly1305": "ChaCha20-Poly1305"}
@@ -190,3 +190,66 @@ def reference_pipeline_plot(ref: pd.DataFrame, title: str) -> Plot:
     ax.grid(True, axis="x", alpha=0.3)
     fig.suptitle(title, fontsize=10)
     return _render(fig, title, "The reference's published two-stage pipeline decode throughput (other hardware)")
+
+
+def _mb_axis(ax, label: str) -> None:
+    ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel(label)
+    ax.grid(True, which="major", alpha=0.3)
+
+
+def handoff_plot(df: pd.DataFrame, title: str) -> Plot:
+    """TTFT against prompt length per topology, and the handoff's stream time against its bytes
+    (median, min-max bars), from ``disagg.handoff_summary``."""
+    fig = Figure(figsize=(12, 3.9), layout="constrained")
+    ax_t, ax_h = fig.subplots(1, 2)
+    for i, (label, g) in enumerate(df.sort_values("prompt_tokens").groupby("topology_label", sort=False)):
+        _errorbar(ax_t, g["prompt_tokens"], g["ttft_ms_median"] / 1000, g["ttft_ms_min"] / 1000,
+                  g["ttft_ms_max"] / 1000, color=color(label, i), label=label)
+    ax_t.set_xlabel("prompt tokens")
+    ax_t.set_ylabel("time to first token (s)")
+    ax_t.set_title("TTFT vs prompt length")
+    ax_t.grid(True, alpha=0.3)
+    ax_t.legend(fontsize=8)
+    moved = df.dropna(subset=["handoff_bytes_median"]).sort_values("handoff_bytes_median")
+    for i, (label, g) in enumerate(moved.groupby("topology_label", sort=False)):
+        mb = g["handoff_bytes_median"] / 1e6
+        _errorbar(ax_h, mb, g["handoff_ms_median"], g["handoff_ms_min"], g["handoff_ms_max"], color=color(label, i + 1),
+                  label=label)
+        for x, y, gib in zip(mb, g["handoff_ms_median"], g["handoff_gib_s_median"]):
+            ax_h.annotate(f"{gib:.2f} GiB/s", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    _mb_axis(ax_h, "handoff size (MB, log scale)")
+    ax_h.set_ylabel("handoff stream time (ms)")
+    ax_h.set_title("handoff time vs size (labels: GiB/s at the median)")
+    if ax_h.lines:
+        ax_h.legend(fontsize=8)
+    fig.suptitle(title, fontsize=11)
+    return _render(fig, title, f"Disaggregated TTFT against prompt length and KV handoff time against size: {title}")
+
+
+def handoff_frames_plot(df: pd.DataFrame, title: str) -> Plot:
+    """One handoff's GiB/s against its size per suite and dtype, and the protected/unprotected ratio,
+    from ``disagg.frames_summary``."""
+    fig = Figure(figsize=(12, 3.9), layout="constrained")
+    ax_bw, ax_ov = fig.subplots(1, 2)
+    for i, ((suite, dtype), g) in enumerate(df.sort_values("tensor_bytes").groupby(["suite", "dtype"], sort=False)):
+        label = f"{SUITE_LABELS.get(suite, 'AES-256-GCM' if suite == 'aes' else suite)}, {dtype}"
+        c = color("aes_256_gcm" if suite == "aes" else suite, i)
+        style = "-" if dtype == "float32" else "--"
+        ax_bw.plot(g["tensor_bytes"] / 1e6, g["gib_s"], marker="o", linestyle=style, color=c, label=label)
+        if suite != "unprotected":
+            ax_ov.plot(g["tensor_bytes"] / 1e6, g["vs_unprotected"], marker="o", linestyle=style, color=c, label=label)
+    for ax in (ax_bw, ax_ov):
+        _mb_axis(ax, "KV tensor bytes per handoff (MB, log scale)")
+    ax_bw.set_ylabel("handoff throughput at p50 (GiB/s)")
+    ax_bw.set_title("handoff GiB/s, protected and unprotected")
+    ax_bw.legend(fontsize=8)
+    ax_ov.axhline(1.0, color="#7f7f7f", linewidth=1, linestyle="--")
+    ax_ov.set_ylabel("protected p50 / unprotected p50 (x)")
+    ax_ov.set_title("protection overhead ratio")
+    if ax_ov.lines[1:]:
+        ax_ov.legend(fontsize=8)
+    fig.suptitle(title, fontsize=11)
+    return _render(fig, title, f"KV handoff throughput and protection overhead against size: {title}")

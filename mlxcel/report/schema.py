@@ -145,11 +145,12 @@ SCHEMAS: dict[str, Schema] = {s.bench: s for s in (
         _str("label"), _str("model"), _str("variant"), _int("round"), _int("steps"), _num("build_ms_p50"),
         _num("step_ms_p50"),
     )),
-    # bench/disagg_bench.py (validated so its rows can live under bench/results; no report section yet)
+    # bench/disagg_bench.py (the report's "Disaggregated" section, mlxcel/report/disagg.py); load_1m, the
+    # host's 1-minute load average at the row, is absent from rows written before 2026-12-02
     Schema("disagg_frames", "disagg_frames", (
         _str("run"), _str("suite"), _str("dtype"), _int("prompt_tokens"), _int("tensor_bytes"), _int("repeats"),
         _num("p50_ms"), _num("p95_ms"), _num("gib_s"), _num("vs_unprotected"), _str("model_dir"),
-        _int("cpus", required=False, nullable=True),
+        _int("cpus", required=False, nullable=True), _num("load_1m", required=False, nullable=True),
     )),
     Schema("disagg_handoff", "disagg_handoff", (
         _str("run"), _str("topology"), _int("repeat"), _int("order"), _int("target_prompt_tokens"),
@@ -157,6 +158,7 @@ SCHEMAS: dict[str, Schema] = {s.bench: s for s in (
         *(f(name, required=False, nullable=True) for f, name in (  # only where a handoff happened
             (_int, "handoffs"), (_int, "handoff_bytes"), (_num, "handoff_ms"), (_num, "handoff_gib_s"),
             (_num, "bytes_per_prompt_token"), (_num, "prefill_ms"))),
+        _num("load_1m", required=False, nullable=True),
     )),
     Schema("disagg_serve", "disagg_serve", (
         _str("run"), _str("topology"), _str("server"), _int("round"), _int("order"), _int("concurrency"),
@@ -167,6 +169,8 @@ SCHEMAS: dict[str, Schema] = {s.bench: s for s in (
         _str("model_dir", required=False, nullable=True), _str("prompts_sha256", required=False, nullable=True),
         *(f(name, required=False, nullable=True) for f, name in (
             (_int, "handoffs"), (_int, "handoff_bytes"), (_int, "handoff_bytes_mean"), (_num, "handoff_ms_mean"))),
+        _str("prompt", required=False, choices=("short", "long"), default="short"),
+        _int("long_tokens", required=False, nullable=True), _num("load_1m", required=False, nullable=True),
     )),
 )}
 

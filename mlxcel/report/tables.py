@@ -22,7 +22,7 @@ ENV_COLUMNS = {
 _COMMIT = re.compile(r"^[0-9a-f]{7,40}(-dirty)?$")
 
 
-def _spread(df: pd.DataFrame, keys: list[str], value: str, prefix: str | None = None) -> pd.DataFrame:
+def spread(df: pd.DataFrame, keys: list[str], value: str, prefix: str | None = None) -> pd.DataFrame:
     """median/min/max/n of ``value`` per ``keys`` group (NaN values ignored)."""
     p = prefix or value
     g = df.groupby(keys, dropna=False, sort=False)[value]
@@ -82,7 +82,7 @@ def decode_summary(df: pd.DataFrame) -> pd.DataFrame:
         return pd.DataFrame()
     keys = ["session", "machine", "model", "weights", "impl"]
     df = df.assign(weights=df["weights"].fillna("?"))
-    out = _spread(df, keys, "decode_tps")
+    out = spread(df, keys, "decode_tps")
     for col in ("prompt_tps", "token_latency_p50_ms", "token_latency_p95_ms", "peak_memory_gb"):
         out[f"{col}_median"] = df.groupby(keys, sort=False)[col].median().values
     return out
@@ -138,7 +138,7 @@ def pipeline_summary(df: pd.DataFrame) -> pd.DataFrame:
     if df.empty:
         return pd.DataFrame()
     keys = ["session", "machine", "model", "mode", "stages", "streams", "return"]
-    out = _spread(df, keys, "tok_s")
+    out = spread(df, keys, "tok_s")
     g = df.groupby(keys, sort=False, dropna=False)
     out["per_token_ms_p50_median"] = g["per_token_ms_p50"].median().values
     for col in PIPELINE_RUN_MEDIANS:  # NaN for rows written before these fields existed
@@ -216,9 +216,9 @@ def serve_summary(df: pd.DataFrame) -> pd.DataFrame:
     df = df.copy()
     df["arrival"] = df["arrival"].fillna("herd")
     keys = ["session", "machine", "server", "arrival", "max_tokens", "concurrency"]
-    out = _spread(df, keys, "ttft_p50_ms")
+    out = spread(df, keys, "ttft_p50_ms")
     for value in ("itl_p50_ms", "agg_tps"):
-        out = out.merge(_spread(df, keys, value), on=keys, how="left")
+        out = out.merge(spread(df, keys, value), on=keys, how="left")
     g = df.groupby(keys, sort=False, dropna=False)
     extra = pd.DataFrame({
         "ttft_p95_ms_median": g["ttft_p95_ms"].median(), "itl_p95_ms_median": g["itl_p95_ms"].median(),
@@ -227,11 +227,11 @@ def serve_summary(df: pd.DataFrame) -> pd.DataFrame:
         "went_first": g["order"].agg(lambda s: int((s == 0).sum()) if s.notna().any() else None),
     }).reset_index()
     out = out.merge(extra, on=keys, how="left")
-    out["same_prompts"] = out.apply(lambda r: _same_prompts(df, r), axis=1)
+    out["same_prompts"] = out.apply(lambda r: same_prompts(df, r), axis=1)
     return out
 
 
-def _same_prompts(df: pd.DataFrame, row: pd.Series) -> str:
+def same_prompts(df: pd.DataFrame, row: pd.Series) -> str:
     """"yes" when every server of the session sent identical prompts at this level and round."""
     if "prompts_sha256" not in df:
         return "not recorded"
@@ -330,6 +330,11 @@ _METRICS = {
     "serve": (["machine", "server", "arrival", "max_tokens", "concurrency"],
               [("TTFT p50", "ttft_p50_ms", "ms", "lower"), ("ITL p50", "itl_p50_ms", "ms", "lower"),
                ("aggregate throughput", "agg_tps", "tok/s", "higher")]),
+    "disagg_handoff": (["machine", "topology", "target_prompt_tokens"],
+                       [("TTFT", "ttft_ms", "ms", "lower"), ("handoff stream", "handoff_ms", "ms", "lower")]),
+    "disagg_serve": (["machine", "topology", "prompt", "max_tokens", "concurrency"],
+                     [("TTFT p50", "ttft_p50_ms", "ms", "lower"), ("ITL p50", "itl_p50_ms", "ms", "lower"),
+                      ("aggregate throughput", "agg_tps", "tok/s", "higher")]),
 }
 
 

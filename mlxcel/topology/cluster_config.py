@@ -3,7 +3,7 @@
 Schema (docs/pipeline.md has the commented example, ``examples/cluster-loopback.toml`` a file):
 
     [cluster]   name, pipeline_parallel_size, secret_file (a path; never the value)
-    [pipeline]  micro_batch_size, max_batch_size, prefix_cache_mb, max_resumes
+    [pipeline]  micro_batch_size, max_batch_size, prefix_cache_mb, max_resumes, micro_batch_fill
     [timeouts]  startup_s, exchange_s, heartbeat_s, resume_s
     [[nodes]]   id, role ("coordinator" | "stage" | "prefill" | "decode" | "router"), address ("ip:port"),
                 layers ("a-b", stages only)
@@ -31,7 +31,7 @@ from mlxcel.topology.partition import PartitionError, check_contiguous, check_co
 
 _TOP_KEYS = {"cluster", "pipeline", "timeouts", "nodes"}
 _CLUSTER_KEYS = {"name", "pipeline_parallel_size", "secret_file"}
-_PIPELINE_KEYS = {"micro_batch_size", "max_batch_size", "prefix_cache_mb", "max_resumes"}
+_PIPELINE_KEYS = {"micro_batch_size", "max_batch_size", "prefix_cache_mb", "max_resumes", "micro_batch_fill"}
 _TIMEOUT_KEYS = {"startup_s", "exchange_s", "heartbeat_s", "resume_s"}
 _NODE_KEYS = {"id", "role", "address", "layers"}
 
@@ -75,6 +75,7 @@ class ClusterConfig:
     prefix_cache_mb: int = defaults.DEFAULT_PREFIX_CACHE_MB  # per stage, of its slice's KV; 0 = off
     disagg: tuple[Node, ...] = ()  # a disaggregated cluster's prefill, decode and router nodes, in file order
     max_resumes: int = defaults.DEFAULT_MAX_RESUMES  # per request, after a stage failure (docs/pipeline.md §5.6)
+    micro_batch_fill: bool | None = None  # decode rows fill one micro-batch before the next; None: by device (§3.9)
 
     @property
     def nodes(self) -> tuple[Node, ...]:
@@ -182,6 +183,7 @@ def parse_cluster_config(doc: dict[str, Any], path: Path) -> ClusterConfig:
         ),
         prefix_cache_mb=_mebibytes(pipeline, "prefix_cache_mb", path, defaults.DEFAULT_PREFIX_CACHE_MB),
         max_resumes=_max_resumes(pipeline, path),
+        micro_batch_fill=_flag(pipeline, "micro_batch_fill", path),
     )
 
 
@@ -297,6 +299,13 @@ def _seconds(table: dict[str, Any], key: str, path: Path, default: float) -> flo
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
         raise ClusterConfigError(f"{path}: {key} under [timeouts] must be a positive number of seconds, got {value!r}")
     return float(value)
+
+
+def _flag(table: dict[str, Any], key: str, path: Path) -> bool | None:
+    value = table.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise ClusterConfigError(f"{path}: {key} under [pipeline] must be true or false, got {value!r}")
+    return value
 
 
 def _max_resumes(table: dict[str, Any], path: Path) -> int:

@@ -149,6 +149,9 @@ class StageCosts:
     active: tuple[int, ...] = ()  # bytes a decode step reads of layer i's weights (by its kind); () = layers
     cache: tuple[int, ...] = ()  # cache bytes layer i holds and a decode step reads at the planned context
     kinds: tuple[str, ...] = ()  # layer i's kind ("mla+moe", ...), where config.json says
+    # split points b (a stage starting at layer b) that the model forbids, and why (``joined_boundaries``)
+    joined: frozenset[int] = frozenset()
+    joined_why: str = ""
 
     @property
     def num_layers(self) -> int:
@@ -281,10 +284,32 @@ def layer_costs(model_dir: str | Path, *, context: int = 0, rows: int = 1) -> St
 _ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2}
 
 
+def joined_boundaries(config: dict) -> tuple[frozenset[int], str]:
+    """The split points ``config`` forbids, and why. gemma4_text's KV-shared layers (its last
+    ``num_kv_shared_layers``) attend over the KV that the last earlier layer of their kind computes in
+    the same step (mlx-lm's ``Gemma4TextModel.previous_kvs``), so no stage may start between the first
+    such source layer and the last layer. Defaults as mlx-lm 0.32's gemma4_text ``ModelArgs``."""
+    if config.get("model_type") != "gemma4_text":
+        return frozenset(), ""
+    layers, shared = int(config["num_hidden_layers"]), int(config.get("num_kv_shared_layers", 20))
+    first_shared = layers - shared
+    if shared <= 0 or first_shared <= 0:
+        return frozenset(), ""
+    pattern = int(config.get("sliding_window_pattern", 5))
+    types = config.get("layer_types") or (["sliding_attention"] * (pattern - 1) + ["full_attention"]) * layers
+    last_of = {kind: i for i, kind in enumerate(types[:first_shared])}
+    source = min(last_of[kind] for kind in set(types[first_shared:layers]))
+    why = (f"gemma4_text layers {first_shared}-{layers - 1} reuse the KV caches of earlier layers "
+           f"(num_kv_shared_layers {shared}), so layers {source}-{layers - 1} stay on one stage")
+    return frozenset(range(source + 1, layers)), why
+
+
 def priced_by_kind(costs: StageCosts, config: dict, expert_bytes: Sequence[int], *, context: int = 0,
                    rows: int = 1, itemsize: int = 2) -> StageCosts:
     """``costs`` with each layer's step bytes and cache from its kind (``layer_kinds(config)``), given
-    the bytes of its routed-expert tensors."""
+    the bytes of its routed-expert tensors, and the split points the model forbids (``joined_boundaries``)."""
+    joined, why = joined_boundaries(config)
+    costs = replace(costs, joined=joined, joined_why=why)
     try:
         kinds = layer_kinds(config)
     except (KeyError, TypeError, ValueError) as exc:
@@ -383,11 +408,14 @@ def plan_stages(costs: StageCosts, n: int, memory: Sequence[int] | None = None) 
     then by the later split point (later stages, which also run the head, get
     the fewer layers), so the result is deterministic.
     ``memory``: each stage's usable bytes (one value per stage); a stage never
-    gets more than its memory, and an impossible fit names the stage.
+    gets more than its memory, and an impossible fit names the stage. No stage starts
+    at a split point the model forbids (``StageCosts.joined``).
     """
     num_layers = costs.num_layers
     if not 1 <= n <= num_layers:
         raise PartitionError(f"cannot split {num_layers} layers into {n} stages (1 to {num_layers})")
+    if n - 1 > num_layers - 1 - len(costs.joined):
+        raise PartitionError(f"cannot split {num_layers} layers into {n} stages: {costs.joined_why}")
     limits = _limits(memory, n)
     _check_total(costs, limits)
     # best[k][j]: (heaviest step, sum of squared steps, sum of squared resident bytes, previous split) for
@@ -395,7 +423,7 @@ def plan_stages(costs: StageCosts, n: int, memory: Sequence[int] | None = None) 
     best: list[list[tuple[int, int, int, int] | None]] = [[None] * (num_layers + 1) for _ in range(n + 1)]
     best[0][0] = (0, 0, 0, 0)
     for k in range(1, n + 1):
-        ends = [num_layers] if k == n else range(k, num_layers - (n - k) + 1)
+        ends = [num_layers] if k == n else [j for j in range(k, num_layers - (n - k) + 1) if j not in costs.joined]
         for j in ends:
             best[k][j] = _best_split(costs, best[k - 1], k - 1, j, limits[k - 1])
         if not any(best[k]):

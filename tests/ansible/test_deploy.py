@@ -4,12 +4,9 @@ The tests run in file order on one deployment: deploy, chat,
 a SIGKILLed stage restarted by its supervisor, redeploy (changed=0), status with the restart, secrets,
 secret rotation, bench (all with the rendered TOML), then the same hosts brought up again with
 mlxcel_bringup=pp_auto (--pp-auto / --pp-peer): the same answer, status with each peer's assignment,
-redeploy (changed=0), a dead peer restarting the whole cluster; then teardown (supervisors included). Then the same three
-addresses and a fourth as a disaggregated cluster (mlxcel_topology disagg: router, prefill, two decode
-nodes) with the API key on the router: the start order, the pipeline's greedy answer through the router,
-redeploy (changed=0), status, a rolling restart of the decode nodes under load (no request fails),
-teardown. The API key and TLS of a pipeline are tested on the namespace cluster (test_netns.py),
-where the OpenAI port is off loopback.
+redeploy (changed=0), a dead peer restarting the whole cluster; then teardown (supervisors included).
+The disaggregated topology has its own module and deployment (test_deploy_disagg.py). The API key and
+TLS of a pipeline are tested on the namespace cluster (test_netns.py), where the OpenAI port is off loopback.
 """
 
 from __future__ import annotations
@@ -20,7 +17,6 @@ import re
 import signal
 import stat
 import subprocess
-import threading
 import time
 import tomllib
 import urllib.error
@@ -31,37 +27,13 @@ import pytest
 
 from mlxcel.topology.cluster_config import load_cluster_config
 
-from tests.ansible.playbook import HOSTS, REPO, SPARE_ADDRESS, Deployment, free_port
+from tests.ansible.deploy_checks import (NODES, argv_of, assert_redeploy_changes_nothing, flag, greedy_answer,
+                                         layer_threads, pids_of)
+from tests.ansible.playbook import HOSTS, Deployment, free_port
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.proc]
-NODES = tuple(HOSTS)
 PP_AUTO = {"mlxcel_bringup": "pp_auto"}
 ANSWERS: dict[str, str] = {}  # bring-up -> the greedy answer to one prompt
-
-
-def _greedy_answer(deployment: Deployment, api_key: str = "unused") -> str:
-    client = openai.OpenAI(base_url=f"{deployment.url}/v1", api_key=api_key, max_retries=0, timeout=60)
-    reply = client.chat.completions.create(model=client.models.list().data[0].id, max_tokens=12, temperature=0,
-                                           messages=[{"role": "user", "content": "Name three colours."}])
-    return reply.choices[0].message.content
-
-
-def _pids(deployment: Deployment, nodes: tuple[str, ...] = NODES) -> dict[str, str]:
-    return {n: (deployment.home(n) / "node.pid").read_text() for n in nodes}
-
-
-def _argv(deployment: Deployment, node: str) -> list[str]:
-    pid = int((deployment.home(node) / "node.pid").read_text())
-    return [a.decode() for a in open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")]
-
-
-def _flag(argv: list[str], name: str) -> str:
-    return argv[argv.index(name) + 1]
-
-
-def _layer_threads(holders_on_this_machine: int) -> str:
-    """--threads of a node holding layers when all hosts are this machine (ansible_processor_nproc: our affinity)."""
-    return str(max(1, len(os.sched_getaffinity(0)) // holders_on_this_machine))
 
 
 def _deployed(deployment: Deployment) -> None:
@@ -89,8 +61,8 @@ def test_deploy_starts_three_nodes(deployment: Deployment) -> None:
         assert cmdline[cmdline.index(b"--host") + 1].decode() == address  # its own address, never 0.0.0.0
         assert cmdline[cmdline.index(b"--node-id") + 1].decode() == node
         # the thread budget: the two stages split this machine's cores, the coordinator holds no layers
-        threads = "1" if node == "coordinator" else _layer_threads(2)
-        assert _flag([a.decode() for a in cmdline], "--threads") == threads
+        threads = "1" if node == "coordinator" else layer_threads(2)
+        assert flag([a.decode() for a in cmdline], "--threads") == threads
         # the rendered TOML is what the engine's loader (--distributed-config) reads
         config = load_cluster_config(deployment.home(node) / "cluster.toml")
         assert config.secret_file == deployment.home(node) / "cluster.secret"
@@ -113,7 +85,7 @@ def test_chat_through_the_coordinator_with_openai(deployment: Deployment) -> Non
     stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
                                             max_tokens=4, temperature=0, stream=True)
     assert any(chunk.choices and chunk.choices[0].finish_reason for chunk in stream)
-    ANSWERS["toml"] = _greedy_answer(deployment)
+    ANSWERS["toml"] = greedy_answer(deployment.url)
 
 
 def _supervisors(deployment: Deployment) -> dict[int, str]:
@@ -134,7 +106,7 @@ def _answer_when_served(deployment: Deployment, timeout_s: float) -> str:
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            return _greedy_answer(deployment)
+            return greedy_answer(deployment.url)
         except (openai.APIStatusError, openai.APIConnectionError):
             if time.monotonic() > deadline:
                 raise
@@ -169,21 +141,10 @@ def test_a_killed_stage_is_restarted_by_its_supervisor_and_serves_again(deployme
     assert healed <= 10, f"{healed:.1f} s from SIGKILL to serving again (target: 10 s)"
 
 
-def _assert_redeploy_changes_nothing(deployment: Deployment, *args: str, nodes: tuple[str, ...] = NODES,
-                                     **more: object) -> None:
-    pids = _pids(deployment, nodes)
-    result = deployment.run("deploy.yml", *args, **more)
-    assert result.rc == 0, result.output[-4000:]
-    assert {h: r["changed"] for h, r in result.recap().items()} == \
-        {f"local-{n}": 0 for n in nodes}, result.output[-4000:]
-    assert pids == _pids(deployment, nodes)  # nothing restarted
-    print(f"re-run: {result.seconds:.1f} s")
-
-
 def test_redeploy_changes_nothing(deployment: Deployment) -> None:
     """After the healed crash of test_a_killed_stage_is_restarted_...: nothing to do."""
     _deployed(deployment)
-    _assert_redeploy_changes_nothing(deployment)
+    assert_redeploy_changes_nothing(deployment)
 
 
 def test_status_reports_role_pid_port_and_health(deployment: Deployment) -> None:
@@ -256,27 +217,27 @@ def test_pp_auto_bringup_assigns_the_stages_and_answers_as_the_toml_did(deployme
     _deployed(deployment)
     if "toml" not in ANSWERS:
         pytest.skip("no answer of the rendered-TOML cluster to compare with (see test_chat_through_the_coordinator)")
-    pids = _pids(deployment)
+    pids = pids_of(deployment)
     result = deployment.run("deploy.yml", **PP_AUTO)
     assert result.rc == 0, result.output[-4000:]
     text = " ".join(result.output.split())  # the YAML callback folds long messages
     # another command line on every host: the whole cluster restarts, the peers first, then the coordinator
     assert "starting every node of the cluster" in text and all(
         f"local-{n} (command line" in text for n in NODES), result.output[-4000:]
-    assert all(pids[n] != p for n, p in _pids(deployment).items())
-    coordinator = _argv(deployment, "coordinator")
-    assert _flag(coordinator, "--pp-auto") == "2" and "--distributed-config" not in coordinator
-    assert _flag(coordinator, "--cluster-peers") == ",".join(
+    assert all(pids[n] != p for n, p in pids_of(deployment).items())
+    coordinator = argv_of(deployment, "coordinator")
+    assert flag(coordinator, "--pp-auto") == "2" and "--distributed-config" not in coordinator
+    assert flag(coordinator, "--cluster-peers") == ",".join(
         f"{HOSTS[n]}:{deployment.cluster_port}" for n in ("stage-0", "stage-1"))
-    assert _flag(coordinator, "--cluster-control-addr") == f"{HOSTS['coordinator']}:{deployment.cluster_port}"
-    assert _flag(coordinator, "--threads") == "1"
+    assert flag(coordinator, "--cluster-control-addr") == f"{HOSTS['coordinator']}:{deployment.cluster_port}"
+    assert flag(coordinator, "--threads") == "1"
     generated = (deployment.home("coordinator") / "cluster.toml").read_text()
     assert generated.startswith("# Cluster TOML planned by an mlxcel"), generated[:300]
     for i, node in enumerate(("stage-0", "stage-1")):
-        argv = _argv(deployment, node)
+        argv = argv_of(deployment, node)
         assert "--pp-peer" in argv and "--distributed-config" not in argv
-        assert _flag(argv, "--threads") == _layer_threads(2)
-        assert _flag(argv, "--cluster-control-addr") == f"{HOSTS[node]}:{deployment.cluster_port}"
+        assert flag(argv, "--threads") == layer_threads(2)
+        assert flag(argv, "--cluster-control-addr") == f"{HOSTS[node]}:{deployment.cluster_port}"
         assert not (deployment.home(node) / "cluster.toml").exists()  # the rendered TOML is gone
         received = deployment.home(node) / f"cluster-stage-{i}.toml"  # what the peer was assigned
         config = load_cluster_config(received)
@@ -286,7 +247,7 @@ def test_pp_auto_bringup_assigns_the_stages_and_answers_as_the_toml_did(deployme
         assert received.read_text().split("\n\n", 1)[1] == generated.split("\n\n", 1)[1]  # one body
     assert "local-stage-0 is stage-0 (layers 0-1)" in text and "local-stage-1 is stage-1 (layers 2-3)" in text
     assert "answer: " in result.output
-    ANSWERS["pp_auto"] = _greedy_answer(deployment)
+    ANSWERS["pp_auto"] = greedy_answer(deployment.url)
     assert ANSWERS["pp_auto"] == ANSWERS["toml"]
     print(f"switch to pp_auto: {result.seconds:.1f} s")
 
@@ -311,12 +272,12 @@ def test_pp_auto_status_shows_the_stage_each_peer_was_assigned(deployment: Deplo
 
 def test_pp_auto_redeploy_changes_nothing(deployment: Deployment) -> None:
     _pp_auto(deployment)
-    _assert_redeploy_changes_nothing(deployment, **PP_AUTO)
+    assert_redeploy_changes_nothing(deployment, **PP_AUTO)
 
 
 def test_pp_auto_a_dead_peer_restarts_the_whole_cluster(deployment: Deployment) -> None:
     _pp_auto(deployment)
-    pids = _pids(deployment)
+    pids = pids_of(deployment)
     os.kill(int(pids["stage-1"]), signal.SIGKILL)  # a crash: its supervisor restarts it, as a peer waiting for an offer
     health = f"http://{HOSTS['stage-1']}:{deployment.http_port}/health"
     deadline = time.monotonic() + 60
@@ -326,8 +287,8 @@ def test_pp_auto_a_dead_peer_restarts_the_whole_cluster(deployment: Deployment) 
     result = deployment.run("deploy.yml", **PP_AUTO)
     assert result.rc == 0, result.output[-4000:]
     assert "local-stage-1 (/health answers 503)" in " ".join(result.output.split()), result.output[-4000:]
-    assert all(pids[n] != p for n, p in _pids(deployment).items())  # the coordinator and stage-0 too
-    assert _greedy_answer(deployment) == ANSWERS["toml"]
+    assert all(pids[n] != p for n, p in pids_of(deployment).items())  # the coordinator and stage-0 too
+    assert greedy_answer(deployment.url) == ANSWERS["toml"]
 
 
 def _answers_waiting(url: str) -> bool:
@@ -350,198 +311,3 @@ def test_teardown_leaves_no_process(deployment: Deployment) -> None:
     again = deployment.run("teardown.yml")  # what is already gone is fine
     assert again.rc == 0 and all(r["changed"] == 0 for r in again.recap().values()), again.output[-3000:]
     assert os.path.isdir(deployment.home("coordinator"))
-
-
-# -- the same three addresses as a disaggregated cluster (mlxcel_topology disagg) --------------------------------
-
-DISAGG = {"router": ("router", HOSTS["coordinator"]), "prefill-0": ("prefill", HOSTS["stage-0"]),
-          "decode-0": ("decode", HOSTS["stage-1"]), "decode-1": ("decode", SPARE_ADDRESS)}
-DISAGG_NODES = tuple(DISAGG)
-
-
-@pytest.fixture(scope="module")
-def disagg(deployment: Deployment, tmp_path_factory: pytest.TempPathFactory):
-    """The inventory: a router, a prefill node and two decode nodes on 127.0.0.2-5 with the API key on; torn down at
-    the end."""
-    hosts: dict[str, dict] = {}
-    for node, (role, address) in DISAGG.items():
-        group = hosts.setdefault(role, {"hosts": {}})
-        group["hosts"][f"local-{node}"] = {"ansible_host": address, "mlxcel_node_id": node}
-    inventory = {"mlxcel_cluster": {
-        "vars": {"mlxcel_topology": "disagg", "mlxcel_api_key_enabled": True, "ansible_connection": "local",
-                 "ansible_python_interpreter": "{{ ansible_playbook_python }}",
-                 "mlxcel_home": "{{ mlxcel_state_root }}/{{ mlxcel_node_id }}", "mlxcel_install_method": "reuse",
-                 "mlxcel_venv": str(REPO / ".venv"), "mlxcel_model_dir": "{{ mlxcel_model_source }}",
-                 "mlxcel_node_supervisor": "pidfile"},
-        "children": hosts}}
-    path = tmp_path_factory.mktemp("disagg") / "hosts.yml"
-    path.write_text(json.dumps(inventory))  # JSON is YAML
-    yield str(path)
-    if any((deployment.home(n) / "node.pid").exists() for n in DISAGG_NODES):  # a test failed before teardown
-        deployment.run("teardown.yml", inventory=str(path))
-
-
-def _api_key(deployment: Deployment) -> str:
-    return (deployment.controller / "api.key").read_text().strip()
-
-
-def _disagg_deployed(deployment: Deployment) -> None:
-    if not (deployment.home("router") / "node.pid").exists():
-        pytest.skip("the disaggregated cluster did not come up (see test_disagg_deploy_starts_decode_prefill_router)")
-
-
-@pytest.mark.timeout(900)
-def test_disagg_deploy_starts_decode_then_prefill_then_router(deployment: Deployment, disagg: str) -> None:
-    if deployment.pids():
-        pytest.skip("the pipeline is still up on these addresses (see test_teardown_leaves_no_process)")
-    result = deployment.run("deploy.yml", inventory=disagg, timeout=800)  # four nodes: slow on a loaded box
-    assert result.rc == 0, result.output[-4000:]
-    recap = result.recap()
-    assert set(recap) == {f"local-{n}" for n in DISAGG_NODES} and all(r["failed"] == 0 for r in recap.values())
-    started = [result.output.find(f"msg: {n} started") for n in ("decode-0", "prefill-0", "router")]
-    assert -1 not in started and started == sorted(started), result.output[-4000:]  # decode, prefill, router
-    assert f"OpenAI API: {deployment.url}/v1" in result.output and "answer: " in result.output
-    key = _api_key(deployment)
-    assert key not in result.output
-    for node, (role, address) in DISAGG.items():
-        home = deployment.home(node)
-        pid = int((home / "node.pid").read_text())
-        argv = _argv(deployment, node)
-        assert (_flag(argv, "--host"), _flag(argv, "--node-id")) == (address, node)
-        assert _flag(argv, "--distributed-config") == str(home / "cluster.toml")
-        assert _flag(argv, "--cluster-secret-file") == str(home / "cluster.secret")  # every role needs the secret
-        # the OpenAI API, its key and TLS are the router's; prefill and decode nodes serve /health only
-        assert ("--api-key-file" in argv) == (role == "router") == (home / "api.key").exists()
-        # the prefill and decode nodes share this machine's cores; the router holds no layers
-        assert _flag(argv, "--threads") == ("1" if role == "router" else _layer_threads(3))
-        config = load_cluster_config(home / "cluster.toml")
-        assert [(n.id, n.role, str(n.address)) for n in config.disagg] == [
-            (n, r, f"{a}:{deployment.cluster_port}") for n, (r, a) in DISAGG.items()]
-        environ = open(f"/proc/{pid}/environ", "rb").read().decode(errors="replace").split("\0")
-        allowlist = [e for e in environ if e.startswith("MLXCEL_DECODE_ALLOWLIST=")]
-        decodes = ",".join(f"{a}:{deployment.cluster_port}" for r, a in DISAGG.values() if r == "decode")
-        assert allowlist == ([f"MLXCEL_DECODE_ALLOWLIST={decodes}"] if role == "prefill" else []), allowlist
-        assert key not in (home / "node.toml").read_text() + (home / "node.log").read_text()
-    print(f"disaggregated deploy: {result.seconds:.1f} s")
-
-
-def test_disagg_chat_through_the_router_equals_the_pipeline(deployment: Deployment, disagg: str) -> None:
-    _disagg_deployed(deployment)
-    with pytest.raises(openai.AuthenticationError):  # the router's API key is on
-        _greedy_answer(deployment, api_key="not-the-key")
-    answer = _greedy_answer(deployment, api_key=_api_key(deployment))
-    if "toml" not in ANSWERS:
-        pytest.skip("no answer of the pipeline to compare with (see test_chat_through_the_coordinator)")
-    assert answer == ANSWERS["toml"]
-
-
-def test_disagg_redeploy_changes_nothing(deployment: Deployment, disagg: str) -> None:
-    _disagg_deployed(deployment)
-    _assert_redeploy_changes_nothing(deployment, inventory=disagg, nodes=DISAGG_NODES)
-
-
-def test_disagg_status_reports_each_role_and_health(deployment: Deployment, disagg: str) -> None:
-    _disagg_deployed(deployment)
-    result = deployment.run("status.yml", inventory=disagg)
-    assert result.rc == 0, result.output[-4000:]
-    text = " ".join(result.output.split())
-    pids = _pids(deployment, DISAGG_NODES)
-    rows = {node: re.search(rf"\b{node} +{role} +{pids[node].strip()} +{address}:{deployment.http_port} +"
-                            rf"{deployment.cluster_port} +200 ready +(-|sequences \d+)", text)
-            for node, (role, address) in DISAGG.items()}
-    assert all(rows.values()), result.output[-3000:]
-    # a ready router shows no detail; a prefill or decode node its sequences in progress
-    assert [rows[n][1] for n in DISAGG_NODES] == ["-"] + ["sequences 0"] * 3, result.output[-3000:]
-    assert [rows[n].start() for n in DISAGG_NODES] == sorted(rows[n].start() for n in DISAGG_NODES)  # TOML order
-
-
-@pytest.mark.timeout(900)
-def test_disagg_rolling_restart_of_the_decode_nodes_under_load_fails_nothing(deployment: Deployment,
-                                                                            disagg: str) -> None:
-    """rolling_restart.yml on the decode nodes while two clients stream: each is drained (the router sends it
-    nothing new, what it holds finishes), restarted and used again before the next; no request fails."""
-    _disagg_deployed(deployment)
-    key = _api_key(deployment)
-    expected = _greedy_answer(deployment, api_key=key)
-    decodes = ("decode-0", "decode-1")
-    pids = _pids(deployment, decodes)
-    others = _pids(deployment, ("router", "prefill-0"))
-    load = _Load(deployment, key, streams=2)
-    load.start()
-    try:
-        wait_until = time.monotonic() + 60
-        while load.completed < 2 and time.monotonic() < wait_until:  # the load runs before the first drain
-            time.sleep(0.1)
-        result = deployment.run("rolling_restart.yml", inventory=disagg, mlxcel_node_rolling_roles=["decode"],
-                                timeout=800)
-        done_during = load.completed
-    finally:
-        load.stop()
-    assert result.rc == 0, result.output[-4000:]
-    assert all(pids[n] != p for n, p in _pids(deployment, decodes).items())  # both restarted
-    assert _pids(deployment, ("router", "prefill-0")) == others  # the roles not rolled are left alone
-    assert _roll_order(result.output) == ["local-decode-0", "local-decode-1"], result.output[-3000:]  # one at a time
-    print(f"rolling restart of 2 decode nodes: {result.seconds:.1f} s; {load.completed} requests completed "
-          f"({done_during} by its end), {len(load.failures)} failed")
-    assert load.failures == [], load.failures[:5]
-    assert done_during >= 4 and set(load.answers) == {expected}, (done_during, set(load.answers))
-
-
-def _roll_order(output: str) -> list[str]:
-    """The hosts in the order the playbook rolled them, checking that none overlaps the next: a host's wait
-    until it is idle comes after the previous host's restart (the hosts of the preparing plays report in any
-    order, so only these two tasks count)."""
-    events, task = [], ""
-    for line in output.splitlines():
-        if line.startswith("TASK ["):
-            task = line
-        elif "Restarted | wait until it holds nothing" in task and re.match(r"(ok|changed): \[", line):
-            events.append(("idle", re.match(r"\w+: \[([\w-]+)", line)[1]))
-        elif re.match(r"included: \S*/restart-\w+\.yml for ", line):
-            events.append(("restart", line.rsplit(" for ", 1)[1].strip()))
-    order = [host for kind, host in events if kind == "idle"]
-    assert events == [(kind, host) for host in order for kind in ("idle", "restart")], events
-    return order
-
-
-class _Load:
-    """``streams`` clients, each streaming one greedy chat completion after another until stopped."""
-
-    def __init__(self, deployment: Deployment, key: str, streams: int):
-        self.client = openai.OpenAI(base_url=f"{deployment.url}/v1", api_key=key, max_retries=0, timeout=120)
-        self.model = self.client.models.list().data[0].id
-        self.streams, self.stopping = streams, False
-        self.completed, self.failures, self.answers = 0, [], []  # type: ignore[var-annotated]
-        self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(streams)]
-
-    def start(self) -> None:
-        for thread in self.threads:
-            thread.start()
-
-    def stop(self) -> None:
-        self.stopping = True
-        for thread in self.threads:
-            thread.join(timeout=120)
-
-    def _run(self) -> None:
-        while not self.stopping:
-            try:
-                stream = self.client.chat.completions.create(
-                    model=self.model, max_tokens=12, temperature=0, stream=True,
-                    messages=[{"role": "user", "content": "Name three colours."}])
-                text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
-                self.answers.append(text)
-                self.completed += 1
-            except Exception as exc:  # noqa: BLE001 - every failure counts
-                self.failures.append(f"{type(exc).__name__}: {exc}")
-
-
-def test_disagg_teardown_leaves_no_process(deployment: Deployment, disagg: str) -> None:
-    _disagg_deployed(deployment)
-    result = deployment.run("teardown.yml", inventory=disagg)
-    assert result.rc == 0, result.output[-4000:]
-    stopped = [result.output.find(f"TASK [mlxcel_node : Stopped | {what}") for what in (
-        "stop the coordinator or the routers first", "then the prefill nodes", "then the stages or the decode nodes")]
-    assert -1 not in stopped and stopped == sorted(stopped), result.output[-3000:]
-    assert deployment.pids() == []
-    assert not any((deployment.home(n) / "node.pid").exists() for n in DISAGG_NODES)

@@ -13,8 +13,9 @@ threads stream SSE, odd ones do not) and sorting every outcome:
 
 ``Chaos`` picks a random node every ``interval`` (jittered) and kills it (SIGKILL, then starts it again
 with the same command line at once, as a supervisor would), freezes it (SIGSTOP, SIGCONT after 1.5-3 s)
-or restarts it (SIGTERM, then starts it again); for each kill and restart it records the seconds until
-the cluster serves with every node again (``healthy()``).
+restarts it (SIGTERM, then starts it again) or, for targets with a ``link`` (hosts in network namespaces,
+``tests/chaos/netns.py``), cuts its link (down for 2.5-3 s, then up); for each action it records the
+seconds until the cluster serves with every node again (``healthy()``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,11 @@ from typing import Callable
 import httpx
 
 ACTIONS = ("kill", "freeze", "restart")
+LINK_CUT = "cut"  # for targets with a link
+FREEZE_S = (1.5, 3.0)
+#: a cut outlasts the router's probe deadline (mlxcel.disagg.wire.PROBE_TIMEOUT_S, 2 s; probes every 0.3 s in the
+#: chaos cluster), so the cluster must count the node out, resume its streams elsewhere and take it back
+CUT_S = (2.5, 3.0)
 
 
 @dataclass
@@ -41,7 +47,8 @@ class Counts:
     hung: int = 0
     truncated: int = 0
     resumed: int = 0  # from the server's /metrics (mlxcel_resumed_requests_total) after the run
-    held: int = 0  # from /metrics (mlxcel_requests_held_total): new requests that waited for a stage to be back
+    failovers: int = 0  # router only (/metrics router_failovers): attempts sent again before their first token
+    held: int = 0  # coordinator only (/metrics mlxcel_requests_held_total): new requests that waited for a stage
     problems: list[str] = field(default_factory=list)  # what each truncated/hung request looked like
     events: list[dict] = field(default_factory=list)  # chaos actions: node, action, seconds to serving again
 
@@ -157,25 +164,28 @@ class Target:
     pid: Callable[[], int]
     start: Callable[[], None]  # the same command line again; returns once it listens
     stop: Callable[[int], None]  # send a signal and wait for the exit
+    link: Callable[[bool], None] | None = None  # take its network link down (False) or up (True)
 
 
 class Chaos:
     """Every ``interval`` (+-50%) seconds, one action on one random target, for ``duration`` seconds and at
-    least ``min_actions`` actions; the actions come in rounds of all three in a random order (so a short
-    run still kills, freezes and restarts). Each action waits until the cluster is whole again."""
+    least one round of ``actions``; the actions come in rounds of all of them in a random order (so a short
+    run still does each). Each action waits until the cluster is whole again."""
 
     def __init__(self, targets: list[Target], healthy: Callable[[], bool], counts: Counts, *,
-                 duration: float = 60.0, interval: float = 5.0, min_actions: int = 3, seed: int = 25):
+                 duration: float = 60.0, interval: float = 5.0, actions: tuple[str, ...] = ACTIONS, seed: int = 25):
+        if LINK_CUT in actions and not all(t.link for t in targets):
+            raise ValueError("link cuts need a link on every target")
         self.targets, self.healthy, self.counts = targets, healthy, counts
-        self.duration, self.interval, self.min_actions = duration, interval, min_actions
+        self.duration, self.interval, self.actions = duration, interval, actions
         self.rng = random.Random(seed)
 
     def run(self) -> None:
         end = time.monotonic() + self.duration
         actions: list[str] = []
-        while time.monotonic() < end or len(self.counts.events) < self.min_actions:
+        while time.monotonic() < end or len(self.counts.events) < len(self.actions):
             time.sleep(self.interval * self.rng.uniform(0.5, 1.5))
-            actions = actions or self.rng.sample(ACTIONS, len(ACTIONS))
+            actions = actions or self.rng.sample(self.actions, len(self.actions))
             target, action = self.rng.choice(self.targets), actions.pop(0)
             event = {"node": target.name, "action": action, "at_s": round(time.monotonic() - end + self.duration, 1)}
             self.counts.events.append({**event, **getattr(self, f"_{action}")(target)})
@@ -204,14 +214,29 @@ class Chaos:
 
     def _freeze(self, target: Target) -> dict:
         pid = target.pid()
-        frozen = self.rng.uniform(1.5, 3.0)
+        return self._outage(lambda: os.kill(pid, signal.SIGSTOP), lambda: os.kill(pid, signal.SIGCONT), "frozen_s",
+                            FREEZE_S)
+
+    def _cut(self, target: Target) -> dict:
+        assert target.link is not None
+        link = target.link
+        return self._outage(lambda: link(False), lambda: link(True), "cut_s", CUT_S)
+
+    def _outage(self, begin: Callable[[], None], end: Callable[[], None], name: str,
+                span: tuple[float, float]) -> dict:
+        """``begin()``, ``span`` seconds (drawn), ``end()`` (also on failure): the outage's length as ``name``,
+        whether the cluster counted the node out (``seen_down``: not ``healthy()`` at the outage's end or at
+        the first look after it), then the heal time."""
+        seconds = self.rng.uniform(*span)
         t0 = time.monotonic()
-        os.kill(pid, signal.SIGSTOP)
+        begin()
         try:
-            time.sleep(frozen)
+            time.sleep(seconds)
+            seen_down = not self.healthy()
         finally:
-            os.kill(pid, signal.SIGCONT)
-        return {"frozen_s": round(frozen, 2), "to_serving_s": self._until_healthy(t0)}
+            end()
+        seen_down = seen_down or not self.healthy()
+        return {name: round(seconds, 2), "seen_down": seen_down, "to_serving_s": self._until_healthy(t0)}
 
     def _until_healthy(self, t0: float, timeout: float = 240.0) -> float | None:
         """Seconds from ``t0`` until ``healthy()``; None if it is not within ``timeout`` from now."""

@@ -1,14 +1,17 @@
 """A real disaggregated cluster for tests: decode, prefill and router processes started through the CLI.
 
 Each node is ``python -m mlxcel serve --node-role ROLE --serving-bind IP:PORT ...`` on its own
-127.0.0.x address, so the transport's identity binding works as on separate hosts.
+127.0.0.x address, so the transport's identity binding works as on separate hosts; or, with ``Hosts``
+naming other addresses and a command prefix, on hosts in network namespaces (``tests/chaos/netns.py``).
 """
 
 from __future__ import annotations
 
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import httpx
 
@@ -20,18 +23,36 @@ DECODE_HOSTS = ("127.0.0.23", "127.0.0.24", "127.0.0.25")
 FAST = ("--no-warmup", "--parallel", "2", "--max-queue", "4")
 
 
+@dataclass(frozen=True)
+class Hosts:
+    """Where a cluster's processes run: their addresses, a free port on one, the command prefix that runs there.
+
+    ``router`` is the router's cluster address; ``router_http`` its OpenAI port's (loopback: a router
+    listening elsewhere wants an API key)."""
+
+    router: str = ROUTER_HOST
+    router_http: str = ROUTER_HOST
+    prefills: tuple[str, ...] = PREFILL_HOSTS
+    decodes: tuple[str, ...] = DECODE_HOSTS
+    port: Callable[[str], int] = free_port
+    prefix: Callable[[str], list[str]] = lambda host: []
+
+
+LOOPBACK = Hosts()
+
+
 class RoleNode(Node):
     """One role process (``tests.pipeline.cluster.Node`` with role flags instead of a TOML)."""
 
     def __init__(self, model: Path, role: str, host: str, bind: str, secret: Path, *flags: str,
-                 env: dict | None = None):
+                 env: dict | None = None, prefix: list[str] | None = None):
         self.role, self.bind, self.host = role, bind, host
-        self._args = (model, role, host, bind, secret, flags, env)
+        self._args = (model, role, host, bind, secret, flags, env, prefix or [])
         self._start()
 
     def _start(self) -> None:
-        model, role, host, bind, secret, flags, env = self._args
-        cmd = [*CLI, "-m", str(model), "--node-role", role, "--serving-bind", bind, "--cluster-secret-file",
+        model, role, host, bind, secret, flags, env, prefix = self._args
+        cmd = [*prefix, *CLI, "-m", str(model), "--node-role", role, "--serving-bind", bind, "--cluster-secret-file",
                str(secret), "--host", host, "--port", "0", "--served-model-name", "tiny", "--log-level", "info",
                *flags]
         self.node_id = f"{role}@{bind}"
@@ -56,12 +77,12 @@ class DisaggCluster:
     def __init__(self, tmp: Path, model: Path, *, prefills: int = 1, decodes: int = 1,
                  router_flags: tuple[str, ...] = (), node_flags: tuple[str, ...] = FAST,
                  prefill_flags: tuple[str, ...] = (), prefill_env: dict | None = None,
-                 decode_env: dict | None = None, router_env: dict | None = None):
-        self.tmp, self.model = tmp, model
+                 decode_env: dict | None = None, router_env: dict | None = None, hosts: Hosts = LOOPBACK):
+        self.tmp, self.model, self.hosts = tmp, model, hosts
         self.secret = write_secret(tmp)
-        self.router_addr = f"{ROUTER_HOST}:{free_port(ROUTER_HOST)}"
-        self.prefill_addrs = [f"{h}:{free_port(h)}" for h in PREFILL_HOSTS[:prefills]]
-        self.decode_addrs = [f"{h}:{free_port(h)}" for h in DECODE_HOSTS[:decodes]]
+        self.router_addr = f"{hosts.router}:{hosts.port(hosts.router)}"
+        self.prefill_addrs = [f"{h}:{hosts.port(h)}" for h in hosts.prefills[:prefills]]
+        self.decode_addrs = [f"{h}:{hosts.port(h)}" for h in hosts.decodes[:decodes]]
         self.router_flags, self.node_flags = router_flags, node_flags
         self.prefill_flags = prefill_flags
         self.prefill_env, self.decode_env, self.router_env = prefill_env, decode_env, router_env
@@ -71,19 +92,21 @@ class DisaggCluster:
 
     def start(self) -> "DisaggCluster":
         try:
+            h = self.hosts
             for i, addr in enumerate(self.decode_addrs):
-                self.decodes.append(RoleNode(self.model, "decode", DECODE_HOSTS[i], addr, self.secret, *self.node_flags,
-                                             env=self.decode_env))
+                self.decodes.append(RoleNode(self.model, "decode", h.decodes[i], addr, self.secret, *self.node_flags,
+                                             env=self.decode_env, prefix=h.prefix(h.decodes[i])))
             for i, addr in enumerate(self.prefill_addrs):
-                self.prefills.append(RoleNode(self.model, "prefill", PREFILL_HOSTS[i], addr, self.secret,
+                self.prefills.append(RoleNode(self.model, "prefill", h.prefills[i], addr, self.secret,
                                               "--decode-peers", self.decode_addrs[0], *self.node_flags,
-                                              *self.prefill_flags, env=self.prefill_env))
+                                              *self.prefill_flags, env=self.prefill_env,
+                                              prefix=h.prefix(h.prefills[i])))
             for node in (*self.decodes, *self.prefills):
                 node.wait_ready()
-            self.router = RoleNode(self.model, "router", ROUTER_HOST, self.router_addr, self.secret,
+            self.router = RoleNode(self.model, "router", h.router_http, self.router_addr, self.secret,
                                    "--prefill-peers", ",".join(self.prefill_addrs), "--decode-peers",
                                    ",".join(self.decode_addrs), "--probe-interval", "0.3", *self.router_flags,
-                                   env=self.router_env)
+                                   env=self.router_env, prefix=h.prefix(h.router))
             self.router.wait_ready()
         except BaseException:
             self.stop()

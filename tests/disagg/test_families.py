@@ -2,29 +2,28 @@
 
 One row per family (``RANDOM_FAMILIES``: a tiny ``make-random`` checkpoint each) and the record kinds
 its layers' caches travel as (which says the family's cache types: MLA's latent KVCache, sliding
-windows, linear-attention state). For each, a router, a prefill node and a decode node run in this
-process as the role processes run them (``RouterEngine``, ``PrefillService``, ``DecodeService``) on
-real transports over loopback, each on its own 127.0.0.x identity, with the cluster handshake and
-AES-GCM; two concurrent greedy requests (batched together on the decode node) give the tokens a
-single node's scheduler gives. The same across processes, grouped rather than started per family:
-one process hosts every family's decode node and another every family's prefill node
-(``tests/disagg/role_host.py``: the services the prefill and decode roles of ``mlxcel-server`` build),
-and each family's router engine runs in this process, so the table starts 2 processes.
-``test_a_linear_attention_cluster`` runs the three role processes of ``mlxcel-server`` once, on
-qwen3_next, through the CLI and the OpenAI API.
+windows, linear-attention state). Two concurrent greedy requests (batched together on the decode
+node) give the tokens a single node's scheduler gives, three ways:
+
+- in this process, every family: a router, a prefill node and a decode node as the role processes
+  build them (``RouterEngine``, ``PrefillService``, ``DecodeService``) on real transports over
+  loopback, each on its own 127.0.0.x identity, with the cluster handshake and AES-GCM;
+- across processes, the representative families (``DI_SERVER_FAMILIES``: one per cache record
+  kind): three ``mlxcel-server`` processes each (decode, prefill, router), every family's started at
+  once, asked through the OpenAI API;
+- across processes, the other families, grouped rather than started per family: one process hosts
+  every such family's decode node and another its prefill node (``tests/node_host.py``: each node's
+  ``mlxcel-server`` command line through the same parsing, preflight and role loading, the prefix
+  cache included, without the /health port and signals), and the router is the engine the router
+  role's own factory builds from its command line, in this process: 2 processes in all.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import subprocess
-import sys
-from pathlib import Path
 from typing import Iterator
 
-import httpx
 import pytest
 
 from mlxcel.cluster.identity import PeerId
@@ -33,12 +32,15 @@ from mlxcel.config import RANDOM_FAMILIES
 from mlxcel.disagg.wire import CacheKind
 from mlxcel.engine.interface import EngineRequest
 from mlxcel.engine.sampling import SamplingParams
-from tests.disagg.cluster import DisaggCluster
-from tests.family_checkpoints import family_checkpoint  # noqa: F401  (fixture)
-from tests.pipeline.cluster import Node, free_port
+from tests.disagg.cluster import DisaggCluster, wait_for
+from tests.disagg.cluster import FAST
+from tests.family_checkpoints import (DI_SERVER_FAMILIES, concurrent_completions, family_checkpoint,  # noqa: F401
+                                      start_together, text_of)
+from tests.node_host import node_hosts, server_args
+from tests.pipeline.cluster import free_port, write_secret
 from tests.engine.fakes import collect_tokens
 
-pytestmark = pytest.mark.proc  # the last test starts the three role processes (tests/proc_marker.py)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.proc]  # hosts and mlxcel-server processes (tests/proc_marker.py)
 
 KV, ROT, ARR, LIST = CacheKind.KV, CacheKind.ROTATING, CacheKind.ARRAYS, CacheKind.LIST
 # family -> the record kind of each of its 4 layers' caches
@@ -70,7 +72,7 @@ N = 5
 SECRET = ClusterSecret(b"disagg-family-table-secret-0123456789abcdef")
 ROUTER_IP, PREFILL_IP, DECODE_IP = "127.0.0.70", "127.0.0.71", "127.0.0.72"
 HOST_IPS = {"router": "127.0.0.73", "prefill": "127.0.0.74", "decode": "127.0.0.75"}
-HOST_START_S = 400.0  # each host loads every family's checkpoint (a loaded 2-core box is slow)
+HOSTED = [f for f in RANDOM_FAMILIES if f not in DI_SERVER_FAMILIES]
 
 
 def test_the_table_is_every_random_family():
@@ -149,75 +151,69 @@ def test_router_prefill_decode_continue_exactly_like_one_node(family, family_che
         assert prefill.layout == decode.layout and decode.layout.unsupported is None
         got = asyncio.run(both(router))
         assert got == reference
-        assert router.counters["handoffs"] == 2 and decode.counters["handoffs"] == 2
+        assert decode.counters["handoffs"] == 2
+        wait_for(lambda: router.counters["handoffs"] == 2, what="both handoffs counted (a HANDED_OFF may follow the FINISH)")
         assert router.counters["handoff_bytes"] > 2 * decode.layout.nbytes(len(PROMPTS[1]))
+
+
+def command_line(path, role: str, bind: str, secret_file, *flags: str) -> list[str]:
+    """The ``mlxcel-server`` command line of one disaggregated node of ``path``."""
+    return ["-m", str(path), "--node-role", role, "--serving-bind", bind, "--cluster-secret-file", str(secret_file),
+            *flags]
 
 
 @pytest.fixture(scope="module")
 def hosted(tmp_path_factory, family_checkpoint):  # noqa: F811
-    """Every family's decode node in one process and its prefill node in another; yields family -> (prefill,
-    decode) addresses, and the secret."""
-    from mlxcel.cluster.secret import load_secret
-    from tests.pipeline.cluster import write_secret
-    from tests.pipeline.stage_host_util import first_line, stop
-
+    """Every hosted family's decode node in one node host and its prefill node in another; yields family ->
+    (prefill, decode) addresses, and the secret file."""
     tmp = tmp_path_factory.mktemp("role-hosts")
     secret_file = write_secret(tmp)
-    nodes = {f: {r: f"{HOST_IPS[r]}:{free_port(HOST_IPS[r])}" for r in ("prefill", "decode")} for f in TABLE}
-    hosts = []
-    try:
-        for role in ("decode", "prefill"):
-            spec = {"role": role, "secret_file": str(secret_file), "nodes": [
-                {"model": str(family_checkpoint(f)), "bind": addrs[role], "decode_peers": [addrs["decode"]]}
-                for f, addrs in nodes.items()]}
-            (tmp / f"{role}.json").write_text(json.dumps(spec))
-            hosts.append(subprocess.Popen([sys.executable, "-m", "tests.disagg.role_host", str(tmp / f"{role}.json")],
-                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
-        for host in hosts:
-            line = first_line(host, HOST_START_S)
-            assert line == f"ready {len(nodes)}", f"a role host did not start: {line!r}"
-        yield nodes, load_secret(secret_file, env={})
-    finally:
-        for host in hosts:
-            stop(host)
+    nodes = {f: {r: f"{HOST_IPS[r]}:{free_port(HOST_IPS[r])}" for r in ("prefill", "decode")} for f in HOSTED}
+    groups = [[command_line(family_checkpoint(f), "decode", addrs["decode"], secret_file, *FAST)
+               for f, addrs in nodes.items()],
+              [command_line(family_checkpoint(f), "prefill", addrs["prefill"], secret_file, "--decode-peers",
+                            addrs["decode"], *FAST) for f, addrs in nodes.items()]]
+    with node_hosts(tmp, groups):
+        yield nodes, secret_file
 
 
-@pytest.mark.parametrize("family", RANDOM_FAMILIES)
+@pytest.mark.parametrize("family", HOSTED)
 def test_prefill_and_decode_processes_continue_exactly_like_one_node(family, hosted, family_checkpoint):  # noqa: F811
-    from mlxcel.disagg.flags import NodeConfig
-    from mlxcel.disagg.router import RouterEngine
-    from mlxcel.models.identity import model_identity
+    from mlxcel.commands.serve import server_config
+    from mlxcel.disagg.flags import node_config
     from mlxcel.models.loading import load_checkpoint
+    from mlxcel.roles.router import router_factory
 
-    nodes, secret = hosted
+    nodes, secret_file = hosted
     path = family_checkpoint(family)
-    prefill, decode = PeerId.parse(nodes[family]["prefill"]), PeerId.parse(nodes[family]["decode"])
-    bind = PeerId.parse(f"{HOST_IPS['router']}:{free_port(HOST_IPS['router'])}")
-    router = RouterEngine(NodeConfig("router", bind, (prefill,), (decode,), secret, probe_interval_s=0.3),
-                          load_checkpoint(path, lazy=True).tokenizer, context_length=2048,
-                          identity=model_identity(path)).start()
+    bind = f"{HOST_IPS['router']}:{free_port(HOST_IPS['router'])}"
+    args = server_args(command_line(path, "router", bind, secret_file, "--prefill-peers", nodes[family]["prefill"],
+                                    "--decode-peers", nodes[family]["decode"], "--probe-interval", "0.3"))
+    router = router_factory(node_config(args, None))(None, load_checkpoint(path, lazy=True).tokenizer, 2048,
+                                                     server_config(args))
     try:
+        # tokens come only from the decode node, which decodes only KV handed to it; the router's own handoff
+        # counter is not asserted: a HANDED_OFF that reaches it after the decode node's FINISH is not counted
         assert asyncio.run(both(router)) == single_node(path)
-        assert router.counters["handoffs"] == 2
     finally:
         router.close()
 
 
-def test_a_linear_attention_cluster_of_role_processes_answers_like_one_node(tmp_path, family_checkpoint,  # noqa: F811
-                                                                            monkeypatch):
-    """qwen3_next, whose linear-attention state was refused before, through the three role processes."""
-    path = family_checkpoint("qwen3_next")
-    monkeypatch.setattr(Node, "start_wait_s", 180.0)  # three processes starting on a loaded 2-core box
-    monkeypatch.setattr(Node, "ready_wait_s", 180.0)
-    from tests.server.test_batching import reference_text
-
-    cluster = DisaggCluster(tmp_path, path).start()
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory, family_checkpoint):  # noqa: F811
+    """Every representative family as three ``mlxcel-server`` processes (decode, prefill, router), all
+    families' clusters started at once."""
+    clusters = start_together(DisaggCluster(tmp_path_factory.mktemp(f"di-server-{f}"), family_checkpoint(f))
+                              for f in DI_SERVER_FAMILIES)
     try:
-        for prompt in PROMPTS:
-            body = {"model": "tiny", "prompt": list(prompt), "max_tokens": N, "temperature": 0, "ignore_eos": True}
-            r = httpx.post(f"{cluster.url}/v1/completions", json=body, timeout=60)
-            assert r.status_code == 200, r.text
-            assert r.json()["choices"][0]["text"] == reference_text(path, list(prompt), N)
-        assert cluster.stats()["metrics"]["router_handoffs"] == len(PROMPTS)
+        yield dict(zip(DI_SERVER_FAMILIES, clusters))
     finally:
-        cluster.stop()
+        for cluster in clusters:
+            cluster.stop()
+
+
+@pytest.mark.parametrize("family", DI_SERVER_FAMILIES)
+def test_mlxcel_server_role_processes_answer_like_one_node(family, servers, family_checkpoint):  # noqa: F811
+    path, cluster = family_checkpoint(family), servers[family]
+    assert concurrent_completions(cluster.url, PROMPTS, N) == [text_of(path, t) for t in single_node(path)]
+    assert cluster.decodes[0].state()["handoffs"] == len(PROMPTS)

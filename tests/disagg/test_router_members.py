@@ -21,6 +21,7 @@ from mlxcel.cluster.transport import Transport
 from mlxcel.cluster.wire import Kind
 from mlxcel.disagg import messages as m
 from mlxcel.disagg.wire import MsgType
+from mlxcel.engine.interface import FinishEvent, TokenEvent
 from mlxcel.models.identity import model_identity
 from tests.disagg.cluster import RoleNode, wait_for
 from tests.pipeline.cluster import free_port, write_secret
@@ -142,3 +143,45 @@ def test_an_error_whose_code_is_not_a_json_integer_is_dropped(setup):
         client.join(30)
     assert answer["r"].status_code == 400 and "a bad field" in answer["r"].text
     assert "code must be" in "".join(node.lines)
+
+
+def _answered_by_members(node: RoleNode, prefill: Member, decode: Member, router: PeerId, *,
+                         late: list[bytes]) -> tuple[httpx.Response, str]:
+    """A completion the members answer: the decode member streams one token and FINISH; then the prefill
+    member sends ``late`` (frames for the ended attempt)."""
+    seen = len(prefill.of(MsgType.GENERATE))
+    answer: dict = {}
+    client = threading.Thread(target=lambda: answer.setdefault("r", httpx.post(
+        f"{node.url}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 1}, timeout=30)))
+    client.start()
+    try:
+        gen = wait_for(lambda: prefill.of(MsgType.GENERATE)[seen:], what="the GENERATE")[0]
+        nonce = gen["nonce"]
+        decode.transport.send(router, Kind.CONTROL, m.Tokens(nonce, (TokenEvent(5, " x"),)).encode())
+        decode.transport.send(router, Kind.CONTROL, m.Finish(nonce, FinishEvent("length", "", 1, 1)).encode())
+        client.join(30)
+        for payload in late:
+            prefill.transport.send(router, Kind.CONTROL, payload.replace(b"NONCE", nonce.encode()))
+    finally:
+        client.join(30)
+    return answer["r"], nonce
+
+
+def test_a_handed_off_that_comes_after_the_finish_still_counts_the_handoff(setup):
+    """HANDED_OFF (prefill -> router) and FINISH (decode -> router) travel on different connections: the
+    handoff of an attempt that already ended still counts, once, and only from that attempt's prefill node."""
+    node, prefill, decode, router = setup
+    before = stats(node)["metrics"]
+    handed = m.HandedOff("NONCE", 4096, 0.01, decode="decode-0").encode()
+    reply, _ = _answered_by_members(node, prefill, decode, router, late=[handed, handed])
+    assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == " x"
+    after = wait_for(lambda: (s := stats(node)["metrics"])["router_handoffs"] > before["router_handoffs"] and s,
+                     what="the late handoff counted")
+    assert after["router_handoffs"] == before["router_handoffs"] + 1  # the replayed one is not counted again
+    assert after["router_handoff_bytes"] == before["router_handoff_bytes"] + 4096
+    # from the decode node (not the attempt's prefill node), a late HANDED_OFF counts nothing
+    reply, _ = _answered_by_members(node, prefill, decode, router, late=[])
+    nonce = next(doc["nonce"] for doc in reversed(prefill.of(MsgType.GENERATE)))
+    decode.transport.send(router, Kind.CONTROL, m.HandedOff(nonce, 4096, 0.01).encode())
+    time.sleep(0.5)
+    assert stats(node)["metrics"]["router_handoffs"] == after["router_handoffs"]

@@ -70,9 +70,11 @@ class FakeExecutor:
     """An ``Executor`` that samples ``script[rid]`` in order (then 100, 101, ...), and records everything."""
 
     def __init__(self, *, depth: int = 1, micro_batch_size: int = 4, auto: bool = False,
-                 script: dict[str, Sequence[int]] | None = None, cached: int = 0, adopt: bool = True):
+                 script: dict[str, Sequence[int]] | None = None, cached: int = 0, adopt: bool = True,
+                 fill: bool = False):
         self.depth = depth
         self.micro_batch_size = micro_batch_size
+        self.fill_micro_batches = fill  # the pipeline's policy on a CPU: fill one group before the next
         self.auto = auto
         self.script = {rid: list(tokens) for rid, tokens in (script or {}).items()}
         self.cached = cached  # prompt tokens prepare() reports as already cached

@@ -24,6 +24,7 @@ from mlxcel.engine.model_slice import FAMILIES, ModelSlice, family_of
 from mlxcel.models.loading import load_checkpoint
 from mlxcel.models.random_checkpoint import RANDOM_FAMILIES, make_random_checkpoint
 from mlxcel.topology.partition import layer_costs, plan_stages
+from tests.family_checkpoints import family_checkpoint  # noqa: F401  (fixture)
 
 KV, ROT, SSM, CL = KVCache, RotatingKVCache, ArraysCache, CacheList
 # family (model_type) -> the cache type of each of its 4 layers
@@ -174,19 +175,74 @@ def test_deepseek_v3_needs_array_masks(checkpoints):
         whole(mx.array([PROMPT[0]]))
 
 
-@pytest.mark.parametrize("field", ["hidden_size_per_layer_input", "num_kv_shared_layers"])
-def test_gemma4_per_layer_inputs_and_kv_sharing_are_refused_by_name(field):
-    """gemma-4 E2B/E4B shapes: per-layer inputs and KV-shared layers do not cross a stage boundary yet."""
-    from mlx_lm.utils import _get_classes
+@pytest.fixture(scope="module")
+def gemma4_e2b(family_checkpoint) -> Path:  # noqa: F811
+    return family_checkpoint("gemma4_text_e2b")
 
+
+@pytest.mark.parametrize("ranges", [[(0, 2), (2, 4)], [(0, 1), (1, 2), (2, 4)]])
+def test_gemma4_per_layer_inputs_and_kv_shared_layers_slice(gemma4_e2b, ranges):
+    """Per-layer inputs cross each boundary beside h ([B, L, D + layers left * P]); the KV-shared layer 3
+    and layer 2, whose KV it reads, share a stage: 2 and 3 stages give the whole model's logits and tokens."""
+    model = load_checkpoint(gemma4_e2b).model
+    slices = [ModelSlice(model, a, b) for a, b in ranges]
+    assert [s.input_width for s in slices[1:]] == [64 + (4 - a) * 8 for a, _ in ranges[1:]]
+    caches = [s.make_cache() for s in slices]
+    whole_cache = make_prompt_cache(model)
+    assert [type(c) for cache in caches for c in cache] == [type(c) for c in whole_cache] == [ROT, KV, ROT]
+    x = mx.array(PROMPT)
+    for _ in range(STEPS + 1):
+        expected, got = model(x, cache=whole_cache), run_slices(slices, caches, x)
+        assert float(mx.abs(got - expected).max()) <= 1e-4
+        x = mx.argmax(got[:, -1], axis=-1)[:, None]
+        assert mx.array_equal(x[:, 0], mx.argmax(expected[:, -1], axis=-1))
+
+
+def test_gemma4_stages_read_the_carried_per_layer_inputs(gemma4_e2b):
+    """Without the carried per-layer inputs the second stage computes other logits: they are read, not just passed."""
+    model = load_checkpoint(gemma4_e2b).model
+    first, second = ModelSlice(model, 0, 2), ModelSlice(model, 2, 4)
+    x = mx.array([PROMPT[0]])
+    carried = first(x)
+    assert carried.shape == (1, 6, 64 + 2 * 8)
+    whole = model(x)
+    assert float(mx.abs(second(carried) - whole).max()) <= 1e-4
+    blanked = mx.concatenate([carried[..., :64], mx.zeros_like(carried[..., 64:])], axis=-1)
+    assert float(mx.abs(second(blanked) - whole).max()) > 1e-3
+
+
+def test_gemma4_stages_loaded_as_remote_ones_decode_a_micro_batch_as_the_whole_model(gemma4_e2b):
+    """What a stage process loads (``load_stage_runner``: the first stage the per-layer tables, the last the
+    head) decodes two rows of different lengths as the whole model, on another thread as a stage service
+    does (where a weight it did not load has no stream)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from mlxcel.engine.executor import whole_model_runner
+    from mlxcel.pipeline.slice_loading import load_stage_runner
+
+    prompts = {"a": PROMPT[0], "b": PROMPT[1][:4]}
+    whole = stage_tokens([whole_model_runner(load_checkpoint(gemma4_e2b).model, max_rows=4)], prompts, STEPS)
+    runners = [load_stage_runner(gemma4_e2b, a, b, max_rows=4)[0] for a, b in ((0, 2), (2, 4))]
+    with ThreadPoolExecutor(1) as pool:
+        assert pool.submit(stage_tokens, runners, prompts, STEPS).result() == whole
+
+
+def test_gemma4_generate_pp_size_2_with_per_layer_inputs_and_kv_shared_layers(gemma4_e2b, capsys):
+    args = ["generate", "-m", str(gemma4_e2b), "-p", "hello world", "--raw", "-n", "4"]
+    assert main(args) == 0
+    whole = capsys.readouterr().out
+    assert main([*args, "--pp-size", "2"]) == 0
+    assert capsys.readouterr().out == whole
+
+
+def test_gemma4_a_stage_boundary_between_a_kv_shared_layer_and_its_source_is_refused_by_name(gemma4_e2b):
     from mlxcel.models.errors import ModelError
-    from mlxcel.models.random_checkpoint import _config
 
-    config = {**_config("gemma4_text", 4, 64, 4, 2, 320, None, None), field: 1, "vocab_size_per_layer_input": 320}
-    model_cls, args_cls = _get_classes(config)
-    with pytest.raises(ModelError, match=f"gemma4_text with per-layer inputs .* cannot be sliced") as info:
-        ModelSlice(model_cls(args_cls.from_dict(config)), 0, 2)
-    assert f"{field} 1" in str(info.value)
+    model = load_checkpoint(gemma4_e2b).model
+    ModelSlice(model, 0, 2)  # layers 0-1 share nothing
+    with pytest.raises(ModelError, match="gemma4_text layer 3 reuses the KV cache of layer 2 .* a stage boundary "
+                                         "cannot fall between layers 2 and 3; put layers 2-3 on one stage"):
+        ModelSlice(model, 3, 4)
 
 
 def test_kimi_k3_stages_carry_their_residual_blocks(checkpoints):

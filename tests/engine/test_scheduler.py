@@ -176,6 +176,32 @@ async def test_two_micro_batches_of_at_most_micro_batch_size_rows():
     assert sched.counters.max_rows == 2 and sched.counters.decode_steps == len(decodes)
 
 
+async def _decode_slots(fill: bool, rids: str) -> tuple[list, dict[str, set[int]]]:
+    """Run ``rids`` (20 tokens each: none ends before all have joined) through depth 2, micro-batches of 4;
+    the decode steps and each row's slots."""
+    script = {r: [100 * (i + 1) + k for k in range(20)] for i, r in enumerate(rids)}
+    ex = FakeExecutor(depth=2, micro_batch_size=4, script=script, fill=fill)
+    with scheduler(ex, parallel=len(rids)) as sched:
+        streams = [sched.submit(request(r, (1, 2), max_tokens=20)) for r in rids]
+        await until(lambda: len(ex.prepared) == len(rids), "all admitted")
+        await ex.drive(lambda: len(ex.released) == len(rids))
+        for rid, stream in zip(rids, streams):
+            assert [t.token for t in (await collect(stream))[0]] == script[rid]
+    decodes = [s for s in ex.steps if s.kind == "decode"]
+    return decodes, {rid: {s.slot for s in decodes if rid in s.rids} for rid in rids}
+
+
+@run_async
+async def test_filled_micro_batches_take_a_second_group_only_when_the_first_is_full():
+    decodes, slots = await _decode_slots(True, "abcd")
+    assert {s.slot for s in decodes} == {0} and max(s.rows for s in decodes) == 4  # 4 rows: one group
+    decodes, slots = await _decode_slots(True, "abcdef")
+    assert max(s.rows for s in decodes) == 4 and {s.slot for s in decodes} == {0, 1}
+    assert sum(slot == {1} for slot in slots.values()) == 2 and all(len(v) == 1 for v in slots.values())
+    decodes, _ = await _decode_slots(False, "abcd")  # spread (the default): two groups of two
+    assert {s.slot for s in decodes} == {0, 1} and max(s.rows for s in decodes) == 2
+
+
 @run_async
 async def test_prompt_chunks_and_decode_steps_alternate():
     ex = FakeExecutor()

@@ -82,7 +82,7 @@ def test_tp_2_prints_tp_1s_greedy_text(checkpoint, family, mode):
 
 
 def test_gemma4_with_per_layer_inputs_and_kv_shared_layers(tmp_path, monkeypatch):
-    """gemma-4 E2B/E4B's shape (which the pipeline refuses): per-layer inputs stay replicated, a
+    """gemma-4 E2B/E4B's shape: per-layer inputs stay replicated, a
     KV-shared layer has no k/v projection to cut and reads the earlier layer's (sharded) KV."""
     from mlxcel.models import random_checkpoint as rc
 

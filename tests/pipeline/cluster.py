@@ -101,21 +101,21 @@ class LocalCluster:
 
     def __init__(self, tmp: Path, model: Path, *, stages: int = 2, layers: list[str] | None = None,
                  timeouts: str = "heartbeat_s = 0.5\nexchange_s = 10\nstartup_s = 60",
-                 coordinator_flags: tuple[str, ...] = (), stage_delay: float = 0.0):
+                 coordinator_flags: tuple[str, ...] = (), stage_delay: float = 0.0, pipeline: str = ""):
         self.tmp, self.model = tmp, model
         self.secret = write_secret(tmp)
         self.coordinator_addr = f"{COORDINATOR_HOST}:{free_port(COORDINATOR_HOST)}"
         self.stage_addrs = [f"{STAGE_HOSTS[i]}:{free_port(STAGE_HOSTS[i])}" for i in range(stages)]
         self.toml = tmp / "cluster.toml"
-        self.toml.write_text(self.render(layers, timeouts))
+        self.toml.write_text(self.render(layers, timeouts, pipeline))
         self.coordinator_flags = coordinator_flags
         self.stage_env = {"MLXCEL_STAGE_STEP_DELAY_S": str(stage_delay)} if stage_delay else None
         self.stages: list[Node] = []
         self.coordinator: Node | None = None
 
-    def render(self, layers: list[str] | None, timeouts: str) -> str:
+    def render(self, layers: list[str] | None, timeouts: str, pipeline: str = "") -> str:
         text = (f'[cluster]\nname = "test-cluster"\npipeline_parallel_size = {len(self.stage_addrs)}\n'
-                f'secret_file = "{self.secret.name}"\n\n[timeouts]\n{timeouts}\n\n'
+                f'secret_file = "{self.secret.name}"\n\n[pipeline]\n{pipeline}\n\n[timeouts]\n{timeouts}\n\n'
                 f'[[nodes]]\nid = "coordinator"\nrole = "coordinator"\naddress = "{self.coordinator_addr}"\n')
         for i, addr in enumerate(self.stage_addrs):
             text += f'\n[[nodes]]\nid = "stage-{i}"\nrole = "stage"\naddress = "{addr}"\n'

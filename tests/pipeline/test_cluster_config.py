@@ -11,6 +11,7 @@ import pytest
 from mlxcel.cluster.secret import TOML_FIELD
 from mlxcel.topology.cluster_config import ClusterConfigError, load_cluster_config
 from mlxcel.commands.serve import cluster_node
+from mlxcel.pipeline.coordinator import fill_micro_batches
 from tests.commands.test_cli import assert_one_line_error, mlxcel
 from tests.pipeline.cluster_toml import COORDINATOR_AND_STAGE_0, write_toml
 
@@ -41,6 +42,10 @@ def test_loads_the_example_and_a_full_file(tmp_path):
     assert config.secret_file == tmp_path / "s.secret"
     assert config.timeouts.exchange_s == 5 and config.max_batch_size == 4
     assert config.micro_batch(4) == 2
+    assert config.micro_batch_fill is None and fill_micro_batches(config)  # unset: by device (the CPU here)
+    for value in (True, False):
+        filled = load_cluster_config(write_toml(tmp_path, GOOD.replace("[pipeline]", f"[pipeline]\nmicro_batch_fill = {str(value).lower()}")))
+        assert filled.micro_batch_fill is value and fill_micro_batches(filled) is value
     config.check_layers(4)
     example = load_cluster_config("examples/cluster-loopback.toml")
     example.check_layers(30)
@@ -59,6 +64,7 @@ def test_loads_the_example_and_a_full_file(tmp_path):
     (('secret_file = "s.secret"', 'secret = "hunter2hunter2hunter2"'), "never goes into the TOML"),
     (("exchange_s = 5", "exchange_s = -1"), "positive number of seconds"),
     (("max_batch_size = 4", "max_batch_size = 0"), "positive integer"),
+    (("max_batch_size = 4", "max_batch_size = 4\nmicro_batch_fill = 1"), "micro_batch_fill under [pipeline] must be true or false"),
     (('[timeouts]', '[timeouts]\nbogus = 1'), "unknown key(s) bogus in [timeouts]"),
 ])
 def test_inconsistencies_are_named(tmp_path, change, message):

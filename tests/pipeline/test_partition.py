@@ -6,6 +6,7 @@ import itertools
 import json
 import random
 import struct
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from mlxcel.topology.partition import (
     plan_stages,
     stages_for_ranges,
 )
+from tests.family_checkpoints import family_checkpoint  # noqa: F401  (fixture)
 
 # --------------------------------------------------------------------------- helpers
 
@@ -341,3 +343,24 @@ def test_plan_default_model(default_model, capsys):
     plan = json.loads(out)
     assert code == 0 and plan["num_layers"] == 30
     assert [s["layers"] for s in plan["stages"]] == ["0-14", "15-29"]
+
+
+def test_gemma4_kv_shared_layers_stay_on_the_stage_of_the_layer_whose_kv_they_read(family_checkpoint):  # noqa: F811
+    """gemma-4 E2B's shape: the automatic split never starts a stage between a KV-shared layer and its source."""
+    from mlxcel.topology.partition import joined_boundaries
+    from tests.family_checkpoints import GEMMA4_E2B
+
+    path = family_checkpoint("gemma4_text_e2b")  # 4 layers, layer 3 reads layer 2's KV
+    costs = layer_costs(path)
+    assert costs.joined == {3}
+    assert [(s.start, s.end) for s in plan_stages(costs, 3)] == [(0, 1), (1, 2), (2, 4)]
+    assert [(s.start, s.end) for s in plan_stages(replace(costs, joined=frozenset()), 3)] != [(0, 1), (1, 2), (2, 4)]
+    with pytest.raises(PartitionError, match=r"cannot split 4 layers into 4 stages: gemma4_text layers 3-3 reuse "
+                                             r"the KV caches of earlier layers \(num_kv_shared_layers 1\), so layers "
+                                             r"2-3 stay on one stage"):
+        plan_stages(costs, 4)
+    # mlx-lm's default shape (35 layers, the last 20 KV-shared, every 5th layer global): sources 13 and 14
+    e2b = {"model_type": "gemma4_text", "num_hidden_layers": 35, "num_kv_shared_layers": 20}
+    assert joined_boundaries(e2b)[0] == frozenset(range(14, 35))
+    assert joined_boundaries({**e2b, "num_kv_shared_layers": 0})[0] == frozenset()
+    assert joined_boundaries({**GEMMA4_E2B, "model_type": "llama", "num_hidden_layers": 4})[0] == frozenset()

@@ -41,7 +41,9 @@ def remote_tokens(url: str, prompt: list[int], n: int) -> str:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, tiny_llama):
     # 10 ms per stage step: slow enough that a long request is still running when a test looks at it
-    c = LocalCluster(tmp_path_factory.mktemp("pp"), tiny_llama, stage_delay=0.01).start()
+    # micro-batches spread over the stages (a CPU coordinator would fill one first): they overlap
+    c = LocalCluster(tmp_path_factory.mktemp("pp"), tiny_llama, stage_delay=0.01,
+                     pipeline="micro_batch_fill = false").start()
     yield c
     c.stop()
 
@@ -91,11 +93,14 @@ def test_cancelled_request_frees_kv_on_every_stage(cluster):
 
 
 def test_three_stages_of_qwen3_equal_single_device(tmp_path, tiny_qwen3):
-    """Three stages with explicit ranges; the last stage returns full logits and the coordinator samples."""
+    """Three stages with explicit ranges; the last stage returns full logits and the coordinator samples.
+    Concurrent requests on this CPU coordinator fill micro-batches in order (3 rows, then 1; §3.9)."""
     c = LocalCluster(tmp_path, tiny_qwen3, stages=3, layers=["0-0", "1-2", "3-3"],
                      coordinator_flags=("--pp-return-logits",)).start()
     try:
-        assert remote_tokens(c.url, PROMPTS[2], 16) == reference_tokens(tiny_qwen3, PROMPTS[2], 16)
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            got = list(pool.map(lambda p: remote_tokens(c.url, p, 16), PROMPTS))
+        assert got == [reference_tokens(tiny_qwen3, p, 16) for p in PROMPTS]
         assert [s.health().json()["layers"] for s in c.stages] == [[0, 1], [1, 3], [3, 4]]
     finally:
         c.stop()

@@ -73,6 +73,7 @@ def test_same_prompts_and_abba_order(two_servers):
     rows = serve_bench.run_side_by_side({k: (url, "fake") for k, (url, _) in two_servers.items()}, args)
 
     assert len(rows) == 2 * 2 * 2 and all(r["errors"] == 0 for r in rows)
+    assert all(isinstance(r["load_1m"], float) and r["load_1m"] >= 0 for r in rows)  # the shared box's load
     first = {(r["round"], r["concurrency"]): r["server"] for r in rows if r["order"] == 0}
     # ABBA: the first server flips at every level and every round
     assert [first[(0, 1)], first[(0, 2)], first[(1, 1)], first[(1, 2)]] == ["alpha", "beta", "beta", "alpha"]

@@ -1,0 +1,227 @@
+"""deploy.yml / status.yml / rolling_restart.yml / teardown.yml with mlxcel_topology disagg on the loopback inventory.
+
+A router, a prefill node and two decode nodes (real processes on 127.0.0.2-5, with the API key on the
+router), in file order on one deployment: the start order (decode, prefill, router), the greedy answer
+through the router equal to a single node's, redeploy (changed=0), status, a rolling restart of the
+decode nodes under load (no request fails), teardown. Its own module (and deployment, on free ports), so
+that it runs beside the pipeline's tests (test_deploy.py) on another test worker.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from typing import Iterator
+
+import openai
+import pytest
+
+from mlxcel.topology.cluster_config import load_cluster_config
+
+from tests.ansible.deploy_checks import (argv_of, assert_redeploy_changes_nothing, flag, greedy_answer,
+                                         layer_threads, pids_of)
+from tests.ansible.playbook import HOSTS, REPO, SPARE_ADDRESS, Deployment
+from tests.server.util import ServerProcess
+
+pytestmark = [pytest.mark.timeout(600), pytest.mark.proc]
+
+DISAGG = {"router": ("router", HOSTS["coordinator"]), "prefill-0": ("prefill", HOSTS["stage-0"]),
+          "decode-0": ("decode", HOSTS["stage-1"]), "decode-1": ("decode", SPARE_ADDRESS)}
+DISAGG_NODES = tuple(DISAGG)
+
+
+@pytest.fixture(scope="module")
+def disagg(deployment: Deployment, tmp_path_factory: pytest.TempPathFactory):
+    """The inventory: a router, a prefill node and two decode nodes on 127.0.0.2-5 with the API key on; torn down at
+    the end."""
+    hosts: dict[str, dict] = {}
+    for node, (role, address) in DISAGG.items():
+        group = hosts.setdefault(role, {"hosts": {}})
+        group["hosts"][f"local-{node}"] = {"ansible_host": address, "mlxcel_node_id": node}
+    inventory = {"mlxcel_cluster": {
+        "vars": {"mlxcel_topology": "disagg", "mlxcel_api_key_enabled": True, "ansible_connection": "local",
+                 "ansible_python_interpreter": "{{ ansible_playbook_python }}",
+                 "mlxcel_home": "{{ mlxcel_state_root }}/{{ mlxcel_node_id }}", "mlxcel_install_method": "reuse",
+                 "mlxcel_venv": str(REPO / ".venv"), "mlxcel_model_dir": "{{ mlxcel_model_source }}",
+                 "mlxcel_node_supervisor": "pidfile"},
+        "children": hosts}}
+    path = tmp_path_factory.mktemp("disagg") / "hosts.yml"
+    path.write_text(json.dumps(inventory))  # JSON is YAML
+    yield str(path)
+    if any((deployment.home(n) / "node.pid").exists() for n in DISAGG_NODES):  # a test failed before teardown
+        deployment.run("teardown.yml", inventory=str(path))
+
+
+@pytest.fixture(scope="module")
+def single_answer(tiny_llama) -> Iterator[str]:
+    """The greedy answer of one ``mlxcel serve`` process on the same checkpoint (what the router must match)."""
+    server = ServerProcess(tiny_llama, "--node-role", "hybrid", "--no-warmup")
+    try:
+        server.wait_ready()
+        yield greedy_answer(server.url)
+    finally:
+        server.stop()
+
+
+def _api_key(deployment: Deployment) -> str:
+    return (deployment.controller / "api.key").read_text().strip()
+
+
+def _disagg_deployed(deployment: Deployment) -> None:
+    if not (deployment.home("router") / "node.pid").exists():
+        pytest.skip("the disaggregated cluster did not come up (see test_disagg_deploy_starts_decode_prefill_router)")
+
+
+@pytest.mark.timeout(900)
+def test_disagg_deploy_starts_decode_then_prefill_then_router(deployment: Deployment, disagg: str) -> None:
+    result = deployment.run("deploy.yml", inventory=disagg, timeout=800)  # four nodes: slow on a loaded box
+    assert result.rc == 0, result.output[-4000:]
+    recap = result.recap()
+    assert set(recap) == {f"local-{n}" for n in DISAGG_NODES} and all(r["failed"] == 0 for r in recap.values())
+    started = [result.output.find(f"msg: {n} started") for n in ("decode-0", "prefill-0", "router")]
+    assert -1 not in started and started == sorted(started), result.output[-4000:]  # decode, prefill, router
+    assert f"OpenAI API: {deployment.url}/v1" in result.output and "answer: " in result.output
+    key = _api_key(deployment)
+    assert key not in result.output
+    for node, (role, address) in DISAGG.items():
+        home = deployment.home(node)
+        pid = int((home / "node.pid").read_text())
+        argv = argv_of(deployment, node)
+        assert (flag(argv, "--host"), flag(argv, "--node-id")) == (address, node)
+        assert flag(argv, "--distributed-config") == str(home / "cluster.toml")
+        assert flag(argv, "--cluster-secret-file") == str(home / "cluster.secret")  # every role needs the secret
+        # the OpenAI API, its key and TLS are the router's; prefill and decode nodes serve /health only
+        assert ("--api-key-file" in argv) == (role == "router") == (home / "api.key").exists()
+        # the prefill and decode nodes share this machine's cores; the router holds no layers
+        assert flag(argv, "--threads") == ("1" if role == "router" else layer_threads(3))
+        config = load_cluster_config(home / "cluster.toml")
+        assert [(n.id, n.role, str(n.address)) for n in config.disagg] == [
+            (n, r, f"{a}:{deployment.cluster_port}") for n, (r, a) in DISAGG.items()]
+        environ = open(f"/proc/{pid}/environ", "rb").read().decode(errors="replace").split("\0")
+        allowlist = [e for e in environ if e.startswith("MLXCEL_DECODE_ALLOWLIST=")]
+        decodes = ",".join(f"{a}:{deployment.cluster_port}" for r, a in DISAGG.values() if r == "decode")
+        assert allowlist == ([f"MLXCEL_DECODE_ALLOWLIST={decodes}"] if role == "prefill" else []), allowlist
+        assert key not in (home / "node.toml").read_text() + (home / "node.log").read_text()
+    print(f"disaggregated deploy: {result.seconds:.1f} s")
+
+
+def test_disagg_chat_through_the_router_equals_a_single_node(deployment: Deployment, disagg: str,
+                                                            single_answer: str) -> None:
+    _disagg_deployed(deployment)
+    with pytest.raises(openai.AuthenticationError):  # the router's API key is on
+        greedy_answer(deployment.url, api_key="not-the-key")
+    assert greedy_answer(deployment.url, api_key=_api_key(deployment)) == single_answer
+
+
+def test_disagg_redeploy_changes_nothing(deployment: Deployment, disagg: str) -> None:
+    _disagg_deployed(deployment)
+    assert_redeploy_changes_nothing(deployment, inventory=disagg, nodes=DISAGG_NODES)
+
+
+def test_disagg_status_reports_each_role_and_health(deployment: Deployment, disagg: str) -> None:
+    _disagg_deployed(deployment)
+    result = deployment.run("status.yml", inventory=disagg)
+    assert result.rc == 0, result.output[-4000:]
+    text = " ".join(result.output.split())
+    pids = pids_of(deployment, DISAGG_NODES)
+    rows = {node: re.search(rf"\b{node} +{role} +{pids[node].strip()} +{address}:{deployment.http_port} +"
+                            rf"{deployment.cluster_port} +200 ready +(-|sequences \d+)", text)
+            for node, (role, address) in DISAGG.items()}
+    assert all(rows.values()), result.output[-3000:]
+    # a ready router shows no detail; a prefill or decode node its sequences in progress
+    assert [rows[n][1] for n in DISAGG_NODES] == ["-"] + ["sequences 0"] * 3, result.output[-3000:]
+    assert [rows[n].start() for n in DISAGG_NODES] == sorted(rows[n].start() for n in DISAGG_NODES)  # TOML order
+
+
+@pytest.mark.timeout(900)
+def test_disagg_rolling_restart_of_the_decode_nodes_under_load_fails_nothing(deployment: Deployment,
+                                                                            disagg: str) -> None:
+    """rolling_restart.yml on the decode nodes while two clients stream: each is drained (the router sends it
+    nothing new, what it holds finishes), restarted and used again before the next; no request fails."""
+    _disagg_deployed(deployment)
+    key = _api_key(deployment)
+    expected = greedy_answer(deployment.url, api_key=key)
+    decodes = ("decode-0", "decode-1")
+    pids = pids_of(deployment, decodes)
+    others = pids_of(deployment, ("router", "prefill-0"))
+    load = _Load(deployment, key, streams=2)
+    load.start()
+    try:
+        wait_until = time.monotonic() + 60
+        while load.completed < 2 and time.monotonic() < wait_until:  # the load runs before the first drain
+            time.sleep(0.1)
+        result = deployment.run("rolling_restart.yml", inventory=disagg, mlxcel_node_rolling_roles=["decode"],
+                                timeout=800)
+        done_during = load.completed
+    finally:
+        load.stop()
+    assert result.rc == 0, result.output[-4000:]
+    assert all(pids[n] != p for n, p in pids_of(deployment, decodes).items())  # both restarted
+    assert pids_of(deployment, ("router", "prefill-0")) == others  # the roles not rolled are left alone
+    assert _roll_order(result.output) == ["local-decode-0", "local-decode-1"], result.output[-3000:]  # one at a time
+    print(f"rolling restart of 2 decode nodes: {result.seconds:.1f} s; {load.completed} requests completed "
+          f"({done_during} by its end), {len(load.failures)} failed")
+    assert load.failures == [], load.failures[:5]
+    assert done_during >= 4 and set(load.answers) == {expected}, (done_during, set(load.answers))
+
+
+def _roll_order(output: str) -> list[str]:
+    """The hosts in the order the playbook rolled them, checking that none overlaps the next: a host's wait
+    until it is idle comes after the previous host's restart (the hosts of the preparing plays report in any
+    order, so only these two tasks count)."""
+    events, task = [], ""
+    for line in output.splitlines():
+        if line.startswith("TASK ["):
+            task = line
+        elif "Restarted | wait until it holds nothing" in task and re.match(r"(ok|changed): \[", line):
+            events.append(("idle", re.match(r"\w+: \[([\w-]+)", line)[1]))
+        elif re.match(r"included: \S*/restart-\w+\.yml for ", line):
+            events.append(("restart", line.rsplit(" for ", 1)[1].strip()))
+    order = [host for kind, host in events if kind == "idle"]
+    assert events == [(kind, host) for host in order for kind in ("idle", "restart")], events
+    return order
+
+
+class _Load:
+    """``streams`` clients, each streaming one greedy chat completion after another until stopped."""
+
+    def __init__(self, deployment: Deployment, key: str, streams: int):
+        self.client = openai.OpenAI(base_url=f"{deployment.url}/v1", api_key=key, max_retries=0, timeout=120)
+        self.model = self.client.models.list().data[0].id
+        self.streams, self.stopping = streams, False
+        self.completed, self.failures, self.answers = 0, [], []  # type: ignore[var-annotated]
+        self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(streams)]
+
+    def start(self) -> None:
+        for thread in self.threads:
+            thread.start()
+
+    def stop(self) -> None:
+        self.stopping = True
+        for thread in self.threads:
+            thread.join(timeout=120)
+
+    def _run(self) -> None:
+        while not self.stopping:
+            try:
+                stream = self.client.chat.completions.create(
+                    model=self.model, max_tokens=12, temperature=0, stream=True,
+                    messages=[{"role": "user", "content": "Name three colours."}])
+                text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+                self.answers.append(text)
+                self.completed += 1
+            except Exception as exc:  # noqa: BLE001 - every failure counts
+                self.failures.append(f"{type(exc).__name__}: {exc}")
+
+
+def test_disagg_teardown_leaves_no_process(deployment: Deployment, disagg: str) -> None:
+    _disagg_deployed(deployment)
+    result = deployment.run("teardown.yml", inventory=disagg)
+    assert result.rc == 0, result.output[-4000:]
+    stopped = [result.output.find(f"TASK [mlxcel_node : Stopped | {what}") for what in (
+        "stop the coordinator or the routers first", "then the prefill nodes", "then the stages or the decode nodes")]
+    assert -1 not in stopped and stopped == sorted(stopped), result.output[-3000:]
+    assert deployment.pids() == []
+    assert not any((deployment.home(n) / "node.pid").exists() for n in DISAGG_NODES)
