@@ -719,7 +719,9 @@ class Scheduler:
         if not self._hold_next:
             log.warning("holding new requests until the pipeline can start them again (%s); each waits at most "
                         "%gs (--resume-timeout)", exc, self.resume.wait_s)
-        self._hold_next, self._hold_error = now + RESUME_RETRY_S, exc
+        # the next try counts from now, after a prepare that may have waited for its answer; the deadlines
+        # count from ``now``, when the request began to wait
+        self._hold_next, self._hold_error = time.monotonic() + RESUME_RETRY_S, exc
         for seq in self._waiting:
             self._held(seq, now)
         self._expire_held(now)
