@@ -147,8 +147,8 @@ class SparePool:
             log.warning("spare %s took over %s (layers %s)", spare, node_id,
                         format_range(*next((s.start, s.end) for s in plan.stages if s.node_id == node_id)))
             return spare
-        log.error("no spare left to take over %s: it stays down (requests fail with 503 until it answers again)",
-                  node_id)
+        log.error("no spare left to take over %s: it stays down until it answers again (new requests wait for it at "
+                  "most the resume timeout, then fail with 503)", node_id)
         return None
 
     def _push(self, spare: PeerId, node_id: str) -> ClusterPlan:

@@ -28,12 +28,22 @@ A request's state is one field, ``_Sequence.state`` (a ``RequestState``), change
                          FINISHED_ERROR, FINISHED_CANCELLED
     PREFILLING, RUNNING --its step failed with a node failure--> RESUMING --prepared again--> PREFILLING
     RESUMING --> FINISHED_ERROR (no node took it within the bounds), FINISHED_CANCELLED
+    WAITING (held: its start failed with a node failure) --the node is back--> PREFILLING
+    WAITING (held) --> FINISHED_ERROR (past the resume timeout), FINISHED_CANCELLED
 
 Resuming (``mlxcel.engine.resume``; only over an executor with a ``resume_policy``, the pipeline's): a
 sequence whose step failed because a node died, froze or restarted keeps its slot, its text state and
 its tokens; it is released on the executor and prepared again, every ``RETRY_S``, with ``prompt +
 generated`` as its prompt and its sampler ``len(generated)`` draws on, then prefilled like a new one.
 The token sampled after that prefill is its next token: the stream goes on as if nothing happened.
+
+Holding (the same policy): a new request whose start (``prepare``) fails with such a node failure (a
+stage down) stays WAITING, *held*, instead of failing at once: the head of the queue is tried again
+every ``RETRY_S`` until a start succeeds (the node restarted, answered a probe again or was replaced by
+a spare), then every held request starts in order. Each held request gives up ``wait_s`` after it was
+first held (the failure's own code: HTTP 503 + Retry-After). Held requests keep their place in the
+bounded queue (``parallel + max_queue``); one whose client goes away is dropped. With resuming off a
+failed start ends the request at once, as before.
 
 A sequence enters JOINING before its first token is emitted, so that token can end it. A finished
 state is final; a finished sequence leaves ``_seqs``. ``busy`` (a prompt chunk in flight) and
@@ -150,6 +160,7 @@ class _Sequence:
     resume_deadline: float = 0.0  # while RESUMING: give up at this time (monotonic)
     resume_next: float = 0.0  # while RESUMING: the next try
     resume_error: BaseException | None = None  # while RESUMING: the failure, or the last try's
+    hold_deadline: float = 0.0  # while WAITING and held (its start failed with a node failure): give up then
 
     @property
     def rid(self) -> str:
@@ -182,6 +193,9 @@ class EngineCounters:
     failed_steps: int = 0
     resumed: int = 0  # sequences prepared again after a node failure and continued (mlxcel/engine/resume.py)
     resume_failed: int = 0  # sequences that waited to resume and failed: bounds spent, no node took them
+    held: int = 0  # new requests held now: their start waits for a node to be back (gauge)
+    holds: int = 0  # new requests ever held
+    hold_failed: int = 0  # held requests that failed: no node within the resume timeout
 
 
 class Scheduler:
@@ -220,6 +234,8 @@ class Scheduler:
         self._steps_inflight = 0
         self._deferred: list[tuple[str, list[int] | None, int | None, bool]] = []  # (rid, tokens, slot or None, cancelled)
         self._last_kind = "decode"
+        self._hold_next = 0.0  # while holding new requests: the next try to start one (monotonic); 0: not holding
+        self._hold_error: BaseException | None = None  # while holding: the last failed start's error
         self.counters = EngineCounters()
         self._thread = threading.Thread(target=self._run, name="mlxcel-scheduler", daemon=True)
 
@@ -330,11 +346,9 @@ class Scheduler:
         """Nothing to do but wait for an input: a step in flight, no request, or only resumes not due yet."""
         if self._steps_inflight > 0 or not self._seqs:
             return True
-        if not self._resuming:
-            return False
         now = time.monotonic()
         busy = (self._prefilling or self._joining or any(self._groups)
-                or (self._waiting and self._admitted() < self.parallel))
+                or (self._waiting and self._admitted() < self.parallel and self._hold_next <= now))
         return not busy and all(seq.resume_next > now for seq in self._resuming)
 
     def _handle(self, *, block: bool) -> bool:
@@ -403,19 +417,29 @@ class Scheduler:
         seq = _Sequence(req, stream, SequenceText(self._tokenizer, req.params.stop), handoff=handoff, params=params)
         self._seqs[req.request_id] = seq
         self._waiting.append(seq)
-        self.counters.waiting = len(self._waiting)
+        if self._hold_next:  # the executor cannot start requests now: this one is held from its arrival
+            self._held(seq, time.monotonic())
+        self._gauges()
 
     def _admit(self) -> None:
         """Give waiting requests a slot: room on the executor, then a place in the prefill queue."""
-        while self._waiting and self._admitted() < self.parallel:
+        now = time.monotonic()
+        if self._hold_next:
+            self._expire_held(now)
+        while self._waiting and self._admitted() < self.parallel and self._hold_next <= now:
             seq = self._waiting[0]
             req = seq.request
             try:
                 cached = self._prepare(seq)
             except Exception as exc:
+                if self._may_hold(seq, exc):
+                    self._hold(exc, now)
+                    break
                 log.warning("cannot start request %s: %s", seq.rid, exc)
                 self._finish(seq, "error", error=str(exc), code=code_of(exc))
                 continue
+            if self._hold_next:
+                self._unhold()
             if seq.handoff is not None:
                 self._adopted(seq)
                 continue
@@ -459,6 +483,7 @@ class Scheduler:
 
     def _gauges(self) -> None:
         self.counters.waiting = len(self._waiting)
+        self.counters.held = sum(1 for s in self._waiting if s.hold_deadline)
         self.counters.running = self._admitted()
         self.counters.inflight_steps = self._steps_inflight
 
@@ -680,6 +705,52 @@ class Scheduler:
         log.warning("request %s could not be resumed within %gs: %s", seq.rid, self.resume.wait_s, exc)
         self._finish(seq, "error", error=f"generation failed and could not be resumed: {exc}",
                      code=code_of(exc) if exc is not None else ErrorCode.UNAVAILABLE)
+
+    # -- holding new requests while a node is down (the resume policy's bound) ---------------------------
+
+    def _may_hold(self, seq: _Sequence, exc: BaseException) -> bool:
+        """Whether a new request whose start failed with ``exc`` waits for the node instead of failing:
+        resuming is on and the executor calls the failure a node failure (the kind a resume waits out)."""
+        return self.resume is not None and not self._closed and seq.handoff is None and self._still_resumable(exc)
+
+    def _hold(self, exc: BaseException, now: float) -> None:
+        """The head of the queue could not start: hold every waiting request, try again in ``RETRY_S``."""
+        assert self.resume is not None
+        if not self._hold_next:
+            log.warning("holding new requests until the pipeline can start them again (%s); each waits at most "
+                        "%gs (--resume-timeout)", exc, self.resume.wait_s)
+        # the next try counts from now, after a prepare that may have waited for its answer; the deadlines
+        # count from ``now``, when the request began to wait
+        self._hold_next, self._hold_error = time.monotonic() + RESUME_RETRY_S, exc
+        for seq in self._waiting:
+            self._held(seq, now)
+        self._expire_held(now)
+
+    def _held(self, seq: _Sequence, now: float) -> None:
+        assert self.resume is not None
+        if not seq.hold_deadline:
+            seq.hold_deadline = now + self.resume.wait_s
+            self.counters.holds += 1
+
+    def _unhold(self) -> None:
+        """A start succeeded: the node is back, the held requests start in their order."""
+        held = sum(1 for s in self._waiting if s.hold_deadline)
+        log.info("the pipeline starts requests again: %d held request(s) go on", held)
+        self._hold_next, self._hold_error = 0.0, None
+        for seq in self._waiting:
+            seq.hold_deadline = 0.0
+
+    def _expire_held(self, now: float) -> None:
+        """Fail the held requests past their deadline (503 + Retry-After); stop holding when none is left."""
+        assert self.resume is not None
+        for seq in [s for s in self._waiting if s.hold_deadline and s.hold_deadline <= now]:
+            self.counters.hold_failed += 1
+            exc = self._hold_error
+            log.warning("request %s held %gs and not started: %s", seq.rid, self.resume.wait_s, exc)
+            self._finish(seq, "error", error=f"{exc} (the request waited {self.resume.wait_s:g}s for it, "
+                         "--resume-timeout)", code=code_of(exc) if exc is not None else ErrorCode.UNAVAILABLE)
+        if not self._waiting:
+            self._hold_next, self._hold_error = 0.0, None
 
     # -- ending requests ---------------------------------------------------------------------------
 

@@ -25,6 +25,8 @@ _ENGINE_GAUGES = {
     "micro_batch_size": ("mlxcel_micro_batch_size", "Rows per decode micro-batch"),
     "pipeline_depth": ("mlxcel_pipeline_depth", "Steps that may be in flight at once (pipeline stages)"),
     "stages_down": ("mlxcel_pipeline_stages_down", "Pipeline stages that do not answer now"),
+    "held": ("mlxcel_held_requests", "New requests held now: a pipeline stage is down, they start once it is back "
+                                     "(at most --resume-timeout)"),
 }
 _ENGINE_COUNTERS = {
     "decode_steps": ("mlxcel_decode_steps", "Batched decode steps run"),
@@ -38,6 +40,9 @@ _ENGINE_COUNTERS = {
                                            "the stream continued"),
     "resume_failed": ("mlxcel_resume_failed_requests", "Requests that waited to resume after a node failure and "
                                                        "failed (503): bounds spent or no node took them"),
+    "holds": ("mlxcel_requests_held", "New requests held because a pipeline stage was down when they arrived"),
+    "hold_failed": ("mlxcel_hold_failed_requests", "Held requests that failed (503): no stage back within "
+                                                   "--resume-timeout"),
     "wire_frames": ("mlxcel_pipeline_frames", "Cluster frames the coordinator sent and received for pipeline steps"),
     "wire_bytes": ("mlxcel_pipeline_wire_bytes", "Payload bytes the coordinator sent and received for pipeline steps"),
 }

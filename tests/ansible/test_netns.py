@@ -14,6 +14,7 @@ import shutil
 import ssl
 import stat
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Iterator
@@ -31,7 +32,6 @@ SCRIPT = REPO / "scripts" / "netns_cluster.sh"
 NETNS_ID = str(100 + os.getpid() % 100)  # 10.232.<id>.0/24, namespaces mlxcel-<id>-*: private to this run
 ADDRESS = {"coordinator": f"10.232.{NETNS_ID}.2", "stage-0": f"10.232.{NETNS_ID}.3", "stage-1": f"10.232.{NETNS_ID}.4"}
 EXCHANGE_S = 4       # [timeouts] exchange_s: the deadline of one decode step
-COMMAND_S = 10       # the coordinator's deadline for a command (PREPARE), docs/pipeline.md
 
 
 def _can_run() -> bool:
@@ -133,30 +133,24 @@ def test_secrets_are_0600_on_every_host_and_never_leak(cluster: Deployment) -> N
     assert stat.S_IMODE((cluster.home("coordinator") / "tls.key").stat().st_mode) == 0o600
 
 
-def test_cut_stage_link_fails_within_the_deadline_then_recovers(cluster: Deployment) -> None:
+def test_cut_stage_link_holds_new_requests_until_it_is_restored(cluster: Deployment) -> None:
+    """A cut link to stage-1: the coordinator marks the stage down (status.yml: 503 degraded) and holds a
+    new request instead of refusing it (docs/pipeline.md §5.6); once the link is back it is answered."""
     client = _client(cluster, (cluster.controller / "api.key").read_text().strip())
     assert _netns("cut", "stage-1", state=Path(cluster.extra["inventory"]).parent).returncode == 0
+    held: dict = {}
     try:
-        start = time.monotonic()
-        with pytest.raises(openai.APIStatusError) as failure:
-            _chat(client)
-        elapsed = time.monotonic() - start
-        assert failure.value.status_code == 503 and ADDRESS["stage-1"] in str(failure.value), failure.value
-        assert elapsed < max(EXCHANGE_S, COMMAND_S) + 5, f"the request failed after {elapsed:.1f} s"
         status = _run(cluster, "status.yml", ansible_timeout=3)  # stage-1 is unreachable over SSH too: exit 4
         assert status.rc in (0, 4), status.output[-3000:]
         assert "503 degraded" in status.output and "ns-stage-1: unreachable" in status.output, status.output[-3000:]
+        t = threading.Thread(target=lambda: held.update(reason=_chat(client)), daemon=True)
+        t.start()
+        time.sleep(3.0)
+        assert t.is_alive() and not held, held  # held, not refused with 503
     finally:
         assert _netns("restore", "stage-1", state=Path(cluster.extra["inventory"]).parent).returncode == 0
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            assert _chat(client) in ("stop", "length")
-            break
-        except openai.APIStatusError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(1)
+    t.join(30)  # the client's own timeout; the coordinator holds it at most --resume-timeout (30 s)
+    assert held.get("reason") in ("stop", "length"), held
 
 
 def test_host_with_another_checkpoint_fails_the_deploy_by_name(cluster: Deployment, tmp_path: Path) -> None:

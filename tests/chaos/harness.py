@@ -48,6 +48,7 @@ class Counts:
     truncated: int = 0
     resumed: int = 0  # from the server's /metrics (mlxcel_resumed_requests_total) after the run
     failovers: int = 0  # router only (/metrics router_failovers): attempts sent again before their first token
+    held: int = 0  # coordinator only (/metrics mlxcel_requests_held_total): new requests that waited for a stage
     problems: list[str] = field(default_factory=list)  # what each truncated/hung request looked like
     events: list[dict] = field(default_factory=list)  # chaos actions: node, action, seconds to serving again
 

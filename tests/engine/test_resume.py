@@ -10,20 +10,23 @@ The sampler keys that make a resumed seeded stream continue are checked against 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import time
 from typing import Any, Iterator, Sequence
 
 import mlx.core as mx
 import pytest
 
 from mlxcel.engine.executor import ExecutorError
-from mlxcel.engine.interface import EngineRequest, FinishEvent, TokenEvent
+from mlxcel.engine.interface import EngineOverloaded, EngineRequest, FinishEvent, TokenEvent
 from mlxcel.engine.resume import ResumePolicy
 from mlxcel.engine.runner import RowSampler, sample_rows
 from mlxcel.engine.sampling import SamplingParams, draw_seed, make_sampler
 from mlxcel.engine.scheduler import Scheduler
 from mlxcel.error_codes import ErrorCode
-from tests.engine.fakes import FakeExecutor, FakeTokenizer, collect, run_async, until
+from tests.engine.fakes import FakeExecutor, FakeTokenizer, collect, events_now, run_async, until
+from tests.engine.test_scheduler import http_of
 
 pytestmark = pytest.mark.timeout(60)
 LOST = ExecutorError("pipeline stage stage-1 is unreachable", ErrorCode.UNREACHABLE)
@@ -61,8 +64,8 @@ def request(rid: str, prompt: tuple[int, ...] = (1, 2, 3), **params: Any) -> Eng
 
 
 @contextlib.contextmanager
-def scheduler(executor: FakeExecutor) -> Iterator[Scheduler]:
-    sched = Scheduler(executor, FakeTokenizer(), context_length=1024, warmup=False).start()
+def scheduler(executor: FakeExecutor, **kw: Any) -> Iterator[Scheduler]:
+    sched = Scheduler(executor, FakeTokenizer(), context_length=1024, warmup=False, **kw).start()
     try:
         yield sched
     finally:
@@ -184,6 +187,83 @@ async def test_a_request_cancelled_while_it_waits_to_resume_is_freed():
         stream.cancel()
         await until(lambda: not sched._seqs, "the request freed")  # noqa: SLF001
         assert sched._inflight_requests == 0  # noqa: SLF001 - its slot is free
+
+
+# -- holding a new request while its node is down (the same policy) -----------------------------------
+
+
+@run_async
+async def test_new_requests_while_a_node_is_down_are_held_then_start_in_order_when_it_is_back():
+    ex = ResumingExecutor()
+    with scheduler(ex) as sched:
+        ex.fail_prepare = LOST  # the node is down: every start fails with a node failure
+        first, second = sched.submit(request("a", max_tokens=3)), sched.submit(request("b", max_tokens=3))
+        await until(lambda: sched.counters.held == 2, "both requests held")
+        await asyncio.sleep(1.2)  # a few tries, 0.5 s apart: still held, no event, nothing prepared
+        assert await events_now(first) == [] and await events_now(second) == [] and not ex.prepared
+        ex.fail_prepare = None  # the node is back
+        await ex.drive(lambda: sched._inflight_requests == 0)  # noqa: SLF001 - both served
+        for stream in (first, second):
+            tokens, finish = await collect(stream)
+            assert [t.token for t in tokens] == [100, 101, 102] and finish.error is None
+        assert list(ex.prepared) == ["a", "b"]  # in arrival order
+        c = sched.counters
+        assert (c.held, c.holds, c.hold_failed, c.resumed) == (0, 2, 0, 0)
+
+
+@run_async
+async def test_a_request_held_past_the_resume_timeout_is_a_503_with_retry_after():
+    ex = ResumingExecutor(policy=ResumePolicy(3, 1.0))
+    with scheduler(ex) as sched:
+        ex.fail_prepare = LOST
+        start = time.monotonic()
+        tokens, finish = await collect(sched.submit(request("a")))
+        waited = time.monotonic() - start
+        assert tokens == [] and finish.code is ErrorCode.UNREACHABLE
+        assert "stage-1 is unreachable" in finish.error and "waited 1s" in finish.error, finish.error
+        reply = http_of(finish)
+        assert (reply.status, reply.headers["Retry-After"]) == (503, "1")
+        assert 1.0 <= waited < 2.5, waited
+        assert (sched.counters.held, sched.counters.hold_failed) == (0, 1)
+        assert sched._inflight_requests == 0  # noqa: SLF001 - its slot is free
+        ex.fail_prepare = None  # the next request starts at once: holding ended with the last held one
+        stream = sched.submit(request("b", max_tokens=2))
+        await ex.drive(lambda: sched._inflight_requests == 0)  # noqa: SLF001 - served
+        tokens, finish = await collect(stream)
+        assert len(tokens) == 2 and finish.error is None
+
+
+@pytest.mark.parametrize("policy, error", [(ResumePolicy(0, 5.0), LOST),
+                                           (ResumePolicy(3, 5.0), ExecutorError("bad tensor", ErrorCode.INTERNAL))],
+                         ids=["max-resumes-0", "not-a-node-failure"])
+@run_async
+async def test_with_resume_off_or_a_failure_of_the_request_a_failed_start_fails_at_once(policy, error):
+    ex = ResumingExecutor(policy=policy)
+    with scheduler(ex) as sched:
+        ex.fail_prepare = error
+        start = time.monotonic()
+        _, finish = await collect(sched.submit(request("a")))
+        assert finish.code is error.code and time.monotonic() - start < 0.5
+        assert sched.counters.holds == 0
+
+
+@run_async
+async def test_held_requests_count_toward_the_queue_and_one_cancelled_frees_its_slot():
+    ex = ResumingExecutor()
+    with scheduler(ex, parallel=1, max_queue=1) as sched:
+        ex.fail_prepare = LOST
+        held = [sched.submit(request(rid)) for rid in ("a", "b")]
+        await until(lambda: sched.counters.held == 2, "two requests held")
+        with pytest.raises(EngineOverloaded):  # parallel 1 + queue 1: full
+            sched.submit(request("c"))
+        held[0].cancel()  # its client went away
+        await until(lambda: sched.counters.held == 1, "the cancelled one dropped")
+        assert sched._inflight_requests == 1 and list(sched._seqs) == ["b"]  # noqa: SLF001
+        third = sched.submit(request("c", max_tokens=2))  # its slot is free again
+        ex.fail_prepare = None
+        await ex.drive(lambda: sched._inflight_requests == 0)  # noqa: SLF001 - both served
+        assert [(await collect(s))[1].error for s in (held[1], third)] == [None, None]
+        assert "a" not in ex.prepared and sched.counters.hold_failed == 0
 
 
 @run_async

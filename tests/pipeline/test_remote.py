@@ -122,9 +122,11 @@ def test_stage_killed_mid_generation_then_restarted(tmp_path, tiny_llama):
         assert "unreachable" in r.text or "no answer" in r.text or "cannot reach" in r.text
         health = c.coordinator.health()
         assert health.status_code == 503 and health.json()["status"] == "degraded"
+        sent = time.monotonic()
         refused = httpx.post(f"{c.url}/v1/completions", json={**body, "max_tokens": 3}, timeout=30)
         assert refused.status_code == 503 and "stage-1" in refused.text  # the backend's fault: retry later
         assert refused.headers.get("retry-after")
+        assert time.monotonic() - sent < 3  # refused at once: with resuming off a new request is not held
         c.start_stage(1)
         deadline = time.monotonic() + 30
         while c.coordinator.health().status_code != 200:

@@ -1,10 +1,12 @@
-"""A request in flight survives a pipeline stage that dies, restarts or freezes (docs/pipeline.md §5.6).
+"""A request in flight survives a pipeline stage that dies, restarts or freezes (docs/pipeline.md §5.6),
+and a new request that arrives while a stage is down is held until the stage is back.
 
 Real processes on 127.0.0.2-.4. The stage is killed with SIGKILL and started again by the test with
 the same command line (a supervisor's job), or frozen with SIGSTOP and thawed with SIGCONT; the
 coordinator resumes the request: the client gets its whole answer, streamed or not, with no error
 and no token twice or missing; greedy text equals the single-device run, a seeded sampled one the
-undisturbed cluster's, and /metrics counts the resume.
+undisturbed cluster's, and /metrics counts the resume. A request sent while the stage is dead waits
+(held) and is answered whole once it is back; past ``--resume-timeout`` it gets 503 + Retry-After.
 """
 
 from __future__ import annotations
@@ -75,10 +77,21 @@ def disturbed(cluster: LocalCluster, disturb, **kw) -> str:
 
 
 def wait_healthy(cluster: LocalCluster, timeout: float = 60) -> None:
+    wait_health(cluster, lambda r: r.status_code == 200, timeout)
+
+
+def wait_health(cluster: LocalCluster, ok, timeout: float = 60) -> None:
+    """Until the coordinator's /health response satisfies ``ok``."""
     deadline = time.monotonic() + timeout
-    while cluster.coordinator.health().status_code != 200:
-        assert time.monotonic() < deadline, cluster.coordinator.health().text
+    while not ok(health := cluster.coordinator.health()):
+        assert time.monotonic() < deadline, health.text
         time.sleep(0.2)
+
+
+def kill_and_wait_degraded(cluster: LocalCluster, i: int) -> None:
+    """SIGKILL stage ``i`` and wait until the coordinator's monitor marks it down."""
+    cluster.stages[i].stop(signal.SIGKILL)
+    wait_health(cluster, lambda r: r.status_code == 503 and r.json()["status"] == "degraded")
 
 
 def test_a_stage_killed_and_restarted_mid_stream_the_stream_goes_on_greedy_identical(cluster, tiny_llama):
@@ -125,3 +138,55 @@ def test_a_seeded_sampled_stream_resumed_continues_its_random_sequence(cluster):
 
     assert disturbed(cluster, kill_and_restart, **seeded) == expected
     wait_healthy(cluster)
+
+
+def test_requests_sent_while_a_stage_is_down_are_held_then_answered_whole_streamed_or_not(cluster, tiny_llama):
+    wait_healthy(cluster)
+    before = metrics(cluster.url)
+    kill_and_wait_degraded(cluster, 1)
+    out: dict = {}
+    clients = [threading.Thread(target=lambda: out.update(
+                   plain=httpx.post(f"{cluster.url}/v1/completions", json=body(max_tokens=8), timeout=120))),
+               threading.Thread(target=lambda: out.update(
+                   streamed=stream_text(cluster.url, threading.Event(), max_tokens=8)))]
+    for t in clients:
+        t.start()
+    deadline = time.monotonic() + 30
+    while metrics(cluster.url).get("mlxcel_held_requests", 0) < 2:
+        assert time.monotonic() < deadline and not out, out
+        time.sleep(0.2)
+    time.sleep(1.0)
+    assert not out and all(t.is_alive() for t in clients)  # held, not refused with 503
+    cluster.start_stage(1)  # the same command line, as a supervisor would
+    for t in clients:
+        t.join(120)
+    assert not any(t.is_alive() for t in clients), "a held request hung"
+    expected = reference_tokens(tiny_llama, PROMPT, 8)
+    assert out["plain"].status_code == 200, out["plain"].text
+    assert out["plain"].json()["choices"][0]["text"] == expected
+    assert out["streamed"][:2] == (expected, ["length"])
+    after = metrics(cluster.url)
+    assert after["mlxcel_requests_held_total"] == before.get("mlxcel_requests_held_total", 0) + 2
+    assert after["mlxcel_hold_failed_requests_total"] == before.get("mlxcel_hold_failed_requests_total", 0)
+    assert after["mlxcel_held_requests"] == 0
+
+
+def test_a_request_held_past_the_resume_timeout_gets_503_with_retry_after(tmp_path, tiny_llama):
+    c = LocalCluster(tmp_path, tiny_llama, stages=1, coordinator_flags=("--resume-timeout", "2")).start()
+    try:
+        kill_and_wait_degraded(c, 0)  # never started again
+        start = time.monotonic()
+        r = httpx.post(f"{c.url}/v1/completions", json=body(max_tokens=4), timeout=60)
+        waited = time.monotonic() - start
+        assert r.status_code == 503 and r.headers.get("retry-after") == "1", (r.status_code, r.headers, r.text)
+        message = r.json()["error"]["message"]
+        assert "stage-0" in message and "waited 2s" in message and "--resume-timeout" in message, message
+        assert 2.0 <= waited < 10, waited  # held for the bound, not refused at once, not hung
+        with httpx.stream("POST", f"{c.url}/v1/completions", json=body(max_tokens=4, stream=True), timeout=60) as s:
+            events = [json.loads(line[6:]) for line in s.iter_lines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+        assert len(events) == 1 and "waited 2s" in events[0]["error"]["message"], events  # the SSE error event
+        m = metrics(c.url)
+        assert (m["mlxcel_requests_held_total"], m["mlxcel_hold_failed_requests_total"]) == (2, 2)
+    finally:
+        c.stop()
