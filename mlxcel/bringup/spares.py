@@ -16,7 +16,7 @@ time, or the spare would refuse the second as busy).
 peer restarted there (same address, a new process waiting for an assignment) gets the same node id
 and layers back. Nothing answering as a waiting peer is not an error; a peer that fails the push
 (another secret, checkpoint or version, a refusal) is logged and dialled again only after
-``REASSIGN_BACKOFF_S``. No MLX here.
+``REASSIGN_BACKOFF_S`` (30 s). No MLX here.
 """
 
 from __future__ import annotations
@@ -66,8 +66,9 @@ class SparePool:
 
     def __init__(self, config: PushConfig, secret: ClusterSecret, plan: ClusterPlan, spares: list[PeerId], *,
                  write_plan: Callable[[ClusterPlan], None], after_s: float = DEFAULT_SPARE_AFTER_S,
-                 window_s: float = SPARE_PUSH_WINDOW_S) -> None:
+                 window_s: float = SPARE_PUSH_WINDOW_S, reassign_backoff_s: float = REASSIGN_BACKOFF_S) -> None:
         self.config, self._secret = config, secret
+        self.reassign_backoff_s = reassign_backoff_s
         self.plan = plan
         self.after_s = after_s
         self._write_plan = write_plan
@@ -78,7 +79,7 @@ class SparePool:
         self._state: dict[PeerId, str] = {p: "standby" for p in spares}
         self._why: dict[PeerId, str] = {}
         self.reassigned: dict[str, int] = {}  # node id -> how often its restarted peer was re-assigned
-        self._refused_until: dict[str, float] = {}  # node id -> no re-assignment dial before this (monotonic)
+        self._refused_at: dict[str, float] = {}  # node id -> when its last re-assignment failed (monotonic)
 
     # -- liveness --
 
@@ -150,7 +151,7 @@ class SparePool:
     def reassign(self, node_id: str) -> bool:
         """Dial stage ``node_id``'s address once; a peer waiting there gets the stage back. True if it did."""
         now = time.monotonic()
-        if now < self._refused_until.get(node_id, 0.0):
+        if node_id in self._refused_at and now < self._refused_at[node_id] + self.reassign_backoff_s:
             return False
         address = next(s.address for s in self.plan.stages if s.node_id == node_id)
         attempt = self._attempt(address, node_id, redial=False)
@@ -158,9 +159,9 @@ class SparePool:
             self.plan = attempt.run()
         except BringupError as exc:
             if not attempt.absent:
-                self._refused_until[node_id] = now + REASSIGN_BACKOFF_S
+                self._refused_at[node_id] = now
                 log.warning("the peer at %s did not get %s back: %s (dialled again in %gs)", address, node_id, exc,
-                            REASSIGN_BACKOFF_S)
+                            self.reassign_backoff_s)
             return False
         self.reassigned[node_id] = self.reassigned.get(node_id, 0) + 1
         log.warning("re-assigned %s (layers %s) to its restarted peer at %s", node_id,
