@@ -285,8 +285,11 @@ def test_pp_auto_a_dead_peer_is_reassigned_by_itself_and_a_redeploy_changes_noth
     while _health(health).get("node_id") != "stage-1" or pids_of(deployment)["stage-1"] == pids["stage-1"]:
         assert time.monotonic() - killed < 60, _health(health)  # the coordinator re-assigns the restarted peer
         time.sleep(0.2)
+    while (cluster := _health(f"{deployment.url}/health")).get("status") != "ready":
+        assert time.monotonic() - killed < 60, cluster  # and uses it once it answers as stage-1
+        time.sleep(0.2)
     serving = time.monotonic() - killed
-    assert _health(f"{deployment.url}/health").get("reassigned") == {"stage-1": 1}
+    assert cluster.get("reassigned") == {"stage-1": 1}
     now = pids_of(deployment)
     assert (now["coordinator"], now["stage-0"]) == (pids["coordinator"], pids["stage-0"])  # nothing else restarted
     assert greedy_answer(deployment.url) == ANSWERS["toml"]
