@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from mlxcel.cluster.errors import ClusterError, HandshakeError
+from mlxcel.cluster.errors import ChannelMismatch, ClusterError, HandshakeError
 from mlxcel.cluster.identity import PeerId
 from mlxcel.cluster.secret import ClusterSecret
 from mlxcel.topology.partition import PartitionError, StageCosts
@@ -51,6 +51,7 @@ class _Peer:
     memory: int | None = None
     node_id: str = ""
     failure: str | None = None
+    absent: bool = False  # a single-dial push found no waiting peer there (``Push(redial=False)``)
     waited: bool = field(default=False, repr=False)
 
     def __str__(self) -> str:
@@ -75,17 +76,20 @@ class Push:
 
     The first ``stages`` peers in address order become the stages (all of them by default); the others
     are spares: reached and queried like the stages, then sent STANDBY once the stages are activated.
-    ``planner`` replaces the planning (a spare taking over one stage of a running cluster)."""
+    ``planner`` replaces the planning (a spare taking over one stage of a running cluster). With
+    ``redial=False`` a peer is dialled once: one that does not answer as a waiting peer is ``absent``
+    (``Push.absent``) instead of redialled (a stage's restarted peer looked for, docs/bringup.md §5.7)."""
 
     def __init__(self, config: PushConfig, secret: ClusterSecret, peers: list[PeerId], *,
                  write_plan: Callable[[ClusterPlan], None], window_s: float = PUSH_WINDOW_S,
                  stop: threading.Event | None = None, stages: int | None = None,
-                 planner: Planner | None = None) -> None:
+                 planner: Planner | None = None, redial: bool = True) -> None:
         self.config, self._secret = config, secret
         self.peers = [_Peer(p, CoordinatorSession(p)) for p in peers]
         self.stages = len(peers) if stages is None else stages
         self._planner = planner or self._default_plan
         self._write_plan = write_plan
+        self.redial = redial
         self.window_s = window_s
         self._stop = stop or threading.Event()
         self._give_up = threading.Event()  # a peer failed: the others stop redialling
@@ -120,6 +124,11 @@ class Push:
         for peer in self.spare_peers:
             self._standby(peer, len(plan.stages))
         return plan
+
+    @property
+    def absent(self) -> bool:
+        """A single-dial push (``redial=False``) failed because some peer did not answer as a waiting peer."""
+        return any(p.absent for p in self.peers)
 
     @property
     def stage_peers(self) -> list[_Peer]:
@@ -191,11 +200,17 @@ class Push:
                 peer.channel = dial(peer.address, self.config.control, self._secret)
                 break
             except HandshakeError as exc:
+                if not self.redial and not_waiting(exc):
+                    peer.absent = True
+                    raise _PeerFailed(f"no waiting peer answers: {exc}") from None
                 if not exc.retryable:  # a secret or identity mismatch: a retry cannot cure it
                     raise _PeerFailed(f"the handshake failed: {exc}") from None
                 last = str(exc)
             except OSError as exc:
                 last = exc.strerror or type(exc).__name__
+                if not self.redial:
+                    peer.absent = True
+                    raise _PeerFailed(f"no waiting peer answers: {last}") from None
             if not peer.waited:
                 log.info("waiting for peer %s (%s); retrying every %gs", peer.address, last, STATIC_RETRY_S)
                 peer.waited = True
@@ -326,6 +341,12 @@ def version_mismatch(theirs: str, ours: str) -> str:
     """Why the coordinator refuses a peer whose ``info`` reports another mlxcel version."""
     return (f"mlxcel version mismatch: the peer runs mlxcel {theirs}, this coordinator runs {ours} "
             "(every node of a cluster runs the same mlxcel version)")
+
+
+def not_waiting(exc: HandshakeError) -> bool:
+    """A handshake failure that says nothing about the peer's secret or identity: a retryable one, a stage
+    process serving the address (it listens for the transport channel) or one that does not answer in time."""
+    return exc.retryable or isinstance(exc, (ChannelMismatch, TimeoutError))
 
 
 class _Abandon(Exception):

@@ -1,4 +1,5 @@
-"""Spare peers of a --pp-auto coordinator: standbys that take over a stage which stays down (docs/bringup.md §5.6).
+"""Spare peers of a --pp-auto coordinator: standbys that take over a stage which stays down (docs/bringup.md §5.6),
+and a stage's own peer re-assigned when it comes back waiting (§5.7).
 
 ``SparePool.replace(node_id)`` runs one push against one standby (query, info, offer, commit, the
 coordinator's file rewritten, activate): the plan is the running cluster's with that stage's address
@@ -9,13 +10,20 @@ reason, and the next one is tried; None when no standby is left.
 ``start()`` checks every spare every 10 s (``SPARE_CHECK_S``) with a short session (query, info,
 standby): one that does not answer is ``unreachable`` (with the reason) until it answers again, and is
 tried after the ones that answered. Checks and takeovers never overlap (one session per spare at a
-time, or the spare would refuse the second as busy). No MLX here.
+time, or the spare would refuse the second as busy).
+
+``SparePool.reassign(node_id)`` runs the same push against the stage's own address, dialled once: a
+peer restarted there (same address, a new process waiting for an assignment) gets the same node id
+and layers back. Nothing answering as a waiting peer is not an error; a peer that fails the push
+(another secret, checkpoint or version, a refusal) is logged and dialled again only after
+``REASSIGN_BACKOFF_S`` (30 s). No MLX here.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import replace
 from typing import Any, Callable
 
@@ -30,7 +38,8 @@ from .errors import BringupError
 from .machine import CoordinatorSession, Informed, PeerRefused
 from .plan import ClusterPlan
 from .push import Push, PushConfig, version_mismatch
-from .wire import DEFAULT_SPARE_AFTER_S, FRAME_TIMEOUT_S, SPARE_CHECK_S, SPARE_PUSH_WINDOW_S
+from .wire import (DEFAULT_SPARE_AFTER_S, FRAME_TIMEOUT_S, REASSIGN_BACKOFF_S, SPARE_CHECK_S,
+                   SPARE_PUSH_WINDOW_S)
 
 log = logging.getLogger("mlxcel.roles.pp_auto")
 
@@ -57,8 +66,9 @@ class SparePool:
 
     def __init__(self, config: PushConfig, secret: ClusterSecret, plan: ClusterPlan, spares: list[PeerId], *,
                  write_plan: Callable[[ClusterPlan], None], after_s: float = DEFAULT_SPARE_AFTER_S,
-                 window_s: float = SPARE_PUSH_WINDOW_S) -> None:
+                 window_s: float = SPARE_PUSH_WINDOW_S, reassign_backoff_s: float = REASSIGN_BACKOFF_S) -> None:
         self.config, self._secret = config, secret
+        self.reassign_backoff_s = reassign_backoff_s
         self.plan = plan
         self.after_s = after_s
         self._write_plan = write_plan
@@ -68,6 +78,8 @@ class SparePool:
         self._stop = threading.Event()
         self._state: dict[PeerId, str] = {p: "standby" for p in spares}
         self._why: dict[PeerId, str] = {}
+        self.reassigned: dict[str, int] = {}  # node id -> how often its restarted peer was re-assigned
+        self._refused_at: dict[str, float] = {}  # node id -> when its last re-assignment failed (monotonic)
 
     # -- liveness --
 
@@ -131,6 +143,31 @@ class SparePool:
             return ([p for p, s in self._state.items() if s == "standby"]
                     + [p for p, s in self._state.items() if s == "unreachable"])
 
+    @property
+    def has_spares(self) -> bool:
+        with self._lock:
+            return bool(self._state)
+
+    def reassign(self, node_id: str) -> bool:
+        """Dial stage ``node_id``'s address once; a peer waiting there gets the stage back. True if it did."""
+        now = time.monotonic()
+        if node_id in self._refused_at and now < self._refused_at[node_id] + self.reassign_backoff_s:
+            return False
+        address = next(s.address for s in self.plan.stages if s.node_id == node_id)
+        attempt = self._attempt(address, node_id, redial=False)
+        try:
+            self.plan = attempt.run()
+        except BringupError as exc:
+            if not attempt.absent:
+                self._refused_at[node_id] = now
+                log.warning("the peer at %s did not get %s back: %s (dialled again in %gs)", address, node_id, exc,
+                            self.reassign_backoff_s)
+            return False
+        self.reassigned[node_id] = self.reassigned.get(node_id, 0) + 1
+        log.warning("re-assigned %s (layers %s) to its restarted peer at %s", node_id,
+                    format_range(*next((s.start, s.end) for s in self.plan.stages if s.node_id == node_id)), address)
+        return True
+
     def replace(self, node_id: str) -> PeerId | None:
         """Assign stage ``node_id``'s layers to the first standby that completes the push; its address, or None."""
         for spare in self.standbys():
@@ -152,11 +189,15 @@ class SparePool:
         return None
 
     def _push(self, spare: PeerId, node_id: str) -> ClusterPlan:
-        def planner(memory: dict[PeerId, int]) -> ClusterPlan:
-            return replacement_plan(self.plan, node_id, spare, memory[spare], self.config.costs)
+        return self._attempt(spare, node_id).run()
 
-        return Push(self.config, self._secret, [spare], write_plan=self._write_plan, window_s=self._window_s,
-                    stages=len(self.plan.stages), planner=planner).run()
+    def _attempt(self, peer: PeerId, node_id: str, *, redial: bool = True) -> Push:
+        """One push of stage ``node_id`` (its layers unchanged) to ``peer``: a spare, or the stage's own address."""
+        def planner(memory: dict[PeerId, int]) -> ClusterPlan:
+            return replacement_plan(self.plan, node_id, peer, memory[peer], self.config.costs)
+
+        return Push(self.config, self._secret, [peer], write_plan=self._write_plan, window_s=self._window_s,
+                    stages=len(self.plan.stages), planner=planner, redial=redial)
 
     def _set(self, spare: PeerId, state: str, why: str | None = None) -> None:
         with self._lock:

@@ -45,6 +45,11 @@ ASSIGNMENT_WAIT_S = 600.0  # a peer's wait for any assignment
 #: within 10 s is skipped for the next one
 SPARE_PUSH_WINDOW_S = 20.0
 SPARE_CHECK_S = 10.0  # the coordinator checks that each spare still answers this often
+#: while a stage is down the coordinator dials its address this often, once, to re-assign a restarted peer
+REASSIGN_CHECK_S = 1.0
+#: a restarted peer that failed its re-assignment (another secret, checkpoint, version, a refusal) is
+#: dialled again only this long afterwards
+REASSIGN_BACKOFF_S = 30.0
 STATIC_RETRY_S = 0.5  # the coordinator redials an unreachable static peer this often
 DISCOVERY_WINDOW_S = 30.0  # the coordinator listens for beacons this long
 BEACON_INTERVAL_S = 1.0  # a peer beacons this often until its assignment is committed

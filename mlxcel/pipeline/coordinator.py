@@ -332,6 +332,7 @@ class PipelineExecutor:
         body: dict[str, Any] = {"status": "ok" if all(s["up"] for s in stages) else "degraded", "stages": stages}
         if self.replacer is not None:
             body["spares"] = self.replacer.status()
+            body["reassigned"] = dict(self.replacer.reassigned)
         return body
 
     def close(self) -> None:

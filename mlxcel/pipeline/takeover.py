@@ -1,11 +1,15 @@
-"""A stage that stays down is handed to a spare (docs/bringup.md §5.6, docs/pipeline.md §5.7).
+"""A stage that goes down is re-assigned to its restarted peer, or handed to a spare if it stays down
+(docs/bringup.md §5.6 and §5.7, docs/pipeline.md §5.7).
 
-``Takeover.tick`` runs on the coordinator's timer thread: a stage the monitor has seen go down and that
-has stayed down ``replacer.after_s`` seconds gets one takeover thread, which asks the replacer (the
-``--pp-auto`` coordinator's ``SparePool``) for a spare. When one took the stage's layers, the stage's
-neighbours are told with RELOCATE (again whenever one of them restarts) and the executor swaps the
-stage's address (``PipelineExecutor.move_stage``). Requests waiting to resume go on once the spare
-answers GET_STATE as that stage. A stage no spare took stays down: its requests fail with 503 as
+``Takeover.tick`` runs on the coordinator's timer thread and starts at most one takeover thread at a
+time. For a stage the monitor has seen go down, that thread first asks the replacer (the ``--pp-auto``
+coordinator's ``SparePool``) to re-assign the stage to a peer waiting at the stage's own address (a
+supervisor restarted it: same address, new process), at most every ``REASSIGN_CHECK_S``; the
+re-assigned peer serves the stage at the same address, so nothing moves and the requests waiting to
+resume go on once it answers GET_STATE. A stage down ``replacer.after_s`` seconds (counted again from
+a re-assignment) is handed to a spare, if there is one: its neighbours are told with RELOCATE (again
+whenever one of them restarts) and the executor swaps the stage's address
+(``PipelineExecutor.move_stage``). A stage no spare took stays down: its requests fail with 503 as
 without spares. No MLX here; the executor sends the commands.
 """
 
@@ -13,8 +17,10 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any, Protocol, Sequence
 
+from mlxcel.bringup.wire import REASSIGN_CHECK_S
 from mlxcel.cluster.identity import PeerId
 from mlxcel.engine.executor import ExecutorError
 from mlxcel.pipeline.protocol import MsgType
@@ -25,11 +31,16 @@ log = logging.getLogger("mlxcel.pipeline.coordinator")
 
 
 class StageReplacer(Protocol):
-    """Who can give a stage's layers to another process: ``replace(node_id)`` blocks, returns its address."""
+    """Who can give a stage's layers to a process: ``replace(node_id)`` to a spare (blocks, returns its address),
+    ``reassign(node_id)`` to a peer restarted at the stage's own address (blocks, True if it did)."""
 
     after_s: float  # a stage down this long is replaced
+    has_spares: bool
+    reassigned: dict[str, int]  # node id -> re-assignments
 
     def replace(self, node_id: str) -> PeerId | None: ...
+
+    def reassign(self, node_id: str) -> bool: ...
 
     def status(self) -> list[dict[str, Any]]: ...
 
@@ -56,32 +67,63 @@ class Takeover:
         self._running: threading.Thread | None = None
         self._given_up: set[PeerId] = set()  # no spare took it: not retried (it may still come back by itself)
         self._moved: dict[str, PeerId] = {}  # node id -> the address a spare serves it at
+        self._next_dial: dict[PeerId, float] = {}  # a down stage's address -> its next re-assignment dial
+        self._reassigned: dict[PeerId, float] = {}  # -> when its restarted peer was re-assigned (restarts the clock)
 
     def tick(self, now: float) -> None:
-        """Start a takeover for the first stage down past the bound (timer thread)."""
+        """Start a takeover for the first stage due a re-assignment dial or a spare (timer thread)."""
         with self._lock:
             if self._running is not None and self._running.is_alive():
                 return
             addr = self._due(now)
             if addr is None:
                 return
-            self._running = threading.Thread(target=self._take_over, args=(addr,), name="mlxcel-takeover", daemon=True)
+            self._running = threading.Thread(target=self._take_over, args=(addr, now), name="mlxcel-takeover",
+                                             daemon=True)
             self._running.start()
 
     def _due(self, now: float) -> PeerId | None:
-        monitor = self.executor.monitor
-        for addr in monitor.down():
-            status = monitor.status.get(addr)
-            if status is None or addr in self._given_up or status.last_down <= 0:
-                continue  # never seen up (a spare loading its slice) or already given up
-            if now - status.last_down >= self.replacer.after_s:
+        for addr in self.executor.monitor.down():
+            since = self._down_since(addr)
+            if since is None:
+                continue  # never seen up (a spare or a re-assigned peer loading its slice)
+            if now >= self._next_dial.get(addr, 0.0) or self._spare_due(addr, now):
                 return addr
         return None
 
-    def _take_over(self, addr: PeerId) -> None:
+    def _down_since(self, addr: PeerId) -> float | None:
+        status = self.executor.monitor.status.get(addr)
+        if status is None or status.up or status.last_down <= 0:
+            return None
+        return max(status.last_down, self._reassigned.get(addr, 0.0))
+
+    def _spare_due(self, addr: PeerId, now: float) -> bool:
+        since = self._down_since(addr)
+        return (since is not None and self.replacer.has_spares and addr not in self._given_up
+                and now - since >= self.replacer.after_s)
+
+    def _take_over(self, addr: PeerId, now: float) -> None:
         node = self.executor.node_at(addr)
         if node is None:
             return
+        if now >= self._next_dial.get(addr, 0.0):
+            self._next_dial[addr] = now + REASSIGN_CHECK_S
+            if self._reassign(node):
+                self._reassigned[addr] = time.monotonic()
+                return
+        if self._spare_due(addr, time.monotonic()):
+            self._to_spare(addr, node)
+
+    def _reassign(self, node: Node) -> bool:
+        """The stage's own address, dialled once: a restarted peer waiting there gets the stage back (same address:
+        nothing moves; the monitor sees its new boot id once it answers)."""
+        try:
+            return self.replacer.reassign(node.id)
+        except Exception:  # noqa: BLE001 - a failed re-assignment leaves the stage down, never the coordinator
+            log.exception("re-assigning stage %s failed", node.id)
+            return False
+
+    def _to_spare(self, addr: PeerId, node: Node) -> None:
         log.warning("pipeline stage %s at %s has been down for %gs; assigning its layers to a spare",
                     node.id, addr, self.replacer.after_s)
         try:

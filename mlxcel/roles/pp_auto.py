@@ -92,7 +92,8 @@ def check_control_address(control: PeerId) -> None:
 
 def push(model: Path, settings: BringupSettings, secret: ClusterSecret) -> tuple[ClusterPlan, SparePool | None]:
     """Discover (mdns) or take the listed peers (static), then run the push; ``CLIError`` on failure.
-    Returns the plan and, with ``--pp-spare``, the pool of the spares told to stand by."""
+    Returns the plan and (None under ``--dry-run``) the pool that re-assigns a stage's restarted peer and
+    holds the spares told to stand by (with ``--pp-spare``)."""
     from mlxcel.models.identity import model_identity
 
     try:
@@ -119,12 +120,13 @@ def push(model: Path, settings: BringupSettings, secret: ClusterSecret) -> tuple
         plan = attempt.run()
     except BringupError as exc:
         raise CLIError(str(exc)) from None
-    if not settings.spares or settings.dry_run:
+    if settings.dry_run:
         return plan, None
-    pool = SparePool(config, secret, plan, attempt.spares, write_plan=write_plan,
-                     after_s=settings.spare_after_s).start()
-    _say(f"spares standing by: {', '.join(map(str, attempt.spares)) or 'none'}; a stage down for "
-         f"{settings.spare_after_s:g}s is assigned to one")
+    pool = SparePool(config, secret, plan, attempt.spares, write_plan=write_plan, after_s=settings.spare_after_s)
+    if settings.spares:
+        pool.start()
+        _say(f"spares standing by: {', '.join(map(str, attempt.spares)) or 'none'}; a stage down for "
+             f"{settings.spare_after_s:g}s is assigned to one")
     return plan, pool
 
 
@@ -180,6 +182,6 @@ def _run(context: RoleContext, pushed: list[bool]) -> int:
     _say(f"assigned {_describe(plan)}; wrote {path}")
     dist = from_toml(path, COORDINATOR_NODE_ID, secret, config.pipeline)
     coordinator = context.as_role("coordinator", dist)
-    if pool is not None:  # the coordinator role hands stages that stay down to the spares
+    if pool is not None:  # the coordinator role re-assigns restarted peers and hands stages that stay down to spares
         coordinator = replace(coordinator, config=replace(coordinator.config, replacer=pool))
     return ROLES["coordinator"].run(coordinator)

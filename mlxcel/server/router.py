@@ -40,7 +40,7 @@ async def health(request: Request) -> JSONResponse:
         if health.get("status") != "ok":
             body = {**health, "status": health.get("status", "degraded")}
         else:  # a pipeline's stages and spares (docs/bringup.md §5.6)
-            body.update({k: health[k] for k in ("stages", "spares") if k in health})
+            body.update({k: health[k] for k in ("stages", "spares", "reassigned") if k in health})
     ok = body["status"] == "ready"
     return JSONResponse(body, status_code=200 if ok else 503, headers={} if ok else {"Retry-After": "1"})
 

@@ -28,8 +28,8 @@ class FakePeer(PeerAgent):
     """A peer agent listening on ``host`` that stalls at ``stall`` (or starts no stage)."""
 
     def __init__(self, tmp: Path, host: str, model: Path, secret: Path, *, stall: str | None = None,
-                 mlxcel: str = __version__) -> None:
-        control = PeerId.of(host, free_port(host))
+                 mlxcel: str = __version__, port: int | None = None) -> None:
+        control = PeerId.of(host, port or free_port(host))
         settings = BringupSettings(stages=None, cluster="mlxcel-cluster", discovery="static", control=control,
                                    peers=(), discovery_target="127.0.0.1", discovery_port=0,
                                    config_out=str(tmp / f"fake-{host}" / "cluster-{node_id}.toml"), dry_run=False)

@@ -42,6 +42,7 @@ class Proc:
 
     def __init__(self, name: str, cwd: Path, *argv: str, env: dict | None = None):
         self.name, self.cwd = name, cwd
+        self.argv, self.env = argv, env
         cwd.mkdir(parents=True, exist_ok=True)
         cmd = [*CLI, "--port", "0", "--served-model-name", "tiny", "--log-level", "info", *argv]
         self.proc = subprocess.Popen(cmd, cwd=cwd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
@@ -135,6 +136,12 @@ class Bringup:
         proc = Proc(name, self.tmp / name, *argv, *flags)
         self.procs.append(proc)
         return proc
+
+    def restart(self, proc: Proc) -> Proc:
+        """``proc``'s command started again in its directory, as a supervisor does after it died."""
+        again = Proc(proc.name, proc.cwd, *proc.argv, env=proc.env)
+        self.procs.append(again)
+        return again
 
     def node(self, name: str, toml: Path, node_id: str, host: str, *flags: str) -> Proc:
         """A process started from a generated TOML (``--distributed-config``), no secret flag."""

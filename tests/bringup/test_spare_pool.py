@@ -5,6 +5,8 @@ against real peer agents on 127.0.0.x whose answer to the offer is replaced. A s
 secret, one that accepts another node than the one offered and one that replays an ``accepted`` frame
 recorded on an earlier connection are each dropped from the pool with their reason; the next spare
 takes the stage, or, with none left, nothing is written and ``replace`` says so (the stage stays down).
+A stage's own address re-assigned (§5.7): nobody there is no error; a peer there holding another secret,
+running another version or another checkpoint gets nothing; the honest peer gets the same stage back.
 """
 
 from __future__ import annotations
@@ -46,8 +48,9 @@ class Coordinator:
                                  secret_file=self.secret_path)
         self.written: list[ClusterPlan] = []
 
-    def pool(self, *spares: FakePeer) -> SparePool:
-        return SparePool(self.config, self.secret, self.plan, [s.address for s in spares], write_plan=self.written.append)
+    def pool(self, *spares: FakePeer, **kwargs: float) -> SparePool:
+        return SparePool(self.config, self.secret, self.plan, [s.address for s in spares], write_plan=self.written.append,
+                         **kwargs)
 
 
 @pytest.fixture
@@ -59,8 +62,8 @@ def coordinator(tmp_path, tiny_llama) -> Coordinator:
 def peers(tmp_path, tiny_llama, coordinator):
     made: list[FakePeer] = []
 
-    def make(cls: type[FakePeer], host: str, secret: Path | None = None) -> FakePeer:
-        peer = cls(tmp_path, host, tiny_llama, secret or coordinator.secret_path)
+    def make(cls: type[FakePeer], host: str, secret: Path | None = None, **kwargs) -> FakePeer:  # noqa: ANN003
+        peer = cls(tmp_path, host, kwargs.pop("model", tiny_llama), secret or coordinator.secret_path, **kwargs)
         made.append(peer)
         return peer
 
@@ -164,3 +167,37 @@ def test_a_spare_too_small_for_the_stage_is_refused(coordinator):
     spare = PeerId.of("127.0.0.5", 1)
     with pytest.raises(PartitionError, match="stage 1 needs at least .* but has 9.8 KiB of memory"):
         replacement_plan(coordinator.plan, "stage-1", spare, 10_000, coordinator.config.costs)
+
+
+def test_a_stage_restarted_at_its_address_gets_it_back_and_impostors_there_get_nothing(coordinator, peers, tmp_path,
+                                                                                      tiny_qwen3, caplog):
+    stage = coordinator.plan.stages[1]
+    host, port = stage.address.host, stage.address.port
+    pool = coordinator.pool(reassign_backoff_s=30)
+    assert pool.reassign("stage-1") is False and not caplog.records  # nothing listens there yet: not an error
+    assert not pool.has_spares
+
+    impostor = peers(FakePeer, host, secret=write_secret(tmp_path / "other.secret"), port=port)
+    assert pool.reassign("stage-1") is False
+    assert "did not get stage-1 back" in caplog.text and "secret mismatch" in caplog.text
+    impostor.close()
+    honest = peers(FakePeer, host, port=port)
+    assert pool.reassign("stage-1") is False  # within the backoff nothing is dialled
+    assert honest.state == "waiting" and coordinator.written == []
+    pool.reassign_backoff_s = 0
+    honest.close()
+
+    for liar in ({"mlxcel": "0.0.1"}, {"model": tiny_qwen3}):  # another version; another checkpoint (it exits)
+        caplog.clear()
+        peer = peers(FakePeer, host, port=port, **liar)
+        assert pool.reassign("stage-1") is False and coordinator.written == []
+        assert ("mlxcel version mismatch" if "mlxcel" in liar else "model identity mismatch") in caplog.text
+        peer.close()
+
+    honest = peers(FakePeer, host, port=port)
+    assert pool.reassign("stage-1") is True
+    activated = honest.wait(honest.release)
+    assert activated is not None and activated.assignment.node_id == "stage-1"
+    assert activated.assignment.layers == (stage.start, stage.end)
+    assert [s.address for s in coordinator.written[-1].stages] == [s.address for s in coordinator.plan.stages]
+    assert pool.reassigned == {"stage-1": 1} and pool.status() == []

@@ -3,13 +3,16 @@
 The third peer in address order waits as a standby and both its /health and the coordinator's report
 it. A stage killed with SIGKILL (and not restarted) while a greedy stream runs is assigned to the spare
 after --pp-spare-after; the client gets the whole answer, equal to the single-device run. With the
-spare used up, the next stage that dies leaves the cluster degraded: a new request is held (it would
-get a clean 503 past --resume-timeout, tests/pipeline/test_resume.py) and is dropped when its client
-gives up.
+spare used up, the next stage that dies mid-stream leaves the cluster degraded: a new request is held
+(it would get a clean 503 past --resume-timeout, tests/pipeline/test_resume.py) and is dropped when its
+client gives up. Its peer's command started again (as a supervisor does) comes back waiting at the same
+address, and the same coordinator process re-assigns it the stage (§5.7): the stream in flight resumes
+and ends with the whole answer.
 """
 
 from __future__ import annotations
 
+import re
 import signal
 import threading
 import time
@@ -74,6 +77,11 @@ def test_a_spare_stands_by_then_takes_over_a_killed_stage_mid_stream(bringup, ti
     print(f"kill -> whole answer: {took:.1f}s")
 
     # the spare is used up: the next stage that dies stays down; a new request is held, as without spares
+    pid = coord.proc.pid
+    started, out = threading.Event(), {}
+    t = threading.Thread(target=lambda: out.update(r=stream_text(coord.url, started, max_tokens=N)))
+    t.start()
+    assert started.wait(60)
     spare.stop(signal.SIGKILL)
     _wait_health(coord.url, lambda b: b["status"] == "degraded")
     with pytest.raises(httpx.ReadTimeout):  # held, not refused; the client gives up after 3 s
@@ -86,3 +94,20 @@ def test_a_spare_stands_by_then_takes_over_a_killed_stage_mid_stream(bringup, ti
         time.sleep(0.2)
     assert m["mlxcel_requests_held_total"] == 1 and m["mlxcel_hold_failed_requests_total"] == 0
     assert coord.alive
+
+    # a supervisor starts the same --pp-peer command again: it waits at the same address and gets stage-1 back
+    killed = time.monotonic()
+    again = bringup.restart(spare)
+    assert again.listener == spare.listener
+    again.wait_for(r"activated as stage-1 \(layers 2-3\)")
+    coord.wait_for(rf"re-assigned stage-1 \(layers 2-3\) to its restarted peer at {re.escape(spare.listener)}")
+    t.join(150)
+    assert not t.is_alive(), "the stream hung"
+    text, reasons, _ = out["r"]
+    assert reasons == ["length"] and text == reference_tokens(tiny_llama, PROMPT, N)
+    print(f"restart -> whole answer: {time.monotonic() - killed:.1f}s")
+    health = _wait_health(coord.url, lambda b: b["status"] == "ready")
+    assert health["reassigned"] == {"stage-1": 1}
+    assert [(s["id"], s["address"]) for s in health["stages"]] == [("stage-0", stage0.listener),
+                                                                   ("stage-1", spare.listener)]
+    assert coord.alive and coord.proc.pid == pid  # healed without restarting the coordinator
