@@ -14,11 +14,10 @@ if [ "$(uname -s)" = Linux ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/n
     echo "    (could not install chromium; the report's browser test will skip)"
   fi
 fi
-# Test workers (pytest-xdist): the tests wait on processes, sockets, probes and playbooks much of the time, so
-# two workers per core pay off (2 to 8). A module's tests stay on one worker (--dist loadscope), so a
-# module-scoped cluster or deployment starts once. MLXCEL_TEST_WORKERS=N sets the count; 0 runs in this process
-# (no workers), for debugging.
-workers=${MLXCEL_TEST_WORKERS:-$(n=$(( 2 * $(nproc 2>/dev/null || echo 1) )); [ "$n" -lt 2 ] && n=2; [ "$n" -gt 8 ] && n=8; echo "$n")}
+# Test workers (pytest-xdist): the tests wait on processes and sockets much of the time, so two workers pay off
+# even on two cores. A module's tests stay on one worker (--dist loadscope), so a module-scoped cluster or
+# deployment starts once. MLXCEL_TEST_WORKERS=0 runs in this process (no workers), for debugging.
+workers=${MLXCEL_TEST_WORKERS:-$(n=$(nproc 2>/dev/null || echo 2); [ "$n" -lt 2 ] && n=2; [ "$n" -gt 4 ] && n=4; echo "$n")}
 if [ "$workers" = 0 ]; then
   exec .venv/bin/python -m pytest "$@"
 fi
