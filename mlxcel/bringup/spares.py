@@ -38,7 +38,7 @@ from .errors import BringupError
 from .machine import CoordinatorSession, Informed, PeerRefused
 from .plan import ClusterPlan
 from .push import Push, PushConfig, version_mismatch
-from .wire import (DEFAULT_SPARE_AFTER_S, FRAME_TIMEOUT_S, REASSIGN_BACKOFF_S, SPARE_CHECK_S,
+from .wire import (DEFAULT_SPARE_AFTER_S, FRAME_TIMEOUT_S, REASSIGN_BACKOFF_S, REASSIGN_CHECK_S, SPARE_CHECK_S,
                    SPARE_PUSH_WINDOW_S)
 
 log = logging.getLogger("mlxcel.roles.pp_auto")
@@ -71,6 +71,7 @@ class SparePool:
         self.reassign_backoff_s = reassign_backoff_s
         self.plan = plan
         self.after_s = after_s
+        self.reassign_check_s = REASSIGN_CHECK_S
         self._write_plan = write_plan
         self._window_s = window_s
         self._lock = threading.Lock()

@@ -4,7 +4,7 @@
 ``Takeover.tick`` runs on the coordinator's timer thread and starts at most one takeover thread at a
 time. For a stage the monitor has seen go down, that thread first asks the replacer (the ``--pp-auto``
 coordinator's ``SparePool``) to re-assign the stage to a peer waiting at the stage's own address (a
-supervisor restarted it: same address, new process), at most every ``REASSIGN_CHECK_S``; the
+supervisor restarted it: same address, new process), at most every ``replacer.reassign_check_s``; the
 re-assigned peer serves the stage at the same address, so nothing moves and the requests waiting to
 resume go on once it answers GET_STATE. A stage down ``replacer.after_s`` seconds (counted again from
 a re-assignment) is handed to a spare, if there is one: its neighbours are told with RELOCATE (again
@@ -20,7 +20,6 @@ import threading
 import time
 from typing import Any, Protocol, Sequence
 
-from mlxcel.bringup.wire import REASSIGN_CHECK_S
 from mlxcel.cluster.identity import PeerId
 from mlxcel.engine.executor import ExecutorError
 from mlxcel.pipeline.protocol import MsgType
@@ -35,6 +34,7 @@ class StageReplacer(Protocol):
     ``reassign(node_id)`` to a peer restarted at the stage's own address (blocks, True if it did)."""
 
     after_s: float  # a stage down this long is replaced
+    reassign_check_s: float  # a down stage's own address is dialled at most this often
     has_spares: bool
     reassigned: dict[str, int]  # node id -> re-assignments
 
@@ -107,7 +107,7 @@ class Takeover:
         if node is None:
             return
         if now >= self._next_dial.get(addr, 0.0):
-            self._next_dial[addr] = now + REASSIGN_CHECK_S
+            self._next_dial[addr] = now + self.replacer.reassign_check_s
             if self._reassign(node):
                 self._reassigned[addr] = time.monotonic()
                 return
