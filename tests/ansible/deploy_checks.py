@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import threading
 
 import openai
@@ -47,6 +48,23 @@ def assert_redeploy_changes_nothing(deployment: Deployment, *args: str, nodes: t
         {f"local-{n}": 0 for n in nodes}, result.output[-4000:]
     assert pids == pids_of(deployment, nodes)  # nothing restarted
     print(f"re-run: {result.seconds:.1f} s")
+
+
+def roll_order(output: str) -> list[str]:
+    """The hosts in the order the playbook rolled them, checking that none overlaps the next: a host's wait
+    until it is idle comes after the previous host's restart (the hosts of the preparing plays report in any
+    order, so only these two tasks count)."""
+    events, task = [], ""
+    for line in output.splitlines():
+        if line.startswith("TASK ["):
+            task = line
+        elif "Restarted | wait until it holds nothing" in task and re.match(r"(ok|changed): \[", line):
+            events.append(("idle", re.match(r"\w+: \[([\w-]+)", line)[1]))
+        elif re.match(r"included: \S*/restart-\w+\.yml for ", line):
+            events.append(("restart", line.rsplit(" for ", 1)[1].strip()))
+    order = [host for kind, host in events if kind == "idle"]
+    assert events == [(kind, host) for host in order for kind in ("idle", "restart")], events
+    return order
 
 
 class StreamingLoad:

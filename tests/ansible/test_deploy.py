@@ -28,8 +28,8 @@ import pytest
 
 from mlxcel.topology.cluster_config import load_cluster_config
 
-from tests.ansible.deploy_checks import (NODES, argv_of, assert_redeploy_changes_nothing, flag, greedy_answer,
-                                         layer_threads, pids_of)
+from tests.ansible.deploy_checks import (NODES, StreamingLoad, argv_of, assert_redeploy_changes_nothing, flag,
+                                         greedy_answer, layer_threads, pids_of, roll_order)
 from tests.ansible.playbook import HOSTS, Deployment, free_port
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.proc]
@@ -212,6 +212,36 @@ def test_bench_fetches_rows_and_builds_the_report(deployment: Deployment) -> Non
     report = deployment.root / "reports" / "t1"
     assert (report / "index.html").stat().st_size > 1000
     assert f"report: {report}/index.html" in result.output
+
+
+@pytest.mark.timeout(900)
+def test_rolling_restart_of_the_stages_under_load_fails_nothing(deployment: Deployment) -> None:
+    """rolling_restart.yml on the stages while two clients stream: each stage is drained (new sequences wait,
+    what it holds finishes), restarted and re-admitted before the next; the coordinator holds the requests
+    that arrive while a stage is away (resuming is on by default), so none fails and every answer is whole."""
+    _deployed(deployment)
+    if "toml" not in ANSWERS:
+        pytest.skip("no answer to compare with (see test_chat_through_the_coordinator)")
+    stages = ("stage-0", "stage-1")
+    pids, coordinator = pids_of(deployment, stages), pids_of(deployment, ("coordinator",))
+    load = StreamingLoad(deployment, "unused", streams=2)
+    load.start()
+    try:
+        wait_until = time.monotonic() + 60
+        while load.completed < 2 and time.monotonic() < wait_until:  # the load runs before the first drain
+            time.sleep(0.1)
+        result = deployment.run("rolling_restart.yml", mlxcel_node_rolling_roles=["stage"], timeout=800)
+        done_during = load.completed
+    finally:
+        load.stop()
+    assert result.rc == 0, result.output[-4000:]
+    assert all(pids[n] != p for n, p in pids_of(deployment, stages).items())  # both restarted
+    assert pids_of(deployment, ("coordinator",)) == coordinator  # the coordinator was left alone
+    assert roll_order(result.output) == ["local-stage-0", "local-stage-1"], result.output[-3000:]
+    print(f"rolling restart of 2 stages: {result.seconds:.1f} s; {load.completed} requests completed "
+          f"({done_during} by its end), {len(load.failures)} failed")
+    assert load.failures == [], load.failures[:5]
+    assert done_during >= 4 and set(load.answers) == {ANSWERS["toml"]}, (done_during, set(load.answers))
 
 
 def test_pp_auto_bringup_assigns_the_stages_and_answers_as_the_toml_did(deployment: Deployment) -> None:

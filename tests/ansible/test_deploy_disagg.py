@@ -19,7 +19,7 @@ import pytest
 
 from mlxcel.topology.cluster_config import load_cluster_config
 
-from tests.ansible.deploy_checks import (StreamingLoad, argv_of, assert_redeploy_changes_nothing, flag, greedy_answer,
+from tests.ansible.deploy_checks import (StreamingLoad, argv_of, roll_order, assert_redeploy_changes_nothing, flag, greedy_answer,
                                          layer_threads, pids_of)
 from tests.ansible.playbook import HOSTS, REPO, SPARE_ADDRESS, Deployment
 from tests.server.util import ServerProcess
@@ -159,28 +159,11 @@ def test_disagg_rolling_restart_of_the_decode_nodes_under_load_fails_nothing(dep
     assert result.rc == 0, result.output[-4000:]
     assert all(pids[n] != p for n, p in pids_of(deployment, decodes).items())  # both restarted
     assert pids_of(deployment, ("router", "prefill-0")) == others  # the roles not rolled are left alone
-    assert _roll_order(result.output) == ["local-decode-0", "local-decode-1"], result.output[-3000:]  # one at a time
+    assert roll_order(result.output) == ["local-decode-0", "local-decode-1"], result.output[-3000:]  # one at a time
     print(f"rolling restart of 2 decode nodes: {result.seconds:.1f} s; {load.completed} requests completed "
           f"({done_during} by its end), {len(load.failures)} failed")
     assert load.failures == [], load.failures[:5]
     assert done_during >= 4 and set(load.answers) == {expected}, (done_during, set(load.answers))
-
-
-def _roll_order(output: str) -> list[str]:
-    """The hosts in the order the playbook rolled them, checking that none overlaps the next: a host's wait
-    until it is idle comes after the previous host's restart (the hosts of the preparing plays report in any
-    order, so only these two tasks count)."""
-    events, task = [], ""
-    for line in output.splitlines():
-        if line.startswith("TASK ["):
-            task = line
-        elif "Restarted | wait until it holds nothing" in task and re.match(r"(ok|changed): \[", line):
-            events.append(("idle", re.match(r"\w+: \[([\w-]+)", line)[1]))
-        elif re.match(r"included: \S*/restart-\w+\.yml for ", line):
-            events.append(("restart", line.rsplit(" for ", 1)[1].strip()))
-    order = [host for kind, host in events if kind == "idle"]
-    assert events == [(kind, host) for host in order for kind in ("idle", "restart")], events
-    return order
 
 
 def test_disagg_teardown_leaves_no_process(deployment: Deployment, disagg: str) -> None:
