@@ -81,6 +81,7 @@ from mlxcel.engine.interface import (
     FinishEvent,
     TokenEvent,
 )
+from mlxcel.engine.prefill_split import prompt_chunk
 from mlxcel.engine.resume import RETRY_S as RESUME_RETRY_S
 from mlxcel.engine.resume import ResumePolicy
 from mlxcel.engine.runner import Sampled
@@ -521,7 +522,7 @@ class Scheduler:
         if not self._prefilling or any(s.busy for s in self._prefilling):
             return None  # one prompt at a time: its chunks are sequential
         seq = self._prefilling[0]
-        n = min(len(seq.todo), self.prefill_step)
+        n = prompt_chunk(len(seq.todo), self.prefill_step)
         chunk, seq.todo = seq.todo[:n], seq.todo[n:]
         seq.busy = True
         return Step("prefill", [seq.rid], [chunk], sample=not seq.todo)
