@@ -216,11 +216,14 @@ async def test_prompt_chunks_and_decode_steps_alternate():
         sched.submit(request("b", (5, 6, 7, 8, 9, 10), max_tokens=20))  # chunks [5, 6] [7, 8] [9] [10]
         await until(lambda: "b" in ex.prepared, "b admitted")
         ex.complete(first_decode)
-        for _ in range(8):
+        for _ in range(7):
             await ex.next_step()
             ex.complete()
-    kinds = [(s.kind, s.rids) for s in ex.steps[2:10]]
-    assert kinds == [("prefill", ["b"]), ("decode", ["a"])] * 3 + [("prefill", ["b"]), ("decode", ["a", "b"])]
+    kinds = [(s.kind, s.rids, s.tokens[0] if s.kind == "prefill" else None) for s in ex.steps[2:9]]
+    # b's last token follows its chunk at once (no decode step of a between them delays b's first token)
+    assert kinds == [("prefill", ["b"], [5, 6]), ("decode", ["a"], None), ("prefill", ["b"], [7, 8]),
+                     ("decode", ["a"], None), ("prefill", ["b"], [9]), ("prefill", ["b"], [10]),
+                     ("decode", ["a", "b"], None)]
 
 
 async def until_step(ex: FakeExecutor, kind: str):

