@@ -18,6 +18,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlxcel.config import PREFILL_STEP
 from mlxcel.engine.compiled_step import decode_forward
 from mlxcel.engine.model_slice import ModelSlice
+from mlxcel.engine.prefill_split import prompt_chunk
 from mlxcel.engine.sampling import SamplingParams, make_sampler
 from mlxcel.engine.textstream import SequenceText
 
@@ -62,7 +63,7 @@ def generate_tokens(
         # All but the last prompt token only fill the cache: evaluating just the
         # cache state leaves the (lazy) head unevaluated for those positions.
         while tokens.size > 1:
-            n = min(prefill_chunk, tokens.size - 1)
+            n = prompt_chunk(tokens.size, prefill_chunk)
             forward(tokens[None, :n], cache)
             mx.eval([c.state for c in cache])
             tokens = tokens[n:]

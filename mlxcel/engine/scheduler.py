@@ -81,6 +81,7 @@ from mlxcel.engine.interface import (
     FinishEvent,
     TokenEvent,
 )
+from mlxcel.engine.prefill_split import prompt_chunk
 from mlxcel.engine.resume import RETRY_S as RESUME_RETRY_S
 from mlxcel.engine.resume import ResumePolicy
 from mlxcel.engine.runner import Sampled
@@ -236,6 +237,7 @@ class Scheduler:
         self._last_kind = "decode"
         self._hold_next = 0.0  # while holding new requests: the next try to start one (monotonic); 0: not holding
         self._hold_error: BaseException | None = None  # while holding: the last failed start's error
+        self._last_prefilled: str | None = None  # the sequence of the last prompt chunk submitted
         self.counters = EngineCounters()
         self._thread = threading.Thread(target=self._run, name="mlxcel-scheduler", daemon=True)
 
@@ -495,6 +497,7 @@ class Scheduler:
             if step is None:
                 return
             self._last_kind = step.kind
+            self._last_prefilled = step.rids[0] if step.kind == "prefill" else None
             if self._steps_inflight:
                 self.counters.overlapped_steps += 1
             self._steps_inflight += 1
@@ -507,9 +510,11 @@ class Scheduler:
                 self._step_done(step, exc)
 
     def _next_step(self) -> Step | None:
-        """Alternate: after a decode step prefer a prompt chunk, after a chunk prefer decoding."""
+        """Alternate: after a decode step prefer a prompt chunk, after a chunk prefer decoding; but a
+        prompt's last token (a step of its own, engine/prefill_split.py) follows its chunk at once, so no
+        decode step of the others delays the first token."""
         order = (self._prefill_step, self._decode_step)
-        if self._last_kind == "prefill":
+        if self._last_kind == "prefill" and not self._last_token_due():
             order = order[::-1]
         for plan in order:
             step = plan()
@@ -517,11 +522,16 @@ class Scheduler:
                 return step
         return None
 
+    def _last_token_due(self) -> bool:
+        """The last chunk submitted was of the first prefilling sequence, and only its last token is left."""
+        head = self._prefilling[0] if self._prefilling else None
+        return head is not None and head.rid == self._last_prefilled and len(head.todo) == 1
+
     def _prefill_step(self) -> Step | None:
         if not self._prefilling or any(s.busy for s in self._prefilling):
             return None  # one prompt at a time: its chunks are sequential
         seq = self._prefilling[0]
-        n = min(len(seq.todo), self.prefill_step)
+        n = prompt_chunk(len(seq.todo), self.prefill_step)
         chunk, seq.todo = seq.todo[:n], seq.todo[n:]
         seq.busy = True
         return Step("prefill", [seq.rid], [chunk], sample=not seq.todo)

@@ -66,8 +66,9 @@ def test_rows_carry_cpu_seconds_per_process_and_latency_percentiles(bench_run) -
     for r in remote:
         assert r["frames_per_token"] > 0
         assert [s["node_id"] for s in r["stage_state"]] == ["stage-0", "stage-1"]
-        # the measured run's steps only (one prefill chunk, then a step per token), not the warm-up's
-        assert all(s["steps"] == TOKENS for s in r["stage_state"])
+        # the measured run's steps only, not the warm-up's: the prompt but its last token in one chunk, the
+        # last token alone (it gives the first token), then a step per further token
+        assert all(s["steps"] == TOKENS + 1 for s in r["stage_state"])
         # no prefix cache on the persistent stages: a repeated prompt is prefilled again, as in a fresh single
         assert all(s["prefix_bytes"] in (0, None) for s in r["stage_state"])
     assert all(r["stage_state"] is None and r["frames_per_token"] is None for r in rows if r not in remote)

@@ -34,8 +34,8 @@ from mlxcel.engine.interface import EngineRequest
 from mlxcel.engine.sampling import SamplingParams
 from tests.disagg.cluster import DisaggCluster, wait_for
 from tests.disagg.cluster import FAST
-from tests.family_checkpoints import (DI_SERVER_FAMILIES, concurrent_completions, family_checkpoint,  # noqa: F401
-                                      start_together, text_of)
+from tests.family_checkpoints import (DI_SERVER_FAMILIES, VARIANTS, concurrent_completions,  # noqa: F401
+                                      family_checkpoint, start_together, text_of)
 from tests.node_host import node_hosts, server_args
 from tests.pipeline.cluster import free_port, write_secret
 from tests.engine.fakes import collect_tokens
@@ -66,6 +66,9 @@ TABLE: dict[str, list[CacheKind]] = {
     "ernie4_5_moe": [KV] * 4,
     "deepseek_v32": [LIST] * 4,  # MLA latents and the lightning indexer's keys
     "kimi_k3": [ARR, KV, ARR, KV],  # Kimi Delta Attention state / NoPE MLA
+    # gemma-4 E2B's shape (tests/family_checkpoints.py VARIANTS): per-layer inputs; the KV-shared last layer
+    # owns no cache, it reads layer 2's sliding window
+    "gemma4_text_e2b": [ROT, KV, ROT],
 }
 PROMPTS = (tuple(range(40, 58)), (1, 50, 51, 52, 53))  # 18 tokens: past the windows of 4
 N = 5
@@ -76,7 +79,7 @@ HOSTED = [f for f in RANDOM_FAMILIES if f not in DI_SERVER_FAMILIES]
 
 
 def test_the_table_is_every_random_family():
-    assert set(TABLE) == set(RANDOM_FAMILIES)
+    assert set(TABLE) == set(RANDOM_FAMILIES) | set(VARIANTS)
 
 
 def greedy(prompt: tuple[int, ...], rid: str) -> EngineRequest:
@@ -142,7 +145,7 @@ def _loaded(checkpoint) -> tuple:
     return checkpoint.model, checkpoint.tokenizer
 
 
-@pytest.mark.parametrize("family", RANDOM_FAMILIES)
+@pytest.mark.parametrize("family", [*RANDOM_FAMILIES, *VARIANTS])
 def test_router_prefill_decode_continue_exactly_like_one_node(family, family_checkpoint):  # noqa: F811
     path = family_checkpoint(family)
     reference = single_node(path)

@@ -239,10 +239,15 @@ async def collect(stream: EventStream) -> tuple[list[TokenEvent], FinishEvent]:
 async def collect_tokens(stream: EventStream) -> list[int]:
     """The token ids of every event up to the FinishEvent, which must carry no error (no deadline per event:
     for real engines across processes; the test's own timeout bounds it)."""
-    tokens: list[int] = []
+    return [token for token, _ in await collect_scored(stream)]
+
+
+async def collect_scored(stream: EventStream) -> list[tuple[int, float | None]]:
+    """``collect_tokens`` with each token's log-probability (None unless the request asked for logprobs)."""
+    scored: list[tuple[int, float | None]] = []
     async for event in stream:
         if isinstance(event, FinishEvent):
             assert event.error is None, event.error
             break
-        tokens.append(event.token)
-    return tokens
+        scored.append((event.token, event.logprob))
+    return scored

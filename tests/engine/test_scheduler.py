@@ -44,7 +44,7 @@ from tests.engine.fakes import (
 pytestmark = pytest.mark.timeout(60)
 
 
-def request(rid: str, prompt: tuple[int, ...] = (1, 2, 3), *, top_logprobs: int = 0, ignore_eos: bool = False,
+def request(rid: str, prompt: tuple[int, ...] = (1,), *, top_logprobs: int = 0, ignore_eos: bool = False,
             **params) -> EngineRequest:
     params.setdefault("max_tokens", 8)
     return EngineRequest(prompt, SamplingParams(**params), top_logprobs=top_logprobs, ignore_eos=ignore_eos,
@@ -128,7 +128,7 @@ async def test_prompts_go_in_chunks_of_prefill_step_one_sequence_at_a_time():
     with scheduler(ex, parallel=2, prefill_step=4) as sched:
         a = sched.submit(request("a", tuple(range(10, 20)), max_tokens=1))
         b = sched.submit(request("b", tuple(range(30, 35)), max_tokens=1))
-        for _ in range(5):
+        for _ in range(6):
             await ex.next_step()
             await settle()
             assert len(ex.pending) == 1  # nothing else to run while a chunk is in flight
@@ -136,8 +136,10 @@ async def test_prompts_go_in_chunks_of_prefill_step_one_sequence_at_a_time():
         await collect(a)
         await collect(b)
     chunks = [(s.rids[0], s.tokens[0], s.sample) for s in ex.steps]
+    # the tokens before the last in chunks of at most prefill_step, then the last alone (what
+    # generate_tokens and mlx-lm run: the same forward calls, so the same logits bit for bit)
     assert chunks == [
-        ("a", [10, 11, 12, 13], False), ("a", [14, 15, 16, 17], False), ("a", [18, 19], True),
+        ("a", [10, 11, 12, 13], False), ("a", [14, 15, 16, 17], False), ("a", [18], False), ("a", [19], True),
         ("b", [30, 31, 32, 33], False), ("b", [34], True),
     ]
     assert sched.counters.prompt_tokens == 15
@@ -148,10 +150,11 @@ async def test_a_cached_prefix_is_not_prefilled_again():
     ex = FakeExecutor(cached=6)
     with scheduler(ex, prefill_step=4) as sched:
         stream = sched.submit(request("a", tuple(range(10, 20)), max_tokens=1))
-        await ex.next_step()
-        ex.complete()
+        for _ in range(2):
+            await ex.next_step()
+            ex.complete()
         await collect(stream)
-    assert [s.tokens[0] for s in ex.steps] == [[16, 17, 18, 19]]
+    assert [s.tokens[0] for s in ex.steps] == [[16, 17, 18], [19]]
 
 
 # -- micro-batch groups and alternation ---------------------------------------------------------------
@@ -206,19 +209,21 @@ async def test_filled_micro_batches_take_a_second_group_only_when_the_first_is_f
 async def test_prompt_chunks_and_decode_steps_alternate():
     ex = FakeExecutor()
     with scheduler(ex, parallel=2, prefill_step=2) as sched:
-        sched.submit(request("a", (1, 2), max_tokens=20))
+        sched.submit(request("a", (1,), max_tokens=20))
         await ex.next_step()
         ex.complete()  # a decodes from now on
         first_decode = await until_step(ex, "decode")
-        sched.submit(request("b", (5, 6, 7, 8, 9, 10), max_tokens=20))
+        sched.submit(request("b", (5, 6, 7, 8, 9, 10), max_tokens=20))  # chunks [5, 6] [7, 8] [9] [10]
         await until(lambda: "b" in ex.prepared, "b admitted")
         ex.complete(first_decode)
-        for _ in range(6):
+        for _ in range(7):
             await ex.next_step()
             ex.complete()
-    kinds = [(s.kind, s.rids) for s in ex.steps[2:8]]
-    assert kinds == [("prefill", ["b"]), ("decode", ["a"]), ("prefill", ["b"]), ("decode", ["a"]),
-                     ("prefill", ["b"]), ("decode", ["a", "b"])]
+    kinds = [(s.kind, s.rids, s.tokens[0] if s.kind == "prefill" else None) for s in ex.steps[2:9]]
+    # b's last token follows its chunk at once (no decode step of a between them delays b's first token)
+    assert kinds == [("prefill", ["b"], [5, 6]), ("decode", ["a"], None), ("prefill", ["b"], [7, 8]),
+                     ("decode", ["a"], None), ("prefill", ["b"], [9]), ("prefill", ["b"], [10]),
+                     ("decode", ["a", "b"], None)]
 
 
 async def until_step(ex: FakeExecutor, kind: str):
@@ -286,7 +291,7 @@ async def test_tokens_carry_text_eos_is_not_emitted_and_max_tokens_ends_with_len
         tokens, finish = await collect(sched.submit(request("eos", (1, 2, 3))))
         assert [(t.token, t.text) for t in tokens] == [(10, "Hi"), (11, " there")]
         assert (finish.finish_reason, finish.completion_tokens, finish.prompt_tokens) == ("stop", 2, 3)
-        tokens, finish = await collect(sched.submit(request("len", max_tokens=3)))
+        tokens, finish = await collect(sched.submit(request("len", (1, 2, 3), max_tokens=3)))
         assert texts(tokens) == ["Hi", " there", "!"] and finish.finish_reason == "length"
         tokens, finish = await collect(sched.submit(request("ign", max_tokens=3, ignore_eos=True)))
         assert [t.token for t in tokens] == [10, EOS, 12] and finish.finish_reason == "length"

@@ -17,6 +17,7 @@ import pytest
 
 from mlxcel.config import RANDOM_FAMILIES, TP_MOE_MODES
 from mlxcel.parallel.families import FAMILIES
+from tests.family_checkpoints import family_checkpoint  # noqa: F401
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.proc]
 
@@ -81,21 +82,11 @@ def test_tp_2_prints_tp_1s_greedy_text(checkpoint, family, mode):
     assert sharded.stdout == _single[family] and len(sharded.stdout) > 1
 
 
-def test_gemma4_with_per_layer_inputs_and_kv_shared_layers(tmp_path, monkeypatch):
-    """gemma-4 E2B/E4B's shape: per-layer inputs stay replicated, a
-    KV-shared layer has no k/v projection to cut and reads the earlier layer's (sharded) KV."""
-    from mlxcel.models import random_checkpoint as rc
-
-    fields = rc._family_fields
-
-    def e2b(family: str, *args):
-        out = dict(fields(family, *args))
-        out.update({"num_kv_shared_layers": 1, "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": 320,
-                    "enable_moe_block": False, "attention_k_eq_v": False})
-        return out
-
-    monkeypatch.setattr(rc, "_family_fields", e2b)
-    model = rc.make_random_checkpoint(tmp_path / "e2b", family="gemma4_text", layers=4)
+def test_gemma4_with_per_layer_inputs_and_kv_shared_layers(family_checkpoint):  # noqa: F811
+    """gemma-4 E2B/E4B's shape (``VARIANTS["gemma4_text_e2b"]``, the pipeline and handoff tables' row too):
+    per-layer inputs stay replicated, the KV-shared last layer has no k/v projection to cut and reads
+    layer 2's (sharded) sliding KV."""
+    model = family_checkpoint("gemma4_text_e2b")
     sharded = generate(model, "--tp-size", "2", "--tp-timeout", "120")
     assert "gemma4_text over 2 ranks: 2 of 4 heads, 1 of 2 KV heads, 64 of 128 MLP columns per rank" in sharded.stderr
     assert sharded.stdout == generate(model).stdout and len(sharded.stdout) > 1

@@ -5,7 +5,8 @@ its own cluster TOML (a coordinator and two stages, each on its own 127.0.0.x id
 transport, the engine's own 2-stage split), and every node is an ``mlxcel-server`` command line of
 that TOML (``-m DIR --distributed-config TOML --node-id ID``). Each row: two concurrent greedy requests
 (batched into one decode micro-batch on the stages) give the token ids of an in-process pipeline of
-the same split (``InProcessPipeline``, what ``mlxcel generate --pp-size 2`` runs), and one device's.
+the same split (``InProcessPipeline``, what ``mlxcel generate --pp-size 2`` runs), and one device's;
+the hosted rows also compare the first token's float log-probability, bit for bit.
 
 - The representative families (``PP_SERVER_FAMILIES``: one per slicing mechanism) run as real
   processes: three ``mlxcel-server`` processes each, every family's cluster started at once, asked
@@ -31,7 +32,7 @@ from tests.family_checkpoints import (PP_SERVER_FAMILIES, concurrent_completions
                                       start_together, text_of)
 from tests.node_host import node_hosts, server_args
 from tests.pipeline.cluster import COORDINATOR_HOST, STAGE_HOSTS, LocalCluster, free_port, write_secret
-from tests.engine.fakes import collect_tokens
+from tests.engine.fakes import collect_scored
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.proc]
 
@@ -93,9 +94,16 @@ def tomls(tmp_path_factory, family_checkpoint):  # noqa: F811
         yield made
 
 
-def remote_tokens(toml: Path, model_dir: Path) -> list[list[int]]:
+Scored = list[tuple[int, float | None]]  # greedy tokens, each with its log-probability
+
+
+def tokens_of(rows: list[Scored]) -> list[list[int]]:
+    return [[t for t, _ in row] for row in rows]
+
+
+def remote_tokens(toml: Path, model_dir: Path) -> list[Scored]:
     """Both prompts at once through the engine the coordinator role builds from its command line (a
-    Scheduler over a PipelineExecutor)."""
+    Scheduler over a PipelineExecutor): greedy tokens with their log-probabilities."""
     from mlxcel.commands.serve import cluster_node, server_config
     from mlxcel.models.loading import load_checkpoint
     from mlxcel.roles.coordinator import coordinator_factory
@@ -105,10 +113,10 @@ def remote_tokens(toml: Path, model_dir: Path) -> list[list[int]]:
     tokenizer = load_checkpoint(model_dir, lazy=True).tokenizer
     engine = coordinator_factory(cluster_node(args, server.model))(None, tokenizer, 2048, server)
 
-    async def both() -> list[list[int]]:
-        streams = [engine.submit(EngineRequest(p, SamplingParams(max_tokens=N), ignore_eos=True, request_id=f"r{i}"))
-                   for i, p in enumerate(PROMPTS)]
-        return list(await asyncio.gather(*(collect_tokens(s) for s in streams)))
+    async def both() -> list[Scored]:
+        streams = [engine.submit(EngineRequest(p, SamplingParams(max_tokens=N, logprobs=True), ignore_eos=True,
+                                               request_id=f"r{i}")) for i, p in enumerate(PROMPTS)]
+        return list(await asyncio.gather(*(collect_scored(s) for s in streams)))
 
     try:
         return asyncio.run(both())
@@ -119,6 +127,11 @@ def remote_tokens(toml: Path, model_dir: Path) -> list[list[int]]:
 def in_process_tokens(model_dir: Path, prompt: tuple[int, ...], n: int = N, whole: bool = False) -> list[int]:
     """Greedy token ids (no EOS stop) of an in-process pipeline of the same 2-stage split (``whole``: of the
     whole mlx-lm model on one device)."""
+    return [t for t, _ in in_process_scored(model_dir, prompt, n, whole)]
+
+
+def in_process_scored(model_dir: Path, prompt: tuple[int, ...], n: int = N, whole: bool = False) -> Scored:
+    """``in_process_tokens`` with each token's log-probability."""
     from mlx_lm.models.cache import make_prompt_cache
 
     from mlxcel.engine.generate import generate_tokens
@@ -130,15 +143,24 @@ def in_process_tokens(model_dir: Path, prompt: tuple[int, ...], n: int = N, whol
     model = loaded.model if whole else InProcessPipeline(loaded.model, ranges(model_dir))
     cache = make_prompt_cache(model)
     sampler = make_sampler(SamplingParams())
-    return [t for t, _ in generate_tokens(lambda x, c: model(x, cache=c), list(prompt), cache, sampler, n)]
+    return [(t, float(lp[t].item())) for t, lp in generate_tokens(lambda x, c: model(x, cache=c), list(prompt), cache,
+                                                                 sampler, n)]
 
 
 @pytest.mark.parametrize("family", HOSTED)
 def test_a_remote_two_stage_pipeline_gives_the_in_process_tokens(family, tomls, family_checkpoint):  # noqa: F811
+    """The same tokens, and the first token (the prompt's forward calls) with the same float log-probability,
+    bit for bit: every path cuts the prompt alike (mlxcel/engine/prefill_split.py; before, the remote
+    path ran the last prompt token inside its chunk and its first log-probability differed in the last
+    bits, which on random MoE weights parted the greedy tokens). Later log-probabilities are not compared
+    exactly: the remote stages decode both prompts as one micro-batch (a padded, masked batch from the step
+    the second joins, which depends on timing), the in-process pipeline each alone."""
     path = family_checkpoint(family)
-    in_process = [in_process_tokens(path, p) for p in PROMPTS]
-    assert remote_tokens(tomls[family], path) == in_process
-    assert in_process == [in_process_tokens(path, p, whole=True) for p in PROMPTS]  # and one device's
+    in_process = [in_process_scored(path, p) for p in PROMPTS]
+    remote = remote_tokens(tomls[family], path)
+    assert [r[0] for r in remote] == [r[0] for r in in_process]  # the first token's logprob, bit for bit
+    assert tokens_of(remote) == tokens_of(in_process)
+    assert in_process == [in_process_scored(path, p, whole=True) for p in PROMPTS]  # and one device's, bit for bit
 
 
 @pytest.fixture(scope="module")
