@@ -37,6 +37,13 @@ def write_secret(path: Path) -> Path:
     return path
 
 
+def _sigint_as_from_a_terminal() -> None:
+    """In the child before exec: SIGINT's default disposition, so its Python raises KeyboardInterrupt on it even
+    when the suite runs in the background (a non-interactive shell starts background jobs with SIGINT ignored,
+    an ignored signal stays ignored across exec, and the signal tests would then see no interrupt at all)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Proc:
     """One server process; ``wait_for(regex)`` searches its stderr as it arrives."""
 
@@ -46,7 +53,7 @@ class Proc:
         cwd.mkdir(parents=True, exist_ok=True)
         cmd = [*CLI, "--port", "0", "--served-model-name", "tiny", "--log-level", "info", *argv]
         self.proc = subprocess.Popen(cmd, cwd=cwd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                                     env={**os.environ, **(env or {})})
+                                     env={**os.environ, **(env or {})}, preexec_fn=_sigint_as_from_a_terminal)
         self.lines: list[str] = []
         self._changed = threading.Condition()
         self._done = False
