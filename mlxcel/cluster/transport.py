@@ -220,7 +220,7 @@ class Transport:
         threads = self._listener.stop() + self._pool.close_all()
         me = threading.current_thread()
         for t in threads:
-            if t is not me:
+            if t is not me and t.ident is not None:  # a connection closed before its thread started has none
                 t.join(5.0)
         self._listener.close_socket()
         if self._crypto is not None:

@@ -68,7 +68,8 @@ def test_killed_rank_ends_every_rank_with_503_and_one_line(tiny_6_3):
         cause = ("tensor-parallel group failed: [ring] connection to a peer was lost",
                  "tensor-parallel rank 1 stopped answering (")
         assert len(errors) == 1, server.lines
-        assert errors[0].startswith(f"mlxcel: error: tensor-parallel rank 1 (pid {ranks[1]}) was killed by signal 9: ")
+        # MLX's ring writes to the same stderr, so its text may precede ours on the line
+        assert f"mlxcel: error: tensor-parallel rank 1 (pid {ranks[1]}) was killed by signal 9: " in errors[0], errors
         assert any(c in errors[0] for c in cause), errors
         assert errors[0].endswith("; stopping (requests get 503 until the server is gone)\n")
     finally:
