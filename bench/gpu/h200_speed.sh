@@ -14,6 +14,7 @@
 #   ds-q4             deepseek_v3 classes at DeepSeek-V2-Lite's scale (27 layers, hidden 2048, 64 experts, 6 active,
 #                     width 1408, 2 shared, MLA rank 512) 4-bit + moe_probe
 #   probe-bf16        bench/gpu/step_probe.py on the 0.6B bf16 shape: graph build vs step, plain / masked / compiled
+#   STREAMS=8   also part 2 of pipeline_bench: the single-node server against coordinator + stages at those streams
 # Everything lands in $OUT/results.tar.gz (rows, traces, logs) and $OUT/log.txt.
 set -uo pipefail
 SRC=$(cd "$(dirname "$0")/../.." && pwd)
@@ -67,7 +68,7 @@ bench() {  # model lever
   case $lever in compile1) compile=1 ;; compile0) compile=0 ;; *) echo "unknown lever $lever"; return 2 ;; esac
   echo "== $model $lever ($(left) s left)"
   MLXCEL_COMPILE_STEP=$compile python3 -m bench.pipeline_bench -m "/tmp/models/$model" --runs "$RUNS" --tokens "$TOKENS" \
-    --modes "${MODES:-single,inproc_pp,remote_pp}" --streams "" --trace --reuse-workers \
+    --modes "${MODES:-single,inproc_pp,remote_pp}" --streams "${STREAMS:-}" --trace --reuse-workers \
     --label "h200-$model-$lever" --out "$RES/$model-$lever" 2>&1 | grep -v "^WARNING"
 }
 
