@@ -613,9 +613,11 @@ def server_levels(args: argparse.Namespace, cluster: StageCluster) -> list[dict]
     servers = {"server_single": single_url, "server_remote_pp": coord_url}
     rows = []
     try:
-        for url in servers.values():  # warm both
-            asyncio.run(load_level(url, 2, 8, ["warm up", "warm up too"]))
         for level, streams in enumerate(args.streams):
+            # warm both at this level's batch size: a GPU compiles its batched kernels (4-bit on the CUDA
+            # backend: NVRTC, minutes) on first use of a shape, which a 2-stream warm-up does not reach
+            for url in servers.values():
+                asyncio.run(load_level(url, streams, 8, [f"warm up {i}" for i in range(streams)]))
             prompts = [f"{args.prompt} (reader {i})" for i in range(streams)]
             for rnd in range(args.rounds):
                 order = list(servers) if (rnd + level) % 2 == 0 else list(reversed(servers))
