@@ -10,34 +10,18 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from tests.ports import free_port  # noqa: F401  (re-exported to the Ansible tests)
 
 REPO = Path(__file__).resolve().parents[2]
 ANSIBLE_PLAYBOOK = REPO / ".venv" / "bin" / "ansible-playbook"
 HOSTS = {"coordinator": "127.0.0.2", "stage-0": "127.0.0.3", "stage-1": "127.0.0.4"}
 SPARE_ADDRESS = "127.0.0.5"  # a fourth host (the disaggregated cluster's second decode node): its ports are free too
 _RECAP = re.compile(r"^(\S+)\s+: ok=(\d+)\s+changed=(\d+)\s+unreachable=(\d+)\s+failed=(\d+)", re.M)
-
-
-def free_port(*hosts: str, avoid: tuple[int, ...] = ()) -> int:
-    """A port free on every one of ``hosts`` right now (and not in ``avoid``)."""
-    while True:
-        with socket.socket() as s:
-            s.bind((hosts[0], 0))
-            port = s.getsockname()[1]
-        if port in avoid:
-            continue
-        try:
-            for host in hosts[1:]:
-                with socket.socket() as s:
-                    s.bind((host, port))
-            return port
-        except OSError:
-            continue
 
 
 @dataclass

@@ -10,25 +10,19 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
+from tests.ports import free_port  # noqa: F401  (re-exported to the cluster tests)
 from tests.server.util import stop_process
 
 CLI = [sys.executable, "-m", "mlxcel", "serve"]
 COORDINATOR_HOST = "127.0.0.2"
 _HTTP = re.compile(r"(?:serving \S+ on |health on )(http://[\d.]+:\d+)")
 _WAITING = re.compile(r"waiting for a stage assignment on (\S+) ")
-
-
-def free_port(host: str, kind: int = socket.SOCK_STREAM) -> int:
-    with socket.socket(socket.AF_INET, kind) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def write_secret(path: Path) -> Path:

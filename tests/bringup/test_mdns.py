@@ -28,7 +28,7 @@ def _send(data: bytes, source: str, port: int) -> None:
 
 
 def test_beacon_bring_up_rejects_bad_beacons(bringup, single_node_chat):
-    udp = free_port("0.0.0.0", socket.SOCK_DGRAM)
+    udp = free_port("0.0.0.0", kind=socket.SOCK_DGRAM)
     mdns = ("--cluster-discovery", "mdns", "--cluster-discovery-port", str(udp))
     coord = bringup.coordinator("coord", 2, *mdns)
     coord.wait_for(rf"listening for 2 peer beacons on UDP port {udp}")

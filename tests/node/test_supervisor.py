@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ import pytest
 
 from mlxcel.node import supervisor
 from mlxcel.node.spec import NodeSpec, NodeSpecError, load_node_spec
+from tests.ports import free_port
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.proc]
 REPO = Path(__file__).resolve().parents[2]
@@ -39,12 +39,6 @@ class Health(http.server.BaseHTTPRequestHandler):
 print("child serving on", port, flush=True)
 http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _pids_naming(marker: str) -> list[int]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,28 +17,13 @@ from pathlib import Path
 
 import httpx
 
+from tests.ports import free_port  # noqa: F401  (re-exported to the cluster tests)
 from tests.server.util import stop_process
 
 CLI = [sys.executable, "-m", "mlxcel", "serve"]
 _URL = re.compile(r"(?:serving \S+ on |health on )(http://[\d.]+:\d+)")
 COORDINATOR_HOST = "127.0.0.2"
 STAGE_HOSTS = ("127.0.0.3", "127.0.0.4", "127.0.0.5")
-
-
-_HANDED_OUT: set[tuple[str, int]] = set()  # (host, port) pairs this process returned already
-
-
-def free_port(host: str) -> int:
-    """A port free on ``host`` now, and never one this process handed out before: a fixture that picks
-    ports for many nodes before any of them binds gets distinct ones (the kernel may offer a closed
-    socket's port again)."""
-    while True:
-        with socket.socket() as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
-        if (host, port) not in _HANDED_OUT or len(_HANDED_OUT) > 20_000:
-            _HANDED_OUT.add((host, port))
-            return port
 
 
 def write_secret(tmp: Path) -> Path:

@@ -7,7 +7,6 @@ record what reaches them (a rogue member, or a scripted stage the test drives by
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -17,6 +16,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlxcel.cluster.identity import PeerId
+from tests.ports import free_port  # noqa: F401  (re-exported to the attack tests)
 from mlxcel.cluster.messages import Message
 from mlxcel.cluster.secret import ClusterSecret
 from mlxcel.cluster.transport import Transport
@@ -45,21 +45,6 @@ LAYERS = ((0, 2), (2, 4))
 MAX_ROWS = 4
 CLUSTER_NAME = "attack-test"
 Received = tuple[PeerId, StageMessage]
-
-
-def free_port(*hosts: str) -> int:
-    """A port that is free on every one of ``hosts`` right now."""
-    while True:
-        with socket.socket() as s:
-            s.bind((hosts[0], 0))
-            port = s.getsockname()[1]
-        try:
-            for host in hosts[1:]:
-                with socket.socket() as s:
-                    s.bind((host, port))
-            return port
-        except OSError:
-            continue
 
 
 def cluster_config(coordinator: str, stages: Sequence[str], *, exchange_s: float) -> ClusterConfig:

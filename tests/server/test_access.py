@@ -7,7 +7,6 @@ import logging
 import os
 import pickle
 import re
-import socket
 import subprocess
 import threading
 import time
@@ -26,6 +25,7 @@ from mlxcel.server.access import (
     is_loopback,
     load_api_keys,
 )
+from tests.ports import free_ports
 from tests.server.util import CLI, MODEL, chat_body, stop_process
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.proc]
@@ -376,17 +376,6 @@ def test_prepare_access_applies_the_policy_unless_the_port_serves_only_health(tm
 
 
 # --- the pipeline coordinator: same entry point, same app, same flags ------------------------------------
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in socks]
-    finally:
-        for sock in socks:
-            sock.close()
 
 
 def write_cluster(directory: Path) -> Path:
