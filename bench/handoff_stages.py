@@ -61,9 +61,12 @@ def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
 
 
 def _parts(tensors: list, layout: Any, tokens: int) -> list:
-    from mlxcel.disagg.kv_codec import encode_chunks, encode_header
+    from mlxcel.disagg import kv_codec
 
-    return [encode_header({"nonce": "0" * 16}, tuple(range(tokens)), layout), *encode_chunks(tensors)]
+    head = kv_codec.encode_header({"nonce": "0" * 16}, tuple(range(tokens)), layout)
+    if hasattr(kv_codec, "chunk_parts"):  # the sender's parts as it hands them to the transport
+        return [head, *kv_codec.chunk_parts(tensors)]
+    return [head, *kv_codec.encode_chunks(tensors)]
 
 
 def _flat(part: Any) -> bytes:
@@ -133,7 +136,7 @@ def stages(shape: str, tokens: int, repeats: int) -> list[dict[str, Any]]:
         for _ in range(repeats):
             t, tensors = _timed(lambda: export_cache(caches, layout, tokens))
             times.setdefault("export", []).append(t)
-            t, parts = _timed(lambda: [_flat(p) for p in _parts(tensors, layout, tokens)])
+            t, parts = _timed(lambda: _parts(tensors, layout, tokens))
             times.setdefault("encode", []).append(t)
             nonce, aad = bytes(12), bytes(5)
             t, _ = _timed(lambda: [aead.encrypt_into(nonce, plain, aad, sealed) for _ in range(frames)])
@@ -143,7 +146,7 @@ def stages(shape: str, tokens: int, repeats: int) -> list[dict[str, Any]]:
             done.clear()
             t, _ = _timed(lambda: (pair.stream(parts), done.wait(60)))
             times.setdefault("socket", []).append(t)
-            received = [bytearray(p) for p in parts]  # what a transport delivers: buffers the handler owns
+            received = [bytearray(_flat(p)) for p in parts]  # what a transport delivers: buffers the handler owns
 
             def decode() -> Any:
                 dec = HandoffDecoder(layout, 1 << 20)

@@ -131,7 +131,10 @@ def _name(dtype: Any) -> str:
 
 
 def export_cache(cache: list, layout: KVLayout, length: int) -> list[np.ndarray]:
-    """The wire tensors of one sequence's per-layer caches holding ``length`` tokens (C-contiguous numpy)."""
+    """The wire tensors of one sequence's per-layer caches holding ``length`` tokens: numpy views of the
+    caches' own buffers in the model's dtype (bfloat16 as uint16), strided where a buffer holds more
+    positions than ``length``; ``kv_codec.chunk_parts`` sends them without a copy. A view keeps its
+    buffer alive, and MLX never writes into a buffer another array still references."""
     if len(cache) != len(layout.layers):
         raise HandoffError(f"the cache has {len(cache)} layers; the model has {len(layout.layers)}", )
     arrays: list[mx.array] = []
@@ -192,7 +195,7 @@ def _window(x: mx.array, keep: int, n: int) -> mx.array:
 def _to_numpy(a: mx.array) -> np.ndarray:
     if a.dtype == mx.bfloat16:
         a = a.view(mx.uint16)
-    return np.ascontiguousarray(np.array(a, copy=False))
+    return np.array(a, copy=False)
 
 
 def import_cache(handoff: Handoff) -> list:

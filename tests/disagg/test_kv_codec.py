@@ -17,6 +17,8 @@ from mlxcel.disagg.kv_codec import (
     KVLayout,
     LayerSpec,
     TensorSpec,
+    chunk_parts,
+    contiguous_runs,
     encode_chunks,
     encode_header,
 )
@@ -94,6 +96,21 @@ def test_chunks_cut_tensors_anywhere_and_end_with_the_totals():
     chunks = list(encode_chunks([np.arange(5, dtype=np.float32), np.arange(3, dtype=np.uint32)], chunk_len=8))
     assert [len(c) for c in chunks[:-1]] == [5 + 8, 5 + 8, 5 + 8, 5 + 8]  # 32 bytes in 8-byte chunks
     assert chunks[-1] == struct.pack(">BIQ", Part.END, 4, 32)
+
+
+def test_chunk_parts_are_views_of_strided_tensors_with_the_joined_parts_bytes():
+    """The sender's parts: a cache buffer cut to its positions travels as one view per head, no copy."""
+    buffer = np.arange(3 * 16 * 4, dtype=np.uint16).reshape(1, 3, 16, 4)  # capacity 16 positions
+    cut = buffer[:, :, :5, :]  # 5 positions held: not C-contiguous
+    runs = list(contiguous_runs(cut))
+    assert len(runs) == 3 and all(np.shares_memory(np.frombuffer(r, np.uint8), buffer) for r in runs)
+    assert b"".join(runs) == np.ascontiguousarray(cut).tobytes()
+    tensors = [cut, np.arange(7, dtype=np.float32)]
+    for chunk_len in (1, 9, 40, 1000):
+        gathered = list(chunk_parts(tensors, chunk_len))
+        joined = list(encode_chunks([np.ascontiguousarray(t) for t in tensors], chunk_len))
+        assert [b"".join(bytes(p) for p in g) for g in gathered] == joined
+        assert all(isinstance(g[0], bytes) and len(g[0]) in (5, 13) for g in gathered)
 
 
 # -- attacks: the header ----------------------------------------------------------------------------
