@@ -149,7 +149,7 @@ def stages(shape: str, tokens: int, repeats: int) -> list[dict[str, Any]]:
             received = [bytearray(_flat(p)) for p in parts]  # what a transport delivers: buffers the handler owns
 
             def decode() -> Any:
-                dec = HandoffDecoder(layout, 1 << 20)
+                dec = _decoder(HandoffDecoder, layout)
                 for p in received:
                     dec.feed(p)
                 return dec.result()
@@ -177,7 +177,7 @@ def e2e(shape: str, tokens: int, repeats: int, suites: list[str], crypto_workers
 
         def on_data(msg: Any, state: dict = state) -> None:
             if "dec" not in state:
-                state["dec"] = HandoffDecoder(layout, 1 << 20)
+                state["dec"] = _decoder(HandoffDecoder, layout)
             state["dec"].feed(msg.payload)
 
         def on_end(state: dict = state) -> None:
@@ -215,6 +215,15 @@ def e2e(shape: str, tokens: int, repeats: int, suites: list[str], crypto_workers
         row["stream_gib_s"] = round(nbytes / _p50(s["stream"]) / 2**30, 3)
         rows.append(row)
     return rows
+
+
+def _decoder(cls: Any, layout: Any) -> Any:
+    """A decoder as the decode node makes it (with its tensor allocator, where the code has one)."""
+    from mlxcel.disagg import kv_cache
+
+    if hasattr(kv_cache, "handoff_allocator"):
+        return cls(layout, 1 << 20, None, kv_cache.handoff_allocator())
+    return cls(layout, 1 << 20)
 
 
 def _p50(xs: list[float]) -> float:

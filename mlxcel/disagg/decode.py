@@ -25,7 +25,7 @@ from mlxcel.cluster.messages import Message, decode_error
 from mlxcel.cluster.wire import Kind
 from mlxcel.disagg import messages as m
 from mlxcel.disagg.flags import NodeConfig
-from mlxcel.disagg.kv_cache import import_cache, probe_layout
+from mlxcel.disagg.kv_cache import handoff_allocator, import_cache, probe_layout
 from mlxcel.disagg.kv_codec import Handoff, HandoffDecoder, HandoffError
 from mlxcel.disagg.loop import LoopThread
 from mlxcel.disagg.service import RoleService
@@ -66,6 +66,7 @@ class DecodeService(RoleService):
                  parallel: int, max_batch_size: int, max_queue: int, warmup: bool = True):
         super().__init__(cfg, identity)
         self.layout = probe_layout(model)
+        self.allocate = handoff_allocator()  # tensor buffers in MLX memory where numpy can write them
         self.context_length = context_length
         self.vocab_size = model_vocab_size(model)  # every token id of a handoff is below it
         self.capacity = parallel + max_queue
@@ -121,8 +122,8 @@ class DecodeService(RoleService):
                     inc = self.incoming[key] = Incoming(None, refused=True)
                     log.warning("decode: refusing a handoff from %s: %s", msg.peer, self.layout.unsupported)
                     return
-                inc = self.incoming[key] = Incoming(HandoffDecoder(self.layout, self.context_length, self.vocab_size),
-                                                     msg.peer)
+                inc = self.incoming[key] = Incoming(HandoffDecoder(self.layout, self.context_length, self.vocab_size,
+                                                                   self.allocate), msg.peer)
             inc.last = time.monotonic()
         self._forget(stale)
         if inc.refused or inc.decoder is None:

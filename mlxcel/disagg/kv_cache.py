@@ -198,19 +198,56 @@ def _to_numpy(a: mx.array) -> np.ndarray:
     return np.array(a, copy=False)
 
 
+_WIRE_MX = {DType.FLOAT32: mx.float32, DType.FLOAT16: mx.float16, DType.BFLOAT16: mx.uint16, DType.UINT32: mx.uint32}
+_ALIASES: bool | None = None
+
+
+def mx_allocator(spec: TensorSpec) -> tuple[np.ndarray, mx.array]:
+    """A tensor buffer in MLX memory (``HandoffDecoder``'s ``allocate``): an evaluated MLX array of the
+    spec's shape and wire dtype and a writable numpy view of it, so the chunk bytes are copied once,
+    straight into the array the decode node's cache will hold (``import_cache`` copies nothing)."""
+    a = mx.zeros(spec.shape, dtype=_WIRE_MX[spec.dtype])
+    mx.eval(a)
+    return np.array(a, copy=False), a
+
+
+def handoff_allocator() -> Any:
+    """``mx_allocator`` where a numpy view of an MLX array writes into that array (checked once: MLX's
+    CPU and Apple-silicon unified memory), else None (numpy buffers, copied into MLX by ``import_cache``;
+    on CUDA that copy is also the move into memory the GPU reads, first touched by the host)."""
+    global _ALIASES
+    if _ALIASES is None:
+        _ALIASES = _views_alias()
+    return mx_allocator if _ALIASES else None
+
+
+def _views_alias() -> bool:
+    if mx.default_device() != mx.cpu and not (hasattr(mx, "metal") and mx.metal.is_available()):
+        return False
+    try:
+        view, owner = mx_allocator(TensorSpec(DType.BFLOAT16, (1, 2, 3, 4)))
+        view.reshape(-1)[5] = 0x3F80  # bfloat16 1.0
+        return view.flags.writeable and float(owner.view(mx.bfloat16).reshape(-1)[5].item()) == 1.0
+    except Exception:  # noqa: BLE001 - any failure: take the copying path
+        return False
+
+
 def import_cache(handoff: Handoff) -> list:
-    """mlx-lm caches holding a decoded handoff's KV, ready for ``SliceRunner.prepare(cache=...)``."""
+    """mlx-lm caches holding a decoded handoff's KV, ready for ``SliceRunner.prepare(cache=...)``; a tensor
+    received into an MLX array (``mx_allocator``) is used as it is, any other is copied into MLX once."""
     length = len(handoff.prompt)
+    owners = iter(handoff.owners) if len(handoff.owners) == len(handoff.tensors) else None
     out = []
     for spec, tensors in handoff.layer_tensors():
-        arrays = [_from_numpy(t, ts.dtype) for t, ts in zip(tensors, spec.tensors(length))]
+        arrays = [_from_wire(t, next(owners) if owners is not None else None, ts.dtype)
+                  for t, ts in zip(tensors, spec.tensors(length))]
         out.append(CLASSES[spec.kind].from_state(_state(spec, arrays, length)))
     mx.eval([c.state for c in out])  # no lazy op left to tie the arrays to this thread's stream
     return out
 
 
-def _from_numpy(t: np.ndarray, dtype: DType) -> mx.array:
-    a = mx.array(t)
+def _from_wire(t: np.ndarray, owner: Any, dtype: DType) -> mx.array:
+    a = owner if isinstance(owner, mx.array) else mx.array(t)
     return a.view(mx.bfloat16) if dtype is DType.BFLOAT16 else a
 
 

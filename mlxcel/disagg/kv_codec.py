@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -271,14 +271,26 @@ def contiguous_runs(tensor: Any) -> Iterator[memoryview]:
 # -- decoding ------------------------------------------------------------------------------------
 
 
+#: makes the buffer of one tensor: a writable C-contiguous array of its shape and wire dtype (bfloat16 as
+#: uint16), and the object that owns that memory for the importer (an MLX array), or None
+Allocator = Callable[["TensorSpec"], tuple[np.ndarray, Any]]
+
+
+def numpy_allocator(spec: TensorSpec) -> tuple[np.ndarray, Any]:
+    """A plain numpy buffer (uninitialised: every byte is written before the tensor closes)."""
+    return np.empty(spec.shape, dtype=_NUMPY[spec.dtype]), None
+
+
 @dataclass
 class Handoff:
-    """A decoded handoff: the request document, the prompt, and every layer's tensors (wire order)."""
+    """A decoded handoff: the request document, the prompt, and every layer's tensors (wire order);
+    ``owners[i]`` is what the allocator said owns tensor i's memory (None: the array itself)."""
 
     meta: dict[str, Any]
     prompt: tuple[int, ...]
     layout: KVLayout
     tensors: list[np.ndarray] = field(default_factory=list)  # bfloat16 as uint16
+    owners: list[Any] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
@@ -297,9 +309,17 @@ class HandoffDecoder:
 
     ``feed`` raises ``HandoffError`` on the first part that breaks the format or the bounds; the
     decoder is then dead (every later call raises too) and holds no tensor bytes.
+
+    Chunk bytes are copied once, into the buffer of the tensor they belong to, made by ``allocate``
+    (default: numpy) when the tensor's first bytes arrive, at the size the validated layout gives, if
+    that size is at most the stream's tensor bytes received so far (those of this chunk included) plus
+    ``MAX_KV_CHUNK_LEN``; until then the tensor's bytes are kept as the received parts' views and copied
+    in when its buffer is made (or joined when it closes first). So what a decoder holds never exceeds
+    twice what arrived plus 4 MiB, whatever a header claims (docs/disagg.md §4.3).
     """
 
-    def __init__(self, layout: KVLayout, context_length: int, vocab_size: int | None = None):
+    def __init__(self, layout: KVLayout, context_length: int, vocab_size: int | None = None,
+                 allocate: Allocator | None = None):
         if layout.unsupported:
             raise ValueError(layout.unsupported)
         self.layout = layout
@@ -312,9 +332,15 @@ class HandoffDecoder:
         self.expected = 0
         self._specs: list[TensorSpec] = []
         self._done: list[np.ndarray] = []
-        self._pieces: list[memoryview] = []  # the current tensor's bytes so far (views of received parts)
+        self._owners: list[Any] = []
+        self._allocate = allocate or numpy_allocator
+        self._pieces: list[memoryview] = []  # the open tensor's bytes so far, before it has a buffer
+        self._buf: memoryview | None = None  # the open tensor's buffer (flat bytes), once made
+        self._arr: np.ndarray | None = None
+        self._owner: Any = None
         self._have = 0
         self._chunks = 0
+        self.allocated = 0  # bytes of tensor buffers made so far (closed and open)
 
     def feed(self, part: Any) -> None:
         """One STREAM_DATA body of the handoff stream."""
@@ -343,16 +369,18 @@ class HandoffDecoder:
             got = f"{self.received} of {self.expected} tensor bytes" if self.state == "chunks" else f"state {self.state}"
             self._fail()
             raise HandoffError(f"the handoff stream ended before its END record ({got})")
-        return Handoff(self.meta, self.prompt, self.layout, self._done)
+        return Handoff(self.meta, self.prompt, self.layout, self._done, self._owners)
 
     @property
     def held(self) -> int:
-        """Tensor bytes this decoder keeps now."""
-        return sum(t.nbytes for t in self._done) + self._have
+        """Tensor bytes this decoder keeps now: closed tensors, the open one's buffer or received views."""
+        open_ = self._arr.nbytes if self._arr is not None else self._have
+        return sum(t.nbytes for t in self._done) + open_
 
     def _fail(self) -> None:
         self.state = "error"
-        self._done, self._pieces, self._have, self._specs = [], [], 0, []
+        self._done, self._owners, self._pieces, self._have, self._specs = [], [], [], 0, []
+        self._buf = self._arr = self._owner = None
 
     # -- parts ---------------------------------------------------------------------------------
 
@@ -422,19 +450,46 @@ class HandoffDecoder:
         while len(data):
             spec = self._specs[-1]
             take = min(len(data), spec.nbytes - self._have)
-            self._pieces.append(data[:take])  # a view: the part's buffer is ours (no copy until the tensor closes)
+            self.received += take
+            if self._buf is None and spec.nbytes <= self.received + MAX_KV_CHUNK_LEN:
+                self._open_buffer(spec)
+            if self._buf is not None:
+                self._buf[self._have:self._have + take] = data[:take]  # the one copy of these bytes
+            else:
+                self._pieces.append(data[:take])  # a view: the part's buffer is ours until the tensor has one
             self._have += take
             data = data[take:]
-            self.received += take
             self._advance()
+
+    def _open_buffer(self, spec: TensorSpec) -> None:
+        """Make the open tensor's buffer (the validated spec's size) and move its bytes so far into it."""
+        try:
+            arr, owner = self._allocate(spec)
+        except (MemoryError, ValueError, RuntimeError) as exc:
+            raise HandoffError(f"cannot make a {spec.nbytes}-byte tensor buffer: {exc}", ErrorCode.INTERNAL) from None
+        if arr.shape != spec.shape or arr.dtype != _NUMPY[spec.dtype] or not arr.flags.c_contiguous:
+            raise HandoffError(f"the allocator made a {arr.dtype} {list(arr.shape)} buffer for a "
+                               f"{spec.dtype.name.lower()} {list(spec.shape)} tensor", ErrorCode.INTERNAL)
+        flat = memoryview(arr.reshape(-1).view(np.uint8))
+        off = 0
+        for piece in self._pieces:
+            flat[off:off + len(piece)] = piece
+            off += len(piece)
+        self._pieces, self._buf, self._arr, self._owner = [], flat, arr, owner
+        self.allocated += arr.nbytes
 
     def _advance(self) -> None:
         """Close every tensor whose bytes are all here (zero-size tensors at once)."""
         while self._specs and self._have == self._specs[-1].nbytes:
             spec = self._specs.pop()
-            raw = self._pieces[0] if len(self._pieces) == 1 else b"".join(self._pieces)
-            self._done.append(np.frombuffer(raw, dtype=_NUMPY[spec.dtype]).reshape(spec.shape))
-            self._pieces, self._have = [], 0
+            if self._arr is not None:
+                self._done.append(self._arr)
+                self._owners.append(self._owner)
+            else:
+                raw = self._pieces[0] if len(self._pieces) == 1 else b"".join(self._pieces)
+                self._done.append(np.frombuffer(raw, dtype=_NUMPY[spec.dtype]).reshape(spec.shape))
+                self._owners.append(None)
+            self._pieces, self._have, self._buf, self._arr, self._owner = [], 0, None, None, None
 
     def _end(self, view: memoryview) -> None:
         if len(view) != _END.size:
