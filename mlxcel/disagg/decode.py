@@ -135,6 +135,9 @@ class DecodeService(RoleService):
             return
         if inc.meta is None:
             self._header(inc, msg.peer)
+        elif inc.decoder.state == "done":  # END checked every byte: decode now, not at STREAM_END
+            self._complete(inc, msg.peer)
+            inc.decoder, inc.refused = None, True  # the rest of the stream is ignored; its STREAM_END forgets it
 
     def _header(self, inc: Incoming, peer: PeerId) -> None:
         if inc.decoder is None:  # forgotten while this part was read
@@ -168,10 +171,16 @@ class DecodeService(RoleService):
             self.counters["aborted"] += 1
             log.info("decode: the handoff from %s was aborted (%s: %s)", msg.peer, code.wire_name, text)
             return
+        self._complete(inc, msg.peer)
+
+    def _complete(self, inc: Incoming, peer: PeerId) -> None:
+        """A stream whose END part arrived goes to the scheduler (one that ended without it is refused)."""
+        if inc.refused or inc.decoder is None:
+            return
         try:
             handoff = inc.decoder.result()
         except HandoffError as exc:
-            self._refuse(inc, exc.code, f"decode node refused the KV handoff from {msg.peer}: {exc}")
+            self._refuse(inc, exc.code, f"decode node refused the KV handoff from {peer}: {exc}")
             return
         assert inc.meta is not None
         self.counters["handoffs"] += 1

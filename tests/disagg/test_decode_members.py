@@ -139,3 +139,25 @@ def test_a_stalled_handoff_is_forgotten_after_twice_the_handoff_timeout_with_no_
     [error] = wait_for(lambda: prober.of(MsgType.ERROR, "00000000000000a1"), what="the TIMEOUT")
     assert error["code"] == ErrorCode.TIMEOUT and "twice --handoff-timeout" in error["message"]
     stream.abort(ErrorCode.CANCELLED, "done")
+
+
+def test_decoding_starts_at_the_end_part_and_later_parts_of_the_stream_are_ignored(decode):
+    """The decode node admits a handoff once its END part checked every byte, not at STREAM_END; what the
+    stream carries after END (a stray chunk, an abort) changes nothing."""
+    node, target, members = decode
+    honest = members[HONEST_IP]
+    before = node.state()
+    stream = honest.transport.open_stream(target)
+    try:
+        stream.write(encode_header(honest.doc("00000000000000b1"), PROMPT, LAYOUT))
+        for part in encode_chunks([np.zeros(LAYOUT.nbytes(len(PROMPT)), np.uint8)]):
+            stream.write(part)
+        [finish] = wait_for(lambda: honest.of(MsgType.FINISH, "00000000000000b1"), what="FINISH before STREAM_END")
+        assert finish["completion_tokens"] == 2
+        stream.write(b"\x02\x00\x00\x00\x05" + bytes(8))  # a chunk after END
+    finally:
+        stream.abort(ErrorCode.CANCELLED, "late")
+    wait_for(lambda: node.state()["incoming"] == 0, what="the stream to be forgotten")
+    after = node.state()
+    assert after["handoffs"] == before["handoffs"] + 1 and after["refused"] == before["refused"]
+    assert after["aborted"] == before["aborted"] and not honest.of(MsgType.ERROR, "00000000000000b1")
