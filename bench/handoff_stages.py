@@ -171,19 +171,26 @@ def e2e(shape: str, tokens: int, repeats: int, suites: list[str], crypto_workers
     layout = layout_of(shape)
     caches = make_caches(shape, tokens)
     nbytes = layout.nbytes(tokens)
+    intake = _intake()
     pairs: dict[str, tuple[_Pair, dict[str, Any]]] = {}
     for name in suites:
         state: dict[str, Any] = {"done": threading.Event()}
 
-        def on_data(msg: Any, state: dict = state) -> None:
+        def feed(msg: Any, state: dict = state) -> None:
             if "dec" not in state:
                 state["dec"] = _decoder(HandoffDecoder, layout)
             state["dec"].feed(msg.payload)
 
-        def on_end(state: dict = state) -> None:
+        def end(state: dict = state) -> None:
             state["handoff"] = state.pop("dec").result()
             state["at"] = time.perf_counter()
             state["done"].set()
+
+        def on_data(msg: Any, feed: Callable = feed, name: str = name) -> None:  # as the decode node does
+            intake.put(name, feed, msg) if intake is not None else feed(msg)
+
+        def on_end(end: Callable = end, name: str = name) -> None:
+            intake.put(name, end) if intake is not None else end()
 
         pairs[name] = (_Pair(name, on_data, on_end, crypto_workers), state)
     samples: dict[str, dict[str, list[float]]] = {n: {"export": [], "stream": [], "import": [], "total": []} for n in suites}
@@ -206,15 +213,26 @@ def e2e(shape: str, tokens: int, repeats: int, suites: list[str], crypto_workers
     finally:
         for pair, _ in pairs.values():
             pair.close()
+        if intake is not None:
+            intake.close()
     rows = []
     for name, s in samples.items():
         row = _row("disagg_e2e", shape, tokens, nbytes, samples=s["total"], suite=name,
-                   crypto_workers=crypto_workers)
+                   crypto_workers=crypto_workers, intake_workers=intake.workers if intake is not None else None)
         for key in ("export", "stream", "import"):
             row[f"{key}_p50_ms"] = round(_p50(s[key]) * 1000, 3)
         row["stream_gib_s"] = round(nbytes / _p50(s["stream"]) / 2**30, 3)
         rows.append(row)
     return rows
+
+
+def _intake() -> Any:
+    """The decode node's intake (parts off the reader thread), where the code has one."""
+    try:
+        from mlxcel.disagg.intake import Intake, default_workers
+    except ImportError:
+        return None
+    return Intake(default_workers())
 
 
 def _decoder(cls: Any, layout: Any) -> Any:

@@ -16,8 +16,8 @@
 #   probe-bf16        bench/gpu/step_probe.py on the 0.6B bf16 shape: graph build vs step, plain / masked / compiled
 #   STREAMS=8   also part 2 of pipeline_bench: the single-node server against coordinator + stages at those streams
 #   handoff           issue 24 item 3, the KV handoff (~4 min): disagg_bench stages and e2e on the Qwen3-0.6B KV
-#                     shape (172 MB bf16 at 1,500 tokens; e2e per crypto_workers in HANDOFF_WORKERS, default
-#                     "0 2 4 8"), then disagg_bench handoff (hybrid vs router -> prefill -> decode) on the q06-bf16
+#                     shape (172 MB bf16 at 1,500 tokens; e2e per "crypto:intake" workers in HANDOFF_WORKERS,
+#                     default "0:0 2:0 2:4 4:4 8:4 4:1"), then disagg_bench handoff (hybrid vs router -> prefill -> decode) on the q06-bf16
 #                     checkpoint, 1,500-token prompts, HANDOFF_REPEATS (default 4) ABBA requests: rows in
 #                     handoff/disagg_bench.jsonl (environment included)
 # Everything lands in $OUT/results.tar.gz (rows, traces, logs) and $OUT/log.txt.
@@ -97,10 +97,11 @@ handoff_suite() {  # issue 24 item 3; each step bounded so the suite fits in abo
   local out=$RES/handoff w
   echo "== handoff stages ($(left) s left)"
   timeout 60 python3 -m bench.disagg_bench stages --shape qwen3-0.6b --prompt-tokens 1500 --repeats 5 --out "$out"
-  for w in ${HANDOFF_WORKERS:-0 2 4 8}; do
-    echo "== handoff e2e crypto_workers=$w ($(left) s left)"
-    timeout 45 python3 -m bench.disagg_bench e2e --shape qwen3-0.6b --prompt-tokens 1500 --repeats 8 \
-      --crypto-workers "$w" --out "$out"
+  for c in ${HANDOFF_WORKERS:-0:0 2:0 2:4 4:4 8:4 4:1}; do  # crypto workers : intake workers
+    w=${c%%:*}
+    echo "== handoff e2e crypto_workers=$w intake_workers=${c##*:} ($(left) s left)"
+    MLXCEL_HANDOFF_INTAKE_WORKERS=${c##*:} timeout 40 python3 -m bench.disagg_bench e2e --shape qwen3-0.6b \
+      --prompt-tokens 1500 --repeats 8 --crypto-workers "$w" --out "$out"
   done
   make_model q06-bf16 || return 0
   echo "== handoff serving, q06-bf16 ($(left) s left)"

@@ -18,7 +18,7 @@ from .handshake import Established
 from .identity import PeerId
 from .messages import Assembler, Body, Message, body_len, encode_error, plan
 from .options import TransportOptions
-from .aead_pipeline import CryptoPool, OpenPipeline, SealPipeline
+from .aead_pipeline import CryptoPool, OpenPipeline, SealPipeline, ring_slots
 from .ratelimit import RateLimitedLog, WarnClass
 from .reader import FrameReader
 from .rpc import Waiter, answer, outcome
@@ -118,7 +118,8 @@ class Connection:
     def _pipeline(self) -> SealPipeline:
         if self._seal_pipe is None:
             assert self._crypto is not None
-            self._seal_pipe = SealPipeline(self.sealer, self._crypto, max(self.options.chunk_len, 64))
+            self._seal_pipe = SealPipeline(self.sealer, self._crypto, max(self.options.chunk_len, 64),
+                                           ring_slots(self._crypto.workers))
         return self._seal_pipe
 
     def _sendmsg(self, parts: tuple[tuple[Buffer, ...], int]) -> None:
@@ -143,7 +144,8 @@ class Connection:
         Drives the sans-I/O ``FrameReader``: it says where the next bytes go, the
         socket fills that view, the assembler turns opened frames into messages."""
         capacity = max(self.options.chunk_len, 65536) + 64
-        pipe = OpenPipeline(self.opener, self._crypto, max(self.options.chunk_len, 64)) if self._crypto is not None else None
+        pipe = (OpenPipeline(self.opener, self._crypto, max(self.options.chunk_len, 64), ring_slots(self._crypto.workers))
+                if self._crypto is not None else None)
         rd = FrameReader(self.opener, destination=self.assembler.destination, capacity=capacity, pipeline=pipe)
         read_frame, recv_target, received, drain = rd.read_frame, rd.recv_target, rd.received, rd.drain
         recv_into, frame_done = self.sock.recv_into, self.assembler.frame_done

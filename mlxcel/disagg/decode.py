@@ -25,6 +25,7 @@ from mlxcel.cluster.messages import Message, decode_error
 from mlxcel.cluster.wire import Kind
 from mlxcel.disagg import messages as m
 from mlxcel.disagg.flags import NodeConfig
+from mlxcel.disagg.intake import Intake, default_workers
 from mlxcel.disagg.kv_cache import handoff_allocator, import_cache, probe_layout
 from mlxcel.disagg.kv_codec import Handoff, HandoffDecoder, HandoffError
 from mlxcel.disagg.loop import LoopThread
@@ -78,6 +79,7 @@ class DecodeService(RoleService):
         self.scheduler = Scheduler(self.executor, tokenizer, context_length=context_length, parallel=parallel,
                                    max_queue=max_queue, warmup=warmup)
         self.loop = LoopThread("mlxcel-decode-loop")
+        self.intake = Intake(default_workers())  # handoff parts beside the reader threads (0: on them)
         self.incoming: dict[tuple[PeerId, int], Incoming] = {}
         self.running: dict[str, Any] = {}  # nonce -> (EventStream, the task relaying it)
         self.cancelled: dict[str, float] = {}  # nonce -> when forgotten
@@ -105,10 +107,12 @@ class DecodeService(RoleService):
     # -- handoff streams -------------------------------------------------------------------------
 
     def on_stream(self, msg: Message) -> None:
+        """On the reader thread: hand the part to the intake (its stream's worker, in order)."""
+        key = (msg.peer, msg.id)
         if msg.kind is Kind.STREAM_DATA:
-            self._data((msg.peer, msg.id), msg)
+            self.intake.put(key, self._data, key, msg)
         elif msg.kind is Kind.STREAM_END:
-            self._end((msg.peer, msg.id), msg)
+            self.intake.put(key, self._end, key, msg)
         else:
             super().on_stream(msg)
 
@@ -281,5 +285,6 @@ class DecodeService(RoleService):
 
     def close(self) -> None:
         super().close()
+        self.intake.close()
         self.scheduler.close()
         self.loop.close()

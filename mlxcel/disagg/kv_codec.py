@@ -335,7 +335,7 @@ class HandoffDecoder:
         self._owners: list[Any] = []
         self._allocate = allocate or numpy_allocator
         self._pieces: list[memoryview] = []  # the open tensor's bytes so far, before it has a buffer
-        self._buf: memoryview | None = None  # the open tensor's buffer (flat bytes), once made
+        self._buf: np.ndarray | None = None  # the open tensor's buffer (flat bytes), once made
         self._arr: np.ndarray | None = None
         self._owner: Any = None
         self._have = 0
@@ -453,8 +453,8 @@ class HandoffDecoder:
             self.received += take
             if self._buf is None and spec.nbytes <= self.received + MAX_KV_CHUNK_LEN:
                 self._open_buffer(spec)
-            if self._buf is not None:
-                self._buf[self._have:self._have + take] = data[:take]  # the one copy of these bytes
+            if self._buf is not None:  # the one copy of these bytes (numpy: without the GIL)
+                self._buf[self._have:self._have + take] = np.frombuffer(data[:take], np.uint8)
             else:
                 self._pieces.append(data[:take])  # a view: the part's buffer is ours until the tensor has one
             self._have += take
@@ -470,10 +470,10 @@ class HandoffDecoder:
         if arr.shape != spec.shape or arr.dtype != _NUMPY[spec.dtype] or not arr.flags.c_contiguous:
             raise HandoffError(f"the allocator made a {arr.dtype} {list(arr.shape)} buffer for a "
                                f"{spec.dtype.name.lower()} {list(spec.shape)} tensor", ErrorCode.INTERNAL)
-        flat = memoryview(arr.reshape(-1).view(np.uint8))
+        flat = arr.reshape(-1).view(np.uint8)
         off = 0
         for piece in self._pieces:
-            flat[off:off + len(piece)] = piece
+            flat[off:off + len(piece)] = np.frombuffer(piece, np.uint8)
             off += len(piece)
         self._pieces, self._buf, self._arr, self._owner = [], flat, arr, owner
         self.allocated += arr.nbytes
