@@ -161,3 +161,29 @@ def test_decoding_starts_at_the_end_part_and_later_parts_of_the_stream_are_ignor
     after = node.state()
     assert after["handoffs"] == before["handoffs"] + 1 and after["refused"] == before["refused"]
     assert after["aborted"] == before["aborted"] and not honest.of(MsgType.ERROR, "00000000000000b1")
+
+
+def test_with_intake_workers_and_crypto_helpers_handoffs_finish_and_attacks_are_refused(tmp_path, tiny_llama):
+    """The many-core receive path (parts fed to decoders on intake workers, AES on helpers), forced on this
+    host: an honest handoff finishes, one whose chunk runs past the layout is refused to its router."""
+    secret_file = write_secret(tmp_path)
+    ip = "127.0.0.54"
+    bind = f"{ip}:{free_port(ip)}"
+    env = {"MLXCEL_HANDOFF_INTAKE_WORKERS": "2", "MLXCEL_CRYPTO_WORKERS": "2"}
+    node = RoleNode(tiny_llama, "decode", ip, bind, secret_file, *FAST, env=env)
+    member = Member(HONEST_IP, load_secret(secret_file))
+    target = PeerId.parse(bind)
+    try:
+        node.wait_ready()
+        full_handoff(member, target, "00000000000000c1")
+        with member.transport.open_stream(target) as s:
+            s.write(encode_header(member.doc("00000000000000c2"), PROMPT, LAYOUT))
+            s.write([b"\x02\x00\x00\x00\x00", bytes(LAYOUT.nbytes(len(PROMPT)) + 1)])  # one byte too many
+        [finish] = wait_for(lambda: member.of(MsgType.FINISH, "00000000000000c1"), what="the honest FINISH")
+        [error] = wait_for(lambda: member.of(MsgType.ERROR, "00000000000000c2"), what="the refusal")
+        assert finish["completion_tokens"] == 2
+        assert error["code"] == ErrorCode.BAD_TENSOR and "more than the header's" in error["message"]
+        wait_for(lambda: node.state()["incoming"] == 0, what="no stream left")
+    finally:
+        node.stop()
+        member.close()
