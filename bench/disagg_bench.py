@@ -3,6 +3,8 @@
     python -m bench.disagg_bench handoff --prompt-tokens 64,512,1024,2048      # bytes and time per handoff
     python -m bench.disagg_bench serve --topologies hybrid,1p1d,1p2d --concurrency 1,4,8 [--long]
     python -m bench.disagg_bench frames --prompt-tokens 98,898,2048    # protected vs unprotected handoffs
+    python -m bench.disagg_bench stages --shape qwen3-0.6b --prompt-tokens 1500   # where a handoff's time goes
+    python -m bench.disagg_bench e2e --shape qwen3-0.6b --prompt-tokens 1500      # export -> stream -> import
 
 Every topology is started through the real CLI on its own 127.0.0.x addresses (``--node-role``,
 ``--serving-bind``, one cluster secret), decode nodes first, then prefill nodes, then the router.
@@ -24,6 +26,10 @@ over its level. ``--long`` replaces serve_bench's stock prompts with ones of abo
 ``--dtype bfloat16``), synthetic tensors. One handoff = the prefill side's real path (``encode_header``,
 ``encode_chunks``, one transport stream) to the decode side's real ``HandoffDecoder`` until
 ``result()``; timed end to end, AES-256-GCM against the unprotected suite in alternating rounds.
+
+``stages`` and ``e2e`` (``bench/handoff_stages.py``): real mlx-lm caches of ``--shape`` (``qwen3-0.6b``:
+28 layers, 8 KV heads of 128, bfloat16; ``smollm2``), each stage of a handoff timed alone, and the whole
+path (export, AES-256-GCM or unprotected stream, decoder, import) end to end.
 
 Rows go to ``--out``/disagg_bench.jsonl (with the environment) and a CSV beside it; each row records
 the host's 1-minute load average when it was measured (``load_1m``: other jobs on a shared box and
@@ -323,7 +329,7 @@ def run_frames(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.disagg_bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("mode", choices=["handoff", "serve", "frames"])
+    p.add_argument("mode", choices=["handoff", "serve", "frames", "stages", "e2e"])
     p.add_argument("-m", "--model", default="models/smollm2-135m-instruct")
     p.add_argument("--prompt-tokens", type=lambda s: [int(x) for x in s.split(",")], default=[64, 512, 1024, 2048])
     p.add_argument("--repeats", type=int, default=2, help="handoff: requests per prompt length and topology")
@@ -337,6 +343,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--parallel", type=int, default=8)
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                    help="frames: the KV dtype of the synthetic layout")
+    p.add_argument("--shape", default="qwen3-0.6b", help="stages, e2e: qwen3-0.6b or smollm2")
+    p.add_argument("--suites", default="aes,unprotected", help="e2e: aes, unprotected or both")
+    p.add_argument("--crypto-workers", type=int, default=None, help="e2e: helper threads per transport (default: auto)")
     p.add_argument("--out", type=Path, default=Path("bench/results"))
     return p.parse_args(argv)
 
@@ -348,7 +357,15 @@ def main(argv: list[str] | None = None) -> int:
     secret.chmod(0o600)
     common = ["--parallel", str(args.parallel), "--max-queue", "64"]
     try:
-        if args.mode == "frames":
+        if args.mode in ("stages", "e2e"):
+            from bench import handoff_stages as hs
+
+            rows = [r for n in args.prompt_tokens for r in (
+                hs.stages(args.shape, n, args.repeats) if args.mode == "stages" else
+                hs.e2e(args.shape, n, args.repeats, args.suites.split(","), args.crypto_workers))]
+            for r in rows:
+                print("disagg_bench:", r, file=sys.stderr, flush=True)
+        elif args.mode == "frames":
             rows = run_frames(args)
         else:
             rows = run_handoff(args, secret, common) if args.mode == "handoff" else run_serve(args, secret, common)

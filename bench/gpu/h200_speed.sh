@@ -15,6 +15,11 @@
 #                     width 1408, 2 shared, MLA rank 512) 4-bit + moe_probe
 #   probe-bf16        bench/gpu/step_probe.py on the 0.6B bf16 shape: graph build vs step, plain / masked / compiled
 #   STREAMS=8   also part 2 of pipeline_bench: the single-node server against coordinator + stages at those streams
+#   handoff           issue 24 item 3, the KV handoff (~4 min): disagg_bench stages and e2e on the Qwen3-0.6B KV
+#                     shape (172 MB bf16 at 1,500 tokens; e2e per "crypto:intake" workers in HANDOFF_WORKERS,
+#                     default "0:0 2:0 2:4 4:4 8:4 4:1"), then disagg_bench handoff (hybrid vs router -> prefill -> decode) on the q06-bf16
+#                     checkpoint, 1,500-token prompts, HANDOFF_REPEATS (default 4) ABBA requests: rows in
+#                     handoff/disagg_bench.jsonl (environment included)
 # Everything lands in $OUT/results.tar.gz (rows, traces, logs) and $OUT/log.txt.
 set -uo pipefail
 SRC=$(cd "$(dirname "$0")/../.." && pwd)
@@ -87,6 +92,29 @@ suite() {  # suite name, its budget in seconds
   rm -rf "/tmp/models/$name"  # the disk holds 64 GiB
 }
 
+handoff_suite() {  # issue 24 item 3; each step bounded so the suite fits in about 4 minutes
+  if [ "$(left)" -lt 200 ]; then echo "== skip handoff: $(left) s left, needs 200"; return 0; fi
+  local out=$RES/handoff w
+  echo "== handoff stages ($(left) s left)"
+  timeout 60 python3 -m bench.disagg_bench stages --shape qwen3-0.6b --prompt-tokens 1500 --repeats 5 --out "$out"
+  for c in ${HANDOFF_WORKERS:-0:0 2:0 2:4 4:4 8:4 4:1}; do  # crypto workers : intake workers
+    w=${c%%:*}
+    echo "== handoff e2e crypto_workers=$w intake_workers=${c##*:} ($(left) s left)"
+    MLXCEL_HANDOFF_INTAKE_WORKERS=${c##*:} timeout 40 python3 -m bench.disagg_bench e2e --shape qwen3-0.6b \
+      --prompt-tokens 1500 --repeats 8 --crypto-workers "$w" --out "$out"
+  done
+  make_model q06-bf16 || return 0
+  echo "== handoff serving, q06-bf16 ($(left) s left)"
+  timeout $(( $(left) > 200 ? 150 : $(left) - 30 )) python3 -m bench.disagg_bench handoff -m /tmp/models/q06-bf16 \
+    --prompt-tokens 1500 --repeats "${HANDOFF_REPEATS:-4}" --max-tokens 16 --out "$out"
+  grep -h '"bench": "disagg_\(e2e\|handoff\)"' "$out/disagg_bench.jsonl" | python3 -c '
+import json, sys
+for r in map(json.loads, sys.stdin):
+    keys = ("suite", "crypto_workers", "topology", "prompt_tokens", "p50_ms", "stream_p50_ms", "stream_gib_s",
+            "ttft_ms", "handoff_ms", "handoff_gib_s")
+    print({k: r[k] for k in keys if k in r})'
+}
+
 main() {
   install
   export PYTHONPATH=/tmp/site:$SRC MLXCEL_GIT_COMMIT=${MLXCEL_GIT_COMMIT:-} PYTHONUNBUFFERED=1
@@ -100,6 +128,7 @@ main() {
   for s in "$@"; do
     case $s in
       tiny) suite tiny 10 ;;  # a smoke test of this script (CPU or GPU)
+      handoff) handoff_suite ;;
       probe-bf16) make_model q06-bf16 && python3 -m bench.gpu.step_probe -m /tmp/models/q06-bf16 --steps 64 \
                     --label h200-q06-bf16 --out "$RES/step_probe.jsonl" ;;
       q06-bf16) suite q06-bf16 150 ;;

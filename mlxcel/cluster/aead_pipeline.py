@@ -37,6 +37,8 @@ DEFER_MIN_LEN = 32 * 1024
 #: reader and the sender already keep two cores busy (docs/protocol.md §9)
 AUTO_MIN_CORES = 4
 AUTO_WORKERS = 2
+#: MLXCEL_CRYPTO_WORKERS, when set, replaces the automatic choice (``crypto_workers=None``)
+WORKERS_ENV = "MLXCEL_CRYPTO_WORKERS"
 
 SendParts = Callable[[tuple[tuple[Buffer, ...], int]], None]
 
@@ -50,8 +52,18 @@ def usable_cores() -> int:
 
 
 def auto_workers(cores: int | None = None) -> int:
-    """Helpers per transport when ``crypto_workers`` is None: 2 on 4+ cores, else 0."""
+    """Helpers per transport when ``crypto_workers`` is None: ``MLXCEL_CRYPTO_WORKERS`` if set, else 2 on
+    4+ cores, else 0."""
+    env = os.environ.get(WORKERS_ENV, "").strip()
+    if env and cores is None:
+        return max(0, int(env))
     return AUTO_WORKERS if (usable_cores() if cores is None else cores) >= AUTO_MIN_CORES else 0
+
+
+def ring_slots(workers: int) -> int:
+    """Slots of one direction's ring: ``SLOTS``, or enough for every helper to hold a frame and the
+    connection's thread one more (each slot is one frame's buffer: 256 KiB by default)."""
+    return max(SLOTS, workers + 2)
 
 
 class Job:

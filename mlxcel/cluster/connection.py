@@ -16,9 +16,9 @@ from .errors import ClusterError, ConnectionLost, FrameError, LocalProtocolError
 from .frames import Buffer, FrameOpener, FrameSealer
 from .handshake import Established
 from .identity import PeerId
-from .messages import Assembler, Message, encode_error, plan
+from .messages import Assembler, Body, Message, body_len, encode_error, plan
 from .options import TransportOptions
-from .aead_pipeline import CryptoPool, OpenPipeline, SealPipeline
+from .aead_pipeline import CryptoPool, OpenPipeline, SealPipeline, ring_slots
 from .ratelimit import RateLimitedLog, WarnClass
 from .reader import FrameReader
 from .rpc import Waiter, answer, outcome
@@ -82,13 +82,19 @@ class Connection:
 
     # -- sending --
 
-    def send(self, kind: Kind, payload: Buffer, *, id: int = 0, status: int = 0) -> None:
-        """Seal and send one message (fragmented as needed) under the write lock."""
+    def send(self, kind: Kind, payload: Body, *, id: int = 0, status: int = 0) -> None:
+        """Seal and send one message (fragmented as needed) under the write lock; ``payload``
+        may be a sequence of buffers, sent as their concatenation without joining them."""
         chunk_len = self.options.chunk_len
-        view = payload if isinstance(payload, (bytes, bytearray)) else memoryview(payload).cast("B")
-        pipelined = self._crypto is not None and len(view) > chunk_len
-        if kind in MESSAGE_KINDS and len(view) <= chunk_len:
-            frames: Iterable[tuple[Kind, Buffer]] = ((kind, view),)
+        if isinstance(payload, (bytes, bytearray, memoryview)):
+            view: Body = payload if isinstance(payload, (bytes, bytearray)) else memoryview(payload).cast("B")
+        else:
+            view = payload if isinstance(payload, list) else list(payload)
+        size = body_len(view)
+        pipelined = self._crypto is not None and size > chunk_len
+        if kind in MESSAGE_KINDS and size <= chunk_len:
+            frames: Iterable[tuple[Kind, Buffer]] = (
+                ((kind, view),) if not isinstance(view, list) else plan(kind, view, chunk_len=chunk_len))
         elif pipelined:
             frames = list(plan(kind, view, id=id, status=status, chunk_len=chunk_len, ramp_len=self.options.chunk_ramp_len))
         else:
@@ -112,7 +118,8 @@ class Connection:
     def _pipeline(self) -> SealPipeline:
         if self._seal_pipe is None:
             assert self._crypto is not None
-            self._seal_pipe = SealPipeline(self.sealer, self._crypto, max(self.options.chunk_len, 64))
+            self._seal_pipe = SealPipeline(self.sealer, self._crypto, max(self.options.chunk_len, 64),
+                                           ring_slots(self._crypto.workers))
         return self._seal_pipe
 
     def _sendmsg(self, parts: tuple[tuple[Buffer, ...], int]) -> None:
@@ -137,7 +144,8 @@ class Connection:
         Drives the sans-I/O ``FrameReader``: it says where the next bytes go, the
         socket fills that view, the assembler turns opened frames into messages."""
         capacity = max(self.options.chunk_len, 65536) + 64
-        pipe = OpenPipeline(self.opener, self._crypto, max(self.options.chunk_len, 64)) if self._crypto is not None else None
+        pipe = (OpenPipeline(self.opener, self._crypto, max(self.options.chunk_len, 64), ring_slots(self._crypto.workers))
+                if self._crypto is not None else None)
         rd = FrameReader(self.opener, destination=self.assembler.destination, capacity=capacity, pipeline=pipe)
         read_frame, recv_target, received, drain = rd.read_frame, rd.recv_target, rd.received, rd.drain
         recv_into, frame_done = self.sock.recv_into, self.assembler.frame_done
@@ -252,7 +260,8 @@ class StreamWriter:
         self.id = stream_id
         self.closed = False
 
-    def write(self, data: Buffer) -> None:
+    def write(self, data: Body) -> None:
+        """One STREAM_DATA message: a buffer, or a sequence of buffers sent as their concatenation."""
         if self.closed:
             raise LocalProtocolError(f"stream {self.id} is closed")
         self._conn.send(Kind.STREAM_DATA, data, id=self.id)

@@ -9,7 +9,7 @@ receiver opens every chunk straight into the final buffer.
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Iterator, Sequence, Union
 
 import numpy as np
 
@@ -112,28 +112,64 @@ def chunk_sizes(n: int, chunk_len: int, ramp_len: int = 0) -> list[int]:
     return front + back[::-1]
 
 
+#: a message body: one buffer, or a sequence of buffers sent as their concatenation (gathered)
+Body = Union[Buffer, Sequence[Buffer]]
+
+
+def pieces_of(payload: Body) -> list[Buffer]:
+    """The non-empty byte buffers of a body, in order (a single buffer: itself)."""
+    if isinstance(payload, (bytes, bytearray, memoryview)):
+        return [payload if isinstance(payload, bytes) else memoryview(payload).cast("B")]
+    out: list[Buffer] = []
+    for p in payload:
+        view = p if isinstance(p, bytes) else memoryview(p).cast("B")
+        if len(view):
+            out.append(view)
+    return out
+
+
+def body_len(payload: Body) -> int:
+    """Bytes of a body (one buffer or a sequence of them)."""
+    if isinstance(payload, (bytes, bytearray)):
+        return len(payload)
+    if isinstance(payload, memoryview):
+        return payload.nbytes
+    return sum(len(p) if isinstance(p, (bytes, bytearray)) else memoryview(p).nbytes for p in payload)
+
+
 def plan(
-    kind: Kind, payload: Buffer, *, id: int = 0, status: int = 0, chunk_len: int, ramp_len: int = 0
+    kind: Kind, payload: Body, *, id: int = 0, status: int = 0, chunk_len: int, ramp_len: int = 0
 ) -> Iterator[tuple[Kind, Buffer]]:
     """The (frame kind, frame payload) sequence that carries one message (``ramp_len``:
-    see ``chunk_sizes``)."""
+    see ``chunk_sizes``).
+
+    ``payload`` may be a sequence of buffers (a gathered body): the message is their
+    concatenation, and a MESSAGE_CONTINUE frame that would span two of them is cut at
+    the boundary instead of copied (frames of any length are valid on the wire), so the
+    buffers are sealed and sent where they lie; only a body short enough for one frame
+    is joined."""
     if kind not in FRAGMENTABLE_KINDS:
         raise LocalProtocolError(f"cannot send a message of kind {kind!r}")
-    body = memoryview(payload).cast("B") if not isinstance(payload, bytes) else payload
-    n = len(body)
+    pieces = pieces_of(payload)
+    n = sum(len(p) for p in pieces)
     prefix = pack_prefix(kind, id, status)
-    if not prefix and n <= chunk_len:
-        yield kind, body
-        return
-    if prefix and n <= SMALL_COPY_LEN:
-        yield kind, prefix + bytes(body)
+    small = n <= chunk_len if not prefix else n <= SMALL_COPY_LEN
+    if small:
+        body: Buffer = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+        yield kind, (prefix + bytes(body)) if prefix else body
         return
     yield Kind.MESSAGE_BEGIN, MESSAGE_BEGIN.pack(kind, n) + prefix
-    view = memoryview(body)
-    off = 0
+    views = [memoryview(p) for p in pieces]
+    i = off = 0
     for size in chunk_sizes(n, chunk_len, ramp_len):
-        yield Kind.MESSAGE_CONTINUE, view[off : off + size]
-        off += size
+        while size:
+            view = views[i]
+            take = min(size, len(view) - off)
+            yield Kind.MESSAGE_CONTINUE, view[off : off + take]
+            size -= take
+            off += take
+            if off == len(view):
+                i, off = i + 1, 0
 
 
 def encode_error(code: ErrorCode, text: str) -> bytes:

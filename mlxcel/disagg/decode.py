@@ -25,7 +25,8 @@ from mlxcel.cluster.messages import Message, decode_error
 from mlxcel.cluster.wire import Kind
 from mlxcel.disagg import messages as m
 from mlxcel.disagg.flags import NodeConfig
-from mlxcel.disagg.kv_cache import import_cache, probe_layout
+from mlxcel.disagg.intake import Intake, default_workers
+from mlxcel.disagg.kv_cache import handoff_allocator, import_cache, probe_layout
 from mlxcel.disagg.kv_codec import Handoff, HandoffDecoder, HandoffError
 from mlxcel.disagg.loop import LoopThread
 from mlxcel.disagg.service import RoleService
@@ -66,6 +67,7 @@ class DecodeService(RoleService):
                  parallel: int, max_batch_size: int, max_queue: int, warmup: bool = True):
         super().__init__(cfg, identity)
         self.layout = probe_layout(model)
+        self.allocate = handoff_allocator()  # tensor buffers in MLX memory where numpy can write them
         self.context_length = context_length
         self.vocab_size = model_vocab_size(model)  # every token id of a handoff is below it
         self.capacity = parallel + max_queue
@@ -77,6 +79,7 @@ class DecodeService(RoleService):
         self.scheduler = Scheduler(self.executor, tokenizer, context_length=context_length, parallel=parallel,
                                    max_queue=max_queue, warmup=warmup)
         self.loop = LoopThread("mlxcel-decode-loop")
+        self.intake = Intake(default_workers())  # handoff parts beside the reader threads (0: on them)
         self.incoming: dict[tuple[PeerId, int], Incoming] = {}
         self.running: dict[str, Any] = {}  # nonce -> (EventStream, the task relaying it)
         self.cancelled: dict[str, float] = {}  # nonce -> when forgotten
@@ -104,10 +107,12 @@ class DecodeService(RoleService):
     # -- handoff streams -------------------------------------------------------------------------
 
     def on_stream(self, msg: Message) -> None:
+        """On the reader thread: hand the part to the intake (its stream's worker, in order)."""
+        key = (msg.peer, msg.id)
         if msg.kind is Kind.STREAM_DATA:
-            self._data((msg.peer, msg.id), msg)
+            self.intake.put(key, self._data, key, msg)
         elif msg.kind is Kind.STREAM_END:
-            self._end((msg.peer, msg.id), msg)
+            self.intake.put(key, self._end, key, msg)
         else:
             super().on_stream(msg)
 
@@ -121,8 +126,8 @@ class DecodeService(RoleService):
                     inc = self.incoming[key] = Incoming(None, refused=True)
                     log.warning("decode: refusing a handoff from %s: %s", msg.peer, self.layout.unsupported)
                     return
-                inc = self.incoming[key] = Incoming(HandoffDecoder(self.layout, self.context_length, self.vocab_size),
-                                                     msg.peer)
+                inc = self.incoming[key] = Incoming(HandoffDecoder(self.layout, self.context_length, self.vocab_size,
+                                                                   self.allocate), msg.peer)
             inc.last = time.monotonic()
         self._forget(stale)
         if inc.refused or inc.decoder is None:
@@ -134,6 +139,9 @@ class DecodeService(RoleService):
             return
         if inc.meta is None:
             self._header(inc, msg.peer)
+        elif inc.decoder.state == "done":  # END checked every byte: decode now, not at STREAM_END
+            self._complete(inc, msg.peer)
+            inc.decoder, inc.refused = None, True  # the rest of the stream is ignored; its STREAM_END forgets it
 
     def _header(self, inc: Incoming, peer: PeerId) -> None:
         if inc.decoder is None:  # forgotten while this part was read
@@ -167,10 +175,16 @@ class DecodeService(RoleService):
             self.counters["aborted"] += 1
             log.info("decode: the handoff from %s was aborted (%s: %s)", msg.peer, code.wire_name, text)
             return
+        self._complete(inc, msg.peer)
+
+    def _complete(self, inc: Incoming, peer: PeerId) -> None:
+        """A stream whose END part arrived goes to the scheduler (one that ended without it is refused)."""
+        if inc.refused or inc.decoder is None:
+            return
         try:
             handoff = inc.decoder.result()
         except HandoffError as exc:
-            self._refuse(inc, exc.code, f"decode node refused the KV handoff from {msg.peer}: {exc}")
+            self._refuse(inc, exc.code, f"decode node refused the KV handoff from {peer}: {exc}")
             return
         assert inc.meta is not None
         self.counters["handoffs"] += 1
@@ -271,5 +285,6 @@ class DecodeService(RoleService):
 
     def close(self) -> None:
         super().close()
+        self.intake.close()
         self.scheduler.close()
         self.loop.close()

@@ -131,7 +131,10 @@ def _name(dtype: Any) -> str:
 
 
 def export_cache(cache: list, layout: KVLayout, length: int) -> list[np.ndarray]:
-    """The wire tensors of one sequence's per-layer caches holding ``length`` tokens (C-contiguous numpy)."""
+    """The wire tensors of one sequence's per-layer caches holding ``length`` tokens: numpy views of the
+    caches' own buffers in the model's dtype (bfloat16 as uint16), strided where a buffer holds more
+    positions than ``length``; ``kv_codec.chunk_parts`` sends them without a copy. A view keeps its
+    buffer alive, and MLX never writes into a buffer another array still references."""
     if len(cache) != len(layout.layers):
         raise HandoffError(f"the cache has {len(cache)} layers; the model has {len(layout.layers)}", )
     arrays: list[mx.array] = []
@@ -192,22 +195,59 @@ def _window(x: mx.array, keep: int, n: int) -> mx.array:
 def _to_numpy(a: mx.array) -> np.ndarray:
     if a.dtype == mx.bfloat16:
         a = a.view(mx.uint16)
-    return np.ascontiguousarray(np.array(a, copy=False))
+    return np.array(a, copy=False)
+
+
+_WIRE_MX = {DType.FLOAT32: mx.float32, DType.FLOAT16: mx.float16, DType.BFLOAT16: mx.uint16, DType.UINT32: mx.uint32}
+_ALIASES: bool | None = None
+
+
+def mx_allocator(spec: TensorSpec) -> tuple[np.ndarray, mx.array]:
+    """A tensor buffer in MLX memory (``HandoffDecoder``'s ``allocate``): an evaluated MLX array of the
+    spec's shape and wire dtype and a writable numpy view of it, so the chunk bytes are copied once,
+    straight into the array the decode node's cache will hold (``import_cache`` copies nothing)."""
+    a = mx.zeros(spec.shape, dtype=_WIRE_MX[spec.dtype])
+    mx.eval(a)
+    return np.array(a, copy=False), a
+
+
+def handoff_allocator() -> Any:
+    """``mx_allocator`` where a numpy view of an MLX array writes into that array (checked once: MLX's
+    CPU and Apple-silicon unified memory), else None (numpy buffers, copied into MLX by ``import_cache``;
+    on CUDA that copy is also the move into memory the GPU reads, first touched by the host)."""
+    global _ALIASES
+    if _ALIASES is None:
+        _ALIASES = _views_alias()
+    return mx_allocator if _ALIASES else None
+
+
+def _views_alias() -> bool:
+    if mx.default_device() != mx.cpu and not (hasattr(mx, "metal") and mx.metal.is_available()):
+        return False
+    try:
+        view, owner = mx_allocator(TensorSpec(DType.BFLOAT16, (1, 2, 3, 4)))
+        view.reshape(-1)[5] = 0x3F80  # bfloat16 1.0
+        return view.flags.writeable and float(owner.view(mx.bfloat16).reshape(-1)[5].item()) == 1.0
+    except Exception:  # noqa: BLE001 - any failure: take the copying path
+        return False
 
 
 def import_cache(handoff: Handoff) -> list:
-    """mlx-lm caches holding a decoded handoff's KV, ready for ``SliceRunner.prepare(cache=...)``."""
+    """mlx-lm caches holding a decoded handoff's KV, ready for ``SliceRunner.prepare(cache=...)``; a tensor
+    received into an MLX array (``mx_allocator``) is used as it is, any other is copied into MLX once."""
     length = len(handoff.prompt)
+    owners = iter(handoff.owners) if len(handoff.owners) == len(handoff.tensors) else None
     out = []
     for spec, tensors in handoff.layer_tensors():
-        arrays = [_from_numpy(t, ts.dtype) for t, ts in zip(tensors, spec.tensors(length))]
+        arrays = [_from_wire(t, next(owners) if owners is not None else None, ts.dtype)
+                  for t, ts in zip(tensors, spec.tensors(length))]
         out.append(CLASSES[spec.kind].from_state(_state(spec, arrays, length)))
     mx.eval([c.state for c in out])  # no lazy op left to tie the arrays to this thread's stream
     return out
 
 
-def _from_numpy(t: np.ndarray, dtype: DType) -> mx.array:
-    a = mx.array(t)
+def _from_wire(t: np.ndarray, owner: Any, dtype: DType) -> mx.array:
+    a = owner if isinstance(owner, mx.array) else mx.array(t)
     return a.view(mx.bfloat16) if dtype is DType.BFLOAT16 else a
 
 

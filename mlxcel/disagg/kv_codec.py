@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -219,42 +219,78 @@ def encode_header(meta: dict[str, Any], prompt: Sequence[int], layout: KVLayout)
 
 
 def encode_chunks(tensors: Iterable[Any], chunk_len: int = KV_CHUNK_LEN) -> Iterator[bytes]:
-    """CHUNK parts carrying the bytes of ``tensors`` (C-contiguous arrays or buffers) in order, then END."""
+    """CHUNK parts carrying the bytes of ``tensors`` (arrays or buffers) in order, then END, each part
+    as one bytes object (``chunk_parts`` gives the same parts without joining them)."""
+    for part in chunk_parts(tensors, chunk_len):
+        yield part[0] if len(part) == 1 else b"".join(part)
+
+
+def chunk_parts(tensors: Iterable[Any], chunk_len: int = KV_CHUNK_LEN) -> Iterator[tuple[Any, ...]]:
+    """The CHUNK parts of ``tensors``, then END, each part a tuple of buffers whose concatenation is
+    the part: its 5-byte head, then views of the tensors' own memory (no copy, no dtype change; a
+    strided array, such as a cache buffer cut to its positions, travels as its contiguous runs)."""
     if not 0 < chunk_len <= MAX_KV_CHUNK_LEN:
         raise ValueError(f"chunk_len must be 1..{MAX_KV_CHUNK_LEN}")
     index = total = 0
     pending: list[memoryview] = []
     size = 0
     for tensor in tensors:
-        view = memoryview(np.ascontiguousarray(tensor)).cast("B")
-        while len(view):
-            take = min(len(view), chunk_len - size)
-            pending.append(view[:take])
-            view, size = view[take:], size + take
-            if size == chunk_len:
-                yield _chunk(index, pending)
-                index, total, pending, size = index + 1, total + size, [], 0
+        for view in contiguous_runs(tensor):
+            while len(view):
+                take = min(len(view), chunk_len - size)
+                pending.append(view[:take])
+                view, size = view[take:], size + take
+                if size == chunk_len:
+                    yield (_CHUNK.pack(Part.CHUNK, index), *pending)
+                    index, total, pending, size = index + 1, total + size, [], 0
     if size:
-        yield _chunk(index, pending)
+        yield (_CHUNK.pack(Part.CHUNK, index), *pending)
         index, total = index + 1, total + size
-    yield _END.pack(Part.END, index, total)
+    yield (_END.pack(Part.END, index, total),)
 
 
-def _chunk(index: int, pieces: list[memoryview]) -> bytes:
-    return _CHUNK.pack(Part.CHUNK, index) + b"".join(pieces)
+def contiguous_runs(tensor: Any) -> Iterator[memoryview]:
+    """Byte views of ``tensor``'s elements in C order, each over memory it already holds: one view of a
+    C-contiguous array, else one per contiguous sub-array along the leading axes (a [1, H, N, D] slice of
+    a [1, H, capacity, D] buffer: one per head). Only an array whose last axis is strided is copied."""
+    if isinstance(tensor, (bytes, bytearray, memoryview)):
+        yield memoryview(tensor).cast("B")
+        return
+    a = np.asarray(tensor)
+    if a.flags.c_contiguous or a.size == 0:
+        if a.size:
+            yield memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
+        return
+    if a.ndim <= 1:
+        yield memoryview(np.ascontiguousarray(a).view(np.uint8))
+        return
+    for sub in a:
+        yield from contiguous_runs(sub)
 
 
 # -- decoding ------------------------------------------------------------------------------------
 
 
+#: makes the buffer of one tensor: a writable C-contiguous array of its shape and wire dtype (bfloat16 as
+#: uint16), and the object that owns that memory for the importer (an MLX array), or None
+Allocator = Callable[["TensorSpec"], tuple[np.ndarray, Any]]
+
+
+def numpy_allocator(spec: TensorSpec) -> tuple[np.ndarray, Any]:
+    """A plain numpy buffer (uninitialised: every byte is written before the tensor closes)."""
+    return np.empty(spec.shape, dtype=_NUMPY[spec.dtype]), None
+
+
 @dataclass
 class Handoff:
-    """A decoded handoff: the request document, the prompt, and every layer's tensors (wire order)."""
+    """A decoded handoff: the request document, the prompt, and every layer's tensors (wire order);
+    ``owners[i]`` is what the allocator said owns tensor i's memory (None: the array itself)."""
 
     meta: dict[str, Any]
     prompt: tuple[int, ...]
     layout: KVLayout
     tensors: list[np.ndarray] = field(default_factory=list)  # bfloat16 as uint16
+    owners: list[Any] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
@@ -273,9 +309,17 @@ class HandoffDecoder:
 
     ``feed`` raises ``HandoffError`` on the first part that breaks the format or the bounds; the
     decoder is then dead (every later call raises too) and holds no tensor bytes.
+
+    Chunk bytes are copied once, into the buffer of the tensor they belong to, made by ``allocate``
+    (default: numpy) when the tensor's first bytes arrive, at the size the validated layout gives, if
+    that size is at most the stream's tensor bytes received so far (those of this chunk included) plus
+    ``MAX_KV_CHUNK_LEN``; until then the tensor's bytes are kept as the received parts' views and copied
+    in when its buffer is made (or joined when it closes first). So what a decoder holds never exceeds
+    twice what arrived plus 4 MiB, whatever a header claims (docs/disagg.md §4.3).
     """
 
-    def __init__(self, layout: KVLayout, context_length: int, vocab_size: int | None = None):
+    def __init__(self, layout: KVLayout, context_length: int, vocab_size: int | None = None,
+                 allocate: Allocator | None = None):
         if layout.unsupported:
             raise ValueError(layout.unsupported)
         self.layout = layout
@@ -288,9 +332,15 @@ class HandoffDecoder:
         self.expected = 0
         self._specs: list[TensorSpec] = []
         self._done: list[np.ndarray] = []
-        self._pieces: list[memoryview] = []  # the current tensor's bytes so far (views of received parts)
+        self._owners: list[Any] = []
+        self._allocate = allocate or numpy_allocator
+        self._pieces: list[memoryview] = []  # the open tensor's bytes so far, before it has a buffer
+        self._buf: np.ndarray | None = None  # the open tensor's buffer (flat bytes), once made
+        self._arr: np.ndarray | None = None
+        self._owner: Any = None
         self._have = 0
         self._chunks = 0
+        self.allocated = 0  # bytes of tensor buffers made so far (closed and open)
 
     def feed(self, part: Any) -> None:
         """One STREAM_DATA body of the handoff stream."""
@@ -319,16 +369,18 @@ class HandoffDecoder:
             got = f"{self.received} of {self.expected} tensor bytes" if self.state == "chunks" else f"state {self.state}"
             self._fail()
             raise HandoffError(f"the handoff stream ended before its END record ({got})")
-        return Handoff(self.meta, self.prompt, self.layout, self._done)
+        return Handoff(self.meta, self.prompt, self.layout, self._done, self._owners)
 
     @property
     def held(self) -> int:
-        """Tensor bytes this decoder keeps now."""
-        return sum(t.nbytes for t in self._done) + self._have
+        """Tensor bytes this decoder keeps now: closed tensors, the open one's buffer or received views."""
+        open_ = self._arr.nbytes if self._arr is not None else self._have
+        return sum(t.nbytes for t in self._done) + open_
 
     def _fail(self) -> None:
         self.state = "error"
-        self._done, self._pieces, self._have, self._specs = [], [], 0, []
+        self._done, self._owners, self._pieces, self._have, self._specs = [], [], [], 0, []
+        self._buf = self._arr = self._owner = None
 
     # -- parts ---------------------------------------------------------------------------------
 
@@ -398,19 +450,46 @@ class HandoffDecoder:
         while len(data):
             spec = self._specs[-1]
             take = min(len(data), spec.nbytes - self._have)
-            self._pieces.append(data[:take])  # a view: the part's buffer is ours (no copy until the tensor closes)
+            self.received += take
+            if self._buf is None and spec.nbytes <= self.received + MAX_KV_CHUNK_LEN:
+                self._open_buffer(spec)
+            if self._buf is not None:  # the one copy of these bytes (numpy: without the GIL)
+                self._buf[self._have:self._have + take] = np.frombuffer(data[:take], np.uint8)
+            else:
+                self._pieces.append(data[:take])  # a view: the part's buffer is ours until the tensor has one
             self._have += take
             data = data[take:]
-            self.received += take
             self._advance()
+
+    def _open_buffer(self, spec: TensorSpec) -> None:
+        """Make the open tensor's buffer (the validated spec's size) and move its bytes so far into it."""
+        try:
+            arr, owner = self._allocate(spec)
+        except (MemoryError, ValueError, RuntimeError) as exc:
+            raise HandoffError(f"cannot make a {spec.nbytes}-byte tensor buffer: {exc}", ErrorCode.INTERNAL) from None
+        if arr.shape != spec.shape or arr.dtype != _NUMPY[spec.dtype] or not arr.flags.c_contiguous:
+            raise HandoffError(f"the allocator made a {arr.dtype} {list(arr.shape)} buffer for a "
+                               f"{spec.dtype.name.lower()} {list(spec.shape)} tensor", ErrorCode.INTERNAL)
+        flat = arr.reshape(-1).view(np.uint8)
+        off = 0
+        for piece in self._pieces:
+            flat[off:off + len(piece)] = np.frombuffer(piece, np.uint8)
+            off += len(piece)
+        self._pieces, self._buf, self._arr, self._owner = [], flat, arr, owner
+        self.allocated += arr.nbytes
 
     def _advance(self) -> None:
         """Close every tensor whose bytes are all here (zero-size tensors at once)."""
         while self._specs and self._have == self._specs[-1].nbytes:
             spec = self._specs.pop()
-            raw = self._pieces[0] if len(self._pieces) == 1 else b"".join(self._pieces)
-            self._done.append(np.frombuffer(raw, dtype=_NUMPY[spec.dtype]).reshape(spec.shape))
-            self._pieces, self._have = [], 0
+            if self._arr is not None:
+                self._done.append(self._arr)
+                self._owners.append(self._owner)
+            else:
+                raw = self._pieces[0] if len(self._pieces) == 1 else b"".join(self._pieces)
+                self._done.append(np.frombuffer(raw, dtype=_NUMPY[spec.dtype]).reshape(spec.shape))
+                self._owners.append(None)
+            self._pieces, self._have, self._buf, self._arr, self._owner = [], 0, None, None, None
 
     def _end(self, view: memoryview) -> None:
         if len(view) != _END.size:

@@ -28,7 +28,7 @@ from mlxcel.disagg import messages as m
 from mlxcel.disagg.allowlist import Allowlist
 from mlxcel.disagg.flags import NodeConfig
 from mlxcel.disagg.kv_cache import export_cache, probe_layout
-from mlxcel.disagg.kv_codec import encode_chunks, encode_header
+from mlxcel.disagg.kv_codec import chunk_parts, encode_header
 from mlxcel.disagg.loop import LoopThread
 from mlxcel.disagg.service import RoleService
 from mlxcel.disagg.wire import PROGRESS_INTERVAL_S, MsgType
@@ -237,12 +237,12 @@ class PrefillService(RoleService):
             header = encode_header(meta.doc(), job.gen.prompt, self.layout)
             writer.write(header)
             sent += len(header)
-            for part in encode_chunks(tensors):
+            for part in chunk_parts(tensors):  # views of the exported KV, never joined
                 if job.cancelled:
                     writer.abort(ErrorCode.CANCELLED, "the request was cancelled")
                     return
                 writer.write(part)
-                sent += len(part)
+                sent += sum(len(p) for p in part)
             writer.close()
         except ClusterError as exc:
             self._refuse(job.router, job.nonce, ErrorCode.UNREACHABLE,

@@ -9,6 +9,7 @@ closes and no part of the message reaches the handler.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
@@ -64,6 +65,24 @@ def test_plan_with_a_ramp_carries_the_body_in_order():
     assert frames[0] == (Kind.MESSAGE_BEGIN, MESSAGE_BEGIN.pack(Kind.STREAM_DATA, len(body)) + (9).to_bytes(8, "big"))
     assert b"".join(bytes(p) for _, p in frames[1:]) == body
     assert [len(p) for _, p in frames[1:]] == chunk_sizes(len(body), CHUNK, 16 * 1024)
+
+
+@FAST
+@given(sizes=st.lists(st.integers(0, 200_000), min_size=1, max_size=6), ramp=st.sampled_from([0, 16 * 1024]))
+def test_plan_of_a_gathered_body_cuts_frames_at_buffer_boundaries(sizes, ramp):
+    pieces = [os.urandom(n) for n in sizes]
+    body = b"".join(pieces)
+    frames = list(plan(Kind.STREAM_DATA, [memoryview(p) for p in pieces], id=3, chunk_len=CHUNK, ramp_len=ramp))
+    single = list(plan(Kind.STREAM_DATA, body, id=3, chunk_len=CHUNK, ramp_len=ramp))
+    if len(single) == 1:  # a short body is one frame either way (joined)
+        assert [(k, bytes(p)) for k, p in frames] == [(k, bytes(p)) for k, p in single]
+        return
+    assert frames[0] == single[0]  # the same MESSAGE_BEGIN: the total length
+    assert b"".join(bytes(p) for _, p in frames[1:]) == body
+    assert all(0 < len(p) <= CHUNK and k == Kind.MESSAGE_CONTINUE for k, p in frames[1:])
+    bounds = set(itertools.accumulate(n for n in sizes if n))
+    ends = set(itertools.accumulate(len(p) for _, p in frames[1:]))
+    assert bounds <= ends  # no frame spans two buffers: each is sealed where it lies
 
 
 # --- jobs ---------------------------------------------------------------------------------------
@@ -212,6 +231,24 @@ def test_large_messages_round_trip(make_transport, thread_log, sender, receiver)
         assert _helpers(thread_log["seal"])
     if receiver:
         assert _helpers(thread_log["open"])
+
+
+@pytest.mark.parametrize("suite", [Suite.AES_256_GCM, Suite.UNPROTECTED, Suite.HMAC_SHA256])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_gathered_stream_message_arrives_as_the_concatenation(make_transport, suite, workers):
+    """``StreamWriter.write`` of a list of buffers: the receiver sees one message, their bytes in order."""
+    inbox = Inbox()
+    srv = make_transport(SERVER_IP, crypto_workers=workers, suite=suite)
+    srv.serve(inbox.on_message)
+    cli = make_transport(CLIENT_IP, crypto_workers=workers, suite=suite)
+    pieces = [b"\x02\x00\x00\x00\x07", os.urandom(300_001), memoryview(os.urandom(700_000))[5:], b"", os.urandom(3)]
+    small = [b"ab", memoryview(b"cdef")]
+    with cli.open_stream(srv.identity) as s:
+        s.write(pieces)
+        s.write(small)
+    big, short, end = inbox.get(20), inbox.get(20), inbox.get(20)
+    assert bytes(big.payload) == b"".join(bytes(p) for p in pieces)
+    assert bytes(short.payload) == b"abcdef" and end.kind == Kind.STREAM_END
 
 
 def test_helpers_stop_when_the_transport_closes(make_transport):

@@ -139,3 +139,51 @@ def test_a_stalled_handoff_is_forgotten_after_twice_the_handoff_timeout_with_no_
     [error] = wait_for(lambda: prober.of(MsgType.ERROR, "00000000000000a1"), what="the TIMEOUT")
     assert error["code"] == ErrorCode.TIMEOUT and "twice --handoff-timeout" in error["message"]
     stream.abort(ErrorCode.CANCELLED, "done")
+
+
+def test_decoding_starts_at_the_end_part_and_later_parts_of_the_stream_are_ignored(decode):
+    """The decode node admits a handoff once its END part checked every byte, not at STREAM_END; what the
+    stream carries after END (a stray chunk, an abort) changes nothing."""
+    node, target, members = decode
+    honest = members[HONEST_IP]
+    before = node.state()
+    stream = honest.transport.open_stream(target)
+    try:
+        stream.write(encode_header(honest.doc("00000000000000b1"), PROMPT, LAYOUT))
+        for part in encode_chunks([np.zeros(LAYOUT.nbytes(len(PROMPT)), np.uint8)]):
+            stream.write(part)
+        [finish] = wait_for(lambda: honest.of(MsgType.FINISH, "00000000000000b1"), what="FINISH before STREAM_END")
+        assert finish["completion_tokens"] == 2
+        stream.write(b"\x02\x00\x00\x00\x05" + bytes(8))  # a chunk after END
+    finally:
+        stream.abort(ErrorCode.CANCELLED, "late")
+    wait_for(lambda: node.state()["incoming"] == 0, what="the stream to be forgotten")
+    after = node.state()
+    assert after["handoffs"] == before["handoffs"] + 1 and after["refused"] == before["refused"]
+    assert after["aborted"] == before["aborted"] and not honest.of(MsgType.ERROR, "00000000000000b1")
+
+
+def test_with_intake_workers_and_crypto_helpers_handoffs_finish_and_attacks_are_refused(tmp_path, tiny_llama):
+    """The many-core receive path (parts fed to decoders on intake workers, AES on helpers), forced on this
+    host: an honest handoff finishes, one whose chunk runs past the layout is refused to its router."""
+    secret_file = write_secret(tmp_path)
+    ip = "127.0.0.54"
+    bind = f"{ip}:{free_port(ip)}"
+    env = {"MLXCEL_HANDOFF_INTAKE_WORKERS": "2", "MLXCEL_CRYPTO_WORKERS": "2"}
+    node = RoleNode(tiny_llama, "decode", ip, bind, secret_file, *FAST, env=env)
+    member = Member(HONEST_IP, load_secret(secret_file))
+    target = PeerId.parse(bind)
+    try:
+        node.wait_ready()
+        full_handoff(member, target, "00000000000000c1")
+        with member.transport.open_stream(target) as s:
+            s.write(encode_header(member.doc("00000000000000c2"), PROMPT, LAYOUT))
+            s.write([b"\x02\x00\x00\x00\x00", bytes(LAYOUT.nbytes(len(PROMPT)) + 1)])  # one byte too many
+        [finish] = wait_for(lambda: member.of(MsgType.FINISH, "00000000000000c1"), what="the honest FINISH")
+        [error] = wait_for(lambda: member.of(MsgType.ERROR, "00000000000000c2"), what="the refusal")
+        assert finish["completion_tokens"] == 2
+        assert error["code"] == ErrorCode.BAD_TENSOR and "more than the header's" in error["message"]
+        wait_for(lambda: node.state()["incoming"] == 0, what="no stream left")
+    finally:
+        node.stop()
+        member.close()

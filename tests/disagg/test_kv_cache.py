@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
-from mlxcel.disagg.kv_cache import export_cache, import_cache, probe_layout
+from mlxcel.disagg.kv_cache import export_cache, handoff_allocator, import_cache, mx_allocator, probe_layout
 from mlxcel.disagg.kv_codec import HandoffDecoder, HandoffError, KVLayout, LayerSpec, encode_chunks, encode_header
 from mlxcel.disagg.wire import CacheKind, DType
 from mlxcel.engine.interface import EngineRequest
@@ -55,10 +55,39 @@ def handed_over(loaded, request: EngineRequest, chunk_len: int = 4096):
     [first] = node.run(Step("prefill", [request.request_id], [list(request.prompt)]))
     cache, length = node.runners[0].take_cache(request.request_id)
     tensors = export_cache(cache, layout, length)
-    dec = HandoffDecoder(layout, 2048)
+    dec = HandoffDecoder(layout, 2048, None, handoff_allocator())  # as a decode node receives
     for part in [encode_header({"n": 1}, request.prompt, layout), *encode_chunks(tensors, chunk_len)]:
         dec.feed(part)
     return first, import_cache(dec.result()), layout
+
+
+def _address(a) -> int:
+    return np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a, copy=False).__array_interface__["data"][0]
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+def test_a_handoff_received_into_mlx_memory_is_imported_without_a_copy(dtype):
+    """The decode node's receive path: chunk bytes land in MLX arrays that become the cache's own."""
+    from mlx_lm.models.cache import KVCache
+
+    assert handoff_allocator() is mx_allocator  # MLX on the CPU: a numpy view writes into the array
+    layout = KVLayout(tuple(LayerSpec(CacheKind.KV, DType.BFLOAT16 if dtype == mx.bfloat16 else DType.FLOAT32, 2, 8, 8)
+                            for _ in range(2)))
+    caches = []
+    for i in range(2):
+        c = KVCache()
+        k = (mx.arange(2 * 5 * 8).reshape(1, 2, 5, 8) + 100 * i).astype(dtype)
+        c.update_and_fetch(k, -k)
+        caches.append(c)
+    dec = HandoffDecoder(layout, 64, None, mx_allocator)
+    for part in [encode_header({}, tuple(range(5)), layout), *encode_chunks(export_cache(caches, layout, 5), 37)]:
+        dec.feed(part)
+    handoff = dec.result()
+    got = import_cache(handoff)
+    for c, g in zip(caches, got):
+        assert mx.array_equal(c.keys[..., :5, :], g.keys) and mx.array_equal(c.values[..., :5, :], g.values)
+        assert g.keys.dtype == dtype and g.offset == 5
+    assert [_address(g.keys) for g in got] == [t.__array_interface__["data"][0] for t in handoff.tensors[::2]]
 
 
 def run(coro):

@@ -17,6 +17,8 @@ from mlxcel.disagg.kv_codec import (
     KVLayout,
     LayerSpec,
     TensorSpec,
+    chunk_parts,
+    contiguous_runs,
     encode_chunks,
     encode_header,
 )
@@ -94,6 +96,21 @@ def test_chunks_cut_tensors_anywhere_and_end_with_the_totals():
     chunks = list(encode_chunks([np.arange(5, dtype=np.float32), np.arange(3, dtype=np.uint32)], chunk_len=8))
     assert [len(c) for c in chunks[:-1]] == [5 + 8, 5 + 8, 5 + 8, 5 + 8]  # 32 bytes in 8-byte chunks
     assert chunks[-1] == struct.pack(">BIQ", Part.END, 4, 32)
+
+
+def test_chunk_parts_are_views_of_strided_tensors_with_the_joined_parts_bytes():
+    """The sender's parts: a cache buffer cut to its positions travels as one view per head, no copy."""
+    buffer = np.arange(3 * 16 * 4, dtype=np.uint16).reshape(1, 3, 16, 4)  # capacity 16 positions
+    cut = buffer[:, :, :5, :]  # 5 positions held: not C-contiguous
+    runs = list(contiguous_runs(cut))
+    assert len(runs) == 3 and all(np.shares_memory(np.frombuffer(r, np.uint8), buffer) for r in runs)
+    assert b"".join(runs) == np.ascontiguousarray(cut).tobytes()
+    tensors = [cut, np.arange(7, dtype=np.float32)]
+    for chunk_len in (1, 9, 40, 1000):
+        gathered = list(chunk_parts(tensors, chunk_len))
+        joined = list(encode_chunks([np.ascontiguousarray(t) for t in tensors], chunk_len))
+        assert [b"".join(bytes(p) for p in g) for g in gathered] == joined
+        assert all(isinstance(g[0], bytes) and len(g[0]) in (5, 13) for g in gathered)
 
 
 # -- attacks: the header ----------------------------------------------------------------------------
@@ -266,6 +283,117 @@ def test_parts_out_of_place_are_refused():
 def test_an_unsupported_layout_cannot_receive():
     with pytest.raises(ValueError, match="cannot"):
         HandoffDecoder(KVLayout(unsupported="cannot be handed off"), CONTEXT)
+
+
+# -- the receive path: preallocated tensor buffers ----------------------------------------------------
+
+
+class Counting:
+    """An allocator that records every buffer it makes (size and the decoder's received bytes then)."""
+
+    def __init__(self, dec_ref=None):
+        self.made: list[int] = []
+        self.dec: HandoffDecoder | None = None
+
+    def __call__(self, spec: TensorSpec):
+        assert self.dec is not None and spec.nbytes <= self.dec.received + MAX_KV_CHUNK_LEN
+        self.made.append(spec.nbytes)
+        arr = np.full(spec.shape, 0xAB, dtype={DType.FLOAT32: np.float32, DType.BFLOAT16: np.uint16,
+                                                DType.UINT32: np.uint32, DType.FLOAT16: np.float16}[spec.dtype])
+        return arr, ("owner", len(self.made))
+
+
+def counting_decoder(layout=LAYOUT, context=CONTEXT) -> tuple[HandoffDecoder, Counting]:
+    alloc = Counting()
+    dec = HandoffDecoder(layout, context, None, alloc)
+    alloc.dec = dec
+    return dec, alloc
+
+
+@pytest.mark.parametrize("chunk_len", [1, 7, 1000])
+def test_chunks_land_in_preallocated_buffers_one_per_tensor(chunk_len):
+    sent = tensors_for(MIXED, len(PROMPT))
+    dec, alloc = counting_decoder(MIXED)
+    for part in parts(MIXED, chunk_len=chunk_len):
+        dec.feed(part)
+    got = dec.result()
+    assert all(np.array_equal(a, b) for a, b in zip(got.tensors, sent))
+    assert alloc.made == [t.nbytes for t in MIXED.tensors(len(PROMPT)) if t.nbytes]  # one buffer each, no more
+    assert [o for o in got.owners if o is not None] == [("owner", i + 1) for i in range(len(alloc.made))]
+
+
+def test_a_huge_claim_preallocates_only_what_the_arrived_bytes_allow():
+    """Tensors of 64 MiB (a 16k-token claim): no buffer until the stream carried 60 MiB, and at every part
+    the decoder holds at most twice what arrived plus 4 MiB."""
+    big = KVLayout((LayerSpec(CacheKind.KV, DType.FLOAT32, heads=8, k_dim=128, v_dim=128),) * 2)
+    prompt = tuple(range(16384))
+    dec, alloc = counting_decoder(big, context=16384)
+    dec.feed(encode_header(META, prompt, big))
+    assert dec.held == 0 and alloc.made == []
+    size = 8 * 128 * 4 * 16384  # 64 MiB per tensor
+    tensors = [np.zeros(size // 4, np.float32), np.zeros(size // 4, np.float32)]
+    for k, part in enumerate(encode_chunks(tensors, MAX_KV_CHUNK_LEN)):
+        dec.feed(part)
+        assert dec.held <= 2 * dec.received + MAX_KV_CHUNK_LEN
+        if dec.received + MAX_KV_CHUNK_LEN < size:
+            assert alloc.made == [], k  # the first tensor keeps its chunks as received until then
+        if dec.received >= 3 * size // 2:
+            break
+    assert alloc.made == [size, size]
+    dec.feed(struct.pack(">BI", Part.CHUNK, dec._chunks) + b"\x01")
+    assert dec.state == "chunks"
+
+
+def test_the_claim_of_a_header_alone_allocates_nothing():
+    big = KVLayout((LayerSpec(CacheKind.KV, DType.FLOAT32, heads=8, k_dim=128, v_dim=128),))
+    dec, alloc = counting_decoder(big, context=100_000)
+    dec.feed(encode_header(META, tuple(range(100_000)), big))
+    dec.feed(next(encode_chunks([np.zeros(1000, np.uint8)], 1000)))
+    assert alloc.made == [] and dec.held == 1000 and dec.allocated == 0
+
+
+def test_a_chunk_spanning_tensors_fills_each_buffer_and_one_past_the_end_is_refused():
+    ps = parts(chunk_len=MAX_KV_CHUNK_LEN)  # one chunk carries every tensor
+    assert len(ps) == 3
+    dec, alloc = counting_decoder()
+    dec.feed(ps[0])
+    dec.feed(ps[1])
+    assert len(alloc.made) == len(LAYOUT.tensors(len(PROMPT)))
+    refused(dec, struct.pack(">BI", Part.CHUNK, 1) + b"\x00", "more than the header's")
+    dec, alloc = counting_decoder()
+    dec.feed(ps[0])
+    refused(dec, ps[1][:5] + bytes(ps[1][5:]) + b"\x00", "more than the header's")  # one byte beyond the last tensor
+    assert dec.allocated == 0
+
+
+@pytest.mark.parametrize("attack", ["truncated", "reordered", "duplicate", "end-early"])
+def test_attacks_on_the_preallocated_path_drop_every_buffer(attack):
+    ps = parts(chunk_len=50)
+    dec, alloc = counting_decoder()
+    dec.feed(ps[0])
+    dec.feed(ps[1])
+    dec.feed(ps[2])
+    assert alloc.made and dec.held > 0
+    if attack == "truncated":
+        with pytest.raises(HandoffError, match="ended before its END record"):
+            dec.result()
+        assert dec.state == "error" and dec.held == 0 and dec._done == [] and dec._buf is None
+        return
+    bad = {"reordered": ps[4], "duplicate": ps[2], "end-early": ps[-1]}[attack]
+    refused(dec, bad, "END says" if attack == "end-early" else "was due")
+    assert dec._buf is None and dec._owners == []
+
+
+def test_an_allocator_that_fails_or_lies_refuses_the_handoff():
+    def failing(spec):
+        raise MemoryError("no room")
+
+    dec = HandoffDecoder(LAYOUT, CONTEXT, None, failing)
+    dec.feed(parts()[0])
+    refused(dec, parts()[1], "cannot make a")
+    dec = HandoffDecoder(LAYOUT, CONTEXT, None, lambda spec: (np.zeros(3, np.uint8), None))
+    dec.feed(parts()[0])
+    refused(dec, parts()[1], "the allocator made")
 
 
 # -- linear-attention state (ARRAYS) and several caches per layer (LIST) ---------------------------

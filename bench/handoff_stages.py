@@ -1,0 +1,261 @@
+"""Where a KV handoff's time goes, stage by stage, and the whole path end to end (``disagg_bench``'s
+``stages`` and ``e2e`` modes).
+
+The KV comes from real mlx-lm ``KVCache`` objects filled by ``update_and_fetch`` (so their buffers
+have the step-rounded capacity a prefill leaves), in the layout of a named shape:
+
+* ``qwen3-0.6b``: 28 layers, 8 KV heads of 128, bfloat16 (172.0 MB at 1,500 tokens: issue 24's shape);
+* ``smollm2``: 30 layers, 3 KV heads of 64, float32 (the CPU default model).
+
+``stages`` times each stage alone, on this thread (the real functions): ``export`` (``export_cache``),
+``encode`` (``encode_chunks``, every part materialised), ``seal`` and ``open`` (AES-256-GCM over the
+transport's 256 KiB frames, one core), ``socket`` (the parts through an unprotected transport stream
+to a receiver that only counts), ``decode`` (``HandoffDecoder.feed`` over parts already in memory, then
+``result``) and ``import`` (``import_cache``). ``e2e`` times the whole path in one process: export,
+header, chunks through an AES-256-GCM transport stream, the receiver's decoder, ``result`` and
+``import_cache``, reporting the stream alone (first write to ``result``) and the total.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+SHAPES = {"qwen3-0.6b": (28, 8, 128, "bfloat16"), "smollm2": (30, 3, 64, "float32")}
+FRAME = 256 * 1024
+
+
+def layout_of(shape: str):
+    from mlxcel.disagg.kv_codec import KVLayout, LayerSpec, dtype_code
+    from mlxcel.disagg.wire import CacheKind
+
+    layers, heads, dim, dtype = SHAPES[shape]
+    return KVLayout(tuple(LayerSpec(CacheKind.KV, dtype_code(dtype), heads, dim, dim) for _ in range(layers)))
+
+
+def make_caches(shape: str, tokens: int) -> list:
+    """Filled mlx-lm KVCaches of ``shape`` holding ``tokens`` positions of random values."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    layers, heads, dim, dtype = SHAPES[shape]
+    mx.random.seed(0)
+    caches = []
+    for _ in range(layers):
+        c = KVCache()
+        k = mx.random.normal((1, heads, tokens, dim)).astype(getattr(mx, dtype))
+        c.update_and_fetch(k, -k)
+        mx.eval(c.keys, c.values)
+        caches.append(c)
+    return caches
+
+
+def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    start = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - start, out
+
+
+def _parts(tensors: list, layout: Any, tokens: int) -> list:
+    from mlxcel.disagg import kv_codec
+
+    head = kv_codec.encode_header({"nonce": "0" * 16}, tuple(range(tokens)), layout)
+    if hasattr(kv_codec, "chunk_parts"):  # the sender's parts as it hands them to the transport
+        return [head, *kv_codec.chunk_parts(tensors)]
+    return [head, *kv_codec.encode_chunks(tensors)]
+
+
+def _flat(part: Any) -> bytes:
+    """One part as contiguous bytes (a sender may hand the transport a list of buffers)."""
+    return part if isinstance(part, (bytes, bytearray)) else b"".join(bytes(p) for p in part)
+
+
+def _size(part: Any) -> int:
+    if isinstance(part, (bytes, bytearray, memoryview)):
+        return len(part)
+    return sum(memoryview(p).nbytes for p in part)
+
+
+class _Pair:
+    """Two transports in this process (127.0.0.76 -> .77); the receiver runs ``on_stream(msg)``."""
+
+    def __init__(self, suite_name: str, on_data: Callable[[Any], None], on_end: Callable[[], None],
+                 crypto_workers: int | None = None):
+        from mlxcel.cluster.secret import ClusterSecret
+        from mlxcel.cluster.transport import Transport
+        from mlxcel.cluster.wire import Kind, Suite
+
+        suite = Suite.AES_256_GCM if suite_name == "aes" else Suite.UNPROTECTED
+        secret = ClusterSecret(os.urandom(32))
+        extra = {} if crypto_workers is None else {"crypto_workers": crypto_workers}
+
+        def on_message(msg: Any) -> None:
+            if msg.kind is Kind.STREAM_DATA:
+                on_data(msg)
+            elif msg.kind is Kind.STREAM_END:
+                on_end()
+
+        self.rx = Transport("127.0.0.77:0", secret, suite=suite, **extra)
+        self.rx.serve(on_message=on_message)
+        self.tx = Transport("127.0.0.76:0", secret, suite=suite, **extra)
+        self.tx.connect(self.rx.identity)
+
+    def stream(self, parts: list) -> None:
+        with self.tx.open_stream(self.rx.identity) as s:
+            for p in parts:
+                s.write(p)
+
+    def close(self) -> None:
+        self.tx.close()
+        self.rx.close()
+
+
+def stages(shape: str, tokens: int, repeats: int) -> list[dict[str, Any]]:
+    """One row per stage: its p50 over ``repeats`` and its GiB/s over the handoff's tensor bytes."""
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    from mlxcel.disagg.kv_cache import export_cache, import_cache
+    from mlxcel.disagg.kv_codec import HandoffDecoder
+
+    layout = layout_of(shape)
+    caches = make_caches(shape, tokens)
+    nbytes = layout.nbytes(tokens)
+    times: dict[str, list[float]] = {}
+    done = threading.Event()
+    pair = _Pair("unprotected", lambda msg: None, done.set)
+    aead = AESGCM(os.urandom(32))
+    plain = np.random.default_rng(0).integers(0, 255, FRAME, dtype=np.uint8)
+    sealed = bytearray(FRAME + 16)
+    opened = bytearray(FRAME)
+    frames = -(-nbytes // FRAME)
+    try:
+        for _ in range(repeats):
+            t, tensors = _timed(lambda: export_cache(caches, layout, tokens))
+            times.setdefault("export", []).append(t)
+            t, parts = _timed(lambda: _parts(tensors, layout, tokens))
+            times.setdefault("encode", []).append(t)
+            nonce, aad = bytes(12), bytes(5)
+            t, _ = _timed(lambda: [aead.encrypt_into(nonce, plain, aad, sealed) for _ in range(frames)])
+            times.setdefault("seal", []).append(t)
+            t, _ = _timed(lambda: [aead.decrypt_into(nonce, sealed, aad, opened) for _ in range(frames)])
+            times.setdefault("open", []).append(t)
+            done.clear()
+            t, _ = _timed(lambda: (pair.stream(parts), done.wait(60)))
+            times.setdefault("socket", []).append(t)
+            received = [bytearray(_flat(p)) for p in parts]  # what a transport delivers: buffers the handler owns
+
+            def decode() -> Any:
+                dec = _decoder(HandoffDecoder, layout)
+                for p in received:
+                    dec.feed(p)
+                return dec.result()
+
+            t, handoff = _timed(decode)
+            times.setdefault("decode", []).append(t)
+            t, _ = _timed(lambda: import_cache(handoff))
+            times.setdefault("import", []).append(t)
+    finally:
+        pair.close()
+    return [_row("disagg_stage", shape, tokens, nbytes, stage=name, samples=s) for name, s in times.items()]
+
+
+def e2e(shape: str, tokens: int, repeats: int, suites: list[str], crypto_workers: int | None) -> list[dict[str, Any]]:
+    """The whole handoff path per suite, rounds alternating: export, stream, decoder, import."""
+    from mlxcel.disagg.kv_cache import export_cache, import_cache
+    from mlxcel.disagg.kv_codec import HandoffDecoder
+
+    layout = layout_of(shape)
+    caches = make_caches(shape, tokens)
+    nbytes = layout.nbytes(tokens)
+    intake = _intake()
+    pairs: dict[str, tuple[_Pair, dict[str, Any]]] = {}
+    for name in suites:
+        state: dict[str, Any] = {"done": threading.Event()}
+
+        def feed(msg: Any, state: dict = state) -> None:
+            if "dec" not in state:
+                state["dec"] = _decoder(HandoffDecoder, layout)
+            state["dec"].feed(msg.payload)
+
+        def end(state: dict = state) -> None:
+            state["handoff"] = state.pop("dec").result()
+            state["at"] = time.perf_counter()
+            state["done"].set()
+
+        def on_data(msg: Any, feed: Callable = feed, name: str = name) -> None:  # as the decode node does
+            intake.put(name, feed, msg) if intake is not None else feed(msg)
+
+        def on_end(end: Callable = end, name: str = name) -> None:
+            intake.put(name, end) if intake is not None else end()
+
+        pairs[name] = (_Pair(name, on_data, on_end, crypto_workers), state)
+    samples: dict[str, dict[str, list[float]]] = {n: {"export": [], "stream": [], "import": [], "total": []} for n in suites}
+    try:
+        for rnd in range(repeats):
+            for name in (suites if rnd % 2 == 0 else suites[::-1]):
+                pair, state = pairs[name]
+                state["done"].clear()
+                t0 = time.perf_counter()
+                tensors = export_cache(caches, layout, tokens)
+                t1 = time.perf_counter()
+                pair.stream(_parts(tensors, layout, tokens))
+                if not state["done"].wait(60):
+                    raise SystemExit("handoff_stages: a handoff did not arrive")
+                t2 = state["at"]
+                import_cache(state.pop("handoff"))
+                t3 = time.perf_counter()
+                for key, value in (("export", t1 - t0), ("stream", t2 - t1), ("import", t3 - t2), ("total", t3 - t0)):
+                    samples[name][key].append(value)
+    finally:
+        for pair, _ in pairs.values():
+            pair.close()
+        if intake is not None:
+            intake.close()
+    rows = []
+    for name, s in samples.items():
+        row = _row("disagg_e2e", shape, tokens, nbytes, samples=s["total"], suite=name,
+                   crypto_workers=crypto_workers, intake_workers=intake.workers if intake is not None else None)
+        for key in ("export", "stream", "import"):
+            row[f"{key}_p50_ms"] = round(_p50(s[key]) * 1000, 3)
+        row["stream_gib_s"] = round(nbytes / _p50(s["stream"]) / 2**30, 3)
+        rows.append(row)
+    return rows
+
+
+def _intake() -> Any:
+    """The decode node's intake (parts off the reader thread), where the code has one."""
+    try:
+        from mlxcel.disagg.intake import Intake, default_workers
+    except ImportError:
+        return None
+    return Intake(default_workers())
+
+
+def _decoder(cls: Any, layout: Any) -> Any:
+    """A decoder as the decode node makes it (with its tensor allocator, where the code has one)."""
+    from mlxcel.disagg import kv_cache
+
+    if hasattr(kv_cache, "handoff_allocator"):
+        return cls(layout, 1 << 20, None, kv_cache.handoff_allocator())
+    return cls(layout, 1 << 20)
+
+
+def _p50(xs: list[float]) -> float:
+    from bench.stats import percentile
+
+    return percentile(xs, 50) or 0.0
+
+
+def _row(bench: str, shape: str, tokens: int, nbytes: int, *, samples: list[float], **extra: Any) -> dict[str, Any]:
+    from bench.environment import load_1m
+    from bench.stats import percentile
+
+    p50 = _p50(samples)
+    return {"bench": bench, "shape": shape, "prompt_tokens": tokens, "tensor_bytes": nbytes, **extra,
+            "repeats": len(samples), "p50_ms": round(p50 * 1000, 3),
+            "min_ms": round(min(samples) * 1000, 3), "p95_ms": round((percentile(samples, 95) or 0) * 1000, 3),
+            "gib_s": round(nbytes / max(p50, 1e-9) / 2**30, 3), "cpus": os.cpu_count(), "load_1m": load_1m()}
