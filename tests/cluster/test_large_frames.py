@@ -227,10 +227,17 @@ def test_large_messages_round_trip(make_transport, thread_log, sender, receiver)
     assert bytes(inbox.get(20).payload) == tensor
     data, end = inbox.get(20), inbox.get(20)
     assert bytes(data.payload) == stream and (data.kind, end.kind) == (Kind.STREAM_DATA, Kind.STREAM_END)
-    if sender:  # a 3 MiB message is 15 chunks: helpers claim some of them
-        assert _helpers(thread_log["seal"])
-    if receiver:
-        assert _helpers(thread_log["open"])
+    # a 3 MiB message is 15 chunks: helpers claim some of them. Which thread wins a chunk is the scheduler's
+    # choice, and on two loaded cores the owner can seal all 15 before a helper wakes: so up to 20 more sends
+    def claimed() -> bool:
+        return (not sender or _helpers(thread_log["seal"])) and (not receiver or _helpers(thread_log["open"]))
+
+    for _ in range(20):
+        if claimed():
+            break
+        cli.send(srv.identity, Kind.TENSOR_DATA, tensor)
+        assert bytes(inbox.get(20).payload) == tensor
+    assert claimed(), thread_log
 
 
 @pytest.mark.parametrize("suite", [Suite.AES_256_GCM, Suite.UNPROTECTED, Suite.HMAC_SHA256])
