@@ -350,6 +350,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--label", default=None, help="server label in the rows (default: the launch kind or 'server')")
     p.add_argument("--api-key-file", default=None,
                    help=f"send the first key of this file as the Bearer token (default: ${ENV_KEY_FILE}, if set)")
+    p.add_argument("--step-trace", default=None,
+                   help="a launched mlxcel server writes its scheduler timeline here (MLXCEL_STEP_TRACE; "
+                        "summarise with python -m bench.step_trace FILE)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
     args = p.parse_args(argv)
     args.headers = auth_headers(read_api_key(args.api_key_file))
@@ -381,8 +384,11 @@ def run_launched(args: argparse.Namespace) -> list[dict[str, Any]]:
         for kind in kinds:
             port = _free_port()
             url = f"http://127.0.0.1:{port}"
+            env = dict(os.environ)
+            if kind == "mlxcel" and args.step_trace:
+                env["MLXCEL_STEP_TRACE"] = str(Path(args.step_trace).resolve())
             proc = subprocess.Popen(launch_command(kind, args.model_dir, port, args.parallel),
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
             procs.append(proc)
             wait_until_serving(url, proc)
             servers[kind] = (url, args.model_name or model_name(url, kind, args.model_dir))

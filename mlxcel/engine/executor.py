@@ -26,6 +26,7 @@ from typing import Any, Callable, Protocol, Sequence, Union
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
+from mlxcel.engine import steptrace
 from mlxcel.engine.compiled_step import decode_forward
 from mlxcel.engine.model_slice import ModelSlice
 from mlxcel.engine.prefix_cache import PrefixCache

@@ -72,6 +72,7 @@ from mlxcel.config import (
     DEFAULT_PREFIX_CACHE_MB,
     PREFILL_STEP,
 )
+from mlxcel.engine import steptrace
 from mlxcel.engine.executor import Executor, Step, StepOutcome
 from mlxcel.engine.interface import (
     EngineOverloaded,
@@ -239,6 +240,7 @@ class Scheduler:
         self._hold_error: BaseException | None = None  # while holding: the last failed start's error
         self._last_prefilled: str | None = None  # the sequence of the last prompt chunk submitted
         self.counters = EngineCounters()
+        self._trace = steptrace.from_env()  # MLXCEL_STEP_TRACE: a per-pass timeline of this thread
         self._thread = threading.Thread(target=self._run, name="mlxcel-scheduler", daemon=True)
 
     # -- the Engine interface (event loop side) -------------------------------------------------
@@ -336,6 +338,8 @@ class Scheduler:
             self._resume_due()
             self._admit()
             self._submit_work()
+            if self._trace is not None:
+                self._trace.end_pass(running=len(self._seqs) - len(self._waiting), waiting=len(self._waiting))
         except Exception as exc:  # noqa: BLE001 - the scheduler thread must outlive any one step's bug
             log.exception("scheduler: internal error; failing the requests in flight")
             try:
@@ -356,7 +360,11 @@ class Scheduler:
     def _handle(self, *, block: bool) -> bool:
         """Apply queued inputs (blocking for the first one if asked); False when told to stop."""
         try:
-            item = self._inbox.get(timeout=IDLE_WAIT_S) if block else self._inbox.get_nowait()
+            if block and self._trace is not None:
+                with self._trace.phase("idle"):
+                    item = self._inbox.get(timeout=IDLE_WAIT_S)
+            else:
+                item = self._inbox.get(timeout=IDLE_WAIT_S) if block else self._inbox.get_nowait()
         except queue.Empty:
             return True
         while True:
@@ -394,6 +402,8 @@ class Scheduler:
             self._admit()
             self._submit_work()
         self.counters = EngineCounters()  # warmup is not traffic
+        if self._trace is not None:
+            self._trace.discard()
         log.info("warmup done in %.2fs", time.perf_counter() - start)
 
     def _template_preamble(self) -> list[int] | None:
@@ -502,6 +512,8 @@ class Scheduler:
                 self.counters.overlapped_steps += 1
             self._steps_inflight += 1
             self.counters.inflight_steps = self._steps_inflight
+            if self._trace is not None:
+                self._trace.step("submitted", step.kind, step.rows)
             try:
                 self.executor.submit(step, self._step_done)
             except Exception as exc:  # noqa: BLE001 - an executor must report failures through done; if it
@@ -571,6 +583,8 @@ class Scheduler:
     # -- results ---------------------------------------------------------------------------------
 
     def _apply(self, step: Step, outcome: StepOutcome) -> None:
+        if self._trace is not None:
+            self._trace.step("applied", step.kind, step.rows)
         self._steps_inflight -= 1
         self.counters.inflight_steps = self._steps_inflight
         # The step no longer names its sequences: whatever ends them now (its outcome, its failure) frees
@@ -626,10 +640,12 @@ class Scheduler:
             return False
         seq.generated.append(token)
         self.counters.generated_tokens += 1
-        text = seq.text.feed(token)
+        with steptrace.phase("detok"):
+            text = seq.text.feed(token)
         logprob = sampled.logprob if req.params.logprobs else None
         top = sampled.top_logprobs if req.params.logprobs else ()
-        seq.stream.push(TokenEvent(token, text, logprob, top))
+        with steptrace.phase("emit"):
+            seq.stream.push(TokenEvent(token, text, logprob, top))
         if seq.text.stopped:
             self._finish(seq, "stop")
             return False
@@ -766,9 +782,11 @@ class Scheduler:
 
     def _finish(self, seq: _Sequence, reason: str, error: str | None = None, code: ErrorCode | None = None) -> None:
         """End ``seq`` with ``reason`` ("stop", "length" or "error") and tell its client."""
-        tail = seq.text.finish() if error is None else ""
+        with steptrace.phase("detok"):
+            tail = seq.text.finish() if error is None else ""
         self._forget(seq, _FINISHED_BY_REASON[reason])  # the slot is free before the client hears: no spurious 503
-        seq.stream.push(FinishEvent(reason, tail, len(seq.request.prompt), len(seq.generated), error,
+        with steptrace.phase("emit"):
+            seq.stream.push(FinishEvent(reason, tail, len(seq.request.prompt), len(seq.generated), error,
                                      (code or ErrorCode.INTERNAL) if error is not None else None))
 
     def _remove(self, request_id: str) -> None:
@@ -817,8 +835,12 @@ class Scheduler:
             self._release(item[0], item[1], item[3])
 
     def _release_slot(self) -> None:
-        with self._lock:
+        with steptrace.phase("lock"):
+            self._lock.acquire()
+        try:
             self._inflight_requests -= 1
+        finally:
+            self._lock.release()
 
     def _fail_all(self, message: str, code: ErrorCode = ErrorCode.INTERNAL) -> None:
         for seq in list(self._seqs.values()):
