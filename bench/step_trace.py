@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from mlxcel.engine.steptrace import PHASES
+from mlxcel.engine.steptrace import OFF_PHASES, PHASES
 
 ALL_PHASES = (*PHASES, "other")
 
@@ -42,6 +42,7 @@ def summarise(lines: list[dict[str, Any]], skip_s: float = 0.0) -> dict[str, Any
         "passes": len(lines), "wall_ms": round(wall, 1), "span_s": round(span_s, 3),
         "share": {p: round(totals[p] / wall, 4) if wall else 0.0 for p in ALL_PHASES},
         "ms": {p: round(v, 1) for p, v in totals.items()},
+        "off_thread_ms": {p: round(sum(ln.get(p, 0.0) for ln in lines), 1) for p in OFF_PHASES},
         "decode_steps": len(decode), "decode_steps_per_s": round(len(decode) / span_s, 2) if span_s else None,
         "rows_per_decode_step": round(sum(decode) / len(decode), 2) if decode else None,
         "prefill_steps": sum(1 for ln in lines for kind, _ in ln["applied"] if kind == "prefill"),
@@ -54,7 +55,8 @@ def format_summary(s: dict[str, Any]) -> str:
             f"({s['decode_steps_per_s']}/s, {s['rows_per_decode_step']} rows each), {s['prefill_steps']} prefill steps; "
             f"host {s['host_ms_per_decode_step']} ms per decode step")
     body = "\n".join(f"  {p:<7} {100 * s['share'][p]:5.1f}%  {s['ms'][p]:10.1f} ms" for p in ALL_PHASES)
-    return head + "\n" + body
+    off = ", ".join(f"{p} {v} ms" for p, v in s["off_thread_ms"].items())
+    return head + "\n" + body + f"\n  emitter thread: {off}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -175,6 +175,9 @@ class SliceRunner:
         self.max_rows = max_rows
         self._seqs: dict[str, _Seq] = {}
         self._slots: dict[int, _Slot] = {}
+        # a row a decode step no longer names keeps its own cache until released (asynchronous scheduling
+        # plans step N+1 without the rows that end at step N), instead of being forgotten at once
+        self.keep_dropped = False
 
     # -- sequences -------------------------------------------------------------------------
 
@@ -212,17 +215,18 @@ class SliceRunner:
         slot = self._slots[seq.slot]
         if len(slot.rids) == 1 and not slot.batched:
             return slot.cache, seq.length
-        i = slot.rids.index(rid)
-        return [c.extract(i) for c in slot.cache], seq.length
+        return self._row_cache(slot, slot.rids.index(rid)), seq.length
 
     # -- compute ---------------------------------------------------------------------------
 
-    def prefill(self, rid: str, inputs: mx.array, *, sample: bool, logits: bool = False) -> mx.array | list[Sampled] | None:
+    def prefill(self, rid: str, inputs: mx.array, *, sample: bool, logits: bool = False,
+                lazy: bool = False) -> mx.array | list[Sampled] | PendingSample | None:
         """One chunk of one sequence's prompt: token ids [1, L] (first slice) or hidden [1, L, D].
 
         Returns the hidden states to pass on (not last), the sampled first token (last, ``sample``;
         its last-position logits [1, V] instead when ``logits``), or None (last, an intermediate
-        chunk: only the cache is evaluated).
+        chunk: only the cache is evaluated). With ``lazy`` (last slice) nothing is waited for: the sampled
+        token comes as a ``PendingSample`` queued with ``mx.async_eval``, an intermediate chunk is queued.
         """
         seq = self._require(rid)
         if seq.slot is not None:
@@ -235,15 +239,20 @@ class SliceRunner:
                 mx.eval(out)
             return out
         if not sample:
+            if lazy:
+                mx.async_eval([c.state for c in seq.cache])
+                return None
             with steptrace.phase("device"):
                 mx.eval([c.state for c in seq.cache])
             return None
         if logits:
             return self._logits(out)
-        return self._sample(out[:, -1, :], [seq])
+        return self._sample(out[:, -1, :], [seq], lazy)
 
-    def decode(self, slot_id: int, rids: Sequence[str], inputs: mx.array, *, logits: bool = False) -> mx.array | list[Sampled]:
-        """One decode step of micro-batch ``slot_id``: rows ``rids`` in order, inputs [B, 1] or [B, 1, D]."""
+    def decode(self, slot_id: int, rids: Sequence[str], inputs: mx.array, *, logits: bool = False,
+               lazy: bool = False) -> mx.array | list[Sampled] | PendingSample:
+        """One decode step of micro-batch ``slot_id``: rows ``rids`` in order, inputs [B, 1] or [B, 1, D]
+        (``lazy``: the sampled rows as a queued ``PendingSample``, as for ``prefill``)."""
         if not rids or len(rids) > self.max_rows:
             raise RunnerError(ErrorCode.BAD_REQUEST, f"a decode step needs 1 to {self.max_rows} rows, got {len(rids)}")
         if inputs.shape[0] != len(rids):
@@ -259,7 +268,7 @@ class SliceRunner:
             return out
         if logits:
             return self._logits(out)
-        return self._sample(out[:, -1, :], [self._seqs[r] for r in rids])
+        return self._sample(out[:, -1, :], [self._seqs[r] for r in rids], lazy)
 
     @staticmethod
     def _logits(out: mx.array) -> mx.array:
@@ -268,9 +277,14 @@ class SliceRunner:
         mx.eval(x)
         return x
 
-    def _sample(self, logits: mx.array, seqs: list[_Seq]) -> list[Sampled]:
+    def _sample(self, logits: mx.array, seqs: list[_Seq], lazy: bool = False) -> list[Sampled] | PendingSample:
         rows = [s.row or RowSampler(SamplingParams()) for s in seqs]
-        return sample_rows(logits, rows)
+        if not lazy:
+            return sample_rows(logits, rows)
+        with steptrace.phase("build"):
+            pending = sample_lazy(logits, rows)
+            mx.async_eval(pending.arrays)
+        return pending
 
     # -- slots -----------------------------------------------------------------------------
 
@@ -297,15 +311,25 @@ class SliceRunner:
             if seq.slot is not None:
                 raise RunnerError(ErrorCode.BAD_REQUEST, f"request {seq.rid} already decodes in micro-batch {seq.slot}")
         if len(keep) != len(slot.rids):
-            for r in slot.rids:
+            for i, r in enumerate(slot.rids):
                 if r not in wanted and r in self._seqs:
-                    del self._seqs[r]  # dropped by the coordinator: finished or cancelled
+                    if self.keep_dropped:  # ends with the step in flight: its release (and prefix entry) follows
+                        seq = self._seqs[r]
+                        seq.cache, seq.slot = self._row_cache(slot, i), None
+                    else:
+                        del self._seqs[r]  # dropped by the coordinator: finished or cancelled
             self._filter(slot, [i for i, r in enumerate(slot.rids) if r in wanted])
         if joining:
             self._append(slot, joining)
         for seq in joining:
             seq.slot, seq.cache = slot_id, None
         return slot
+
+    @staticmethod
+    def _row_cache(slot: _Slot, i: int) -> list:
+        if len(slot.rids) == 1 and not slot.batched:
+            return slot.cache
+        return [c.extract(i) for c in slot.cache]
 
     def _filter(self, slot: _Slot, indices: list[int]) -> None:
         slot.rids = [slot.rids[i] for i in indices]

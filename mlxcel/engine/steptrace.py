@@ -14,12 +14,16 @@ rows), and the milliseconds spent in each phase on the scheduler thread:
 - ``lock``: waiting for the scheduler's admission lock;
 - ``other``: the rest (planning, bookkeeping, the interpreter).
 
+``off_detok`` and ``off_emit`` are the emitter thread's detokenization and delivery during the pass
+(asynchronous scheduling moves them off this thread): not parts of its wall time.
+
 ``bench/step_trace.py`` summarises a file: each phase's share of the wall time, rows per step.
 The recorder costs two ``perf_counter`` calls per phase when on and one attribute test when off.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import threading
@@ -29,7 +33,9 @@ from pathlib import Path
 from typing import Any, Iterator
 
 TRACE_ENV = "MLXCEL_STEP_TRACE"
+FLUSH_S = 0.25  # lines reach the file at least this often
 PHASES = ("idle", "build", "device", "sample", "detok", "emit", "lock")
+OFF_PHASES = ("off_detok", "off_emit")  # on the emitter thread (mlxcel/engine/emitter.py), beside the passes
 
 
 class StepTrace:
@@ -39,13 +45,14 @@ class StepTrace:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fh = self.path.open("a", buffering=1 << 16)
-        self._t0 = time.perf_counter()
+        self._t0 = self._flushed = time.perf_counter()
+        atexit.register(self.close)  # a server stopped by a signal still leaves whole lines
         self._lock = threading.Lock()  # phases may be added from the emitter thread too
         self._reset(time.perf_counter())
 
     def _reset(self, now: float) -> None:
         self._start = now
-        self._ms: dict[str, float] = dict.fromkeys(PHASES, 0.0)
+        self._ms: dict[str, float] = dict.fromkeys(PHASES + OFF_PHASES, 0.0)
         self._steps: list[list[Any]] = []  # [event, kind, rows]
 
     def add(self, phase: str, seconds: float) -> None:
@@ -69,15 +76,18 @@ class StepTrace:
         now = time.perf_counter()
         with self._lock:
             ms, steps = self._ms, self._steps
-            if steps:
+            if steps and not self._fh.closed:
                 wall = (now - self._start) * 1000.0
-                known = sum(ms.values())
+                known = sum(ms[p] for p in PHASES)
                 line = {"t": round(self._start - self._t0, 6), "wall_ms": round(wall, 4),
                         "submitted": [s[1:] for s in steps if s[0] == "submitted"],
                         "applied": [s[1:] for s in steps if s[0] == "applied"],
                         **{k: round(v, 4) for k, v in ms.items()}, "other": round(max(0.0, wall - known), 4),
                         **fields}
                 self._fh.write(json.dumps(line) + "\n")
+                if now - self._flushed >= FLUSH_S:
+                    self._fh.flush()
+                    self._flushed = now
                 self._reset(now)
             # else: a pass that touched no step (an idle wait alone) folds into the next line's idle time
 
@@ -88,7 +98,8 @@ class StepTrace:
 
     def close(self) -> None:
         with self._lock:
-            self._fh.close()
+            if not self._fh.closed:
+                self._fh.close()
 
 
 _active: StepTrace | None = None
