@@ -114,7 +114,8 @@ class Executor(Protocol):
     # optional: ``cancel(rid)`` frees a sequence whose client gave up (the pipeline sends CANCEL, which
     # each stage acknowledges); without it the scheduler calls ``release(rid, None)``.
     #
-    # optional: ``lookahead`` (an int, default 0) and ``poll()``: asynchronous scheduling. Such an executor's
+    # optional: ``start_async()`` (returns the lookahead it allows, an int) and ``poll()``: asynchronous
+    # scheduling, for a driver that polls (the scheduler). Once started, such an executor's
     # ``submit`` only queues the step on the device and returns; ``poll()`` waits for the oldest queued step
     # and calls its ``done`` (steps complete in submission order; False when none is queued). Up to
     # ``lookahead`` more decode steps of a micro-batch may be submitted while one is queued: a row of such a
@@ -138,8 +139,8 @@ class LocalExecutor:
     ``exporter`` and ``importer`` convert KV for the wire (default: the mlx-lm caches themselves);
     ``step_delay_s`` sleeps before every decode step (a test and rehearsal aid).
 
-    Asynchronous scheduling (``lookahead`` 1, the default where every layer's cache is a plain ``KVCache``;
-    ``MLXCEL_ASYNC_SCHED=0`` or ``lookahead=0`` turns it off): ``submit`` builds the step's graph and
+    Asynchronous scheduling (``start_async``, which the scheduler calls; lookahead 1 where every layer's
+    cache is a plain ``KVCache``, 0 with ``MLXCEL_ASYNC_SCHED=0`` or ``lookahead=0``): ``submit`` builds the step's graph and
     queues it with ``mx.async_eval``, sampling included, and ``poll`` reads the sampled ids of the oldest
     step (one transfer for the batch) and reports it. A row that ended at step N (EOS, a stop string,
     a cancel) has already been queued in step N+1; that token is dropped and its cache holds one
@@ -155,8 +156,9 @@ class LocalExecutor:
                  lookahead: int | None = None):
         self.micro_batch_size = max_batch_size
         self.runners = [whole_model_runner(model, max_rows=max_batch_size)]
-        self.lookahead = default_lookahead(self.runners[0]) if lookahead is None else min(max(lookahead, 0), 1)
-        self.runners[0].keep_dropped = bool(self.lookahead)
+        # what asynchronous scheduling may use here; in effect (``lookahead``) once a driver that polls asks
+        self.max_lookahead = default_lookahead(self.runners[0]) if lookahead is None else min(max(lookahead, 0), 1)
+        self.lookahead = 0
         self._queued: deque[tuple[Step, Any, Done]] = deque()  # submitted, not yet reported (lookahead only)
         self._last: dict[int, tuple[list[str], mx.array]] = {}  # slot -> rows and sampled ids of its last step
         self.prefix = PrefixCache(prefix_cache_bytes)
@@ -247,6 +249,13 @@ class LocalExecutor:
         except Exception as exc:  # noqa: BLE001 - reported to the scheduler, which fails the rows
             outcome = exc
         done(step, outcome)
+
+    def start_async(self) -> int:
+        """Turn asynchronous scheduling on (for a driver that calls ``poll``: the scheduler); returns the
+        lookahead now in effect. Until then ``submit`` runs each step to its end and reports it at once."""
+        self.lookahead = self.max_lookahead
+        self.runners[0].keep_dropped = bool(self.lookahead)
+        return self.lookahead
 
     def poll(self) -> bool:
         """Wait for the oldest queued step and report it through its ``done``; False if none is queued."""

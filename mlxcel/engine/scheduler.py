@@ -237,7 +237,8 @@ class Scheduler:
         self._groups: list[list[str]] = [[] for _ in range(executor.depth)]
         # decode steps in flight per group: at most 1, or 1 + lookahead over an asynchronous executor
         self._group_inflight = [0] * executor.depth
-        self._lookahead = int(getattr(executor, "lookahead", 0) or 0)
+        start_async = getattr(executor, "start_async", None)  # asynchronous scheduling: steps complete via poll
+        self._lookahead = int(start_async()) if callable(start_async) else 0
         self._poll = getattr(executor, "poll", None) if self._lookahead else None
         # with asynchronous scheduling, detokenization and delivery run on their own thread (engine/emitter.py)
         self._emitter = Emitter() if self._lookahead else None

@@ -47,8 +47,9 @@ def run(model: Any, lookahead: int, requests: list[EngineRequest], *, tokenizer:
     """Every request's events through a scheduler over ``LocalExecutor(lookahead=...)``; the scheduler is
     closed, its executor kept for inspection."""
     ex = LocalExecutor(model, max_batch_size=parallel, lookahead=lookahead, prefix_cache_bytes=prefix_bytes)
-    assert ex.lookahead == lookahead
+    assert ex.lookahead == 0  # until a driver that polls starts it
     sched = Scheduler(ex, tokenizer or Tokenizer(), context_length=512, parallel=parallel, warmup=False)
+    assert ex.lookahead == lookahead
 
     async def main() -> list[tuple[list[TokenEvent], FinishEvent]]:
         sched.start()
@@ -190,8 +191,17 @@ def test_the_prefix_cache_keeps_the_tokens_not_the_queued_position_past_the_end(
     same(again, sync)
 
 
+def test_a_driver_that_does_not_poll_gets_every_step_reported_at_once(model):
+    ex = LocalExecutor(model, max_batch_size=2, lookahead=1)
+    ex.prepare("a", SamplingParams(), 0, prompts(1)[0])
+    done: list[Any] = []
+    ex.submit(Step("prefill", ["a"], [list(prompts(1)[0])]), lambda s, o: done.append(o))
+    assert len(done) == 1 and done[0][0].token >= 0 and not ex.poll()
+
+
 def test_previous_reads_the_last_step_samples_on_the_device(model):
     ex = LocalExecutor(model, max_batch_size=4, lookahead=1)
+    assert ex.start_async() == 1
     for rid, p in zip("ab", prompts(2)):
         ex.prepare(rid, SamplingParams(), 0, p)
     firsts = [ex.run(Step("prefill", [rid], [list(p)]))[0].token for rid, p in zip("ab", prompts(2))]
@@ -217,12 +227,12 @@ def test_caches_that_cannot_be_cut_keep_synchronous_scheduling(model, monkeypatc
 
     from mlxcel.engine.executor import default_lookahead
 
-    assert LocalExecutor(model, max_batch_size=2).lookahead == 1
+    assert LocalExecutor(model, max_batch_size=2).max_lookahead == 1
     assert default_lookahead(SimpleNamespace(_make_cache=lambda: [KVCache(), KVCache()])) == 1
     assert default_lookahead(SimpleNamespace(_make_cache=lambda: [KVCache(), RotatingKVCache(16)])) == 0
     assert default_lookahead(SimpleNamespace(_make_cache=lambda: [ArraysCache(2), KVCache()])) == 0
     monkeypatch.setenv("MLXCEL_ASYNC_SCHED", "0")
-    assert LocalExecutor(model, max_batch_size=2).lookahead == 0
+    assert LocalExecutor(model, max_batch_size=2).start_async() == 0
     monkeypatch.setenv("MLXCEL_ASYNC_SCHED", "maybe")
     with pytest.raises(ValueError, match="MLXCEL_ASYNC_SCHED"):
         LocalExecutor(model, max_batch_size=2)
