@@ -139,8 +139,9 @@ class LocalExecutor:
     ``exporter`` and ``importer`` convert KV for the wire (default: the mlx-lm caches themselves);
     ``step_delay_s`` sleeps before every decode step (a test and rehearsal aid).
 
-    Asynchronous scheduling (``start_async``, which the scheduler calls; lookahead 1 where every layer's
-    cache is a plain ``KVCache``, 0 with ``MLXCEL_ASYNC_SCHED=0`` or ``lookahead=0``): ``submit`` builds the step's graph and
+    Asynchronous scheduling (``start_async``, which the scheduler calls; lookahead 1 on a GPU where every
+    layer's cache is a plain ``KVCache``, 0 on a CPU unless ``MLXCEL_ASYNC_SCHED=1``, with
+    ``MLXCEL_ASYNC_SCHED=0`` or with ``lookahead=0``): ``submit`` builds the step's graph and
     queues it with ``mx.async_eval``, sampling included, and ``poll`` reads the sampled ids of the oldest
     step (one transfer for the batch) and reports it. A row that ended at step N (EOS, a stop string,
     a cancel) has already been queued in step N+1; that token is dropped and its cache holds one
@@ -350,12 +351,19 @@ class LocalExecutor:
 
 def default_lookahead(runner: SliceRunner) -> int:
     """1 (asynchronous scheduling) where every layer's cache is a plain ``KVCache``, whose extra position
-    after an ended row can be cut off; 0 otherwise or where ``MLXCEL_ASYNC_SCHED=0``."""
+    after an ended row can be cut off, and the device is a GPU; 0 otherwise. ``MLXCEL_ASYNC_SCHED=1``
+    turns it on on a CPU too, ``=0`` off everywhere.
+
+    Off on a CPU by default: MLX's CPU backend runs most of a step inside ``mx.async_eval`` itself (the
+    step trace puts the device time under ``build`` there), so nothing overlaps, and the thinner steps
+    of the first tokens cost more than they save (docs/benchmarks.md)."""
     value = os.environ.get(ASYNC_ENV, "").strip().lower()
     if value in ("0", "false", "no", "off"):
         return 0
     if value and value not in ("1", "true", "yes", "on"):
         raise ValueError(f"{ASYNC_ENV} must be 1 or 0, got {value!r}")
+    if not value and mx.default_device().type != mx.DeviceType.gpu:
+        return 0
     caches = runner._make_cache()  # noqa: SLF001 - the layer caches a sequence gets
     return 1 if caches and all(type(c) is KVCache for c in caches) else 0
 

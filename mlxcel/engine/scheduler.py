@@ -347,6 +347,8 @@ class Scheduler:
         that moment (500) instead of ending the thread and hanging every request after it."""
         try:
             if not self._handle(block=self._idle() and not self._pollable()):
+                if self._trace is not None:  # the steps applied before the stop still get their line
+                    self._trace.end_pass(running=len(self._seqs) - len(self._waiting), waiting=len(self._waiting))
                 return False
             self._flush_outbox()  # the tokens just applied go out while the device runs the next step
             self._resume_due()
@@ -540,7 +542,10 @@ class Scheduler:
     # -- planning steps --------------------------------------------------------------------------
 
     def _submit_work(self) -> None:
-        while self._steps_inflight < self.executor.depth + self._lookahead:
+        # asynchronous: each group's step N+1 queued behind step N, and a prompt chunk beside them, so new
+        # prompts join the batch as fast as with the synchronous alternation
+        limit = self.executor.depth + (self._lookahead + 1 if self._lookahead else 0)
+        while self._steps_inflight < limit:
             step = self._next_step()
             if step is None:
                 return

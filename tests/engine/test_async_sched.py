@@ -227,12 +227,18 @@ def test_caches_that_cannot_be_cut_keep_synchronous_scheduling(model, monkeypatc
 
     from mlxcel.engine.executor import default_lookahead
 
+    monkeypatch.setenv("MLXCEL_ASYNC_SCHED", "1")  # on a CPU it is off unless asked for
     assert LocalExecutor(model, max_batch_size=2).max_lookahead == 1
     assert default_lookahead(SimpleNamespace(_make_cache=lambda: [KVCache(), KVCache()])) == 1
     assert default_lookahead(SimpleNamespace(_make_cache=lambda: [KVCache(), RotatingKVCache(16)])) == 0
     assert default_lookahead(SimpleNamespace(_make_cache=lambda: [ArraysCache(2), KVCache()])) == 0
     monkeypatch.setenv("MLXCEL_ASYNC_SCHED", "0")
     assert LocalExecutor(model, max_batch_size=2).start_async() == 0
+    monkeypatch.delenv("MLXCEL_ASYNC_SCHED")
+    import mlx.core as mx
+
+    expected = 1 if mx.default_device().type == mx.DeviceType.gpu else 0
+    assert LocalExecutor(model, max_batch_size=2).max_lookahead == expected
     monkeypatch.setenv("MLXCEL_ASYNC_SCHED", "maybe")
     with pytest.raises(ValueError, match="MLXCEL_ASYNC_SCHED"):
         LocalExecutor(model, max_batch_size=2)
