@@ -230,14 +230,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-KINDS = ("mlxcel", "mlxcel-sync", "mlx_lm")  # mlxcel-sync: mlxcel with MLXCEL_ASYNC_SCHED=0 (the synchronous scheduler)
+# mlxcel-sync / mlxcel-async: mlxcel with MLXCEL_ASYNC_SCHED=0 / 1 (the synchronous scheduler / asynchronous
+# scheduling wherever it applies, a CPU included); mlxcel: its default (asynchronous on a GPU)
+KINDS = ("mlxcel", "mlxcel-sync", "mlxcel-async", "mlx_lm")
+_ASYNC_SWITCH = {"mlxcel-sync": "0", "mlxcel-async": "1"}
 
 
 def launch_env(kind: str, step_trace: str | None = None) -> dict[str, str]:
     """The environment a launched server gets: this one, plus the scheduler switch and trace of mlxcel kinds."""
     env = dict(os.environ)
-    if kind == "mlxcel-sync":
-        env["MLXCEL_ASYNC_SCHED"] = "0"
+    if kind in _ASYNC_SWITCH:
+        env["MLXCEL_ASYNC_SCHED"] = _ASYNC_SWITCH[kind]
     if kind.startswith("mlxcel") and step_trace:
         path = Path(step_trace).resolve()
         env["MLXCEL_STEP_TRACE"] = str(path if kind == "mlxcel" else path.with_name(f"{path.stem}-{kind}{path.suffix}"))
@@ -245,7 +248,7 @@ def launch_env(kind: str, step_trace: str | None = None) -> dict[str, str]:
 
 
 def launch_command(kind: str, model_dir: str, port: int, parallel: int) -> list[str]:
-    if kind in ("mlxcel", "mlxcel-sync"):
+    if kind.startswith("mlxcel") and kind in KINDS:
         return [sys.executable, "-c", "import sys; from mlxcel.cli import main; sys.exit(main())", "serve",
                 "-m", model_dir, "--port", str(port), "--parallel", str(parallel), "--log-level", "warning"]
     if kind == "mlx_lm":
@@ -287,7 +290,7 @@ def stop(proc: subprocess.Popen) -> None:
 def model_name(url: str, kind: str | None, model_dir: str | None, headers: dict[str, str] | None = None) -> str:
     if kind == "mlx_lm":
         return "default_model"  # mlx_lm.server's name for the model given on its command line
-    if kind in ("mlxcel", "mlxcel-sync") and model_dir:
+    if kind.startswith("mlxcel") and model_dir:
         return Path(model_dir).resolve().name
     reply = httpx.get(f"{url}/v1/models", timeout=10, headers=headers)
     if reply.status_code == 401:
@@ -400,7 +403,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "single-stream request time (steady-state arrivals)")
     p.add_argument("--model-name", default=None, help="model id to request (default: from /v1/models)")
     p.add_argument("--launch", default=None,
-                   help="start these servers in turn (comma): mlxcel, mlxcel-sync (MLXCEL_ASYNC_SCHED=0), mlx_lm")
+                   help="start these servers in turn (comma): mlxcel, mlxcel-sync / mlxcel-async (MLXCEL_ASYNC_SCHED=0 / 1), "
+                        "mlx_lm")
     p.add_argument("--model-dir", default="models/smollm2-135m-instruct", help="checkpoint for --launch")
     p.add_argument("--parallel", type=int, default=8, help="concurrent sequences of launched servers (default 8)")
     p.add_argument("--rounds", type=int, default=2,

@@ -571,6 +571,12 @@ class Scheduler:
         order = (self._prefill_step, self._decode_step)
         if self._last_kind == "prefill" and not self._last_token_due():
             order = order[::-1]
+        if self._lookahead and self._prefilling and self._prefilling[0].busy:
+            # a prompt step is queued: keep the synchronous order instead of queueing decode steps ahead of
+            # the prompts (after a decode step the prompt's next step; its last token at once; the decode step
+            # after its last token takes it along)
+            if self._last_kind == "decode" or len(self._prefilling[0].todo) < 2:
+                return None
         for plan in order:
             step = plan()
             if step is not None:

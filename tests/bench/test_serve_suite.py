@@ -33,5 +33,6 @@ def test_the_sync_kind_turns_asynchronous_scheduling_off_and_traces_apart(tmp_pa
     trace = str(tmp_path / "steps.jsonl")
     assert launch_env("mlxcel-sync", trace)["MLXCEL_ASYNC_SCHED"] == "0"
     assert launch_env("mlxcel-sync", trace)["MLXCEL_STEP_TRACE"].endswith("steps-mlxcel-sync.jsonl")
+    assert launch_env("mlxcel-async", trace)["MLXCEL_ASYNC_SCHED"] == "1"
     assert launch_env("mlxcel", trace)["MLXCEL_STEP_TRACE"] == trace
     assert "MLXCEL_STEP_TRACE" not in launch_env("mlx_lm", trace)

@@ -52,8 +52,8 @@ def run(model: Any, lookahead: int, requests: list[EngineRequest], *, tokenizer:
     assert ex.lookahead == lookahead
 
     async def main() -> list[tuple[list[TokenEvent], FinishEvent]]:
+        streams = [sched.submit(r) for r in requests]  # all queued before the first pass: the same plan each run
         sched.start()
-        streams = [sched.submit(r) for r in requests]
 
         async def one(stream: Any) -> tuple[list[TokenEvent], FinishEvent]:
             limit = (cancel_after or {}).get(stream.request.request_id)
@@ -120,6 +120,29 @@ def test_the_same_tokens_lengths_and_order_at_every_batch_size(model):
         assert all(f.finish_reason == "length" for _, f in fast)
         assert sched.counters.overlapped_steps > 0  # step N+1 was queued while step N ran
         assert len(sched.executor.runners[0]) == 0  # every row freed, the queued ones past their end too
+
+
+def test_the_same_steps_in_the_same_order_and_bit_identical_logprobs(model, monkeypatch):
+    """Asynchronous scheduling keeps the synchronous plan: prompt steps and decode steps alternate as before
+    (no decode step queued ahead of a prompt's next step), each decode step with the same rows, so every
+    log-probability is the same float."""
+    submitted: list[tuple[str, list[str], list[list[int]]]] = []
+    submit = LocalExecutor.submit
+
+    def spy(self: LocalExecutor, step: Step, done: Any) -> None:
+        submitted.append((step.kind, list(step.rids), [len(t) for t in step.tokens]))
+        submit(self, step, done)
+
+    monkeypatch.setattr(LocalExecutor, "submit", spy)
+    reqs = [req(f"r{i}", p, 5 + 2 * i, ignore_eos=True, logprobs=True, top_logprobs=2) for i, p in enumerate(prompts(5))]
+    plans, outs = [], []
+    for lookahead in (0, 1):
+        submitted.clear()
+        out, _ = run(model, lookahead, reqs)
+        plans.append(list(submitted))
+        outs.append(events(out))
+    assert plans[1] == plans[0]
+    assert outs[1] == outs[0]
 
 
 def test_eos_ends_a_row_where_the_synchronous_scheduler_ends_it(model):
