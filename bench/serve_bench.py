@@ -230,8 +230,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# mlxcel-sync / mlxcel-async: mlxcel with MLXCEL_ASYNC_SCHED=0 / 1 (the synchronous scheduler / asynchronous
+# scheduling wherever it applies, a CPU included); mlxcel: its default (asynchronous on a GPU)
+KINDS = ("mlxcel", "mlxcel-sync", "mlxcel-async", "mlx_lm")
+_ASYNC_SWITCH = {"mlxcel-sync": "0", "mlxcel-async": "1"}
+
+
+def launch_env(kind: str, step_trace: str | None = None) -> dict[str, str]:
+    """The environment a launched server gets: this one, plus the scheduler switch and trace of mlxcel kinds."""
+    env = dict(os.environ)
+    if kind in _ASYNC_SWITCH:
+        env["MLXCEL_ASYNC_SCHED"] = _ASYNC_SWITCH[kind]
+    if kind.startswith("mlxcel") and step_trace:
+        path = Path(step_trace).resolve()
+        env["MLXCEL_STEP_TRACE"] = str(path if kind == "mlxcel" else path.with_name(f"{path.stem}-{kind}{path.suffix}"))
+    return env
+
+
 def launch_command(kind: str, model_dir: str, port: int, parallel: int) -> list[str]:
-    if kind == "mlxcel":
+    if kind.startswith("mlxcel") and kind in KINDS:
         return [sys.executable, "-c", "import sys; from mlxcel.cli import main; sys.exit(main())", "serve",
                 "-m", model_dir, "--port", str(port), "--parallel", str(parallel), "--log-level", "warning"]
     if kind == "mlx_lm":
@@ -241,7 +258,7 @@ def launch_command(kind: str, model_dir: str, port: int, parallel: int) -> list[
         return [sys.executable, "-c", code, "--model", model_dir, "--port", str(port), "--host", "127.0.0.1",
                 "--decode-concurrency", str(parallel), "--prompt-concurrency", str(parallel),
                 "--log-level", "WARNING"]
-    raise SystemExit(f"serve_bench: unknown server kind {kind!r} (mlxcel, mlx_lm)")
+    raise SystemExit(f"serve_bench: unknown server kind {kind!r} ({', '.join(KINDS)})")
 
 
 def wait_until_serving(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
@@ -273,7 +290,7 @@ def stop(proc: subprocess.Popen) -> None:
 def model_name(url: str, kind: str | None, model_dir: str | None, headers: dict[str, str] | None = None) -> str:
     if kind == "mlx_lm":
         return "default_model"  # mlx_lm.server's name for the model given on its command line
-    if kind == "mlxcel" and model_dir:
+    if kind.startswith("mlxcel") and model_dir:
         return Path(model_dir).resolve().name
     reply = httpx.get(f"{url}/v1/models", timeout=10, headers=headers)
     if reply.status_code == 401:
@@ -304,18 +321,62 @@ def single_request_seconds(url: str, model: str, args: argparse.Namespace, tag: 
 def bench_level(label: str, url: str, model: str, n: int, args: argparse.Namespace, tag: str) -> dict[str, Any]:
     """One concurrency level against one server; ``tag`` names the prompts (same tag, same texts)."""
     stagger = single_request_seconds(url, model, args, f"{tag}-solo") if args.arrival == "staggered" and n > 1 else 0.0
-    results, wall = asyncio.run(run_level(url, model, n, args.requests, args.max_tokens, args.ignore_eos, stagger, tag,
-                                          headers=args.headers))
+    sampler = GpuUtil.start() if args.gpu_util else None
+    try:
+        results, wall = asyncio.run(run_level(url, model, n, args.requests, args.max_tokens, args.ignore_eos, stagger,
+                                              tag, headers=args.headers))
+    finally:
+        util = sampler.stop() if sampler is not None else None
     row = summarize(label, url, n, results, wall, args.max_tokens)
+    if util is not None:
+        row.update(util)
     row.update(arrival=args.arrival, prompt_tag=tag, prompts_sha256=prompts_sha256(tag, n, args.requests))
     return row
+
+
+class GpuUtil:
+    """``nvidia-smi`` sampling GPU utilisation every 100 ms while a level runs (GPU 0, or $GPU_UTIL_INDEX)."""
+
+    COMMAND = ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits", "-lms", "100"]
+
+    def __init__(self, proc: subprocess.Popen | None):
+        self.proc = proc
+
+    @classmethod
+    def start(cls) -> "GpuUtil":
+        command = cls.COMMAND + ["-i", os.environ.get("GPU_UTIL_INDEX", "0")]
+        try:
+            return cls(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))
+        except OSError:  # no nvidia-smi (a CPU rehearsal): the rows say no samples
+            return cls(None)
+
+    def stop(self) -> dict[str, Any]:
+        """Stop sampling; the level's samples summarised (mean, p50, count; None where nvidia-smi gave none)."""
+        if self.proc is None:
+            return gpu_util_fields("")
+        self.proc.terminate()
+        try:
+            out, _ = self.proc.communicate(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            out, _ = self.proc.communicate()
+        return gpu_util_fields(out)
+
+
+def gpu_util_fields(text: str) -> dict[str, Any]:
+    """``nvidia-smi`` output (one percentage a line) as row fields."""
+    samples = [float(x) for x in text.split() if x.replace(".", "", 1).isdigit()]
+    mean = round(sum(samples) / len(samples), 1) if samples else None
+    return {"gpu_util_mean": mean, "gpu_util_p50": percentile(samples, 50) if samples else None,
+            "gpu_util_samples": len(samples)}
 
 
 def format_row(row: dict[str, Any], rounds: int) -> str:
     """One level's progress line, labelled with its round (the levels repeat once per round)."""
     return (f"round {row['round'] + 1}/{rounds} {row['server']:>8} c={row['concurrency']:<2} req={row['requests']:<3} "
             f"err={row['errors']:<2} ttft p50/p95 {row['ttft_p50_ms']}/{row['ttft_p95_ms']} ms  itl p50/p95 "
-            f"{row['itl_p50_ms']}/{row['itl_p95_ms']} ms  per-req {row['req_tps_mean']} tok/s  aggregate {row['agg_tps']} tok/s")
+            f"{row['itl_p50_ms']}/{row['itl_p95_ms']} ms  per-req {row['req_tps_mean']} tok/s  aggregate {row['agg_tps']} tok/s"
+            + (f"  gpu {row['gpu_util_mean']}%" if "gpu_util_mean" in row else ""))
 
 
 def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
@@ -341,7 +402,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="herd: all clients start together; staggered: client starts spread over one "
                         "single-stream request time (steady-state arrivals)")
     p.add_argument("--model-name", default=None, help="model id to request (default: from /v1/models)")
-    p.add_argument("--launch", default=None, help="start these servers in turn: mlxcel, mlx_lm or both (comma)")
+    p.add_argument("--launch", default=None,
+                   help="start these servers in turn (comma): mlxcel, mlxcel-sync / mlxcel-async (MLXCEL_ASYNC_SCHED=0 / 1), "
+                        "mlx_lm")
     p.add_argument("--model-dir", default="models/smollm2-135m-instruct", help="checkpoint for --launch")
     p.add_argument("--parallel", type=int, default=8, help="concurrent sequences of launched servers (default 8)")
     p.add_argument("--rounds", type=int, default=2,
@@ -350,10 +413,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--label", default=None, help="server label in the rows (default: the launch kind or 'server')")
     p.add_argument("--api-key-file", default=None,
                    help=f"send the first key of this file as the Bearer token (default: ${ENV_KEY_FILE}, if set)")
+    p.add_argument("--warm-levels", action="store_true",
+                   help="before timing, send every server one short request per client at each level's concurrency")
+    p.add_argument("--gpu-util", action="store_true",
+                   help="sample GPU utilisation (nvidia-smi, every 100 ms) during every level into the rows")
+    p.add_argument("--step-trace", default=None,
+                   help="a launched mlxcel server writes its scheduler timeline here (MLXCEL_STEP_TRACE; "
+                        "summarise with python -m bench.step_trace FILE)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
     args = p.parse_args(argv)
     args.headers = auth_headers(read_api_key(args.api_key_file))
     return args
+
+
+def warm_levels(servers: dict[str, tuple[str, str]], args: argparse.Namespace) -> None:
+    """One unrecorded short request per client at every level's concurrency, on every server: the batch
+    shapes a level decodes compile their kernels here (a GPU), not inside its first timed round."""
+    for label, (url, name) in servers.items():
+        for n in args.concurrency:
+            asyncio.run(run_level(url, name, n, 1, 8, args.ignore_eos, tag=f"warm-{n}", headers=args.headers))
 
 
 def run_side_by_side(servers: dict[str, tuple[str, str]], args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -361,6 +439,8 @@ def run_side_by_side(servers: dict[str, tuple[str, str]], args: argparse.Namespa
     shared machine, load from elsewhere then hits all alike instead of whichever ran during a busy minute."""
     labels = list(servers)
     rows: list[dict[str, Any]] = []
+    if args.warm_levels:
+        warm_levels(servers, args)
     for rnd in range(args.rounds):
         for j, n in enumerate(args.concurrency):
             for order, label in enumerate(level_order(labels, rnd, j)):
@@ -382,7 +462,8 @@ def run_launched(args: argparse.Namespace) -> list[dict[str, Any]]:
             port = _free_port()
             url = f"http://127.0.0.1:{port}"
             proc = subprocess.Popen(launch_command(kind, args.model_dir, port, args.parallel),
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                    env=launch_env(kind, args.step_trace))
             procs.append(proc)
             wait_until_serving(url, proc)
             servers[kind] = (url, args.model_name or model_name(url, kind, args.model_dir))
@@ -394,6 +475,26 @@ def run_launched(args: argparse.Namespace) -> list[dict[str, Any]]:
     return [{**r, "model_dir": args.model_dir} for r in rows]
 
 
+def ratios(rows: list[dict[str, Any]], baseline: str = "mlx_lm") -> list[dict[str, Any]]:
+    """Per level and server: aggregate tok/s over ``baseline``'s in the same round (ABBA pairs), as the
+    mean of the rounds' ratios with their range, and the mean GPU utilisation where it was sampled."""
+    out = []
+    for n in dict.fromkeys(r["concurrency"] for r in rows):
+        level = [r for r in rows if r["concurrency"] == n]
+        base = {r["round"]: r["agg_tps"] for r in level if r["server"] == baseline and r["agg_tps"]}
+        for server in dict.fromkeys(r["server"] for r in level):
+            mine = [r for r in level if r["server"] == server]
+            pairs = [r["agg_tps"] / base[r["round"]] for r in mine if r["round"] in base and r["agg_tps"]]
+            utils = [r["gpu_util_mean"] for r in mine if r.get("gpu_util_mean") is not None]
+            out.append({"bench": "serve_ratio", "server": server, "baseline": baseline, "concurrency": n,
+                        "agg_tps_mean": round(sum(r["agg_tps"] or 0 for r in mine) / len(mine), 2),
+                        "ratio_mean": round(sum(pairs) / len(pairs), 3) if pairs else None,
+                        "ratio_min": round(min(pairs), 3) if pairs else None,
+                        "ratio_max": round(max(pairs), 3) if pairs else None,
+                        "gpu_util_mean": round(sum(utils) / len(utils), 1) if utils else None})
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.launch:
@@ -403,7 +504,14 @@ def main(argv: list[str] | None = None) -> int:
         warm(args.url, name, args.headers)
         rows = run_side_by_side({args.label or "server": (args.url, name)}, args)
     stamp = time.strftime("%Y%m%d-%H%M%S")
+    summary = ratios(rows) if any(r["server"] == "mlx_lm" for r in rows) else []
+    for r in summary:
+        print(f"c={r['concurrency']:<3} {r['server']:>11} {r['agg_tps_mean']:>9} tok/s  x mlx_lm {r['ratio_mean']} "
+              f"({r['ratio_min']}-{r['ratio_max']})" + (f"  gpu {r['gpu_util_mean']}%" if r["gpu_util_mean"] else ""),
+              file=sys.stderr)
     write_jsonl(args.out / "serve_bench.jsonl", [{**r, "run": stamp} for r in rows])
+    if summary:  # a file of its own: the report reads serve_bench.jsonl's rows as levels
+        write_jsonl(args.out / "serve_ratio.jsonl", [{**r, "run": stamp} for r in summary])
     write_csv(args.out / f"serve_bench-{stamp}.csv", rows)
     print(f"serve_bench: {len(rows)} rows -> {args.out}/serve_bench.jsonl, serve_bench-{stamp}.csv", file=sys.stderr)
     return 1 if any(r["errors"] for r in rows) else 0

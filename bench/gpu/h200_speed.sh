@@ -14,6 +14,12 @@
 #   ds-q4             deepseek_v3 classes at DeepSeek-V2-Lite's scale (27 layers, hidden 2048, 64 experts, 6 active,
 #                     width 1408, 2 shared, MLA rank 512) 4-bit + moe_probe
 #   probe-bf16        bench/gpu/step_probe.py on the 0.6B bf16 shape: graph build vs step, plain / masked / compiled
+#   serve             issue 24 item 2: the single-node server (mlxcel serve, asynchronous scheduling), the same with
+#                     MLXCEL_ASYNC_SCHED=0 (mlxcel-sync) and mlx_lm.server, as users start them, on q06-q4 then
+#                     q06-bf16: bench/serve_bench.py, identical streaming prompts, ABBA over 2 rounds, 1/8/32 streams
+#                     (SERVE_STREAMS), SERVE_REQUESTS (2) requests of TOKENS tokens per client, GPU utilisation
+#                     sampled by nvidia-smi every 100 ms during each level, the mlxcel server's step trace
+#                     (summarised by bench/step_trace.py); about 3.5 min per checkpoint
 #   STREAMS=8   also part 2 of pipeline_bench: the single-node server against coordinator + stages at those streams
 #   handoff           issue 24 item 3, the KV handoff (~4 min): disagg_bench stages and e2e on the Qwen3-0.6B KV
 #                     shape (172 MB bf16 at 1,500 tokens; e2e per "crypto:intake" workers in HANDOFF_WORKERS,
@@ -115,6 +121,22 @@ for r in map(json.loads, sys.stdin):
     print({k: r[k] for k in keys if k in r})'
 }
 
+serve_suite() {  # bench/serve_bench.py: mlxcel (async), mlxcel-sync and mlx_lm.server per checkpoint
+  local model out
+  for model in ${SERVE_MODELS:-q06-q4 q06-bf16}; do
+    if [ "$(left)" -lt "${SERVE_BUDGET:-200}" ]; then echo "== skip serve $model: $(left) s left"; continue; fi
+    make_model "$model" || continue
+    out=$RES/serve-$model
+    echo "== serve $model ($(left) s left)"
+    python3 -m bench.serve_bench --launch "${SERVE_KINDS:-mlxcel,mlx_lm,mlxcel-sync}" --model-dir "/tmp/models/$model" \
+      --concurrency "${SERVE_STREAMS:-1,8,32}" --requests "${SERVE_REQUESTS:-2}" --max-tokens "$TOKENS" --parallel 32 \
+      --rounds 2 --warm-levels --gpu-util --step-trace "$out/steps.jsonl" --out "$out" 2>&1 | grep -v "^WARNING"
+    for trace in "$out"/steps*.jsonl; do
+      [ -s "$trace" ] && echo "-- $(basename "$trace")" && python3 -m bench.step_trace "$trace"
+    done
+  done
+}
+
 main() {
   install
   export PYTHONPATH=/tmp/site:$SRC MLXCEL_GIT_COMMIT=${MLXCEL_GIT_COMMIT:-} PYTHONUNBUFFERED=1
@@ -129,6 +151,8 @@ main() {
     case $s in
       tiny) suite tiny 10 ;;  # a smoke test of this script (CPU or GPU)
       handoff) handoff_suite ;;
+      serve) serve_suite ;;
+      serve-tiny) SERVE_MODELS=tiny SERVE_BUDGET=10 serve_suite ;;  # a smoke test of the serve suite
       probe-bf16) make_model q06-bf16 && python3 -m bench.gpu.step_probe -m /tmp/models/q06-bf16 --steps 64 \
                     --label h200-q06-bf16 --out "$RES/step_probe.jsonl" ;;
       q06-bf16) suite q06-bf16 150 ;;

@@ -13,4 +13,6 @@ Module map:
 - ``prefix_cache``  reuse the KV of earlier prompts that share a prefix
 - ``prompts``       user input -> token ids (chat template or raw)
 - ``stops``, ``textstream``  stop strings and streaming detokenization
+- ``emitter``       detokenization and event delivery off the scheduler thread (asynchronous scheduling)
+- ``steptrace``     the opt-in per-pass timeline of the scheduler thread (``MLXCEL_STEP_TRACE``)
 """

@@ -18,22 +18,27 @@ it; the receiving side installs what arrived with ``adopt``.
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence, Union
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
+from mlx_lm.models.cache import KVCache
 
+from mlxcel.engine import steptrace
 from mlxcel.engine.compiled_step import decode_forward
 from mlxcel.engine.model_slice import ModelSlice
 from mlxcel.engine.prefix_cache import PrefixCache
-from mlxcel.engine.runner import RowSampler, Sampled, SliceRunner
+from mlxcel.engine.runner import PendingSample, RowSampler, Sampled, SliceRunner
 from mlxcel.engine.sampling import SamplingParams
-from mlxcel.error_codes import CodedError
+from mlxcel.error_codes import CodedError, ErrorCode
 
 _steps = itertools.count(1)
+ASYNC_ENV = "MLXCEL_ASYNC_SCHED"
 
 
 @dataclass(eq=False)
@@ -45,7 +50,7 @@ class Step:
     """
 
     kind: str  # "prefill" | "decode"
-    rids: list[str]
+    rids: list[str]  # a decode row's token may be PREVIOUS (executors with ``lookahead``, below)
     tokens: list[list[int]]
     slot: int = -1  # the micro-batch of a decode step
     sample: bool = True
@@ -55,6 +60,8 @@ class Step:
     def rows(self) -> int:
         return len(self.rids)
 
+
+PREVIOUS = -1  # a decode row's input: the token this row sampled in the previous step of its micro-batch
 
 StepOutcome = Union[list[Sampled], None, BaseException]
 Done = Callable[[Step, StepOutcome], None]
@@ -106,6 +113,14 @@ class Executor(Protocol):
 
     # optional: ``cancel(rid)`` frees a sequence whose client gave up (the pipeline sends CANCEL, which
     # each stage acknowledges); without it the scheduler calls ``release(rid, None)``.
+    #
+    # optional: ``start_async()`` (returns the lookahead it allows, an int) and ``poll()``: asynchronous
+    # scheduling, for a driver that polls (the scheduler). Once started, such an executor's
+    # ``submit`` only queues the step on the device and returns; ``poll()`` waits for the oldest queued step
+    # and calls its ``done`` (steps complete in submission order; False when none is queued). Up to
+    # ``lookahead`` more decode steps of a micro-batch may be submitted while one is queued: a row of such a
+    # step that was in the step before takes the token ``PREVIOUS``, which the executor reads on the device
+    # from that step's samples, so the host plans step N+1 while the device runs step N.
 
     def stats(self) -> dict[str, float]:
         """Executor counters for /metrics."""
@@ -123,14 +138,30 @@ class LocalExecutor:
 
     ``exporter`` and ``importer`` convert KV for the wire (default: the mlx-lm caches themselves);
     ``step_delay_s`` sleeps before every decode step (a test and rehearsal aid).
+
+    Asynchronous scheduling (``start_async``, which the scheduler calls; lookahead 1 on a GPU where every
+    layer's cache is a plain ``KVCache``, 0 on a CPU unless ``MLXCEL_ASYNC_SCHED=1``, with
+    ``MLXCEL_ASYNC_SCHED=0`` or with ``lookahead=0``): ``submit`` builds the step's graph and
+    queues it with ``mx.async_eval``, sampling included, and ``poll`` reads the sampled ids of the oldest
+    step (one transfer for the batch) and reports it. A row that ended at step N (EOS, a stop string,
+    a cancel) has already been queued in step N+1; that token is dropped and its cache holds one
+    position more than its tokens, which the prefix cache cuts off. A row that reaches ``max_tokens`` at
+    step N is known in advance: step N+1 leaves it out, and it keeps its own cache until released. Layers whose cache cannot be cut
+    (sliding windows, linear attention) keep ``lookahead`` 0, so their caches never see such a position.
     """
 
     depth = 1
 
     def __init__(self, model: Any, *, max_batch_size: int, prefix_cache_bytes: int = 0,
-                 exporter: Exporter | None = None, importer: Importer | None = None, step_delay_s: float = 0.0):
+                 exporter: Exporter | None = None, importer: Importer | None = None, step_delay_s: float = 0.0,
+                 lookahead: int | None = None):
         self.micro_batch_size = max_batch_size
         self.runners = [whole_model_runner(model, max_rows=max_batch_size)]
+        # what asynchronous scheduling may use here; in effect (``lookahead``) once a driver that polls asks
+        self.max_lookahead = default_lookahead(self.runners[0]) if lookahead is None else min(max(lookahead, 0), 1)
+        self.lookahead = 0
+        self._queued: deque[tuple[Step, Any, Done]] = deque()  # submitted, not yet reported (lookahead only)
+        self._last: dict[int, tuple[list[str], mx.array]] = {}  # slot -> rows and sampled ids of its last step
         self.prefix = PrefixCache(prefix_cache_bytes)
         self.exporter: Exporter = exporter or (lambda cache, length: cache)
         self.importer: Importer = importer or (lambda data: data)
@@ -188,8 +219,9 @@ class LocalExecutor:
         with self._lock:
             self._exports.pop(rid, None)
 
-    def _export(self, rid: str) -> None:
-        """Export ``rid``'s KV if ``export_on_finish`` asked for it (on the model's thread)."""
+    def _export(self, rid: str, tokens: int) -> None:
+        """Export ``rid``'s KV if ``export_on_finish`` asked for it (on the model's thread): its first
+        ``tokens`` positions (a row queued one step past its end holds one more)."""
         with self._lock:
             if rid not in self._exports:
                 return
@@ -197,7 +229,8 @@ class LocalExecutor:
         got: KVExport | Exception | None = None
         try:
             if taken is not None:
-                got = KVExport(self.exporter(*taken), taken[1])
+                length = min(taken[1], tokens)
+                got = KVExport(self.exporter(taken[0], length), length)
         except Exception as exc:  # noqa: BLE001 - request_finished raises it to the sender
             got = exc
         with self._lock:
@@ -205,27 +238,92 @@ class LocalExecutor:
                 self._exports[rid] = got
 
     def submit(self, step: Step, done: Done) -> None:
+        if self.lookahead:
+            try:
+                queued: Any = self._launch(step)
+            except Exception as exc:  # noqa: BLE001 - reported in order by poll, like a result
+                queued = exc
+            self._queued.append((step, queued, done))
+            return
         try:
             outcome: StepOutcome = self.run(step)
         except Exception as exc:  # noqa: BLE001 - reported to the scheduler, which fails the rows
             outcome = exc
         done(step, outcome)
 
+    def start_async(self) -> int:
+        """Turn asynchronous scheduling on (for a driver that calls ``poll``: the scheduler); returns the
+        lookahead now in effect. Until then ``submit`` runs each step to its end and reports it at once."""
+        self.lookahead = self.max_lookahead
+        self.runners[0].keep_dropped = bool(self.lookahead)
+        return self.lookahead
+
+    def poll(self) -> bool:
+        """Wait for the oldest queued step and report it through its ``done``; False if none is queued."""
+        if not self._queued:
+            return False
+        step, queued, done = self._queued.popleft()
+        outcome: StepOutcome
+        if isinstance(queued, BaseException) or queued is None:
+            outcome = queued
+        else:
+            try:
+                outcome = queued.resolve()
+            except Exception as exc:  # noqa: BLE001 - as in submit
+                outcome = exc
+        done(step, outcome)
+        return True
+
     def run(self, step: Step) -> list[Sampled] | None:
+        """Run ``step`` now and wait for its result (the synchronous path)."""
+        out = self._launch(step, lazy=False)
+        return out
+
+    def _launch(self, step: Step, lazy: bool = True) -> Any:
+        """Build ``step`` and queue it on the device (``lazy``), or run it to the end."""
         if self.step_delay_s and step.kind == "decode":
             time.sleep(self.step_delay_s)
         with mx.stream(generation_stream):
-            x: Any = mx.array(step.tokens, dtype=mx.uint32)
+            x: Any = self._inputs(step)
             for runner in self.runners:
                 if step.kind == "prefill":
-                    x = runner.prefill(step.rids[0], x, sample=step.sample)
+                    x = runner.prefill(step.rids[0], x, sample=step.sample, lazy=lazy)
                 else:
-                    x = runner.decode(step.slot, step.rids, x)
+                    x = runner.decode(step.slot, step.rids, x, lazy=lazy)
+        if step.kind == "decode" and isinstance(x, PendingSample):
+            self._last[step.slot] = (list(step.rids), x.tokens)
         return x
+
+    def _inputs(self, step: Step) -> mx.array:
+        """The step's token ids [rows, positions]; ``PREVIOUS`` rows read the last step's samples on the device."""
+        if step.kind != "decode" or all(t[0] != PREVIOUS for t in step.tokens):
+            return mx.array(step.tokens, dtype=mx.uint32)
+        if step.slot not in self._last:
+            raise ExecutorError(f"micro-batch {step.slot} has no previous step to take tokens from",
+                                ErrorCode.BAD_REQUEST)
+        rids, sampled = self._last[step.slot]
+        where = {rid: i for i, rid in enumerate(rids)}
+        literals = [t[0] for t in step.tokens if t[0] != PREVIOUS]
+        index, j = [], len(rids)
+        for rid, t in zip(step.rids, step.tokens):
+            if t[0] != PREVIOUS:
+                index.append(j)
+                j += 1
+            elif rid in where:
+                index.append(where[rid])
+            else:
+                raise ExecutorError(f"request {rid} was not in the previous step of micro-batch {step.slot}",
+                                    ErrorCode.BAD_REQUEST)
+        source = sampled.astype(mx.uint32)
+        if literals:
+            source = mx.concatenate([source, mx.array(literals, dtype=mx.uint32)])
+        if index == list(range(len(rids))) and not literals:
+            return source.reshape(-1, 1)
+        return source[mx.array(index, dtype=mx.int32)].reshape(-1, 1)
 
     def release(self, rid: str, tokens: Sequence[int] | None = None) -> None:
         if tokens is not None:
-            self._export(rid)
+            self._export(rid, len(tokens))
         if tokens is not None and self.prefix.max_bytes > 0:
             taken = self.runners[0].take_cache(rid)
             if taken is not None:
@@ -242,11 +340,32 @@ class LocalExecutor:
         return {"status": "ok"}
 
     def close(self) -> None:
+        self._queued.clear()
+        self._last.clear()
         for runner in self.runners:
             runner.release_all()
         with self._lock:
             self._exports.clear()
         mx.synchronize(generation_stream)
+
+
+def default_lookahead(runner: SliceRunner) -> int:
+    """1 (asynchronous scheduling) where every layer's cache is a plain ``KVCache``, whose extra position
+    after an ended row can be cut off, and the device is a GPU; 0 otherwise. ``MLXCEL_ASYNC_SCHED=1``
+    turns it on on a CPU too, ``=0`` off everywhere.
+
+    Off on a CPU by default: MLX's CPU backend runs most of a step inside ``mx.async_eval`` itself (the
+    step trace puts the device time under ``build`` there), so nothing overlaps, and the thinner steps
+    of the first tokens cost more than they save (docs/benchmarks.md)."""
+    value = os.environ.get(ASYNC_ENV, "").strip().lower()
+    if value in ("0", "false", "no", "off"):
+        return 0
+    if value and value not in ("1", "true", "yes", "on"):
+        raise ValueError(f"{ASYNC_ENV} must be 1 or 0, got {value!r}")
+    if not value and mx.default_device().type != mx.DeviceType.gpu:
+        return 0
+    caches = runner._make_cache()  # noqa: SLF001 - the layer caches a sequence gets
+    return 1 if caches and all(type(c) is KVCache for c in caches) else 0
 
 
 def whole_model_runner(model: Any, *, max_rows: int) -> SliceRunner:

@@ -116,6 +116,15 @@ class EventStream:
             self.cancelled = True
             self._on_cancel(self.request.request_id)
 
+    def next_nowait(self) -> Event | None:
+        """The next event if one was delivered already, else None (then ``await`` the stream)."""
+        if self.finished or self._queue.empty():
+            return None
+        event = self._queue.get_nowait()
+        if isinstance(event, FinishEvent):
+            self.finished = True
+        return event
+
     def __aiter__(self) -> "EventStream":
         return self
 

@@ -23,6 +23,7 @@ from typing import Callable, Sequence
 import mlx.core as mx
 
 from mlxcel.config import MAX_TOP_LOGPROBS
+from mlxcel.engine import steptrace
 from mlxcel.engine.sampling import SamplingParams, make_sampler
 from mlxcel.error_codes import CodedError, ErrorCode
 
@@ -66,8 +67,53 @@ class RowSampler:
             skip(draws)
 
 
-def sample_rows(logits: mx.array, rows: Sequence[RowSampler]) -> list[Sampled]:
-    """Sample one token per row from last-position logits [B, V]."""
+@dataclass
+class PendingSample:
+    """The sampled rows of one step as device arrays, not yet read: ``tokens`` [B], and where a row asks
+    for log-probabilities the chosen ones [B] and the top alternatives [B, k] (ids and values).
+
+    ``arrays`` is what to evaluate (``mx.async_eval`` queues it behind the step's forward); ``resolve``
+    reads them in one transfer per array, for the whole batch, never per row."""
+
+    rows: Sequence[RowSampler]
+    tokens: mx.array
+    chosen: mx.array | None = None
+    top_ids: mx.array | None = None
+    top_values: mx.array | None = None
+
+    @property
+    def arrays(self) -> list[mx.array]:
+        return [a for a in (self.tokens, self.chosen, self.top_ids, self.top_values) if a is not None]
+
+    def resolve(self) -> list[Sampled]:
+        """Wait for the arrays and build one ``Sampled`` per row."""
+        with steptrace.phase("device"):
+            mx.eval(self.arrays)
+        with steptrace.phase("sample"):
+            return self._rows()
+
+    def _rows(self) -> list[Sampled]:
+        ids = self.tokens.tolist()
+        if self.chosen is None:
+            return [Sampled(int(t)) for t in ids]
+        chosen = self.chosen.tolist()
+        top_ids = self.top_ids.tolist() if self.top_ids is not None else None
+        top_values = self.top_values.tolist() if self.top_values is not None else None
+        out = []
+        for i, (token, row) in enumerate(zip(ids, self.rows)):
+            if not row.params.logprobs:
+                out.append(Sampled(int(token)))
+                continue
+            top: tuple[tuple[int, float], ...] = ()
+            if row.top_logprobs and top_ids is not None and top_values is not None:
+                pairs = list(zip(top_ids[i], top_values[i]))[: row.top_logprobs]
+                top = tuple((int(t), float(v)) for t, v in sorted(pairs, key=lambda p: -p[1]))
+            out.append(Sampled(int(token), float(chosen[i]), top))
+        return out
+
+
+def sample_lazy(logits: mx.array, rows: Sequence[RowSampler]) -> PendingSample:
+    """Sample one token per row from last-position logits [B, V], on the device, without waiting."""
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     if all(r.sampler is None for r in rows):
         tokens = mx.argmax(logprobs, axis=-1)
@@ -76,22 +122,25 @@ def sample_rows(logits: mx.array, rows: Sequence[RowSampler]) -> list[Sampled]:
             (r.sampler(logprobs[i : i + 1]) if r.sampler else mx.argmax(logprobs[i : i + 1], axis=-1)).reshape(1)
             for i, r in enumerate(rows)
         ])
-    mx.eval(tokens)
-    ids = tokens.tolist()
-    out = []
-    for i, (token, row) in enumerate(zip(ids, rows)):
-        if not row.params.logprobs:
-            out.append(Sampled(int(token)))
-            continue
-        lp = logprobs[i]
-        top: tuple[tuple[int, float], ...] = ()
-        if row.top_logprobs:
-            k = min(row.top_logprobs, lp.shape[-1])
-            idx = mx.argpartition(-lp, kth=k - 1)[:k]
-            pairs = sorted(zip(idx.tolist(), lp[idx].tolist()), key=lambda p: -p[1])
-            top = tuple((int(t), float(v)) for t, v in pairs)
-        out.append(Sampled(int(token), float(lp[token].item()), top))
-    return out
+    pending = PendingSample(rows, tokens)
+    if any(r.params.logprobs for r in rows):
+        pending.chosen = mx.take_along_axis(logprobs, tokens.reshape(-1, 1).astype(mx.int32), axis=-1).reshape(-1)
+        k = min(max((r.top_logprobs for r in rows if r.params.logprobs), default=0), logprobs.shape[-1])
+        if k:
+            # the k best of every row (a row asking fewer keeps its first ones after the sort in resolve)
+            idx = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[:, :k]
+            vals = mx.take_along_axis(logprobs, idx, axis=-1)
+            order = mx.argsort(-vals, axis=-1)
+            pending.top_ids = mx.take_along_axis(idx, order, axis=-1)
+            pending.top_values = mx.take_along_axis(vals, order, axis=-1)
+    return pending
+
+
+def sample_rows(logits: mx.array, rows: Sequence[RowSampler]) -> list[Sampled]:
+    """Sample one token per row from last-position logits [B, V] and read them (one transfer per step)."""
+    with steptrace.phase("build"):
+        pending = sample_lazy(logits, rows)
+    return pending.resolve()
 
 
 @dataclass(eq=False)
@@ -126,6 +175,9 @@ class SliceRunner:
         self.max_rows = max_rows
         self._seqs: dict[str, _Seq] = {}
         self._slots: dict[int, _Slot] = {}
+        # a row a decode step no longer names keeps its own cache until released (asynchronous scheduling
+        # plans step N+1 without the rows that end at step N), instead of being forgotten at once
+        self.keep_dropped = False
 
     # -- sequences -------------------------------------------------------------------------
 
@@ -163,49 +215,60 @@ class SliceRunner:
         slot = self._slots[seq.slot]
         if len(slot.rids) == 1 and not slot.batched:
             return slot.cache, seq.length
-        i = slot.rids.index(rid)
-        return [c.extract(i) for c in slot.cache], seq.length
+        return self._row_cache(slot, slot.rids.index(rid)), seq.length
 
     # -- compute ---------------------------------------------------------------------------
 
-    def prefill(self, rid: str, inputs: mx.array, *, sample: bool, logits: bool = False) -> mx.array | list[Sampled] | None:
+    def prefill(self, rid: str, inputs: mx.array, *, sample: bool, logits: bool = False,
+                lazy: bool = False) -> mx.array | list[Sampled] | PendingSample | None:
         """One chunk of one sequence's prompt: token ids [1, L] (first slice) or hidden [1, L, D].
 
         Returns the hidden states to pass on (not last), the sampled first token (last, ``sample``;
         its last-position logits [1, V] instead when ``logits``), or None (last, an intermediate
-        chunk: only the cache is evaluated).
+        chunk: only the cache is evaluated). With ``lazy`` (last slice) nothing is waited for: the sampled
+        token comes as a ``PendingSample`` queued with ``mx.async_eval``, an intermediate chunk is queued.
         """
         seq = self._require(rid)
         if seq.slot is not None:
             raise RunnerError(ErrorCode.BAD_REQUEST, f"sequence {rid} is already decoding; it cannot be prefilled again")
-        out = self.forward(inputs, seq.cache)
+        with steptrace.phase("build"):
+            out = self.forward(inputs, seq.cache)
         seq.length += inputs.shape[1]
         if not self.is_last:
-            mx.eval(out)
+            with steptrace.phase("device"):
+                mx.eval(out)
             return out
         if not sample:
-            mx.eval([c.state for c in seq.cache])
+            if lazy:
+                mx.async_eval([c.state for c in seq.cache])
+                return None
+            with steptrace.phase("device"):
+                mx.eval([c.state for c in seq.cache])
             return None
         if logits:
             return self._logits(out)
-        return self._sample(out[:, -1, :], [seq])
+        return self._sample(out[:, -1, :], [seq], lazy)
 
-    def decode(self, slot_id: int, rids: Sequence[str], inputs: mx.array, *, logits: bool = False) -> mx.array | list[Sampled]:
-        """One decode step of micro-batch ``slot_id``: rows ``rids`` in order, inputs [B, 1] or [B, 1, D]."""
+    def decode(self, slot_id: int, rids: Sequence[str], inputs: mx.array, *, logits: bool = False,
+               lazy: bool = False) -> mx.array | list[Sampled] | PendingSample:
+        """One decode step of micro-batch ``slot_id``: rows ``rids`` in order, inputs [B, 1] or [B, 1, D]
+        (``lazy``: the sampled rows as a queued ``PendingSample``, as for ``prefill``)."""
         if not rids or len(rids) > self.max_rows:
             raise RunnerError(ErrorCode.BAD_REQUEST, f"a decode step needs 1 to {self.max_rows} rows, got {len(rids)}")
         if inputs.shape[0] != len(rids):
             raise RunnerError(ErrorCode.BAD_TENSOR, f"{inputs.shape[0]} input rows for {len(rids)} request ids")
-        slot = self._reconcile(slot_id, list(rids))
-        out = self.forward(inputs, slot.cache)
+        with steptrace.phase("build"):
+            slot = self._reconcile(slot_id, list(rids))
+            out = self.forward(inputs, slot.cache)
         for rid in rids:
             self._seqs[rid].length += 1
         if not self.is_last:
-            mx.eval(out)
+            with steptrace.phase("device"):
+                mx.eval(out)
             return out
         if logits:
             return self._logits(out)
-        return self._sample(out[:, -1, :], [self._seqs[r] for r in rids])
+        return self._sample(out[:, -1, :], [self._seqs[r] for r in rids], lazy)
 
     @staticmethod
     def _logits(out: mx.array) -> mx.array:
@@ -214,9 +277,14 @@ class SliceRunner:
         mx.eval(x)
         return x
 
-    def _sample(self, logits: mx.array, seqs: list[_Seq]) -> list[Sampled]:
+    def _sample(self, logits: mx.array, seqs: list[_Seq], lazy: bool = False) -> list[Sampled] | PendingSample:
         rows = [s.row or RowSampler(SamplingParams()) for s in seqs]
-        return sample_rows(logits, rows)
+        if not lazy:
+            return sample_rows(logits, rows)
+        with steptrace.phase("build"):
+            pending = sample_lazy(logits, rows)
+            mx.async_eval(pending.arrays)
+        return pending
 
     # -- slots -----------------------------------------------------------------------------
 
@@ -243,15 +311,25 @@ class SliceRunner:
             if seq.slot is not None:
                 raise RunnerError(ErrorCode.BAD_REQUEST, f"request {seq.rid} already decodes in micro-batch {seq.slot}")
         if len(keep) != len(slot.rids):
-            for r in slot.rids:
+            for i, r in enumerate(slot.rids):
                 if r not in wanted and r in self._seqs:
-                    del self._seqs[r]  # dropped by the coordinator: finished or cancelled
+                    if self.keep_dropped:  # ends with the step in flight: its release (and prefix entry) follows
+                        seq = self._seqs[r]
+                        seq.cache, seq.slot = self._row_cache(slot, i), None
+                    else:
+                        del self._seqs[r]  # dropped by the coordinator: finished or cancelled
             self._filter(slot, [i for i, r in enumerate(slot.rids) if r in wanted])
         if joining:
             self._append(slot, joining)
         for seq in joining:
             seq.slot, seq.cache = slot_id, None
         return slot
+
+    @staticmethod
+    def _row_cache(slot: _Slot, i: int) -> list:
+        if len(slot.rids) == 1 and not slot.batched:
+            return slot.cache
+        return [c.extract(i) for c in slot.cache]
 
     def _filter(self, slot: _Slot, indices: list[int]) -> None:
         slot.rids = [slot.rids[i] for i in indices]

@@ -72,7 +72,9 @@ from mlxcel.config import (
     DEFAULT_PREFIX_CACHE_MB,
     PREFILL_STEP,
 )
-from mlxcel.engine.executor import Executor, Step, StepOutcome
+from mlxcel.engine import steptrace
+from mlxcel.engine.emitter import Emitter, FinishOut, TokenOut
+from mlxcel.engine.executor import PREVIOUS, Executor, Step, StepOutcome
 from mlxcel.engine.interface import (
     EngineOverloaded,
     EngineRequest,
@@ -150,10 +152,12 @@ class _Sequence:
     request: EngineRequest
     stream: Any  # EventStream (or a sink during warmup)
     text: SequenceText
+    offthread: bool = False  # its text is assembled on the emitter thread (no stop strings to decide on)
     todo: list[int] = field(default_factory=list)  # prompt tokens not yet prefilled
     generated: list[int] = field(default_factory=list)
     group: int | None = None  # decode micro-batch, once RUNNING
     busy: bool = False  # a prefill step of it is in flight
+    decoding: int = 0  # decode steps naming it in flight (2 while the next is queued behind the current)
     handoff: _Handoff | None = None  # prefilled elsewhere: adopted on admission instead of prefilled
     state: RequestState = RequestState.WAITING
     params: SamplingParams | None = None  # the request's, its seed resolved where a resume must replay it
@@ -231,7 +235,14 @@ class Scheduler:
             S.WAITING: self._waiting, S.PREFILLING: self._prefilling, S.JOINING: self._joining,
             S.RESUMING: self._resuming}
         self._groups: list[list[str]] = [[] for _ in range(executor.depth)]
-        self._group_busy = [False] * executor.depth
+        # decode steps in flight per group: at most 1, or 1 + lookahead over an asynchronous executor
+        self._group_inflight = [0] * executor.depth
+        start_async = getattr(executor, "start_async", None)  # asynchronous scheduling: steps complete via poll
+        self._lookahead = int(start_async()) if callable(start_async) else 0
+        self._poll = getattr(executor, "poll", None) if self._lookahead else None
+        # with asynchronous scheduling, detokenization and delivery run on their own thread (engine/emitter.py)
+        self._emitter = Emitter() if self._lookahead else None
+        self._outbox: list[TokenOut | FinishOut] = []  # this pass's events for the emitter, sent as one batch
         self._steps_inflight = 0
         self._deferred: list[tuple[str, list[int] | None, int | None, bool]] = []  # (rid, tokens, slot or None, cancelled)
         self._last_kind = "decode"
@@ -239,6 +250,7 @@ class Scheduler:
         self._hold_error: BaseException | None = None  # while holding: the last failed start's error
         self._last_prefilled: str | None = None  # the sequence of the last prompt chunk submitted
         self.counters = EngineCounters()
+        self._trace = steptrace.from_env()  # MLXCEL_STEP_TRACE: a per-pass timeline of this thread
         self._thread = threading.Thread(target=self._run, name="mlxcel-scheduler", daemon=True)
 
     # -- the Engine interface (event loop side) -------------------------------------------------
@@ -326,23 +338,52 @@ class Scheduler:
         while self._turn():
             pass
         self._fail_all("the server is shutting down", ErrorCode.UNAVAILABLE)
+        self._flush_outbox()
+        if self._emitter is not None:
+            self._emitter.close()
 
     def _turn(self) -> bool:
         """One pass of the loop; False when told to stop. A bug raised here fails the requests open at
         that moment (500) instead of ending the thread and hanging every request after it."""
         try:
-            if not self._handle(block=self._idle()):
+            if not self._handle(block=self._idle() and not self._pollable()):
+                if self._trace is not None:  # the steps applied before the stop still get their line
+                    self._trace.end_pass(running=len(self._seqs) - len(self._waiting), waiting=len(self._waiting))
                 return False
+            self._flush_outbox()  # the tokens just applied go out while the device runs the next step
             self._resume_due()
             self._admit()
             self._submit_work()
+            self._flush_outbox()
+            self._pump()
+            if self._trace is not None:
+                self._trace.end_pass(running=len(self._seqs) - len(self._waiting), waiting=len(self._waiting))
         except Exception as exc:  # noqa: BLE001 - the scheduler thread must outlive any one step's bug
             log.exception("scheduler: internal error; failing the requests in flight")
             try:
                 self._fail_all(f"internal error in the scheduler: {exc}")
+                self._flush_outbox()
             except Exception:  # noqa: BLE001 - nothing left to fail them with; keep serving new ones
                 log.exception("scheduler: could not fail the requests in flight")
         return True
+
+    def _flush_outbox(self) -> None:
+        if self._outbox:
+            assert self._emitter is not None
+            with steptrace.phase("emit"):
+                self._emitter.send(self._outbox)
+            self._outbox = []
+
+    def _pollable(self) -> bool:
+        """Steps are queued on an asynchronous executor: they complete through ``poll``, not on their own."""
+        return self._poll is not None and self._steps_inflight > 0
+
+    def _pump(self) -> None:
+        """Wait for the oldest queued step of an asynchronous executor (its ``done`` fills the inbox); the
+        step after it is queued already, so the device works on while this thread applies the result."""
+        if self._pollable():
+            assert self._poll is not None
+            self._poll()
 
     def _idle(self) -> bool:
         """Nothing to do but wait for an input: a step in flight, no request, or only resumes not due yet."""
@@ -356,7 +397,11 @@ class Scheduler:
     def _handle(self, *, block: bool) -> bool:
         """Apply queued inputs (blocking for the first one if asked); False when told to stop."""
         try:
-            item = self._inbox.get(timeout=IDLE_WAIT_S) if block else self._inbox.get_nowait()
+            if block and self._trace is not None:
+                with self._trace.phase("idle"):
+                    item = self._inbox.get(timeout=IDLE_WAIT_S)
+            else:
+                item = self._inbox.get(timeout=IDLE_WAIT_S) if block else self._inbox.get_nowait()
         except queue.Empty:
             return True
         while True:
@@ -389,11 +434,15 @@ class Scheduler:
             self._inflight_requests += len(prompts)
         self._admit()
         self._submit_work()
-        while self._seqs:
-            self._handle(block=True)
+        while self._seqs or self._steps_inflight:  # a queued step past the warmup's end is drained too
+            self._pump()
+            self._handle(block=not self._pollable())
             self._admit()
             self._submit_work()
+        self._flush_outbox()
         self.counters = EngineCounters()  # warmup is not traffic
+        if self._trace is not None:
+            self._trace.discard()
         log.info("warmup done in %.2fs", time.perf_counter() - start)
 
     def _template_preamble(self) -> list[int] | None:
@@ -416,7 +465,8 @@ class Scheduler:
         params = req.params
         if self.resume is not None and not params.greedy and params.seed is None:
             params = replace(params, seed=random_seed())  # a resume replays the same random stream
-        seq = _Sequence(req, stream, SequenceText(self._tokenizer, req.params.stop), handoff=handoff, params=params)
+        seq = _Sequence(req, stream, SequenceText(self._tokenizer, req.params.stop), handoff=handoff, params=params,
+                        offthread=self._emitter is not None and not req.params.stop)
         self._seqs[req.request_id] = seq
         self._waiting.append(seq)
         if self._hold_next:  # the executor cannot start requests now: this one is held from its arrival
@@ -492,7 +542,10 @@ class Scheduler:
     # -- planning steps --------------------------------------------------------------------------
 
     def _submit_work(self) -> None:
-        while self._steps_inflight < self.executor.depth:
+        # asynchronous: each group's step N+1 queued behind step N, and a prompt chunk beside them, so new
+        # prompts join the batch as fast as with the synchronous alternation
+        limit = self.executor.depth + (self._lookahead + 1 if self._lookahead else 0)
+        while self._steps_inflight < limit:
             step = self._next_step()
             if step is None:
                 return
@@ -502,6 +555,8 @@ class Scheduler:
                 self.counters.overlapped_steps += 1
             self._steps_inflight += 1
             self.counters.inflight_steps = self._steps_inflight
+            if self._trace is not None:
+                self._trace.step("submitted", step.kind, step.rows)
             try:
                 self.executor.submit(step, self._step_done)
             except Exception as exc:  # noqa: BLE001 - an executor must report failures through done; if it
@@ -516,6 +571,12 @@ class Scheduler:
         order = (self._prefill_step, self._decode_step)
         if self._last_kind == "prefill" and not self._last_token_due():
             order = order[::-1]
+        if self._lookahead and self._prefilling and self._prefilling[0].busy:
+            # a prompt step is queued: keep the synchronous order instead of queueing decode steps ahead of
+            # the prompts (after a decode step the prompt's next step; its last token at once; the decode step
+            # after its last token takes it along)
+            if self._last_kind == "decode" or len(self._prefilling[0].todo) < 2:
+                return None
         for plan in order:
             step = plan()
             if step is not None:
@@ -543,21 +604,28 @@ class Scheduler:
         rows = sum(len(m) for m in self._groups) + len(self._joining)
         share = size if self._fill else min(size, -(-rows // self.executor.depth))
         target = next((g for g, m in enumerate(self._groups) if len(m) < size), None) if self._fill else None
-        for g, busy in enumerate(self._group_busy):
-            if busy:
+        for g, inflight in enumerate(self._group_inflight):
+            if inflight > self._lookahead:
                 continue
             members = self._groups[g]
+            members[:] = [r for r in members if r in self._seqs]  # ended while a queued step named them
             while self._joining and len(members) < share and target in (None, g):
                 seq = self._joining[0]
                 self._move(seq, S.RUNNING)
                 seq.group = g
                 members.append(seq.rid)
-            if not members:
+            # with a step of this group in flight (lookahead), a row that step brings to max_tokens sits out
+            seqs = [q for q in (self._seqs[r] for r in members)
+                    if not q.decoding or len(q.generated) + q.decoding < q.request.params.max_tokens]
+            if not seqs:
                 continue
-            self._group_busy[g] = True
-            tokens = [[self._seqs[r].generated[-1]] for r in members]
-            self._count_decode(len(members))
-            return Step("decode", list(members), tokens, slot=g)
+            self._group_inflight[g] += 1
+            # a row still in the step in flight takes that step's token, read on the device (PREVIOUS)
+            tokens = [[PREVIOUS if seq.decoding else seq.generated[-1]] for seq in seqs]
+            for seq in seqs:
+                seq.decoding += 1
+            self._count_decode(len(seqs))
+            return Step("decode", [q.rid for q in seqs], tokens, slot=g)
         return None
 
     def _count_decode(self, rows: int) -> None:
@@ -571,12 +639,17 @@ class Scheduler:
     # -- results ---------------------------------------------------------------------------------
 
     def _apply(self, step: Step, outcome: StepOutcome) -> None:
+        if self._trace is not None:
+            self._trace.step("applied", step.kind, step.rows)
         self._steps_inflight -= 1
         self.counters.inflight_steps = self._steps_inflight
         # The step no longer names its sequences: whatever ends them now (its outcome, its failure) frees
         # them at once; those that ended while it was in flight were deferred and are freed here.
         if step.kind == "decode":
-            self._group_busy[step.slot] = False
+            self._group_inflight[step.slot] -= 1
+            for rid in step.rids:
+                if (seq := self._seqs.get(rid)) is not None:
+                    seq.decoding -= 1
         elif (seq := self._seqs.get(step.rids[0])) is not None:
             seq.busy = False
         self._flush_releases(step)
@@ -626,10 +699,19 @@ class Scheduler:
             return False
         seq.generated.append(token)
         self.counters.generated_tokens += 1
-        text = seq.text.feed(token)
+        if seq.offthread:  # EOS and max_tokens need no text: the emitter thread makes it
+            self._outbox.append(TokenOut(seq.stream, seq.text, token, sampled.logprob if req.params.logprobs else None,
+                                         sampled.top_logprobs if req.params.logprobs else ()))
+            if len(seq.generated) >= req.params.max_tokens:
+                self._finish(seq, "length")
+                return False
+            return True
+        with steptrace.phase("detok"):
+            text = seq.text.feed(token)
         logprob = sampled.logprob if req.params.logprobs else None
         top = sampled.top_logprobs if req.params.logprobs else ()
-        seq.stream.push(TokenEvent(token, text, logprob, top))
+        with steptrace.phase("emit"):
+            seq.stream.push(TokenEvent(token, text, logprob, top))
         if seq.text.stopped:
             self._finish(seq, "stop")
             return False
@@ -766,9 +848,17 @@ class Scheduler:
 
     def _finish(self, seq: _Sequence, reason: str, error: str | None = None, code: ErrorCode | None = None) -> None:
         """End ``seq`` with ``reason`` ("stop", "length" or "error") and tell its client."""
-        tail = seq.text.finish() if error is None else ""
+        if seq.offthread:  # the emitter reads the tail after the tokens it has yet to detokenize
+            self._forget(seq, _FINISHED_BY_REASON[reason])
+            self._outbox.append(FinishOut(seq.stream, seq.text, FinishEvent(
+                reason, "", len(seq.request.prompt), len(seq.generated), error,
+                (code or ErrorCode.INTERNAL) if error is not None else None)))
+            return
+        with steptrace.phase("detok"):
+            tail = seq.text.finish() if error is None else ""
         self._forget(seq, _FINISHED_BY_REASON[reason])  # the slot is free before the client hears: no spurious 503
-        seq.stream.push(FinishEvent(reason, tail, len(seq.request.prompt), len(seq.generated), error,
+        with steptrace.phase("emit"):
+            seq.stream.push(FinishEvent(reason, tail, len(seq.request.prompt), len(seq.generated), error,
                                      (code or ErrorCode.INTERNAL) if error is not None else None))
 
     def _remove(self, request_id: str) -> None:
@@ -782,13 +872,15 @@ class Scheduler:
         sequence that stopped or reached its length offers its tokens for the prefix cache)."""
         was = self._move(seq, end)
         self._seqs.pop(seq.rid, None)
-        if was is S.RUNNING and seq.group is not None and not self._group_busy[seq.group]:
+        if was is S.RUNNING and seq.group is not None and not self._group_inflight[seq.group]:
             self._groups[seq.group] = [r for r in self._groups[seq.group] if r != seq.rid]
         if was not in (S.WAITING, S.RESUMING):  # a resuming sequence is released already
             keep, cancelled = end in (S.FINISHED_STOPPED, S.FINISHED_LENGTH), end is S.FINISHED_CANCELLED
             tokens = list(seq.request.prompt) + seq.generated if keep else None
-            if seq.busy or (seq.group is not None and self._group_busy[seq.group]):
-                # a step naming it is in flight: release after it, so no stage sees it vanish mid-step
+            if not self._lookahead and (seq.busy or (seq.group is not None and self._group_inflight[seq.group])):
+                # a step naming it is in flight: release after it, so no stage sees it vanish mid-step (an
+                # asynchronous executor has built its queued steps already: it frees the row at once, and
+                # the queued step's token for it is dropped)
                 self._deferred.append((seq.rid, tokens, seq.group if not seq.busy else None, cancelled))
             else:
                 self._release(seq.rid, tokens, cancelled)
@@ -817,8 +909,12 @@ class Scheduler:
             self._release(item[0], item[1], item[3])
 
     def _release_slot(self) -> None:
-        with self._lock:
+        with steptrace.phase("lock"):
+            self._lock.acquire()
+        try:
             self._inflight_requests -= 1
+        finally:
+            self._lock.release()
 
     def _fail_all(self, message: str, code: ErrorCode = ErrorCode.INTERNAL) -> None:
         for seq in list(self._seqs.values()):

@@ -11,7 +11,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Union
+from typing import Any, AsyncIterator, Callable, Union
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -70,6 +70,20 @@ class SSEResponse(StreamingResponse):
 def sse(payload: p.BaseModel | dict) -> str:
     data = payload if isinstance(payload, dict) else payload.model_dump(mode="json")
     return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+_MARK = "\x00mlxcel-text\x00"
+
+
+def text_template(render: Callable[[str], str]) -> Callable[[str], str]:
+    """A chunk renderer for text alone: ``render(text)`` once with a marker, then the bytes around the
+    marker's JSON string and ``json.dumps`` of each text between them (the same bytes as ``render(text)``,
+    without building and dumping the pydantic model for every token)."""
+    whole, mark = render(_MARK), json.dumps(_MARK)
+    if whole.count(mark) != 1:
+        return render
+    head, tail = whole.split(mark)
+    return lambda text: head + json.dumps(text) + tail
 
 
 class OpenAIServing:
@@ -186,7 +200,9 @@ class OpenAIServing:
                 remaining = None if deadline is None else deadline - time.perf_counter()
                 if remaining is not None and remaining <= 0:
                     raise asyncio.TimeoutError
-                event = await asyncio.wait_for(stream.__anext__(), remaining)
+                event = stream.next_nowait()  # delivered already: no timer, no task (one per token otherwise)
+                if event is None:
+                    event = await asyncio.wait_for(stream.__anext__(), remaining)
                 now = time.perf_counter()
                 if isinstance(event, TokenEvent):
                     (self.metrics.ttft if first else self.metrics.itl).observe(now - (start if first else last))
@@ -245,13 +261,18 @@ class OpenAIServing:
             choice = p.ChatChunkChoice(delta=delta, logprobs=logprobs, finish_reason=finish)
             return sse(p.ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=[choice]))
 
+        text_chunk = text_template(lambda text: chunk(p.Delta(content=text)))
+
         async def body() -> AsyncIterator[str]:
             yield chunk(p.Delta(role="assistant", content=""))
             async for ev in self._events(stream):
                 if isinstance(ev, TokenEvent):
-                    lp = _chat_logprobs([ev], tokenizer) if ev.logprob is not None else None
-                    if ev.text or lp:
-                        yield chunk(p.Delta(content=ev.text), logprobs=lp)
+                    if ev.logprob is None:
+                        if ev.text:
+                            yield text_chunk(ev.text)
+                        continue
+                    lp = _chat_logprobs([ev], tokenizer)
+                    yield chunk(p.Delta(content=ev.text), logprobs=lp)
                     continue
                 if ev.text:
                     yield chunk(p.Delta(content=ev.text))
@@ -273,9 +294,14 @@ class OpenAIServing:
             choice = p.CompletionChoice(text=text, logprobs=logprobs, finish_reason=finish)
             return sse(p.Completion(id=rid, created=created, model=self.model_name, choices=[choice]))
 
+        text_chunk = text_template(lambda text: chunk(text))
+
         async def body() -> AsyncIterator[str]:
             async for ev in self._events(stream):
                 if isinstance(ev, TokenEvent):
+                    if ev.text and not want_logprobs:
+                        yield text_chunk(ev.text)
+                        continue
                     if ev.text or want_logprobs:
                         lp = _completion_logprobs([ev], tokenizer) if want_logprobs else None
                         yield chunk(ev.text, logprobs=lp)
