@@ -14,8 +14,9 @@
 #   ds-q4             deepseek_v3 classes at DeepSeek-V2-Lite's scale (27 layers, hidden 2048, 64 experts, 6 active,
 #                     width 1408, 2 shared, MLA rank 512) 4-bit + moe_probe
 #   probe-bf16        bench/gpu/step_probe.py on the 0.6B bf16 shape: graph build vs step, plain / masked / compiled
-#   serve             issue 24 item 2: the single-node server (mlxcel serve, asynchronous scheduling), the same with
-#                     MLXCEL_ASYNC_SCHED=0 (mlxcel-sync) and mlx_lm.server, as users start them, on q06-q4 then
+#   serve             issue 24 item 2: the single-node server (mlxcel serve, asynchronous scheduling) and
+#                     mlx_lm.server, as users start them (SERVE_KINDS, default mlxcel,mlx_lm; add mlxcel-sync,
+#                     MLXCEL_ASYNC_SCHED=0, only on its own: three servers on one GPU ran out of memory), on q06-q4 then
 #                     q06-bf16: bench/serve_bench.py, identical streaming prompts, ABBA over 2 rounds, 1/8/32 streams
 #                     (SERVE_STREAMS), SERVE_REQUESTS (2) requests of TOKENS tokens per client, GPU utilisation
 #                     sampled by nvidia-smi every 100 ms during each level, the mlxcel server's step trace
@@ -128,7 +129,7 @@ serve_suite() {  # bench/serve_bench.py: mlxcel (async), mlxcel-sync and mlx_lm.
     make_model "$model" || continue
     out=$RES/serve-$model
     echo "== serve $model ($(left) s left)"
-    python3 -m bench.serve_bench --launch "${SERVE_KINDS:-mlxcel,mlx_lm,mlxcel-sync}" --model-dir "/tmp/models/$model" \
+    python3 -m bench.serve_bench --launch "${SERVE_KINDS:-mlxcel,mlx_lm}" --model-dir "/tmp/models/$model" \
       --concurrency "${SERVE_STREAMS:-1,8,32}" --requests "${SERVE_REQUESTS:-2}" --max-tokens "$TOKENS" --parallel 32 \
       --rounds 2 --warm-levels --gpu-util --step-trace "$out/steps.jsonl" --out "$out" 2>&1 | grep -v "^WARNING"
     for trace in "$out"/steps*.jsonl; do
