@@ -290,7 +290,7 @@ def stop(proc: subprocess.Popen) -> None:
 def model_name(url: str, kind: str | None, model_dir: str | None, headers: dict[str, str] | None = None) -> str:
     if kind == "mlx_lm":
         return "default_model"  # mlx_lm.server's name for the model given on its command line
-    if kind.startswith("mlxcel") and model_dir:
+    if kind and kind.startswith("mlxcel") and model_dir:
         return Path(model_dir).resolve().name
     reply = httpx.get(f"{url}/v1/models", timeout=10, headers=headers)
     if reply.status_code == 401:

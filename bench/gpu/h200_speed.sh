@@ -131,8 +131,8 @@ serve_suite() {  # bench/serve_bench.py: mlxcel (async), mlxcel-sync and mlx_lm.
     echo "== serve $model ($(left) s left)"
     python3 -m bench.serve_bench --launch "${SERVE_KINDS:-mlxcel,mlx_lm}" --model-dir "/tmp/models/$model" \
       --concurrency "${SERVE_STREAMS:-1,8,32}" --requests "${SERVE_REQUESTS:-2}" --max-tokens "$TOKENS" --parallel 32 \
-      --rounds 2 --warm-levels --gpu-util --step-trace "$out/steps.jsonl" --out "$out" 2>&1 | grep -v "^WARNING"
-    for trace in "$out"/steps*.jsonl; do
+      --rounds 2 --warm-levels --gpu-util --step-trace "$out/trace-steps.jsonl" --out "$out" 2>&1 | grep -v "^WARNING"
+    for trace in "$out"/trace-steps*.jsonl; do
       [ -s "$trace" ] && echo "-- $(basename "$trace")" && python3 -m bench.step_trace "$trace"
     done
   done

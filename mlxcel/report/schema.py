@@ -160,6 +160,23 @@ SCHEMAS: dict[str, Schema] = {s.bench: s for s in (
             (_num, "bytes_per_prompt_token"), (_num, "prefill_ms"))),
         _num("load_1m", required=False, nullable=True),
     )),
+    Schema("disagg_stage", "disagg_stage", (  # bench/handoff_stages.py: one step of a KV handoff alone
+        _str("run"), _str("shape"), _int("prompt_tokens"), _int("tensor_bytes"), _str("stage"), _int("repeats"),
+        _num("p50_ms"), _num("min_ms"), _num("p95_ms"), _num("gib_s"), _str("model_dir", required=False, nullable=True),
+        _int("cpus", required=False, nullable=True), _num("load_1m", required=False, nullable=True),
+    )),
+    Schema("disagg_e2e", "disagg_e2e", (  # bench/handoff_stages.py: a whole KV handoff in one process
+        _str("run"), _str("shape"), _int("prompt_tokens"), _int("tensor_bytes"), _str("suite"), _int("repeats"),
+        _num("p50_ms"), _num("min_ms"), _num("p95_ms"), _num("gib_s"), _num("stream_p50_ms"), _num("stream_gib_s"),
+        _num("export_p50_ms"), _num("import_p50_ms"), _int("crypto_workers", required=False, nullable=True),
+        _int("intake_workers", required=False, nullable=True), _str("model_dir", required=False, nullable=True),
+        _int("cpus", required=False, nullable=True), _num("load_1m", required=False, nullable=True),
+    )),
+    Schema("serve_ratio", "serve_ratio", (  # bench/serve_bench.py: a server's aggregate over the baseline's
+        _str("run"), _str("server"), _str("baseline"), _int("concurrency"), _num("agg_tps_mean", nullable=True),
+        _num("ratio_mean", nullable=True), _num("ratio_min", nullable=True), _num("ratio_max", nullable=True),
+        _num("gpu_util_mean", required=False, nullable=True),
+    )),
     Schema("disagg_serve", "disagg_serve", (
         _str("run"), _str("topology"), _str("server"), _int("round"), _int("order"), _int("concurrency"),
         _int("requests"), _int("errors"), _str("error_sample", required=False, nullable=True), _int("max_tokens"),
