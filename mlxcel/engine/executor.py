@@ -29,7 +29,6 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import KVCache
 
-from mlxcel.engine import steptrace
 from mlxcel.engine.compiled_step import decode_forward
 from mlxcel.engine.model_slice import ModelSlice
 from mlxcel.engine.prefix_cache import PrefixCache
@@ -276,8 +275,7 @@ class LocalExecutor:
 
     def run(self, step: Step) -> list[Sampled] | None:
         """Run ``step`` now and wait for its result (the synchronous path)."""
-        out = self._launch(step, lazy=False)
-        return out
+        return self._launch(step, lazy=False)
 
     def _launch(self, step: Step, lazy: bool = True) -> Any:
         """Build ``step`` and queue it on the device (``lazy``), or run it to the end."""

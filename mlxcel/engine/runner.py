@@ -213,8 +213,6 @@ class SliceRunner:
         if seq.slot is None:
             return seq.cache, seq.length
         slot = self._slots[seq.slot]
-        if len(slot.rids) == 1 and not slot.batched:
-            return slot.cache, seq.length
         return self._row_cache(slot, slot.rids.index(rid)), seq.length
 
     # -- compute ---------------------------------------------------------------------------

@@ -347,8 +347,7 @@ class Scheduler:
         that moment (500) instead of ending the thread and hanging every request after it."""
         try:
             if not self._handle(block=self._idle() and not self._pollable()):
-                if self._trace is not None:  # the steps applied before the stop still get their line
-                    self._trace.end_pass(running=len(self._seqs) - len(self._waiting), waiting=len(self._waiting))
+                self._end_trace_pass()  # the steps applied before the stop still get their line
                 return False
             self._flush_outbox()  # the tokens just applied go out while the device runs the next step
             self._resume_due()
@@ -356,8 +355,7 @@ class Scheduler:
             self._submit_work()
             self._flush_outbox()
             self._pump()
-            if self._trace is not None:
-                self._trace.end_pass(running=len(self._seqs) - len(self._waiting), waiting=len(self._waiting))
+            self._end_trace_pass()
         except Exception as exc:  # noqa: BLE001 - the scheduler thread must outlive any one step's bug
             log.exception("scheduler: internal error; failing the requests in flight")
             try:
@@ -366,6 +364,10 @@ class Scheduler:
             except Exception:  # noqa: BLE001 - nothing left to fail them with; keep serving new ones
                 log.exception("scheduler: could not fail the requests in flight")
         return True
+
+    def _end_trace_pass(self) -> None:
+        if self._trace is not None:
+            self._trace.end_pass(running=len(self._seqs) - len(self._waiting), waiting=len(self._waiting))
 
     def _flush_outbox(self) -> None:
         if self._outbox:

@@ -133,8 +133,5 @@ def phase(name: str) -> Iterator[None]:
     if trace is None:
         yield
         return
-    start = time.perf_counter()
-    try:
+    with trace.phase(name):
         yield
-    finally:
-        trace.add(name, time.perf_counter() - start)
