@@ -141,11 +141,35 @@ def router_metrics(url: str) -> dict[str, float]:
     return reply.json().get("metrics", {}) if reply.status_code == 200 else {}
 
 
-def long_prompt(tokens: int, tag: str) -> str:
-    """About ``tokens`` tokens of English (SmolLM2's tokenizer: ~1.2 tokens per word here)."""
+def long_prompt(tokens: int, tag: str, model: str | None = None) -> str:
+    """About ``tokens`` prompt tokens of English, counted with ``model``'s own tokenizer when given.
+
+    Without a model it assumes SmolLM2's ~1.25 tokens per word; a random checkpoint's byte-level
+    tokenizer takes ~5 tokens per word, so its prompts are sized by counting."""
     words = FILLER.split()
-    n = max(1, int(tokens / 1.25))
-    return f"[{tag}] " + " ".join(words[i % len(words)] for i in range(n)) + "\nSummarize the text above."
+
+    def text(n: int) -> str:
+        return f"[{tag}] " + " ".join(words[i % len(words)] for i in range(max(1, n))) + "\nSummarize the text above."
+
+    guess = int(tokens / 1.25)
+    count = _token_counter(model)
+    if count is None:
+        return text(guess)
+    lo, hi = 1, max(2, guess) * 8  # the largest word count whose prompt stays within ``tokens``
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if count(text(mid)) <= tokens else (lo, mid - 1)
+    return text(lo)
+
+
+def _token_counter(model: str | None):
+    """``len(tokenizer.encode(text))`` for the checkpoint at ``model``, or None when it has no tokenizer."""
+    if not model or not (Path(model) / "tokenizer.json").exists():
+        return None
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(Path(model) / "tokenizer.json"))
+    return lambda text: len(tok.encode(text).ids)
 
 
 def stream_once(url: str, prompt: str, max_tokens: int) -> dict[str, float]:
@@ -157,7 +181,8 @@ def stream_once(url: str, prompt: str, max_tokens: int) -> dict[str, float]:
     import json
 
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as r:
-        r.raise_for_status()
+        if r.status_code != 200:
+            raise SystemExit(f"disagg_bench: {url}: HTTP {r.status_code}: {r.read().decode(errors='replace')[:2000]}")
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -187,7 +212,7 @@ def run_handoff(args: argparse.Namespace, secret: Path, common: list[str]) -> li
                 for position, topo in enumerate(order):
                     url = started[topo][0]
                     before = router_metrics(url) if topo != "hybrid" else {}
-                    got = stream_once(url, long_prompt(length, f"h{length}-{rep}"), args.max_tokens)
+                    got = stream_once(url, long_prompt(length, f"h{length}-{rep}", args.model), args.max_tokens)
                     row: dict[str, Any] = {"bench": "disagg_handoff", "topology": topo, "target_prompt_tokens": length,
                                            "repeat": rep, "order": position, **got, "load_1m": load_1m()}
                     if topo != "hybrid":
@@ -211,7 +236,7 @@ def run_serve(args: argparse.Namespace, secret: Path, common: list[str]) -> list
     from bench import serve_bench
 
     if args.long:  # serve_bench's request texts come from its PROMPTS list: lengthen them for this run
-        serve_bench.PROMPTS = [long_prompt(args.long_tokens, f"long{i}") for i in range(len(serve_bench.PROMPTS))]
+        serve_bench.PROMPTS = [long_prompt(args.long_tokens, f"long{i}", args.model) for i in range(len(serve_bench.PROMPTS))]
     sb_args = serve_bench.parse_args(["--concurrency", args.concurrency, "--requests", str(args.requests),
                                       "--max-tokens", str(args.max_tokens), "--rounds", str(args.rounds),
                                       "--ignore-eos"])
