@@ -27,6 +27,10 @@
 #                     default "0:0 2:0 2:4 4:4 8:4 4:1"), then disagg_bench handoff (hybrid vs router -> prefill -> decode) on the q06-bf16
 #                     checkpoint, 1,500-token prompts, HANDOFF_REPEATS (default 4) ABBA requests: rows in
 #                     handoff/disagg_bench.jsonl (environment included)
+#   profile           issue 24 item 2: py-spy samples (Python and native) of mlxcel serve at 32 streams on
+#                     PROFILE_MODEL (q06-bf16), with its step trace; needs py-spy at PY_SPY (/tmp/py-spy, carried in part A)
+#   handoff-serving   issue 24 item 3: disagg_bench handoff (1 stream) and serve (1 and 8 streams, 1,500-token prompts)
+#                     on q06-bf16, hybrid against router -> prefill -> decode
 # Everything lands in $OUT/results.tar.gz (rows, traces, logs) and $OUT/log.txt.
 set -uo pipefail
 SRC=$(cd "$(dirname "$0")/../.." && pwd)
@@ -122,6 +126,39 @@ for r in map(json.loads, sys.stdin):
     print({k: r[k] for k in keys if k in r})'
 }
 
+profile_suite() {  # issue 24 item 2: where the server's scheduler thread spends a 32-stream step (py-spy samples)
+  local out=$RES/profile pid port=18555 spy=${PY_SPY:-/tmp/py-spy}
+  [ -x "$spy" ] || { echo "== skip profile: no $spy (carry py-spy in part A)"; return 0; }
+  make_model "${PROFILE_MODEL:-q06-bf16}" || return 0
+  mkdir -p "$out"
+  echo "== profile ${PROFILE_MODEL:-q06-bf16} at 32 streams ($(left) s left)"
+  MLXCEL_STEP_TRACE=$out/trace-steps.jsonl python3 -m mlxcel serve -m "/tmp/models/${PROFILE_MODEL:-q06-bf16}" \
+    --host 127.0.0.5 --port $port --parallel 32 --max-batch-size 32 > "$out/server.log" 2>&1 &
+  pid=$!
+  for _ in $(seq 120); do curl -sf 127.0.0.5:$port/health >/dev/null && break; sleep 1; done
+  python3 -m bench.serve_bench --url http://127.0.0.5:$port --concurrency 32 --requests "${PROFILE_REQUESTS:-6}" \
+    --max-tokens "$TOKENS" --out "$out" > "$out/serve_bench.log" 2>&1 &
+  local bench_pid=$!
+  sleep 12
+  "$spy" record -p $pid -d 12 -r 250 -f raw --threads -o "$out/prof-python.txt" 2>&1 | tail -1
+  "$spy" record -p $pid -d 8 -r 100 -f raw --threads --native -o "$out/prof-native.txt" 2>&1 | tail -1
+  wait $bench_pid; tail -2 "$out/serve_bench.log" | cut -c1-400
+  kill $pid; wait $pid 2>/dev/null
+  python3 -m bench.step_trace "$out/trace-steps.jsonl" | head -12
+}
+
+handoff_serving() {  # issue 24 item 3: router -> prefill -> decode against one node, long prompts, 1 and 8 streams
+  make_model q06-bf16 || return 0
+  local out=$RES/handoff
+  echo "== handoff serving, 1 stream, q06-bf16 ($(left) s left)"
+  timeout $(( $(left) > 200 ? 150 : $(left) - 30 )) python3 -m bench.disagg_bench handoff -m /tmp/models/q06-bf16 \
+    --prompt-tokens 1500 --repeats "${HANDOFF_REPEATS:-4}" --max-tokens 16 --out "$out"
+  [ "$(left)" -gt 120 ] || return 0
+  echo "== handoff serving, 1 and 8 streams, q06-bf16 ($(left) s left)"
+  timeout $(( $(left) - 20 )) python3 -m bench.disagg_bench serve -m /tmp/models/q06-bf16 --topologies hybrid,1p1d \
+    --concurrency 1,8 --long --long-tokens 1500 --requests 2 --rounds 2 --max-tokens 32 --out "$out"
+}
+
 serve_suite() {  # bench/serve_bench.py: mlxcel (async), mlxcel-sync and mlx_lm.server per checkpoint
   local model out
   for model in ${SERVE_MODELS:-q06-q4 q06-bf16}; do
@@ -153,6 +190,8 @@ main() {
       tiny) suite tiny 10 ;;  # a smoke test of this script (CPU or GPU)
       handoff) handoff_suite ;;
       serve) serve_suite ;;
+      profile) profile_suite ;;
+      handoff-serving) handoff_serving ;;
       serve-tiny) SERVE_MODELS=tiny SERVE_BUDGET=10 serve_suite ;;  # a smoke test of the serve suite
       probe-bf16) make_model q06-bf16 && python3 -m bench.gpu.step_probe -m /tmp/models/q06-bf16 --steps 64 \
                     --label h200-q06-bf16 --out "$RES/step_probe.jsonl" ;;
