@@ -24,6 +24,7 @@ import mlx.core as mx
 
 from mlxcel.config import MAX_TOP_LOGPROBS
 from mlxcel.engine import steptrace
+from mlxcel.engine.batch_rows import Pads, extended_pads, extract_row, filter_rows, merged_pads
 from mlxcel.engine.sampling import SamplingParams, make_sampler
 from mlxcel.error_codes import CodedError, ErrorCode
 
@@ -159,6 +160,8 @@ class _Slot:
     # whether ``cache`` is merged (mlx-lm's batch caches); known here, since a one-row ArraysCache
     # (linear attention) looks like a merged one
     batched: bool = False
+    # per layer, each row's left padding in the batched cache, known on the host (``batch_rows``)
+    pads: list[Pads] = field(default_factory=list)
 
 
 class SliceRunner:
@@ -327,15 +330,14 @@ class SliceRunner:
     def _row_cache(slot: _Slot, i: int) -> list:
         if len(slot.rids) == 1 and not slot.batched:
             return slot.cache
-        return [c.extract(i) for c in slot.cache]
+        return [extract_row(c, i, pads) for c, pads in zip(slot.cache, slot.pads, strict=True)]
 
     def _filter(self, slot: _Slot, indices: list[int]) -> None:
         slot.rids = [slot.rids[i] for i in indices]
         if not slot.rids:
-            slot.cache, slot.batched = [], False
+            slot.cache, slot.batched, slot.pads = [], False, []
         elif slot.batched:
-            for c in slot.cache:
-                c.filter(indices)
+            slot.pads = [filter_rows(c, indices, pads) for c, pads in zip(slot.cache, slot.pads, strict=True)]
 
     def _append(self, slot: _Slot, joining: list[_Seq]) -> None:
         caches = [s.cache for s in joining]
@@ -344,11 +346,15 @@ class SliceRunner:
         else:
             per_layer = list(zip(*caches))
             merged = [layer[0].merge(list(layer)) for layer in per_layer]
+            merged_padding = [merged_pads(layer) for layer in per_layer]
             if not slot.rids:
-                slot.cache = merged
+                slot.cache, slot.pads = merged, merged_padding
             else:
                 if not slot.batched:
+                    slot.pads = [merged_pads([c]) for c in slot.cache]
                     slot.cache = [c.merge([c]) for c in slot.cache]
+                slot.pads = [extended_pads(c, pads, m, m_pads)
+                             for c, pads, m, m_pads in zip(slot.cache, slot.pads, merged, merged_padding, strict=True)]
                 for c, m in zip(slot.cache, merged):
                     c.extend(m)
             slot.batched = True

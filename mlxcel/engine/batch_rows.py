@@ -1,0 +1,77 @@
+"""Rows in and out of mlx-lm's ``BatchKVCache`` without waiting for the device.
+
+mlx-lm's ``BatchKVCache.filter`` and ``.extract`` read the cache's left padding back from the device
+(``tolist``). On a GPU that read waits for everything queued on the stream before it, so with
+asynchronous scheduling every row that left a micro-batch drained the device once per layer: the
+H200 profile of the server at 32 streams put about 11% of the scheduler thread in
+``cudaEventSynchronize`` under these two calls, the GPU idle meanwhile (docs/benchmarks.md).
+
+The runner knows every row's padding on the host: a merged row is padded to the longest row
+(``merged_pads``), an extension pads both sides to the larger write index (``extended_pads``).
+``filter_rows`` and ``extract_row`` do what mlx-lm's methods do, from those host values, lazily.
+A layer whose cache is anything else (rotating windows, linear attention) has no host padding
+(``None``) and goes through mlx-lm's own methods.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache, KVCache
+
+Pads = list[int] | None  # each row's left padding in one layer's batched cache, or None: not tracked
+
+
+def merged_pads(caches: Sequence[Any]) -> Pads:
+    """The left padding ``BatchKVCache.merge`` gives these one-row caches (None unless all are plain ``KVCache``)."""
+    if not caches or not all(type(c) is KVCache for c in caches):
+        return None
+    lengths = [c.size() for c in caches]
+    longest = max(lengths)
+    return [longest - n for n in lengths]
+
+
+def extended_pads(cache: Any, pads: Pads, other: Any, other_pads: Pads) -> Pads:
+    """The left padding after ``cache.extend(other)``; call it before the extension."""
+    if pads is None or other_pads is None or type(cache) is not BatchKVCache or type(other) is not BatchKVCache:
+        return None
+    if cache.keys is None and other.keys is None:
+        return pads + other_pads
+    top = max(cache._idx, other._idx)  # noqa: SLF001 - the write index, a host int in mlx-lm's cache
+    return [p + top - cache._idx for p in pads] + [p + top - other._idx for p in other_pads]  # noqa: SLF001
+
+
+def filter_rows(cache: Any, indices: list[int], pads: Pads) -> Pads:
+    """Keep rows ``indices`` of ``cache`` in place, as ``cache.filter`` does; returns their padding after it."""
+    if pads is None or type(cache) is not BatchKVCache:
+        cache.filter(indices)
+        return None
+    rows = mx.array(indices, dtype=mx.int32)
+    if cache.keys is not None:
+        cache.keys = cache.keys[rows]
+        cache.values = cache.values[rows]
+    cache.offset = cache.offset[rows]
+    cache.left_padding = cache.left_padding[rows]
+    kept = [pads[i] for i in indices]
+    shift = min(kept)
+    if shift > 0:  # drop the columns every remaining row pads, as mlx-lm does
+        if cache.keys is not None:
+            cache.keys = cache.keys[..., shift:, :]
+            cache.values = cache.values[..., shift:, :]
+        cache._idx -= shift  # noqa: SLF001
+        cache.left_padding = cache.left_padding - shift
+        kept = [p - shift for p in kept]
+    return kept
+
+
+def extract_row(cache: Any, i: int, pads: Pads) -> Any:
+    """Row ``i`` of ``cache`` as a standalone one-row cache, as ``cache.extract(i)`` gives it."""
+    if pads is None or type(cache) is not BatchKVCache:
+        return cache.extract(i)
+    row = KVCache()
+    start, end = pads[i], cache._idx  # noqa: SLF001
+    row.keys = mx.contiguous(cache.keys[i : i + 1, :, start:end])
+    row.values = mx.contiguous(cache.values[i : i + 1, :, start:end])
+    row.offset = end - start
+    return row
