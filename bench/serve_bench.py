@@ -32,6 +32,7 @@ import csv
 import hashlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -248,9 +249,11 @@ def launch_env(kind: str, step_trace: str | None = None) -> dict[str, str]:
 
 
 def launch_command(kind: str, model_dir: str, port: int, parallel: int) -> list[str]:
-    if kind.startswith("mlxcel") and kind in KINDS:
+    cache = re.fullmatch(r"mlxcel-cache(\d+)", kind)  # mlxcel with --mlx-cache-mb N
+    if kind.startswith("mlxcel") and (kind in KINDS or cache):
         return [sys.executable, "-c", "import sys; from mlxcel.cli import main; sys.exit(main())", "serve",
-                "-m", model_dir, "--port", str(port), "--parallel", str(parallel), "--log-level", "warning"]
+                "-m", model_dir, "--port", str(port), "--parallel", str(parallel), "--log-level", "warning",
+                *(["--mlx-cache-mb", cache.group(1)] if cache else [])]
     if kind == "mlx_lm":
         # importing mlxcel first loads the same OpenBLAS mlxcel uses (see mlxcel/blas.py): a fair comparison
         code = ("import mlxcel, runpy, sys; sys.argv = ['mlx_lm.server'] + sys.argv[1:]; "
@@ -403,8 +406,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "single-stream request time (steady-state arrivals)")
     p.add_argument("--model-name", default=None, help="model id to request (default: from /v1/models)")
     p.add_argument("--launch", default=None,
-                   help="start these servers in turn (comma): mlxcel, mlxcel-sync / mlxcel-async (MLXCEL_ASYNC_SCHED=0 / 1), "
-                        "mlx_lm")
+                   help="start these servers in turn (comma): mlxcel, mlxcel-sync / mlxcel-async "
+                        "(MLXCEL_ASYNC_SCHED=0 / 1), mlxcel-cacheN (--mlx-cache-mb N), mlx_lm")
     p.add_argument("--model-dir", default="models/smollm2-135m-instruct", help="checkpoint for --launch")
     p.add_argument("--parallel", type=int, default=8, help="concurrent sequences of launched servers (default 8)")
     p.add_argument("--rounds", type=int, default=2,

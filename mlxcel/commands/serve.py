@@ -75,6 +75,9 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=thread_count, default=None, metavar="N",
                         help=f"threads one matrix product may use; nodes sharing a host split its cores "
                              f"(default: ${THREADS_ENV}, else every core but one, at least one)")
+    parser.add_argument("--mlx-cache-mb", type=non_negative_int, default=None, metavar="MIB",
+                        help="MiB of freed device buffers MLX keeps for reuse (default: MLX's own bound, which on a "
+                             "GPU lets a busy server hold most of its memory; 0 = keep none)")
     parser.add_argument("--no-warmup", dest="warmup", action="store_false",
                         help="report ready right after loading, without a warmup generation")
     parser.add_argument("--served-model-name", default=None,
@@ -238,7 +241,17 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     base = ServeConfig(role=role.name, server=server, log_level=args.log_level, drain_timeout_s=args.drain_timeout,
                        pipeline=pipeline_options(args), dist=dist, secret=dist.secret if dist else None)
     config = role.configure(args, base)
+    apply_cache_limit(args)
     return replace(config, threads=apply_threads(args))
+
+
+def apply_cache_limit(args: argparse.Namespace) -> None:
+    """--mlx-cache-mb: bound MLX's cache of freed buffers (``mx.set_cache_limit``); unset leaves MLX's own."""
+    if getattr(args, "mlx_cache_mb", None) is None:
+        return
+    import mlx.core as mx
+
+    mx.set_cache_limit(args.mlx_cache_mb << 20)
 
 
 def run_server(args: argparse.Namespace) -> int:
