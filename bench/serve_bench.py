@@ -338,9 +338,10 @@ def bench_level(label: str, url: str, model: str, n: int, args: argparse.Namespa
 
 
 class GpuUtil:
-    """``nvidia-smi`` sampling GPU utilisation every 100 ms while a level runs (GPU 0, or $GPU_UTIL_INDEX)."""
+    """``nvidia-smi`` sampling GPU utilisation and memory used every 100 ms while a level runs (GPU 0, or
+    $GPU_UTIL_INDEX)."""
 
-    COMMAND = ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits", "-lms", "100"]
+    COMMAND = ["nvidia-smi", "--query-gpu=utilization.gpu,memory.used", "--format=csv,noheader,nounits", "-lms", "100"]
 
     def __init__(self, proc: subprocess.Popen | None):
         self.proc = proc
@@ -367,11 +368,14 @@ class GpuUtil:
 
 
 def gpu_util_fields(text: str) -> dict[str, Any]:
-    """``nvidia-smi`` output (one percentage a line) as row fields."""
-    samples = [float(x) for x in text.split() if x.replace(".", "", 1).isdigit()]
+    """``nvidia-smi`` output (a line per sample: utilisation %, then MiB used) as row fields."""
+    fields = [[x.strip() for x in line.split(",")] for line in text.splitlines()]
+    number = lambda x: x.replace(".", "", 1).isdigit()  # noqa: E731
+    samples = [float(f[0]) for f in fields if f and number(f[0])]
+    used = [float(f[1]) for f in fields if len(f) > 1 and number(f[1])]
     mean = round(sum(samples) / len(samples), 1) if samples else None
     return {"gpu_util_mean": mean, "gpu_util_p50": percentile(samples, 50) if samples else None,
-            "gpu_util_samples": len(samples)}
+            "gpu_util_samples": len(samples), "gpu_mem_max_mib": max(used) if used else None}
 
 
 def format_row(row: dict[str, Any], rounds: int) -> str:
@@ -489,12 +493,14 @@ def ratios(rows: list[dict[str, Any]], baseline: str = "mlx_lm") -> list[dict[st
             mine = [r for r in level if r["server"] == server]
             pairs = [r["agg_tps"] / base[r["round"]] for r in mine if r["round"] in base and r["agg_tps"]]
             utils = [r["gpu_util_mean"] for r in mine if r.get("gpu_util_mean") is not None]
+            used = [r["gpu_mem_max_mib"] for r in mine if r.get("gpu_mem_max_mib") is not None]
             out.append({"bench": "serve_ratio", "server": server, "baseline": baseline, "concurrency": n,
                         "agg_tps_mean": round(sum(r["agg_tps"] or 0 for r in mine) / len(mine), 2),
                         "ratio_mean": round(sum(pairs) / len(pairs), 3) if pairs else None,
                         "ratio_min": round(min(pairs), 3) if pairs else None,
                         "ratio_max": round(max(pairs), 3) if pairs else None,
-                        "gpu_util_mean": round(sum(utils) / len(utils), 1) if utils else None})
+                        "gpu_util_mean": round(sum(utils) / len(utils), 1) if utils else None,
+                        "gpu_mem_max_mib": max(used) if used else None})  # the whole GPU's, every server on it
     return out
 
 

@@ -176,6 +176,7 @@ SCHEMAS: dict[str, Schema] = {s.bench: s for s in (
         _str("run"), _str("server"), _str("baseline"), _int("concurrency"), _num("agg_tps_mean", nullable=True),
         _num("ratio_mean", nullable=True), _num("ratio_min", nullable=True), _num("ratio_max", nullable=True),
         _num("gpu_util_mean", required=False, nullable=True),
+        _num("gpu_mem_max_mib", required=False, nullable=True),
     )),
     Schema("disagg_serve", "disagg_serve", (
         _str("run"), _str("topology"), _str("server"), _int("round"), _int("order"), _int("concurrency"),

@@ -11,8 +11,10 @@ pytestmark = pytest.mark.proc
 
 
 def test_gpu_util_fields_parse_nvidia_smi_lines():
-    assert gpu_util_fields("90\n80\n 100 \n") == {"gpu_util_mean": 90.0, "gpu_util_p50": 90.0, "gpu_util_samples": 3}
-    assert gpu_util_fields("") == {"gpu_util_mean": None, "gpu_util_p50": None, "gpu_util_samples": 0}
+    assert gpu_util_fields("90, 3100\n80, 9000\n 100 , 4000\n") == {
+        "gpu_util_mean": 90.0, "gpu_util_p50": 90.0, "gpu_util_samples": 3, "gpu_mem_max_mib": 9000.0}
+    assert gpu_util_fields("") == {"gpu_util_mean": None, "gpu_util_p50": None, "gpu_util_samples": 0,
+                                   "gpu_mem_max_mib": None}
 
 
 def test_gpu_util_without_nvidia_smi_gives_no_samples(monkeypatch):
