@@ -27,6 +27,8 @@
 #                     default "0:0 2:0 2:4 4:4 8:4 4:1"), then disagg_bench handoff (hybrid vs router -> prefill -> decode) on the q06-bf16
 #                     checkpoint, 1,500-token prompts, HANDOFF_REPEATS (default 4) ABBA requests: rows in
 #                     handoff/disagg_bench.jsonl (environment included)
+#   prefill-probe     bench/gpu/prefill_probe.py on q06-bf16: host cost of prompt chunks by length (first use
+#                     against repeats) and of a 32-row decode step
 #   profile           issue 24 item 2: py-spy samples (Python and native) of mlxcel serve at 32 streams on
 #                     PROFILE_MODEL (q06-bf16), with its step trace; needs py-spy at PY_SPY (/tmp/py-spy, carried in part A)
 #   handoff-serving   issue 24 item 3: disagg_bench handoff (1 stream) and serve (1 and 8 streams, 1,500-token prompts)
@@ -193,6 +195,8 @@ main() {
       profile) profile_suite ;;
       handoff-serving) handoff_serving ;;
       serve-tiny) SERVE_MODELS=tiny SERVE_BUDGET=10 serve_suite ;;  # a smoke test of the serve suite
+      prefill-probe) make_model q06-bf16 && python3 -m bench.gpu.prefill_probe -m /tmp/models/q06-bf16 \
+                       --label h200-q06-bf16 --out "$RES/prefill_probe.jsonl" | tail -40 ;;
       probe-bf16) make_model q06-bf16 && python3 -m bench.gpu.step_probe -m /tmp/models/q06-bf16 --steps 64 \
                     --label h200-q06-bf16 --out "$RES/step_probe.jsonl" ;;
       q06-bf16) suite q06-bf16 150 ;;
