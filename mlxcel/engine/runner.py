@@ -241,7 +241,8 @@ class SliceRunner:
             return out
         if not sample:
             if lazy:
-                mx.async_eval([c.state for c in seq.cache])
+                with steptrace.phase("build"):  # queueing a chunk encodes its kernels on this thread
+                    mx.async_eval([c.state for c in seq.cache])
                 return None
             with steptrace.phase("device"):
                 mx.eval([c.state for c in seq.cache])
