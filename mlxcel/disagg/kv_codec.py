@@ -335,8 +335,7 @@ class HandoffDecoder:
         self._owners: list[Any] = []
         self._allocate = allocate or numpy_allocator
         self._pieces: list[memoryview] = []  # the open tensor's bytes so far, before it has a buffer
-        self._buf: np.ndarray | None = None  # the open tensor's buffer (flat bytes), once made
-        self._arr: np.ndarray | None = None
+        self._arr: np.ndarray | None = None  # the open tensor's buffer, once made
         self._owner: Any = None
         self._have = 0
         self._chunks = 0
@@ -380,7 +379,7 @@ class HandoffDecoder:
     def _fail(self) -> None:
         self.state = "error"
         self._done, self._owners, self._pieces, self._have, self._specs = [], [], [], 0, []
-        self._buf = self._arr = self._owner = None
+        self._arr = self._owner = None
 
     # -- parts ---------------------------------------------------------------------------------
 
@@ -451,10 +450,10 @@ class HandoffDecoder:
             spec = self._specs[-1]
             take = min(len(data), spec.nbytes - self._have)
             self.received += take
-            if self._buf is None and spec.nbytes <= self.received + MAX_KV_CHUNK_LEN:
+            if self._arr is None and spec.nbytes <= self.received + MAX_KV_CHUNK_LEN:
                 self._open_buffer(spec)
-            if self._buf is not None:  # the one copy of these bytes (numpy: without the GIL)
-                self._buf[self._have:self._have + take] = np.frombuffer(data[:take], np.uint8)
+            if self._arr is not None:  # the one copy of these bytes (numpy: without the GIL)
+                _bytes_of(self._arr)[self._have:self._have + take] = np.frombuffer(data[:take], np.uint8)
             else:
                 self._pieces.append(data[:take])  # a view: the part's buffer is ours until the tensor has one
             self._have += take
@@ -470,12 +469,11 @@ class HandoffDecoder:
         if arr.shape != spec.shape or arr.dtype != _NUMPY[spec.dtype] or not arr.flags.c_contiguous:
             raise HandoffError(f"the allocator made a {arr.dtype} {list(arr.shape)} buffer for a "
                                f"{spec.dtype.name.lower()} {list(spec.shape)} tensor", ErrorCode.INTERNAL)
-        flat = arr.reshape(-1).view(np.uint8)
-        off = 0
+        flat, off = _bytes_of(arr), 0
         for piece in self._pieces:
             flat[off:off + len(piece)] = np.frombuffer(piece, np.uint8)
             off += len(piece)
-        self._pieces, self._buf, self._arr, self._owner = [], flat, arr, owner
+        self._pieces, self._arr, self._owner = [], arr, owner
         self.allocated += arr.nbytes
 
     def _advance(self) -> None:
@@ -489,7 +487,7 @@ class HandoffDecoder:
                 raw = self._pieces[0] if len(self._pieces) == 1 else b"".join(self._pieces)
                 self._done.append(np.frombuffer(raw, dtype=_NUMPY[spec.dtype]).reshape(spec.shape))
                 self._owners.append(None)
-            self._pieces, self._have, self._buf, self._arr, self._owner = [], 0, None, None, None
+            self._pieces, self._have, self._arr, self._owner = [], 0, None, None
 
     def _end(self, view: memoryview) -> None:
         if len(view) != _END.size:
@@ -538,3 +536,8 @@ def _describe_one(record: bytes) -> str:
 
 def _dtype_name(code: int) -> str:
     return DTYPE_NAMES.get(code, f"dtype {code}")  # type: ignore[call-overload]
+
+
+def _bytes_of(arr: np.ndarray) -> np.ndarray:
+    """A C-contiguous array's memory as flat bytes (a view)."""
+    return arr.reshape(-1).view(np.uint8)

@@ -377,11 +377,11 @@ def test_attacks_on_the_preallocated_path_drop_every_buffer(attack):
     if attack == "truncated":
         with pytest.raises(HandoffError, match="ended before its END record"):
             dec.result()
-        assert dec.state == "error" and dec.held == 0 and dec._done == [] and dec._buf is None
+        assert dec.state == "error" and dec.held == 0 and dec._done == [] and dec._arr is None
         return
     bad = {"reordered": ps[4], "duplicate": ps[2], "end-early": ps[-1]}[attack]
     refused(dec, bad, "END says" if attack == "end-early" else "was due")
-    assert dec._buf is None and dec._owners == []
+    assert dec._arr is None and dec._owners == []
 
 
 def test_an_allocator_that_fails_or_lies_refuses_the_handoff():
