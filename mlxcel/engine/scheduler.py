@@ -399,11 +399,11 @@ class Scheduler:
     def _handle(self, *, block: bool) -> bool:
         """Apply queued inputs (blocking for the first one if asked); False when told to stop."""
         try:
-            if block and self._trace is not None:
-                with self._trace.phase("idle"):
+            if block:
+                with steptrace.phase("idle"):
                     item = self._inbox.get(timeout=IDLE_WAIT_S)
             else:
-                item = self._inbox.get(timeout=IDLE_WAIT_S) if block else self._inbox.get_nowait()
+                item = self._inbox.get_nowait()
         except queue.Empty:
             return True
         while True:
