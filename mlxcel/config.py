@@ -18,6 +18,9 @@ DEFAULT_PORT = 8080
 DEFAULT_PARALLEL = 4  # concurrent sequences holding a KV cache
 DEFAULT_MAX_QUEUE = 64  # requests waiting beyond --parallel before 503
 DEFAULT_PREFIX_CACHE_MB = 256  # MiB of KV cache kept for shared prompt prefixes (0 = off)
+# MiB of freed device buffers MLX may keep for reuse (or MLX's own bound where lower): unbounded, the server at 32
+# streams on an H200 grew to the whole GPU and failed allocations; bounded, it served faster (docs/benchmarks.md)
+DEFAULT_MLX_CACHE_MB = 4096
 PREFILL_STEP = 512  # prompt tokens per prefill chunk (server and generate); bounds the stall a long prompt causes others
 
 # Requests (the CLI, the HTTP server and the stage protocol check the same bounds)

@@ -22,6 +22,7 @@ from mlxcel.config import (
     DEFAULT_MODEL_DIR,
     DEFAULT_PARALLEL,
     DEFAULT_PORT,
+    DEFAULT_MLX_CACHE_MB,
     DEFAULT_PREFIX_CACHE_MB,
     DEFAULT_MAX_RESUMES,
     DEFAULT_RESUME_TIMEOUT_S,
@@ -76,8 +77,8 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"threads one matrix product may use; nodes sharing a host split its cores "
                              f"(default: ${THREADS_ENV}, else every core but one, at least one)")
     parser.add_argument("--mlx-cache-mb", type=non_negative_int, default=None, metavar="MIB",
-                        help="MiB of freed device buffers MLX keeps for reuse (default: MLX's own bound, which on a "
-                             "GPU lets a busy server hold most of its memory; 0 = keep none)")
+                        help=f"MiB of freed device buffers MLX keeps for reuse (default {DEFAULT_MLX_CACHE_MB}, or "
+                             "MLX's own bound where lower; 0 = keep none)")
     parser.add_argument("--no-warmup", dest="warmup", action="store_false",
                         help="report ready right after loading, without a warmup generation")
     parser.add_argument("--served-model-name", default=None,
@@ -245,13 +246,19 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     return replace(config, threads=apply_threads(args))
 
 
-def apply_cache_limit(args: argparse.Namespace) -> None:
-    """--mlx-cache-mb: bound MLX's cache of freed buffers (``mx.set_cache_limit``); unset leaves MLX's own."""
-    if getattr(args, "mlx_cache_mb", None) is None:
-        return
+def apply_cache_limit(args: argparse.Namespace) -> int:
+    """Bound MLX's cache of freed buffers (``mx.set_cache_limit``): --mlx-cache-mb, else the default or MLX's
+    own bound, whichever is lower; returns the bound in bytes."""
     import mlx.core as mx
 
-    mx.set_cache_limit(args.mlx_cache_mb << 20)
+    chosen = getattr(args, "mlx_cache_mb", None)
+    if chosen is not None:
+        limit = chosen << 20
+    else:
+        own = mx.set_cache_limit(0)
+        limit = min(DEFAULT_MLX_CACHE_MB << 20, own)
+    mx.set_cache_limit(limit)
+    return limit
 
 
 def run_server(args: argparse.Namespace) -> int:

@@ -1,4 +1,5 @@
-"""``--mlx-cache-mb`` bounds MLX's cache of freed buffers once, at configuration; unset, MLX keeps its own bound."""
+"""``--mlx-cache-mb`` bounds MLX's cache of freed buffers once, at configuration; unset, the default bound applies
+unless MLX's own is lower."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 
 from mlxcel.cli import build_parser
 from mlxcel.commands.serve import serve_config
+from mlxcel.config import DEFAULT_MLX_CACHE_MB
 
 
 @pytest.fixture
@@ -30,10 +32,11 @@ def test_the_flag_sets_the_limit_in_mebibytes(tiny_llama, cache_limit):
     assert cache_limit() == 64 << 20
 
 
-def test_without_the_flag_mlx_keeps_its_own_limit(tiny_llama, cache_limit):
-    before = cache_limit()
+@pytest.mark.parametrize("own_mb", [64, 1 << 20])
+def test_without_the_flag_the_default_applies_unless_mlx_s_own_bound_is_lower(tiny_llama, cache_limit, own_mb):
+    mx.set_cache_limit(own_mb << 20)
     serve_config(build_parser().parse_args(["serve", "-m", str(tiny_llama), "--no-warmup"]))
-    assert cache_limit() == before
+    assert cache_limit() == min(own_mb, DEFAULT_MLX_CACHE_MB) << 20
 
 
 def test_a_negative_size_is_a_usage_error(tiny_llama, capsys):
