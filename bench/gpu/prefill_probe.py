@@ -7,7 +7,10 @@ first time its shape is seen (kernels built per shape):
 
 - ``chunk``: an intermediate prompt chunk of each length in --lengths, each on a fresh cache, in
   order (every length first seen, then repeated by the next round);
-- ``decode``: one decode step of --rows rows over a batched cache of --context positions.
+- ``decode``: one decode step of --rows rows over a batched cache of --context positions, --steps times;
+- ``after_leave`` / ``after_join``: then, in turn, one row leaves the batch (``batch_rows.filter_rows``)
+  or a fresh row joins it (``merge`` + ``extend``, as the runner does), each followed by three decode steps:
+  what a change of the batch costs the step that carries it, against the steady ``decode`` steps.
 
 Per call: ``queue_ms`` (building the graph and ``mx.async_eval``, the scheduler thread's share) and
 ``total_ms`` (to the end of the evaluation). Rows: --out (JSONL with the environment).
@@ -64,13 +67,35 @@ def decode_rows(model: Any, rows_n: int, context: int, steps: int, label: str) -
         model(mx.array([[3] * n], dtype=mx.uint32), cache=cache)
         mx.eval([c.state for c in cache])
         singles.append(cache)
-    batched = [KVCache.merge([s[layer] for s in singles]) for layer in range(len(singles[0]))]
+    from mlxcel.engine.batch_rows import extended_pads, filter_rows, merged_pads
+
+    layers = range(len(singles[0]))
+    batched = [KVCache.merge([s[layer] for s in singles]) for layer in layers]
+    pads = [merged_pads([s[layer] for s in singles]) for layer in layers]
     out = []
-    for step in range(steps):
-        tokens = mx.array([[5]] * rows_n, dtype=mx.uint32)
+
+    def step(kind: str, k: int) -> None:
+        n = batched[0].offset.shape[0]
+        tokens = mx.array([[5]] * n, dtype=mx.uint32)
         queue_ms, total_ms = timed(lambda: [mx.argmax(model(tokens, cache=batched)[:, -1, :], axis=-1)])
-        out.append({"bench": "prefill_probe", "label": label, "kind": "decode", "round": step, "rows": rows_n,
+        out.append({"bench": "prefill_probe", "label": label, "kind": kind, "round": k, "rows": n,
                     "context": context, "queue_ms": queue_ms, "total_ms": total_ms})
+
+    for k in range(steps):
+        step("decode", k)
+    for k in range(4):  # a row leaves, three steps; a row joins, three steps
+        keep = list(range(1, batched[0].offset.shape[0]))
+        pads = [filter_rows(c, keep, p) for c, p in zip(batched, pads)]
+        for j in range(3):
+            step("after_leave", 3 * k + j)
+        fresh = make_prompt_cache(model)
+        model(mx.array([[4] * (context // 2 + k)], dtype=mx.uint32), cache=fresh)
+        joining = [KVCache.merge([c]) for c in fresh]
+        pads = [extended_pads(c, p, m, merged_pads([f])) for c, p, m, f in zip(batched, pads, joining, fresh)]
+        for c, m in zip(batched, joining):
+            c.extend(m)
+        for j in range(3):
+            step("after_join", 3 * k + j)
     return out
 
 
