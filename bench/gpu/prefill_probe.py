@@ -10,7 +10,8 @@ first time its shape is seen (kernels built per shape):
 - ``decode``: one decode step of --rows rows over a batched cache of --context positions, --steps times;
 - ``after_leave`` / ``after_join``: then, in turn, one row leaves the batch (``batch_rows.filter_rows``)
   or a fresh row joins it (``merge`` + ``extend``, as the runner does), each followed by three decode steps:
-  what a change of the batch costs the step that carries it, against the steady ``decode`` steps.
+  what a change of the batch costs the step that carries it, against the steady ``decode`` steps
+  (``PROBE_JOINS`` rounds, default 4; ``PROBE_JOIN_SAME=1``: every joining row of the same length).
 
 Per call: ``queue_ms`` (building the graph and ``mx.async_eval``, the scheduler thread's share) and
 ``total_ms`` (to the end of the evaluation). Rows: --out (JSONL with the environment).
@@ -21,6 +22,7 @@ Per call: ``queue_ms`` (building the graph and ``mx.async_eval``, the scheduler 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -83,13 +85,14 @@ def decode_rows(model: Any, rows_n: int, context: int, steps: int, label: str) -
 
     for k in range(steps):
         step("decode", k)
-    for k in range(4):  # a row leaves, three steps; a row joins, three steps
+    same = os.environ.get("PROBE_JOIN_SAME") == "1"  # every joining row of one length (kernels per shape?)
+    for k in range(int(os.environ.get("PROBE_JOINS", "4"))):  # a row leaves, three steps; a row joins, three
         keep = list(range(1, batched[0].offset.shape[0]))
         pads = [filter_rows(c, keep, p) for c, p in zip(batched, pads)]
         for j in range(3):
             step("after_leave", 3 * k + j)
         fresh = make_prompt_cache(model)
-        model(mx.array([[4] * (context // 2 + k)], dtype=mx.uint32), cache=fresh)
+        model(mx.array([[4] * (context // 2 + (0 if same else k))], dtype=mx.uint32), cache=fresh)
         joining = [KVCache.merge([c]) for c in fresh]
         pads = [extended_pads(c, p, m, merged_pads([f])) for c, p, m, f in zip(batched, pads, joining, fresh)]
         for c, m in zip(batched, joining):
