@@ -11,6 +11,16 @@ The runner knows every row's padding on the host: a merged row is padded to the 
 ``filter_rows`` and ``extract_row`` do what mlx-lm's methods do, from those host values, lazily.
 A layer whose cache is anything else (rotating windows, linear attention) has no host padding
 (``None``) and goes through mlx-lm's own methods.
+
+**Joins in shapes that repeat** (``append_rows``). MLX builds kernels per shape for the copies of a
+merge and an extension, and a joining row's length is new almost every time: on the H200 the step
+after a row of a new length joined 32 rows queued in 78-138 ms, against 13-15 ms steady and 28-30
+ms when the lengths repeated (docs/benchmarks.md). So a plain row joins by a gather instead: its own
+buffer (whose width mlx-lm's ``KVCache`` grows in blocks of 256) plus one zero column, indexed by
+the batch's width of column numbers (its tokens right-aligned at the batch's write index, zeros
+before them), then stacked under the batch. The varying length lives in the index values, not in
+any shape. A first row becomes a batch of one over its own buffers, with no copy. Rows leave the
+left padding in place and it is cut only in whole blocks of 256 columns, so widths stay few too.
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 Pads = list[int] | None  # each row's left padding in one layer's batched cache, or None: not tracked
+TRIM_BLOCK = 256  # left padding every row shares is cut in whole blocks of this many columns (KVCache.step)
 
 
 def merged_pads(caches: Sequence[Any]) -> Pads:
@@ -54,8 +65,8 @@ def filter_rows(cache: Any, indices: list[int], pads: Pads) -> Pads:
     cache.offset = cache.offset[rows]
     cache.left_padding = cache.left_padding[rows]
     kept = [pads[i] for i in indices]
-    shift = min(kept)
-    if shift > 0:  # drop the columns every remaining row pads, as mlx-lm does
+    shift = min(kept) // TRIM_BLOCK * TRIM_BLOCK
+    if shift > 0:  # drop whole blocks of the columns every remaining row pads (mlx-lm drops them all)
         if cache.keys is not None:
             cache.keys = cache.keys[..., shift:, :]
             cache.values = cache.values[..., shift:, :]
@@ -75,3 +86,101 @@ def extract_row(cache: Any, i: int, pads: Pads) -> Any:
     row.values = mx.contiguous(cache.values[i : i + 1, :, start:end])
     row.offset = end - start
     return row
+
+
+def join_layer(current: Any | None, pads: Pads, rows: Sequence[Any], *, batched: bool) -> tuple[Any, Pads]:
+    """One layer of a slot with ``rows`` (one-row caches) joined: ``current`` is the slot's cache of that layer
+    (None when empty; one row's own cache unless ``batched``). Returns the layer's batched cache and padding.
+
+    Plain ``KVCache`` layers join in shapes that repeat (``append_rows``); any other kind goes through
+    mlx-lm's ``merge`` of the joining rows and one ``extend``."""
+    plain = all(type(r) is KVCache for r in rows) and (current is None or type(current) in (KVCache, BatchKVCache))
+    if current is not None and not batched:  # one row's own cache: it heads the batch
+        if plain:
+            return append_rows(None, None, [current, *rows])
+        current, pads = current.merge([current]), merged_pads([current])
+    if plain:
+        return append_rows(current, pads, rows)
+    merged = rows[0].merge(list(rows))
+    merged_padding = merged_pads(rows)
+    if current is None:
+        return merged, merged_padding
+    pads = extended_pads(current, pads, merged, merged_padding)
+    current.extend(merged)
+    return current, pads
+
+
+def append_rows(batch: Any | None, pads: Pads, rows: Sequence[Any]) -> tuple[Any, Pads]:
+    """One layer's batched cache (None: an empty slot) with one-row caches ``rows`` appended, and its padding.
+
+    Plain ``KVCache`` rows join by ``join_row``; anything else goes through mlx-lm's ``merge`` and
+    ``extend`` (as does a row longer than the batch's write index)."""
+    for row in rows:
+        if batch is None:
+            batch, pads = _one_row_batch(row)
+            continue
+        joined = join_row(batch, pads, row)
+        if joined is not None:
+            pads = joined
+            continue
+        other = row.merge([row])
+        pads = extended_pads(batch, pads, other, merged_pads([row]))
+        batch.extend(other)
+    return batch, pads
+
+
+def join_row(batch: Any, pads: Pads, row: Any) -> Pads:
+    """Stack plain ``row`` under ``batch`` in place, its tokens ending at the batch's write index (moved right
+    first when the row is longer), by gathers whose shapes are the buffers' widths; returns the padding, or
+    None (nothing done) where that does not apply."""
+    if pads is None or type(batch) is not BatchKVCache or type(row) is not KVCache:
+        return None
+    length = row.offset
+    if batch.keys is None or row.keys is None or length <= 0:
+        return None
+    if length > batch._idx:  # noqa: SLF001
+        pads = _move_right(batch, pads, length)
+    end = batch._idx  # noqa: SLF001
+    start = end - length
+    index = _columns(batch.keys.shape[2], start, end, row.keys.shape[2])
+    batch.keys = mx.concatenate([batch.keys, _gather(row.keys, index)])
+    batch.values = mx.concatenate([batch.values, _gather(row.values, index)])
+    batch.offset = mx.concatenate([batch.offset, mx.array([length], dtype=batch.offset.dtype)])
+    batch.left_padding = mx.concatenate([batch.left_padding, mx.array([start], dtype=batch.left_padding.dtype)])
+    return pads + [start]
+
+
+def _move_right(batch: Any, pads: list[int], end: int) -> list[int]:
+    """Make ``end`` the batch's write index: every row's tokens move right by the difference (more left padding),
+    into a width of whole blocks."""
+    old = batch._idx  # noqa: SLF001
+    shift = end - old
+    width = max(batch.keys.shape[2], -(-end // TRIM_BLOCK) * TRIM_BLOCK)
+    index = _columns(width, shift, end, batch.keys.shape[2])
+    batch.keys, batch.values = _gather(batch.keys, index), _gather(batch.values, index)
+    batch.left_padding = batch.left_padding + shift
+    batch._idx = end  # noqa: SLF001
+    return [p + shift for p in pads]
+
+
+def _columns(width: int, start: int, end: int, zero: int) -> mx.array:
+    """For each of ``width`` target columns, the source column: ``c - start`` inside [start, end), else
+    ``zero`` (the index of the zero column ``_gather`` appends)."""
+    return mx.array([c - start if start <= c < end else zero for c in range(width)], dtype=mx.int32)
+
+
+def _gather(buf: mx.array, index: mx.array) -> mx.array:
+    """Columns ``index`` of ``buf`` [B, H, W, D] with one zero column appended at index W."""
+    zero = mx.zeros((*buf.shape[:2], 1, buf.shape[3]), dtype=buf.dtype)
+    return mx.take(mx.concatenate([buf, zero], axis=2), index, axis=2)
+
+
+def _one_row_batch(row: Any) -> tuple[Any, Pads]:
+    """A batch of one: over a plain row's own buffers (no copy), else mlx-lm's ``merge``."""
+    if type(row) is not KVCache or row.keys is None:
+        return row.merge([row]), merged_pads([row])
+    batch = BatchKVCache([0])
+    batch.keys, batch.values = row.keys, row.values
+    batch.offset = batch.offset + row.offset
+    batch._idx = row.offset  # noqa: SLF001
+    return batch, [0]

@@ -24,7 +24,7 @@ import mlx.core as mx
 
 from mlxcel.config import MAX_TOP_LOGPROBS
 from mlxcel.engine import steptrace
-from mlxcel.engine.batch_rows import Pads, extended_pads, extract_row, filter_rows, merged_pads
+from mlxcel.engine.batch_rows import Pads, extract_row, filter_rows, join_layer
 from mlxcel.engine.sampling import SamplingParams, make_sampler
 from mlxcel.error_codes import CodedError, ErrorCode
 
@@ -345,18 +345,8 @@ class SliceRunner:
         if not slot.rids and len(joining) == 1:
             slot.cache = caches[0]  # one row: its own cache, exactly as single-sequence generation
         else:
-            per_layer = list(zip(*caches))
-            merged = [layer[0].merge(list(layer)) for layer in per_layer]
-            merged_padding = [merged_pads(layer) for layer in per_layer]
-            if not slot.rids:
-                slot.cache, slot.pads = merged, merged_padding
-            else:
-                if not slot.batched:
-                    slot.pads = [merged_pads([c]) for c in slot.cache]
-                    slot.cache = [c.merge([c]) for c in slot.cache]
-                slot.pads = [extended_pads(c, pads, m, m_pads)
-                             for c, pads, m, m_pads in zip(slot.cache, slot.pads, merged, merged_padding, strict=True)]
-                for c, m in zip(slot.cache, merged):
-                    c.extend(m)
+            layers = [join_layer(slot.cache[k] if slot.rids else None, slot.pads[k] if slot.batched else None,
+                                 rows, batched=slot.batched) for k, rows in enumerate(zip(*caches))]
+            slot.cache, slot.pads = [c for c, _ in layers], [p for _, p in layers]
             slot.batched = True
         slot.rids = slot.rids + [s.rid for s in joining]

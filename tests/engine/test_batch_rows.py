@@ -1,8 +1,8 @@
 """Rows join and leave a batched KV cache without reading the device (mlxcel/engine/batch_rows.py).
 
-The host-side padding must give exactly what mlx-lm's own ``filter``/``extract`` give (which read it
-back from the device), through any sequence of merges, extensions and filters; and a decode run whose
-rows join and leave must never call those reading methods.
+Every row must read back exactly what it holds, through any sequence of joins, leaves and decode steps,
+with the host-side padding equal to the device's; joins must make few shapes; and a decode run whose rows
+join and leave must never call mlx-lm's reading methods.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from mlxcel.engine.batch_rows import extended_pads, extract_row, filter_rows, merged_pads
+from mlxcel.engine.batch_rows import append_rows, extended_pads, extract_row, filter_rows, merged_pads
 from mlxcel.engine.executor import whole_model_runner
 from mlxcel.engine.runner import RowSampler
 from mlxcel.engine.sampling import SamplingParams
@@ -27,42 +27,59 @@ def one_row(length: int, seed: int) -> KVCache:
     return cache
 
 
-def batch(lengths: list[int], seed: int) -> tuple[BatchKVCache, BatchKVCache, list[int]]:
-    """Two identical merged caches of rows of ``lengths`` (one for mlx-lm's methods, one for ours), and the pads."""
-    rows = [one_row(n, seed + i) for i, n in enumerate(lengths)]
-    return KVCache.merge(rows), KVCache.merge(rows), merged_pads(rows)
+def contents(cache: KVCache) -> tuple[mx.array, mx.array]:
+    return cache.keys[..., : cache.offset, :], cache.values[..., : cache.offset, :]
 
 
-def same(a: Any, b: Any) -> None:
-    assert getattr(a, "_idx", None) == getattr(b, "_idx", None)
-    offsets = [x.offset.tolist() if isinstance(x.offset, mx.array) else x.offset for x in (a, b)]
-    assert offsets[0] == offsets[1]
-    assert mx.array_equal(a.keys, b.keys) and mx.array_equal(a.values, b.values)
-
-
-@pytest.mark.parametrize("seed", range(6))
-def test_host_padding_tracks_mlx_lm_through_merges_extensions_and_filters(seed):
+@pytest.mark.parametrize("seed", range(8))
+def test_every_row_keeps_its_tokens_through_joins_leaves_and_decode_steps(seed):
+    """A model of the batch: each row's own KV. After every join (lengths below and above the batch's write
+    index), leave and decode step, each row reads back exactly, by ours and by mlx-lm's own ``extract``,
+    the host padding is the device's, and every row ends at the write index."""
     rng = random.Random(seed)
-    theirs, ours, pads = batch([rng.randint(1, 9) for _ in range(rng.randint(1, 4))], seed * 100)
-    for step in range(12):
-        if rng.random() < 0.5 or len(pads) == 1:  # rows join
-            joining_t, joining_o, joining_pads = batch([rng.randint(1, 12) for _ in range(rng.randint(1, 3))],
-                                                       seed * 100 + step * 10 + 50)
-            pads = extended_pads(ours, pads, joining_o, joining_pads)
-            theirs.extend(joining_t)
-            ours.extend(joining_o)
-        else:  # rows leave
-            keep = sorted(rng.sample(range(len(pads)), rng.randint(1, len(pads) - 1)))
-            theirs.filter(keep)
-            pads = filter_rows(ours, keep, pads)
-        if rng.random() < 0.5:  # a decode position for every row
-            k = mx.random.normal((len(pads), 2, 1, 4))
-            theirs.update_and_fetch(k, k)
-            ours.update_and_fetch(k, k)
-        assert pads == theirs.left_padding.tolist() == ours.left_padding.tolist()
-        same(theirs, ours)
-        for i in range(len(pads)):
-            same(theirs.extract(i), extract_row(ours, i, pads))
+    batch, pads, rows = None, None, []
+    for step in range(14):
+        if not rows or rng.random() < 0.5:
+            joining = [one_row(rng.randint(1, 40), seed * 1000 + step * 10 + j) for j in range(rng.randint(1, 3))]
+            rows += [contents(r) for r in joining]
+            batch, pads = append_rows(batch, pads, joining)
+        elif len(rows) > 1:
+            keep = sorted(rng.sample(range(len(rows)), rng.randint(1, len(rows) - 1)))
+            pads = filter_rows(batch, keep, pads)
+            rows = [rows[i] for i in keep]
+        k = mx.random.normal((len(rows), 2, 1, 4))
+        batch.update_and_fetch(k, k + 1)
+        rows = [(mx.concatenate([a, k[i : i + 1]], axis=2), mx.concatenate([b, k[i : i + 1] + 1], axis=2))
+                for i, (a, b) in enumerate(rows)]
+        assert pads == batch.left_padding.tolist()
+        assert [p + r[0].shape[2] for p, r in zip(pads, rows)] == [batch._idx] * len(rows)
+        assert batch.offset.tolist() == [r[0].shape[2] for r in rows]
+        for i, (keys, values) in enumerate(rows):
+            for got in (extract_row(batch, i, pads), batch.extract(i)):
+                assert mx.array_equal(got.keys, keys) and mx.array_equal(got.values, values)
+
+
+def test_joins_keep_the_batch_width_in_whole_blocks():
+    """The shapes a join makes come from the buffers' widths (KVCache grows in blocks of 256), not the rows'
+    lengths, so joins of many lengths leave few widths."""
+    batch, pads = append_rows(None, None, [one_row(30, 1)])
+    widths = set()
+    for n in range(1, 30, 3):
+        batch, pads = append_rows(batch, pads, [one_row(n, n)])
+        widths.add(batch.keys.shape[2])
+    batch, pads = append_rows(batch, pads, [one_row(300, 7)])  # longer than the write index: all rows move right
+    widths.add(batch.keys.shape[2])
+    assert widths <= {256, 512} and batch._idx == 300 and pads[-1] == 0
+
+
+def test_an_extension_through_mlx_lm_keeps_the_host_padding():
+    theirs = KVCache.merge([one_row(3, 1), one_row(7, 2)])
+    ours = KVCache.merge([one_row(3, 1), one_row(7, 2)])
+    other = KVCache.merge([one_row(5, 3)])
+    pads = extended_pads(ours, merged_pads([one_row(3, 1), one_row(7, 2)]), other, merged_pads([one_row(5, 3)]))
+    theirs.extend(KVCache.merge([one_row(5, 3)]))
+    ours.extend(other)
+    assert pads == theirs.left_padding.tolist() == ours.left_padding.tolist()
 
 
 def test_caches_without_host_padding_use_mlx_lm_methods():
