@@ -25,6 +25,7 @@ left padding in place and it is cut only in whole blocks of 256 columns, so widt
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any, Sequence
 
 import mlx.core as mx
@@ -163,6 +164,7 @@ def _move_right(batch: Any, pads: list[int], end: int) -> list[int]:
     return [p + shift for p in pads]
 
 
+@lru_cache(maxsize=256)
 def _columns(width: int, start: int, end: int, zero: int) -> mx.array:
     """For each of ``width`` target columns, the source column: ``c - start`` inside [start, end), else
     ``zero`` (the index of the zero column ``_gather`` appends)."""
