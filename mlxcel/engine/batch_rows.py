@@ -21,10 +21,15 @@ the batch's width of column numbers (its tokens right-aligned at the batch's wri
 before them), then stacked under the batch. The varying length lives in the index values, not in
 any shape. A first row becomes a batch of one over its own buffers, with no copy. Rows leave the
 left padding in place and it is cut only in whole blocks of 256 columns, so widths stay few too.
+
+That join is OFF by default (``MLXCEL_STABLE_JOIN=1`` turns it on): it was built after the H200 time of
+its session ran out, so it has no GPU measurement yet, and on the CPU it measured 0.98x at 4 streams
+(the gather writes the batch's whole width, and up to 255 padding columns stay in attention).
 """
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 from typing import Any, Sequence
 
@@ -32,7 +37,18 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 Pads = list[int] | None  # each row's left padding in one layer's batched cache, or None: not tracked
-TRIM_BLOCK = 256  # left padding every row shares is cut in whole blocks of this many columns (KVCache.step)
+TRIM_BLOCK = 256  # with the stable join, shared left padding is cut in whole blocks of this many columns
+STABLE_JOIN_ENV = "MLXCEL_STABLE_JOIN"
+
+
+def stable_join_enabled() -> bool:
+    """``MLXCEL_STABLE_JOIN`` (1/0; default off: not yet measured on a GPU, 0.98x on the CPU)."""
+    value = os.environ.get(STABLE_JOIN_ENV, "").strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"{STABLE_JOIN_ENV} must be 1 or 0, got {value!r}")
 
 
 def merged_pads(caches: Sequence[Any]) -> Pads:
@@ -54,8 +70,9 @@ def extended_pads(cache: Any, pads: Pads, other: Any, other_pads: Pads) -> Pads:
     return [p + top - cache._idx for p in pads] + [p + top - other._idx for p in other_pads]  # noqa: SLF001
 
 
-def filter_rows(cache: Any, indices: list[int], pads: Pads) -> Pads:
-    """Keep rows ``indices`` of ``cache`` in place, as ``cache.filter`` does; returns their padding after it."""
+def filter_rows(cache: Any, indices: list[int], pads: Pads, block: int = 1) -> Pads:
+    """Keep rows ``indices`` of ``cache`` in place, as ``cache.filter`` does (which cuts all the left padding
+    the rows share; ``block``: only whole blocks of that many columns); returns their padding after it."""
     if pads is None or type(cache) is not BatchKVCache:
         cache.filter(indices)
         return None
@@ -66,8 +83,8 @@ def filter_rows(cache: Any, indices: list[int], pads: Pads) -> Pads:
     cache.offset = cache.offset[rows]
     cache.left_padding = cache.left_padding[rows]
     kept = [pads[i] for i in indices]
-    shift = min(kept) // TRIM_BLOCK * TRIM_BLOCK
-    if shift > 0:  # drop whole blocks of the columns every remaining row pads (mlx-lm drops them all)
+    shift = min(kept) // block * block
+    if shift > 0:  # drop the columns every remaining row pads
         if cache.keys is not None:
             cache.keys = cache.keys[..., shift:, :]
             cache.values = cache.values[..., shift:, :]
@@ -89,13 +106,15 @@ def extract_row(cache: Any, i: int, pads: Pads) -> Any:
     return row
 
 
-def join_layer(current: Any | None, pads: Pads, rows: Sequence[Any], *, batched: bool) -> tuple[Any, Pads]:
+def join_layer(current: Any | None, pads: Pads, rows: Sequence[Any], *, batched: bool,
+               stable: bool = False) -> tuple[Any, Pads]:
     """One layer of a slot with ``rows`` (one-row caches) joined: ``current`` is the slot's cache of that layer
     (None when empty; one row's own cache unless ``batched``). Returns the layer's batched cache and padding.
 
-    Plain ``KVCache`` layers join in shapes that repeat (``append_rows``); any other kind goes through
-    mlx-lm's ``merge`` of the joining rows and one ``extend``."""
-    plain = all(type(r) is KVCache for r in rows) and (current is None or type(current) in (KVCache, BatchKVCache))
+    With ``stable``, plain ``KVCache`` layers join in shapes that repeat (``append_rows``); otherwise, and for
+    any other kind, the joining rows go through mlx-lm's ``merge`` and one ``extend``."""
+    plain = stable and all(type(r) is KVCache for r in rows) and (
+        current is None or type(current) in (KVCache, BatchKVCache))
     if current is not None and not batched:  # one row's own cache: it heads the batch
         if plain:
             return append_rows(None, None, [current, *rows])
