@@ -145,6 +145,11 @@ SCHEMAS: dict[str, Schema] = {s.bench: s for s in (
         _str("label"), _str("model"), _str("variant"), _int("round"), _int("steps"), _num("build_ms_p50"),
         _num("step_ms_p50"),
     )),
+    # bench/gpu/prefill_probe.py: a prompt chunk's and a decode step's host cost by shape
+    Schema("prefill_probe", "prefill_probe", (
+        _str("label"), _str("kind"), _int("round"), _int("tokens", required=False), _int("rows", required=False),
+        _int("context", required=False), _num("queue_ms"), _num("total_ms"),
+    )),
     # bench/disagg_bench.py (the report's "Disaggregated" section, mlxcel/report/disagg.py); load_1m, the
     # host's 1-minute load average at the row, is absent from rows written before 2026-12-02
     Schema("disagg_frames", "disagg_frames", (
