@@ -81,6 +81,7 @@ class PrefillService(RoleService):
                                       exporter=lambda cache, length: export_cache(cache, self.layout, length))
         self.scheduler = Scheduler(self.executor, tokenizer, context_length=context_length, parallel=parallel,
                                    max_queue=max_queue, warmup=warmup)
+        self.eos = frozenset(tokenizer.eos_token_ids)  # a first token that ends the request is not sent early
         self.loop = LoopThread("mlxcel-prefill-loop")
         self.workers = ThreadPoolExecutor(max_workers=parallel + 1, thread_name_prefix="mlxcel-handoff")
         self.jobs: dict[str, Job] = {}
@@ -184,6 +185,7 @@ class PrefillService(RoleService):
                 return
             kv = self._exported(job)
             if kv is not None:
+                self._send_first(job, first)
                 await loop.run_in_executor(self.workers, self._hand_off, job, first, kv)
         except asyncio.CancelledError:
             pass  # cancelled while prefilling: the scheduler freed the sequence
@@ -212,6 +214,14 @@ class PrefillService(RoleService):
             else:
                 finish = ev
         return first, finish
+
+    def _send_first(self, job: Job, first: TokenEvent) -> None:
+        """The first token to the router now, before its KV travels (docs/disagg.md §3.1, "The first token
+        early"), where it is the event a single node streams for it: no stop strings (their hold-back is the
+        decode node's) and not an EOS that ends the request."""
+        if job.params.stop or (first.token in self.eos and not job.gen.ignore_eos):
+            return
+        self.send(job.router, m.Tokens(job.nonce, (first,)))
 
     def _exported(self, job: Job) -> KVExport | None:
         """The KV to send for a prefilled job; None (its router told why) when the export failed."""

@@ -80,6 +80,8 @@ class Routed:
     decode: PeerId | None = None
     exchange: Exchange | None = None
     handed_off: bool = False
+    early_first: int | None = None  # this attempt's first token, relayed from its prefill node (None: not yet)
+    decode_spoke: bool = False  # this attempt's decode node sent TOKENS
     done: bool = False
     started: float = field(default_factory=time.perf_counter)
     params: SamplingParams | None = None  # the request's, its seed resolved so that a resume replays it
@@ -124,7 +126,7 @@ class RouterEngine:
             "requests": 0, "completed": 0, "failed": 0, "cancelled": 0, "failovers": 0, "unavailable": 0,
             "dropped_frames": 0, "handoffs": 0, "handoff_bytes": 0, "handoff_seconds": 0.0,
             "handoff_bytes_last": 0, "handoff_seconds_last": 0.0, "handoff_seconds_max": 0.0, "prefill_seconds": 0.0,
-            "resumed": 0, "resume_failed": 0}
+            "resumed": 0, "resume_failed": 0, "early_first": 0}
 
     # -- lifecycle ------------------------------------------------------------------------------------
 
@@ -231,6 +233,7 @@ class RouterEngine:
         """Open the exchange of a new attempt and send GENERATE (under the lock)."""
         routed.attempts += 1
         routed.prefill, routed.decode, routed.handed_off = prefill, decode, False
+        routed.early_first, routed.decode_spoke = None, False
         ex = self.exchanges.open(self.cfg.handoff_timeout_s, senders=(prefill, decode), context=routed,
                                  then=self._ended)
         routed.exchange = ex
@@ -416,7 +419,7 @@ class RouterEngine:
                 self._after_end(kind, doc, msg.peer, info.id)
                 return
             routed: Routed = ex.context
-            allowed = {MsgType.TOKENS: (routed.decode,), MsgType.FINISH: (routed.decode,),
+            allowed = {MsgType.TOKENS: (routed.decode, routed.prefill), MsgType.FINISH: (routed.decode,),
                        MsgType.HANDED_OFF: (routed.prefill,), MsgType.ERROR: (routed.prefill, routed.decode),
                        MsgType.PROGRESS: (routed.prefill, routed.decode)}
             if msg.peer not in allowed.get(kind, ()):
@@ -425,13 +428,14 @@ class RouterEngine:
                     WarnClass.ROUTER_DROP, "router: dropping result frame from %s: a %s for a request it was not "
                     "assigned", msg.peer, kind.name)
                 return
-            self._result(kind, doc, ex, routed)
+            self._result(kind, doc, ex, routed, from_prefill=msg.peer == routed.prefill)
         except m.MessageRefused as exc:
             self.counters["dropped_frames"] += 1
             self.transport.warnings.warning(WarnClass.ROUTER_DROP, "router: dropping result frame from %s: %s",
                                             msg.peer, exc)
 
-    def _result(self, kind: MsgType, doc: dict[str, Any], ex: Exchange, routed: Routed) -> None:
+    def _result(self, kind: MsgType, doc: dict[str, Any], ex: Exchange, routed: Routed, *,
+                from_prefill: bool = False) -> None:
         if kind is MsgType.TOKENS:
             tokens = m.Tokens.parse(doc)
             if not self._in_vocab(tokens, ex, routed):
@@ -439,9 +443,11 @@ class RouterEngine:
             with self._lock:
                 if routed.done or routed.exchange is not ex:
                     return
-                routed.emitted += len(tokens.events)
+                events = self._first_once(routed, tokens.events, from_prefill)
                 ex.deadline = time.monotonic() + self.cfg.handoff_timeout_s  # an idle bound from now on
-                self._relay(routed, ex, tokens.events)
+                if events:
+                    routed.emitted += len(events)
+                    self._relay(routed, ex, events)
         elif kind is MsgType.PROGRESS:
             with self._lock:
                 if not routed.done and routed.exchange is ex:
@@ -456,6 +462,33 @@ class RouterEngine:
             if err.code is ErrorCode.UNREACHABLE and err.node is not None:
                 self._reported_down(err.node, err.message)
             self.exchanges.resolve(ex, error=CodedError(err.message, err.code))
+
+    def _first_once(self, routed: Routed, events: tuple[TokenEvent, ...], from_prefill: bool) -> tuple[TokenEvent, ...]:
+        """The events of a TOKENS message to relay (under the lock). The prefill node may send its attempt's first
+        token early, one event before the decode node sent anything; the decode node's own first event is then
+        that token again, and is dropped. Anything else from a prefill node is dropped and counted."""
+        if from_prefill:
+            if routed.early_first is not None or len(events) != 1:
+                self.counters["dropped_frames"] += 1
+                self.transport.warnings.warning(
+                    WarnClass.ROUTER_DROP, "router: dropping result frame from %s: a TOKENS from a prefill node "
+                    "that is not its attempt's first token alone", routed.prefill)
+                return ()
+            routed.early_first = events[0].token
+            self.counters["early_first"] += 1
+            if routed.decode_spoke:  # the decode node's first event came first (other connection): relayed already
+                log.debug("router: the early first token of %s came after the decode node's", routed.request.request_id)
+                return ()
+            return events
+        spoke, routed.decode_spoke = routed.decode_spoke, True
+        if spoke or routed.early_first is None:
+            return events
+        if events[0].token != routed.early_first:  # the two nodes disagree: this attempt fails and is resumed
+            self.exchanges.resolve(routed.exchange, error=CodedError(
+                f"decode node {self.nodes[routed.decode].id} streamed token {events[0].token} first, after its "
+                f"prefill node's {routed.early_first}", ErrorCode.INTERNAL))
+            return ()
+        return events[1:]
 
     def _after_end(self, kind: MsgType, doc: dict[str, Any], peer: PeerId, node_id: str) -> None:
         """A frame for an ended attempt: dropped, but a HANDED_OFF from that attempt's prefill node that came

@@ -23,7 +23,7 @@ any shape. A first row becomes a batch of one over its own buffers, with no copy
 left padding in place and it is cut only in whole blocks of 256 columns, so widths stay few too.
 
 That join is OFF by default (``MLXCEL_STABLE_JOIN=1`` turns it on): it was built after the H200 time of
-its session ran out, so it has no GPU measurement yet, and on the CPU it measured 0.98x at 4 streams
+its session ran out, so it has no GPU measurement yet, and on the CPU it measured 0.96x at 4 streams
 (the gather writes the batch's whole width, and up to 255 padding columns stay in attention).
 """
 
@@ -42,7 +42,7 @@ STABLE_JOIN_ENV = "MLXCEL_STABLE_JOIN"
 
 
 def stable_join_enabled() -> bool:
-    """``MLXCEL_STABLE_JOIN`` (1/0; default off: not yet measured on a GPU, 0.98x on the CPU)."""
+    """``MLXCEL_STABLE_JOIN`` (1/0; default off: not yet measured on a GPU, 0.96x on the CPU)."""
     value = os.environ.get(STABLE_JOIN_ENV, "").strip().lower()
     if value in ("", "0", "false", "no", "off"):
         return False

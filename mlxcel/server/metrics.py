@@ -64,6 +64,7 @@ _ROUTER_GAUGES = {
     "router_prefill_seconds": "Seconds from GENERATE received to first token, summed over handoffs",
     "router_resumed": "Resumed attempts dispatched: a request's prompt plus its streamed tokens prefilled again",
     "router_resume_failed": "Requests that could not be resumed within --resume-timeout (503)",
+    "router_early_first": "First tokens the prefill nodes sent early (relayed before the KV handoff arrived)",
     "router_prefill_up": "Prefill nodes up now",
     "router_decode_up": "Decode nodes up now",
     "router_in_flight": "Requests in flight now",

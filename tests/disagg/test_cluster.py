@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import threading
 import time
 
@@ -25,7 +26,7 @@ from mlxcel.disagg.wire import CacheKind, DType, MsgType
 from mlxcel.engine.interface import FinishEvent, TokenEvent
 from mlxcel.engine.sampling import SamplingParams
 from mlxcel.error_codes import ErrorCode
-from tests.disagg.cluster import DECODE_HOSTS, DisaggCluster, RoleNode, wait_for
+from tests.disagg.cluster import DECODE_HOSTS, PREFILL_HOSTS, DisaggCluster, RoleNode, wait_for
 from tests.server.util import ServerProcess, metrics
 
 pytestmark = pytest.mark.proc  # starts processes (tests/proc_marker.py)
@@ -408,3 +409,50 @@ def test_with_every_decode_node_down_the_router_answers_503_and_recovers(cluster
     cluster.decodes[1].restart()
     cluster.wait_status("decode-1", "up")
     assert chat(cluster.url, "hi again", max_tokens=2, temperature=0).usage.completion_tokens == 2
+
+
+def test_the_first_token_reaches_the_client_while_every_decode_node_is_stopped(cluster, single):
+    """The prefill node sends the first token to the router before the KV travels (docs/disagg.md §3.1): with
+    every decode node stopped (SIGSTOP), the router relays it at once; resumed, the decode node goes on and the
+    client's text is a single node's, the first token once."""
+    ref = chat(single.url, CHATS[2], max_tokens=12, temperature=0)
+    assert ref.usage.completion_tokens >= 2  # the first token is no EOS: it is sent early
+    for _ in range(4):  # every prefill node has dialled every decode node (a stopped one cannot handshake)
+        chat(cluster.url, CHATS[0], max_tokens=1)
+    before = cluster.stats()["metrics"]["router_early_first"]
+    got: dict = {}
+    request = threading.Thread(target=lambda: got.update(reply=chat(cluster.url, CHATS[2], max_tokens=12,
+                                                                     temperature=0)))
+    stopped = [n.proc for n in cluster.decodes]
+    for proc in stopped:
+        proc.send_signal(signal.SIGSTOP)
+    try:
+        request.start()
+        wait_for(lambda: cluster.stats()["metrics"]["router_early_first"] > before, timeout=15,
+                 what="the first token relayed while the decode nodes are stopped")
+    finally:
+        for proc in stopped:
+            proc.send_signal(signal.SIGCONT)
+    request.join(60)
+    assert got["reply"].choices[0].message.content == ref.choices[0].message.content
+    assert got["reply"].usage.completion_tokens == ref.usage.completion_tokens
+
+
+def test_a_prefill_node_may_send_only_its_attempt_s_first_token(cluster, single):
+    """A secret holder posing as the request's prefill node (its IP and port) sends TOKENS mid-stream: a
+    second first token and a two-event message are both dropped and counted, and the client's text is
+    untouched. (The warning's text is not asserted: the router-drop warnings' budget of 5 a minute is the
+    forged-frame tests'.)"""
+    ref = chat(single.url, CHATS[2], **_InFlight.KW).choices[0].message.content
+    dropped = cluster.stats()["metrics"]["router_dropped_frames"]
+    flight = _InFlight(cluster)
+    which = next(i for i, p in enumerate(cluster.prefills) if flight.nonce in "".join(p.lines))
+    posing = Transport(f"{PREFILL_HOSTS[which]}:{PeerId.parse(cluster.prefill_addrs[which]).port}", secret_of(cluster))
+    try:
+        for events in ((TokenEvent(5, " FORGED"),), (TokenEvent(5, " FORGED"), TokenEvent(6, " TWICE"))):
+            posing.send(PeerId.parse(cluster.router_addr), Kind.CONTROL, m.Tokens(flight.nonce, events).encode())
+        text = flight.text()
+    finally:
+        posing.close()
+    assert text == ref and "FORGED" not in text
+    assert cluster.stats()["metrics"]["router_dropped_frames"] >= dropped + 2

@@ -103,9 +103,12 @@ def test_checks_run_in_order_before_prefill(tiny_llama, nodes):
         assert by_nonce["00000000000000c3"]["code"] == ErrorCode.BAD_REQUEST
         assert svc.scheduler.counters.prompt_tokens == 0
         router.send(svc.transport.identity, Kind.CONTROL, generate("00000000000000c4"))  # the fallback target
-        wait_for(lambda: len(replies) == 4)
+        wait_for(lambda: len(replies) == 5)
         assert [kind for kind, _ in received][-1] is Kind.STREAM_END and len(received) >= 3  # header, chunks, end
-        assert replies[-1][0] is MsgType.HANDED_OFF and replies[-1][1]["decode"] == str(decode.identity)
+        # the first token early (docs/disagg.md §3.1): one TOKENS event, then HANDED_OFF
+        assert [kind for kind, _ in replies[3:]] == [MsgType.TOKENS, MsgType.HANDED_OFF]
+        assert len(replies[3][1]["events"]) == 1 and replies[3][1]["nonce"] == "00000000000000c4"
+        assert replies[-1][1]["decode"] == str(decode.identity)
         assert svc.scheduler.counters.prompt_tokens == 4
     finally:
         svc.close()
