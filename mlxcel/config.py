@@ -1,12 +1,13 @@
 """Flags' defaults and bounds: one source of truth for the CLI, the server, the cluster TOML and the docs.
 
-Plain constants and argparse ``type=`` helpers only; nothing here imports MLX or
-any other mlxcel module, so every layer can import it.
+Plain constants, argparse ``type=`` helpers and the reader of the 1/0 environment switches only; nothing
+here imports MLX or any other mlxcel module, so every layer can import it.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Callable
 
 # Checkpoints
@@ -180,3 +181,16 @@ TP_MAX_HOSTS = 1024  # hosts in a --tp-hostfile
 TP_MAX_ROWS = 4096  # bound on rows (and ranks) in a control message
 TP_MAX_STEP_TOKENS = 1 << 20  # token ids in one step message
 TP_MAX_CONTROL_TEXT = 1024  # UTF-8 bytes of a control message's text field (rid, identity, reason)
+
+
+def env_switch(name: str) -> bool | None:
+    """A 1/0 environment switch (also true/false, yes/no, on/off, any case): None when unset or empty;
+    ValueError naming the variable for anything else."""
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return None
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name} must be 1 or 0, got {value!r}")

@@ -29,12 +29,13 @@ its session ran out, so it has no GPU measurement yet, and on the CPU it measure
 
 from __future__ import annotations
 
-import os
 from functools import lru_cache
 from typing import Any, Sequence
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
+
+from mlxcel.config import env_switch
 
 Pads = list[int] | None  # each row's left padding in one layer's batched cache, or None: not tracked
 TRIM_BLOCK = 256  # with the stable join, shared left padding is cut in whole blocks of this many columns
@@ -43,12 +44,7 @@ STABLE_JOIN_ENV = "MLXCEL_STABLE_JOIN"
 
 def stable_join_enabled() -> bool:
     """``MLXCEL_STABLE_JOIN`` (1/0; default off: not yet measured on a GPU, 0.96x on the CPU)."""
-    value = os.environ.get(STABLE_JOIN_ENV, "").strip().lower()
-    if value in ("", "0", "false", "no", "off"):
-        return False
-    if value in ("1", "true", "yes", "on"):
-        return True
-    raise ValueError(f"{STABLE_JOIN_ENV} must be 1 or 0, got {value!r}")
+    return env_switch(STABLE_JOIN_ENV) is True
 
 
 def merged_pads(caches: Sequence[Any]) -> Pads:
@@ -121,8 +117,12 @@ def join_layer(current: Any | None, pads: Pads, rows: Sequence[Any], *, batched:
         current, pads = current.merge([current]), merged_pads([current])
     if plain:
         return append_rows(current, pads, rows)
-    merged = rows[0].merge(list(rows))
-    merged_padding = merged_pads(rows)
+    return _merge_into(current, pads, rows)
+
+
+def _merge_into(current: Any | None, pads: Pads, rows: Sequence[Any]) -> tuple[Any, Pads]:
+    """mlx-lm's way: one ``merge`` of ``rows``, then ``current.extend`` with it (None: the merge alone)."""
+    merged, merged_padding = rows[0].merge(list(rows)), merged_pads(rows)
     if current is None:
         return merged, merged_padding
     pads = extended_pads(current, pads, merged, merged_padding)
@@ -143,9 +143,7 @@ def append_rows(batch: Any | None, pads: Pads, rows: Sequence[Any]) -> tuple[Any
         if joined is not None:
             pads = joined
             continue
-        other = row.merge([row])
-        pads = extended_pads(batch, pads, other, merged_pads([row]))
-        batch.extend(other)
+        batch, pads = _merge_into(batch, pads, [row])
     return batch, pads
 
 
@@ -199,7 +197,7 @@ def _gather(buf: mx.array, index: mx.array) -> mx.array:
 def _one_row_batch(row: Any) -> tuple[Any, Pads]:
     """A batch of one: over a plain row's own buffers (no copy), else mlx-lm's ``merge``."""
     if type(row) is not KVCache or row.keys is None:
-        return row.merge([row]), merged_pads([row])
+        return _merge_into(None, None, [row])
     batch = BatchKVCache([0])
     batch.keys, batch.values = row.keys, row.values
     batch.offset = batch.offset + row.offset

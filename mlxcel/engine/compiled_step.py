@@ -30,11 +30,12 @@ no faster than the plain 1.86 ms. It is kept as an opt-in, with its tests, for t
 
 from __future__ import annotations
 
-import os
 from typing import Any, Callable
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
+
+from mlxcel.config import env_switch
 
 Forward = Callable[[mx.array, list], mx.array]
 COMPILE_ENV = "MLXCEL_COMPILE_STEP"
@@ -42,14 +43,7 @@ COMPILE_ENV = "MLXCEL_COMPILE_STEP"
 
 def compile_enabled() -> bool:
     """``MLXCEL_COMPILE_STEP`` when set (1/0), else off (it measured slower on the H200; see the module)."""
-    value = os.environ.get(COMPILE_ENV, "").strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    if value:
-        raise ValueError(f"{COMPILE_ENV} must be 1 or 0, got {value!r}")
-    return False
+    return env_switch(COMPILE_ENV) is True
 
 
 class _FixedView:

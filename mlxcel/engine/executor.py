@@ -18,7 +18,6 @@ it; the receiving side installs what arrived with ``adopt``.
 from __future__ import annotations
 
 import itertools
-import os
 import threading
 import time
 from collections import deque
@@ -29,6 +28,7 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import KVCache
 
+from mlxcel.config import env_switch
 from mlxcel.engine.compiled_step import decode_forward
 from mlxcel.engine.model_slice import ModelSlice
 from mlxcel.engine.prefix_cache import PrefixCache
@@ -355,12 +355,8 @@ def default_lookahead(runner: SliceRunner) -> int:
     Off on a CPU by default: MLX's CPU backend runs most of a step inside ``mx.async_eval`` itself (the
     step trace puts the device time under ``build`` there), so nothing overlaps, and the thinner steps
     of the first tokens cost more than they save (docs/benchmarks.md)."""
-    value = os.environ.get(ASYNC_ENV, "").strip().lower()
-    if value in ("0", "false", "no", "off"):
-        return 0
-    if value and value not in ("1", "true", "yes", "on"):
-        raise ValueError(f"{ASYNC_ENV} must be 1 or 0, got {value!r}")
-    if not value and mx.default_device().type != mx.DeviceType.gpu:
+    switch = env_switch(ASYNC_ENV)
+    if switch is False or (switch is None and mx.default_device().type != mx.DeviceType.gpu):
         return 0
     caches = runner._make_cache()  # noqa: SLF001 - the layer caches a sequence gets
     return 1 if caches and all(type(c) is KVCache for c in caches) else 0
