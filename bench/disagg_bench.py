@@ -45,6 +45,7 @@ import socket
 import subprocess
 import sys
 import time
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -162,6 +163,7 @@ def long_prompt(tokens: int, tag: str, model: str | None = None) -> str:
     return text(lo)
 
 
+@lru_cache(maxsize=4)
 def _token_counter(model: str | None):
     """``len(tokenizer.encode(text))`` for the checkpoint at ``model``, or None when it has no tokenizer."""
     if not model or not (Path(model) / "tokenizer.json").exists():
