@@ -232,16 +232,19 @@ def _free_port() -> int:
 
 
 # mlxcel-sync / mlxcel-async: mlxcel with MLXCEL_ASYNC_SCHED=0 / 1 (the synchronous scheduler / asynchronous
-# scheduling wherever it applies, a CPU included); mlxcel: its default (asynchronous on a GPU)
-KINDS = ("mlxcel", "mlxcel-sync", "mlxcel-async", "mlx_lm")
-_ASYNC_SWITCH = {"mlxcel-sync": "0", "mlxcel-async": "1"}
+# scheduling wherever it applies, a CPU included); mlxcel-stable: MLXCEL_STABLE_JOIN=1 (the shape-stable join
+# of docs/engine.md); mlxcel: its defaults (asynchronous on a GPU, the plain join)
+KINDS = ("mlxcel", "mlxcel-sync", "mlxcel-async", "mlxcel-stable", "mlx_lm")
+_SWITCHES = {"mlxcel-sync": ("MLXCEL_ASYNC_SCHED", "0"), "mlxcel-async": ("MLXCEL_ASYNC_SCHED", "1"),
+             "mlxcel-stable": ("MLXCEL_STABLE_JOIN", "1")}
 
 
 def launch_env(kind: str, step_trace: str | None = None) -> dict[str, str]:
-    """The environment a launched server gets: this one, plus the scheduler switch and trace of mlxcel kinds."""
+    """The environment a launched server gets: this one, plus the engine switch and trace of mlxcel kinds."""
     env = dict(os.environ)
-    if kind in _ASYNC_SWITCH:
-        env["MLXCEL_ASYNC_SCHED"] = _ASYNC_SWITCH[kind]
+    if kind in _SWITCHES:
+        name, value = _SWITCHES[kind]
+        env[name] = value
     if kind.startswith("mlxcel") and step_trace:
         path = Path(step_trace).resolve()
         env["MLXCEL_STEP_TRACE"] = str(path if kind == "mlxcel" else path.with_name(f"{path.stem}-{kind}{path.suffix}"))
@@ -411,7 +414,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model-name", default=None, help="model id to request (default: from /v1/models)")
     p.add_argument("--launch", default=None,
                    help="start these servers in turn (comma): mlxcel, mlxcel-sync / mlxcel-async "
-                        "(MLXCEL_ASYNC_SCHED=0 / 1), mlxcel-cacheN (--mlx-cache-mb N), mlx_lm")
+                        "(MLXCEL_ASYNC_SCHED=0 / 1), mlxcel-stable (MLXCEL_STABLE_JOIN=1), mlxcel-cacheN (--mlx-cache-mb N), mlx_lm")
     p.add_argument("--model-dir", default="models/smollm2-135m-instruct", help="checkpoint for --launch")
     p.add_argument("--parallel", type=int, default=8, help="concurrent sequences of launched servers (default 8)")
     p.add_argument("--rounds", type=int, default=2,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.serve_bench import GpuUtil, gpu_util_fields, launch_env, ratios
+from bench.serve_bench import GpuUtil, gpu_util_fields, launch_command, launch_env, ratios
 
 pytestmark = pytest.mark.proc
 
@@ -38,3 +38,13 @@ def test_the_sync_kind_turns_asynchronous_scheduling_off_and_traces_apart(tmp_pa
     assert launch_env("mlxcel-async", trace)["MLXCEL_ASYNC_SCHED"] == "1"
     assert launch_env("mlxcel", trace)["MLXCEL_STEP_TRACE"] == trace
     assert "MLXCEL_STEP_TRACE" not in launch_env("mlx_lm", trace)
+
+
+def test_the_stable_kind_turns_the_shape_stable_join_on_and_nothing_else(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLXCEL_STABLE_JOIN", raising=False)
+    monkeypatch.delenv("MLXCEL_ASYNC_SCHED", raising=False)
+    env = launch_env("mlxcel-stable", str(tmp_path / "steps.jsonl"))
+    assert env["MLXCEL_STABLE_JOIN"] == "1" and "MLXCEL_ASYNC_SCHED" not in env
+    assert env["MLXCEL_STEP_TRACE"].endswith("steps-mlxcel-stable.jsonl")
+    assert "MLXCEL_STABLE_JOIN" not in launch_env("mlxcel", None)
+    assert launch_command("mlxcel-stable", "m", 1, 4)[-8:-6] == ["-m", "m"]
