@@ -260,6 +260,11 @@ class StreamWriter:
         self.id = stream_id
         self.closed = False
 
+    @property
+    def connection(self) -> Connection:
+        """The connection this stream travels on (its lane's, ``Transport.open_stream``)."""
+        return self._conn
+
     def write(self, data: Body) -> None:
         """One STREAM_DATA message: a buffer, or a sequence of buffers sent as their concatenation."""
         if self.closed:

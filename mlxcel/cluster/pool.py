@@ -1,4 +1,9 @@
-"""The connecting side: one pooled outbound connection per peer, dialled with backoff.
+"""The connecting side: pooled outbound connections per peer, dialled with backoff.
+
+A peer's connections are its *lanes*: lane 0 carries everything by default; a sender that
+wants several large streams to one peer in flight at once (the KV handoffs of a prefill node,
+docs/disagg.md §4) asks for lanes 1, 2, ...: each is its own connection, with its own reader
+thread, AEAD keys and socket, so their copies and crypto run side by side.
 
 A dial retries a refused connect, a close before the server sent any record (a full
 pending pool closes at accept) and the at-capacity verdict
@@ -31,7 +36,7 @@ MakeConnection = Callable[[socket.socket, PeerId, Established], Connection]
 
 
 class Pool:
-    """Outbound connections of one transport, keyed by peer identity."""
+    """Outbound connections of one transport, keyed by peer identity and lane."""
 
     def __init__(
         self,
@@ -44,31 +49,34 @@ class Pool:
         self._secret, self.options, self.warnings = secret, options, warnings
         self._closing, self._make_connection = closing, make_connection
         self._lock = threading.Lock()
-        self._conns: dict[PeerId, Connection] = {}
-        self._dial_locks: dict[PeerId, threading.Lock] = {}
+        self._conns: dict[tuple[PeerId, int], Connection] = {}
+        self._dial_locks: dict[tuple[PeerId, int], threading.Lock] = {}
 
-    def get(self, peer: PeerId) -> Connection | None:
-        """The live pooled connection to ``peer``, if any (no dialling)."""
-        conn = self._conns.get(peer)
+    def get(self, peer: PeerId, lane: int = 0) -> Connection | None:
+        """The live pooled connection to ``peer`` on ``lane``, if any (no dialling)."""
+        conn = self._conns.get((peer, lane))
         return conn if conn is not None and conn.alive else None
 
     def discard(self, conn: Connection) -> None:
-        """Forget a closed connection (the next acquire dials again)."""
+        """Forget a closed connection (the next acquire of its lane dials again)."""
         with self._lock:
-            if self._conns.get(conn.peer) is conn:
-                del self._conns[conn.peer]
+            for key in [k for k, c in self._conns.items() if c is conn]:
+                del self._conns[key]
 
-    def acquire(self, peer: PeerId, identity: PeerId) -> Connection:
-        """The pooled connection to ``peer``, dialled (as ``identity``) when needed."""
+    def acquire(self, peer: PeerId, identity: PeerId, lane: int = 0) -> Connection:
+        """The pooled connection to ``peer`` on ``lane``, dialled (as ``identity``) when needed."""
         if self._closing.is_set():
             raise TransportClosed("transport is closed")
-        conn = self._conns.get(peer)
+        if lane < 0:
+            raise ValueError(f"a lane is a number from 0, not {lane}")
+        key = (peer, lane)
+        conn = self._conns.get(key)
         if conn is not None and conn.alive:
             return conn
         with self._lock:
-            dial_lock = self._dial_locks.setdefault(peer, threading.Lock())
+            dial_lock = self._dial_locks.setdefault(key, threading.Lock())
         with dial_lock:
-            conn = self._conns.get(peer)
+            conn = self._conns.get(key)
             if conn is not None and conn.alive:
                 return conn
             conn = self._dial_with_backoff(peer, identity)
@@ -76,7 +84,7 @@ class Pool:
                 if self._closing.is_set():
                     conn.close()
                     raise TransportClosed("transport is closed")
-                self._conns[peer] = conn
+                self._conns[key] = conn
             conn.start()
             return conn
 

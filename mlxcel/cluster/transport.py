@@ -199,16 +199,17 @@ class Transport:
         conn = self._acquire(peer)
         return conn.request(payload, next(self._ids), self.options.request_timeout if timeout is None else timeout)
 
-    def open_stream(self, peer: PeerLike) -> StreamWriter:
-        """An ordered stream of messages to ``peer`` (delivered as STREAM_DATA ... STREAM_END)."""
-        return StreamWriter(self._acquire(peer), next(self._ids))
+    def open_stream(self, peer: PeerLike, lane: int = 0) -> StreamWriter:
+        """An ordered stream of messages to ``peer`` (delivered as STREAM_DATA ... STREAM_END), on the
+        pooled connection of ``lane`` (0: the one every other message uses; see ``pool.py``)."""
+        return StreamWriter(self._acquire(peer, lane), next(self._ids))
 
     def connection(self, peer: PeerLike) -> Connection:
         """The pooled connection to ``peer`` (dialled if needed)."""
         return self._acquire(peer)
 
-    def _acquire(self, peer: PeerLike) -> Connection:
-        return self._pool.acquire(as_peer(peer), self.identity)
+    def _acquire(self, peer: PeerLike, lane: int = 0) -> Connection:
+        return self._pool.acquire(as_peer(peer), self.identity, lane)
 
     # -- shutdown --
 

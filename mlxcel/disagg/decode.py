@@ -281,7 +281,8 @@ class DecodeService(RoleService):
         return {"ready": True, "sequences": len(self.running), "running": c.running, "waiting": c.waiting,
                 "kv_sequences": len(self.executor.runners[0]), "incoming": len(arriving),
                 "incoming_bytes": sum(i.decoder.received for i in arriving if i.decoder is not None),
-                "cache_supported": self.layout.unsupported is None, **self.counters}
+                "cache_supported": self.layout.unsupported is None,
+                "connections": self.transport.authenticated_connections, **self.counters}
 
     def close(self) -> None:
         super().close()

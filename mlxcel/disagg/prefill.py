@@ -29,6 +29,7 @@ from mlxcel.disagg.allowlist import Allowlist
 from mlxcel.disagg.flags import NodeConfig
 from mlxcel.disagg.kv_cache import export_cache, probe_layout
 from mlxcel.disagg.kv_codec import chunk_parts, encode_header
+from mlxcel.disagg.lanes import LanePicker, default_lanes
 from mlxcel.disagg.loop import LoopThread
 from mlxcel.disagg.service import RoleService
 from mlxcel.disagg.wire import PROGRESS_INTERVAL_S, MsgType
@@ -84,6 +85,7 @@ class PrefillService(RoleService):
         self.eos = frozenset(tokenizer.eos_token_ids)  # a first token that ends the request is not sent early
         self.loop = LoopThread("mlxcel-prefill-loop")
         self.workers = ThreadPoolExecutor(max_workers=parallel + 1, thread_name_prefix="mlxcel-handoff")
+        self.lanes = LanePicker(default_lanes())  # concurrent handoffs to one decode node on their own connections
         self.jobs: dict[str, Job] = {}
         self.counters = {"requests": 0, "handoffs": 0, "handoff_bytes": 0, "handoff_seconds": 0.0,
                          "refused": 0, "failed": 0, "cancelled": 0}
@@ -236,34 +238,40 @@ class PrefillService(RoleService):
 
     def _hand_off(self, job: Job, first: TokenEvent, kv: KVExport) -> None:
         """Stream header, chunks and end record to the decode node (a worker thread)."""
-        tensors, length = kv.data, kv.length
         meta = m.HandoffMeta(job.nonce, job.router, job.params, first, job.gen.top_logprobs, job.gen.ignore_eos,
                              draws=0 if job.params.greedy else job.gen.draws + 1)
         prefill_s = time.perf_counter() - job.started
         start = time.perf_counter()
-        sent = 0
         try:
-            writer = self.transport.open_stream(job.target)
-            header = encode_header(meta.doc(), job.gen.prompt, self.layout)
-            writer.write(header)
-            sent += len(header)
-            for part in chunk_parts(tensors):  # views of the exported KV, never joined
-                if job.cancelled:
-                    writer.abort(ErrorCode.CANCELLED, "the request was cancelled")
-                    return
-                writer.write(part)
-                sent += sum(len(p) for p in part)
-            writer.close()
+            with self.lanes.take() as lane:
+                sent = self._stream(job, encode_header(meta.doc(), job.gen.prompt, self.layout), kv.data, lane)
         except ClusterError as exc:
             self._refuse(job.router, job.nonce, ErrorCode.UNREACHABLE,
                          f"handing the KV cache to decode node {job.target} failed: {exc}", str(job.target))
+            return
+        if sent is None:
             return
         seconds = time.perf_counter() - start
         self.counters["handoffs"] += 1
         self.counters["handoff_bytes"] += sent
         self.counters["handoff_seconds"] += seconds
-        log.debug("prefill: %s handed %d bytes (%d tokens) to %s in %.4fs", job.nonce, sent, length, job.target, seconds)
+        log.debug("prefill: %s handed %d bytes (%d tokens) to %s in %.4fs", job.nonce, sent, kv.length, job.target,
+                  seconds)
         self.send(job.router, m.HandedOff(job.nonce, sent, seconds, str(job.target), prefill_s))
+
+    def _stream(self, job: Job, header: bytes, tensors: Any, lane: int) -> int | None:
+        """One handoff stream on ``lane``: the bytes sent, or None when the request was cancelled on the way."""
+        writer = self.transport.open_stream(job.target, lane)
+        writer.write(header)
+        sent = len(header)
+        for part in chunk_parts(tensors):  # views of the exported KV, never joined
+            if job.cancelled:
+                writer.abort(ErrorCode.CANCELLED, "the request was cancelled")
+                return None
+            writer.write(part)
+            sent += sum(len(p) for p in part)
+        writer.close()
+        return sent
 
     # -- state ------------------------------------------------------------------------------------
 
@@ -271,7 +279,7 @@ class PrefillService(RoleService):
         c = self.scheduler.counters
         return {"ready": True, "jobs": len(self.jobs), "sequences": c.running + c.waiting,
                 "kv_sequences": len(self.executor.runners[0]),
-                "cache_supported": self.layout.unsupported is None, **self.counters}
+                "cache_supported": self.layout.unsupported is None, "handoff_lanes": list(self.lanes.taken()), **self.counters}
 
     def close(self) -> None:
         super().close()

@@ -120,6 +120,46 @@ def test_streams(make_transport):
         stream.write(b"after close")
 
 
+def test_streams_on_lanes_travel_on_their_own_connections_side_by_side(make_transport):
+    inbox = Inbox()
+    srv = make_transport(SERVER_IP)
+    srv.serve(inbox.on_message)
+    cli = make_transport(CLIENT_IP)
+    first, second = cli.open_stream(srv.identity, 1), cli.open_stream(srv.identity, 2)
+    assert first.connection is not second.connection and srv.authenticated_connections == 2
+    first.write(b"one-a")
+    second.write(b"two-a")  # both streams open at once, each on its connection
+    first.write(b"one-b")
+    second.close()
+    first.close()
+    msgs = [inbox.get() for _ in range(5)]
+    by_stream = {}
+    for msg in msgs:
+        by_stream.setdefault(msg.id, []).append((msg.kind, bytes(msg.payload)))
+    assert by_stream == {first.id: [(Kind.STREAM_DATA, b"one-a"), (Kind.STREAM_DATA, b"one-b"), (Kind.STREAM_END, b"")],
+                         second.id: [(Kind.STREAM_DATA, b"two-a"), (Kind.STREAM_END, b"")]}
+    assert {m.peer for m in msgs} == {cli.identity}  # one authenticated sender, whatever the lane
+    assert cli.open_stream(srv.identity, 1).connection is first.connection  # a lane's connection is pooled
+    cli.send(srv.identity, Kind.CONTROL, b"lane 0")
+    assert inbox.get().payload == b"lane 0" and srv.authenticated_connections == 3
+    with pytest.raises(ValueError, match="lane"):
+        cli.open_stream(srv.identity, -1)
+
+
+def test_a_lost_lane_is_dialled_again_and_leaves_the_others(make_transport):
+    inbox = Inbox()
+    srv = make_transport(SERVER_IP)
+    srv.serve(inbox.on_message)
+    cli = make_transport(CLIENT_IP)
+    lane0, lane1 = cli.connection(srv.identity), cli.open_stream(srv.identity, 1).connection
+    lane1.close()
+    assert wait_until(lambda: not lane1.alive)
+    again = cli.open_stream(srv.identity, 1)
+    assert again.connection is not lane1 and again.connection.alive and cli.connection(srv.identity) is lane0
+    again.write(b"after")
+    assert inbox.get().payload == b"after"
+
+
 def test_handler_exception_does_not_kill_the_connection(make_transport, caplog):
     seen = []
 

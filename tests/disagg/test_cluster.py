@@ -40,7 +40,8 @@ CHATS = ["Hello there", "The capital of France is", "Write one short sentence ab
 def cluster(tmp_path_factory, tiny_llama):
     c = DisaggCluster(tmp_path_factory.mktemp("disagg"), tiny_llama, prefills=2, decodes=2,
                       prefill_flags=("--log-level", "debug"), decode_env={"MLXCEL_DISAGG_STEP_DELAY_S": STEP_DELAY})
-    c.prefill_env = {"MLXCEL_DECODE_ALLOWLIST": f"{c.decode_addrs[0]}, decode.lan:1,{c.decode_addrs[1]}"}
+    c.prefill_env = {"MLXCEL_DECODE_ALLOWLIST": f"{c.decode_addrs[0]}, decode.lan:1,{c.decode_addrs[1]}",
+                     "MLXCEL_HANDOFF_LANES": "2"}
     c.start()
     yield c
     c.stop()
@@ -132,6 +133,29 @@ def test_two_decode_nodes_share_the_load_and_stats_are_redacted(cluster):
     metrics = stats["metrics"]
     assert metrics["router_handoffs"] >= 4 and metrics["router_handoff_bytes"] > 0
     assert metrics["router_handoff_seconds"] > 0
+
+
+def test_concurrent_handoffs_over_two_lanes_give_a_single_node_s_text(cluster, single):
+    texts = [f"{CHATS[i % 3]} ({i})" for i in range(8)]
+    refs = [chat(single.url, t, max_tokens=6, temperature=0).choices[0].message.content for t in texts]
+    before = [p.state() for p in cluster.prefills]
+    got: dict[int, str] = {}
+
+    def one(i: int) -> None:
+        got[i] = chat(cluster.url, texts[i], max_tokens=6, temperature=0).choices[0].message.content
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(texts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert [got.get(i) for i in range(len(texts))] == refs
+    after = [p.state() for p in cluster.prefills]
+    assert all(len(s["handoff_lanes"]) == 2 for s in after)  # MLXCEL_HANDOFF_LANES=2
+    for b, a in zip(before, after):  # every handoff counted on one lane
+        assert sum(a["handoff_lanes"]) - sum(b["handoff_lanes"]) == a["handoffs"] - b["handoffs"]
+    assert sum(a["handoffs"] - b["handoffs"] for b, a in zip(before, after)) == len(texts)
+    assert all(d.state()["connections"] >= 1 for d in cluster.decodes)
 
 
 def test_a_keyed_router_guards_every_endpoint_but_health_and_verbose_stats_show_addresses(cluster, tiny_llama):

@@ -1,0 +1,75 @@
+"""Which connection a prefill node's next KV handoff travels on (docs/disagg.md §4, "Lanes").
+
+A handoff is one large stream. On one connection, the handoffs of concurrent requests to a decode
+node queue behind each other: one socket, one reader thread and one AEAD context per direction. The
+prefill node spreads them over a few *lanes* (pooled connections of the transport, ``pool.py``),
+each handoff whole on the least busy lane, so their copies and crypto run side by side on hosts with
+the cores for it. Nothing on the wire changes: the decode node sees more authenticated connections
+from the same identity, and keys streams by (sender, stream id) as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from typing import Iterator
+
+from mlxcel.cluster.aead_pipeline import usable_cores
+
+#: MLXCEL_HANDOFF_LANES overrides the per-host default
+LANES_ENV = "MLXCEL_HANDOFF_LANES"
+MAX_LANES = 16
+
+
+def default_lanes(cores: int | None = None) -> int:
+    """1 below 4 usable cores, else a quarter of them, at most 4 (MLXCEL_HANDOFF_LANES overrides, 1..16)."""
+    env = os.environ.get(LANES_ENV, "").strip()
+    if env:
+        try:
+            value = int(env)
+        except ValueError:
+            raise ValueError(f"{LANES_ENV} must be a whole number from 1 to {MAX_LANES}, not {env!r}") from None
+        if not 1 <= value <= MAX_LANES:
+            raise ValueError(f"{LANES_ENV} must be from 1 to {MAX_LANES}, not {value}")
+        return value
+    cores = usable_cores() if cores is None else cores
+    return 1 if cores < 4 else min(4, cores // 4)
+
+
+class LanePicker:
+    """The least busy of ``count`` lanes, held while a handoff is in flight (thread-safe)."""
+
+    def __init__(self, count: int) -> None:
+        if count < 1:
+            raise ValueError(f"a prefill node needs at least one lane, not {count}")
+        self._busy = [0] * count
+        self._taken = [0] * count
+        self._lock = threading.Lock()
+
+    @property
+    def count(self) -> int:
+        return len(self._busy)
+
+    def busy(self) -> tuple[int, ...]:
+        """Handoffs in flight per lane."""
+        with self._lock:
+            return tuple(self._busy)
+
+    def taken(self) -> tuple[int, ...]:
+        """Handoffs started per lane since the node started."""
+        with self._lock:
+            return tuple(self._taken)
+
+    @contextlib.contextmanager
+    def take(self) -> Iterator[int]:
+        """The lane to send on (the lowest-numbered of the least busy), released when the block ends."""
+        with self._lock:
+            lane = min(range(len(self._busy)), key=self._busy.__getitem__)
+            self._busy[lane] += 1
+            self._taken[lane] += 1
+        try:
+            yield lane
+        finally:
+            with self._lock:
+                self._busy[lane] -= 1
