@@ -18,7 +18,8 @@ one at a time, so the deltas belong to that request).
 
 ``serve``: ``bench/serve_bench.py``'s side-by-side driver (same prompts for every topology, ABBA
 order per level) over the topologies; each row gains the router's handoff count, bytes and seconds
-over its level. ``--long`` replaces serve_bench's stock prompts with ones of about
+over its level. A topology ``<p>p<d>d-lanes<N>`` runs its prefill nodes with ``MLXCEL_HANDOFF_LANES=N``
+(``1p1d-lanes1`` against ``1p1d``: one connection per decode node against the host's default). ``--long`` replaces serve_bench's stock prompts with ones of about
 ``--long-tokens`` tokens (default 1100).
 
 ``frames``: the large-frame cost of a handoff, without a model: two transports in this process
@@ -101,8 +102,11 @@ class Proc:
 
 
 def start_topology(name: str, model: str, secret: Path, common: list[str], offset: int) -> tuple[str, list[Proc]]:
-    """``hybrid`` or ``<p>p<d>d``: returns the serving URL and the processes (stop them all)."""
+    """``hybrid`` or ``<p>p<d>d``, the latter optionally ``-lanes<N>`` (the prefill nodes' MLXCEL_HANDOFF_LANES):
+    returns the serving URL and the processes (stop them all)."""
     base = ["-m", model, "--served-model-name", "bench", *common]
+    name, _, lanes = name.partition("-lanes")
+    prefill_env = {"MLXCEL_HANDOFF_LANES": lanes} if lanes else None
     if name == "hybrid":
         p = Proc([*base, "--node-role", "hybrid"], HYBRID_IP)
         p.wait()
@@ -118,7 +122,7 @@ def start_topology(name: str, model: str, secret: Path, common: list[str], offse
             procs.append(Proc([*base, *role, "--node-role", "decode", "--serving-bind", addr], addr.split(":")[0]))
         for addr in pre:
             procs.append(Proc([*base, *role, "--node-role", "prefill", "--serving-bind", addr, "--decode-peers",
-                               dec[0]], addr.split(":")[0]))
+                               dec[0]], addr.split(":")[0], prefill_env))
         for p in procs:
             p.wait()
         router_ip = ip((ROUTER_IP,), 0)

@@ -32,7 +32,8 @@
 #   profile           issue 24 item 2: py-spy samples (Python and native) of mlxcel serve at 32 streams on
 #                     PROFILE_MODEL (q06-bf16), with its step trace; needs py-spy at PY_SPY (/tmp/py-spy, carried in part A)
 #   handoff-serving   issue 24 item 3: disagg_bench handoff (1 stream) and serve (1 and 8 streams, 1,500-token prompts)
-#                     on q06-bf16, hybrid against router -> prefill -> decode
+#                     on q06-bf16, hybrid against router -> prefill -> decode, the serve pass over
+#                     HANDOFF_TOPOLOGIES (default "hybrid,1p1d-lanes1,1p1d": one handoff lane against the default)
 # Everything lands in $OUT/results.tar.gz (rows, traces, logs) and $OUT/log.txt.
 set -uo pipefail
 SRC=$(cd "$(dirname "$0")/../.." && pwd)
@@ -157,7 +158,8 @@ handoff_serving() {  # issue 24 item 3: router -> prefill -> decode against one 
     --prompt-tokens 1500 --repeats "${HANDOFF_REPEATS:-4}" --max-tokens 16 --out "$out"
   [ "$(left)" -gt 120 ] || return 0
   echo "== handoff serving, 1 and 8 streams, q06-bf16 ($(left) s left)"
-  timeout $(( $(left) - 20 )) python3 -m bench.disagg_bench serve -m /tmp/models/q06-bf16 --topologies hybrid,1p1d \
+  timeout $(( $(left) - 20 )) python3 -m bench.disagg_bench serve -m /tmp/models/q06-bf16 \
+    --topologies "${HANDOFF_TOPOLOGIES:-hybrid,1p1d-lanes1,1p1d}" \
     --concurrency 1,8 --long --long-tokens 1500 --requests 2 --rounds 2 --max-tokens 32 --out "$out"
 }
 
