@@ -31,6 +31,8 @@
 #                     against repeats) and of a 32-row decode step
 #   profile           issue 24 item 2: py-spy samples (Python and native) of mlxcel serve at 32 streams on
 #                     PROFILE_MODEL (q06-bf16), with its step trace; needs py-spy at PY_SPY (/tmp/py-spy, carried in part A)
+#   handoff-profile   issue 24 item 3: py-spy of the decode and prefill nodes while 8 streams of 1,500-token
+#                     prompts go through router -> prefill -> decode on q06-bf16 (needs py-spy, as profile)
 #   handoff-serving   issue 24 item 3: disagg_bench handoff (1 stream) and serve (1 and 8 streams, 1,500-token prompts)
 #                     on q06-bf16, hybrid against router -> prefill -> decode, the serve pass over
 #                     HANDOFF_TOPOLOGIES (default "hybrid,1p1d-lanes1,1p1d": one handoff lane against the default)
@@ -163,6 +165,33 @@ handoff_serving() {  # issue 24 item 3: router -> prefill -> decode against one 
     --concurrency 1,8 --long --long-tokens 1500 --requests 2 --rounds 2 --max-tokens 32 --out "$out"
 }
 
+handoff_profile() {  # issue 24 item 3: where the decode and prefill nodes spend 8-stream handoffs (py-spy)
+  local out=$RES/handoff-profile spy=${PY_SPY:-/tmp/py-spy} bench_pid dpid ppid
+  [ -x "$spy" ] || { echo "== skip handoff-profile: no $spy (carry py-spy in part A)"; return 0; }
+  make_model q06-bf16 || return 0
+  mkdir -p "$out"
+  echo "== handoff profile, 8 streams, q06-bf16 ($(left) s left)"
+  python3 -m bench.disagg_bench serve -m /tmp/models/q06-bf16 --topologies "${PROFILE_TOPOLOGY:-1p1d}" --concurrency 8 \
+    --long --long-tokens 1500 --requests "${PROFILE_REQUESTS:-12}" --rounds 1 --max-tokens 32 --out "$out" \
+    > "$out/serve.log" 2>&1 &
+  bench_pid=$!
+  for _ in $(seq 180); do
+    dpid=$(pgrep -f -- "--node-role decode" | head -1); ppid=$(pgrep -f -- "--node-role prefill" | head -1)
+    [ -n "$dpid" ] && [ -n "$ppid" ] && pgrep -f -- "--node-role router" >/dev/null && break; sleep 1
+  done
+  sleep "${PROFILE_WAIT_S:-20}"  # the router is up; its warm request and the level's first handoffs go by
+  "$spy" record -p "$dpid" -d 10 -r 200 -f raw --threads --idle -o "$out/decode-idle.txt" 2>&1 | tail -1 &
+  "$spy" record -p "$ppid" -d 10 -r 200 -f raw --threads --idle -o "$out/prefill-idle.txt" 2>&1 | tail -1
+  wait %2 2>/dev/null
+  "$spy" record -p "$dpid" -d 6 -r 200 -f raw --threads --gil -o "$out/decode-gil.txt" 2>&1 | tail -1
+  wait $bench_pid; tail -3 "$out/serve.log" | cut -c1-300
+  for f in "$out"/*-idle.txt "$out"/*-gil.txt; do
+    for th in scheduler cluster-in intake handoff; do
+      echo "-- $(basename "$f") $th"; python3 -m bench.profile_summary "$f" --thread "$th" --top 14 2>&1 | head -32
+    done
+  done
+}
+
 serve_suite() {  # bench/serve_bench.py: mlxcel (async), mlxcel-sync and mlx_lm.server per checkpoint
   local model out
   for model in ${SERVE_MODELS:-q06-q4 q06-bf16}; do
@@ -195,6 +224,7 @@ main() {
       handoff) handoff_suite ;;
       serve) serve_suite ;;
       profile) profile_suite ;;
+      handoff-profile) handoff_profile ;;
       handoff-serving) handoff_serving ;;
       serve-tiny) SERVE_MODELS=tiny SERVE_BUDGET=10 serve_suite ;;  # a smoke test of the serve suite
       prefill-probe) make_model q06-bf16 && python3 -m bench.gpu.prefill_probe -m /tmp/models/q06-bf16 \
