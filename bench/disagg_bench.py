@@ -19,7 +19,8 @@ one at a time, so the deltas belong to that request).
 ``serve``: ``bench/serve_bench.py``'s side-by-side driver (same prompts for every topology, ABBA
 order per level) over the topologies; each row gains the router's handoff count, bytes and seconds
 over its level. A topology ``<p>p<d>d-lanes<N>`` runs its prefill nodes with ``MLXCEL_HANDOFF_LANES=N``
-(``1p1d-lanes1`` against ``1p1d``: one connection per decode node against the host's default). ``--long`` replaces serve_bench's stock prompts with ones of about
+(``1p1d-lanes1`` against ``1p1d``: one connection per decode node against the host's default), and
+``<p>p<d>d-copy`` its decode nodes with ``MLXCEL_HANDOFF_COPY=1`` (handoffs copied into MLX at import). ``--long`` replaces serve_bench's stock prompts with ones of about
 ``--long-tokens`` tokens (default 1100).
 
 ``frames``: the large-frame cost of a handoff, without a model: two transports in this process
@@ -102,11 +103,13 @@ class Proc:
 
 
 def start_topology(name: str, model: str, secret: Path, common: list[str], offset: int) -> tuple[str, list[Proc]]:
-    """``hybrid`` or ``<p>p<d>d``, the latter optionally ``-lanes<N>`` (the prefill nodes' MLXCEL_HANDOFF_LANES):
-    returns the serving URL and the processes (stop them all)."""
+    """``hybrid`` or ``<p>p<d>d``, the latter optionally ``-copy`` (the decode nodes' MLXCEL_HANDOFF_COPY=1) and
+    then ``-lanes<N>`` (the prefill nodes' MLXCEL_HANDOFF_LANES): returns the serving URL and the processes."""
     base = ["-m", model, "--served-model-name", "bench", *common]
     name, _, lanes = name.partition("-lanes")
     prefill_env = {"MLXCEL_HANDOFF_LANES": lanes} if lanes else None
+    name, copy, _ = name.partition("-copy")
+    decode_env = {"MLXCEL_HANDOFF_COPY": "1"} if copy else None
     if name == "hybrid":
         p = Proc([*base, "--node-role", "hybrid"], HYBRID_IP)
         p.wait()
@@ -119,7 +122,8 @@ def start_topology(name: str, model: str, secret: Path, common: list[str], offse
         dec = [f"{ip(DECODE_IPS, i)}:{free_port(ip(DECODE_IPS, i))}" for i in range(decodes)]
         pre = [f"{ip(PREFILL_IPS, i)}:{free_port(ip(PREFILL_IPS, i))}" for i in range(prefills)]
         for addr in dec:
-            procs.append(Proc([*base, *role, "--node-role", "decode", "--serving-bind", addr], addr.split(":")[0]))
+            procs.append(Proc([*base, *role, "--node-role", "decode", "--serving-bind", addr], addr.split(":")[0],
+                              decode_env))
         for addr in pre:
             procs.append(Proc([*base, *role, "--node-role", "prefill", "--serving-bind", addr, "--decode-peers",
                                dec[0]], addr.split(":")[0], prefill_env))

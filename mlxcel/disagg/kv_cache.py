@@ -38,6 +38,7 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
 )
 
+from mlxcel.config import env_switch
 from mlxcel.disagg.kv_codec import Handoff, HandoffError, KVLayout, LayerSpec, TensorSpec, dtype_code
 from mlxcel.disagg.wire import CacheKind, DType
 
@@ -211,19 +212,23 @@ def mx_allocator(spec: TensorSpec) -> tuple[np.ndarray, mx.array]:
     return np.array(a, copy=False), a
 
 
+#: MLXCEL_HANDOFF_COPY=1: receive into numpy buffers copied into MLX at import, even where a view writes into MLX
+COPY_ENV = "MLXCEL_HANDOFF_COPY"
+
+
 def handoff_allocator() -> Any:
-    """``mx_allocator`` where a numpy view of an MLX array writes into that array (checked once: MLX's
-    CPU and Apple-silicon unified memory), else None (numpy buffers, copied into MLX by ``import_cache``;
-    on CUDA that copy is also the move into memory the GPU reads, first touched by the host)."""
+    """``mx_allocator`` where a numpy view of an MLX array writes into that array (checked once, on this
+    device: MLX's CPU, Apple silicon's unified memory and CUDA's managed memory all pass), else None (numpy
+    buffers, copied into MLX by ``import_cache``); MLXCEL_HANDOFF_COPY=1 takes the copying path anyway."""
     global _ALIASES
+    if env_switch(COPY_ENV):
+        return None
     if _ALIASES is None:
         _ALIASES = _views_alias()
     return mx_allocator if _ALIASES else None
 
 
 def _views_alias() -> bool:
-    if mx.default_device() != mx.cpu and not (hasattr(mx, "metal") and mx.metal.is_available()):
-        return False
     try:
         view, owner = mx_allocator(TensorSpec(DType.BFLOAT16, (1, 2, 3, 4)))
         view.reshape(-1)[5] = 0x3F80  # bfloat16 1.0

@@ -90,6 +90,25 @@ def test_a_handoff_received_into_mlx_memory_is_imported_without_a_copy(dtype):
     assert [_address(g.keys) for g in got] == [t.__array_interface__["data"][0] for t in handoff.tensors[::2]]
 
 
+def test_the_copy_switch_receives_into_numpy_buffers_and_imports_a_copy(monkeypatch):
+    monkeypatch.setenv("MLXCEL_HANDOFF_COPY", "1")
+    assert handoff_allocator() is None
+    layout = KVLayout((LayerSpec(CacheKind.KV, DType.FLOAT32, 1, 4, 4),))
+    keys = np.arange(12, dtype=np.float32).reshape(1, 1, 3, 4)
+    dec = HandoffDecoder(layout, 64, None, handoff_allocator())
+    for part in [encode_header({}, (1, 2, 3), layout), *encode_chunks([keys, -keys], 20)]:
+        dec.feed(part)
+    handoff = dec.result()
+    [cache] = import_cache(handoff)
+    assert np.array_equal(np.array(cache.keys), keys) and np.array_equal(np.array(cache.values), -keys)
+    assert _address(cache.keys) != handoff.tensors[0].__array_interface__["data"][0]  # MLX holds its own copy
+    monkeypatch.setenv("MLXCEL_HANDOFF_COPY", "0")
+    assert handoff_allocator() is mx_allocator
+    monkeypatch.setenv("MLXCEL_HANDOFF_COPY", "maybe")
+    with pytest.raises(ValueError, match="MLXCEL_HANDOFF_COPY"):
+        handoff_allocator()
+
+
 def run(coro):
     return asyncio.run(coro)
 
