@@ -22,7 +22,7 @@ from .aead_pipeline import CryptoPool, OpenPipeline, SealPipeline, ring_slots
 from .ratelimit import RateLimitedLog, WarnClass
 from .reader import FrameReader
 from .rpc import Waiter, answer, outcome
-from .wire import MESSAGE_KINDS, STREAM_ABORTED, STREAM_OK, ErrorCode, Kind
+from .wire import STREAM_ABORTED, STREAM_OK, ErrorCode, Kind
 
 log = logging.getLogger("mlxcel.cluster.transport")
 
@@ -92,10 +92,8 @@ class Connection:
             view = payload if isinstance(payload, list) else list(payload)
         size = body_len(view)
         pipelined = self._crypto is not None and size > chunk_len
-        if kind in MESSAGE_KINDS and size <= chunk_len:
-            frames: Iterable[tuple[Kind, Buffer]] = (
-                ((kind, view),) if not isinstance(view, list) else plan(kind, view, chunk_len=chunk_len))
-        elif pipelined:
+        frames: Iterable[tuple[Kind, Buffer]]
+        if pipelined:
             frames = list(plan(kind, view, id=id, status=status, chunk_len=chunk_len, ramp_len=self.options.chunk_ramp_len))
         else:
             frames = plan(kind, view, id=id, status=status, chunk_len=chunk_len)
