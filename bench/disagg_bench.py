@@ -19,8 +19,9 @@ one at a time, so the deltas belong to that request).
 ``serve``: ``bench/serve_bench.py``'s side-by-side driver (same prompts for every topology, ABBA
 order per level) over the topologies; each row gains the router's handoff count, bytes and seconds
 over its level. A topology ``<p>p<d>d-lanes<N>`` runs its prefill nodes with ``MLXCEL_HANDOFF_LANES=N``
-(``1p1d-lanes1`` against ``1p1d``: one connection per decode node against the host's default), and
-``<p>p<d>d-copy`` its decode nodes with ``MLXCEL_HANDOFF_COPY=1`` (handoffs copied into MLX at import). ``--long`` replaces serve_bench's stock prompts with ones of about
+(``1p1d-lanes1`` against ``1p1d``: one connection per decode node against the host's default),
+``-copy`` its decode nodes with ``MLXCEL_HANDOFF_COPY=1`` (handoffs copied into MLX at import) and
+``-stable`` with ``MLXCEL_STABLE_JOIN=1``; options combine (``1p1d-copy-lanes1``). ``--long`` replaces serve_bench's stock prompts with ones of about
 ``--long-tokens`` tokens (default 1100).
 
 ``frames``: the large-frame cost of a handoff, without a model: two transports in this process
@@ -102,14 +103,31 @@ class Proc:
                 self.proc.wait()
 
 
+#: a topology's options (``1p1d-copy-lanes2``): the environment they give the prefill or the decode nodes
+DECODE_OPTIONS = {"copy": ("MLXCEL_HANDOFF_COPY", "1"), "stable": ("MLXCEL_STABLE_JOIN", "1")}
+
+
+def topology_options(name: str) -> tuple[str, dict[str, str], dict[str, str]]:
+    """``<p>p<d>d`` and its ``-`` options: ``lanes<N>`` (the prefill nodes' MLXCEL_HANDOFF_LANES), ``copy``
+    (the decode nodes' MLXCEL_HANDOFF_COPY=1), ``stable`` (the decode nodes' MLXCEL_STABLE_JOIN=1)."""
+    base, *options = name.split("-")
+    prefill: dict[str, str] = {}
+    decode: dict[str, str] = {}
+    for opt in options:
+        if opt.startswith("lanes") and opt[5:].isdigit():
+            prefill["MLXCEL_HANDOFF_LANES"] = opt[5:]
+        elif opt in DECODE_OPTIONS:
+            key, value = DECODE_OPTIONS[opt]
+            decode[key] = value
+        else:
+            raise SystemExit(f"disagg_bench: unknown topology option {opt!r} in {name!r} (lanesN, copy, stable)")
+    return base, prefill, decode
+
+
 def start_topology(name: str, model: str, secret: Path, common: list[str], offset: int) -> tuple[str, list[Proc]]:
-    """``hybrid`` or ``<p>p<d>d``, the latter optionally ``-copy`` (the decode nodes' MLXCEL_HANDOFF_COPY=1) and
-    then ``-lanes<N>`` (the prefill nodes' MLXCEL_HANDOFF_LANES): returns the serving URL and the processes."""
+    """``hybrid`` or ``<p>p<d>d`` with ``topology_options``: returns the serving URL and the processes."""
     base = ["-m", model, "--served-model-name", "bench", *common]
-    name, _, lanes = name.partition("-lanes")
-    prefill_env = {"MLXCEL_HANDOFF_LANES": lanes} if lanes else None
-    name, copy, _ = name.partition("-copy")
-    decode_env = {"MLXCEL_HANDOFF_COPY": "1"} if copy else None
+    name, prefill_env, decode_env = topology_options(name)
     if name == "hybrid":
         p = Proc([*base, "--node-role", "hybrid"], HYBRID_IP)
         p.wait()

@@ -1,0 +1,24 @@
+"""disagg_bench's topology names: each option gives the prefill or the decode nodes one documented switch."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.disagg_bench import topology_options
+
+
+def test_a_plain_topology_changes_no_environment():
+    assert topology_options("1p2d") == ("1p2d", {}, {})
+    assert topology_options("hybrid") == ("hybrid", {}, {})
+
+
+def test_options_combine_and_go_to_the_nodes_they_concern():
+    assert topology_options("1p1d-copy-lanes1") == ("1p1d", {"MLXCEL_HANDOFF_LANES": "1"},
+                                                    {"MLXCEL_HANDOFF_COPY": "1"})
+    assert topology_options("2p1d-stable") == ("2p1d", {}, {"MLXCEL_STABLE_JOIN": "1"})
+
+
+@pytest.mark.parametrize("name", ["1p1d-bogus", "1p1d-lanes", "1p1d-lanesx"])
+def test_an_unknown_option_stops_the_run_with_its_name(name):
+    with pytest.raises(SystemExit, match="unknown topology option"):
+        topology_options(name)
