@@ -17,6 +17,14 @@ Two knobs, both applied to that OpenBLAS:
 
 Policy only (no library is touched here): ``mlxcel/blas.py`` loads OpenBLAS with ``blas_environment``
 and applies a budget at run time (``apply_thread_budget``).
+
+One more knob is the interpreter's own: the GIL switch interval of a process whose transport threads
+(readers, senders, handoff intake) share the GIL with a step thread that builds graphs in Python. A thread
+that returns from ``recv``/``sendmsg``/AES (all release the GIL) waits for the GIL until the step thread
+lets go, which CPython forces only every switch interval (5 ms by default): a 256 KiB frame costs a few
+such waits, so a bulk stream crawls beside a busy step thread (``bench/gil_bench.py``: 64 MiB in 2.5-2.8 s
+instead of 54-64 ms). ``transport_switch_interval`` is the interval the disaggregated prefill and decode
+nodes set (``TRANSPORT_SWITCH_INTERVAL_MS``, ``MLXCEL_SWITCH_INTERVAL_MS`` overrides).
 """
 
 from __future__ import annotations
@@ -28,6 +36,10 @@ from collections.abc import Mapping
 from mlxcel import config
 
 TIMEOUT_ENVS = ("OPENBLAS_THREAD_TIMEOUT", "GOTO_THREAD_TIMEOUT")
+#: the GIL switch interval (ms) of a process whose transport threads move bulk data beside a step thread
+TRANSPORT_SWITCH_INTERVAL_MS = 0.5
+SWITCH_ENV = "MLXCEL_SWITCH_INTERVAL_MS"
+MAX_SWITCH_INTERVAL_MS = 100.0
 
 
 def available_cores() -> int:
@@ -64,3 +76,18 @@ def blas_environment(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
     if budget is not None:
         extra["OPENBLAS_NUM_THREADS"] = str(budget)
     return extra
+
+
+def transport_switch_interval(environ: Mapping[str, str] = os.environ) -> float:
+    """The switch interval in seconds for ``sys.setswitchinterval``: ``MLXCEL_SWITCH_INTERVAL_MS`` if set
+    (0.01-100 ms; ValueError naming it otherwise), else ``TRANSPORT_SWITCH_INTERVAL_MS``."""
+    raw = environ.get(SWITCH_ENV, "").strip()
+    if not raw:
+        return TRANSPORT_SWITCH_INTERVAL_MS / 1000
+    try:
+        ms = float(raw)
+    except ValueError:
+        raise ValueError(f"{SWITCH_ENV} must be a number of milliseconds, not {raw!r}") from None
+    if not 0.01 <= ms <= MAX_SWITCH_INTERVAL_MS:
+        raise ValueError(f"{SWITCH_ENV} must be from 0.01 to {MAX_SWITCH_INTERVAL_MS:g} ms, not {raw}")
+    return ms / 1000

@@ -10,7 +10,7 @@ non-hybrid role needs the cluster secret and refuses to start without one, namin
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from mlxcel.cluster.identity import PeerId
@@ -22,6 +22,7 @@ from mlxcel.disagg.wire import (
     PROGRESS_INTERVAL_S,
 )
 from mlxcel.errors import CLIError
+from mlxcel.threads import TRANSPORT_SWITCH_INTERVAL_MS, transport_switch_interval
 from mlxcel.topology.names import DISAGG_ROLES, HYBRID, NODE_ROLE_CHOICES
 
 if TYPE_CHECKING:
@@ -49,6 +50,7 @@ class NodeConfig:
     node_id: str = ""
     max_resumes: int = DEFAULT_MAX_RESUMES  # router: resumes per request after a node failure (§6)
     resume_timeout_s: float = DEFAULT_RESUME_TIMEOUT_S  # router: one resume waits this long for a node of each role
+    switch_interval_s: float = TRANSPORT_SWITCH_INTERVAL_MS / 1000  # prefill, decode: the GIL's (mlxcel/threads.py)
 
 
 def node_role(args: argparse.Namespace, dist: Distributed | None) -> str:
@@ -129,7 +131,16 @@ def _check_cli_role(args: argparse.Namespace, role: str) -> None:
 
 
 def node_config(args: argparse.Namespace, dist: Distributed | None) -> NodeConfig:
-    """This node's configuration, with the cluster secret (fail closed: ``SecretError`` names every source)."""
+    """This node's configuration, with the cluster secret (fail closed: ``SecretError`` names every source) and
+    its GIL switch interval (``MLXCEL_SWITCH_INTERVAL_MS``, checked here)."""
+    try:
+        interval = transport_switch_interval()
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+    return replace(_addresses_and_secret(args, dist), switch_interval_s=interval)
+
+
+def _addresses_and_secret(args: argparse.Namespace, dist: Distributed | None) -> NodeConfig:
     from mlxcel.cluster.secret import load_secret
 
     role = check_disagg_flags(args, dist)

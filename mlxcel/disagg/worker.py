@@ -7,6 +7,7 @@ state (sequences holding KV, handoffs arriving, counters) once it serves on its 
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any, Callable
 
 from mlxcel.disagg.flags import NodeConfig
@@ -55,14 +56,17 @@ class WorkerProcess(LoadingProcess):
                      self.service.transport.identity, seconds)
 
     def health_body(self) -> dict[str, Any]:
-        body: dict[str, Any] = {"status": self.state, "role": self.cfg.role, "node_id": self.cfg.node_id}
+        body: dict[str, Any] = {"status": self.state, "role": self.cfg.role, "node_id": self.cfg.node_id,
+                                "switch_interval_ms": round(sys.getswitchinterval() * 1000, 3)}
         if self.service is not None:
             body.update(self.service.state(), draining=self.service.draining)
         return body
 
 
 def run_worker(endpoint: Endpoint, server: ServerConfig, cfg: NodeConfig) -> int:
-    """Serve a prefill or decode node until SIGINT/SIGTERM; returns the exit code."""
+    """Serve a prefill or decode node until SIGINT/SIGTERM; returns the exit code. Its handoff threads share
+    the GIL with the step thread, so the GIL changes hands every ``cfg.switch_interval_s`` (mlxcel/threads.py)."""
+    sys.setswitchinterval(cfg.switch_interval_s)
     process = WorkerProcess(server, cfg)
     return serve_loading(endpoint, process, f"mlxcel {cfg.role}", lambda switch: process.load(switch.fatal),
                          f"mlxcel-{cfg.role}-load", f"mlxcel: {cfg.role} node on cluster address {cfg.serving_bind}")

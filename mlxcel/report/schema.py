@@ -145,6 +145,12 @@ SCHEMAS: dict[str, Schema] = {s.bench: s for s in (
         _str("label"), _str("model"), _str("variant"), _int("round"), _int("steps"), _num("build_ms_p50"),
         _num("step_ms_p50"),
     )),
+    # bench/gil_bench.py: a protected bulk stream beside GIL-holding threads, per switch interval and frame size
+    Schema("gil_stream", "gil_stream", (
+        _int("busy_threads"), _num("switch_interval_ms"), _int("frame_kib"), _int("message_kib"), _int("mib"),
+        _int("repeats"), _num("p50_ms"), _num("min_ms"), _num("max_ms"), _num("gib_s"),
+        _num("load_1m", required=False, nullable=True),
+    )),
     # bench/gpu/prefill_probe.py: a prompt chunk's and a decode step's host cost by shape
     Schema("prefill_probe", "prefill_probe", (
         _str("label"), _str("kind"), _int("round"), _int("tokens", required=False), _int("rows", required=False),

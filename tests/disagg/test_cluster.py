@@ -156,6 +156,8 @@ def test_concurrent_handoffs_over_two_lanes_give_a_single_node_s_text(cluster, s
         assert sum(a["handoff_lanes"]) - sum(b["handoff_lanes"]) == a["handoffs"] - b["handoffs"]
     assert sum(a["handoffs"] - b["handoffs"] for b, a in zip(before, after)) == len(texts)
     assert all(d.state()["connections"] >= 1 for d in cluster.decodes)
+    # the GIL changes hands every 0.5 ms in both roles (mlxcel/threads.py), so handoff threads are not starved
+    assert {n.state()["switch_interval_ms"] for n in [*cluster.prefills, *cluster.decodes]} == {0.5}
 
 
 def test_a_keyed_router_guards_every_endpoint_but_health_and_verbose_stats_show_addresses(cluster, tiny_llama):

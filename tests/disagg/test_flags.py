@@ -75,6 +75,21 @@ def test_every_role_needs_the_secret_naming_every_source(monkeypatch):
             assert source in str(info.value)
 
 
+def test_the_switch_interval_is_half_a_millisecond_unless_the_environment_says(monkeypatch, tmp_path):
+    secret = tmp_path / "s.secret"
+    secret.write_text("x" * 32 + "\n")
+    secret.chmod(0o600)
+    a = args("--node-role", "decode", "--serving-bind", "127.0.0.1:9000", "--cluster-secret-file", str(secret))
+    monkeypatch.delenv("MLXCEL_SWITCH_INTERVAL_MS", raising=False)
+    assert node_config(a, None).switch_interval_s == 0.0005
+    monkeypatch.setenv("MLXCEL_SWITCH_INTERVAL_MS", "2")
+    assert node_config(a, None).switch_interval_s == 0.002
+    for bad, words in (("fast", "a number of milliseconds"), ("0", "from 0.01 to 100"), ("500", "from 0.01 to 100")):
+        monkeypatch.setenv("MLXCEL_SWITCH_INTERVAL_MS", bad)
+        with pytest.raises(CLIError, match=f"MLXCEL_SWITCH_INTERVAL_MS must be .*{words}"):
+            node_config(a, None)
+
+
 def test_the_cli_refuses_to_start_a_router_without_the_secret(tiny_llama):
     cmd = [sys.executable, "-m", "mlxcel", "serve", "-m", str(tiny_llama), "--node-role", "router",
            "--serving-bind", "127.0.0.40:19999", "--prefill-peers", "127.0.0.41:1", "--decode-peers", "127.0.0.42:2",
