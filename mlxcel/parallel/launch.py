@@ -62,11 +62,28 @@ def resolve_backend(requested: str, hostfile: Hostfile | None) -> str:
     return backend
 
 
-def free_ports(n: int, host: str = LOOPBACK) -> list[int]:
-    """``n`` distinct ports free on ``host`` right now (held open together so they differ)."""
-    socks = []
+#: where a local group's ring ports come from: below the kernel's ephemeral range (ip_local_port_range), so no
+#: outgoing connection of this host takes one between the check and the ranks' bind
+LOCAL_PORTS = (10_000, 20_000)  # tests/ports.py hands out 20000-32000
+PORT_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def free_ports(n: int, host: str = LOOPBACK, *, attempts: int = 200) -> list[int]:
+    """``n`` distinct ports free on ``host`` right now (held open together so they differ), drawn below the
+    ephemeral range where it is known (``LOCAL_PORTS``); ports the kernel picks where none of those is free."""
+    low, high = LOCAL_PORTS
+    socks: list[socket.socket] = []
     try:
-        for _ in range(n):
+        for port in _candidates(low, min(high, _ephemeral_floor()), attempts):
+            if len(socks) == n:
+                break
+            s = socket.socket()
+            try:
+                s.bind((host, port))
+                socks.append(s)
+            except OSError:
+                s.close()
+        while len(socks) < n:  # the low range is taken (or absent): the kernel's choice, as before
             s = socket.socket()
             s.bind((host, 0))
             socks.append(s)
@@ -74,6 +91,22 @@ def free_ports(n: int, host: str = LOOPBACK) -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+def _ephemeral_floor() -> int:
+    """The lowest port the kernel hands out on its own (32768 when unknown)."""
+    try:
+        return int(PORT_RANGE_FILE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32_768
+
+
+def _candidates(low: int, high: int, count: int) -> list[int]:
+    """Up to ``count`` distinct random ports in ``[low, high)``."""
+    if high <= low:
+        return []
+    rng = secrets.SystemRandom()
+    return rng.sample(range(low, high), min(count, high - low))
 
 
 @dataclass
