@@ -1,6 +1,6 @@
 """Flags' defaults and bounds: one source of truth for the CLI, the server, the cluster TOML and the docs.
 
-Plain constants, argparse ``type=`` helpers and the reader of the 1/0 environment switches only; nothing
+Plain constants, argparse ``type=`` helpers and the readers of environment switches and numbers only; nothing
 here imports MLX or any other mlxcel module, so every layer can import it.
 """
 
@@ -194,3 +194,18 @@ def env_switch(name: str) -> bool | None:
     if value in ("0", "false", "no", "off"):
         return False
     raise ValueError(f"{name} must be 1 or 0, got {value!r}")
+
+
+def env_number(name: str, kind: Callable[[str], float], low: float, high: float, what: str) -> float | None:
+    """A number from the environment (``kind`` parses it: int or float) within ``[low, high]``: None when unset
+    or empty; ValueError naming the variable for anything else."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        value = kind(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be {what}, not {raw!r}") from None
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be from {low:g} to {high:g}, not {raw}")
+    return value

@@ -78,16 +78,8 @@ def blas_environment(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
     return extra
 
 
-def transport_switch_interval(environ: Mapping[str, str] = os.environ) -> float:
+def transport_switch_interval() -> float:
     """The switch interval in seconds for ``sys.setswitchinterval``: ``MLXCEL_SWITCH_INTERVAL_MS`` if set
     (0.01-100 ms; ValueError naming it otherwise), else ``TRANSPORT_SWITCH_INTERVAL_MS``."""
-    raw = environ.get(SWITCH_ENV, "").strip()
-    if not raw:
-        return TRANSPORT_SWITCH_INTERVAL_MS / 1000
-    try:
-        ms = float(raw)
-    except ValueError:
-        raise ValueError(f"{SWITCH_ENV} must be a number of milliseconds, not {raw!r}") from None
-    if not 0.01 <= ms <= MAX_SWITCH_INTERVAL_MS:
-        raise ValueError(f"{SWITCH_ENV} must be from 0.01 to {MAX_SWITCH_INTERVAL_MS:g} ms, not {raw}")
-    return ms / 1000
+    ms = config.env_number(SWITCH_ENV, float, 0.01, MAX_SWITCH_INTERVAL_MS, "a number of milliseconds")
+    return (TRANSPORT_SWITCH_INTERVAL_MS if ms is None else ms) / 1000

@@ -11,11 +11,11 @@ from the same identity, and keys streams by (sender, stream id) as before.
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from typing import Iterator
 
 from mlxcel.cluster.aead_pipeline import usable_cores
+from mlxcel.config import env_number
 
 #: MLXCEL_HANDOFF_LANES overrides the per-host default
 LANES_ENV = "MLXCEL_HANDOFF_LANES"
@@ -24,15 +24,9 @@ MAX_LANES = 16
 
 def default_lanes(cores: int | None = None) -> int:
     """1 below 4 usable cores, else a quarter of them, at most 4 (MLXCEL_HANDOFF_LANES overrides, 1..16)."""
-    env = os.environ.get(LANES_ENV, "").strip()
-    if env:
-        try:
-            value = int(env)
-        except ValueError:
-            raise ValueError(f"{LANES_ENV} must be a whole number from 1 to {MAX_LANES}, not {env!r}") from None
-        if not 1 <= value <= MAX_LANES:
-            raise ValueError(f"{LANES_ENV} must be from 1 to {MAX_LANES}, not {value}")
-        return value
+    value = env_number(LANES_ENV, int, 1, MAX_LANES, "a whole number")
+    if value is not None:
+        return int(value)
     cores = usable_cores() if cores is None else cores
     return 1 if cores < 4 else min(4, cores // 4)
 
