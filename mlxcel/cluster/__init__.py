@@ -19,7 +19,7 @@ Module map (one concept each; the protocol core is sans-I/O):
 - ``socket_handshake``  the handshake machines driven over a blocking socket
 - ``connection`` one connection: reader thread, RPC waiters, ``StreamWriter``
 - ``listener``   accept loop, pending-handshake pool, admission
-- ``pool``       dialler with backoff, pooled outbound connections
+- ``pool``       dialler with backoff, pooled outbound connections (per peer and lane)
 - ``transport``  ``Transport``: one node (listener + pool), the public API
 - ``outbox``     one sender thread per transport: replies and forwards queued off the reader threads
 - ``exchanges``  nonce -> waiter table with absolute deadlines and an expected sender

@@ -7,6 +7,8 @@ Module map (the codecs are sans-I/O; the services own sockets and threads):
 - ``kv_cache``    mlx-lm caches <-> handoff tensors; ``probe_layout`` (which caches a model keeps)
 - ``messages``    control messages (GENERATE, CANCEL, TOKENS, FINISH, ERROR, HANDED_OFF, STATE), strictly checked
 - ``allowlist``   ``MLXCEL_DECODE_ALLOWLIST``: where a prefill node may send a KV cache
+- ``lanes``       which of a prefill node's connections to a decode node the next handoff takes (``MLXCEL_HANDOFF_LANES``)
+- ``intake``      handoff parts fed to their decoders beside the reader threads (``MLXCEL_HANDOFF_INTAKE_WORKERS``)
 - ``flags``       ``--node-role``, ``--serving-bind``, ``--prefill-peers``, ``--decode-peers``, TOML roles -> ``NodeConfig``
 - ``service``     what prefill and decode share: the role transport, STATE answers, sends to a router
 - ``prefill``     ``PrefillService``: GENERATE -> checks -> prefill -> KV handoff stream -> HANDED_OFF
@@ -14,6 +16,6 @@ Module map (the codecs are sans-I/O; the services own sockets and threads):
 - ``router``      ``RouterEngine``: the OpenAI API's engine, round-robin over healthy nodes, failover, demux
 - ``policy``      ``RoutePolicy``: the router's pick (round-robin over nodes up) and retry decisions, over plain data
 - ``loop``        an asyncio loop on a thread (the scheduler's event streams need one)
-- ``worker``      a prefill or decode process: the model loads while /health says how it goes
+- ``worker``      a prefill or decode process: the model loads while /health says how it goes; its GIL switch interval
   (the roles themselves are ``mlxcel/roles/prefill.py``, ``decode.py`` and ``router.py``)
 """
