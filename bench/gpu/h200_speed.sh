@@ -178,15 +178,27 @@ handoff_profile() {  # issue 24 item 3: where the decode and prefill nodes spend
     --long --long-tokens 1500 --requests "${PROFILE_REQUESTS:-12}" --rounds 1 --max-tokens 32 --out "$out" \
     > "$out/serve.log" 2>&1 &
   bench_pid=$!
+  local rpid url n spy_pid
   for _ in $(seq 180); do
     dpid=$(pgrep -f -- "--node-role decode" | head -1); ppid=$(pgrep -f -- "--node-role prefill" | head -1)
-    [ -n "$dpid" ] && [ -n "$ppid" ] && pgrep -f -- "--node-role router" >/dev/null && break; sleep 1
+    rpid=$(pgrep -f -- "--node-role router" | head -1)
+    [ -n "$dpid" ] && [ -n "$ppid" ] && [ -n "$rpid" ] && break; sleep 1
   done
-  sleep "${PROFILE_WAIT_S:-20}"  # the router is up; its warm request and the level's first handoffs go by
-  "$spy" record -p "$dpid" -d 10 -r 200 -f raw --threads --idle -o "$out/decode-idle.txt" 2>&1 | tail -1 &
-  "$spy" record -p "$ppid" -d 10 -r 200 -f raw --threads --idle -o "$out/prefill-idle.txt" 2>&1 | tail -1
-  wait %2 2>/dev/null
-  "$spy" record -p "$dpid" -d 6 -r 200 -f raw --threads --gil -o "$out/decode-gil.txt" 2>&1 | tail -1
+  # the router's own --host/--port: sample once the level's handoffs run (beyond the warm request's one)
+  url=$(ps -o args= -p "$rpid" | python3 -c 'import sys; a = sys.stdin.read().split(); print(f"http://{a[a.index("--host") + 1]}:{a[a.index("--port") + 1]}")')
+  for _ in $(seq 240); do
+    n=$(curl -sf "$url/router/stats" | python3 -c 'import json, sys; print(json.load(sys.stdin)["metrics"]["router_handoffs"])' 2>/dev/null)
+    [ "${n:-0}" -ge "${PROFILE_AFTER_HANDOFFS:-3}" ] && break; sleep 0.5
+  done
+  echo "-- sampling after $n handoffs"
+  "$spy" record -p "$dpid" -d 8 -r 200 -f raw --threads --idle -o "$out/decode-idle.txt" 2>&1 | tail -1 &
+  spy_pid=$!
+  "$spy" record -p "$ppid" -d 8 -r 200 -f raw --threads --idle -o "$out/prefill-idle.txt" 2>&1 | tail -1
+  wait "$spy_pid"
+  "$spy" record -p "$ppid" -d 5 -r 200 -f raw --threads --gil -o "$out/prefill-gil.txt" 2>&1 | tail -1 &
+  spy_pid=$!
+  "$spy" record -p "$dpid" -d 5 -r 200 -f raw --threads --gil -o "$out/decode-gil.txt" 2>&1 | tail -1
+  wait "$spy_pid"
   wait $bench_pid; tail -3 "$out/serve.log" | cut -c1-300
   for f in "$out"/*-idle.txt "$out"/*-gil.txt; do
     for th in scheduler cluster-in intake handoff; do
