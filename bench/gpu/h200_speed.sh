@@ -185,7 +185,7 @@ handoff_profile() {  # issue 24 item 3: where the decode and prefill nodes spend
     [ -n "$dpid" ] && [ -n "$ppid" ] && [ -n "$rpid" ] && break; sleep 1
   done
   # the router's own --host/--port: sample once the level's handoffs run (beyond the warm request's one)
-  url=$(ps -o args= -p "$rpid" | python3 -c 'import sys; a = sys.stdin.read().split(); print(f"http://{a[a.index("--host") + 1]}:{a[a.index("--port") + 1]}")')
+  url=$(ps -o args= -p "$rpid" | python3 -c 'import sys; a = sys.stdin.read().split(); print("http://" + a[a.index("--host") + 1] + ":" + a[a.index("--port") + 1])')
   for _ in $(seq 240); do
     n=$(curl -sf "$url/router/stats" | python3 -c 'import json, sys; print(json.load(sys.stdin)["metrics"]["router_handoffs"])' 2>/dev/null)
     [ "${n:-0}" -ge "${PROFILE_AFTER_HANDOFFS:-3}" ] && break; sleep 0.5
