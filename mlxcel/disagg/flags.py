@@ -131,13 +131,15 @@ def _check_cli_role(args: argparse.Namespace, role: str) -> None:
 
 
 def node_config(args: argparse.Namespace, dist: Distributed | None) -> NodeConfig:
-    """This node's configuration, with the cluster secret (fail closed: ``SecretError`` names every source) and
-    its GIL switch interval (``MLXCEL_SWITCH_INTERVAL_MS``, checked here)."""
+    """This node's configuration, with the cluster secret (fail closed: ``SecretError`` names every source) and,
+    for a prefill or decode node, its GIL switch interval (``MLXCEL_SWITCH_INTERVAL_MS``, checked here)."""
+    cfg = _addresses_and_secret(args, dist)
+    if cfg.role == "router":  # the variable is not the router's
+        return cfg
     try:
-        interval = transport_switch_interval()
+        return replace(cfg, switch_interval_s=transport_switch_interval())
     except ValueError as exc:
         raise CLIError(str(exc)) from None
-    return replace(_addresses_and_secret(args, dist), switch_interval_s=interval)
 
 
 def _addresses_and_secret(args: argparse.Namespace, dist: Distributed | None) -> NodeConfig:

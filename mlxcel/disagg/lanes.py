@@ -41,10 +41,6 @@ class LanePicker:
         self._taken = [0] * count
         self._lock = threading.Lock()
 
-    @property
-    def count(self) -> int:
-        return len(self._busy)
-
     def busy(self) -> tuple[int, ...]:
         """Handoffs in flight per lane."""
         with self._lock:

@@ -88,6 +88,9 @@ def test_the_switch_interval_is_half_a_millisecond_unless_the_environment_says(m
         monkeypatch.setenv("MLXCEL_SWITCH_INTERVAL_MS", bad)
         with pytest.raises(CLIError, match=f"MLXCEL_SWITCH_INTERVAL_MS must be .*{words}"):
             node_config(a, None)
+    router = args("--node-role", "router", "--serving-bind", "127.0.0.1:9000", "--prefill-peers", "127.0.0.2:1",
+                  "--decode-peers", "127.0.0.3:2", "--cluster-secret-file", str(secret))
+    assert node_config(router, None).role == "router"  # not the router's variable: never read there
 
 
 def test_the_cli_refuses_to_start_a_router_without_the_secret(tiny_llama):
