@@ -109,6 +109,12 @@ suite() {  # suite name, its budget in seconds
   rm -rf "/tmp/models/$name"  # the disk holds 64 GiB
 }
 
+one_stream_handoffs() {  # dir: disagg_bench handoff on q06-bf16, hybrid against router -> prefill -> decode, ABBA
+  echo "== handoff serving, 1 stream, q06-bf16 ($(left) s left)"
+  timeout $(( $(left) > 200 ? 150 : $(left) - 30 )) python3 -m bench.disagg_bench handoff -m /tmp/models/q06-bf16 \
+    --prompt-tokens 1500 --repeats "${HANDOFF_REPEATS:-4}" --max-tokens 16 --out "$1"
+}
+
 handoff_suite() {  # issue 24 item 3; each step bounded so the suite fits in about 4 minutes
   if [ "$(left)" -lt 200 ]; then echo "== skip handoff: $(left) s left, needs 200"; return 0; fi
   local out=$RES/handoff w
@@ -121,9 +127,7 @@ handoff_suite() {  # issue 24 item 3; each step bounded so the suite fits in abo
       --prompt-tokens 1500 --repeats 8 --crypto-workers "$w" --out "$out"
   done
   make_model q06-bf16 || return 0
-  echo "== handoff serving, q06-bf16 ($(left) s left)"
-  timeout $(( $(left) > 200 ? 150 : $(left) - 30 )) python3 -m bench.disagg_bench handoff -m /tmp/models/q06-bf16 \
-    --prompt-tokens 1500 --repeats "${HANDOFF_REPEATS:-4}" --max-tokens 16 --out "$out"
+  one_stream_handoffs "$out"
   grep -h '"bench": "disagg_\(e2e\|handoff\)"' "$out/disagg_bench.jsonl" | python3 -c '
 import json, sys
 for r in map(json.loads, sys.stdin):
@@ -157,9 +161,7 @@ handoff_serving() {  # issue 24 item 3: router -> prefill -> decode against one 
   make_model q06-bf16 || return 0
   local out=$RES/handoff
   if [ "${HANDOFF_ONE_STREAM:-1}" = 1 ]; then
-    echo "== handoff serving, 1 stream, q06-bf16 ($(left) s left)"
-    timeout $(( $(left) > 200 ? 150 : $(left) - 30 )) python3 -m bench.disagg_bench handoff -m /tmp/models/q06-bf16 \
-      --prompt-tokens 1500 --repeats "${HANDOFF_REPEATS:-4}" --max-tokens 16 --out "$out"
+    one_stream_handoffs "$out"
     [ "$(left)" -gt 120 ] || return 0
   fi
   echo "== handoff serving, ${HANDOFF_STREAMS:-1,8} streams, q06-bf16 ($(left) s left)"
