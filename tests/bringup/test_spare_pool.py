@@ -155,6 +155,7 @@ def test_a_replayed_accept_is_refused_and_the_next_spare_takes_the_stage(coordin
     chan.send(session.abort("test: the recorded session ends here"))
     chan.close()
     assert replayer.recorded is not None
+    assert wait_until(lambda: replayer.state != "assigning", timeout=20)  # it has seen the recorded session end
 
     pool = coordinator.pool(replayer, honest)
     assert pool.replace("stage-1") == honest.address
