@@ -83,6 +83,14 @@ class Listener:
         with self._lock:
             self._inbound.discard(conn)
 
+    def drop(self, peer: PeerId) -> int:
+        """Close the inbound connections authenticated as ``peer`` (it dials again); returns how many."""
+        with self._lock:
+            conns = [c for c in self._inbound if c.peer == peer]
+        for conn in conns:
+            conn.close()
+        return len(conns)
+
     # -- starting --
 
     def start(self, addr: PeerId, name: str) -> int:

@@ -136,6 +136,14 @@ class Pool:
         log.debug("connected to cluster peer %s", peer)
         return self._make_connection(sock, peer, est)
 
+    def drop(self, peer: PeerId) -> int:
+        """Close every lane's connection to ``peer`` (the next acquire dials afresh); returns how many."""
+        with self._lock:
+            conns = [c for (p, _), c in self._conns.items() if p == peer]
+        for conn in conns:
+            conn.close()
+        return len(conns)
+
     def close_all(self) -> list[threading.Thread]:
         """Close every pooled connection; returns their reader threads to join."""
         with self._lock:

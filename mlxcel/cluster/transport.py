@@ -208,6 +208,15 @@ class Transport:
         """The pooled connection to ``peer`` (dialled if needed)."""
         return self._acquire(peer)
 
+    def drop(self, peer: PeerLike) -> int:
+        """Close every connection to and from ``peer``, outbound lanes and inbound alike; returns how many.
+
+        A caller that judged the peer down calls it, so the next message dials afresh: a TCP connection
+        that held unacknowledged data through a cut link can stay stalled in retransmission backoff
+        for minutes after the link is back."""
+        peer = as_peer(peer)
+        return self._pool.drop(peer) + self._listener.drop(peer)
+
     def _acquire(self, peer: PeerLike, lane: int = 0) -> Connection:
         return self._pool.acquire(as_peer(peer), self.identity, lane)
 

@@ -579,6 +579,7 @@ class RouterEngine:
         if info.down_reason != why:
             info.down_reason = why
             log.warning("router: %s (%s node) is down: %s", info.id, info.role, why)
+        self.transport.drop(peer)  # the next probe dials afresh instead of waiting on a stalled connection
 
     def _on_up(self, peer: PeerId, returned: bool) -> None:
         info = self.nodes[peer]

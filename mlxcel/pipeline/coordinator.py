@@ -501,6 +501,7 @@ class PipelineExecutor:
             return
         log.warning("pipeline stage %s at %s is unreachable (%s); failing its open exchanges, /health says degraded",
                     node.id, addr, why)
+        self.transport.drop(addr)  # the next heartbeat dials afresh instead of waiting on a stalled connection
         self._fail_steps(f"pipeline stage {node.id} at {addr} is unreachable")
         self._fail_prepares(addr, f"pipeline stage {node.id} at {addr} is unreachable")
 

@@ -273,6 +273,28 @@ def test_serve_port_zero_updates_identity_and_ipv6(make_transport, secret):
         v6.close()
 
 
+def test_drop_closes_every_connection_to_and_from_one_peer_and_the_next_send_dials_afresh(make_transport):
+    a_in, b_in, c_in = Inbox(), Inbox(), Inbox()
+    a, b, c = make_transport(SERVER_IP), make_transport(CLIENT_IP), make_transport("127.0.0.4")
+    for t, inbox in ((a, a_in), (b, b_in), (c, c_in)):
+        t.serve(inbox.on_message)
+    out0, out1 = a.connection(b.identity), a.open_stream(b.identity, 1).connection
+    b.send(a.identity, Kind.CONTROL, b"b to a")  # b's own connection: inbound at a
+    c.send(a.identity, Kind.CONTROL, b"c to a")
+    assert {a_in.get().peer, a_in.get().peer} == {b.identity, c.identity}
+    to_c, b_out = a.connection(c.identity), b.connection(a.identity)
+
+    assert a.drop(b.identity) == 3  # two outbound lanes and the inbound one
+    assert wait_until(lambda: not out0.alive and not out1.alive and a.authenticated_connections == 1)
+    assert to_c.alive  # another peer's connections stay
+    a.send(b.identity, Kind.CONTROL, b"after")
+    assert b_in.get().payload == b"after" and a.connection(b.identity) not in (out0, out1)
+    assert wait_until(lambda: not b_out.alive)
+    b.send(a.identity, Kind.CONTROL, b"b again")  # b noticed its connection close and dials again
+    assert a_in.get().payload == b"b again"
+    assert a.drop(PeerId.of("127.0.0.9", 1)) == 0  # nobody: nothing to close
+
+
 def test_both_directions_use_separate_connections(make_transport):
     a_in, b_in = Inbox(), Inbox()
     a = make_transport(SERVER_IP)
