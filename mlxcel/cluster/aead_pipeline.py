@@ -26,6 +26,8 @@ from typing import Any, Callable, Sequence
 
 from cryptography.exceptions import InvalidTag
 
+from mlxcel.config import env_number
+
 from .frames import Buffer, FrameOpener, FrameSealer
 from .wire import FRAME_HEADER_LEN, NONCE_BYTES
 
@@ -39,6 +41,7 @@ AUTO_MIN_CORES = 4
 AUTO_WORKERS = 2
 #: MLXCEL_CRYPTO_WORKERS, when set, replaces the automatic choice (``crypto_workers=None``)
 WORKERS_ENV = "MLXCEL_CRYPTO_WORKERS"
+MAX_WORKERS = 64
 
 SendParts = Callable[[tuple[tuple[Buffer, ...], int]], None]
 
@@ -52,11 +55,11 @@ def usable_cores() -> int:
 
 
 def auto_workers(cores: int | None = None) -> int:
-    """Helpers per transport when ``crypto_workers`` is None: ``MLXCEL_CRYPTO_WORKERS`` if set, else 2 on
-    4+ cores, else 0."""
-    env = os.environ.get(WORKERS_ENV, "").strip()
-    if env and cores is None:
-        return max(0, int(env))
+    """Helpers per transport when ``crypto_workers`` is None: ``MLXCEL_CRYPTO_WORKERS`` if set (0 to 64; anything
+    else is a ValueError naming it), else 2 on 4+ cores, else 0."""
+    value = env_number(WORKERS_ENV, int, 0, MAX_WORKERS, "a whole number") if cores is None else None
+    if value is not None:
+        return int(value)
     return AUTO_WORKERS if (usable_cores() if cores is None else cores) >= AUTO_MIN_CORES else 0
 
 

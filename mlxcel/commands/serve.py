@@ -180,10 +180,15 @@ def check_cluster_flags(args: argparse.Namespace) -> None:
 
 def check_flags(args: argparse.Namespace) -> None:
     """Flag combinations of every feature (nothing is read or bound yet)."""
+    from mlxcel.cluster.aead_pipeline import auto_workers
     from mlxcel.parallel.options import check_tp_flags
 
     check_cluster_flags(args)
     check_tp_flags(args)
+    try:
+        auto_workers()  # MLXCEL_CRYPTO_WORKERS, read when a transport starts: refused here, before any load
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
     if (args.max_batch_size or args.parallel) > args.parallel:
         raise CLIError(f"--max-batch-size ({args.max_batch_size}) cannot exceed --parallel ({args.parallel}): "
                        "a decode step batches only sequences that hold a slot")

@@ -25,7 +25,7 @@ from mlxcel.cluster.messages import Message, decode_error
 from mlxcel.cluster.wire import Kind
 from mlxcel.disagg import messages as m
 from mlxcel.disagg.flags import NodeConfig
-from mlxcel.disagg.intake import Intake, default_workers
+from mlxcel.disagg.intake import Intake
 from mlxcel.disagg.kv_cache import handoff_allocator, import_cache, probe_layout
 from mlxcel.disagg.kv_codec import Handoff, HandoffDecoder, HandoffError
 from mlxcel.disagg.loop import LoopThread
@@ -67,7 +67,7 @@ class DecodeService(RoleService):
                  parallel: int, max_batch_size: int, max_queue: int, warmup: bool = True):
         super().__init__(cfg, identity)
         self.layout = probe_layout(model)
-        self.allocate = handoff_allocator()  # tensor buffers in MLX memory where numpy can write them
+        self.allocate = handoff_allocator(copy=cfg.handoff_copy)  # tensor buffers in MLX memory where numpy can write them
         self.context_length = context_length
         self.vocab_size = model_vocab_size(model)  # every token id of a handoff is below it
         self.capacity = parallel + max_queue
@@ -79,7 +79,7 @@ class DecodeService(RoleService):
         self.scheduler = Scheduler(self.executor, tokenizer, context_length=context_length, parallel=parallel,
                                    max_queue=max_queue, warmup=warmup)
         self.loop = LoopThread("mlxcel-decode-loop")
-        self.intake = Intake(default_workers())  # handoff parts beside the reader threads (0: on them)
+        self.intake = Intake(cfg.intake_workers)  # handoff parts beside the reader threads (0: on them)
         self.incoming: dict[tuple[PeerId, int], Incoming] = {}
         self.running: dict[str, Any] = {}  # nonce -> (EventStream, the task relaying it)
         self.cancelled: dict[str, float] = {}  # nonce -> when forgotten

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from mlxcel.cluster.identity import PeerId
 from mlxcel.config import DEFAULT_MAX_RESUMES, DEFAULT_RESUME_TIMEOUT_S
 from mlxcel.disagg.wire import (
+    COPY_ENV,
     DEFAULT_HANDOFF_TIMEOUT_S,
     DEFAULT_PROBE_INTERVAL_S,
     MIN_HANDOFF_TIMEOUT_S,
@@ -51,6 +52,9 @@ class NodeConfig:
     max_resumes: int = DEFAULT_MAX_RESUMES  # router: resumes per request after a node failure (§6)
     resume_timeout_s: float = DEFAULT_RESUME_TIMEOUT_S  # router: one resume waits this long for a node of each role
     switch_interval_s: float = TRANSPORT_SWITCH_INTERVAL_MS / 1000  # prefill, decode: the GIL's (mlxcel/threads.py)
+    handoff_lanes: int = 1  # prefill: connections to one decode node handoffs spread over (MLXCEL_HANDOFF_LANES)
+    intake_workers: int = 0  # decode: threads feeding handoff parts to their decoders (MLXCEL_HANDOFF_INTAKE_WORKERS)
+    handoff_copy: bool = False  # decode: receive into numpy buffers copied at import (MLXCEL_HANDOFF_COPY=1)
 
 
 def node_role(args: argparse.Namespace, dist: Distributed | None) -> str:
@@ -132,14 +136,27 @@ def _check_cli_role(args: argparse.Namespace, role: str) -> None:
 
 def node_config(args: argparse.Namespace, dist: Distributed | None) -> NodeConfig:
     """This node's configuration, with the cluster secret (fail closed: ``SecretError`` names every source) and,
-    for a prefill or decode node, its GIL switch interval (``MLXCEL_SWITCH_INTERVAL_MS``, checked here)."""
+    for a prefill or decode node, the environment variables of its transport, checked here (before the model
+    loads): ``MLXCEL_SWITCH_INTERVAL_MS``, ``MLXCEL_HANDOFF_LANES`` (prefill), ``MLXCEL_HANDOFF_INTAKE_WORKERS``
+    and ``MLXCEL_HANDOFF_COPY`` (decode)."""
     cfg = _addresses_and_secret(args, dist)
-    if cfg.role == "router":  # the variable is not the router's
+    if cfg.role == "router":  # the variables are not the router's
         return cfg
     try:
-        return replace(cfg, switch_interval_s=transport_switch_interval())
+        return replace(cfg, switch_interval_s=transport_switch_interval(), **_handoff_environment(cfg.role))
     except ValueError as exc:
         raise CLIError(str(exc)) from None
+
+
+def _handoff_environment(role: str) -> dict[str, Any]:
+    """The handoff settings a prefill or decode node reads from its environment (ValueError naming a bad one)."""
+    from mlxcel.config import env_switch
+    from mlxcel.disagg.intake import default_workers
+    from mlxcel.disagg.lanes import default_lanes
+
+    if role == "prefill":
+        return {"handoff_lanes": default_lanes()}
+    return {"intake_workers": default_workers(), "handoff_copy": env_switch(COPY_ENV) is True}
 
 
 def _addresses_and_secret(args: argparse.Namespace, dist: Distributed | None) -> NodeConfig:

@@ -14,12 +14,12 @@ handler runs on the caller's thread, as before.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 from typing import Any, Callable, Hashable
 
 from mlxcel.cluster.aead_pipeline import usable_cores
+from mlxcel.config import env_number
 
 log = logging.getLogger("mlxcel.disagg.intake")
 
@@ -27,13 +27,15 @@ log = logging.getLogger("mlxcel.disagg.intake")
 DEPTH = 8
 #: MLXCEL_HANDOFF_INTAKE_WORKERS overrides the per-host default
 WORKERS_ENV = "MLXCEL_HANDOFF_INTAKE_WORKERS"
+MAX_WORKERS = 64
 
 
 def default_workers(cores: int | None = None) -> int:
-    """0 below 4 usable cores, else a quarter of them, at most 4 (the env variable overrides)."""
-    env = os.environ.get(WORKERS_ENV, "").strip()
-    if env:
-        return max(0, int(env))
+    """0 below 4 usable cores, else a quarter of them, at most 4 (MLXCEL_HANDOFF_INTAKE_WORKERS overrides, 0..64;
+    anything else is a ValueError naming it)."""
+    value = env_number(WORKERS_ENV, int, 0, MAX_WORKERS, "a whole number")
+    if value is not None:
+        return int(value)
     cores = usable_cores() if cores is None else cores
     return 0 if cores < 4 else min(4, cores // 4)
 

@@ -40,7 +40,7 @@ from mlx_lm.models.cache import (
 
 from mlxcel.config import env_switch
 from mlxcel.disagg.kv_codec import Handoff, HandoffError, KVLayout, LayerSpec, TensorSpec, dtype_code
-from mlxcel.disagg.wire import CacheKind, DType
+from mlxcel.disagg.wire import COPY_ENV, CacheKind, DType
 
 #: the cache classes a handoff carries, by the record kind that describes them
 CLASSES: dict[CacheKind, type] = {CacheKind.KV: KVCache, CacheKind.ROTATING: RotatingKVCache,
@@ -212,16 +212,13 @@ def mx_allocator(spec: TensorSpec) -> tuple[np.ndarray, mx.array]:
     return np.array(a, copy=False), a
 
 
-#: MLXCEL_HANDOFF_COPY=1: receive into numpy buffers copied into MLX at import, even where a view writes into MLX
-COPY_ENV = "MLXCEL_HANDOFF_COPY"
-
-
-def handoff_allocator() -> Any:
+def handoff_allocator(copy: bool | None = None) -> Any:
     """``mx_allocator`` where a numpy view of an MLX array writes into that array (checked once, on this
     device: MLX's CPU, Apple silicon's unified memory and CUDA's managed memory all pass), else None (numpy
-    buffers, copied into MLX by ``import_cache``); MLXCEL_HANDOFF_COPY=1 takes the copying path anyway."""
+    buffers, copied into MLX by ``import_cache``); ``copy`` (None: MLXCEL_HANDOFF_COPY=1) takes the copying
+    path anyway."""
     global _ALIASES
-    if env_switch(COPY_ENV):
+    if env_switch(COPY_ENV) if copy is None else copy:
         return None
     if _ALIASES is None:
         _ALIASES = _views_alias()

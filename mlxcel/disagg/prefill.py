@@ -29,7 +29,7 @@ from mlxcel.disagg.allowlist import Allowlist
 from mlxcel.disagg.flags import NodeConfig
 from mlxcel.disagg.kv_cache import export_cache, probe_layout
 from mlxcel.disagg.kv_codec import chunk_parts, encode_header
-from mlxcel.disagg.lanes import LanePicker, default_lanes
+from mlxcel.disagg.lanes import LanePicker
 from mlxcel.disagg.loop import LoopThread
 from mlxcel.disagg.service import RoleService
 from mlxcel.disagg.wire import PROGRESS_INTERVAL_S, MsgType
@@ -85,7 +85,7 @@ class PrefillService(RoleService):
         self.eos = frozenset(tokenizer.eos_token_ids)  # a first token that ends the request is not sent early
         self.loop = LoopThread("mlxcel-prefill-loop")
         self.workers = ThreadPoolExecutor(max_workers=parallel + 1, thread_name_prefix="mlxcel-handoff")
-        self.lanes = LanePicker(default_lanes())  # concurrent handoffs to one decode node on their own connections
+        self.lanes = LanePicker(cfg.handoff_lanes)  # concurrent handoffs to one decode node on their own connections
         self.jobs: dict[str, Job] = {}
         self.counters = {"requests": 0, "handoffs": 0, "handoff_bytes": 0, "handoff_seconds": 0.0,
                          "refused": 0, "failed": 0, "cancelled": 0}

@@ -83,6 +83,9 @@ NONCE_HEX_LEN = 16
 ALLOWLIST_ENV = "MLXCEL_DECODE_ALLOWLIST"
 STATS_VERBOSE_ENV = "MLXCEL_ROUTER_STATS_VERBOSE"
 STEP_DELAY_ENV = "MLXCEL_DISAGG_STEP_DELAY_S"  # test aid: a decode node sleeps this long before each decode step
+#: MLXCEL_HANDOFF_COPY=1: a decode node receives into numpy buffers copied into MLX at import, even where a view
+#: writes into MLX
+COPY_ENV = "MLXCEL_HANDOFF_COPY"
 VERBOSE_VALUES = ("1", "true", "yes", "on")
 #: router: a request fails when no handoff result (first token or error) arrives this long after dispatch,
 #: and when a decode node stays silent this long between two messages

@@ -120,6 +120,15 @@ def test_auto_workers_needs_four_cores():
     assert [auto_workers(c) for c in (1, 2, 3, 4, 16)] == [0, 0, 0, 2, 2]
 
 
+def test_the_crypto_workers_variable_is_checked_and_named(monkeypatch):
+    monkeypatch.setenv("MLXCEL_CRYPTO_WORKERS", "3")
+    assert auto_workers() == 3
+    for bad, words in (("two", "a whole number, not 'two'"), ("-1", "from 0 to 64, not -1"), ("65", "from 0 to 64")):
+        monkeypatch.setenv("MLXCEL_CRYPTO_WORKERS", bad)
+        with pytest.raises(ValueError, match=f"MLXCEL_CRYPTO_WORKERS must be {words}"):
+            auto_workers()
+
+
 # --- the reader with an OpenPipeline (sans-I/O) --------------------------------------------------
 
 

@@ -93,6 +93,42 @@ def test_the_switch_interval_is_half_a_millisecond_unless_the_environment_says(m
     assert node_config(router, None).role == "router"  # not the router's variable: never read there
 
 
+def test_the_handoff_environment_is_read_into_the_config_and_a_bad_value_is_named(monkeypatch, tmp_path):
+    secret = tmp_path / "s.secret"
+    secret.write_text("x" * 32 + "\n")
+    secret.chmod(0o600)
+    common = ("--serving-bind", "127.0.0.1:9000", "--cluster-secret-file", str(secret))
+    prefill, decode = args("--node-role", "prefill", *common), args("--node-role", "decode", *common)
+    monkeypatch.setenv("MLXCEL_HANDOFF_LANES", "3")
+    monkeypatch.setenv("MLXCEL_HANDOFF_INTAKE_WORKERS", "2")
+    monkeypatch.setenv("MLXCEL_HANDOFF_COPY", "1")
+    assert node_config(prefill, None).handoff_lanes == 3
+    cfg = node_config(decode, None)
+    assert (cfg.intake_workers, cfg.handoff_copy) == (2, True)
+    for name, bad, words, a in (("MLXCEL_HANDOFF_LANES", "many", "a whole number", prefill),
+                                ("MLXCEL_HANDOFF_LANES", "17", "from 1 to 16", prefill),
+                                ("MLXCEL_HANDOFF_INTAKE_WORKERS", "-1", "from 0 to 64", decode),
+                                ("MLXCEL_HANDOFF_INTAKE_WORKERS", "2.5", "a whole number", decode),
+                                ("MLXCEL_HANDOFF_COPY", "maybe", "1 or 0", decode)):
+        with monkeypatch.context() as env:
+            env.setenv(name, bad)
+            with pytest.raises(CLIError, match=f"{name} must be .*{words}"):
+                node_config(a, None)
+
+
+def test_a_bad_handoff_variable_stops_a_decode_node_before_its_model_loads(tmp_path, tiny_llama):
+    secret = tmp_path / "s.secret"
+    secret.write_text("x" * 32 + "\n")
+    secret.chmod(0o600)
+    cmd = [sys.executable, "-m", "mlxcel", "serve", "-m", str(tiny_llama), "--node-role", "decode",
+           "--serving-bind", "127.0.0.43:19998", "--cluster-secret-file", str(secret), "--port", "0"]
+    for name in ("MLXCEL_HANDOFF_INTAKE_WORKERS", "MLXCEL_CRYPTO_WORKERS"):
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env={**NO_SECRET_ENV, name: "lots"})
+        assert done.returncode != 0
+        assert f"{name} must be a whole number, not 'lots'" in done.stderr
+        assert "loading" not in done.stderr.lower() and "Traceback" not in done.stderr
+
+
 def test_the_cli_refuses_to_start_a_router_without_the_secret(tiny_llama):
     cmd = [sys.executable, "-m", "mlxcel", "serve", "-m", str(tiny_llama), "--node-role", "router",
            "--serving-bind", "127.0.0.40:19999", "--prefill-peers", "127.0.0.41:1", "--decode-peers", "127.0.0.42:2",
