@@ -21,6 +21,8 @@
 #                     (SERVE_STREAMS), SERVE_REQUESTS (2) requests of TOKENS tokens per client, GPU utilisation
 #                     sampled by nvidia-smi every 100 ms during each level, the mlxcel server's step trace
 #                     (summarised by bench/step_trace.py); about 3.5 min per checkpoint
+#   STAGE_DEVICES=0,1   one GPU per stage process (CUDA_VISIBLE_DEVICES; the nvidia-h200-x2 machine); LABEL (h200)
+#               prefixes the rows' label
 #   STREAMS=8   also part 2 of pipeline_bench: the single-node server against coordinator + stages at those streams
 #   handoff           issue 24 item 3, the KV handoff (~4 min): disagg_bench stages and e2e on the Qwen3-0.6B KV
 #                     shape (172 MB bf16 at 1,500 tokens; e2e per "crypto:intake" workers in HANDOFF_WORKERS,
@@ -91,7 +93,8 @@ bench() {  # model lever
   echo "== $model $lever ($(left) s left)"
   MLXCEL_COMPILE_STEP=$compile python3 -m bench.pipeline_bench -m "/tmp/models/$model" --runs "$RUNS" --tokens "$TOKENS" \
     --modes "${MODES:-single,inproc_pp,remote_pp}" --streams "${STREAMS:-}" --trace --reuse-workers \
-    --label "h200-$model-$lever" --out "$RES/$model-$lever" 2>&1 | grep -v "^WARNING"
+    ${STAGE_DEVICES:+--stage-devices "$STAGE_DEVICES"} \
+    --label "${LABEL:-h200}-$model-$lever" --out "$RES/$model-$lever" 2>&1 | grep -v "^WARNING"
 }
 
 suite() {  # suite name, its budget in seconds
