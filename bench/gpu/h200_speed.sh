@@ -29,6 +29,8 @@
 #                     default "0:0 2:0 2:4 4:4 8:4 4:1"), then disagg_bench handoff (hybrid vs router -> prefill -> decode) on the q06-bf16
 #                     checkpoint, 1,500-token prompts, HANDOFF_REPEATS (default 4) ABBA requests: rows in
 #                     handoff/disagg_bench.jsonl (environment included)
+#   managed-probe     bench/gpu/managed_probe.py: the host reading and writing 172 MB of KV in MLX's CUDA (managed)
+#                     memory, page faults against a prefetch or cudaMemcpy, and AES-GCM over it
 #   prefill-probe     bench/gpu/prefill_probe.py on q06-bf16: host cost of prompt chunks by length (first use
 #                     against repeats) and of a 32-row decode step
 #   profile           issue 24 item 2: py-spy samples (Python and native) of mlxcel serve at 32 streams on
@@ -249,6 +251,8 @@ main() {
       serve-tiny) SERVE_MODELS=tiny SERVE_BUDGET=10 serve_suite ;;  # a smoke test of the serve suite
       prefill-probe) make_model q06-bf16 && python3 -m bench.gpu.prefill_probe -m /tmp/models/q06-bf16 \
                        --label h200-q06-bf16 --out "$RES/prefill_probe.jsonl" | tail -40 ;;
+      managed-probe) python3 -m bench.gpu.managed_probe --mib 172 --rounds "${PROBE_ROUNDS:-6}" --label h200 \
+                       --out "$RES/managed_probe.jsonl" ;;
       probe-bf16) make_model q06-bf16 && python3 -m bench.gpu.step_probe -m /tmp/models/q06-bf16 --steps 64 \
                     --label h200-q06-bf16 --out "$RES/step_probe.jsonl" ;;
       q06-bf16) suite q06-bf16 150 ;;
