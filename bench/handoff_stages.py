@@ -89,7 +89,7 @@ class _Pair:
         from mlxcel.cluster.transport import Transport
         from mlxcel.cluster.wire import Kind, Suite
 
-        suite = Suite.AES_256_GCM if suite_name == "aes" else Suite.UNPROTECTED
+        suite = Suite.AES_256_GCM if suite_name.partition("-")[0] == "aes" else Suite.UNPROTECTED
         secret = ClusterSecret(os.urandom(32))
         extra = {} if crypto_workers is None else {"crypto_workers": crypto_workers}
 
@@ -164,8 +164,11 @@ def stages(shape: str, tokens: int, repeats: int) -> list[dict[str, Any]]:
 
 
 def e2e(shape: str, tokens: int, repeats: int, suites: list[str], crypto_workers: int | None) -> list[dict[str, Any]]:
-    """The whole handoff path per suite, rounds alternating: export, stream, decoder, import."""
-    from mlxcel.disagg.kv_cache import export_cache, import_cache
+    """The whole handoff path per suite, rounds alternating: export, stream, decoder, import. A suite named
+    ``aes-staged`` or ``unprotected-staged`` goes through page-locked staging (docs/disagg.md §4.3) on both
+    sides, as the nodes do on CUDA: a contiguous export copied to the host, received into the pool."""
+    from mlxcel.disagg.host_staging import shared_staging
+    from mlxcel.disagg.kv_cache import export_cache, import_cache, staged_allocator
     from mlxcel.disagg.kv_codec import HandoffDecoder
 
     layout = layout_of(shape)
@@ -176,9 +179,12 @@ def e2e(shape: str, tokens: int, repeats: int, suites: list[str], crypto_workers
     for name in suites:
         state: dict[str, Any] = {"done": threading.Event()}
 
-        def feed(msg: Any, state: dict = state) -> None:
+        staging = shared_staging(True) if name.endswith("-staged") else None
+
+        def feed(msg: Any, state: dict = state, staging: Any = staging) -> None:
             if "dec" not in state:
-                state["dec"] = _decoder(HandoffDecoder, layout)
+                state["dec"] = (HandoffDecoder(layout, 1 << 20, None, staged_allocator(staging)) if staging is not None
+                                else _decoder(HandoffDecoder, layout))
             state["dec"].feed(msg.payload)
 
         def end(state: dict = state) -> None:
@@ -200,9 +206,13 @@ def e2e(shape: str, tokens: int, repeats: int, suites: list[str], crypto_workers
                 pair, state = pairs[name]
                 state["done"].clear()
                 t0 = time.perf_counter()
-                tensors = export_cache(caches, layout, tokens)
+                staging = shared_staging(True) if name.endswith("-staged") else None
+                tensors = export_cache(caches, layout, tokens, contiguous=staging is not None)
+                staged = staging.to_host(tensors) if staging is not None else None
                 t1 = time.perf_counter()
-                pair.stream(_parts(tensors, layout, tokens))
+                pair.stream(_parts(staged[0] if staged is not None else tensors, layout, tokens))
+                if staged is not None:
+                    staged[1].release()
                 if not state["done"].wait(60):
                     raise SystemExit("handoff_stages: a handoff did not arrive")
                 t2 = state["at"]

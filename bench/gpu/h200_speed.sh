@@ -129,7 +129,7 @@ handoff_suite() {  # issue 24 item 3; each step bounded so the suite fits in abo
     w=${c%%:*}
     echo "== handoff e2e crypto_workers=$w intake_workers=${c##*:} ($(left) s left)"
     MLXCEL_HANDOFF_INTAKE_WORKERS=${c##*:} timeout 40 python3 -m bench.disagg_bench e2e --shape qwen3-0.6b \
-      --prompt-tokens 1500 --repeats 8 --crypto-workers "$w" --out "$out"
+      --prompt-tokens 1500 --repeats 8 --crypto-workers "$w" --suites "${HANDOFF_SUITES:-aes,unprotected}" --out "$out"
   done
   make_model q06-bf16 || return 0
   one_stream_handoffs "$out"

@@ -16,7 +16,9 @@ read side (GPU-written -> host):
 
 write side (host -> GPU reads it):
 - ``write_then_gpu``: ``np.copyto`` into the view, then a GPU reduction over the array;
-- ``write_prefetch_gpu``: the same with ``cudaMemPrefetchAsync`` to the device before the reduction.
+- ``write_prefetch_gpu``: the same with ``cudaMemPrefetchAsync`` to the device before the reduction;
+- ``pinned_dma_gpu``: ``cudaMemcpy`` from a page-locked host buffer into the array, then the reduction (what a
+  decode node's staged receive does, ``mlxcel/disagg/host_staging.py``).
 
 Each row: variant, MiB, median seconds and GiB/s, with the environment (JSONL, --out).
 
@@ -158,7 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     def write(kind: str) -> float:
         a, view = fresh()
         t = time.perf_counter()
-        np.copyto(view, host)
+        if kind == "pinned_dma_gpu":
+            cuda.memcpy(_ptr(view), _ptr(pinned), n)
+        else:
+            np.copyto(view, host)
         if kind == "write_prefetch_gpu":
             cuda.prefetch(_ptr(view), n, 0)
         mx.eval(mx.sum(a))  # the GPU reads every page the host just wrote
@@ -169,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     variants: dict[str, Callable[[], float]] = {
         k: (lambda k=k: read(k)) for k in ("numpy_copy", "prefetch_copy", "memcpy", "memcpy_pinned", "aes_view",
                                            "aes_host", "prefetch_aes_view")}
-    variants |= {k: (lambda k=k: write(k)) for k in ("write_then_gpu", "write_prefetch_gpu")}
+    variants |= {k: (lambda k=k: write(k)) for k in ("write_then_gpu", "write_prefetch_gpu", "pinned_dma_gpu")}
     names = list(variants)
     for name in names:  # warm every path once (kernels, page tables)
         variants[name]()

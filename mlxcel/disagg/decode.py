@@ -26,7 +26,8 @@ from mlxcel.cluster.wire import Kind
 from mlxcel.disagg import messages as m
 from mlxcel.disagg.flags import NodeConfig
 from mlxcel.disagg.intake import Intake
-from mlxcel.disagg.kv_cache import handoff_allocator, import_cache, probe_layout
+from mlxcel.disagg.host_staging import shared_staging
+from mlxcel.disagg.kv_cache import handoff_allocator, import_cache, probe_layout, staged_allocator
 from mlxcel.disagg.kv_codec import Handoff, HandoffDecoder, HandoffError
 from mlxcel.disagg.loop import LoopThread
 from mlxcel.disagg.service import RoleService
@@ -67,7 +68,10 @@ class DecodeService(RoleService):
                  parallel: int, max_batch_size: int, max_queue: int, warmup: bool = True):
         super().__init__(cfg, identity)
         self.layout = probe_layout(model)
-        self.allocate = handoff_allocator(copy=cfg.handoff_copy)  # tensor buffers in MLX memory where numpy can write them
+        self.staging = None if cfg.handoff_copy else shared_staging(cfg.handoff_staging)
+        # tensor buffers: page-locked ones copied into MLX by DMA (CUDA), else MLX memory where numpy can write it
+        self.allocate = (staged_allocator(self.staging) if self.staging is not None
+                         else handoff_allocator(copy=cfg.handoff_copy))
         self.context_length = context_length
         self.vocab_size = model_vocab_size(model)  # every token id of a handoff is below it
         self.capacity = parallel + max_queue

@@ -21,6 +21,7 @@ from mlxcel.disagg.wire import (
     DEFAULT_PROBE_INTERVAL_S,
     MIN_HANDOFF_TIMEOUT_S,
     PROGRESS_INTERVAL_S,
+    STAGING_ENV,
 )
 from mlxcel.errors import CLIError
 from mlxcel.threads import TRANSPORT_SWITCH_INTERVAL_MS, transport_switch_interval
@@ -55,6 +56,7 @@ class NodeConfig:
     handoff_lanes: int = 1  # prefill: connections to one decode node handoffs spread over (MLXCEL_HANDOFF_LANES)
     intake_workers: int = 0  # decode: threads feeding handoff parts to their decoders (MLXCEL_HANDOFF_INTAKE_WORKERS)
     handoff_copy: bool = False  # decode: receive into numpy buffers copied at import (MLXCEL_HANDOFF_COPY=1)
+    handoff_staging: bool | None = None  # prefill, decode: page-locked staging (MLXCEL_HANDOFF_STAGING; None: on CUDA)
 
 
 def node_role(args: argparse.Namespace, dist: Distributed | None) -> str:
@@ -137,8 +139,8 @@ def _check_cli_role(args: argparse.Namespace, role: str) -> None:
 def node_config(args: argparse.Namespace, dist: Distributed | None) -> NodeConfig:
     """This node's configuration, with the cluster secret (fail closed: ``SecretError`` names every source) and,
     for a prefill or decode node, the environment variables of its transport, checked here (before the model
-    loads): ``MLXCEL_SWITCH_INTERVAL_MS``, ``MLXCEL_HANDOFF_LANES`` (prefill), ``MLXCEL_HANDOFF_INTAKE_WORKERS``
-    and ``MLXCEL_HANDOFF_COPY`` (decode)."""
+    loads): ``MLXCEL_SWITCH_INTERVAL_MS``, ``MLXCEL_HANDOFF_STAGING``, ``MLXCEL_HANDOFF_LANES`` (prefill),
+    ``MLXCEL_HANDOFF_INTAKE_WORKERS`` and ``MLXCEL_HANDOFF_COPY`` (decode)."""
     cfg = _addresses_and_secret(args, dist)
     if cfg.role == "router":  # the variables are not the router's
         return cfg
@@ -154,9 +156,11 @@ def _handoff_environment(role: str) -> dict[str, Any]:
     from mlxcel.disagg.intake import default_workers
     from mlxcel.disagg.lanes import default_lanes
 
+    staging = env_switch(STAGING_ENV)
     if role == "prefill":
-        return {"handoff_lanes": default_lanes()}
-    return {"intake_workers": default_workers(), "handoff_copy": env_switch(COPY_ENV) is True}
+        return {"handoff_lanes": default_lanes(), "handoff_staging": staging}
+    return {"intake_workers": default_workers(), "handoff_copy": env_switch(COPY_ENV) is True,
+            "handoff_staging": staging}
 
 
 def _addresses_and_secret(args: argparse.Namespace, dist: Distributed | None) -> NodeConfig:

@@ -40,6 +40,7 @@ from mlx_lm.models.cache import (
 
 from mlxcel.config import env_switch
 from mlxcel.disagg.kv_codec import Handoff, HandoffError, KVLayout, LayerSpec, TensorSpec, dtype_code
+from mlxcel.disagg.host_staging import HostBuffer, Staging
 from mlxcel.disagg.wire import COPY_ENV, CacheKind, DType
 
 #: the cache classes a handoff carries, by the record kind that describes them
@@ -131,11 +132,12 @@ def _name(dtype: Any) -> str:
     return str(dtype).rpartition(".")[2]
 
 
-def export_cache(cache: list, layout: KVLayout, length: int) -> list[np.ndarray]:
+def export_cache(cache: list, layout: KVLayout, length: int, contiguous: bool = False) -> list[np.ndarray]:
     """The wire tensors of one sequence's per-layer caches holding ``length`` tokens: numpy views of the
     caches' own buffers in the model's dtype (bfloat16 as uint16), strided where a buffer holds more
     positions than ``length``; ``kv_codec.chunk_parts`` sends them without a copy. A view keeps its
-    buffer alive, and MLX never writes into a buffer another array still references."""
+    buffer alive, and MLX never writes into a buffer another array still references. ``contiguous``: each
+    tensor made contiguous on the device first (what ``Staging.to_host`` copies in one DMA)."""
     if len(cache) != len(layout.layers):
         raise HandoffError(f"the cache has {len(cache)} layers; the model has {len(layout.layers)}", )
     arrays: list[mx.array] = []
@@ -146,6 +148,8 @@ def export_cache(cache: list, layout: KVLayout, length: int) -> list[np.ndarray]
         if tuple(a.shape) != t.shape or dtype_code(_name(a.dtype)) is not t.dtype:
             raise HandoffError(f"a cache tensor is {_name(a.dtype)} {list(a.shape)}; the model's layout says "
                                f"{t.dtype.name.lower()} {list(t.shape)}")
+    if contiguous:
+        arrays = [mx.contiguous(a) for a in arrays]
     mx.eval(arrays)
     return [_to_numpy(a) for a in arrays]
 
@@ -200,6 +204,8 @@ def _to_numpy(a: mx.array) -> np.ndarray:
 
 
 _WIRE_MX = {DType.FLOAT32: mx.float32, DType.FLOAT16: mx.float16, DType.BFLOAT16: mx.uint16, DType.UINT32: mx.uint32}
+_NUMPY_OF = {DType.FLOAT32: np.float32, DType.FLOAT16: np.float16, DType.BFLOAT16: np.uint16, DType.UINT32: np.uint32}
+_MX_OF_NUMPY = {np.dtype(v): _WIRE_MX[k] for k, v in _NUMPY_OF.items()}
 _ALIASES: bool | None = None
 
 
@@ -210,6 +216,19 @@ def mx_allocator(spec: TensorSpec) -> tuple[np.ndarray, mx.array]:
     a = mx.zeros(spec.shape, dtype=_WIRE_MX[spec.dtype])
     mx.eval(a)
     return np.array(a, copy=False), a
+
+
+def staged_allocator(staging: Staging) -> Any:
+    """``HandoffDecoder``'s ``allocate`` over page-locked buffers: each tensor is received into a host buffer
+    of the pool (its owner), which ``import_cache`` copies into MLX in one DMA; ``mx_allocator`` for a tensor
+    the pool has no room for."""
+    def allocate(spec: TensorSpec) -> tuple[np.ndarray, Any]:
+        buf = staging.take(spec.nbytes)
+        if buf is None:
+            return mx_allocator(spec)
+        return buf.view(0, _NUMPY_OF[spec.dtype], spec.shape), buf
+
+    return allocate
 
 
 def handoff_allocator(copy: bool | None = None) -> Any:
@@ -238,18 +257,33 @@ def import_cache(handoff: Handoff) -> list:
     """mlx-lm caches holding a decoded handoff's KV, ready for ``SliceRunner.prepare(cache=...)``; a tensor
     received into an MLX array (``mx_allocator``) is used as it is, any other is copied into MLX once."""
     length = len(handoff.prompt)
-    owners = iter(handoff.owners) if len(handoff.owners) == len(handoff.tensors) else None
-    out = []
+    owners = list(handoff.owners) if len(handoff.owners) == len(handoff.tensors) else [None] * len(handoff.tensors)
+    wire = _device_arrays(handoff.tensors, owners)
+    out, i = [], 0
     for spec, tensors in handoff.layer_tensors():
-        arrays = [_from_wire(t, next(owners) if owners is not None else None, ts.dtype)
-                  for t, ts in zip(tensors, spec.tensors(length))]
+        arrays = [_as_dtype(a, ts.dtype) for a, ts in zip(wire[i:i + len(tensors)], spec.tensors(length))]
+        i += len(tensors)
         out.append(CLASSES[spec.kind].from_state(_state(spec, arrays, length)))
     mx.eval([c.state for c in out])  # no lazy op left to tie the arrays to this thread's stream
     return out
 
 
-def _from_wire(t: np.ndarray, owner: Any, dtype: DType) -> mx.array:
-    a = owner if isinstance(owner, mx.array) else mx.array(t)
+def _device_arrays(tensors: list[np.ndarray], owners: list[Any]) -> list[mx.array]:
+    """Each received tensor as an MLX array (wire dtype): its own array where it was received into one, a DMA
+    into a fresh array where it was received into a staging buffer (then given back), else a copy into MLX."""
+    staged = [k for k, o in enumerate(owners) if isinstance(o, HostBuffer)]
+    fresh = {k: mx.zeros(tensors[k].shape, dtype=_MX_OF_NUMPY[tensors[k].dtype]) for k in staged}
+    if staged:
+        mx.eval(list(fresh.values()))
+        pool = owners[staged[0]].pool
+        pool.to_device([(tensors[k], np.array(fresh[k], copy=False)) for k in staged])
+        for k in staged:
+            owners[k].release()
+    return [fresh[k] if k in fresh else (o if isinstance(o, mx.array) else mx.array(t))
+            for k, (t, o) in enumerate(zip(tensors, owners))]
+
+
+def _as_dtype(a: mx.array, dtype: DType) -> mx.array:
     return a.view(mx.bfloat16) if dtype is DType.BFLOAT16 else a
 
 

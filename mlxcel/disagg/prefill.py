@@ -27,6 +27,7 @@ from mlxcel.cluster.identity import PeerId
 from mlxcel.disagg import messages as m
 from mlxcel.disagg.allowlist import Allowlist
 from mlxcel.disagg.flags import NodeConfig
+from mlxcel.disagg.host_staging import shared_staging
 from mlxcel.disagg.kv_cache import export_cache, probe_layout
 from mlxcel.disagg.kv_codec import chunk_parts, encode_header
 from mlxcel.disagg.lanes import LanePicker
@@ -78,8 +79,11 @@ class PrefillService(RoleService):
         self.allowlist = allowlist if allowlist is not None else Allowlist.from_env()
         self.context_length = context_length
         self.vocab_size = model_vocab_size(model)  # every GENERATE's prompt ids are below it
+        self.staging = shared_staging(cfg.handoff_staging)  # page-locked copies of the KV to seal from (CUDA)
+        contiguous = self.staging is not None
         self.executor = LocalExecutor(model, max_batch_size=max_batch_size, prefix_cache_bytes=prefix_cache_bytes,
-                                      exporter=lambda cache, length: export_cache(cache, self.layout, length))
+                                      exporter=lambda cache, length: export_cache(cache, self.layout, length,
+                                                                                  contiguous))
         self.scheduler = Scheduler(self.executor, tokenizer, context_length=context_length, parallel=parallel,
                                    max_queue=max_queue, warmup=warmup)
         self.eos = frozenset(tokenizer.eos_token_ids)  # a first token that ends the request is not sent early
@@ -242,13 +246,18 @@ class PrefillService(RoleService):
                              draws=0 if job.params.greedy else job.gen.draws + 1)
         prefill_s = time.perf_counter() - job.started
         start = time.perf_counter()
+        staged = self.staging.to_host(kv.data) if self.staging is not None else None  # None: the pool is full
         try:
             with self.lanes.take() as lane:
-                sent = self._stream(job, encode_header(meta.doc(), job.gen.prompt, self.layout), kv.data, lane)
+                sent = self._stream(job, encode_header(meta.doc(), job.gen.prompt, self.layout),
+                                    staged[0] if staged is not None else kv.data, lane)
         except ClusterError as exc:
             self._refuse(job.router, job.nonce, ErrorCode.UNREACHABLE,
                          f"handing the KV cache to decode node {job.target} failed: {exc}", str(job.target))
             return
+        finally:
+            if staged is not None:
+                staged[1].release()  # every byte is in the socket or sealed in a frame by now
         if sent is None:
             return
         seconds = time.perf_counter() - start

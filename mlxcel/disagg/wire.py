@@ -86,6 +86,9 @@ STEP_DELAY_ENV = "MLXCEL_DISAGG_STEP_DELAY_S"  # test aid: a decode node sleeps 
 #: MLXCEL_HANDOFF_COPY=1: a decode node receives into numpy buffers copied into MLX at import, even where a view
 #: writes into MLX
 COPY_ENV = "MLXCEL_HANDOFF_COPY"
+#: MLXCEL_HANDOFF_STAGING: 1 stages handoffs through page-locked host buffers on any device, 0 never; unset: where
+#: MLX runs on CUDA (mlxcel/disagg/host_staging.py)
+STAGING_ENV = "MLXCEL_HANDOFF_STAGING"
 VERBOSE_VALUES = ("1", "true", "yes", "on")
 #: router: a request fails when no handoff result (first token or error) arrives this long after dispatch,
 #: and when a decode node stays silent this long between two messages

@@ -18,6 +18,9 @@ def test_options_combine_and_go_to_the_nodes_they_concern():
     assert topology_options("2p1d-stable") == ("2p1d", {}, {"MLXCEL_STABLE_JOIN": "1"})
     both = {"MLXCEL_SWITCH_INTERVAL_MS": "0.2"}
     assert topology_options("1p1d-switch0.2") == ("1p1d", both, both)
+    off = {"MLXCEL_HANDOFF_STAGING": "0"}
+    assert topology_options("1p1d-unstaged") == ("1p1d", off, off)
+    assert topology_options("1p1d-staged")[2] == {"MLXCEL_HANDOFF_STAGING": "1"}
 
 
 @pytest.mark.parametrize("name", ["1p1d-bogus", "1p1d-lanes", "1p1d-lanesx", "1p1d-switch", "1p1d-switchfast"])

@@ -106,9 +106,9 @@ def single_node(path) -> list[list[int]]:
 
 
 @contextlib.contextmanager
-def role_services(path) -> Iterator[tuple]:
+def role_services(path, staging: bool | None = None) -> Iterator[tuple]:
     """Decode, prefill and router services of ``path`` in this process, on real transports; yields
-    (router, prefill, decode)."""
+    (router, prefill, decode). ``staging``: their ``MLXCEL_HANDOFF_STAGING``."""
     from mlxcel.disagg.allowlist import Allowlist
     from mlxcel.disagg.decode import DecodeService
     from mlxcel.disagg.flags import NodeConfig
@@ -123,11 +123,11 @@ def role_services(path) -> Iterator[tuple]:
     sizes = dict(identity=identity, context_length=2048, parallel=2, max_batch_size=2, max_queue=2, warmup=False)
     started: list = []
     try:
-        decode = DecodeService(NodeConfig("decode", decode_at, (), (), SECRET), *_loaded(load_checkpoint(path)),
-                               **sizes)
+        decode = DecodeService(NodeConfig("decode", decode_at, (), (), SECRET, handoff_staging=staging),
+                               *_loaded(load_checkpoint(path)), **sizes)
         decode.start()
         started.append(decode)
-        prefill = PrefillService(NodeConfig("prefill", prefill_at, (), (decode_at,), SECRET),
+        prefill = PrefillService(NodeConfig("prefill", prefill_at, (), (decode_at,), SECRET, handoff_staging=staging),
                                  *_loaded(load_checkpoint(path)), allowlist=Allowlist(None), **sizes)
         prefill.start()
         started.append(prefill)
@@ -157,6 +157,20 @@ def test_router_prefill_decode_continue_exactly_like_one_node(family, family_che
         assert decode.counters["handoffs"] == 2
         wait_for(lambda: router.counters["handoffs"] == 2, what="both handoffs counted (a HANDED_OFF may follow the FINISH)")
         assert router.counters["handoff_bytes"] > 2 * decode.layout.nbytes(len(PROMPTS[1]))
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_next"])
+def test_staged_handoffs_continue_exactly_like_one_node_and_give_their_buffers_back(family, family_checkpoint):  # noqa: F811
+    """MLXCEL_HANDOFF_STAGING=1 (the CUDA default, here over the memory backend): the prefill node seals from
+    a staged copy, the decode node receives into the pool and imports by copy; the tokens are one node's."""
+    path = family_checkpoint(family)
+    reference = single_node(path)
+    with role_services(path, staging=True) as (router, prefill, decode):
+        assert prefill.staging is not None and prefill.staging is decode.staging  # one pool per process
+        got = asyncio.run(both(router))
+        assert got == reference and decode.counters["handoffs"] == 2
+        wait_for(lambda: prefill.staging.in_use == 0, what="every staging buffer given back")
+        assert prefill.staging.held > 0  # the handoffs did go through it
 
 
 def command_line(path, role: str, bind: str, secret_file, *flags: str) -> list[str]:

@@ -103,13 +103,17 @@ def test_the_handoff_environment_is_read_into_the_config_and_a_bad_value_is_name
     monkeypatch.setenv("MLXCEL_HANDOFF_INTAKE_WORKERS", "2")
     monkeypatch.setenv("MLXCEL_HANDOFF_COPY", "1")
     assert node_config(prefill, None).handoff_lanes == 3
+    assert node_config(prefill, None).handoff_staging is None  # unset: staged where MLX runs on CUDA
+    monkeypatch.setenv("MLXCEL_HANDOFF_STAGING", "0")
+    assert node_config(decode, None).handoff_staging is False
     cfg = node_config(decode, None)
     assert (cfg.intake_workers, cfg.handoff_copy) == (2, True)
     for name, bad, words, a in (("MLXCEL_HANDOFF_LANES", "many", "a whole number", prefill),
                                 ("MLXCEL_HANDOFF_LANES", "17", "from 1 to 16", prefill),
                                 ("MLXCEL_HANDOFF_INTAKE_WORKERS", "-1", "from 0 to 64", decode),
                                 ("MLXCEL_HANDOFF_INTAKE_WORKERS", "2.5", "a whole number", decode),
-                                ("MLXCEL_HANDOFF_COPY", "maybe", "1 or 0", decode)):
+                                ("MLXCEL_HANDOFF_COPY", "maybe", "1 or 0", decode),
+                                ("MLXCEL_HANDOFF_STAGING", "auto", "1 or 0", prefill)):
         with monkeypatch.context() as env:
             env.setenv(name, bad)
             with pytest.raises(CLIError, match=f"{name} must be .*{words}"):
