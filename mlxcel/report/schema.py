@@ -151,6 +151,11 @@ SCHEMAS: dict[str, Schema] = {s.bench: s for s in (
         _int("repeats"), _num("p50_ms"), _num("min_ms"), _num("max_ms"), _num("gib_s"),
         _num("load_1m", required=False, nullable=True),
     )),
+    # bench/gpu/managed_probe.py: the host reading and writing KV in MLX's CUDA managed memory, per path
+    Schema("managed_probe", "managed_probe", (
+        _str("variant"), _int("mib"), _int("rounds"), _num("median_s"), _num("min_s"), _num("max_s"), _num("gib_s"),
+        _int("cuda_runtime"), _str("label", required=False, nullable=True),
+    )),
     # bench/gpu/prefill_probe.py: a prompt chunk's and a decode step's host cost by shape
     Schema("prefill_probe", "prefill_probe", (
         _str("label"), _str("kind"), _int("round"), _int("tokens", required=False), _int("rows", required=False),
