@@ -19,7 +19,10 @@ aborted half-way). Backends: ``CudaBackend`` (the libcudart MLX loaded, through 
 from __future__ import annotations
 
 import ctypes
+import glob
 import logging
+import os
+import sys
 import threading
 import weakref
 from typing import Any, Protocol, Sequence
@@ -73,15 +76,15 @@ class CudaBackend:
 
     @classmethod
     def load(cls) -> CudaBackend | None:
-        """The backend over the libcudart this process already mapped (MLX's), else None."""
-        path = _mapped_library("libcudart.so")
-        if path is None:
-            return None
-        try:
-            return cls(ctypes.CDLL(path))
-        except (OSError, AttributeError) as exc:
-            log.warning("handoff staging: cannot use %s (%s)", path, exc)
-            return None
+        """The backend over the CUDA runtime: the libcudart this process already mapped (MLX's), else one by its
+        name or in an ``nvidia/*/lib`` folder on ``sys.path`` (where the CUDA wheels put it); None without one."""
+        for path in _cudart_candidates():
+            try:
+                return cls(ctypes.CDLL(path))
+            except (OSError, AttributeError):
+                continue
+        log.warning("handoff staging: MLX runs on CUDA but no libcudart could be loaded; handoffs go unstaged")
+        return None
 
     def _check(self, rc: int, what: str) -> None:
         if rc != 0:
@@ -105,6 +108,14 @@ class CudaBackend:
 
     def wait(self) -> None:
         self._check(self.lib.cudaStreamSynchronize(self._stream()), "cudaStreamSynchronize")
+
+
+def _cudart_candidates() -> list[str]:
+    found = [p for p in (_mapped_library("libcudart.so"),) if p]
+    found += ["libcudart.so.13", "libcudart.so.12", "libcudart.so"]
+    for base in sys.path:
+        found += sorted(glob.glob(os.path.join(base or ".", "nvidia", "*", "lib", "libcudart.so*")), reverse=True)
+    return found
 
 
 def _mapped_library(stem: str) -> str | None:
@@ -238,9 +249,10 @@ def shared_staging(mode: bool | None) -> Staging | None:
 
 
 def _on_cuda() -> bool:
+    """MLX's default device is a GPU on Linux: CUDA (Apple's Metal GPUs share one memory with the CPU)."""
     try:
         import mlx.core as mx
 
-        return mx.default_device().type == mx.gpu and bool(getattr(mx, "cuda", None) and mx.cuda.is_available())
+        return sys.platform.startswith("linux") and mx.default_device().type == mx.gpu
     except Exception:  # noqa: BLE001 - no MLX GPU: no CUDA staging
         return False
