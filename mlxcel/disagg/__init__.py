@@ -9,6 +9,7 @@ Module map (the codecs are sans-I/O; the services own sockets and threads):
 - ``allowlist``   ``MLXCEL_DECODE_ALLOWLIST``: where a prefill node may send a KV cache
 - ``lanes``       which of a prefill node's connections to a decode node the next handoff takes (``MLXCEL_HANDOFF_LANES``)
 - ``intake``      handoff parts fed to their decoders beside the reader threads (``MLXCEL_HANDOFF_INTAKE_WORKERS``)
+- ``host_staging``  page-locked host buffers a handoff is copied through by DMA on CUDA (``MLXCEL_HANDOFF_STAGING``)
 - ``flags``       ``--node-role``, ``--serving-bind``, ``--prefill-peers``, ``--decode-peers``, TOML roles -> ``NodeConfig``
 - ``service``     what prefill and decode share: the role transport, STATE answers, sends to a router
 - ``prefill``     ``PrefillService``: GENERATE -> checks -> prefill -> KV handoff stream -> HANDED_OFF
