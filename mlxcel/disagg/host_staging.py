@@ -162,7 +162,8 @@ class Staging:
         self.backend = backend
         self.limit = limit
         self._free: dict[int, list[int]] = {}  # size class -> block pointers
-        self._lock = threading.Lock()
+        # re-entrant: a buffer's finalizer (``_returned``) may run on a thread that already holds it
+        self._lock = threading.RLock()
         self.held = 0  # bytes of blocks made
         self.in_use = 0  # bytes of blocks handed out
 
