@@ -39,7 +39,7 @@ from mlx_lm.models.cache import (
 )
 
 from mlxcel.config import env_switch
-from mlxcel.disagg.kv_codec import Handoff, HandoffError, KVLayout, LayerSpec, TensorSpec, dtype_code
+from mlxcel.disagg.kv_codec import NUMPY_DTYPES, Handoff, HandoffError, KVLayout, LayerSpec, TensorSpec, dtype_code
 from mlxcel.disagg.host_staging import HostBuffer, Staging
 from mlxcel.disagg.wire import COPY_ENV, CacheKind, DType
 
@@ -204,8 +204,7 @@ def _to_numpy(a: mx.array) -> np.ndarray:
 
 
 _WIRE_MX = {DType.FLOAT32: mx.float32, DType.FLOAT16: mx.float16, DType.BFLOAT16: mx.uint16, DType.UINT32: mx.uint32}
-_NUMPY_OF = {DType.FLOAT32: np.float32, DType.FLOAT16: np.float16, DType.BFLOAT16: np.uint16, DType.UINT32: np.uint32}
-_MX_OF_NUMPY = {np.dtype(v): _WIRE_MX[k] for k, v in _NUMPY_OF.items()}
+_MX_OF_NUMPY = {np.dtype(v): _WIRE_MX[k] for k, v in NUMPY_DTYPES.items()}
 _ALIASES: bool | None = None
 
 
@@ -226,7 +225,7 @@ def staged_allocator(staging: Staging) -> Any:
         buf = staging.take(spec.nbytes)
         if buf is None:
             return mx_allocator(spec)
-        return buf.view(0, _NUMPY_OF[spec.dtype], spec.shape), buf
+        return buf.view(0, NUMPY_DTYPES[spec.dtype], spec.shape), buf
 
     return allocate
 

@@ -56,7 +56,9 @@ ARRAY_RECORD = struct.Struct(">BBBB5I")
 RECORD_LEN = LAYER_RECORD.size  # == ARRAY_RECORD.size: every record is 24 bytes
 _CHUNK = struct.Struct(">BI")
 _END = struct.Struct(">BIQ")
-_NUMPY = {DType.FLOAT32: np.float32, DType.FLOAT16: np.float16, DType.BFLOAT16: np.uint16, DType.UINT32: np.uint32}
+#: the numpy dtype of each wire dtype (bfloat16 travels as its uint16 bits)
+NUMPY_DTYPES = {DType.FLOAT32: np.float32, DType.FLOAT16: np.float16, DType.BFLOAT16: np.uint16,
+                DType.UINT32: np.uint32}
 _BY_NAME = {name: code for code, name in DTYPE_NAMES.items()}
 
 
@@ -278,7 +280,7 @@ Allocator = Callable[["TensorSpec"], tuple[np.ndarray, Any]]
 
 def numpy_allocator(spec: TensorSpec) -> tuple[np.ndarray, Any]:
     """A plain numpy buffer (uninitialised: every byte is written before the tensor closes)."""
-    return np.empty(spec.shape, dtype=_NUMPY[spec.dtype]), None
+    return np.empty(spec.shape, dtype=NUMPY_DTYPES[spec.dtype]), None
 
 
 @dataclass
@@ -466,7 +468,7 @@ class HandoffDecoder:
             arr, owner = self._allocate(spec)
         except (MemoryError, ValueError, RuntimeError) as exc:
             raise HandoffError(f"cannot make a {spec.nbytes}-byte tensor buffer: {exc}", ErrorCode.INTERNAL) from None
-        if arr.shape != spec.shape or arr.dtype != _NUMPY[spec.dtype] or not arr.flags.c_contiguous:
+        if arr.shape != spec.shape or arr.dtype != NUMPY_DTYPES[spec.dtype] or not arr.flags.c_contiguous:
             raise HandoffError(f"the allocator made a {arr.dtype} {list(arr.shape)} buffer for a "
                                f"{spec.dtype.name.lower()} {list(spec.shape)} tensor", ErrorCode.INTERNAL)
         flat, off = _bytes_of(arr), 0
@@ -485,7 +487,7 @@ class HandoffDecoder:
                 self._owners.append(self._owner)
             else:
                 raw = self._pieces[0] if len(self._pieces) == 1 else b"".join(self._pieces)
-                self._done.append(np.frombuffer(raw, dtype=_NUMPY[spec.dtype]).reshape(spec.shape))
+                self._done.append(np.frombuffer(raw, dtype=NUMPY_DTYPES[spec.dtype]).reshape(spec.shape))
                 self._owners.append(None)
             self._pieces, self._have, self._arr, self._owner = [], 0, None, None
 
