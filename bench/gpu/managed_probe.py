@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import glob
 import os
 import statistics
 import time
@@ -85,12 +84,11 @@ class Cuda:
 
 
 def _load_cudart() -> Any:
-    names = ["libcudart.so.13", "libcudart.so.12", "libcudart.so"]
-    for root in {os.path.dirname(p) for p in glob.glob("/tmp/site/nvidia/**/libcudart.so*", recursive=True)}:
-        names += sorted(glob.glob(os.path.join(root, "libcudart.so*")), reverse=True)
-    for name in names:
+    from mlxcel.disagg.host_staging import cudart_paths
+
+    for path in cudart_paths():
         try:
-            return ctypes.CDLL(name)
+            return ctypes.CDLL(path)
         except OSError:
             continue
     raise RuntimeError("no libcudart found")

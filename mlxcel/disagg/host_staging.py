@@ -78,7 +78,7 @@ class CudaBackend:
     def load(cls) -> CudaBackend | None:
         """The backend over the CUDA runtime: the libcudart this process already mapped (MLX's), else one by its
         name or in an ``nvidia/*/lib`` folder on ``sys.path`` (where the CUDA wheels put it); None without one."""
-        for path in _cudart_candidates():
+        for path in cudart_paths():
             try:
                 return cls(ctypes.CDLL(path))
             except (OSError, AttributeError):
@@ -110,7 +110,9 @@ class CudaBackend:
         self._check(self.lib.cudaStreamSynchronize(self._stream()), "cudaStreamSynchronize")
 
 
-def _cudart_candidates() -> list[str]:
+def cudart_paths() -> list[str]:
+    """Where a CUDA runtime may be, in the order to try: the one this process mapped, the loader's names, then
+    the CUDA wheels' ``nvidia/*/lib`` folders on ``sys.path``."""
     found = [p for p in (_mapped_library("libcudart.so"),) if p]
     found += ["libcudart.so.13", "libcudart.so.12", "libcudart.so"]
     for base in sys.path:
@@ -229,24 +231,30 @@ class Staging:
         self.backend.wait()
 
 
-_SHARED: dict[str, Staging | None] = {}
+_SHARED: dict[str, Staging | None] = {}  # "cuda" (None where MLX is not on CUDA or has no libcudart), "memory"
 _SHARED_LOCK = threading.Lock()
 
 
 def shared_staging(mode: bool | None) -> Staging | None:
     """The process's pool: ``mode`` True (``MLXCEL_HANDOFF_STAGING=1``) stages on any device (CUDA's DMA where
-    MLX runs on CUDA, else memory copies), False never, None (unset: the default) only where MLX runs on CUDA."""
+    MLX runs on CUDA, else memory copies), False never, None (unset: the default) only where MLX runs on CUDA.
+    One pool per backend, whichever mode asks for it."""
     if mode is False:
         return None
-    key = "forced" if mode else "auto"
     with _SHARED_LOCK:
-        if key not in _SHARED:
+        if "cuda" not in _SHARED:
             cuda = CudaBackend.load() if _on_cuda() else None
-            backend: Backend | None = cuda if cuda is not None else (MemoryBackend() if mode else None)
-            _SHARED[key] = Staging(backend) if backend is not None else None
-            if _SHARED[key] is not None:
-                log.info("handoff staging: %s buffers, at most %d MiB", type(backend).__name__, DEFAULT_LIMIT >> 20)
-        return _SHARED[key]
+            _SHARED["cuda"] = _pool(cuda) if cuda is not None else None
+        if _SHARED["cuda"] is not None or not mode:
+            return _SHARED["cuda"]
+        if "memory" not in _SHARED:
+            _SHARED["memory"] = _pool(MemoryBackend())
+        return _SHARED["memory"]
+
+
+def _pool(backend: Backend) -> Staging:
+    log.info("handoff staging: %s buffers, at most %d MiB", type(backend).__name__, DEFAULT_LIMIT >> 20)
+    return Staging(backend)
 
 
 def _on_cuda() -> bool:
