@@ -177,9 +177,8 @@ def e2e(shape: str, tokens: int, repeats: int, suites: list[str], crypto_workers
     intake = _intake()
     pairs: dict[str, tuple[_Pair, dict[str, Any]]] = {}
     for name in suites:
-        state: dict[str, Any] = {"done": threading.Event()}
-
         staging = shared_staging(True) if name.endswith("-staged") else None
+        state: dict[str, Any] = {"done": threading.Event(), "staging": staging}
 
         def feed(msg: Any, state: dict = state, staging: Any = staging) -> None:
             if "dec" not in state:
@@ -206,7 +205,7 @@ def e2e(shape: str, tokens: int, repeats: int, suites: list[str], crypto_workers
                 pair, state = pairs[name]
                 state["done"].clear()
                 t0 = time.perf_counter()
-                staging = shared_staging(True) if name.endswith("-staged") else None
+                staging = state["staging"]
                 tensors = export_cache(caches, layout, tokens, contiguous=staging is not None)
                 staged = staging.to_host(tensors) if staging is not None else None
                 t1 = time.perf_counter()

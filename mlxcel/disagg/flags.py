@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from mlxcel.cluster.identity import PeerId
-from mlxcel.config import DEFAULT_MAX_RESUMES, DEFAULT_RESUME_TIMEOUT_S
+from mlxcel.config import DEFAULT_MAX_RESUMES, DEFAULT_RESUME_TIMEOUT_S, env_switch
 from mlxcel.disagg.wire import (
     COPY_ENV,
     DEFAULT_HANDOFF_TIMEOUT_S,
@@ -152,7 +152,6 @@ def node_config(args: argparse.Namespace, dist: Distributed | None) -> NodeConfi
 
 def _handoff_environment(role: str) -> dict[str, Any]:
     """The handoff settings a prefill or decode node reads from its environment (ValueError naming a bad one)."""
-    from mlxcel.config import env_switch
     from mlxcel.disagg.intake import default_workers
     from mlxcel.disagg.lanes import default_lanes
 
