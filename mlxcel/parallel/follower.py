@@ -137,7 +137,7 @@ def _load(model_dir: Path, size: int, group: Any, settings: dict) -> Any:
     from mlxcel.parallel.reduce import set_reduce_dtype
     from mlxcel.parallel.replay import ShardRunner
 
-    loaded = load_checkpoint(model_dir, lazy=True)
+    loaded = load_checkpoint(model_dir, lazy=True, tokenizer=False)
     moe_mode = settings.get("moe_mode")  # rank 0's choice, as the reduce dtype
     apply_plan(loaded.model, check_shardable(loaded.config, size, model_dir,
                                              moe_mode=moe_mode if isinstance(moe_mode, str) else None), group)

@@ -15,7 +15,7 @@ def load_stage_runner(model_dir: Path, start: int, end: int, *, max_rows: int) -
     from mlxcel.engine.model_slice import family_of, lm_head
     from mlxcel.models.loading import load_checkpoint
 
-    loaded = load_checkpoint(model_dir, lazy=True)
+    loaded = load_checkpoint(model_dir, lazy=True, tokenizer=False)
     model = loaded.model
     runner = slice_runner(model, start, end, max_rows=max_rows)
     inner = model.model
