@@ -40,6 +40,7 @@
 #   handoff-serving   issue 24 item 3: disagg_bench handoff (1 stream) and serve (1 and 8 streams, 1,500-token prompts)
 #                     on q06-bf16, hybrid against router -> prefill -> decode, the serve pass over
 #                     HANDOFF_TOPOLOGIES (default "hybrid,1p1d-lanes1,1p1d": one handoff lane against the default)
+#                     HANDOFF_ROUNDS (2: each topology first once per pair of rounds, ABBA)
 #                     at HANDOFF_STREAMS (default 1,8); HANDOFF_ONE_STREAM=0 skips the 1-stream handoff pass
 # Everything lands in $OUT/results.tar.gz (rows, traces, logs) and $OUT/log.txt.
 set -uo pipefail
@@ -172,7 +173,7 @@ handoff_serving() {  # issue 24 item 3: router -> prefill -> decode against one 
   echo "== handoff serving, ${HANDOFF_STREAMS:-1,8} streams, q06-bf16 ($(left) s left)"
   timeout $(( $(left) - 20 )) python3 -m bench.disagg_bench serve -m /tmp/models/q06-bf16 \
     --topologies "${HANDOFF_TOPOLOGIES:-hybrid,1p1d-lanes1,1p1d}" \
-    --concurrency "${HANDOFF_STREAMS:-1,8}" --long --long-tokens 1500 --requests 2 --rounds 2 --max-tokens 32 --out "$out"
+    --concurrency "${HANDOFF_STREAMS:-1,8}" --long --long-tokens 1500 --requests 2 --rounds "${HANDOFF_ROUNDS:-2}" --max-tokens 32 --out "$out"
 }
 
 handoff_profile() {  # issue 24 item 3: where the decode and prefill nodes spend 8-stream handoffs (py-spy)
