@@ -16,9 +16,10 @@ printed as JSON); the variants are the four suites in the order above unless
 need the same cluster secret (the usual sources: --cluster-secret-file,
 MLXCEL_CLUSTER_SECRET_FILE, MLXCEL_CLUSTER_SECRET).
 
-A variant is a suite with transport settings, ``SUITE[/wN][/rLEN][/cLEN]``: ``w`` the
+A variant is a suite with transport settings, ``SUITE[/wN][/rLEN][/cLEN][/pLEN]``: ``w`` the
 crypto helper threads (``crypto_workers``), ``r`` the chunk ramp (``chunk_ramp_len``),
-``c`` the chunk size (``chunk_len``).  All variants run interleaved in the same rounds,
+``c`` the chunk size (``chunk_len``), ``p`` the smallest message the helpers take
+(``crypto_pipeline_min_len``; ``aes/w2/p0`` is the helpers at every size, as before 2026-12-04).  All variants run interleaved in the same rounds,
 so one run compares settings under the same load:
 
     python -m bench.frame_bench --variants unprotected,aes/w0,aes/w2,aes/w2/r0 --sizes 1048576,2097152,16777216
@@ -56,7 +57,7 @@ SIZES = [(8 * 1024, 4000), (64 * 1024, 2000), (1024 * 1024, 400), (2 * 1024 * 10
 SUITE_BY_NAME = {"unprotected": Suite.UNPROTECTED, "hmac": Suite.HMAC_SHA256, "aes": Suite.AES_256_GCM, "chacha": Suite.CHACHA20_POLY1305}
 COLUMNS = [
     "mode", "suite", "payload_bytes", "iterations", "p50_us", "p95_us", "p99_us", "mean_us", "one_way_gib_s",
-    "variant", "chunk_len", "crypto_workers", "chunk_ramp_len", "label", "remote",
+    "variant", "chunk_len", "crypto_workers", "chunk_ramp_len", "crypto_pipeline_min_len", "label", "remote",
 ]
 
 
@@ -77,7 +78,7 @@ def transport_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return kw
 
 
-VARIANT_KEYS = {"w": "crypto_workers", "r": "chunk_ramp_len", "c": "chunk_len"}
+VARIANT_KEYS = {"w": "crypto_workers", "r": "chunk_ramp_len", "c": "chunk_len", "p": "crypto_pipeline_min_len"}
 ALL_SUITES = ",".join(SUITE_BY_NAME)
 
 
@@ -90,7 +91,7 @@ def parse_variant(spec: str) -> tuple[Suite, dict[str, int]]:
     for opt in opts:
         key = VARIANT_KEYS.get(opt[:1])
         if key is None or not opt[1:].isdigit():
-            raise SystemExit(f"bad setting {opt!r} in variant {spec!r}: w<helpers>, r<ramp bytes> or c<chunk bytes>")
+            raise SystemExit(f"bad setting {opt!r} in variant {spec!r}: w<helpers>, r<ramp bytes>, c<chunk bytes> or p<bytes>")
         kw[key] = int(opt[1:])
     return SUITE_BY_NAME[name], kw
 
@@ -233,7 +234,8 @@ def run_all(sides: list[Side], sizes: list[tuple[int, int]], args: argparse.Name
             row.update(
                 mode=MODE_NAMES[side.suite] + ("" if plain else f" [{side.spec}]"), variant=side.spec,
                 suite=side.suite.name.lower(), chunk_len=opts.chunk_len, remote=args.remote,
-                crypto_workers=opts.effective_crypto_workers, chunk_ramp_len=opts.chunk_ramp_len, label=args.label,
+                crypto_workers=opts.effective_crypto_workers, chunk_ramp_len=opts.chunk_ramp_len,
+                crypto_pipeline_min_len=opts.crypto_pipeline_min_len, label=args.label,
             )
             rows.append(row)
             print(_fmt_row(row), flush=True)

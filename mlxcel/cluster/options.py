@@ -10,6 +10,7 @@ from .wire import (
     ASSIGNMENT_MAX_PENDING_HANDSHAKES_PER_SOURCE,
     DEFAULT_CHUNK_LEN,
     DEFAULT_CHUNK_RAMP_LEN,
+    DEFAULT_CRYPTO_PIPELINE_MIN_LEN,
     DEFAULT_SOCKET_BUFFER,
     DEFAULT_SUITE,
     HANDSHAKE_TIMEOUT_S,
@@ -60,6 +61,9 @@ class TransportOptions:
     #: with helpers, a fragmented message's first chunks grow from this length to
     #: chunk_len and its last ones shrink back to it (messages.chunk_sizes); 0: no ramp
     chunk_ramp_len: int = DEFAULT_CHUNK_RAMP_LEN
+    #: with helpers, only messages of at least this many body bytes use them, on either end; 0: every
+    #: fragmented message
+    crypto_pipeline_min_len: int = DEFAULT_CRYPTO_PIPELINE_MIN_LEN
 
     @property
     def effective_crypto_workers(self) -> int:

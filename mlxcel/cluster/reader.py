@@ -21,7 +21,8 @@ then opened straight into its destination.  A larger AEAD frame goes into a one-
 buffer of its exact size.  With a plaintext suite (unprotected, HMAC) the body is
 read straight into its destination and authenticated in place.
 
-With an ``OpenPipeline`` (``pipeline.py``) a MESSAGE_CONTINUE frame's ciphertext is
+With an ``OpenPipeline`` (``aead_pipeline.py``), in a message whose authenticated MESSAGE_BEGIN announces
+at least ``pipeline_min_len`` body bytes, a MESSAGE_CONTINUE frame's ciphertext is
 received into one of the pipeline's slots and opened by a helper thread while the
 next frame is received: ``read_frame`` then returns the frame before it
 authenticated, and the driver must call ``drain()`` before it uses a message that
@@ -35,7 +36,7 @@ from typing import TYPE_CHECKING, Callable
 
 from .frames import Buffer, FrameOpener
 from .messages import alloc
-from .wire import DEFAULT_CHUNK_LEN, FRAME_HEADER, FRAME_HEADER_LEN, Kind
+from .wire import DEFAULT_CHUNK_LEN, FRAME_HEADER, FRAME_HEADER_LEN, MESSAGE_BEGIN, Kind
 
 if TYPE_CHECKING:
     from .aead_pipeline import OpenPipeline
@@ -79,6 +80,7 @@ class FrameReader:
         destination: Destination | None = None,
         capacity: int = DEFAULT_CAPACITY,
         pipeline: "OpenPipeline | None" = None,
+        pipeline_min_len: int = 0,
     ) -> None:
         if capacity < FRAME_HEADER_LEN + opener.tag_len:
             raise ValueError(f"capacity must hold at least a header and a tag ({FRAME_HEADER_LEN + opener.tag_len} bytes)")
@@ -101,6 +103,8 @@ class FrameReader:
         self._pipe = pipeline if pipeline is not None and not self._plain else None
         self._deferred = False  # the _DIRECT frame in progress goes to a pipeline slot
         self._exact_header = False  # pipeline only: after MESSAGE_BEGIN or a deferred frame, receive the next header alone
+        self._pipeline_min_len = pipeline_min_len
+        self._piped = False  # the last MESSAGE_BEGIN announced at least pipeline_min_len bytes: its chunks go to the pipeline
 
     def __repr__(self) -> str:
         return f"FrameReader(state={self._state}, buffered={self.buffered})"
@@ -126,15 +130,24 @@ class FrameReader:
                 else:
                     self._start = end
                 kind = self._opener.open_frame(self._view[start:end], kind, n, dst)
-                self._exact_header = self._pipe is not None and kind == _BEGIN
+                self._opened(kind, dst)
                 return kind, n
         if not self._advance():
             return None
         return self._finish()
 
+    def _opened(self, kind: int, dst: memoryview) -> None:
+        """After a buffered frame authenticated: a MESSAGE_BEGIN says (by the body length it announces) whether the
+        message's chunks go to the pipeline; if they do, each of their headers is received alone."""
+        if kind == _BEGIN and self._pipe is not None:
+            self._piped = MESSAGE_BEGIN.unpack_from(dst)[1] >= self._pipeline_min_len
+            self._exact_header = self._piped
+        else:
+            self._exact_header = False
+
     def _deferrable(self, n: int) -> bool:
         """A MESSAGE_CONTINUE of ``n`` bytes goes to a pipeline slot (even when buffered)."""
-        return self._pipe is not None and self._pipe.accepts(n)
+        return self._piped and self._pipe is not None and self._pipe.accepts(n)
 
     def bytes_needed(self) -> int:
         """Bytes still missing before the frame in progress can be returned (its
@@ -256,7 +269,7 @@ class FrameReader:
         self._kind, self._n = kind, n
         self._exact_header = False
         pipe = self._pipe
-        if pipe is not None and kind == _CONTINUE and pipe.accepts(n):
+        if pipe is not None and self._piped and kind == _CONTINUE and pipe.accepts(n):
             self._header = bytes(self._view[start : start + FRAME_HEADER_LEN])
             self._consume(FRAME_HEADER_LEN)
             self._direct = pipe.slot(n + self._tag_len)
@@ -285,8 +298,7 @@ class FrameReader:
             frame = self._view[start : start + self._total]
             self._consume(self._total)
             kind = self._opener.open_frame(frame, kind, n, dst)
-            # with a pipeline, a MESSAGE_BEGIN's chunks follow: receive each header alone
-            self._exact_header = self._pipe is not None and kind == _BEGIN
+            self._opened(kind, dst)
             return kind, n
         body, self._direct, self._doff = self._direct, None, 0
         if state == _DIRECT:  # AEAD frame larger than the buffer, or deferred to a helper

@@ -163,6 +163,11 @@ DEFAULT_CHUNK_LEN = 256 * 1024
 #: first/last MESSAGE_CONTINUE length of a message sealed by helper threads (a sender's
 #: choice, not a wire rule: any length from 1 to the frame cap is valid)
 DEFAULT_CHUNK_RAMP_LEN = 64 * 1024
+#: the smallest message body sealed and opened by helper threads (a local choice of each end, both read the length:
+#: the sender its payload, the receiver the authenticated MESSAGE_BEGIN). Below it the owner thread does the AEAD
+#: alone: on the H200 host's 16 cores the helpers cost 1.6-2.1x unprotected at 1-2 MiB where the serial path costs
+#: 1.2-1.4x, and they win from 16 MiB (docs/benchmarks.md, "AES-GCM at 1-2 MiB")
+DEFAULT_CRYPTO_PIPELINE_MIN_LEN = 4 * 1024 * 1024
 #: SO_SNDBUF/SO_RCVBUF: 1 MiB messages after an idle gap were 25-30% faster on
 #: loopback than with autotuning (which restarts from 16 KiB send buffers)
 DEFAULT_SOCKET_BUFFER = 4 * 1024 * 1024

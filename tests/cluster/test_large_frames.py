@@ -225,9 +225,9 @@ def _helpers(names: set[str]) -> bool:
 @pytest.mark.parametrize(("sender", "receiver"), [(2, 2), (2, 0), (0, 2)])
 def test_large_messages_round_trip(make_transport, thread_log, sender, receiver):
     inbox = Inbox()
-    srv = make_transport(SERVER_IP, crypto_workers=receiver)
+    srv = make_transport(SERVER_IP, crypto_workers=receiver, crypto_pipeline_min_len=0)
     srv.serve(inbox.on_message, lambda m: bytes(m.payload)[::-1])
-    cli = make_transport(CLIENT_IP, crypto_workers=sender)
+    cli = make_transport(CLIENT_IP, crypto_workers=sender, crypto_pipeline_min_len=0)
     tensor, request, stream = os.urandom(3 * 2**20 + 7), os.urandom(600_000), os.urandom(1_000_001)
     cli.send(srv.identity, Kind.TENSOR_DATA, tensor)
     assert bytes(cli.request(srv.identity, request, timeout=20)) == request[::-1]
@@ -249,6 +249,26 @@ def test_large_messages_round_trip(make_transport, thread_log, sender, receiver)
     assert claimed(), thread_log
 
 
+def test_helpers_take_only_messages_from_the_threshold_on_either_end(make_transport, thread_log):
+    """With helpers on both ends, a message below ``crypto_pipeline_min_len`` is sealed and opened by the sending
+    and the reading thread alone; one at the threshold goes to the pipelines of both ends. Both arrive whole."""
+    inbox = Inbox()
+    srv = make_transport(SERVER_IP, crypto_workers=2, crypto_pipeline_min_len=2**21)
+    srv.serve(inbox.on_message)
+    cli = make_transport(CLIENT_IP, crypto_workers=2, crypto_pipeline_min_len=2**21)
+    small, large = os.urandom(2**21 - 1), os.urandom(2**21)
+    for _ in range(3):
+        cli.send(srv.identity, Kind.TENSOR_DATA, small)
+        assert bytes(inbox.get(20).payload) == small
+    assert thread_log == {"seal": set(), "open": set()}  # no job at all: not even one run by its owner
+    for _ in range(20):  # as in test_large_messages_round_trip: a helper may wake after the owner did it all
+        cli.send(srv.identity, Kind.TENSOR_DATA, large)
+        assert bytes(inbox.get(20).payload) == large
+        if _helpers(thread_log["seal"]) and _helpers(thread_log["open"]):
+            break
+    assert thread_log["seal"] and thread_log["open"], thread_log
+
+
 @pytest.mark.parametrize("suite", [Suite.AES_256_GCM, Suite.UNPROTECTED, Suite.HMAC_SHA256])
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_gathered_stream_message_arrives_as_the_concatenation(make_transport, suite, workers):
@@ -268,10 +288,10 @@ def test_a_gathered_stream_message_arrives_as_the_concatenation(make_transport, 
 
 
 def test_helpers_stop_when_the_transport_closes(make_transport):
-    srv = make_transport(SERVER_IP, crypto_workers=2)
+    srv = make_transport(SERVER_IP, crypto_workers=2, crypto_pipeline_min_len=0)
     inbox = Inbox()
     srv.serve(inbox.on_message)
-    cli = make_transport(CLIENT_IP, crypto_workers=2)
+    cli = make_transport(CLIENT_IP, crypto_workers=2, crypto_pipeline_min_len=0)
     before = set(threading.enumerate())
     cli.send(srv.identity, Kind.TENSOR_DATA, bytes(2**20))
     inbox.get(10)
@@ -286,9 +306,9 @@ def test_sequence_limit_inside_a_pipelined_message(make_transport, caplog):
     """Seven frames do not fit in a limit of 5: the sender closes at the limit, the
     receiver never sees a part of the message, and the next message dials afresh."""
     inbox = Inbox()
-    srv = make_transport(SERVER_IP, crypto_workers=2)
+    srv = make_transport(SERVER_IP, crypto_workers=2, crypto_pipeline_min_len=0)
     srv.serve(inbox.on_message)
-    cli = make_transport(CLIENT_IP, crypto_workers=2, seq_limit=5, chunk_ramp_len=0)
+    cli = make_transport(CLIENT_IP, crypto_workers=2, seq_limit=5, chunk_ramp_len=0, crypto_pipeline_min_len=0)
     with pytest.raises(SequenceExhausted):
         cli.send(srv.identity, Kind.TENSOR_DATA, bytes(6 * 256 * 1024))
     cli.send(srv.identity, Kind.CONTROL, b"fresh")
@@ -310,10 +330,16 @@ def _closed_and_nothing_delivered(srv: Transport, secret, raw: RawClient, inbox:
     assert inbox.q.empty()
 
 
-@pytest.fixture(params=[2, 0], ids=["helpers", "inline"])
+#: (crypto_workers, crypto_pipeline_min_len): the chunks of the raw clients' messages (1.5 MiB at most) opened by
+#: helpers; by the reader's thread with helpers present, the message being below the threshold; without helpers
+TARGETS = {"helpers": (2, 0), "below-threshold": (2, 4 * 2**20), "inline": (0, 0)}
+
+
+@pytest.fixture(params=list(TARGETS))
 def target(request, make_transport):
     inbox = Inbox()
-    srv = make_transport(SERVER_IP, handshake_timeout=1.0, crypto_workers=request.param)
+    workers, min_len = TARGETS[request.param]
+    srv = make_transport(SERVER_IP, handshake_timeout=1.0, crypto_workers=workers, crypto_pipeline_min_len=min_len)
     srv.serve(inbox.on_message, inbox.on_request)
     return srv, inbox
 
@@ -330,7 +356,8 @@ def test_honest_chunked_message_from_a_raw_client(target, raw, thread_log):
     body = os.urandom(5 * CHUNK + 11)
     raw.send(b"".join(_frames(raw, body)))
     assert bytes(inbox.get(10).payload) == body
-    assert bool(thread_log["open"]) == bool(srv.options.crypto_workers)  # the five full chunks went to the pipeline
+    piped = bool(srv.options.crypto_workers) and len(body) >= srv.options.crypto_pipeline_min_len
+    assert bool(thread_log["open"]) == piped  # the five full chunks went to the pipeline, or none did
 
 
 @pytest.mark.parametrize("index", [1, 3, 6])  # first, a middle and the last chunk (frame 0 is MESSAGE_BEGIN)
