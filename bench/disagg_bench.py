@@ -405,7 +405,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                    help="frames: the KV dtype of the synthetic layout")
     p.add_argument("--shape", default="qwen3-0.6b", help="stages, e2e: qwen3-0.6b or smollm2")
-    p.add_argument("--suites", default="aes,unprotected", help="e2e: aes, unprotected or both")
+    p.add_argument("--suites", default="aes,unprotected", help="e2e: comma list of aes, unprotected, each with -staged (page-locked staging) and -p0 (helpers at every message size)")
     p.add_argument("--crypto-workers", type=int, default=None, help="e2e: helper threads per transport (default: auto)")
     p.add_argument("--out", type=Path, default=Path("bench/results"))
     return p.parse_args(argv)

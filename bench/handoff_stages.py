@@ -91,7 +91,9 @@ class _Pair:
 
         suite = Suite.AES_256_GCM if suite_name.partition("-")[0] == "aes" else Suite.UNPROTECTED
         secret = ClusterSecret(os.urandom(32))
-        extra = {} if crypto_workers is None else {"crypto_workers": crypto_workers}
+        extra: dict[str, int] = {} if crypto_workers is None else {"crypto_workers": crypto_workers}
+        if "-p0" in suite_name:  # the helpers on every fragmented message (before crypto_pipeline_min_len)
+            extra["crypto_pipeline_min_len"] = 0
 
         def on_message(msg: Any) -> None:
             if msg.kind is Kind.STREAM_DATA:
@@ -166,7 +168,8 @@ def stages(shape: str, tokens: int, repeats: int) -> list[dict[str, Any]]:
 def e2e(shape: str, tokens: int, repeats: int, suites: list[str], crypto_workers: int | None) -> list[dict[str, Any]]:
     """The whole handoff path per suite, rounds alternating: export, stream, decoder, import. A suite named
     ``aes-staged`` or ``unprotected-staged`` goes through page-locked staging (docs/disagg.md §4.3) on both
-    sides, as the nodes do on CUDA: a contiguous export copied to the host, received into the pool."""
+    sides, as the nodes do on CUDA: a contiguous export copied to the host, received into the pool. A ``-p0`` in a
+    suite's name gives both transports ``crypto_pipeline_min_len=0`` (helpers on the 1 MiB chunks too)."""
     from mlxcel.disagg.host_staging import shared_staging
     from mlxcel.disagg.kv_cache import export_cache, import_cache, staged_allocator
     from mlxcel.disagg.kv_codec import HandoffDecoder
