@@ -18,6 +18,7 @@ import pytest
 from mlxcel.config import RANDOM_FAMILIES, TP_MOE_MODES
 from mlxcel.parallel.families import FAMILIES
 from tests.family_checkpoints import family_checkpoint  # noqa: F401
+from tests.cli_in_process import run_mlxcel
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.proc]
 
@@ -61,8 +62,13 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory):
 
 
 def generate(model: Path, *flags: str) -> subprocess.CompletedProcess:
-    out = subprocess.run([*CLI, "generate", "-m", str(model), "-p", "hello world", "-n", str(N), "--temp", "0",
-                          "--raw", *flags], capture_output=True, text=True, timeout=240)
+    """``mlxcel generate``: as a process of its own with ``--tp-size`` (rank 0, which starts its follower), else
+    in this process (tp 1's reference text)."""
+    argv = ["generate", "-m", str(model), "-p", "hello world", "-n", str(N), "--temp", "0", "--raw", *flags]
+    if "--tp-size" in flags:
+        out = subprocess.run([*CLI, *argv], capture_output=True, text=True, timeout=240)
+    else:
+        out = run_mlxcel(*argv)
     assert out.returncode == 0, out.stderr[-2000:]
     return out
 

@@ -1,4 +1,5 @@
-"""In-process pipeline parallelism through the real CLI: the same greedy output as one device.
+"""In-process pipeline parallelism through the real CLI (``mlxcel.cli.main`` in the test's process): the same
+greedy output as one device.
 
 ``mlxcel generate --pp-size N`` / ``--pp-layers`` chain N model slices in one process; the text it
 prints must be byte-identical to the whole model's, for tiny llama and qwen3 checkpoints and the
@@ -9,9 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.commands.test_cli import assert_one_line_error, mlxcel
-
-pytestmark = pytest.mark.proc  # starts processes (tests/proc_marker.py)
+from tests.cli_in_process import run_mlxcel as mlxcel
+from tests.commands.test_cli import assert_one_line_error
 
 
 _single: dict[str, str] = {}
