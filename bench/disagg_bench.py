@@ -23,7 +23,8 @@ over its level. A topology ``<p>p<d>d-lanes<N>`` runs its prefill nodes with ``M
 ``-copy`` its decode nodes with ``MLXCEL_HANDOFF_COPY=1`` (handoffs copied into MLX at import) and
 ``-stable`` with ``MLXCEL_STABLE_JOIN=1``, ``-staged`` / ``-unstaged`` both roles with ``MLXCEL_HANDOFF_STAGING=1`` / ``0``
 (page-locked staging, on by default on CUDA), ``-switch5`` both roles with ``MLXCEL_SWITCH_INTERVAL_MS=5``
-(Python's own GIL switch interval); options combine (``1p1d-copy-lanes1``). ``--long`` replaces serve_bench's stock prompts with ones of about
+(Python's own GIL switch interval), ``-p0`` both roles with ``MLXCEL_CRYPTO_PIPELINE_MIN_LEN=0`` (crypto helpers on
+every fragmented message, as before 2026-12-04); options combine (``1p1d-copy-lanes1``). ``--long`` replaces serve_bench's stock prompts with ones of about
 ``--long-tokens`` tokens (default 1100).
 
 ``frames``: the large-frame cost of a handoff, without a model: two transports in this process
@@ -112,6 +113,7 @@ DECODE_OPTIONS = {"copy": ("MLXCEL_HANDOFF_COPY", "1"), "stable": ("MLXCEL_STABL
 def topology_options(name: str) -> tuple[str, dict[str, str], dict[str, str]]:
     """``<p>p<d>d`` and its ``-`` options: ``lanes<N>`` (the prefill nodes' MLXCEL_HANDOFF_LANES), ``switch<ms>``
     (both roles' MLXCEL_SWITCH_INTERVAL_MS), ``staged`` / ``unstaged`` (both roles' MLXCEL_HANDOFF_STAGING=1 / 0),
+    ``p0`` (both roles' MLXCEL_CRYPTO_PIPELINE_MIN_LEN=0),
     ``copy`` (the decode nodes' MLXCEL_HANDOFF_COPY=1), ``stable`` (the decode nodes' MLXCEL_STABLE_JOIN=1)."""
     base, *options = name.split("-")
     prefill: dict[str, str] = {}
@@ -121,6 +123,8 @@ def topology_options(name: str) -> tuple[str, dict[str, str], dict[str, str]]:
             prefill["MLXCEL_HANDOFF_LANES"] = opt[5:]
         elif opt.startswith("switch") and opt[6:].replace(".", "", 1).isdigit():
             prefill["MLXCEL_SWITCH_INTERVAL_MS"] = decode["MLXCEL_SWITCH_INTERVAL_MS"] = opt[6:]
+        elif opt == "p0":  # both roles' crypto helpers on every fragmented message (before the 4 MiB threshold)
+            prefill["MLXCEL_CRYPTO_PIPELINE_MIN_LEN"] = decode["MLXCEL_CRYPTO_PIPELINE_MIN_LEN"] = "0"
         elif opt in ("staged", "unstaged"):  # both roles' page-locked staging on or off (the default: on CUDA)
             prefill["MLXCEL_HANDOFF_STAGING"] = decode["MLXCEL_HANDOFF_STAGING"] = "1" if opt == "staged" else "0"
         elif opt in DECODE_OPTIONS:
@@ -128,7 +132,7 @@ def topology_options(name: str) -> tuple[str, dict[str, str], dict[str, str]]:
             decode[key] = value
         else:
             raise SystemExit(f"disagg_bench: unknown topology option {opt!r} in {name!r} "
-                             "(lanesN, switchMS, copy, stable, staged, unstaged)")
+                             "(lanesN, switchMS, copy, stable, staged, unstaged, p0)")
     return base, prefill, decode
 
 

@@ -29,7 +29,7 @@ from cryptography.exceptions import InvalidTag
 from mlxcel.config import env_number
 
 from .frames import Buffer, FrameOpener, FrameSealer
-from .wire import FRAME_HEADER_LEN, NONCE_BYTES
+from .wire import DEFAULT_CRYPTO_PIPELINE_MIN_LEN, FRAME_HEADER_LEN, NONCE_BYTES
 
 #: slots per direction: a sender seals up to SLOTS - 1 frames ahead of the one in sendmsg
 SLOTS = 4
@@ -42,6 +42,9 @@ AUTO_WORKERS = 2
 #: MLXCEL_CRYPTO_WORKERS, when set, replaces the automatic choice (``crypto_workers=None``)
 WORKERS_ENV = "MLXCEL_CRYPTO_WORKERS"
 MAX_WORKERS = 64
+#: MLXCEL_CRYPTO_PIPELINE_MIN_LEN, when set, replaces DEFAULT_CRYPTO_PIPELINE_MIN_LEN (``crypto_pipeline_min_len=None``)
+PIPELINE_MIN_LEN_ENV = "MLXCEL_CRYPTO_PIPELINE_MIN_LEN"
+MAX_PIPELINE_MIN_LEN = 1 << 40
 
 SendParts = Callable[[tuple[tuple[Buffer, ...], int]], None]
 
@@ -61,6 +64,13 @@ def auto_workers(cores: int | None = None) -> int:
     if value is not None:
         return int(value)
     return AUTO_WORKERS if (usable_cores() if cores is None else cores) >= AUTO_MIN_CORES else 0
+
+
+def auto_pipeline_min_len() -> int:
+    """The smallest message the helpers take when ``crypto_pipeline_min_len`` is None: ``MLXCEL_CRYPTO_PIPELINE_MIN_LEN``
+    if set (bytes, 0 to 2^40; anything else is a ValueError naming it), else 4 MiB."""
+    value = env_number(PIPELINE_MIN_LEN_ENV, int, 0, MAX_PIPELINE_MIN_LEN, "a whole number")
+    return DEFAULT_CRYPTO_PIPELINE_MIN_LEN if value is None else int(value)
 
 
 def ring_slots(workers: int) -> int:

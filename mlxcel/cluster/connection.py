@@ -91,7 +91,7 @@ class Connection:
         else:
             view = payload if isinstance(payload, list) else list(payload)
         size = body_len(view)
-        pipelined = self._crypto is not None and size > chunk_len and size >= self.options.crypto_pipeline_min_len
+        pipelined = self._crypto is not None and size > chunk_len and size >= self.options.effective_crypto_pipeline_min_len
         frames: Iterable[tuple[Kind, Buffer]]
         if pipelined:
             frames = list(plan(kind, view, id=id, status=status, chunk_len=chunk_len, ramp_len=self.options.chunk_ramp_len))
@@ -145,7 +145,7 @@ class Connection:
         pipe = (OpenPipeline(self.opener, self._crypto, max(self.options.chunk_len, 64), ring_slots(self._crypto.workers))
                 if self._crypto is not None else None)
         rd = FrameReader(self.opener, destination=self.assembler.destination, capacity=capacity, pipeline=pipe,
-                         pipeline_min_len=self.options.crypto_pipeline_min_len)
+                         pipeline_min_len=self.options.effective_crypto_pipeline_min_len)
         read_frame, recv_target, received, drain = rd.read_frame, rd.recv_target, rd.received, rd.drain
         recv_into, frame_done = self.sock.recv_into, self.assembler.frame_done
         try:

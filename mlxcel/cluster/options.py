@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .aead_pipeline import auto_workers
+from .aead_pipeline import auto_pipeline_min_len, auto_workers
 from .wire import (
     ASSIGNMENT_MAX_PENDING_HANDSHAKES,
     ASSIGNMENT_MAX_PENDING_HANDSHAKES_PER_SOURCE,
     DEFAULT_CHUNK_LEN,
     DEFAULT_CHUNK_RAMP_LEN,
-    DEFAULT_CRYPTO_PIPELINE_MIN_LEN,
     DEFAULT_SOCKET_BUFFER,
     DEFAULT_SUITE,
     HANDSHAKE_TIMEOUT_S,
@@ -62,8 +61,8 @@ class TransportOptions:
     #: chunk_len and its last ones shrink back to it (messages.chunk_sizes); 0: no ramp
     chunk_ramp_len: int = DEFAULT_CHUNK_RAMP_LEN
     #: with helpers, only messages of at least this many body bytes use them, on either end; 0: every
-    #: fragmented message
-    crypto_pipeline_min_len: int = DEFAULT_CRYPTO_PIPELINE_MIN_LEN
+    #: fragmented message; None: MLXCEL_CRYPTO_PIPELINE_MIN_LEN if set, else 4 MiB (resolved when a transport starts)
+    crypto_pipeline_min_len: int | None = None
 
     @property
     def effective_crypto_workers(self) -> int:
@@ -71,6 +70,13 @@ class TransportOptions:
         if self.crypto_workers is None:
             return auto_workers()
         return self.crypto_workers
+
+    @property
+    def effective_crypto_pipeline_min_len(self) -> int:
+        """``crypto_pipeline_min_len`` with None resolved (the environment, else 4 MiB)."""
+        if self.crypto_pipeline_min_len is None:
+            return auto_pipeline_min_len()
+        return self.crypto_pipeline_min_len
 
     @property
     def dial_budget(self) -> float:

@@ -88,6 +88,8 @@ class Transport:
             raise TypeError("secret must be a ClusterSecret")
         self.identity = as_peer(identity)
         self.options = replace(options or TransportOptions(), **overrides)  # type: ignore[arg-type]
+        if self.options.crypto_pipeline_min_len is None:  # the environment is read once, here
+            self.options = replace(self.options, crypto_pipeline_min_len=self.options.effective_crypto_pipeline_min_len)
         self.warnings = warnings or cluster_warnings
         self._on_message: OnMessage | None = None
         self._on_request: OnRequest | None = None

@@ -180,13 +180,14 @@ def check_cluster_flags(args: argparse.Namespace) -> None:
 
 def check_flags(args: argparse.Namespace) -> None:
     """Flag combinations of every feature (nothing is read or bound yet)."""
-    from mlxcel.cluster.aead_pipeline import auto_workers
+    from mlxcel.cluster.aead_pipeline import auto_pipeline_min_len, auto_workers
     from mlxcel.parallel.options import check_tp_flags
 
     check_cluster_flags(args)
     check_tp_flags(args)
     try:
-        auto_workers()  # MLXCEL_CRYPTO_WORKERS, read when a transport starts: refused here, before any load
+        auto_workers()  # MLXCEL_CRYPTO_WORKERS and MLXCEL_CRYPTO_PIPELINE_MIN_LEN, read when a transport starts:
+        auto_pipeline_min_len()  # refused here, before any load
     except ValueError as exc:
         raise CLIError(str(exc)) from None
     if (args.max_batch_size or args.parallel) > args.parallel:

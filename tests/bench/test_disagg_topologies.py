@@ -21,6 +21,8 @@ def test_options_combine_and_go_to_the_nodes_they_concern():
     off = {"MLXCEL_HANDOFF_STAGING": "0"}
     assert topology_options("1p1d-unstaged") == ("1p1d", off, off)
     assert topology_options("1p1d-staged")[2] == {"MLXCEL_HANDOFF_STAGING": "1"}
+    every = {"MLXCEL_CRYPTO_PIPELINE_MIN_LEN": "0"}
+    assert topology_options("1p1d-p0") == ("1p1d", every, every)
 
 
 @pytest.mark.parametrize("name", ["1p1d-bogus", "1p1d-lanes", "1p1d-lanesx", "1p1d-switch", "1p1d-switchfast"])

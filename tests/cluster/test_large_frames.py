@@ -23,7 +23,7 @@ from mlxcel.cluster.errors import FrameAuthError, SequenceExhausted
 from mlxcel.cluster.frames import FrameOpener, FrameSealer
 from mlxcel.cluster.identity import PeerId
 from mlxcel.cluster.messages import Assembler, chunk_sizes, plan
-from mlxcel.cluster.aead_pipeline import CryptoPool, Job, OpenPipeline, auto_workers
+from mlxcel.cluster.aead_pipeline import CryptoPool, Job, OpenPipeline, auto_pipeline_min_len, auto_workers
 from mlxcel.cluster.reader import FrameReader
 from mlxcel.cluster.transport import Transport
 from mlxcel.cluster.wire import FRAME_HEADER, MESSAGE_BEGIN, Kind, Suite
@@ -127,6 +127,26 @@ def test_the_crypto_workers_variable_is_checked_and_named(monkeypatch):
         monkeypatch.setenv("MLXCEL_CRYPTO_WORKERS", bad)
         with pytest.raises(ValueError, match=f"MLXCEL_CRYPTO_WORKERS must be {words}"):
             auto_workers()
+
+
+def test_the_pipeline_threshold_variable_is_read_when_a_transport_starts_checked_and_named(monkeypatch, make_transport):
+    from mlxcel.cli import build_parser
+    from mlxcel.commands.serve import check_flags
+    from mlxcel.errors import CLIError
+
+    assert make_transport(SERVER_IP).options.crypto_pipeline_min_len == 4 * 2**20  # the default
+    monkeypatch.setenv("MLXCEL_CRYPTO_PIPELINE_MIN_LEN", "0")
+    started = make_transport(CLIENT_IP)
+    monkeypatch.setenv("MLXCEL_CRYPTO_PIPELINE_MIN_LEN", "1048576")
+    assert started.options.crypto_pipeline_min_len == 0  # read once, when the transport started
+    assert make_transport(CLIENT_IP, crypto_pipeline_min_len=7).options.crypto_pipeline_min_len == 7  # an option wins
+    args = build_parser().parse_args(["serve", "-m", "anything"])
+    for bad, words in (("4MiB", "a whole number, not '4MiB'"), ("-1", "from 0 to 1.09951e\\+12, not -1")):
+        monkeypatch.setenv("MLXCEL_CRYPTO_PIPELINE_MIN_LEN", bad)
+        with pytest.raises(ValueError, match=f"MLXCEL_CRYPTO_PIPELINE_MIN_LEN must be {words}"):
+            auto_pipeline_min_len()
+        with pytest.raises(CLIError, match="MLXCEL_CRYPTO_PIPELINE_MIN_LEN must be"):
+            check_flags(args)  # mlxcel serve refuses it before it loads or binds anything
 
 
 # --- the reader with an OpenPipeline (sans-I/O) --------------------------------------------------
