@@ -140,7 +140,8 @@ class FrameReader:
         """After a buffered frame authenticated: a MESSAGE_BEGIN says (by the body length it announces) whether the
         message's chunks go to the pipeline; if they do, each of their headers is received alone."""
         if kind == _BEGIN and self._pipe is not None:
-            self._piped = MESSAGE_BEGIN.unpack_from(dst)[1] >= self._pipeline_min_len
+            # (the assembler refuses a MESSAGE_BEGIN of another length before it is opened; other destinations may not)
+            self._piped = len(dst) >= MESSAGE_BEGIN.size and MESSAGE_BEGIN.unpack_from(dst)[1] >= self._pipeline_min_len
             self._exact_header = self._piped
         else:
             self._exact_header = False

@@ -202,6 +202,16 @@ def test_reader_with_a_pipeline_under_any_split(bodies, sizes, ramp, workers):
         pool.close()
 
 
+def test_a_reader_with_a_threshold_takes_a_short_authenticated_message_begin_in_its_stride():
+    """The threshold reads the body length from an authenticated MESSAGE_BEGIN; one too short to hold it (the
+    assembler refuses it by its header, another destination may not) is returned as it is, not a crash."""
+    opener = FrameOpener(Suite.AES_256_GCM, KEY)
+    reader = FrameReader(opener, pipeline=OpenPipeline(opener, CryptoPool(0), 65536), pipeline_min_len=10)
+    reader.receive_data(FrameSealer(Suite.AES_256_GCM, KEY).seal(Kind.MESSAGE_BEGIN, b"\x05"))
+    frame = reader.next_frame()
+    assert frame is not None and (frame.kind, bytes(frame.payload)) == (Kind.MESSAGE_BEGIN, b"\x05")
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize("chunk", [0, 3, 6])
 def test_one_tampered_chunk_fails_the_whole_message(workers, chunk):
