@@ -185,9 +185,9 @@ def check_flags(args: argparse.Namespace) -> None:
 
     check_cluster_flags(args)
     check_tp_flags(args)
-    try:
-        auto_workers()  # MLXCEL_CRYPTO_WORKERS and MLXCEL_CRYPTO_PIPELINE_MIN_LEN, read when a transport starts:
-        auto_pipeline_min_len()  # refused here, before any load
+    try:  # MLXCEL_CRYPTO_WORKERS and MLXCEL_CRYPTO_PIPELINE_MIN_LEN, read when a transport starts: refused here,
+        auto_workers()  # before any load
+        auto_pipeline_min_len()
     except ValueError as exc:
         raise CLIError(str(exc)) from None
     if (args.max_batch_size or args.parallel) > args.parallel:

@@ -107,7 +107,7 @@ def load_checkpoint(model_dir: str | Path, *, lazy: bool = False, tokenizer: boo
     """Load model and tokenizer; every failure becomes one ModelError line.
 
     ``tokenizer=False`` loads the model alone (``LoadedModel.tokenizer`` is None): for a node that never sees text
-    (a middle or last pipeline stage, a tensor-parallel follower). Building mlx-lm's tokenizer costs about 0.8 s of
+    (a pipeline stage, which gets token ids or hidden states; a tensor-parallel follower). Building mlx-lm's tokenizer costs about 0.8 s of
     CPU per process here.
     """
     path = Path(model_dir)
@@ -115,13 +115,13 @@ def load_checkpoint(model_dir: str | Path, *, lazy: bool = False, tokenizer: boo
     mlx_lm = importlib.import_module("mlx_lm.utils")
     try:
         if tokenizer:
-            model, words, config = mlx_lm.load(str(path), lazy=lazy, return_config=True)
+            model, wrapper, config = mlx_lm.load(str(path), lazy=lazy, return_config=True)
         else:
-            (model, config), words = mlx_lm.load_model(path, lazy), None
+            (model, config), wrapper = mlx_lm.load_model(path, lazy), None
     except (ValueError, FileNotFoundError, KeyError, OSError) as exc:
         raise ModelError(f"{path}: cannot load checkpoint: {exc}") from None
     _eval_private_arrays(model)
-    return LoadedModel(model=model, tokenizer=words, config=config, path=path)
+    return LoadedModel(model=model, tokenizer=wrapper, config=config, path=path)
 
 
 def _eval_private_arrays(model: Any) -> None:
