@@ -45,6 +45,10 @@ class Deployment:
     http_port: int
     cluster_port: int
     extra: dict = field(default_factory=dict)
+    # the nodes whose supervisor keeps a warm standby (docs/deploy.md, "The warm standby"): only where a test kills
+    # one; every other node runs with [restart] standby = false, since a standby that no restart uses costs a few
+    # seconds of CPU (its imports) on a box the whole suite shares
+    standbys: tuple[str, ...] = ()
 
     @property
     def state(self) -> Path:
@@ -65,7 +69,12 @@ class Deployment:
         return {"mlxcel_state_root": str(self.state), "mlxcel_controller_dir": str(self.controller),
                 "mlxcel_model_source": str(self.model), "mlxcel_http_port": self.http_port,
                 "mlxcel_cluster_port": self.cluster_port, "mlxcel_node_health_timeout_s": 90,
-                **self.extra, **more}
+                "mlxcel_node_restart": self._restart(), **self.extra, **more}
+
+    def _restart(self) -> str:
+        """mlxcel_node_restart per host (an extra variable is templated for each host): the engine's defaults for
+        the nodes in ``standbys``, no standby for the others."""
+        return "{{ {} if mlxcel_node_id in %s else {'standby': false} }}" % json.dumps(list(self.standbys))
 
     def run(self, playbook: str, *args: str, inventory: str = "inventory", timeout: float = 480,
             **more: object) -> Result:

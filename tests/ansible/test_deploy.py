@@ -37,6 +37,13 @@ PP_AUTO = {"mlxcel_bringup": "pp_auto"}
 ANSWERS: dict[str, str] = {}  # bring-up -> the greedy answer to one prompt
 
 
+@pytest.fixture(scope="module")
+def deployment(deployment: Deployment) -> Deployment:
+    """The module's deployment, with a warm standby only on stage-1 (the stage test_a_killed_stage_... kills)."""
+    deployment.standbys = ("stage-1",)
+    return deployment
+
+
 def _deployed(deployment: Deployment) -> None:
     if not (deployment.home("coordinator") / "node.pid").exists():
         pytest.skip("the deployment did not come up (see test_deploy_starts_three_nodes)")
@@ -224,6 +231,7 @@ def test_rolling_restart_of_the_stages_under_load_fails_nothing(deployment: Depl
         pytest.skip("no answer to compare with (see test_chat_through_the_coordinator)")
     stages = ("stage-0", "stage-1")
     pids, coordinator = pids_of(deployment, stages), pids_of(deployment, ("coordinator",))
+    tomls = {n: (deployment.home(n) / "node.toml").read_text() for n in stages}
     load = StreamingLoad(deployment, "unused", streams=2)
     load.start()
     try:
@@ -236,6 +244,8 @@ def test_rolling_restart_of_the_stages_under_load_fails_nothing(deployment: Depl
         load.stop()
     assert result.rc == 0, result.output[-4000:]
     assert all(pids[n] != p for n, p in pids_of(deployment, stages).items())  # both restarted
+    # the same node TOML: a serial play still sees the other hosts' facts (the thread budget counts them)
+    assert {n: (deployment.home(n) / "node.toml").read_text() for n in stages} == tomls
     assert pids_of(deployment, ("coordinator",)) == coordinator  # the coordinator was left alone
     assert roll_order(result.output) == ["local-stage-0", "local-stage-1"], result.output[-3000:]
     print(f"rolling restart of 2 stages: {result.seconds:.1f} s; {load.completed} requests completed "

@@ -144,6 +144,7 @@ def test_disagg_rolling_restart_of_the_decode_nodes_under_load_fails_nothing(dep
     expected = greedy_answer(deployment.url, api_key=key)
     decodes = ("decode-0", "decode-1")
     pids = pids_of(deployment, decodes)
+    tomls = {n: (deployment.home(n) / "node.toml").read_text() for n in decodes}
     others = pids_of(deployment, ("router", "prefill-0"))
     load = StreamingLoad(deployment, key, streams=2)
     load.start()
@@ -158,6 +159,8 @@ def test_disagg_rolling_restart_of_the_decode_nodes_under_load_fails_nothing(dep
         load.stop()
     assert result.rc == 0, result.output[-4000:]
     assert all(pids[n] != p for n, p in pids_of(deployment, decodes).items())  # both restarted
+    # the same node TOML: a serial play still sees the other hosts' facts (the thread budget counts them)
+    assert {n: (deployment.home(n) / "node.toml").read_text() for n in decodes} == tomls
     assert pids_of(deployment, ("router", "prefill-0")) == others  # the roles not rolled are left alone
     assert roll_order(result.output) == ["local-decode-0", "local-decode-1"], result.output[-3000:]  # one at a time
     print(f"rolling restart of 2 decode nodes: {result.seconds:.1f} s; {load.completed} requests completed "
