@@ -181,13 +181,15 @@ def check_cluster_flags(args: argparse.Namespace) -> None:
 def check_flags(args: argparse.Namespace) -> None:
     """Flag combinations of every feature (nothing is read or bound yet)."""
     from mlxcel.cluster.aead_pipeline import auto_pipeline_min_len, auto_workers
+    from mlxcel.engine.scheduler import batch_tails_default
     from mlxcel.parallel.options import check_tp_flags
 
     check_cluster_flags(args)
     check_tp_flags(args)
-    try:  # MLXCEL_CRYPTO_WORKERS and MLXCEL_CRYPTO_PIPELINE_MIN_LEN, read when a transport starts: refused here,
-        auto_workers()  # before any load
+    try:  # MLXCEL_CRYPTO_WORKERS and MLXCEL_CRYPTO_PIPELINE_MIN_LEN, read when a transport starts, and
+        auto_workers()  # MLXCEL_BATCH_TAILS, read when the scheduler starts: refused here, before any load
         auto_pipeline_min_len()
+        batch_tails_default(0)
     except ValueError as exc:
         raise CLIError(str(exc)) from None
     if (args.max_batch_size or args.parallel) > args.parallel:

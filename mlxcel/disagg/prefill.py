@@ -84,8 +84,9 @@ class PrefillService(RoleService):
         self.executor = LocalExecutor(model, max_batch_size=max_batch_size, prefix_cache_bytes=prefix_cache_bytes,
                                       exporter=lambda cache, length: export_cache(cache, self.layout, length,
                                                                                   contiguous))
+        # a prompt's last token runs alone (no batched tails): the KV it exports is the sequence's own cache
         self.scheduler = Scheduler(self.executor, tokenizer, context_length=context_length, parallel=parallel,
-                                   max_queue=max_queue, warmup=warmup)
+                                   max_queue=max_queue, warmup=warmup, batch_tails=False)
         self.eos = frozenset(tokenizer.eos_token_ids)  # a first token that ends the request is not sent early
         self.loop = LoopThread("mlxcel-prefill-loop")
         self.workers = ThreadPoolExecutor(max_workers=parallel + 1, thread_name_prefix="mlxcel-handoff")

@@ -22,6 +22,7 @@ A request's state is one field, ``_Sequence.state`` (a ``RequestState``), change
 ``TRANSITIONS``; the scheduler's ``_move`` also keeps the queue of each queued state in order:
 
     WAITING --admitted--> PREFILLING --last chunk sampled--> JOINING --in a group--> RUNNING
+    PREFILLING --every prompt token but the last prefilled (prompt tails batched)--> JOINING
     WAITING --admitted, prefilled elsewhere (cache adopted)--> JOINING
     WAITING, PREFILLING --> FINISHED_ERROR, FINISHED_CANCELLED
     JOINING, RUNNING --> FINISHED_STOPPED (EOS, stop string), FINISHED_LENGTH (max_tokens),
@@ -45,7 +46,12 @@ first held (the failure's own code: HTTP 503 + Retry-After). Held requests keep 
 bounded queue (``parallel + max_queue``); one whose client goes away is dropped. With resuming off a
 failed start ends the request at once, as before.
 
-A sequence enters JOINING before its first token is emitted, so that token can end it. A finished
+A sequence enters JOINING before its first token is emitted, so that token can end it. With prompt tails
+batched (``batch_tails``: on where scheduling is asynchronous, ``MLXCEL_BATCH_TAILS=1/0`` either way) a
+prompt's last token is not a prefill step of its own: once its other tokens are in the cache the sequence
+joins a decode group with that token (``todo`` holds it) as its row's input, and the decode step samples
+its first token beside the other rows' next ones. A prompt with nothing before its last token to prefill
+(one token, or all but one cached) runs it alone as before, so every row joins with a cache. A finished
 state is final; a finished sequence leaves ``_seqs``. ``busy`` (a prompt chunk in flight) and
 ``group`` (its decode micro-batch) are not states: they say which in-flight step still names it;
 both are cleared as that step returns, so a request the step itself ends (its failure included) is
@@ -71,6 +77,7 @@ from mlxcel.config import (
     DEFAULT_PARALLEL,
     DEFAULT_PREFIX_CACHE_MB,
     PREFILL_STEP,
+    env_switch,
 )
 from mlxcel.engine import steptrace
 from mlxcel.engine.emitter import Emitter, FinishOut, TokenOut
@@ -108,7 +115,7 @@ class RequestState(enum.Enum):
 
     WAITING = "waiting"  # queued for a slot (``_waiting``)
     PREFILLING = "prefilling"  # admitted, prompt chunks to run (``_prefilling``)
-    JOINING = "joining"  # first token sampled, waiting for room in a decode group (``_joining``)
+    JOINING = "joining"  # first token sampled (or, a prompt tail, its last token to run), waiting for a group
     RUNNING = "running"  # a member of decode group ``group``
     RESUMING = "resuming"  # lost to a node failure, waiting to be prepared again (``_resuming``)
     FINISHED_STOPPED = "finished_stopped"  # EOS or a stop string
@@ -153,7 +160,7 @@ class _Sequence:
     stream: Any  # EventStream (or a sink during warmup)
     text: SequenceText
     offthread: bool = False  # its text is assembled on the emitter thread (no stop strings to decide on)
-    todo: list[int] = field(default_factory=list)  # prompt tokens not yet prefilled
+    todo: list[int] = field(default_factory=list)  # prompt tokens not yet prefilled (JOINING: the batched tail)
     generated: list[int] = field(default_factory=list)
     group: int | None = None  # decode micro-batch, once RUNNING
     busy: bool = False  # a prefill step of it is in flight
@@ -208,7 +215,7 @@ class Scheduler:
 
     def __init__(self, executor: Executor, tokenizer: Any, *, context_length: int, parallel: int = DEFAULT_PARALLEL,
                  max_queue: int = DEFAULT_MAX_QUEUE, prefill_step: int = PREFILL_STEP, warmup: bool = True,
-                 resume: ResumePolicy | None = None):
+                 resume: ResumePolicy | None = None, batch_tails: bool | None = None):
         self.executor = executor
         policy = resume if resume is not None else getattr(executor, "resume_policy", None)
         self.resume = policy if policy is not None and policy.enabled else None
@@ -240,6 +247,7 @@ class Scheduler:
         start_async = getattr(executor, "start_async", None)  # asynchronous scheduling: steps complete via poll
         self._lookahead = int(start_async()) if callable(start_async) else 0
         self._poll = getattr(executor, "poll", None) if self._lookahead else None
+        self.batch_tails = batch_tails_default(self._lookahead) if batch_tails is None else batch_tails
         # with asynchronous scheduling, detokenization and delivery run on their own thread (engine/emitter.py)
         self._emitter = Emitter() if self._lookahead else None
         self._outbox: list[TokenOut | FinishOut] = []  # this pass's events for the emitter, sent as one batch
@@ -623,9 +631,10 @@ class Scheduler:
                 continue
             self._group_inflight[g] += 1
             # a row still in the step in flight takes that step's token, read on the device (PREVIOUS)
-            tokens = [[PREVIOUS if seq.decoding else seq.generated[-1]] for seq in seqs]
+            tokens = [[PREVIOUS if seq.decoding else seq.todo[0] if seq.todo else seq.generated[-1]] for seq in seqs]
             for seq in seqs:
                 seq.decoding += 1
+                seq.todo = []  # a batched prompt tail is in this step
             self._count_decode(len(seqs))
             return Step("decode", [q.rid for q in seqs], tokens, slot=g)
         return None
@@ -672,8 +681,10 @@ class Scheduler:
         seq = self._seqs.get(step.rids[0])
         if seq is None:  # cancelled while its chunk was in flight
             return
-        if outcome is None:
-            return  # an intermediate chunk; the next one follows
+        if outcome is None:  # an intermediate chunk; the next one follows, or a decode step takes the tail
+            if self.batch_tails and len(seq.todo) == 1:
+                self._move(seq, S.JOINING)
+            return
         self._move(seq, S.JOINING)
         self._on_token(seq, outcome[0])
 
@@ -935,6 +946,16 @@ class _Sink:
 
     def push(self, event: Any) -> None:
         pass
+
+
+BATCH_TAILS_ENV = "MLXCEL_BATCH_TAILS"
+
+
+def batch_tails_default(lookahead: int) -> bool:
+    """Whether prompt tails ride the decode steps: ``MLXCEL_BATCH_TAILS`` (1/0) if set, else where scheduling
+    is asynchronous (``lookahead``: a GPU); ValueError naming the variable for another value."""
+    switch = env_switch(BATCH_TAILS_ENV)
+    return bool(lookahead) if switch is None else switch
 
 
 def local_scheduler(model: Any, tokenizer: Any, *, context_length: int, parallel: int = DEFAULT_PARALLEL,

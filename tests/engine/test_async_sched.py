@@ -43,12 +43,14 @@ def prompts(n: int) -> list[tuple[int, ...]]:
 
 def run(model: Any, lookahead: int, requests: list[EngineRequest], *, tokenizer: Any = None,
         cancel_after: dict[str, int] | None = None, prefix_bytes: int = 0,
-        parallel: int = 8) -> tuple[list[tuple[list[TokenEvent], FinishEvent]], Scheduler]:
+        parallel: int = 8, batch_tails: bool = False) -> tuple[list[tuple[list[TokenEvent], FinishEvent]], Scheduler]:
     """Every request's events through a scheduler over ``LocalExecutor(lookahead=...)``; the scheduler is
-    closed, its executor kept for inspection."""
+    closed, its executor kept for inspection. Prompt tails run alone unless ``batch_tails`` (the plans compared
+    here are those of asynchronous scheduling; tests/engine/test_batch_tails.py has the batched tails)."""
     ex = LocalExecutor(model, max_batch_size=parallel, lookahead=lookahead, prefix_cache_bytes=prefix_bytes)
     assert ex.lookahead == 0  # until a driver that polls starts it
-    sched = Scheduler(ex, tokenizer or Tokenizer(), context_length=512, parallel=parallel, warmup=False)
+    sched = Scheduler(ex, tokenizer or Tokenizer(), context_length=512, parallel=parallel, warmup=False,
+                      batch_tails=batch_tails)
     assert ex.lookahead == lookahead
 
     async def main() -> list[tuple[list[TokenEvent], FinishEvent]]:
