@@ -48,3 +48,12 @@ def test_the_stable_kind_turns_the_shape_stable_join_on_and_nothing_else(tmp_pat
     assert env["MLXCEL_STEP_TRACE"].endswith("steps-mlxcel-stable.jsonl")
     assert "MLXCEL_STABLE_JOIN" not in launch_env("mlxcel", None)
     assert launch_command("mlxcel-stable", "m", 1, 4)[-8:-6] == ["-m", "m"]
+
+
+def test_the_lone_tails_kind_turns_batched_tails_off_and_nothing_else(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLXCEL_BATCH_TAILS", raising=False)
+    env = launch_env("mlxcel-lone-tails", str(tmp_path / "steps.jsonl"))
+    assert env["MLXCEL_BATCH_TAILS"] == "0" and "MLXCEL_ASYNC_SCHED" not in env
+    assert env["MLXCEL_STEP_TRACE"].endswith("steps-mlxcel-lone-tails.jsonl")
+    assert "MLXCEL_BATCH_TAILS" not in launch_env("mlxcel", None)
+    assert launch_command("mlxcel-lone-tails", "m", 1, 4)[-8:-6] == ["-m", "m"]
