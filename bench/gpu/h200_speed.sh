@@ -17,7 +17,7 @@
 #   serve             issue 24 item 2: the single-node server (mlxcel serve, asynchronous scheduling) and
 #                     mlx_lm.server, as users start them (SERVE_KINDS, default mlxcel,mlx_lm; add mlxcel-sync,
 #                     MLXCEL_ASYNC_SCHED=0, only on its own: three servers on one GPU ran out of memory), on q06-q4 then
-#                     q06-bf16: bench/serve_bench.py, identical streaming prompts, ABBA over 2 rounds, 1/8/32 streams
+#                     q06-bf16: bench/serve_bench.py, identical streaming prompts, ABBA over 2 rounds (SERVE_ROUNDS), 1/8/32 streams
 #                     (SERVE_STREAMS), SERVE_REQUESTS (2) requests of TOKENS tokens per client, GPU utilisation
 #                     sampled by nvidia-smi every 100 ms during each level, the mlxcel server's step trace
 #                     (summarised by bench/step_trace.py); about 3.5 min per checkpoint
@@ -224,7 +224,7 @@ serve_suite() {  # bench/serve_bench.py: mlxcel (async), mlxcel-sync and mlx_lm.
     echo "== serve $model ($(left) s left)"
     python3 -m bench.serve_bench --launch "${SERVE_KINDS:-mlxcel,mlx_lm}" --model-dir "/tmp/models/$model" \
       --concurrency "${SERVE_STREAMS:-1,8,32}" --requests "${SERVE_REQUESTS:-2}" --max-tokens "$TOKENS" --parallel 32 \
-      --rounds 2 --warm-levels --gpu-util --step-trace "$out/trace-steps.jsonl" --out "$out" 2>&1 | grep -v "^WARNING"
+      --rounds "${SERVE_ROUNDS:-2}" --warm-levels --gpu-util --step-trace "$out/trace-steps.jsonl" --out "$out" 2>&1 | grep -v "^WARNING"
     for trace in "$out"/trace-steps*.jsonl; do
       [ -s "$trace" ] && echo "-- $(basename "$trace")" && python3 -m bench.step_trace "$trace"
     done
