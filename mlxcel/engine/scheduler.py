@@ -50,8 +50,9 @@ A sequence enters JOINING before its first token is emitted, so that token can e
 batched (``batch_tails``: on where scheduling is asynchronous, ``MLXCEL_BATCH_TAILS=1/0`` either way) a
 prompt's last token is not a prefill step of its own: once its other tokens are in the cache the sequence
 joins a decode group with that token (``todo`` holds it) as its row's input, and the decode step samples
-its first token beside the other rows' next ones. A prompt with nothing before its last token to prefill
-(one token, or all but one cached) runs it alone as before, so every row joins with a cache. A finished
+its first token beside the other rows' next ones. Only while other sequences decode: with no decode step to
+share, and for a prompt with nothing before its last token to prefill (one token, or all but one cached),
+the last token runs alone as before. A finished
 state is final; a finished sequence leaves ``_seqs``. ``busy`` (a prompt chunk in flight) and
 ``group`` (its decode micro-batch) are not states: they say which in-flight step still names it;
 both are cleared as that step returns, so a request the step itself ends (its failure included) is
@@ -682,7 +683,7 @@ class Scheduler:
         if seq is None:  # cancelled while its chunk was in flight
             return
         if outcome is None:  # an intermediate chunk; the next one follows, or a decode step takes the tail
-            if self.batch_tails and len(seq.todo) == 1:
+            if self.batch_tails and len(seq.todo) == 1 and (any(self._groups) or self._joining):
                 self._move(seq, S.JOINING)
             return
         self._move(seq, S.JOINING)

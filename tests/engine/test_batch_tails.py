@@ -52,22 +52,26 @@ def test_tails_ride_decode_steps_and_the_clients_get_the_same_events(model, plan
     # alone: each prompt is a chunk, then its last token as a one-token prompt step
     assert [rids for kind, rids, sizes in alone_plan if kind == "prefill" and sizes == [1]] == [[r.request_id]
                                                                                                 for r in reqs]
-    # batched: the chunks only, and each tail inside a decode step
+    # batched: the chunks, the first prompt's tail alone (nothing decodes yet), every later tail in a decode step
     prefills = [(rids, sizes) for kind, rids, sizes in plan if kind == "prefill"]
-    assert prefills == [([r.request_id], [len(r.prompt) - 1]) for r in reqs]
+    assert prefills == [([r.request_id], [len(r.prompt) - 1]) for r in reqs[:1]] + [(["r0"], [1])] + \
+        [([r.request_id], [len(r.prompt) - 1]) for r in reqs[1:]]
     decodes = [rids for kind, rids, _ in plan if kind == "decode"]
     assert len(decodes) < len([k for k, _, _ in alone_plan if k == "decode"]) + len(reqs)
-    assert sum(len(rids) for rids in decodes) >= sum(r.params.max_tokens for r in reqs)
+    assert sum(len(rids) for rids in decodes) >= sum(r.params.max_tokens for r in reqs) - 1  # r0's first: a prefill
     assert len(sched.executor.runners[0]) == 0  # every row freed
 
 
-def test_one_stream_runs_the_same_forward_calls_on_the_same_shapes(model, plan):
-    """Alone in its decode step, a tail is the one-row, one-token call a tail alone was: bit-identical results."""
+def test_with_nothing_decoding_a_tail_runs_alone_as_before(model, plan):
+    """One stream: no decode step to share, so the plan is the one of every tail alone, bit for bit."""
     reqs = [req("a", prompts(3)[2], 6, ignore_eos=True, logprobs=True, top_logprobs=3)]
     alone, _ = run(model, 0, reqs)
+    alone_plan = list(plan)
+    plan.clear()
     batched, _ = run(model, 0, reqs, batch_tails=True)
-    assert events(batched) == events(alone)
-    assert [(k, sizes) for k, _, sizes in plan[-7:]] == [("prefill", [len(reqs[0].prompt) - 1])] + [("decode", [1])] * 6
+    assert events(batched) == events(alone) and plan == alone_plan
+    assert [(k, sizes) for k, _, sizes in plan] == [("prefill", [len(reqs[0].prompt) - 1]), ("prefill", [1])] + \
+        [("decode", [1])] * 5
 
 
 def test_a_prompt_with_nothing_before_its_last_token_runs_it_alone(model, plan):
