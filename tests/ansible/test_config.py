@@ -145,11 +145,24 @@ FRONT_FLAGS = {"toml": ["--distributed-config", "--api-key-file", "--ssl-certfil
                "pp_auto": ["--pp-auto", "--cluster-peers", "--pp-micro-batch-size", "--cluster-name", "--api-key-file"]}
 
 
+# the hosts on two machines: the coordinator shares stage-0's but holds no layers, so stage-0 keeps every core
+MACHINES = {"coordinator": "m0", "stage-0": "m0", "stage-1": "m1"}
+
+
+@pytest.fixture(scope="module")
+def toml_units(deployment: Deployment) -> dict[str, list[str]]:
+    """One render_units.yml run for two tests: the rendered-TOML bring-up under systemd, each optional flag on,
+    the hosts on MACHINES; its units stay in the homes until the next render (the systemd test reads them first)."""
+    return _commands(deployment, HOSTS, mlxcel_bringup="toml", mlxcel_node_supervisor="systemd",
+                     mlxcel_test_machines=MACHINES, **OPTIONS["toml"])
+
+
 @pytest.mark.parametrize("bringup", ["toml", "pp_auto"])
-def test_systemd_unit_restarts_every_failure_but_a_usage_error(deployment: Deployment, bringup: str) -> None:
+def test_systemd_unit_restarts_every_failure_but_a_usage_error(request: pytest.FixtureRequest, deployment: Deployment,
+                                                               bringup: str) -> None:
     """Also: every node's command line, each optional flag on, is the old vars' (_commands), and so is ExecStart."""
-    commands = _commands(deployment, HOSTS, mlxcel_bringup=bringup, mlxcel_node_supervisor="systemd",
-                         **OPTIONS[bringup])
+    commands = request.getfixturevalue("toml_units") if bringup == "toml" else _commands(
+        deployment, HOSTS, mlxcel_bringup=bringup, mlxcel_node_supervisor="systemd", **OPTIONS[bringup])
     assert all(flag in commands["coordinator"] for flag in FRONT_FLAGS[bringup]), commands["coordinator"]
     for node in HOSTS:
         unit = deployment.home(node) / f"mlxcel-{node}.service"
@@ -174,20 +187,20 @@ def _threads(command: list[str]) -> str | None:
 
 
 @pytest.mark.parametrize("case", ["machines", "integer", "null"])
-def test_thread_budget_splits_a_machine_between_the_nodes_that_hold_layers(deployment: Deployment, case: str) -> None:
+def test_thread_budget_splits_a_machine_between_the_nodes_that_hold_layers(request: pytest.FixtureRequest,
+                                                                          deployment: Deployment, case: str) -> None:
     """auto: a stage gets max(1, nproc // the stages on its machine), the coordinator 1 (the same machine for all three
-    is in test_deploy.py); an integer goes to every node (here of a disaggregated cluster); null leaves the flag out
-    (here on single-node servers). Every command line equals the old vars' (_commands)."""
+    is in test_deploy.py; the hosts on MACHINES here, in the systemd test's run); an integer goes to every node (here
+    of a disaggregated cluster); null leaves the flag out (here on single-node servers). Every command line equals
+    the old vars' (_commands)."""
     nproc = len(os.sched_getaffinity(0))
     more: dict = {
-        # the coordinator shares stage-0's machine but holds no layers: stage-0 keeps every core
-        "machines": {"mlxcel_test_machines": {"coordinator": "m0", "stage-0": "m0", "stage-1": "m1"}},
         # on the disaggregated example (its command lines compared with the old vars' too)
         "integer": {"mlxcel_node_threads": 3, "inventory": DISAGG_EXAMPLE},
         # on single-node servers (mlxcel_node_pipeline false: no cluster flags at all)
-        "null": {"mlxcel_node_threads": None, "mlxcel_node_pipeline": False}}[case]
+        "null": {"mlxcel_node_threads": None, "mlxcel_node_pipeline": False}}.get(case, {})
     nodes = DISAGG_NODES if case == "integer" else HOSTS
-    commands = _commands(deployment, nodes, **more)
+    commands = request.getfixturevalue("toml_units") if case == "machines" else _commands(deployment, nodes, **more)
     want = {"machines": {"coordinator": "1", "stage-0": str(nproc), "stage-1": str(nproc)},
             "integer": dict.fromkeys(DISAGG_NODES, "3"), "null": dict.fromkeys(HOSTS)}[case]
     assert {n: _threads(c) for n, c in commands.items()} == want, commands
