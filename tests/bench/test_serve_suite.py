@@ -40,20 +40,17 @@ def test_the_sync_kind_turns_asynchronous_scheduling_off_and_traces_apart(tmp_pa
     assert "MLXCEL_STEP_TRACE" not in launch_env("mlx_lm", trace)
 
 
-def test_the_stable_kind_turns_the_shape_stable_join_on_and_nothing_else(tmp_path, monkeypatch):
-    monkeypatch.delenv("MLXCEL_STABLE_JOIN", raising=False)
-    monkeypatch.delenv("MLXCEL_ASYNC_SCHED", raising=False)
-    env = launch_env("mlxcel-stable", str(tmp_path / "steps.jsonl"))
-    assert env["MLXCEL_STABLE_JOIN"] == "1" and "MLXCEL_ASYNC_SCHED" not in env
-    assert env["MLXCEL_STEP_TRACE"].endswith("steps-mlxcel-stable.jsonl")
-    assert "MLXCEL_STABLE_JOIN" not in launch_env("mlxcel", None)
-    assert launch_command("mlxcel-stable", "m", 1, 4)[-8:-6] == ["-m", "m"]
+SWITCHES = ("MLXCEL_STABLE_JOIN", "MLXCEL_ASYNC_SCHED", "MLXCEL_BATCH_TAILS")
 
 
-def test_the_lone_tails_kind_turns_batched_tails_off_and_nothing_else(tmp_path, monkeypatch):
-    monkeypatch.delenv("MLXCEL_BATCH_TAILS", raising=False)
-    env = launch_env("mlxcel-lone-tails", str(tmp_path / "steps.jsonl"))
-    assert env["MLXCEL_BATCH_TAILS"] == "0" and "MLXCEL_ASYNC_SCHED" not in env
-    assert env["MLXCEL_STEP_TRACE"].endswith("steps-mlxcel-lone-tails.jsonl")
-    assert "MLXCEL_BATCH_TAILS" not in launch_env("mlxcel", None)
-    assert launch_command("mlxcel-lone-tails", "m", 1, 4)[-8:-6] == ["-m", "m"]
+@pytest.mark.parametrize("kind, variable, value", [("mlxcel-stable", "MLXCEL_STABLE_JOIN", "1"),
+                                                   ("mlxcel-lone-tails", "MLXCEL_BATCH_TAILS", "0")])
+def test_a_switch_kind_sets_its_variable_and_nothing_else(tmp_path, monkeypatch, kind, variable, value):
+    """mlxcel-stable: the shape-stable join on; mlxcel-lone-tails: batched prompt tails off; each traced apart."""
+    for name in SWITCHES:
+        monkeypatch.delenv(name, raising=False)
+    env = launch_env(kind, str(tmp_path / "steps.jsonl"))
+    assert env[variable] == value and not (set(SWITCHES) - {variable}) & set(env)
+    assert env["MLXCEL_STEP_TRACE"].endswith(f"steps-{kind}.jsonl")
+    assert variable not in launch_env("mlxcel", None)
+    assert launch_command(kind, "m", 1, 4)[-8:-6] == ["-m", "m"]
