@@ -28,7 +28,9 @@ from mlxcel.config import (
     DEFAULT_RESUME_TIMEOUT_S,
     MAX_RESUME_TIMEOUT_S,
     MAX_RESUMES,
+    BATCH_TAILS_ENV,
     THREADS_ENV,
+    env_switch,
     non_negative_int,
     positive_int,
     resume_count,
@@ -181,7 +183,6 @@ def check_cluster_flags(args: argparse.Namespace) -> None:
 def check_flags(args: argparse.Namespace) -> None:
     """Flag combinations of every feature (nothing is read or bound yet)."""
     from mlxcel.cluster.aead_pipeline import auto_pipeline_min_len, auto_workers
-    from mlxcel.engine.scheduler import batch_tails_default
     from mlxcel.parallel.options import check_tp_flags
 
     check_cluster_flags(args)
@@ -189,7 +190,7 @@ def check_flags(args: argparse.Namespace) -> None:
     try:  # MLXCEL_CRYPTO_WORKERS and MLXCEL_CRYPTO_PIPELINE_MIN_LEN, read when a transport starts, and
         auto_workers()  # MLXCEL_BATCH_TAILS, read when the scheduler starts: refused here, before any load
         auto_pipeline_min_len()
-        batch_tails_default(0)
+        env_switch(BATCH_TAILS_ENV)  # (without importing the scheduler: a router or pp-peer never needs it)
     except ValueError as exc:
         raise CLIError(str(exc)) from None
     if (args.max_batch_size or args.parallel) > args.parallel:

@@ -74,6 +74,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, cast
 
 from mlxcel.config import (
+    BATCH_TAILS_ENV,
     DEFAULT_MAX_QUEUE,
     DEFAULT_PARALLEL,
     DEFAULT_PREFIX_CACHE_MB,
@@ -947,9 +948,6 @@ class _Sink:
 
     def push(self, event: Any) -> None:
         pass
-
-
-BATCH_TAILS_ENV = "MLXCEL_BATCH_TAILS"
 
 
 def batch_tails_default(lookahead: int) -> bool:
