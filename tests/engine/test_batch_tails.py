@@ -14,7 +14,7 @@ import pytest
 from mlxcel.commands.serve import CLIError, check_flags
 from mlxcel.engine.executor import LocalExecutor, Step
 from mlxcel.engine.scheduler import BATCH_TAILS_ENV, Scheduler, batch_tails_default
-from tests.engine.test_async_sched import events, prompts, req, run, same
+from tests.engine.test_async_sched import Tokenizer, events, prompts, req, run, same
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -87,8 +87,6 @@ def test_a_prompt_with_nothing_before_its_last_token_runs_it_alone(model, plan):
 def test_eos_and_a_cancel_end_a_batched_tail_where_they_end_a_lone_one(model):
     base, _ = run(model, 0, [req(f"r{i}", p, 12, ignore_eos=True) for i, p in enumerate(prompts(4))])
     first = base[1][0][0].token  # r1's first token as its EOS: the tail's own decode step ends it
-    from tests.engine.test_async_sched import Tokenizer
-
     reqs = [req(f"r{i}", p, 12) for i, p in enumerate(prompts(4))]
     alone, _ = run(model, 0, reqs, tokenizer=Tokenizer({first}), cancel_after={"r2": 2})
     batched, _ = run(model, 0, reqs, tokenizer=Tokenizer({first}), cancel_after={"r2": 2}, batch_tails=True)
@@ -102,7 +100,7 @@ def test_on_where_scheduling_is_asynchronous_unless_the_environment_says(monkeyp
     monkeypatch.setenv(BATCH_TAILS_ENV, "1")
     assert batch_tails_default(0) is True
     ex = LocalExecutor(model, max_batch_size=2, lookahead=0)
-    assert Scheduler(ex, _tok(), context_length=64, warmup=False).batch_tails is True
+    assert Scheduler(ex, Tokenizer(), context_length=64, warmup=False).batch_tails is True
     monkeypatch.setenv(BATCH_TAILS_ENV, "off")
     assert batch_tails_default(1) is False
     monkeypatch.setenv(BATCH_TAILS_ENV, "sometimes")
@@ -117,9 +115,3 @@ def test_serve_refuses_a_bad_switch_before_it_loads_anything(monkeypatch):
     args = build_parser().parse_args(["serve", "-m", "anything"])
     with pytest.raises(CLIError, match="MLXCEL_BATCH_TAILS must be 1 or 0, got 'maybe'"):
         check_flags(args)
-
-
-def _tok() -> Any:
-    from tests.engine.test_async_sched import Tokenizer
-
-    return Tokenizer()
