@@ -13,6 +13,8 @@
 #   moe30b-q4         Qwen3-30B-A3B shape 4-bit (48 layers, hidden 2048, 128 experts, 8 active, width 768) + moe_probe
 #   ds-q4             deepseek_v3 classes at DeepSeek-V2-Lite's scale (27 layers, hidden 2048, 64 experts, 6 active,
 #                     width 1408, 2 shared, MLA rank 512) 4-bit + moe_probe
+#   pingpong-bf16 pingpong-q4 pingpong-q8b   bench/gpu/pingpong_probe.py on q06-bf16 / q06-q4 / q8b-q4: one token
+#                     as the whole model (async, sync), two halves in one process, two halves in two processes
 #   probe-bf16        bench/gpu/step_probe.py on the 0.6B bf16 shape: graph build vs step, plain / masked / compiled
 #   serve             issue 24 item 2: the single-node server (mlxcel serve, asynchronous scheduling) and
 #                     mlx_lm.server, as users start them (SERVE_KINDS, default mlxcel,mlx_lm; add mlxcel-sync,
@@ -254,6 +256,10 @@ main() {
                        --label h200-q06-bf16 --out "$RES/prefill_probe.jsonl" | tail -40 ;;
       managed-probe) python3 -m bench.gpu.managed_probe --mib 172 --rounds "${PROBE_ROUNDS:-6}" --label h200 \
                        --out "$RES/managed_probe.jsonl" ;;
+      pingpong-bf16|pingpong-q4|pingpong-q8b)  # bench/gpu/pingpong_probe.py: two evaluations against two processes
+        m=${s#pingpong-}; m=${m/bf16/q06-bf16}; m=${m/#q4/q06-q4}; m=${m/q8b/q8b-q4}
+        make_model "$m" && python3 -m bench.gpu.pingpong_probe -m "/tmp/models/$m" --tokens "$TOKENS" \
+          --rounds "${PROBE_ROUNDS:-2}" --label "h200-$m" --out "$RES/pingpong_probe.jsonl" ;;
       probe-bf16) make_model q06-bf16 && python3 -m bench.gpu.step_probe -m /tmp/models/q06-bf16 --steps 64 \
                     --label h200-q06-bf16 --out "$RES/step_probe.jsonl" ;;
       q06-bf16) suite q06-bf16 150 ;;
