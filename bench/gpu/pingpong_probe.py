@@ -11,7 +11,9 @@ AES, no scheduler) and times one greedy token, batch 1, of the same checkpoint i
   host bytes in between (a stage's step, twice, with no second process);
 - ``split_2proc``: two processes, a half each, the hidden state and the token through OS pipes (a remote
   pipeline of two stages on one GPU, without its transport);
-- ``split_2proc_spin``: as ``split_2proc``, every receiver polling its pipe instead of sleeping in ``recv``.
+- ``split_2proc_spin``: as ``split_2proc``, every receiver polling its pipe instead of sleeping in ``recv``;
+- ``split_2proc_runner``: as ``split_2proc``, each half through a stage's own ``SliceRunner`` (its slot
+  bookkeeping; the last half samples with a ``RowSampler``, greedy, with the log-probability a stage returns).
 
 Per mode: tok/s and the per-token p50; for the split modes also each half's compute (input bytes to
 evaluated output) p50. Rows: --out (JSONL with the environment).
@@ -30,7 +32,7 @@ from typing import Any
 
 from bench.environment import write_jsonl
 
-MODES = ("whole_async", "whole_sync", "split_1proc", "split_2proc", "split_2proc_spin")
+MODES = ("whole_async", "whole_sync", "split_1proc", "split_2proc", "split_2proc_spin", "split_2proc_runner")
 
 
 def _load(model_dir: str) -> Any:
@@ -43,12 +45,19 @@ def _load(model_dir: str) -> Any:
 class Half:
     """One half of the model as a stage runs it: bytes in, evaluated output, bytes out."""
 
-    def __init__(self, model: Any, start: int, end: int, prompt: list[int]) -> None:
+    def __init__(self, model: Any, start: int, end: int, prompt: list[int], runner: bool = False) -> None:
         import mlx.core as mx
 
+        from mlxcel.engine.executor import slice_runner
         from mlxcel.engine.model_slice import ModelSlice
+        from mlxcel.engine.runner import RowSampler
+        from mlxcel.engine.sampling import SamplingParams
 
         self.piece = ModelSlice(model, start, end)
+        self.runner = slice_runner(model, start, end, max_rows=1) if runner else None
+        if self.runner is not None:
+            self.runner.prepare("r", RowSampler(SamplingParams(temperature=0.0)) if end == len(model.model.layers)
+                                else None)
         self.first = start == 0
         self.last = end == len(model.model.layers)
         self.cache = self.piece.make_cache()
@@ -60,13 +69,32 @@ class Half:
     def prefill(self, hidden: bytes | None) -> bytes:
         mx = self._mx
         x = mx.array([self.prompt], dtype=mx.int32) if self.first else self._from_bytes(hidden, len(self.prompt))
+        if self.runner is not None:
+            return self._emit(self.runner.prefill("r", x, sample=True), time.perf_counter(), keep=False)
         return self._finish(self.piece(x, self.cache), time.perf_counter(), keep=False)
 
     def step(self, data: bytes) -> bytes:
         mx = self._mx
         t0 = time.perf_counter()
         x = mx.array([[int.from_bytes(data, "little")]], dtype=mx.int32) if self.first else self._from_bytes(data, 1)
+        if self.runner is not None:
+            return self._emit(self.runner.decode(0, ["r"], x), t0)
         return self._finish(self.piece(x, self.cache), t0)
+
+    def _emit(self, out: Any, t0: float, keep: bool = True) -> bytes:
+        """A runner's output as bytes: the sampled token (last half) or the evaluated hidden state."""
+        import numpy as np
+
+        mx = self._mx
+        if self.last:
+            data = int(out[0].token).to_bytes(4, "little")
+        else:
+            out = out.astype(mx.bfloat16) if self.dtype == mx.bfloat16 else out.astype(mx.float32)
+            mx.eval(out)
+            data = np.array(out.view(mx.uint16) if self.dtype == mx.bfloat16 else out, copy=False).tobytes()
+        if keep:
+            self.compute.append(time.perf_counter() - t0)
+        return data
 
     def _from_bytes(self, data: bytes, n: int) -> Any:
         import numpy as np
@@ -102,8 +130,8 @@ def _recv(conn: Any, spin: bool) -> bytes:
 
 
 def _stage_process(model_dir: str, start: int, end: int, prompt: list[int], inbox: Any, outbox: Any,
-                   report: Any, spin: bool) -> None:
-    half = Half(_load(model_dir), start, end, prompt)
+                   report: Any, spin: bool, runner: bool) -> None:
+    half = Half(_load(model_dir), start, end, prompt, runner)
     report.send("ready")
     first = _recv(inbox, spin)  # b"" to prefill, then one message per token
     outbox.send_bytes(half.prefill(first if first else None))
@@ -159,15 +187,16 @@ def run_split_1proc(model: Any, prompt: list[int], tokens: int) -> tuple[list[fl
     return times, a.compute, b.compute
 
 
-def run_split_2proc(model_dir: str, n: int, prompt: list[int], tokens: int, spin: bool) -> tuple[list, list, list]:
+def run_split_2proc(model_dir: str, n: int, prompt: list[int], tokens: int, spin: bool,
+                    runner: bool = False) -> tuple[list, list, list]:
     ctx = mp.get_context("spawn")
     to_a, a_in = ctx.Pipe()
     a_out, b_in = ctx.Pipe()
     b_out, from_b = ctx.Pipe()
     rep_a, rep_a_child = ctx.Pipe()
     rep_b, rep_b_child = ctx.Pipe()
-    procs = [ctx.Process(target=_stage_process, args=(model_dir, 0, n // 2, prompt, a_in, a_out, rep_a_child, spin)),
-             ctx.Process(target=_stage_process, args=(model_dir, n // 2, n, prompt, b_in, b_out, rep_b_child, spin))]
+    procs = [ctx.Process(target=_stage_process, args=(model_dir, 0, n // 2, prompt, a_in, a_out, rep_a_child, spin, runner)),
+             ctx.Process(target=_stage_process, args=(model_dir, n // 2, n, prompt, b_in, b_out, rep_b_child, spin, runner))]
     for p in procs:
         p.start()
     try:
@@ -225,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
             elif mode == "split_1proc":
                 times, ca, cb = run_split_1proc(model, prompt, args.tokens)
             else:
-                times, ca, cb = run_split_2proc(args.model, n, prompt, args.tokens, mode.endswith("spin"))
+                times, ca, cb = run_split_2proc(args.model, n, prompt, args.tokens, mode.endswith("spin"),
+                                                mode.endswith("runner"))
             row = {"bench": "pingpong_probe", "model": Path(args.model).name, "label": args.label, "round": rnd,
                    "mode": mode, "tokens": len(times), "tok_s": round(len(times) / sum(times), 2) if times else None,
                    "token_ms_p50": _ms(times), "half0_compute_ms_p50": _ms(ca), "half1_compute_ms_p50": _ms(cb)}
