@@ -28,6 +28,7 @@ from mlxcel.config import (
     DEFAULT_RESUME_TIMEOUT_S,
     MAX_RESUME_TIMEOUT_S,
     MAX_RESUMES,
+    ASYNC_ENV,
     BATCH_TAILS_ENV,
     THREADS_ENV,
     env_switch,
@@ -188,9 +189,10 @@ def check_flags(args: argparse.Namespace) -> None:
     check_cluster_flags(args)
     check_tp_flags(args)
     try:  # MLXCEL_CRYPTO_WORKERS and MLXCEL_CRYPTO_PIPELINE_MIN_LEN, read when a transport starts, and
-        auto_workers()  # MLXCEL_BATCH_TAILS, read when the scheduler starts: refused here, before any load
-        auto_pipeline_min_len()
+        auto_workers()  # MLXCEL_BATCH_TAILS and MLXCEL_ASYNC_SCHED, read when the scheduler or a stage
+        auto_pipeline_min_len()  # starts: refused here, before any load
         env_switch(BATCH_TAILS_ENV)  # (without importing the scheduler: a router or pp-peer never needs it)
+        env_switch(ASYNC_ENV)
     except ValueError as exc:
         raise CLIError(str(exc)) from None
     if (args.max_batch_size or args.parallel) > args.parallel:

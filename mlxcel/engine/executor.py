@@ -28,7 +28,7 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import KVCache
 
-from mlxcel.config import env_switch
+from mlxcel.config import ASYNC_ENV, env_switch
 from mlxcel.engine.compiled_step import decode_forward
 from mlxcel.engine.model_slice import ModelSlice
 from mlxcel.engine.prefix_cache import PrefixCache
@@ -37,7 +37,6 @@ from mlxcel.engine.sampling import SamplingParams
 from mlxcel.error_codes import CodedError, ErrorCode
 
 _steps = itertools.count(1)
-ASYNC_ENV = "MLXCEL_ASYNC_SCHED"
 
 
 @dataclass(eq=False)

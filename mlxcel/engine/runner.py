@@ -227,8 +227,9 @@ class SliceRunner:
 
         Returns the hidden states to pass on (not last), the sampled first token (last, ``sample``;
         its last-position logits [1, V] instead when ``logits``), or None (last, an intermediate
-        chunk: only the cache is evaluated). With ``lazy`` (last slice) nothing is waited for: the sampled
-        token comes as a ``PendingSample`` queued with ``mx.async_eval``, an intermediate chunk is queued.
+        chunk: only the cache is evaluated). With ``lazy`` nothing is waited for: the hidden states are
+        queued with ``mx.async_eval`` (not last), the sampled token comes as a ``PendingSample`` queued
+        the same way (last), an intermediate chunk is queued.
         """
         seq = self._require(rid)
         if seq.slot is not None:
@@ -237,9 +238,7 @@ class SliceRunner:
             out = self.forward(inputs, seq.cache)
         seq.length += inputs.shape[1]
         if not self.is_last:
-            with steptrace.phase("device"):
-                mx.eval(out)
-            return out
+            return self._hidden(out, lazy)
         if not sample:
             if lazy:
                 with steptrace.phase("build"):  # queueing a chunk encodes its kernels on this thread
@@ -266,12 +265,22 @@ class SliceRunner:
         for rid in rids:
             self._seqs[rid].length += 1
         if not self.is_last:
-            with steptrace.phase("device"):
-                mx.eval(out)
-            return out
+            return self._hidden(out, lazy)
         if logits:
             return self._logits(out)
         return self._sample(out[:, -1, :], [self._seqs[r] for r in rids], lazy)
+
+    @staticmethod
+    def _hidden(out: mx.array, lazy: bool) -> mx.array:
+        """A non-last slice's output: evaluated, or (``lazy``) queued with ``mx.async_eval``, so that the
+        caller builds its next step while the device runs this one; reading it (``np.array``) waits."""
+        if lazy:
+            with steptrace.phase("build"):  # queueing encodes the step's kernels on this thread
+                mx.async_eval(out)
+            return out
+        with steptrace.phase("device"):
+            mx.eval(out)
+        return out
 
     @staticmethod
     def _logits(out: mx.array) -> mx.array:

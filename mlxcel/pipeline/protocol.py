@@ -264,7 +264,7 @@ def check_request_ids(msg: StageMessage) -> list[str]:
 
 #: STATE fields that are integers, and the minimum of each
 STATE_INTEGERS = {"stage": 0, "num_layers": 1, "hidden_size": 1, "vocab_size": 1, "sequences": 0, "steps": 0,
-                  "sent_frames": 0, "sent_bytes": 0, "prefix_bytes": 0}
+                  "overlapped": 0, "sent_frames": 0, "sent_bytes": 0, "prefix_bytes": 0}
 
 
 #: STATE fields that are non-negative numbers: seconds the stage spent per part of its steps, since start

@@ -24,6 +24,7 @@ import os
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -34,9 +35,9 @@ from mlxcel.cluster.ratelimit import WarnClass, cluster_warnings
 from mlxcel.cluster.secret import ClusterSecret
 from mlxcel.cluster.transport import Transport
 from mlxcel.cluster.wire import Kind
-from mlxcel.config import MAX_PREFIX_TOKENS, MAX_TOKENS_LIMIT
+from mlxcel.config import ASYNC_ENV, MAX_PREFIX_TOKENS, MAX_TOKENS_LIMIT, env_switch
 from mlxcel.engine.prefix_cache import PrefixCache
-from mlxcel.engine.runner import RowSampler, RunnerError, Sampled, SliceRunner
+from mlxcel.engine.runner import PendingSample, RowSampler, RunnerError, Sampled, SliceRunner
 from mlxcel.engine.sampling import SamplingError
 from mlxcel.models.facts import ModelFacts
 from mlxcel.topology.cluster_config import ClusterConfig
@@ -63,6 +64,29 @@ STAGE_STEP_DELAY_ENV = "MLXCEL_STAGE_STEP_DELAY_S"
 
 
 @dataclass(frozen=True)
+class _Launched:
+    """A step built (and, overlapped, queued on the device) but not yet waited for and sent."""
+
+    owner: PeerId
+    message: StageMessage
+    out: Any  # hidden states, a PendingSample, sampled rows, logits, or None (an intermediate prompt chunk)
+    started: float
+    logits: bool
+
+
+def overlap_depth() -> int:
+    """How many steps a stage builds ahead of the one the device runs: 1 on a GPU, 0 on a CPU (MLX's CPU
+    backend runs most of a step inside ``mx.async_eval`` itself, so nothing would overlap); the server's
+    switch ``MLXCEL_ASYNC_SCHED=1``/``0`` turns it on or off everywhere."""
+    import mlx.core as mx
+
+    switch = env_switch(ASYNC_ENV)
+    if switch is None:
+        return 1 if mx.default_device().type == mx.DeviceType.gpu else 0
+    return 1 if switch else 0
+
+
+@dataclass(frozen=True)
 class _Prepare:
     """A checked PREPARE for the worker: the last stage's sampler, the prompt to look up, the agreed cap."""
 
@@ -82,7 +106,7 @@ class StageService:
     """Serves one stage of a cluster until closed."""
 
     def __init__(self, cluster: ClusterConfig, node_id: str, runner: SliceRunner, secret: ClusterSecret,
-                 model: ModelFacts, *, on_shutdown: Callable[[], None] | None = None):
+                 model: ModelFacts, *, on_shutdown: Callable[[], None] | None = None, overlap: int | None = None):
         self.cluster = cluster
         self.index = cluster.stage_index(node_id)
         self.node = cluster.stages[self.index]
@@ -110,6 +134,8 @@ class StageService:
         # worker, computing (tensor in, forward, evaluation or sampling), sending (tensor out, encode, send)
         self.timings = dict.fromkeys(STATE_SECONDS, 0.0)
         self._delay = float(os.environ.get(STAGE_STEP_DELAY_ENV, "0") or 0)
+        self.overlap = overlap_depth() if overlap is None else overlap  # steps built ahead (``_run``)
+        self.overlapped = 0  # steps built while an earlier one was still on the device
 
     @property
     def is_first(self) -> bool:
@@ -303,23 +329,51 @@ class StageService:
     # -- the worker: every MLX operation -----------------------------------------------------------
 
     def _run(self) -> None:
+        """Every queued item in arrival order. With ``overlap``, a step is built and queued on the device,
+        and before it is waited for and sent, the next queued step (another micro-batch, the next prompt
+        chunk) is built too: the host builds step N+1 while the device runs step N. A command (PREPARE,
+        RELEASE) first waits out every step in flight."""
+        inflight: deque[_Launched] = deque()
         while True:
-            item = self._work.get()
+            if inflight:
+                try:
+                    item = self._work.get_nowait()
+                except queue.Empty:  # nothing to build meanwhile: finish the oldest step
+                    self._attempt(inflight[0].owner, inflight[0].message, self._finish, inflight.popleft())
+                    continue
+            else:
+                item = self._work.get()
             if item is _STOP:
                 return
             op, peer, m, arg = item
-            try:
-                if op == "prepare":
-                    self._prepare(peer, m, arg)
-                elif op == "release":
-                    self._forget(peer, m, *arg)
-                else:
-                    self._step(peer, m, arg)
-            except RunnerError as exc:
-                self._reply_error(peer, m, exc.code, str(exc))
-            except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, never the stage
-                log.exception("stage %s: %s failed", self.node.id, m.type.name)
-                self._reply_error(peer, m, ErrorCode.INTERNAL, f"stage {self.node.id}: {type(exc).__name__}: {exc}")
+            if op == "run" and self.overlap:
+                launched = self._attempt(peer, m, self._launch, peer, m, arg, True)
+                if launched is not None:
+                    self.overlapped += bool(inflight)
+                    inflight.append(launched)
+                while len(inflight) > self.overlap:
+                    self._attempt(inflight[0].owner, inflight[0].message, self._finish, inflight.popleft())
+                continue
+            while inflight:
+                self._attempt(inflight[0].owner, inflight[0].message, self._finish, inflight.popleft())
+            if op == "prepare":
+                self._attempt(peer, m, self._prepare, peer, m, arg)
+            elif op == "release":
+                self._attempt(peer, m, self._forget, peer, m, *arg)
+            else:
+                self._attempt(peer, m, self._step, peer, m, arg)
+
+    def _attempt(self, peer: PeerId, m: StageMessage, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)``; a failure is answered to ``peer`` as an ERROR for ``m`` (None returned), never
+        raised: a failed step fails its requests, never the stage."""
+        try:
+            return fn(*args)
+        except RunnerError as exc:
+            self._reply_error(peer, m, exc.code, str(exc))
+        except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, never the stage
+            log.exception("stage %s: %s failed", self.node.id, m.type.name)
+            self._reply_error(peer, m, ErrorCode.INTERNAL, f"stage {self.node.id}: {type(exc).__name__}: {exc}")
+        return None
 
     def _prepare(self, peer: PeerId, m: StageMessage, p: _Prepare) -> None:
         """A fresh sequence, seeded with this slice's KV of the longest cached prefix of its prompt (at most
@@ -340,7 +394,12 @@ class StageService:
             self._reply(peer, MsgType.ACK, {"nonce": m.nonce})
 
     def _step(self, owner: PeerId, m: StageMessage, tensor: str) -> None:
-        from mlxcel.pipeline.tensors import from_wire, to_wire
+        """One step to its end: computed, evaluated, sent."""
+        self._finish(self._launch(owner, m, tensor, False))
+
+    def _launch(self, owner: PeerId, m: StageMessage, tensor: str, lazy: bool) -> _Launched:
+        """Build one step (prompt chunk or decode step) and, with ``lazy``, queue it on the device unwaited."""
+        from mlxcel.pipeline.tensors import from_wire
 
         h = m.header
         rids = m.request_ids
@@ -355,18 +414,30 @@ class StageService:
         if self._delay:
             time.sleep(self._delay)
         if phase == "prefill":
-            out = self.runner.prefill(rids[0], x, sample=sample, logits=logits)
+            out = self.runner.prefill(rids[0], x, sample=sample, logits=logits, lazy=lazy)
         else:
-            out = self.runner.decode(self._slot(owner, int(h.get("micro_batch", 0))), rids, x, logits=logits)
+            out = self.runner.decode(self._slot(owner, int(h.get("micro_batch", 0))), rids, x, logits=logits,
+                                     lazy=lazy)
         self.steps += 1
-        computed = time.perf_counter()
-        self.timings["compute_s"] += computed - started
+        return _Launched(owner, m, out, started, logits)
+
+    def _finish(self, step: _Launched) -> None:
+        """Wait for a launched step's output and send it on: the activation downstream, or the result."""
+        from mlxcel.pipeline.tensors import to_wire
+
+        out = step.out.resolve() if isinstance(step.out, PendingSample) else step.out
+        h, owner, m = step.message.header, step.owner, step.message
         fwd = {k: h[k] for k in ("nonce", "phase", "micro_batch", "request_ids", "sample") if k in h}
         if not self.is_last:
-            self._send(self.downstream, MsgType.ACTIVATION, fwd, {"hidden": to_wire(out)}, owner, m)
+            hidden = to_wire(out)  # waits for a queued step's evaluation
+            computed = time.perf_counter()
+            self.timings["compute_s"] += computed - step.started
+            self._send(self.downstream, MsgType.ACTIVATION, fwd, {"hidden": hidden}, owner, m)
         else:
-            self._send(owner, MsgType.RUN_RESULT, {**fwd, **_result_fields(out, logits)},
-                       {"logits": ("float32", _np(out))} if logits and out is not None else None, owner, m)
+            computed = time.perf_counter()
+            self.timings["compute_s"] += computed - step.started
+            self._send(owner, MsgType.RUN_RESULT, {**fwd, **_result_fields(out, step.logits)},
+                       {"logits": ("float32", _np(out))} if step.logits and out is not None else None, owner, m)
         self.timings["send_s"] += time.perf_counter() - computed
 
     # -- replies -----------------------------------------------------------------------------------
@@ -378,7 +449,7 @@ class StageService:
             "model_identity": self.model.identity, "num_layers": self.model.num_layers,
             "hidden_size": self.model.hidden_size, "vocab_size": self.model.vocab_size,
             "sequences": len(self.runner), "draining": self.draining, "version": __version__,
-            "boot_id": self.boot_id, "steps": self.steps, **{k: round(v, 6) for k, v in self.timings.items()}, "prefix_bytes": self.prefix.nbytes,
+            "boot_id": self.boot_id, "steps": self.steps, "overlapped": self.overlapped, **{k: round(v, 6) for k, v in self.timings.items()}, "prefix_bytes": self.prefix.nbytes,
             "sent_frames": self.outbox.frames, "sent_bytes": self.outbox.bytes,
         }
 

@@ -164,9 +164,10 @@ class Tap:
 
 
 def start_stage(config: ClusterConfig, index: int, runner: SliceRunner, facts: ModelFacts,
-                shutdowns: list | None = None) -> StageService:
+                shutdowns: list | None = None, **options: Any) -> StageService:
     service = StageService(config, config.stages[index].id, runner, SECRET, facts,
-                           on_shutdown=(lambda: shutdowns.append(index)) if shutdowns is not None else None)
+                           on_shutdown=(lambda: shutdowns.append(index)) if shutdowns is not None else None,
+                           **options)
     service.start()
     return service
 

@@ -79,7 +79,7 @@ FIELDS: list[tuple[str, tuple, dict, Callable[[dict], None]]] = [
     ("RUN_RESULT", ("top_logprobs", 0, 0, 0), dict(RESULT), _result),
     ("RUN_RESULT", ("top_logprobs", 0, 0, 1), dict(RESULT), _result),
     *[("STATE", (name,), dict(STATE), check_state) for name in
-      ("stage", "num_layers", "hidden_size", "vocab_size", "sequences", "steps", "sent_frames", "sent_bytes",
+      ("stage", "num_layers", "hidden_size", "vocab_size", "sequences", "steps", "overlapped", "sent_frames", "sent_bytes",
        "prefix_bytes")],
     *[("STATE", (name,), {**STATE, name: 0.5}, check_state) for name in ("read_s", "queue_s", "compute_s", "send_s")],
     ("STATE", ("layers", 0), dict(STATE), check_state),
