@@ -339,8 +339,9 @@ class StageCluster:
     """Stage processes started through the CLI, and the TOML the coordinator side uses."""
 
     def __init__(self, model_dir: Path, stages: int, workdir: Path, devices: list[str] | None = None,
-                 threads: int | None = None):
+                 threads: int | None = None, env: dict[str, str] | None = None):
         self.model_dir = model_dir
+        self.env = env or {}  # extra environment of the stage processes only (a stage-side lever)
         self.workdir = workdir
         self.threads = threads  # OPENBLAS_NUM_THREADS per stage process (stages sharing one host's cores)
         self.devices = devices  # CUDA_VISIBLE_DEVICES per stage process (one GPU each), if given
@@ -365,7 +366,7 @@ class StageCluster:
         for i, host in enumerate(STAGE_HOSTS[: len(self.addrs)]):
             cmd = [sys.executable, "-m", "mlxcel", "serve", "-m", str(self.model_dir), "--distributed-config",
                    str(self.toml), "--node-id", f"stage-{i}", "--host", host, "--port", "0", "--log-level", "warning"]
-            env = dict(os.environ)
+            env = {**os.environ, **self.env}
             if self.threads:
                 env["OPENBLAS_NUM_THREADS"] = str(self.threads)
             if self.devices:
@@ -677,6 +678,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="CUDA_VISIBLE_DEVICES of each stage process, e.g. 0,1 for one GPU per stage")
     p.add_argument("--stage-threads", type=int, default=None,
                    help="OPENBLAS_NUM_THREADS of each stage process (stages that share one host's cores)")
+    p.add_argument("--stage-env", type=_env_pair, action="append", default=[], metavar="NAME=VALUE",
+                   help="an environment variable for the stage processes only (repeatable; recorded in the rows), "
+                        "e.g. MLXCEL_ASYNC_SCHED=0 for stages that do not build ahead")
     p.add_argument("--label", default=None, help="free-form label recorded in every row (e.g. h200-x2)")
     p.add_argument("--trace", action="store_true", help="also write trace-<mode>.jsonl: one line per token")
     p.add_argument("--reuse-workers", action="store_true",
@@ -719,6 +723,13 @@ def print_summary(rows: list[dict], args: argparse.Namespace) -> None:
                   f"tok/s aggregate = {ratio:.3f}x")
 
 
+def _env_pair(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name.isidentifier():
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    return name, value
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
@@ -727,8 +738,8 @@ def main(argv: list[str] | None = None) -> int:
     needs_stages = bool(args.streams) or (args.runs and any(m.startswith("remote_") for m in args.modes))
     traces: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="mlxcel-pipeline-bench-") as tmp:
-        cluster = StageCluster(Path(args.model), args.stages, Path(tmp), args.stage_devices, args.stage_threads) \
-            if needs_stages else None
+        cluster = StageCluster(Path(args.model), args.stages, Path(tmp), args.stage_devices, args.stage_threads,
+                               dict(args.stage_env)) if needs_stages else None
         try:
             if cluster is not None:
                 cluster.start()
@@ -742,6 +753,7 @@ def main(argv: list[str] | None = None) -> int:
         row["label"] = args.label
         row["stage_devices"] = ",".join(args.stage_devices) if args.stage_devices else None
         row["stage_threads"] = args.stage_threads
+        row["stage_env"] = dict(args.stage_env) or None
         row["bench_started"] = started
     path = write_jsonl(args.out / "pipeline_bench.jsonl", rows)
     print(f"\nrows: {path}")
