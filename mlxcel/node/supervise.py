@@ -252,11 +252,12 @@ class Supervisor:
     # -- the record -------------------------------------------------------------------------------------
 
     def _record(self, state: str, message: str, *, log: bool = True) -> None:
-        """Update ``<pidfile>.state``; ``log``: also append the message to the node's log (our stdout)."""
-        self.state.state, self.state.message = state, message
-        self.state.write(self.spec.state_file)
+        """Update ``<pidfile>.state``; ``log``: also append the message to the node's log (our stdout), first, so
+        that whoever reads the new state finds its line in the log."""
         if log:
             print(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} mlxcel node supervise: {message}", flush=True)
+        self.state.state, self.state.message = state, message
+        self.state.write(self.spec.state_file)
 
 
 def supervise(spec: NodeSpec) -> int:
