@@ -16,7 +16,7 @@ AES, no scheduler) and times one greedy token, batch 1, of the same checkpoint i
   bookkeeping; the last half samples with a ``RowSampler``, greedy, with the log-probability a stage returns).
 
 Per mode: tok/s and the per-token p50; for the split modes also each half's compute (input bytes to
-evaluated output) p50. Rows: --out (JSONL with the environment).
+evaluated output) p50; and whether its tokens are the first run's (every mode computes the same greedy tokens). Rows: --out (JSONL with the environment).
 
     python -m bench.gpu.pingpong_probe -m /tmp/models/q06-bf16 --tokens 128 --out bench/results/pingpong.jsonl
 """
@@ -83,18 +83,8 @@ class Half:
 
     def _emit(self, out: Any, t0: float, keep: bool = True) -> bytes:
         """A runner's output as bytes: the sampled token (last half) or the evaluated hidden state."""
-        import numpy as np
-
-        mx = self._mx
-        if self.last:
-            data = int(out[0].token).to_bytes(4, "little")
-        else:
-            out = out.astype(mx.bfloat16) if self.dtype == mx.bfloat16 else out.astype(mx.float32)
-            mx.eval(out)
-            data = np.array(out.view(mx.uint16) if self.dtype == mx.bfloat16 else out, copy=False).tobytes()
-        if keep:
-            self.compute.append(time.perf_counter() - t0)
-        return data
+        data = int(out[0].token).to_bytes(4, "little") if self.last else self._hidden_bytes(out)
+        return self._timed(data, t0, keep)
 
     def _from_bytes(self, data: bytes, n: int) -> Any:
         import numpy as np
@@ -105,18 +95,24 @@ class Half:
             else mx.array(np.frombuffer(data, dtype=np.float32)).reshape(1, n, -1)
 
     def _finish(self, out: Any, t0: float, keep: bool = True) -> bytes:
-        import numpy as np
-
+        """A plain half's output as bytes: the greedy token (last half) or the evaluated hidden state."""
         mx = self._mx
         if self.last:
             tok = mx.argmax(out[:, -1, :], axis=-1)
             mx.eval(tok)
-            data = int(tok.item()).to_bytes(4, "little")
-        else:
-            out = out.astype(mx.bfloat16) if self.dtype == mx.bfloat16 else out.astype(mx.float32)
-            mx.eval(out)
-            arr = np.array(out.view(mx.uint16) if self.dtype == mx.bfloat16 else out, copy=False)
-            data = arr.tobytes()
+            return self._timed(int(tok.item()).to_bytes(4, "little"), t0, keep)
+        return self._timed(self._hidden_bytes(out), t0, keep)
+
+    def _hidden_bytes(self, out: Any) -> bytes:
+        """The hidden state evaluated and copied out as the wire carries it (bfloat16's 16 bits, or float32)."""
+        import numpy as np
+
+        mx = self._mx
+        out = out.astype(mx.bfloat16) if self.dtype == mx.bfloat16 else out.astype(mx.float32)
+        mx.eval(out)
+        return np.array(out.view(mx.uint16) if self.dtype == mx.bfloat16 else out, copy=False).tobytes()
+
+    def _timed(self, data: bytes, t0: float, keep: bool) -> bytes:
         if keep:
             self.compute.append(time.perf_counter() - t0)
         return data
@@ -145,7 +141,7 @@ def _stage_process(model_dir: str, start: int, end: int, prompt: list[int], inbo
     report.send(half.compute)
 
 
-def run_whole(model: Any, prompt: list[int], tokens: int, use_async: bool) -> list[float]:
+def run_whole(model: Any, prompt: list[int], tokens: int, use_async: bool, seen: list[int]) -> list[float]:
     import mlx.core as mx
 
     from mlx_lm.models.cache import make_prompt_cache
@@ -162,24 +158,26 @@ def run_whole(model: Any, prompt: list[int], tokens: int, use_async: bool) -> li
         if use_async:
             nxt = forward(y.reshape(1, 1))
             mx.async_eval(nxt)
-            y.item()
+            seen.append(y.item())
             y = nxt
         else:
-            y = forward(mx.array([[y.item()]], dtype=mx.int32))
+            seen.append(y.item())
+            y = forward(mx.array([[seen[-1]]], dtype=mx.int32))
             mx.eval(y)
-            y.item()
         now = time.perf_counter()
         times.append(now - last)
         last = now
     return times
 
 
-def run_split_1proc(model: Any, prompt: list[int], tokens: int) -> tuple[list[float], list[float], list[float]]:
+def run_split_1proc(model: Any, prompt: list[int], tokens: int,
+                    seen: list[int]) -> tuple[list[float], list[float], list[float]]:
     n = len(model.model.layers)
     a, b = Half(model, 0, n // 2, prompt), Half(model, n // 2, n, prompt)
     tok = b.prefill(a.prefill(None))
     times, last = [], time.perf_counter()
     for _ in range(tokens):
+        seen.append(int.from_bytes(tok, "little"))
         tok = b.step(a.step(tok))
         now = time.perf_counter()
         times.append(now - last)
@@ -187,7 +185,7 @@ def run_split_1proc(model: Any, prompt: list[int], tokens: int) -> tuple[list[fl
     return times, a.compute, b.compute
 
 
-def run_split_2proc(model_dir: str, n: int, prompt: list[int], tokens: int, spin: bool,
+def run_split_2proc(model_dir: str, n: int, prompt: list[int], tokens: int, spin: bool, seen: list[int],
                     runner: bool = False) -> tuple[list, list, list]:
     ctx = mp.get_context("spawn")
     to_a, a_in = ctx.Pipe()
@@ -205,6 +203,7 @@ def run_split_2proc(model_dir: str, n: int, prompt: list[int], tokens: int, spin
         tok = _recv(from_b, spin)
         times, last = [], time.perf_counter()
         for _ in range(tokens):
+            seen.append(int.from_bytes(tok, "little"))
             to_a.send_bytes(tok)
             tok = _recv(from_b, spin)
             now = time.perf_counter()
@@ -245,23 +244,28 @@ def main(argv: list[str] | None = None) -> int:
     n = len(model.model.layers)
     prompt = [(7 * i + 3) % 200 + 10 for i in range(args.prompt)]
     rows = []
+    reference: list[int] = []  # the first run's tokens: every mode must give the same
     for rnd in range(args.rounds):
         for mode in (modes if rnd % 2 == 0 else modes[::-1]):
             ca: list[float] = []
             cb: list[float] = []
+            seen: list[int] = []
             if mode.startswith("whole"):
-                times = run_whole(model, prompt, args.tokens, mode == "whole_async")
+                times = run_whole(model, prompt, args.tokens, mode == "whole_async", seen)
             elif mode == "split_1proc":
-                times, ca, cb = run_split_1proc(model, prompt, args.tokens)
+                times, ca, cb = run_split_1proc(model, prompt, args.tokens, seen)
             else:
-                times, ca, cb = run_split_2proc(args.model, n, prompt, args.tokens, mode.endswith("spin"),
+                times, ca, cb = run_split_2proc(args.model, n, prompt, args.tokens, mode.endswith("spin"), seen,
                                                 mode.endswith("runner"))
+            reference = reference or seen
             row = {"bench": "pingpong_probe", "model": Path(args.model).name, "label": args.label, "round": rnd,
-                   "mode": mode, "tokens": len(times), "tok_s": round(len(times) / sum(times), 2) if times else None,
+                   "mode": mode, "tokens": len(times), "same_tokens": seen == reference,
+                   "tok_s": round(len(times) / sum(times), 2) if times else None,
                    "token_ms_p50": _ms(times), "half0_compute_ms_p50": _ms(ca), "half1_compute_ms_p50": _ms(cb)}
             rows.append(row)
             print(f"round {rnd} {mode:>17}: {row['tok_s']} tok/s, token p50 {row['token_ms_p50']} ms, "
-                  f"halves {row['half0_compute_ms_p50']} / {row['half1_compute_ms_p50']} ms", flush=True)
+                  f"halves {row['half0_compute_ms_p50']} / {row['half1_compute_ms_p50']} ms, "
+                  f"same tokens {row['same_tokens']}", flush=True)
     write_jsonl(args.out, rows)
     return 0
 
