@@ -70,6 +70,7 @@ COORDINATOR_HOST = "127.0.0.2"
 REPO = Path(__file__).resolve().parent.parent  # where ``python -m bench.pipeline_bench`` finds this module
 MODES = ("single", "inproc_pp", "remote_pp", "remote_pp_logits")
 WORKER_TIMEOUT_S = 900
+HEARTBEAT_S = 2  # the stages' STATE (and so the coordinator's /metrics of them) is at most this old
 _TIMING_SUFFIXES = ("_s", "_ms", "_us", "_ns")
 #: environment variables that change what is measured; rows record the ones set
 BENCH_ENV = ("MLXCEL_COMPILE_STEP", "MLX_MAX_OPS_PER_BUFFER", "MLX_MAX_MB_PER_BUFFER", "CUDA_VISIBLE_DEVICES")
@@ -355,7 +356,7 @@ class StageCluster:
         for i, a in enumerate(self.addrs):
             nodes += f'\n[[nodes]]\nid = "stage-{i}"\nrole = "stage"\naddress = "{a}"\n'
         self.toml.write_text(f'[cluster]\npipeline_parallel_size = {stages}\nsecret_file = "cluster.secret"\n\n'
-                             f'[pipeline]\nmax_batch_size = 8\nprefix_cache_mb = 0\n\n[timeouts]\nheartbeat_s = 30\nexchange_s = 120\n\n{nodes}')
+                             f'[pipeline]\nmax_batch_size = 8\nprefix_cache_mb = 0\n\n[timeouts]\nheartbeat_s = {HEARTBEAT_S}\nexchange_s = 120\n\n{nodes}')
         self.procs: list[subprocess.Popen] = []
 
     @property
@@ -586,6 +587,18 @@ def launch_server(args: list[str], host: str) -> tuple[subprocess.Popen, str]:
     raise RuntimeError(f"server {args} not ready")
 
 
+def stage_overlapped(url: str) -> int | None:
+    """The stages' steps built ahead since they started, from the coordinator's /metrics once a heartbeat has
+    brought their STATE (None if it does not say)."""
+    import httpx
+
+    time.sleep(HEARTBEAT_S + 0.5)
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("mlxcel_pipeline_stage_overlapped_steps_total "):
+            return int(float(line.split()[1]))
+    return None
+
+
 async def load_level(url: str, streams: int, tokens: int, prompts: list[str]) -> tuple[float, int]:
     """N concurrent streaming chats of `tokens` tokens each; (wall seconds, tokens received)."""
     import httpx
@@ -629,6 +642,8 @@ def server_levels(args: argparse.Namespace, cluster: StageCluster) -> list[dict]
                                  "per_token_ms_p50": None, "frames_per_token": None, "bytes_per_token": None,
                                  "return": "token", "identical": None, "model": Path(args.model).name,
                                  "fair_comparison": True})  # both are deployed servers, warmed alike
+                    if name == "server_remote_pp":  # steps the stages built ahead so far (docs/pipeline.md §3.13)
+                        rows[-1]["stage_overlapped_steps"] = stage_overlapped(coord_url)
                     print(f"{streams} streams round {rnd} {name:>17}: {n / wall:6.2f} tok/s aggregate", flush=True)
     finally:
         for proc in (coord, single):

@@ -45,6 +45,8 @@ _ENGINE_COUNTERS = {
                                                    "--resume-timeout"),
     "wire_frames": ("mlxcel_pipeline_frames", "Cluster frames the coordinator sent and received for pipeline steps"),
     "wire_bytes": ("mlxcel_pipeline_wire_bytes", "Payload bytes the coordinator sent and received for pipeline steps"),
+    "stage_overlapped": ("mlxcel_pipeline_stage_overlapped_steps", "Steps the pipeline stages built while an earlier "
+                                                                  "one still ran on the device (their last STATE)"),
 }
 #: a router's metrics (docs/disagg.md §8): gauges under their /router/stats names, only where the engine reports them
 _ROUTER_GAUGES = {
