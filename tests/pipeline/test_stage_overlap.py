@@ -69,7 +69,7 @@ def _pipeline(model, tiny_llama, overlap: int) -> tuple[object, list[StageServic
 @pytest.fixture(params=[1, 0], ids=["overlap", "no-overlap"])
 def pipeline(request, model, tiny_llama, monkeypatch) -> Iterator[tuple[int, object, list[StageService]]]:
     # each step sleeps a little before it is built, so the other micro-batch's step is queued meanwhile
-    monkeypatch.setenv(STAGE_STEP_DELAY_ENV, "0.02")
+    monkeypatch.setenv(STAGE_STEP_DELAY_ENV, "0.05")
     coordinator, stages = _pipeline(model, tiny_llama, request.param)
     yield request.param, coordinator, stages
     coordinator.close()
