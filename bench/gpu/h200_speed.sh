@@ -16,6 +16,7 @@
 #                     width 1408, 2 shared, MLA rank 512) 4-bit + moe_probe
 #   pingpong-bf16 pingpong-q4 pingpong-q8b   bench/gpu/pingpong_probe.py on q06-bf16 / q06-q4 / q8b-q4: one token
 #                     as the whole model (async, sync), two halves in one process, two halves in two processes
+#                     (PROBE_ROUNDS, default 2; PROBE_MODES, default every mode)
 #   probe-bf16        bench/gpu/step_probe.py on the 0.6B bf16 shape: graph build vs step, plain / masked / compiled
 #   serve             issue 24 item 2: the single-node server (mlxcel serve, asynchronous scheduling) and
 #                     mlx_lm.server, as users start them (SERVE_KINDS, default mlxcel,mlx_lm; add mlxcel-sync,
@@ -265,7 +266,8 @@ main() {
       pingpong-bf16|pingpong-q4|pingpong-q8b)  # bench/gpu/pingpong_probe.py: two evaluations against two processes
         m=${s#pingpong-}; m=${m/bf16/q06-bf16}; m=${m/#q4/q06-q4}; m=${m/q8b/q8b-q4}
         make_model "$m" && python3 -m bench.gpu.pingpong_probe -m "/tmp/models/$m" --tokens "$TOKENS" \
-          --rounds "${PROBE_ROUNDS:-2}" --label "h200-$m" --out "$RES/pingpong_probe.jsonl" ;;
+          --rounds "${PROBE_ROUNDS:-2}" ${PROBE_MODES:+--modes "$PROBE_MODES"} --label "h200-$m" \
+          --out "$RES/pingpong_probe.jsonl" ;;
       probe-bf16) make_model q06-bf16 && python3 -m bench.gpu.step_probe -m /tmp/models/q06-bf16 --steps 64 \
                     --label h200-q06-bf16 --out "$RES/step_probe.jsonl" ;;
       q06-bf16) suite q06-bf16 150 ;;
