@@ -145,6 +145,12 @@ SCHEMAS: dict[str, Schema] = {s.bench: s for s in (
         _str("label"), _str("model"), _str("variant"), _int("round"), _int("steps"), _num("build_ms_p50"),
         _num("step_ms_p50"),
     )),
+    # bench/gpu/pingpong_probe.py: one token as the whole model, or as two halves in one process or in two
+    Schema("pingpong_probe", "pingpong_probe", (
+        _str("label", nullable=True), _str("model"), _str("mode"), _int("round"), _int("tokens"),
+        Field("same_tokens", "bool"), _num("tok_s", nullable=True), _num("token_ms_p50", nullable=True),
+        _num("half0_compute_ms_p50", nullable=True), _num("half1_compute_ms_p50", nullable=True),
+    )),
     # bench/gil_bench.py: a protected bulk stream beside GIL-holding threads, per switch interval and frame size
     Schema("gil_stream", "gil_stream", (
         _int("busy_threads"), _num("switch_interval_ms"), _int("frame_kib"), _int("message_kib"), _int("mib"),

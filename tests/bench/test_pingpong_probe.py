@@ -29,3 +29,14 @@ def test_an_unknown_mode_is_refused_by_name(tiny_qwen3, capsys):
     with pytest.raises(SystemExit):
         pingpong_probe.main(["-m", str(tiny_qwen3), "--modes", "whole_sync,sideways"])
     assert "unknown mode(s): sideways" in capsys.readouterr().err
+
+
+def test_its_rows_pass_the_report_schema(tiny_qwen3, tmp_path):
+    from mlxcel.report.schema import validate_row
+
+    out = tmp_path / "pingpong.jsonl"
+    pingpong_probe.main(["-m", str(tiny_qwen3), "--tokens", "3", "--prompt", "4", "--rounds", "1",
+                         "--modes", "whole_sync,split_1proc", "--out", str(out)])
+    for line in out.read_text().splitlines():
+        bench, row = validate_row(json.loads(line))
+        assert bench == "pingpong_probe" and row["same_tokens"] is True
