@@ -695,7 +695,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="OPENBLAS_NUM_THREADS of each stage process (stages that share one host's cores)")
     p.add_argument("--stage-env", type=_env_pair, action="append", default=[], metavar="NAME=VALUE",
                    help="an environment variable for the stage processes only (repeatable; recorded in the rows), "
-                        "e.g. MLXCEL_ASYNC_SCHED=0 for stages that do not build ahead")
+                        "e.g. MLXCEL_STAGE_OVERLAP=1 for stages that build ahead")
     p.add_argument("--label", default=None, help="free-form label recorded in every row (e.g. h200-x2)")
     p.add_argument("--trace", action="store_true", help="also write trace-<mode>.jsonl: one line per token")
     p.add_argument("--reuse-workers", action="store_true",

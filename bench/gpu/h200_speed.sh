@@ -9,7 +9,7 @@
 # SUITES (run in order, each skipped once less than its budget is left of DEADLINE_S, default 560 s):
 #   q06-bf16 q06-q4   Qwen3-0.6B shape, 5 ABBA runs x (single, in-process 2, remote 2 protected), 128 tokens,
 #                     for every lever set in LEVERS (default "compile1 compile0": MLXCEL_COMPILE_STEP=1 / 0;
-#                     overlap0: the stages with MLXCEL_ASYNC_SCHED=0, so they do not build ahead)
+#                     overlap1: the stages with MLXCEL_STAGE_OVERLAP=1, so they build ahead)
 #   q8b-q4            Qwen3-8B shape 4-bit (36 layers, hidden 4096, 32/8 heads, intermediate 12288)
 #   moe30b-q4         Qwen3-30B-A3B shape 4-bit (48 layers, hidden 2048, 128 experts, 8 active, width 768) + moe_probe
 #   ds-q4             deepseek_v3 classes at DeepSeek-V2-Lite's scale (27 layers, hidden 2048, 64 experts, 6 active,
@@ -98,8 +98,8 @@ bench() {  # model lever
   local model=$1 lever=$2 compile stage_env=()
   case $lever in
     compile1) compile=1 ;;
-    compile0) compile=0 ;;  # the default build: stages build ahead (overlap) on the GPU
-    overlap0) compile=0; stage_env=(--stage-env MLXCEL_ASYNC_SCHED=0) ;;  # stages that do not build ahead
+    compile0) compile=0 ;;  # the default build (stages do not build ahead)
+    overlap1) compile=0; stage_env=(--stage-env MLXCEL_STAGE_OVERLAP=1) ;;  # stages that build ahead (§3.13)
     *) echo "unknown lever $lever"; return 2 ;;
   esac
   echo "== $model $lever ($(left) s left)"

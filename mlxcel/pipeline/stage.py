@@ -35,7 +35,7 @@ from mlxcel.cluster.ratelimit import WarnClass, cluster_warnings
 from mlxcel.cluster.secret import ClusterSecret
 from mlxcel.cluster.transport import Transport
 from mlxcel.cluster.wire import Kind
-from mlxcel.config import ASYNC_ENV, MAX_PREFIX_TOKENS, MAX_TOKENS_LIMIT, env_switch
+from mlxcel.config import MAX_PREFIX_TOKENS, MAX_TOKENS_LIMIT, STAGE_OVERLAP_ENV, env_switch
 from mlxcel.engine.prefix_cache import PrefixCache
 from mlxcel.engine.runner import PendingSample, RowSampler, RunnerError, Sampled, SliceRunner
 from mlxcel.engine.sampling import SamplingError
@@ -75,15 +75,12 @@ class _Launched:
 
 
 def overlap_depth() -> int:
-    """How many steps a stage builds ahead of the one the device runs: 1 on a GPU, 0 on a CPU (MLX's CPU
-    backend runs most of a step inside ``mx.async_eval`` itself, so nothing would overlap); the server's
-    switch ``MLXCEL_ASYNC_SCHED=1``/``0`` turns it on or off everywhere."""
-    import mlx.core as mx
+    """How many steps a stage builds ahead of the one the device runs: 1 with ``MLXCEL_STAGE_OVERLAP=1``, else 0.
 
-    switch = env_switch(ASYNC_ENV)
-    if switch is None:
-        return 1 if mx.default_device().type == mx.DeviceType.gpu else 0
-    return 1 if switch else 0
+    Off by default. On a CPU it loses: MLX's CPU backend computes most of a step inside ``mx.async_eval``,
+    so building the next step first delays the current step's send by a whole step (0.78x against 1.00-1.04x
+    at 8 streams, docs/benchmarks.md). On a GPU, where building costs less than running, it is not yet measured."""
+    return 1 if env_switch(STAGE_OVERLAP_ENV) else 0
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""A stage that builds its next step while the device runs the current one (``StageService(overlap=1)``).
+"""A stage that builds its next step while the device runs the current one (``StageService(overlap=1)``,
+``MLXCEL_STAGE_OVERLAP=1``).
 
 Real ``StageService`` stages and a real ``PipelineExecutor`` over the authenticated transport, in this
 process, on the 4-layer tiny llama (layers 0-1 and 2-3). Two sequences decode in micro-batches 0 and 1,
@@ -127,23 +128,22 @@ def test_a_step_failing_on_the_worker_beside_one_in_flight_fails_alone(pipeline,
     assert all(s._worker.is_alive() for s in stages)
 
 
-def test_overlap_is_on_by_default_only_on_a_gpu(monkeypatch):
-    import mlx.core as mx
-
-    monkeypatch.delenv("MLXCEL_ASYNC_SCHED", raising=False)
-    assert overlap_depth() == (1 if mx.default_device().type == mx.DeviceType.gpu else 0)
-    monkeypatch.setenv("MLXCEL_ASYNC_SCHED", "1")
+def test_overlap_is_off_unless_switched_on(monkeypatch):
+    monkeypatch.delenv("MLXCEL_STAGE_OVERLAP", raising=False)
+    assert overlap_depth() == 0
+    monkeypatch.setenv("MLXCEL_STAGE_OVERLAP", "1")
     assert overlap_depth() == 1
-    monkeypatch.setenv("MLXCEL_ASYNC_SCHED", "0")
+    monkeypatch.setenv("MLXCEL_STAGE_OVERLAP", "0")
     assert overlap_depth() == 0
 
 
-def test_serve_refuses_a_bad_async_switch_before_it_loads_anything(monkeypatch):
+@pytest.mark.parametrize("switch", ["MLXCEL_STAGE_OVERLAP", "MLXCEL_ASYNC_SCHED"])
+def test_serve_refuses_a_bad_switch_before_it_loads_anything(monkeypatch, switch):
     from mlxcel.cli import build_parser
     from mlxcel.commands.serve import check_flags
     from mlxcel.errors import CLIError
 
-    monkeypatch.setenv("MLXCEL_ASYNC_SCHED", "later")
+    monkeypatch.setenv(switch, "later")
     args = build_parser().parse_args(["serve", "-m", "anything", "--distributed-config", "c.toml", "--node-id", "s"])
-    with pytest.raises(CLIError, match="MLXCEL_ASYNC_SCHED must be 1 or 0, got 'later'"):
+    with pytest.raises(CLIError, match=f"{switch} must be 1 or 0, got 'later'"):
         check_flags(args)
