@@ -336,7 +336,7 @@ class StageService:
                 try:
                     item = self._work.get_nowait()
                 except queue.Empty:  # nothing to build meanwhile: finish the oldest step
-                    self._attempt(inflight[0].owner, inflight[0].message, self._finish, inflight.popleft())
+                    self._finish_oldest(inflight)
                     continue
             else:
                 item = self._work.get()
@@ -349,16 +349,20 @@ class StageService:
                     self.overlapped += bool(inflight)
                     inflight.append(launched)
                 while len(inflight) > self.overlap:
-                    self._attempt(inflight[0].owner, inflight[0].message, self._finish, inflight.popleft())
+                    self._finish_oldest(inflight)
                 continue
             while inflight:
-                self._attempt(inflight[0].owner, inflight[0].message, self._finish, inflight.popleft())
+                self._finish_oldest(inflight)
             if op == "prepare":
                 self._attempt(peer, m, self._prepare, peer, m, arg)
             elif op == "release":
                 self._attempt(peer, m, self._forget, peer, m, *arg)
             else:
                 self._attempt(peer, m, self._step, peer, m, arg)
+
+    def _finish_oldest(self, inflight: deque[_Launched]) -> None:
+        step = inflight.popleft()
+        self._attempt(step.owner, step.message, self._finish, step)
 
     def _attempt(self, peer: PeerId, m: StageMessage, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)``; a failure is answered to ``peer`` as an ERROR for ``m`` (None returned), never
