@@ -189,12 +189,14 @@ def check_flags(args: argparse.Namespace) -> None:
 
     check_cluster_flags(args)
     check_tp_flags(args)
-    try:  # MLXCEL_CRYPTO_WORKERS and MLXCEL_CRYPTO_PIPELINE_MIN_LEN, read when a transport starts, and
-        auto_workers()  # MLXCEL_BATCH_TAILS, MLXCEL_ASYNC_SCHED and MLXCEL_STAGE_OVERLAP, read when the scheduler or a stage
-        auto_pipeline_min_len()  # starts: refused here, before any load
-        env_switch(BATCH_TAILS_ENV)  # (without importing the scheduler: a router or pp-peer never needs it)
-        env_switch(ASYNC_ENV)
-        env_switch(STAGE_OVERLAP_ENV)
+    # MLXCEL_CRYPTO_WORKERS and MLXCEL_CRYPTO_PIPELINE_MIN_LEN, read when a transport starts, and the switches
+    # read when the scheduler or a stage starts: refused here, before any load (without importing the scheduler:
+    # a router or pp-peer never needs it)
+    try:
+        auto_workers()
+        auto_pipeline_min_len()
+        for switch in (BATCH_TAILS_ENV, ASYNC_ENV, STAGE_OVERLAP_ENV):
+            env_switch(switch)
     except ValueError as exc:
         raise CLIError(str(exc)) from None
     if (args.max_batch_size or args.parallel) > args.parallel:

@@ -238,14 +238,10 @@ class SliceRunner:
             out = self.forward(inputs, seq.cache)
         seq.length += inputs.shape[1]
         if not self.is_last:
-            return self._hidden(out, lazy)
+            self._settle(out, lazy)
+            return out
         if not sample:
-            if lazy:
-                with steptrace.phase("build"):  # queueing a chunk encodes its kernels on this thread
-                    mx.async_eval([c.state for c in seq.cache])
-                return None
-            with steptrace.phase("device"):
-                mx.eval([c.state for c in seq.cache])
+            self._settle([c.state for c in seq.cache], lazy)
             return None
         if logits:
             return self._logits(out)
@@ -265,22 +261,23 @@ class SliceRunner:
         for rid in rids:
             self._seqs[rid].length += 1
         if not self.is_last:
-            return self._hidden(out, lazy)
+            self._settle(out, lazy)
+            return out
         if logits:
             return self._logits(out)
         return self._sample(out[:, -1, :], [self._seqs[r] for r in rids], lazy)
 
     @staticmethod
-    def _hidden(out: mx.array, lazy: bool) -> mx.array:
-        """A non-last slice's output: evaluated, or (``lazy``) queued with ``mx.async_eval``, so that the
-        caller builds its next step while the device runs this one; reading it (``np.array``) waits."""
+    def _settle(arrays: Any, lazy: bool) -> None:
+        """Evaluate ``arrays`` (a non-last slice's output, or a chunk's cache), or with ``lazy`` queue them with
+        ``mx.async_eval``, so that the caller builds its next step while the device runs this one (reading
+        them later waits)."""
         if lazy:
             with steptrace.phase("build"):  # queueing encodes the step's kernels on this thread
-                mx.async_eval(out)
-            return out
+                mx.async_eval(arrays)
+            return
         with steptrace.phase("device"):
-            mx.eval(out)
-        return out
+            mx.eval(arrays)
 
     @staticmethod
     def _logits(out: mx.array) -> mx.array:

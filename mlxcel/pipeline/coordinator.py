@@ -323,8 +323,11 @@ class PipelineExecutor:
                 nbytes += int(s.state.get("sent_bytes", 0))
         return {"stages_down": float(len(self.monitor.down())), "wire_frames": float(frames), "wire_bytes": float(nbytes),
                 "prefix_hits": float(self.prefix_hits), "prefix_tokens": float(self.prefix_tokens),
-                "prefix_bytes": float(sum(int(s.state.get("prefix_bytes", 0)) for s in self.monitor.status.values())),
-                "stage_overlapped": float(sum(int(s.state.get("overlapped", 0)) for s in self.monitor.status.values()))}
+                "prefix_bytes": self._stages_total("prefix_bytes"), "stage_overlapped": self._stages_total("overlapped")}
+
+    def _stages_total(self, field: str) -> float:
+        """An integer STATE field summed over the stages' last STATEs (0 where a stage leaves it out)."""
+        return float(sum(int(s.state.get(field, 0)) for s in self.monitor.status.values()))
 
     def health(self) -> dict[str, Any]:
         nodes = self._nodes

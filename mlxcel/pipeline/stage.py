@@ -429,14 +429,12 @@ class StageService:
         out = step.out.resolve() if isinstance(step.out, PendingSample) else step.out
         h, owner, m = step.message.header, step.owner, step.message
         fwd = {k: h[k] for k in ("nonce", "phase", "micro_batch", "request_ids", "sample") if k in h}
-        if not self.is_last:
-            hidden = to_wire(out)  # waits for a queued step's evaluation
-            computed = time.perf_counter()
-            self.timings["compute_s"] += computed - step.started
+        hidden = None if self.is_last else to_wire(out)  # waits for a queued step's evaluation
+        computed = time.perf_counter()
+        self.timings["compute_s"] += computed - step.started
+        if hidden is not None:
             self._send(self.downstream, MsgType.ACTIVATION, fwd, {"hidden": hidden}, owner, m)
         else:
-            computed = time.perf_counter()
-            self.timings["compute_s"] += computed - step.started
             self._send(owner, MsgType.RUN_RESULT, {**fwd, **_result_fields(out, step.logits)},
                        {"logits": ("float32", _np(out))} if step.logits and out is not None else None, owner, m)
         self.timings["send_s"] += time.perf_counter() - computed
