@@ -27,7 +27,7 @@ from mlxcel.models.identity import model_identity
 from mlxcel.topology.partition import PartitionError, layer_costs
 from tests.bringup.fake_peers import FakePeer, LyingPeer, ReplayingPeer
 from tests.bringup.procs import COORDINATOR_HOST, free_port, write_secret
-from tests.pipeline.test_authorization import wait_until  # a peer handles a message after our side returned
+from tests.pipeline.members import wait_until  # a peer handles a message after our side returned
 
 pytestmark = [pytest.mark.timeout(120)]
 MEMORY = 1 << 34  # what a FakePeer reports

@@ -163,6 +163,16 @@ class Tap:
         return next(raw for _, m, raw in self.seen if m is not None and m.type is mtype and m.nonce == nonce)
 
 
+def wait_until(pred: Callable[[], bool], timeout: float = 5.0) -> bool:
+    """Whether ``pred()`` holds within ``timeout`` seconds (polled every 5 ms)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.005)
+    return pred()
+
+
 def start_stage(config: ClusterConfig, index: int, runner: SliceRunner, facts: ModelFacts,
                 shutdowns: list | None = None, **options: Any) -> StageService:
     service = StageService(config, config.stages[index].id, runner, SECRET, facts,

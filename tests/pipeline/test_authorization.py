@@ -54,6 +54,7 @@ from tests.pipeline.members import (
     stage_state,
     start_coordinator,
     start_stage,
+    wait_until,
 )
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.proc]
@@ -73,15 +74,6 @@ _rids = iter(range(10**6))
 
 def rid(tag: str) -> str:
     return f"{tag}-{next(_rids)}"
-
-
-def wait_until(pred: Callable[[], bool], timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.005)
-    return pred()
 
 
 def hidden(rows: int = 1, n: int = 1, width: int = HIDDEN, dtype: str = "float32") -> dict[str, Any]:

@@ -10,7 +10,6 @@ of one device; without it nothing is built ahead.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -29,6 +28,7 @@ from tests.pipeline.members import (
     free_port,
     start_coordinator,
     start_stage,
+    wait_until,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -78,15 +78,6 @@ def pipeline(request, model, tiny_llama, monkeypatch) -> Iterator[tuple[int, obj
         s.close()
 
 
-def _eventually(check, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
 def _decode_both(coordinator, runs: list[GreedyRun]) -> list[object]:
     """One decode step of every run, all submitted before any is waited for; the outcomes in order."""
     pending = [Pending(coordinator, Step("decode", [r.rid], [[r.tokens[-1]]], slot=r.slot)) for r in runs]
@@ -109,7 +100,7 @@ def test_overlapped_micro_batches_give_one_devices_tokens(pipeline, expected):
     else:
         assert built_ahead == [0, 0]
     # the coordinator's /metrics sum the stages' STATE counts once a heartbeat has brought them
-    assert _eventually(lambda: coordinator.stats()["stage_overlapped"] == sum(built_ahead))
+    assert wait_until(lambda: coordinator.stats()["stage_overlapped"] == sum(built_ahead))
     for r in runs:
         r.release()
 

@@ -28,8 +28,8 @@ from tests.pipeline.test_authorization import (  # noqa: F401 - fixtures
     rid,
     start_victim,
     strict,
-    wait_until,
 )
+from tests.pipeline.members import wait_until
 
 EDGES = (2**32 - 1, 2**31, 2**31 - 1, VOCAB, VOCAB - 1, 600, 0, -1, -(2**31), 2**32, 2**63)
 FIELDS = ["input_ids int32", "input_ids uint32", "prompt", "max_cached", "tokens"]
