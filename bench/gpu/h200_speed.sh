@@ -9,14 +9,17 @@
 # SUITES (run in order, each skipped once less than its budget is left of DEADLINE_S, default 560 s):
 #   q06-bf16 q06-q4   Qwen3-0.6B shape, 5 ABBA runs x (single, in-process 2, remote 2 protected), 128 tokens,
 #                     for every lever set in LEVERS (default "compile1 compile0": MLXCEL_COMPILE_STEP=1 / 0;
-#                     overlap1: the stages with MLXCEL_STAGE_OVERLAP=1, so they build ahead)
+#                     overlap1: the stages with MLXCEL_STAGE_OVERLAP=1, so they build ahead; mps / mps-overlap1:
+#                     compile0 / overlap1 with every process of the batch a client of one CUDA MPS server, so
+#                     processes sharing the one GPU share one context instead of taking turns)
 #   q8b-q4            Qwen3-8B shape 4-bit (36 layers, hidden 4096, 32/8 heads, intermediate 12288)
 #   moe30b-q4         Qwen3-30B-A3B shape 4-bit (48 layers, hidden 2048, 128 experts, 8 active, width 768) + moe_probe
 #   ds-q4             deepseek_v3 classes at DeepSeek-V2-Lite's scale (27 layers, hidden 2048, 64 experts, 6 active,
 #                     width 1408, 2 shared, MLA rank 512) 4-bit + moe_probe
 #   pingpong-bf16 pingpong-q4 pingpong-q8b   bench/gpu/pingpong_probe.py on q06-bf16 / q06-q4 / q8b-q4: one token
 #                     as the whole model (async, sync), two halves in one process, two halves in two processes
-#                     (PROBE_ROUNDS, default 2; PROBE_MODES, default every mode)
+#                     (PROBE_ROUNDS, default 2; PROBE_MODES, default every mode); pingpong-mps-bf16: the same on
+#                     q06-bf16 under one CUDA MPS server
 #   probe-bf16        bench/gpu/step_probe.py on the 0.6B bf16 shape: graph build vs step, plain / masked / compiled
 #   serve             issue 24 item 2: the single-node server (mlxcel serve, asynchronous scheduling) and
 #                     mlx_lm.server, as users start them (SERVE_KINDS, default mlxcel,mlx_lm; add mlxcel-sync,
@@ -59,6 +62,20 @@ RES=/tmp/results
 mkdir -p "$RES"
 left() { echo $(( DEADLINE_S - ($(date +%s) - T0) )); }
 
+# CUDA MPS: one server process holds the GPU's context, and every CUDA process started meanwhile runs through it.
+# The daemon is this run's own (pipe and log under /tmp/mps) and quits when the lever or suite ends, or on exit.
+export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps/log
+mps_start() {
+  command -v nvidia-cuda-mps-control >/dev/null || { echo "== no nvidia-cuda-mps-control here"; return 1; }
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  nvidia-cuda-mps-control -d && touch /tmp/mps/on && echo "== MPS server on"
+}
+mps_stop() {
+  [ -e /tmp/mps/on ] || return 0
+  rm -f /tmp/mps/on; echo quit | timeout 20 nvidia-cuda-mps-control; sleep 1; echo "== MPS server off"
+}
+trap mps_stop EXIT
+
 install() {
   [ -d /tmp/site/mlx ] || [ -n "${SKIP_INSTALL:-}" ] && return 0
   cat /tmp/cuda.part.aa "$GPU_DIR/b/cuda.part.ab" > /tmp/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl
@@ -95,18 +112,22 @@ make_model() {  # name -> /tmp/models/name (built here, on the GPU)
 }
 
 bench() {  # model lever
-  local model=$1 lever=$2 compile stage_env=()
+  local model=$1 lever=$2 compile stage_env=() mps=0
+  case $lever in mps*) mps=1; lever=${lever#mps}; lever=${lever#-}; lever=${lever:-compile0} ;; esac
   case $lever in
     compile1) compile=1 ;;
     compile0) compile=0 ;;  # the default build (stages do not build ahead)
     overlap1) compile=0; stage_env=(--stage-env MLXCEL_STAGE_OVERLAP=1) ;;  # stages that build ahead (§3.13)
     *) echo "unknown lever $lever"; return 2 ;;
   esac
+  [ $mps = 1 ] && { mps_start || return 0; lever=mps-$lever; }
   echo "== $model $lever ($(left) s left)"
   MLXCEL_COMPILE_STEP=$compile python3 -m bench.pipeline_bench -m "/tmp/models/$model" --runs "$RUNS" --tokens "$TOKENS" \
     --modes "${MODES:-single,inproc_pp,remote_pp}" --streams "${STREAMS:-}" --trace --reuse-workers "${stage_env[@]}" \
     ${STAGE_DEVICES:+--stage-devices "$STAGE_DEVICES"} \
     --label "${LABEL:-h200}-$model-$lever" --out "$RES/$model-$lever" 2>&1 | grep -v "^WARNING"
+  [ $mps = 1 ] && mps_stop
+  return 0
 }
 
 suite() {  # suite name, its budget in seconds
@@ -263,11 +284,13 @@ main() {
                        --label h200-q06-bf16 --out "$RES/prefill_probe.jsonl" | tail -40 ;;
       managed-probe) python3 -m bench.gpu.managed_probe --mib 172 --rounds "${PROBE_ROUNDS:-6}" --label h200 \
                        --out "$RES/managed_probe.jsonl" ;;
-      pingpong-bf16|pingpong-q4|pingpong-q8b)  # bench/gpu/pingpong_probe.py: two evaluations against two processes
-        m=${s#pingpong-}; m=${m/bf16/q06-bf16}; m=${m/#q4/q06-q4}; m=${m/q8b/q8b-q4}
+      pingpong-bf16|pingpong-q4|pingpong-q8b|pingpong-mps-bf16)  # bench/gpu/pingpong_probe.py: two evaluations
+        m=${s#pingpong-}; m=${m#mps-}; m=${m/bf16/q06-bf16}; m=${m/#q4/q06-q4}; m=${m/q8b/q8b-q4}  # vs two processes
+        label=h200-$m; [ "$s" = pingpong-mps-bf16 ] && { mps_start || continue; label=h200-mps-$m; }
         make_model "$m" && python3 -m bench.gpu.pingpong_probe -m "/tmp/models/$m" --tokens "$TOKENS" \
-          --rounds "${PROBE_ROUNDS:-2}" ${PROBE_MODES:+--modes "$PROBE_MODES"} --label "h200-$m" \
-          --out "$RES/pingpong_probe.jsonl" ;;
+          --rounds "${PROBE_ROUNDS:-2}" ${PROBE_MODES:+--modes "$PROBE_MODES"} --label "$label" \
+          --out "$RES/pingpong_probe.jsonl"
+        mps_stop ;;
       probe-bf16) make_model q06-bf16 && python3 -m bench.gpu.step_probe -m /tmp/models/q06-bf16 --steps 64 \
                     --label h200-q06-bf16 --out "$RES/step_probe.jsonl" ;;
       q06-bf16) suite q06-bf16 150 ;;
