@@ -78,9 +78,9 @@ class _Launched:
 def overlap_depth() -> int:
     """How many steps a stage builds ahead of the one the device runs: 1 with ``MLXCEL_STAGE_OVERLAP=1``, else 0.
 
-    Off by default. On a CPU it loses: MLX's CPU backend computes most of a step inside ``mx.async_eval``,
-    so building the next step first delays the current step's send by a whole step (0.78x against 1.00-1.04x
-    at 8 streams, docs/benchmarks.md). On a GPU, where building costs less than running, it is not yet measured."""
+    Off by default: it lost wherever it was measured at 8 streams (docs/benchmarks.md): on a CPU 0.78x the single
+    node against 1.00-1.04x without it (MLX's CPU backend computes most of a step inside ``mx.async_eval``, so
+    building the next step first delays the current step's send by a whole step), on an H100 0.42x against 0.73x."""
     return 1 if env_switch(STAGE_OVERLAP_ENV) else 0
 
 
