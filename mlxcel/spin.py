@@ -3,8 +3,9 @@
 A thread that sleeps in ``recv`` or ``queue.get`` between the steps of a pipeline wakes up late and, on the
 hosts measured, runs its next step slower: a two-process ping-pong of two half models on one GPU took 5.9 ms a
 token with sleeping receivers against 4.5 ms with polling ones (docs/benchmarks.md, 2026-12-07). With a window
-set, a cluster connection's reader first polls its socket (``MSG_DONTWAIT``) and a stage's worker first polls
-its queue, each for up to the window after it runs dry, then sleeps as before. Each poll releases the GIL.
+set, a cluster connection's reader first polls its socket (``MSG_DONTWAIT``), a stage's worker its queue, and
+the server's scheduler its inbox while a step is out (a coordinator waiting for its stages), each for up to the
+window after it runs dry, then sleeps as before. Each poll releases the GIL.
 Off by default: polling burns a core per waiting thread for the window after every message.
 """
 
@@ -41,9 +42,9 @@ def poll_recv_into(sock: socket.socket, view: memoryview, window_s: float) -> in
                 return None
 
 
-def poll_get(q: queue.SimpleQueue, window_s: float) -> Any:
+def poll_get(q: queue.SimpleQueue, window_s: float, timeout: float | None = None) -> Any:
     """The next item of ``q``: polled for up to ``window_s`` (sleeping 0 s between polls, which lets other threads
-    take the GIL), then waited for."""
+    take the GIL), then waited for (up to ``timeout`` seconds more: ``queue.Empty`` after it)."""
     if window_s > 0:
         deadline = time.perf_counter() + window_s
         get_nowait, sleep, clock = q.get_nowait, time.sleep, time.perf_counter
@@ -52,4 +53,4 @@ def poll_get(q: queue.SimpleQueue, window_s: float) -> Any:
                 return get_nowait()
             except queue.Empty:
                 sleep(0)
-    return q.get()
+    return q.get(timeout=timeout)

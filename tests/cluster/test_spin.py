@@ -75,6 +75,10 @@ def test_poll_get_polls_then_waits():
     assert poll_get(q, WINDOW_S) == "late"  # after the window: the blocking get
     q.put("now")
     assert poll_get(q, 0) == "now"  # no window: a plain get
+    t0 = time.perf_counter()
+    with pytest.raises(queue.Empty):
+        poll_get(q, WINDOW_S, timeout=WINDOW_S)  # the window, then the timeout
+    assert time.perf_counter() - t0 >= 2 * WINDOW_S
 
 
 @pytest.fixture
