@@ -11,8 +11,7 @@
 #                     for every lever set in LEVERS (default "compile1 compile0": MLXCEL_COMPILE_STEP=1 / 0;
 #                     overlap1: the stages with MLXCEL_STAGE_OVERLAP=1, so they build ahead; mps / mps-overlap1:
 #                     compile0 / overlap1 with every process of the batch a client of one CUDA MPS server, so
-#                     processes sharing the one GPU share one context instead of taking turns; spin: every process
-#                     of the batch with MLXCEL_SPIN_US=SPIN_US (default 5000): readers and stage workers poll)
+#                     processes sharing the one GPU share one context instead of taking turns)
 #   q8b-q4            Qwen3-8B shape 4-bit (36 layers, hidden 4096, 32/8 heads, intermediate 12288)
 #   moe30b-q4         Qwen3-30B-A3B shape 4-bit (48 layers, hidden 2048, 128 experts, 8 active, width 768) + moe_probe
 #   ds-q4             deepseek_v3 classes at DeepSeek-V2-Lite's scale (27 layers, hidden 2048, 64 experts, 6 active,
@@ -113,18 +112,17 @@ make_model() {  # name -> /tmp/models/name (built here, on the GPU)
 }
 
 bench() {  # model lever
-  local model=$1 lever=$2 compile stage_env=() mps=0 spin=
+  local model=$1 lever=$2 compile stage_env=() mps=0
   case $lever in mps*) mps=1; lever=${lever#mps}; lever=${lever#-}; lever=${lever:-compile0} ;; esac
   case $lever in
     compile1) compile=1 ;;
     compile0) compile=0 ;;  # the default build (stages do not build ahead)
     overlap1) compile=0; stage_env=(--stage-env MLXCEL_STAGE_OVERLAP=1) ;;  # stages that build ahead (§3.13)
-    spin) compile=0; spin=${SPIN_US:-5000} ;;  # every reader and stage worker polls before it sleeps (§3.14)
     *) echo "unknown lever $lever"; return 2 ;;
   esac
   [ $mps = 1 ] && { mps_start || return 0; lever=mps-$lever; }
   echo "== $model $lever ($(left) s left)"
-  MLXCEL_SPIN_US=$spin MLXCEL_COMPILE_STEP=$compile python3 -m bench.pipeline_bench -m "/tmp/models/$model" --runs "$RUNS" --tokens "$TOKENS" \
+  MLXCEL_COMPILE_STEP=$compile python3 -m bench.pipeline_bench -m "/tmp/models/$model" --runs "$RUNS" --tokens "$TOKENS" \
     --modes "${MODES:-single,inproc_pp,remote_pp}" --streams "${STREAMS:-}" --trace --reuse-workers "${stage_env[@]}" \
     ${STAGE_DEVICES:+--stage-devices "$STAGE_DEVICES"} \
     --label "${LABEL:-h200}-$model-$lever" --out "$RES/$model-$lever" 2>&1 | grep -v "^WARNING"

@@ -12,8 +12,6 @@ import socket
 import threading
 from typing import Callable, Iterable
 
-from mlxcel.spin import poll_recv_into
-
 from .errors import ClusterError, ConnectionLost, FrameError, LocalProtocolError, RequestError, RequestTimeout, SequenceExhausted
 from .frames import Buffer, FrameOpener, FrameSealer
 from .handshake import Established
@@ -150,15 +148,12 @@ class Connection:
                          pipeline_min_len=self.options.effective_crypto_pipeline_min_len)
         read_frame, recv_target, received, drain = rd.read_frame, rd.recv_target, rd.received, rd.drain
         recv_into, frame_done = self.sock.recv_into, self.assembler.frame_done
-        spin_s = self.options.effective_spin_s
         try:
             while True:
                 got = read_frame()
                 if got is None:
                     view, exact = recv_target()
-                    n = poll_recv_into(self.sock, view, spin_s) if spin_s else None
-                    if n is None:
-                        n = recv_into(view, len(view), socket.MSG_WAITALL if exact else 0)
+                    n = recv_into(view, len(view), socket.MSG_WAITALL if exact else 0)
                     if not n:
                         raise EOFError
                     received(n)

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from mlxcel.spin import spin_window_s
-
 from .aead_pipeline import auto_pipeline_min_len, auto_workers
 from .wire import (
     ASSIGNMENT_MAX_PENDING_HANDSHAKES,
@@ -65,14 +63,6 @@ class TransportOptions:
     #: with helpers, only messages of at least this many body bytes use them, on either end; 0: every
     #: fragmented message; None: MLXCEL_CRYPTO_PIPELINE_MIN_LEN if set, else 4 MiB (resolved when a transport starts)
     crypto_pipeline_min_len: int | None = None
-    #: seconds a connection's reader polls its socket before it sleeps in recv once it has run dry (mlxcel/spin.py);
-    #: 0: off; None: MLXCEL_SPIN_US if set, else 0 (resolved when a transport starts)
-    spin_s: float | None = None
-
-    @property
-    def effective_spin_s(self) -> float:
-        """``spin_s`` with None resolved (the environment, else 0: off)."""
-        return spin_window_s() if self.spin_s is None else self.spin_s
 
     @property
     def effective_crypto_workers(self) -> int:

@@ -90,8 +90,6 @@ class Transport:
         self.options = replace(options or TransportOptions(), **overrides)  # type: ignore[arg-type]
         if self.options.crypto_pipeline_min_len is None:  # the environment is read once, here
             self.options = replace(self.options, crypto_pipeline_min_len=self.options.effective_crypto_pipeline_min_len)
-        if self.options.spin_s is None:
-            self.options = replace(self.options, spin_s=self.options.effective_spin_s)
         self.warnings = warnings or cluster_warnings
         self._on_message: OnMessage | None = None
         self._on_request: OnRequest | None = None

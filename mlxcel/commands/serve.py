@@ -186,17 +186,15 @@ def check_flags(args: argparse.Namespace) -> None:
     """Flag combinations of every feature (nothing is read or bound yet)."""
     from mlxcel.cluster.aead_pipeline import auto_pipeline_min_len, auto_workers
     from mlxcel.parallel.options import check_tp_flags
-    from mlxcel.spin import spin_window_s
 
     check_cluster_flags(args)
     check_tp_flags(args)
-    # MLXCEL_CRYPTO_WORKERS, MLXCEL_CRYPTO_PIPELINE_MIN_LEN and MLXCEL_SPIN_US, read when a transport starts, and the switches
+    # MLXCEL_CRYPTO_WORKERS and MLXCEL_CRYPTO_PIPELINE_MIN_LEN, read when a transport starts, and the switches
     # read when the scheduler or a stage starts: refused here, before any load (without importing the scheduler:
     # a router or pp-peer never needs it)
     try:
         auto_workers()
         auto_pipeline_min_len()
-        spin_window_s()
         for switch in (BATCH_TAILS_ENV, ASYNC_ENV, STAGE_OVERLAP_ENV):
             env_switch(switch)
     except ValueError as exc:

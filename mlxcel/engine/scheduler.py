@@ -99,7 +99,6 @@ from mlxcel.engine.runner import Sampled
 from mlxcel.engine.sampling import SamplingParams, random_seed
 from mlxcel.engine.textstream import SequenceText
 from mlxcel.error_codes import ErrorCode, code_of
-from mlxcel.spin import poll_get, spin_window_s
 
 log = logging.getLogger("mlxcel.engine")
 
@@ -232,7 +231,6 @@ class Scheduler:
         self._warmup = warmup
         self._eos = set(tokenizer.eos_token_ids)
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-        self._spin_s = spin_window_s()  # how long to poll the inbox for a step's result before sleeping
         self._lock = threading.Lock()
         self._inflight_requests = 0
         self._closed = False
@@ -412,8 +410,8 @@ class Scheduler:
         """Apply queued inputs (blocking for the first one if asked); False when told to stop."""
         try:
             if block:
-                with steptrace.phase("idle"):  # polled first while a step is out (MLXCEL_SPIN_US)
-                    item = poll_get(self._inbox, self._spin_s if self._steps_inflight else 0.0, IDLE_WAIT_S)
+                with steptrace.phase("idle"):
+                    item = self._inbox.get(timeout=IDLE_WAIT_S)
             else:
                 item = self._inbox.get_nowait()
         except queue.Empty:

@@ -39,7 +39,6 @@ from mlxcel.config import MAX_PREFIX_TOKENS, MAX_TOKENS_LIMIT, STAGE_OVERLAP_ENV
 from mlxcel.engine.prefix_cache import PrefixCache
 from mlxcel.engine.runner import PendingSample, RowSampler, RunnerError, Sampled, SliceRunner
 from mlxcel.engine.sampling import SamplingError
-from mlxcel.spin import poll_get
 from mlxcel.models.facts import ModelFacts
 from mlxcel.topology.cluster_config import ClusterConfig
 from mlxcel.cluster.outbox import Outbox, fast_handoffs
@@ -134,7 +133,6 @@ class StageService:
         self._delay = float(os.environ.get(STAGE_STEP_DELAY_ENV, "0") or 0)
         self.overlap = overlap_depth() if overlap is None else overlap  # steps built ahead (``_run``)
         self.overlapped = 0  # steps built while an earlier one was still on the device
-        self.spin_s = self.transport.options.effective_spin_s  # the worker polls its queue this long (mlxcel/spin.py)
 
     @property
     def is_first(self) -> bool:
@@ -341,7 +339,7 @@ class StageService:
                     self._finish_oldest(inflight)
                     continue
             else:
-                item = poll_get(self._work, self.spin_s)
+                item = self._work.get()
             if item is _STOP:
                 return
             op, peer, m, arg = item
