@@ -1,29 +1,27 @@
 #!/usr/bin/env bash
 # The pipeline benchmark on a lent NVIDIA H200 (the device tool; no registry there, Python 3.12).
 #
-# Wheels travel in two calls because one call carries at most 64 MiB (../shared/GPU.md):
-#   call 1: carry .gpu/a (the first half of mlx-cuda-13)      -> bash bench/gpu/h200_pipeline.sh stash
-#   call 2: carry .gpu/b (second half, mlx, mlx-lm, deps)    -> bash bench/gpu/h200_pipeline.sh run [SHAPES]
-# Prepare both folders here with bench/gpu/prepare_wheels.sh. Results go to $OUT/<shape>/ (rows and traces).
+# Wheels travel over three calls because one call carries at most 64 MiB with the working tree (../shared/GPU.md;
+# bench/gpu/stash.sh): calls 1 and 2 carry .gpu/a, then .gpu/b, and run `bash bench/gpu/stash.sh`; call 3 carries
+# .gpu/deps and runs `bash bench/gpu/stash.sh && bash bench/gpu/h200_pipeline.sh run [SHAPES]`.
+# Prepare the folders here with bench/gpu/prepare_wheels.sh. Results go to $OUT/<shape>/ (rows and traces).
 # SHAPES: comma-separated of bf16, q4 (Qwen3-0.6B shape, random weights; q4 = 4-bit, group 64, bf16 scales).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 step=${1:-run}
-if [ "$step" = stash ]; then
-  mkdir -p /tmp/wparts && cp .gpu/a/cuda.part.aa /tmp/wparts/ && ls -l /tmp/wparts
-  exit 0
-fi
+if [ "$step" = stash ]; then exec bash bench/gpu/stash.sh; fi
+g=/tmp/gpu  # where bench/gpu/stash.sh keeps the wheels
 shapes=${2:-bf16}
 RUNS=${RUNS:-5}
 TOKENS=${TOKENS:-128}
 if [ ! -d /tmp/site/mlx ]; then
-  cat /tmp/wparts/cuda.part.aa .gpu/b/cuda.part.ab > /tmp/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl
-  (cd /tmp && sha256sum -c "$OLDPWD/.gpu/b/cuda.sha256")
+  cat $g/a/cuda.part.aa $g/b/cuda.part.ab > /tmp/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl
+  (cd /tmp && sha256sum -c $g/b/cuda.sha256)
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
-    /tmp/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl .gpu/b/mlx-0.32.4-*.whl .gpu/b/mlx_lm-*.whl
+    /tmp/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl $g/b/mlx-0.32.4-*.whl $g/b/mlx_lm-*.whl
   ln -sfn /opt/torch/.venv/lib/python3.12/site-packages/nvidia /tmp/site/nvidia
 fi
-python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .gpu/b/deps/*.whl 2>&1 | grep -v WARNING || true
+python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site $g/deps/*.whl 2>&1 | grep -v WARNING || true
 export PYTHONPATH=/tmp/site:$PWD
 python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device())"
 python3 -c "import mlxcel.roles.stage, mlxcel.server.app"  # the stage and server imports, before any run

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Issue 24 item 1 (the stage step) and issue 23 item 6 (MoE rows) on a lent NVIDIA H200.
 #
-# The wheels travel as for h200_pipeline.sh (prepare them with bench/gpu/prepare_wheels.sh into
-# .gpu/a and .gpu/b); this checkout's code travels as .gpu/src (rsync -a --delete mlxcel bench
-# pyproject.toml .gpu/src/), because the device tool sends the session's checkout, not a worktree:
-#   call 1: carry .gpu/a            -> cp .gpu/a/cuda.part.aa /tmp/ (the stash; the machine stays warm 30 s)
-#   call 2: carry .gpu/b .gpu/src   -> GPU_DIR=.gpu bash .gpu/src/bench/gpu/h200_speed.sh SUITE...
+# The wheels travel over three device calls (bench/gpu/stash.sh says how; prepare them with
+# bench/gpu/prepare_wheels.sh), the code as the session's checkout; the third call runs this script:
+#   bash bench/gpu/stash.sh && MLXCEL_GIT_COMMIT=<sha> bash bench/gpu/h200_speed.sh SUITE...
+# (A helper's worktree is not what the device tool sends: copy its code to .gpu/src, carry that too, and run
+# .gpu/src/bench/gpu/h200_speed.sh.) GPU_DIR (default /tmp/gpu) is where stash.sh put the wheels.
 # SUITES (run in order, each skipped once less than its budget is left of DEADLINE_S, default 560 s):
 #   q06-bf16 q06-q4   Qwen3-0.6B shape, 5 ABBA runs x (single, in-process 2, remote 2 protected), 128 tokens,
 #                     for every lever set in LEVERS (default "compile1 compile0": MLXCEL_COMPILE_STEP=1 / 0;
@@ -52,7 +52,7 @@
 # Everything lands in $OUT/results.tar.gz (rows, traces, logs) and $OUT/log.txt.
 set -uo pipefail
 SRC=$(cd "$(dirname "$0")/../.." && pwd)
-GPU_DIR=$(cd "${GPU_DIR:-.gpu}" && pwd)
+GPU_DIR=${GPU_DIR:-/tmp/gpu}
 T0=$(date +%s)
 DEADLINE_S=${DEADLINE_S:-560}
 RUNS=${RUNS:-5}
@@ -78,11 +78,11 @@ trap mps_stop EXIT
 
 install() {
   [ -d /tmp/site/mlx ] || [ -n "${SKIP_INSTALL:-}" ] && return 0
-  cat /tmp/cuda.part.aa "$GPU_DIR/b/cuda.part.ab" > /tmp/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl
+  cat "$GPU_DIR/a/cuda.part.aa" "$GPU_DIR/b/cuda.part.ab" > /tmp/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl
   (cd /tmp && sha256sum -c "$GPU_DIR/b/cuda.sha256") || exit 3
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
     /tmp/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl "$GPU_DIR"/b/mlx-0.32.4-*.whl "$GPU_DIR"/b/mlx_lm-*.whl
-  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site "$GPU_DIR"/b/deps/*.whl 2>&1 | grep -v WARNING
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site "$GPU_DIR"/deps/*.whl 2>&1 | grep -v WARNING
   ln -sfn /opt/torch/.venv/lib/python3.12/site-packages/nvidia /tmp/site/nvidia
 }
 
