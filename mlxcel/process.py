@@ -10,6 +10,7 @@ import errno
 import os
 import socket
 import sys
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Mapping, NoReturn
 
@@ -82,14 +83,26 @@ class ExitSwitch:
         return self.code or (0 if self.server is not None and self.server.started else 1)
 
 
+#: a SIGINT or SIGTERM that came before a role's HTTP server took the signals over. Its handler raises
+#: ``KeyboardInterrupt`` too, but Python drops an exception raised where it cannot propagate (a weakref
+#: callback inside an import, a ``__del__``), so the server checks this once it handles the signals itself.
+STOP_REQUESTED = threading.Event()
+
+
 def server_class() -> type:
-    """uvicorn's Server, except that SIGINT/SIGTERM end in a clean exit 0 instead of being re-raised."""
+    """uvicorn's Server, except that SIGINT/SIGTERM end in a clean exit 0 instead of being re-raised, and a stop
+    asked for before it took the signals over (``STOP_REQUESTED``) ends it as soon as it has started."""
     import uvicorn
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:  # type: ignore[no-untyped-def]
             super().handle_exit(sig, frame)
             self._captured_signals.clear()
+
+        async def startup(self, sockets=None) -> None:  # type: ignore[no-untyped-def]
+            await super().startup(sockets)
+            if STOP_REQUESTED.is_set():  # the signals are uvicorn's now: none can be lost after this check
+                self.should_exit = True
 
     return Server
 

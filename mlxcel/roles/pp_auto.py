@@ -131,18 +131,20 @@ def push(model: Path, settings: BringupSettings, secret: ClusterSecret) -> tuple
 
 
 def _interrupt(signum: int, frame: Any) -> None:
+    STOP_REQUESTED.set()  # kept for the coordinator role's server, should the exception below be dropped
     raise KeyboardInterrupt
 
 
 @contextmanager
-def sigterm_interrupts() -> Iterator[None]:
-    """SIGTERM raises ``KeyboardInterrupt`` as SIGINT does, instead of killing the process; the
-    coordinator role's server installs its own handlers while it serves."""
-    previous = signal.signal(signal.SIGTERM, _interrupt)
+def signals_interrupt() -> Iterator[None]:
+    """SIGINT and SIGTERM raise ``KeyboardInterrupt`` instead of killing the process, and are remembered
+    (``STOP_REQUESTED``); the coordinator role's server installs its own handlers while it serves."""
+    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def configure(args: argparse.Namespace, config: ServeConfig) -> ServeConfig:
@@ -155,7 +157,7 @@ def run(context: RoleContext) -> int:
 
     SIGINT or SIGTERM during discovery or the push: exit 130 at once (no dial or read is waited for);
     after the push (the coordinator role starting, waiting for its stages, serving): exit 0."""
-    with sigterm_interrupts():
+    with signals_interrupt():
         pushed: list[bool] = []
         try:
             return _run(context, pushed)
