@@ -23,6 +23,7 @@ from mlxcel.cluster.identity import PeerId
 from mlxcel.cluster.secret import ClusterSecret, load_secret
 from mlxcel.cluster.sockets import family
 from mlxcel.errors import CLIError
+from mlxcel.process import STOP_REQUESTED
 from mlxcel.topology.partition import PartitionError, format_range, layer_costs
 from mlxcel.roles.context import RoleContext, ServeConfig
 from mlxcel.topology.distributed import from_toml
@@ -139,12 +140,14 @@ def _interrupt(signum: int, frame: Any) -> None:
 def signals_interrupt() -> Iterator[None]:
     """SIGINT and SIGTERM raise ``KeyboardInterrupt`` instead of killing the process, and are remembered
     (``STOP_REQUESTED``); the coordinator role's server installs its own handlers while it serves."""
+    STOP_REQUESTED.clear()
     previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        STOP_REQUESTED.clear()  # this run's server has come and gone: nothing later inherits the request
 
 
 def configure(args: argparse.Namespace, config: ServeConfig) -> ServeConfig:
