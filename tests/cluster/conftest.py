@@ -18,6 +18,7 @@ from mlxcel.cluster.ratelimit import RateLimitedLog
 from mlxcel.cluster.secret import ClusterSecret
 from mlxcel.cluster.transport import Transport, client_handshake
 from mlxcel.cluster.wire import Channel, Kind, Suite
+from tests import waiting
 
 SECRET_BYTES = b"correct-horse-battery-staple-0123456789"
 OTHER_BYTES = b"another-cluster-entirely-9876543210"
@@ -169,12 +170,8 @@ def no_leaked_threads() -> Iterator[None]:
 
 
 def wait_until(pred: Callable[[], bool], timeout: float = 3.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.01)
-    return pred()
+    """``tests.waiting.wait_until`` with this package's patience: 3 s, polled every 10 ms."""
+    return waiting.wait_until(pred, timeout, every=0.01)
 
 
 __all__ = ["Kind"]

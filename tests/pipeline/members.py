@@ -17,6 +17,7 @@ import mlx.core as mx
 
 from mlxcel.cluster.identity import PeerId
 from tests.ports import free_port  # noqa: F401  (re-exported to the attack tests)
+from tests.waiting import wait_until  # noqa: F401  (re-exported to the pipeline tests)
 from mlxcel.cluster.messages import Message
 from mlxcel.cluster.secret import ClusterSecret
 from mlxcel.cluster.transport import Transport
@@ -161,16 +162,6 @@ class Tap:
 
     def raw(self, mtype: MsgType, nonce: str) -> bytes:
         return next(raw for _, m, raw in self.seen if m is not None and m.type is mtype and m.nonce == nonce)
-
-
-def wait_until(pred: Callable[[], bool], timeout: float = 5.0) -> bool:
-    """Whether ``pred()`` holds within ``timeout`` seconds (polled every 5 ms)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.005)
-    return pred()
 
 
 def start_stage(config: ClusterConfig, index: int, runner: SliceRunner, facts: ModelFacts,
