@@ -17,13 +17,23 @@ from mlxcel.models.errors import ModelError
 IDENTITY_VERSION = b"mlxcel-model-identity-v1"
 
 
+#: the config.json fields that mlx-lm's families read their layer count from (``ModelArgs`` of
+#: mlx_lm/models/*.py: most say num_hidden_layers; longcat_flash, exaone, afm7 and phixtral num_layers; dbrx
+#: and olmo n_layers; gpt2, gptj and gpt_bigcode n_layer; openelm num_transformer_layers), in the order tried
+LAYER_COUNT_KEYS = ("num_hidden_layers", "num_layers", "n_layers", "n_layer", "num_transformer_layers")
+
+
 def layer_count(config: dict) -> int:
-    """The number of transformer layers named by a config (text_config for multimodal ones)."""
-    for source in (config, config.get("text_config") or {}):
-        value = source.get("num_hidden_layers", source.get("n_layer"))
-        if isinstance(value, int) and value > 0:
-            return value
-    raise ModelError("config.json names no layer count (num_hidden_layers)")
+    """The number of transformer layers named by a config (its text_config for multimodal ones),
+    under whichever of ``LAYER_COUNT_KEYS`` the family uses."""
+    nested = config.get("text_config")
+    for source in (config, nested if isinstance(nested, dict) else {}):
+        for key in LAYER_COUNT_KEYS:
+            value = source.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    raise ModelError(f"config.json names no layer count (none of {', '.join(LAYER_COUNT_KEYS)}, "
+                     "at its top level or in text_config, is a positive integer)")
 
 
 def read_config(model_dir: Path) -> tuple[bytes, dict]:

@@ -24,6 +24,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from mlxcel.models.identity import layer_count
+
 FULL, SLIDING, MLA, LINEAR = "full", "sliding", "mla", "linear"
 EXPERTS_KEYS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts")
 ACTIVE_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_k", "top_k_experts")
@@ -100,7 +102,7 @@ def layer_kinds(config: Mapping[str, Any]) -> list[LayerKind]:
     c = text_config(config)
     experts, active = _first(c, EXPERTS_KEYS), _first(c, ACTIVE_KEYS)
     kinds = []
-    for index in range(int(c["num_hidden_layers"])):
+    for index in range(layer_count(c)):
         attention, window = _attention(c, index)
         moe = _is_moe(c, index)
         kinds.append(LayerKind(attention, experts if moe else 0, active if moe else 0, window))

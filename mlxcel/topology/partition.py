@@ -33,6 +33,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
+from mlxcel.models.errors import ModelError
+from mlxcel.models.identity import layer_count
 from mlxcel.topology.layer_cost import (
     cache_bytes,
     config_layer_bytes,
@@ -221,12 +223,13 @@ def _tensor_bytes(path: Path, name: str, info: object) -> int:
 
 
 def _num_layers(model_dir: Path) -> int | None:
-    try:
-        config = json.loads((model_dir / "config.json").read_text())
-    except (OSError, json.JSONDecodeError):
+    config = _config(model_dir)
+    if config is None:
         return None
-    value = config.get("num_hidden_layers")
-    return value if isinstance(value, int) else None
+    try:
+        return layer_count(config)
+    except ModelError:
+        return None
 
 
 def _config(model_dir: Path) -> dict | None:
