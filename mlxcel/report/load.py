@@ -1,6 +1,7 @@
 """Read every benchmark result file under the given paths into validated pandas tables.
 
 JSONL is read line by line (so a bad line is named by its number) and CSV with ``pandas.read_csv``;
+either may be gzip-compressed (``.jsonl.gz``, ``.csv.gz``: how bench/results keeps its larger row files);
 every row goes through ``schema.validate_row``. Problems are collected as ``path:line: message``
 and never dropped quietly. A CSV whose rows repeat rows of a JSONL file (the benchmarks write both)
 is folded into the JSONL rows, which carry the environment, and the report says so.
@@ -8,6 +9,7 @@ is folded into the JSONL rows, which carry the environment, and the report says 
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 from dataclasses import dataclass, field
@@ -59,11 +61,31 @@ def _is_report_dir(path: Path) -> bool:
 
 
 TRACE_PREFIX = "trace-"  # bench/pipeline_bench.py --trace's per-token timelines: not benchmark rows
+ROW_SUFFIXES = (".jsonl", ".csv", ".jsonl.gz", ".csv.gz")
+
+
+def row_kind(path: Path) -> str | None:
+    """``"jsonl"`` or ``"csv"`` for a benchmark row file (plain or gzip-compressed), else None; a per-token
+    trace (``trace-*.jsonl``, plain or compressed) is not one."""
+    name = path.name
+    if name.startswith(TRACE_PREFIX) and ".jsonl" in name:
+        return None
+    for suffix in ROW_SUFFIXES:
+        if name.endswith(suffix):
+            return suffix.split(".")[1]
+    return None
+
+
+def _read_text(path: Path) -> str:
+    if path.name.endswith(".gz"):
+        with gzip.open(path, "rt", encoding="utf-8") as fh:
+            return fh.read()
+    return path.read_text(encoding="utf-8")
 
 
 def discover(paths: Iterable[str | Path], exclude: Path | None = None) -> list[Path]:
-    """Every .jsonl and .csv file under ``paths`` (files are taken as given), sorted, no report outputs
-    and no per-token traces (``trace-*.jsonl``)."""
+    """Every .jsonl and .csv file (plain or .gz) under ``paths`` (files are taken as given), sorted, no
+    report outputs and no per-token traces (``trace-*.jsonl``)."""
     found: list[Path] = []
     for p in map(Path, paths):
         if p.is_file():
@@ -71,8 +93,7 @@ def discover(paths: Iterable[str | Path], exclude: Path | None = None) -> list[P
             continue
         if not p.is_dir():
             raise ReportInputError(f"no such file or directory: {p}")
-        here = [f for f in sorted(p.rglob("*")) if f.suffix in (".jsonl", ".csv") and f.is_file()
-                and not (f.suffix == ".jsonl" and f.name.startswith(TRACE_PREFIX))
+        here = [f for f in sorted(p.rglob("*")) if row_kind(f) and f.is_file()
                 and not any(_is_report_dir(d) for d in f.parents if d == p or p in d.parents)
                 and not (exclude and exclude.resolve() in f.resolve().parents)]
         if not here:
@@ -84,8 +105,8 @@ def discover(paths: Iterable[str | Path], exclude: Path | None = None) -> list[P
 def _read_jsonl(path: Path, problems: list[str]) -> list[_Row]:
     rows: list[_Row] = []
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
+        text = _read_text(path)
+    except (OSError, EOFError, UnicodeDecodeError) as exc:
         problems.append(f"{path}: cannot read: {exc}")
         return rows
     for n, line in enumerate(text.splitlines(), start=1):
@@ -113,11 +134,11 @@ def _read_jsonl(path: Path, problems: list[str]) -> list[_Row]:
 
 def _read_csv(path: Path, problems: list[str]) -> list[_Row]:
     try:
-        frame = pd.read_csv(path, dtype=str, keep_default_na=False)
+        frame = pd.read_csv(path, dtype=str, keep_default_na=False)  # compression inferred from a .gz name
     except pd.errors.EmptyDataError:
         problems.append(f"{path}: empty file")
         return []
-    except (pd.errors.ParserError, UnicodeDecodeError, OSError) as exc:
+    except (pd.errors.ParserError, UnicodeDecodeError, OSError, EOFError) as exc:
         problems.append(f"{path}: cannot parse CSV: {str(exc).strip()}")
         return []
     if "bench" not in frame.columns:
@@ -220,7 +241,7 @@ def load(paths: Iterable[str | Path], exclude: Path | None = None) -> Loaded:
     files: list[dict[str, Any]] = []
     for path in discover(paths, exclude):
         before = len(problems)
-        got = _read_jsonl(path, problems) if path.suffix == ".jsonl" else _read_csv(path, problems)
+        got = _read_jsonl(path, problems) if row_kind(path) == "jsonl" else _read_csv(path, problems)
         rows += got
         files.append({"file": str(path), "rows": len(got), "rejected": len(problems) - before,
                       "benches": ", ".join(sorted({r.values["bench"] for r in got}))})

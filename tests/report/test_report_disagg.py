@@ -3,6 +3,7 @@ the per-round pairing of the ratios against the single node."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import statistics
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 from mlxcel.report.build import build_report
 from mlxcel.report.disagg import topology_label
 
-ROWS = Path(__file__).resolve().parents[2] / "bench" / "results" / "2026-12-01" / "disagg_bench.jsonl"
+ROWS = Path(__file__).resolve().parents[2] / "bench" / "results" / "2026-12-01" / "disagg_bench.jsonl.gz"
 ENV = {"host": "box", "git_commit": "a" * 40, "cpu_count": 2, "mlx_device": "Device(cpu, 0)",
        "date": "2026-12-02T06:00:00+00:00"}
 
@@ -27,7 +28,7 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _raw(bench: str) -> list[dict]:
-    return [r for r in map(json.loads, ROWS.read_text().splitlines()) if r["bench"] == bench]
+    return [r for r in map(json.loads, gzip.decompress(ROWS.read_bytes()).decode().splitlines()) if r["bench"] == bench]
 
 
 def test_handoff_summary_pairs_each_repeat_with_the_single_node(report):
