@@ -21,7 +21,7 @@ from mlxcel.engine.resume import ResumePolicy
 from mlxcel.engine.sampling import SamplingParams
 from mlxcel.error_codes import ErrorCode
 from tests.engine.fakes import collect, run_async
-from tests.engine.test_resume import LOST, ResumingExecutor, request, scheduler
+from tests.engine.test_resume import LOST, ResumingExecutor, fail_decode_after, request, scheduler
 from tests.engine.test_scheduler import http_of
 
 pytestmark = pytest.mark.timeout(60)
@@ -71,7 +71,7 @@ async def test_the_budget_starts_when_the_request_is_first_held_and_retries_go_o
         start = time.monotonic()
         tokens, finish = await collect(sched.submit(request("a")))
         end = time.monotonic()
-        assert tokens == [] and finish.code is ErrorCode.TIMEOUT, finish
+        assert tokens == [] and finish.code is ErrorCode.UNREACHABLE, finish  # the last start's failure
         first_held = ex.starts[0] + SLOW_S  # the slow start came back: the request is held from here
         assert end >= first_held + BUDGET_S, (end - start, ex.starts)
         assert len(ex.starts) >= 2, "no retry within the budget"  # tried again every 0.5 s while held
@@ -103,3 +103,16 @@ async def test_a_start_refused_not_found_ends_at_once_with_500_and_is_not_retrie
         assert time.monotonic() - start < 0.5 and tokens == []
         assert finish.code is ErrorCode.INTERNAL and http_of(finish).status == 500, finish
         assert len(ex.starts) == 1 and sched.counters.holds == 0
+
+
+@run_async
+async def test_a_resume_whose_prepare_is_refused_not_found_ends_at_once():
+    ex = SlowStart(then=None, first=None)  # starts fine; the resume's PREPARE is refused not_found
+    with scheduler(ex) as sched:
+        stream = sched.submit(request("a", max_tokens=6))
+        await fail_decode_after(ex, 2)
+        ex.then = NOT_FOUND
+        start = time.monotonic()
+        _, finish = await collect(stream)
+        assert time.monotonic() - start < 1.0 and finish.code is ErrorCode.INTERNAL, finish
+        assert len(ex.starts) == 2 and (sched.counters.resumed, sched.counters.resume_failed) == (0, 1)

@@ -220,7 +220,7 @@ async def test_a_request_held_past_the_resume_timeout_is_a_503_with_retry_after(
         tokens, finish = await collect(sched.submit(request("a")))
         waited = time.monotonic() - start
         assert tokens == [] and finish.code is ErrorCode.UNREACHABLE
-        assert "stage-1 is unreachable" in finish.error and "waited 1s" in finish.error, finish.error
+        assert "stage-1 is unreachable" in finish.error and "held 1.0s" in finish.error, finish.error
         reply = http_of(finish)
         assert (reply.status, reply.headers["Retry-After"]) == (503, "1")
         assert 1.0 <= waited < 2.5, waited
