@@ -38,11 +38,12 @@ its tokens; it is released on the executor and prepared again, every ``RETRY_S``
 generated`` as its prompt and its sampler ``len(generated)`` draws on, then prefilled like a new one.
 The token sampled after that prefill is its next token: the stream goes on as if nothing happened.
 
-Holding (the same policy): a new request whose start (``prepare``) fails with such a node failure (a
-stage down) stays WAITING, *held*, instead of failing at once: the head of the queue is tried again
-every ``RETRY_S`` until a start succeeds (the node restarted, answered a probe again or was replaced by
-a spare), then every held request starts in order. Each held request gives up ``wait_s`` after it was
-first held (the failure's own code: HTTP 503 + Retry-After). Held requests keep their place in the
+Holding (the same policy, ``mlxcel.engine.holding``): a new request whose start (``prepare``) fails with
+such a node failure of the unavailable class (a stage down) stays WAITING, *held*, instead of failing at
+once: the head of the queue is tried again every ``RETRY_S`` until a start succeeds (the node restarted,
+answered a probe again or was replaced by a spare), then every held request starts in order. Each held
+request gives up ``wait_s`` after it was first held, once its failed start came back (the failure's own
+code: HTTP 503 + Retry-After). Held requests keep their place in the
 bounded queue (``parallel + max_queue``); one whose client goes away is dropped. With resuming off a
 failed start ends the request at once, as before.
 
