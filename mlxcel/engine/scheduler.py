@@ -38,11 +38,12 @@ its tokens; it is released on the executor and prepared again, every ``RETRY_S``
 generated`` as its prompt and its sampler ``len(generated)`` draws on, then prefilled like a new one.
 The token sampled after that prefill is its next token: the stream goes on as if nothing happened.
 
-Holding (the same policy): a new request whose start (``prepare``) fails with such a node failure (a
-stage down) stays WAITING, *held*, instead of failing at once: the head of the queue is tried again
-every ``RETRY_S`` until a start succeeds (the node restarted, answered a probe again or was replaced by
-a spare), then every held request starts in order. Each held request gives up ``wait_s`` after it was
-first held (the failure's own code: HTTP 503 + Retry-After). Held requests keep their place in the
+Holding (the same policy, ``mlxcel.engine.holding``): a new request whose start (``prepare``) fails with
+such a node failure of the unavailable class (a stage down) stays WAITING, *held*, instead of failing at
+once: the head of the queue is tried again every ``RETRY_S`` until a start succeeds (the node restarted,
+answered a probe again or was replaced by a spare), then every held request starts in order. Each held
+request gives up ``wait_s`` after it was first held, once its failed start came back (the failure's own
+code: HTTP 503 + Retry-After). Held requests keep their place in the
 bounded queue (``parallel + max_queue``); one whose client goes away is dropped. With resuming off a
 failed start ends the request at once, as before.
 
@@ -84,6 +85,7 @@ from mlxcel.config import (
 from mlxcel.engine import steptrace
 from mlxcel.engine.emitter import Emitter, FinishOut, TokenOut
 from mlxcel.engine.executor import PREVIOUS, Executor, Step, StepOutcome
+from mlxcel.engine.holding import Hold, start_may_wait
 from mlxcel.engine.interface import (
     EngineOverloaded,
     EngineRequest,
@@ -174,7 +176,8 @@ class _Sequence:
     resume_deadline: float = 0.0  # while RESUMING: give up at this time (monotonic)
     resume_next: float = 0.0  # while RESUMING: the next try
     resume_error: BaseException | None = None  # while RESUMING: the failure, or the last try's
-    hold_deadline: float = 0.0  # while WAITING and held (its start failed with a node failure): give up then
+    arrived: float = field(default_factory=time.monotonic)  # when it was queued
+    held_since: float = 0.0  # while WAITING and held (its start failed with a node failure): since when
 
     @property
     def rid(self) -> str:
@@ -256,8 +259,7 @@ class Scheduler:
         self._steps_inflight = 0
         self._deferred: list[tuple[str, list[int] | None, int | None, bool]] = []  # (rid, tokens, slot or None, cancelled)
         self._last_kind = "decode"
-        self._hold_next = 0.0  # while holding new requests: the next try to start one (monotonic); 0: not holding
-        self._hold_error: BaseException | None = None  # while holding: the last failed start's error
+        self._hold = Hold(self.resume.wait_s if self.resume is not None else 0.0)  # new requests held now
         self._last_prefilled: str | None = None  # the sequence of the last prompt chunk submitted
         self.counters = EngineCounters()
         self._trace = steptrace.from_env()  # MLXCEL_STEP_TRACE: a per-pass timeline of this thread
@@ -403,7 +405,7 @@ class Scheduler:
             return True
         now = time.monotonic()
         busy = (self._prefilling or self._joining or any(self._groups)
-                or (self._waiting and self._admitted() < self.parallel and self._hold_next <= now))
+                or (self._waiting and self._admitted() < self.parallel and self._hold.due(now)))
         return not busy and all(seq.resume_next > now for seq in self._resuming)
 
     def _handle(self, *, block: bool) -> bool:
@@ -481,28 +483,28 @@ class Scheduler:
                         offthread=self._emitter is not None and not req.params.stop)
         self._seqs[req.request_id] = seq
         self._waiting.append(seq)
-        if self._hold_next:  # the executor cannot start requests now: this one is held from its arrival
-            self._held(seq, time.monotonic())
+        if self._hold.active:  # the executor cannot start requests now: this one is held from its arrival
+            self._held(seq, seq.arrived)
         self._gauges()
 
     def _admit(self) -> None:
         """Give waiting requests a slot: room on the executor, then a place in the prefill queue."""
         now = time.monotonic()
-        if self._hold_next:
+        if self._hold.active:
             self._expire_held(now)
-        while self._waiting and self._admitted() < self.parallel and self._hold_next <= now:
+        while self._waiting and self._admitted() < self.parallel and self._hold.due(now):
             seq = self._waiting[0]
             req = seq.request
             try:
                 cached = self._prepare(seq)
             except Exception as exc:
                 if self._may_hold(seq, exc):
-                    self._hold(exc, now)
+                    self._hold_all(exc)
                     break
                 log.warning("cannot start request %s: %s", seq.rid, exc)
                 self._finish(seq, "error", error=str(exc), code=code_of(exc))
                 continue
-            if self._hold_next:
+            if self._hold.active:
                 self._unhold()
             if seq.handoff is not None:
                 self._adopted(seq)
@@ -547,7 +549,7 @@ class Scheduler:
 
     def _gauges(self) -> None:
         self.counters.waiting = len(self._waiting)
-        self.counters.held = sum(1 for s in self._waiting if s.hold_deadline)
+        self.counters.held = sum(1 for s in self._waiting if s.held_since)
         self.counters.running = self._admitted()
         self.counters.inflight_steps = self._steps_inflight
 
@@ -788,9 +790,11 @@ class Scheduler:
             log.info("request %s resumed: re-prefilling %d tokens (%d cached)", seq.rid, len(full) - cached, cached)
 
     def _not_yet(self, seq: _Sequence, exc: BaseException) -> None:
-        """A try to resume ``seq`` failed with ``exc``: try again shortly, or fail it past its deadline."""
+        """A try to resume ``seq`` failed with ``exc``: try again shortly, or fail it past its deadline or
+        when the failure is not one to wait for (a PREPARE refused ``not_found``: ``start_may_wait``)."""
         seq.resume_error = exc
-        if time.monotonic() >= seq.resume_deadline or not self._still_resumable(exc):
+        waits = start_may_wait(exc, getattr(self.executor, "resumable", None))
+        if time.monotonic() >= seq.resume_deadline or not waits:
             self._resume_failed(seq)
         else:
             seq.resume_next = time.monotonic() + RESUME_RETRY_S
@@ -800,10 +804,6 @@ class Scheduler:
         full = list(seq.request.prompt) + seq.generated
         return self.executor.prepare(seq.rid, seq.params or seq.request.params, seq.request.top_logprobs, full,
                                      draws=len(seq.generated), attempt=seq.resumes)
-
-    def _still_resumable(self, exc: BaseException) -> bool:
-        resumable = getattr(self.executor, "resumable", None)
-        return resumable is not None and resumable(exc)
 
     def _resume_failed(self, seq: _Sequence) -> None:
         exc = seq.resume_error
@@ -817,47 +817,44 @@ class Scheduler:
 
     def _may_hold(self, seq: _Sequence, exc: BaseException) -> bool:
         """Whether a new request whose start failed with ``exc`` waits for the node instead of failing:
-        resuming is on and the executor calls the failure a node failure (the kind a resume waits out)."""
-        return self.resume is not None and not self._closed and seq.handoff is None and self._still_resumable(exc)
+        resuming is on and the failure is a node failure of the unavailable class (``holding.start_may_wait``)."""
+        return (self.resume is not None and not self._closed and seq.handoff is None
+                and start_may_wait(exc, getattr(self.executor, "resumable", None)))
 
-    def _hold(self, exc: BaseException, now: float) -> None:
-        """The head of the queue could not start: hold every waiting request, try again in ``RETRY_S``."""
+    def _hold_all(self, exc: BaseException) -> None:
+        """The head of the queue could not start: hold every waiting request from now, when the failed start
+        came back (a PREPARE nobody answered waited its whole timeout first); try again in ``RETRY_S``."""
         assert self.resume is not None
-        if not self._hold_next:
+        now = time.monotonic()
+        if self._hold.failed(exc, now):
             log.warning("holding new requests until the pipeline can start them again (%s); each waits at most "
                         "%gs (--resume-timeout)", exc, self.resume.wait_s)
-        # the next try counts from now, after a prepare that may have waited for its answer; the deadlines
-        # count from ``now``, when the request began to wait
-        self._hold_next, self._hold_error = time.monotonic() + RESUME_RETRY_S, exc
         for seq in self._waiting:
             self._held(seq, now)
         self._expire_held(now)
 
     def _held(self, seq: _Sequence, now: float) -> None:
-        assert self.resume is not None
-        if not seq.hold_deadline:
-            seq.hold_deadline = now + self.resume.wait_s
+        if self._hold.hold(seq, now):
             self.counters.holds += 1
 
     def _unhold(self) -> None:
         """A start succeeded: the node is back, the held requests start in their order."""
-        held = sum(1 for s in self._waiting if s.hold_deadline)
+        held = sum(1 for s in self._waiting if s.held_since)
         log.info("the pipeline starts requests again: %d held request(s) go on", held)
-        self._hold_next, self._hold_error = 0.0, None
+        self._hold.end()
         for seq in self._waiting:
-            seq.hold_deadline = 0.0
+            seq.held_since = 0.0
 
     def _expire_held(self, now: float) -> None:
-        """Fail the held requests past their deadline (503 + Retry-After); stop holding when none is left."""
-        assert self.resume is not None
-        for seq in [s for s in self._waiting if s.hold_deadline and s.hold_deadline <= now]:
+        """Fail the held requests past their bound (503 + Retry-After); stop holding when none is left."""
+        exc = self._hold.error
+        for seq in [s for s in self._waiting if self._hold.expired(s, now)]:
             self.counters.hold_failed += 1
-            exc = self._hold_error
-            log.warning("request %s held %gs and not started: %s", seq.rid, self.resume.wait_s, exc)
-            self._finish(seq, "error", error=f"{exc} (the request waited {self.resume.wait_s:g}s for it, "
-                         "--resume-timeout)", code=code_of(exc) if exc is not None else ErrorCode.UNAVAILABLE)
+            log.warning("request %s held %.1fs and not started: %s", seq.rid, now - seq.held_since, exc)
+            self._finish(seq, "error", error=self._hold.message(seq, now),
+                         code=code_of(exc) if exc is not None else ErrorCode.UNAVAILABLE)
         if not self._waiting:
-            self._hold_next, self._hold_error = 0.0, None
+            self._hold.end()
 
     # -- ending requests ---------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import re
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -251,3 +252,10 @@ async def collect_scored(stream: EventStream) -> list[tuple[int, float | None]]:
             break
         scored.append((event.token, event.logprob))
     return scored
+
+
+def held_of(message: str) -> float:
+    """How long a held request's 503 says it was held (docs/pipeline.md §5.6)."""
+    m = re.search(r"held (\d+\.\d)s of them; --resume-timeout", message)
+    assert m, message
+    return float(m.group(1))

@@ -25,7 +25,7 @@ from mlxcel.engine.runner import RowSampler, sample_rows
 from mlxcel.engine.sampling import SamplingParams, draw_seed, make_sampler
 from mlxcel.engine.scheduler import Scheduler
 from mlxcel.error_codes import ErrorCode
-from tests.engine.fakes import FakeExecutor, FakeTokenizer, collect, events_now, run_async, until
+from tests.engine.fakes import FakeExecutor, FakeTokenizer, collect, events_now, held_of, run_async, until
 from tests.engine.test_scheduler import http_of
 
 pytestmark = pytest.mark.timeout(60)
@@ -220,7 +220,7 @@ async def test_a_request_held_past_the_resume_timeout_is_a_503_with_retry_after(
         tokens, finish = await collect(sched.submit(request("a")))
         waited = time.monotonic() - start
         assert tokens == [] and finish.code is ErrorCode.UNREACHABLE
-        assert "stage-1 is unreachable" in finish.error and "waited 1s" in finish.error, finish.error
+        assert "stage-1 is unreachable" in finish.error and 1.0 <= held_of(finish.error) < 1.6, finish.error
         reply = http_of(finish)
         assert (reply.status, reply.headers["Retry-After"]) == (503, "1")
         assert 1.0 <= waited < 2.5, waited
@@ -362,3 +362,4 @@ def test_the_router_policy_resumes_only_within_its_bounds(kw, expected):
     args.update(kw)
     code = args.pop("code")
     assert may_resume(code, **args) is expected
+
