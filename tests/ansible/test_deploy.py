@@ -370,7 +370,7 @@ def test_pp_auto_a_spare_stands_by_takes_a_lost_stage_over_and_the_old_stage_hos
 
     status = deployment.run("status.yml", inventory=inventory, **PP_AUTO)  # a standby is healthy: nothing restarts
     assert status.rc == 0, status.output[-4000:]
-    assert re.search(rf"\bspare-0 +spare +{pids['spare-0']} .* 503 standby +standby \(healthy\)",
+    assert re.search(rf"\bspare-0 +spare +{pids['spare-0'].strip()} .* 503 standby +standby \(healthy\)",
                      " ".join(status.output.split())), status.output[-3000:]
     assert pids_of(deployment, SPARE_NODES) == pids
 
@@ -396,20 +396,21 @@ def test_pp_auto_a_spare_stands_by_takes_a_lost_stage_over_and_the_old_stage_hos
 
     status = deployment.run("status.yml", inventory=inventory, **PP_AUTO)
     text = " ".join(status.output.split())
-    assert re.search(rf"\bstage-1 +spare +{now['stage-1']} .* 503 standby +standby \(healthy\)", text), text[-3000:]
-    assert re.search(rf"\bspare-0 +stage +{now['spare-0']} .* 200 ready +stage-1 layers 2-3\b", text), text[-3000:]
+    assert re.search(rf"\bstage-1 +spare +{now['stage-1'].strip()} .* 503 standby +standby \(healthy\)", text), text[-3000:]
+    assert re.search(rf"\bspare-0 +stage +{now['spare-0'].strip()} .* 200 ready +stage-1 layers 2-3\b", text), text[-3000:]
     assert_redeploy_changes_nothing(deployment, nodes=SPARE_NODES, inventory=inventory, mlxcel_bringup_spare_after_s=2,
                                     **PP_AUTO)
 
 
 def test_teardown_leaves_no_process(deployment: Deployment) -> None:
     assert deployment.pids(), "nothing to tear down: the deployment never started"
-    nodes, inventory = (SPARE_NODES, SPARES["inventory"]) if SPARES else (NODES, "inventory")
+    # after the spare test: its inventory, whose group "spares" needs mlxcel_bringup pp_auto
+    nodes, inventory, more = (SPARE_NODES, SPARES["inventory"], PP_AUTO) if SPARES else (NODES, "inventory", {})
     assert len(_supervisors(deployment)) == len(nodes)  # one supervisor per node, stopped with it
-    result = deployment.run("teardown.yml", inventory=inventory)
+    result = deployment.run("teardown.yml", inventory=inventory, **more)
     assert result.rc == 0, result.output[-4000:]
     assert deployment.pids() == []
     assert not any((deployment.home(n) / "node.pid").exists() for n in nodes)
-    again = deployment.run("teardown.yml", inventory=inventory)  # what is already gone is fine
+    again = deployment.run("teardown.yml", inventory=inventory, **more)  # what is already gone is fine
     assert again.rc == 0 and all(r["changed"] == 0 for r in again.recap().values()), again.output[-3000:]
     assert os.path.isdir(deployment.home("coordinator"))
