@@ -173,7 +173,7 @@ def parse_cluster_config(doc: dict[str, Any], path: Path) -> ClusterConfig:
     return ClusterConfig(
         path=path, name=name, pipeline_parallel_size=size, coordinator=coordinators[0], stages=stages,
         secret_file=secret_file,
-        micro_batch_size=_positive(pipeline, "micro_batch_size", path, None),
+        micro_batch_size=_micro_batch_size(pipeline, path),
         max_batch_size=_positive(pipeline, "max_batch_size", path, defaults.DEFAULT_PP_MAX_BATCH),
         timeouts=Timeouts(
             startup_s=_seconds(timeouts, "startup_s", path, defaults.DEFAULT_STARTUP_S),
@@ -285,6 +285,18 @@ def _positive(table: dict[str, Any], key: str, path: Path, default: Any) -> Any:
     if not _is_int(value) or value < 1:
         raise ClusterConfigError(f"{path}: {key} must be a positive integer, got {value!r}")
     return value
+
+
+def _micro_batch_size(table: dict[str, Any], path: Path) -> int | None:
+    """[pipeline] micro_batch_size: the bound of --pp-micro-batch-size (``config.check_micro_batch_size``)."""
+    value = table.get("micro_batch_size")
+    if value is None:
+        return None
+    try:
+        return defaults.check_micro_batch_size(value)
+    except ValueError:
+        raise ClusterConfigError(f"{path}: micro_batch_size under [pipeline] must be an integer from 1 to "
+                                 f"{defaults.MAX_PP_MICRO_BATCH_SIZE}, got {value!r}") from None
 
 
 def _mebibytes(table: dict[str, Any], key: str, path: Path, default: int) -> int:
