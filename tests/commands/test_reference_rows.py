@@ -210,3 +210,43 @@ def test_toml_micro_batch_size_has_the_same_bound(tmp_path):
         load_cluster_config(toml)
     toml.write_text("[pipeline]\nmicro_batch_size = 64\n" + COORDINATOR_AND_STAGE_0)
     assert load_cluster_config(toml).micro_batch_size == 64
+
+
+# -- 2. tensor parallelism inside one process reads no secret ---------------------------------------------------
+
+
+def test_in_process_tp_server_reads_no_secret(tmp_path, tiny_llama, monkeypatch):
+    """Both environment variables set (an error for any role that reads them) and a short value: not read."""
+    from mlxcel.commands.serve import serve_config
+
+    monkeypatch.setenv("MLXCEL_CLUSTER_SECRET", "short")
+    monkeypatch.setenv("MLXCEL_CLUSTER_SECRET_FILE", str(tmp_path / "absent"))
+    config = serve_config(parsed("-m", str(tiny_llama), "--tp-size", "2",
+                                 "--cluster-secret-file", str(tmp_path / "absent")))
+    assert config.role == "tp" and config.secret is None
+
+
+def test_tp_across_hosts_still_needs_the_secret(tmp_path, capsys, tiny_llama, monkeypatch):
+    import json
+
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([{"ssh": "a", "ips": ["127.0.0.1"]}, {"ssh": "b", "ips": ["127.0.0.1"]}]))
+    monkeypatch.setenv("MLXCEL_CLUSTER_SECRET", "short")
+    got = error_of(capsys, "serve", "-m", str(tiny_llama), "--port", "0", "--tp-size", "2",
+                   "--tp-hostfile", str(hostfile))
+    assert got.startswith("the cluster secret from MLXCEL_CLUSTER_SECRET is too short")
+
+
+@pytest.mark.proc
+@pytest.mark.timeout(120)
+def test_in_process_tp_generate_reads_no_secret(tiny_llama):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "MLXCEL_CLUSTER_SECRET": "short"}
+    out = subprocess.run([sys.executable, "-m", "mlxcel", "generate", "-m", str(tiny_llama), "-p", "hi", "-n", "2",
+                          "--tp-size", "2"], capture_output=True, text=True, timeout=110, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "over 2 ranks" in out.stderr
+
