@@ -33,6 +33,7 @@ from mlxcel.config import (
     BATCH_TAILS_ENV,
     STAGE_OVERLAP_ENV,
     THREADS_ENV,
+    check_micro_batch_size,
     env_switch,
     non_negative_int,
     positive_int,
@@ -43,7 +44,6 @@ from mlxcel.config import (
     udp_port,
 )
 from mlxcel.bringup import wire
-from mlxcel.cli import micro_batch_size_flag
 from mlxcel.bringup.flags import check_bringup_flags, spare_count, spare_seconds
 from mlxcel.config import port as tcp_port
 from mlxcel.disagg.flags import add_disagg_arguments
@@ -191,7 +191,11 @@ def check_cluster_flags(args: argparse.Namespace) -> None:
     pipeline = args.distributed_config is not None or args.pp_auto is not None
     if args.pp_micro_batch_size is not None and not pipeline:
         raise CLIError("--pp-micro-batch-size needs --distributed-config or --pp-auto (it sizes a pipeline's micro-batches)")
-    micro_batch_size_flag(args.pp_micro_batch_size)
+    if args.pp_micro_batch_size is not None:
+        try:
+            check_micro_batch_size(args.pp_micro_batch_size)  # generate's bound and texts (mlxcel.config)
+        except ValueError as exc:
+            raise CLIError(str(exc)) from None
     if args.pp_stop_stages and not pipeline:
         raise CLIError("--pp-stop-stages needs --distributed-config or --pp-auto (it stops a pipeline's stages)")
 
@@ -242,7 +246,9 @@ def check_flags(args: argparse.Namespace) -> None:
     """Flag combinations of every feature (nothing is read or bound yet)."""
     from mlxcel.cluster.aead_pipeline import auto_pipeline_min_len, auto_workers
     from mlxcel.parallel.options import check_tp_flags
+    from mlxcel.platform_support import SERVER_FLAGS, check_native_windows
 
+    check_native_windows(args, SERVER_FLAGS)  # first: native Windows runs no distributed mode
     check_cluster_flags(args)
     check_tp_flags(args)
     # MLXCEL_CRYPTO_WORKERS and MLXCEL_CRYPTO_PIPELINE_MIN_LEN, read when a transport starts, and the switches
