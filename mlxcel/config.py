@@ -43,6 +43,11 @@ DEFAULT_STARTUP_S = 60.0  # coordinator waits this long for every stage at start
 DEFAULT_EXCHANGE_S = 30.0  # absolute deadline of one exchange, RunEntry -> RunResult
 DEFAULT_HEARTBEAT_S = 2.0  # coordinator probes each stage this often
 DEFAULT_CLUSTER_NAME = "mlxcel-cluster"
+# Bounds of the cluster TOML's [transport] keys (mlxcel/topology/transport_table.py; their defaults are the
+# transport's, mlxcel/cluster/wire.py: 512 connections, 64 pending handshakes, 8 per source, 5 s, 5 attempts, 0.1 s)
+MAX_TRANSPORT_CONNECTIONS = 65536  # max_connections, max_pending_handshakes, max_pending_handshakes_per_ip
+MAX_HANDSHAKE_TIMEOUT_S = 300.0  # handshake_timeout_s
+MAX_RECONNECT_ATTEMPTS = 100  # max_reconnect_attempts (reconnect_base_delay_s: at most the 5 s maximum delay)
 # Resuming a request whose node failed mid-stream (``--max-resumes``, ``--resume-timeout``; the pipeline
 # coordinator and the disaggregated router; mlxcel/engine/resume.py, docs/pipeline.md §5.6, docs/disagg.md §6)
 DEFAULT_MAX_RESUMES = 3  # resumes per request; 0 = a node failure fails the request (503), as before
