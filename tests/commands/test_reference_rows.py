@@ -250,3 +250,18 @@ def test_in_process_tp_generate_reads_no_secret(tiny_llama):
     assert out.returncode == 0, out.stderr
     assert "over 2 ranks" in out.stderr
 
+
+
+# -- 8. docs/pipeline.md §1.1 lists what actually slices -------------------------------------------------------
+
+
+def test_pipeline_doc_lists_every_family_that_slices():
+    import re
+
+    from mlxcel.engine.model_slice import FAMILIES
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "pipeline.md").read_text()
+    section = doc[doc.index("### 1.1 When to use it"):doc.index("### 1.2")]
+    listed = section[section.index("Families that slice"):section.index("any other family is refused")]
+    names = set(re.findall(r"`([a-z0-9_]+)`", listed.split("):", 1)[1].split("\n(", 1)[0]))
+    assert names == set(FAMILIES)
