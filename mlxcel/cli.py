@@ -84,7 +84,7 @@ def micro_batch_size_flag(size: int | None) -> None:
 def _cmd_generate(args: argparse.Namespace) -> int:
     from mlxcel.commands.generate import run_generate
     from mlxcel.parallel.options import check_tp_flags
-    from mlxcel.platform_support import GENERATE_FLAGS, check_native_windows
+    from mlxcel.commands.windows import GENERATE_FLAGS, check_native_windows
 
     check_native_windows(args, GENERATE_FLAGS)  # before anything else, the model included
     check_tp_flags(args)

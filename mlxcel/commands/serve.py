@@ -246,7 +246,7 @@ def check_flags(args: argparse.Namespace) -> None:
     """Flag combinations of every feature (nothing is read or bound yet)."""
     from mlxcel.cluster.aead_pipeline import auto_pipeline_min_len, auto_workers
     from mlxcel.parallel.options import check_tp_flags
-    from mlxcel.platform_support import SERVER_FLAGS, check_native_windows
+    from mlxcel.commands.windows import SERVER_FLAGS, check_native_windows
 
     check_native_windows(args, SERVER_FLAGS)  # first: native Windows runs no distributed mode
     check_cluster_flags(args)

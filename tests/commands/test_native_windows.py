@@ -1,6 +1,6 @@
 """Native Windows (the reference's first section): the distributed flags are refused at start-up, before the
 model is resolved, each with an error naming the flag; the platform is patched in-process
-(``mlxcel.platform_support.native_windows``)."""
+(``mlxcel.commands.windows.native_windows``)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from tests.commands.test_reference_rows import error_of
 
 @pytest.fixture
 def native_windows(monkeypatch):
-    monkeypatch.setattr("mlxcel.platform_support.native_windows", lambda: True)
+    monkeypatch.setattr("mlxcel.commands.windows.native_windows", lambda: True)
 
 
 WINDOWS_GENERATE = [(["--tp-size", "2"], "--tp-size"), (["--pp-layers", "0-1,2-3"], "--pp-layers"),
