@@ -57,6 +57,7 @@ class NodeConfig:
     intake_workers: int = 0  # decode: threads feeding handoff parts to their decoders (MLXCEL_HANDOFF_INTAKE_WORKERS)
     handoff_copy: bool = False  # decode: receive into numpy buffers copied at import (MLXCEL_HANDOFF_COPY=1)
     handoff_staging: bool | None = None  # prefill, decode: page-locked staging (MLXCEL_HANDOFF_STAGING; None: on CUDA)
+    transport: tuple[tuple[str, Any], ...] = ()  # the cluster TOML's [transport] overrides (none with flags alone)
 
 
 def node_role(args: argparse.Namespace, dist: Distributed | None) -> str:
@@ -178,7 +179,8 @@ def _addresses_and_secret(args: argparse.Namespace, dist: Distributed | None) ->
         peers = {r: tuple(n.address for n in cluster.with_role(r)) for r in ("prefill", "decode")}
         return NodeConfig(role, dist.node.address, peers["prefill"] if role == "router" else (),
                           peers["decode"] if role != "decode" else (), secret, timeout,
-                          probe or cluster.timeouts.heartbeat_s, dist.node.id, *_resume(args, cluster.timeouts.resume_s))
+                          probe or cluster.timeouts.heartbeat_s, dist.node.id, *_resume(args, cluster.timeouts.resume_s),
+                          transport=cluster.transport)
     secret = load_secret(getattr(args, "cluster_secret_file", None), required=True)
     assert secret is not None
     bind = parse_address(args.serving_bind, "--serving-bind")

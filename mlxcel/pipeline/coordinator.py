@@ -92,7 +92,7 @@ class PipelineExecutor:
         self.last = cluster.stages[-1].address
         self.stage_addrs = frozenset(n.address for n in cluster.stages)
         self._nodes = {n.address: n for n in cluster.stages}
-        self.transport = Transport(cluster.coordinator.address, secret)
+        self.transport = Transport(cluster.coordinator.address, secret, cluster.transport_options())
         self.outbox = Outbox(self.transport)
         self.exchanges = ExchangeTable(self._expired, on_tick=self._on_tick, name="mlxcel-coordinator-timer")
         self.monitor = PeerMonitor(self._nodes, interval_s=cluster.timeouts.heartbeat_s, probe=self._probe,

@@ -114,7 +114,7 @@ class StageService:
         self.upstream = cluster.stages[self.index - 1].address if self.index > 0 else None
         self.downstream = cluster.stages[self.index + 1].address if self.index + 1 < len(cluster.stages) else None
         self.max_rows = cluster.max_batch_size
-        self.transport = Transport(self.node.address, secret)
+        self.transport = Transport(self.node.address, secret, cluster.transport_options())
         self.outbox = Outbox(self.transport)
         self.boot_id = os.urandom(8).hex()
         self.draining = False
