@@ -15,7 +15,6 @@ in its own process and passed as the private ``_attribution`` argument of ``Stag
 
 from __future__ import annotations
 
-
 from dataclasses import dataclass, replace
 
 from .errors import LocalError
