@@ -18,7 +18,8 @@ here when it named none) and ``draws`` = the tokens streamed, so the nodes' samp
 stopped; its text is assembled here from then on (the request's stop strings apply here), so the
 client sees one unbroken stream. A resume waits up to ``--resume-timeout`` for a node of each role to
 be up; at most ``--max-resumes`` per request, then a retryable error (503 + Retry-After). A cancelled
-request (client gone) sends CANCEL to both of its nodes.
+request (client gone) sends CANCEL to both of its nodes; a node's own CANCELLED for a request whose client is
+still here is that node's failure (failed over, resumed, else 500), never the client's 499.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -39,6 +39,7 @@ from mlxcel.cluster.ratelimit import WarnClass
 from mlxcel.cluster.wire import Kind
 from mlxcel.disagg import messages as m
 from mlxcel.disagg.flags import NodeConfig
+from mlxcel.disagg.late_handoffs import Late, LateHandoffs
 from mlxcel.disagg.policy import GiveUp, NoneUp, Route, RoutePolicy, depends_on, may_resume
 from mlxcel.disagg.service import role_transport
 from mlxcel.disagg.wire import PROBE_TIMEOUT_S, MsgType
@@ -46,12 +47,11 @@ from mlxcel.engine.interface import EngineRequest, EngineUnavailable, EventStrea
 from mlxcel.engine.resume import RETRY_S as RESUME_RETRY_S
 from mlxcel.engine.sampling import SamplingParams, random_seed
 from mlxcel.engine.textstream import SequenceText
-from mlxcel.error_codes import CodedError, ErrorCode, code_of
+from mlxcel.error_codes import CodedError, ErrorClass, ErrorCode, code_of
 from mlxcel.cluster.outbox import Outbox
 
 log = logging.getLogger("mlxcel.disagg.router")
 
-MAX_LATE_HANDOFFS = 1024  # ended attempts whose HANDED_OFF may still come (their handoff is counted then)
 STARTUP_PROBE_WAIT_S = 3.0  # start() waits this long at most for every node's first probe answer
 
 
@@ -121,7 +121,7 @@ class RouterEngine:
         self.outbox = Outbox(self.transport)
         self._probes = ThreadPoolExecutor(max_workers=max(1, len(self.nodes)), thread_name_prefix="mlxcel-router-probe")
         self._by_rid: dict[str, Routed] = {}
-        self._late_handoffs: OrderedDict[str, PeerId] = OrderedDict()  # ended attempt's nonce -> its prefill node
+        self._late_handoffs = LateHandoffs()  # ended attempts whose HANDED_OFF may still come
         self.counters: dict[str, float] = {
             "requests": 0, "completed": 0, "failed": 0, "cancelled": 0, "failovers": 0, "unavailable": 0,
             "dropped_frames": 0, "handoffs": 0, "handoff_bytes": 0, "handoff_seconds": 0.0,
@@ -263,9 +263,7 @@ class RouterEngine:
         routed: Routed = ex.context
         with self._lock:
             if not routed.handed_off and routed.prefill is not None:  # its HANDED_OFF may come after the FINISH
-                self._late_handoffs[ex.nonce] = routed.prefill
-                while len(self._late_handoffs) > MAX_LATE_HANDOFFS:
-                    self._late_handoffs.popitem(last=False)
+                self._late_handoffs.expect(ex.nonce, routed.prefill)
             if routed.exchange is not ex or routed.done:
                 return
             if ex.error is None:
@@ -453,7 +451,11 @@ class RouterEngine:
                 if not routed.done and routed.exchange is ex:
                     ex.deadline = time.monotonic() + self.cfg.handoff_timeout_s
         elif kind is MsgType.FINISH:
-            self.exchanges.resolve(ex, reply=m.Finish.parse(doc).event)
+            event = m.Finish.parse(doc).event
+            if event.code is not None and event.code.error_class is ErrorClass.CANCELLED:
+                self.exchanges.resolve(ex, error=self._node_cancelled(routed, from_prefill, event.error or ""))
+            else:
+                self.exchanges.resolve(ex, reply=event)
         elif kind is MsgType.HANDED_OFF:
             routed.handed_off = True
             self._count_handoff(m.HandedOff.parse(doc))
@@ -461,7 +463,18 @@ class RouterEngine:
             err = m.Error.parse(doc)
             if err.code is ErrorCode.UNREACHABLE and err.node is not None:
                 self._reported_down(err.node, err.message)
-            self.exchanges.resolve(ex, error=CodedError(err.message, err.code))
+            failure = (self._node_cancelled(routed, from_prefill, err.message)
+                       if err.code.error_class is ErrorClass.CANCELLED else CodedError(err.message, err.code))
+            self.exchanges.resolve(ex, error=failure)
+
+    def _node_cancelled(self, routed: Routed, from_prefill: bool, message: str) -> CodedError:
+        """A node ended a live attempt with CANCELLED. Only this router cancels a request (its client went away,
+        and then the request is over before anything of the node is read), so it is that node's failure: failed
+        over or resumed like any other, else 500 (docs/disagg.md §6), never the client's 499."""
+        peer = routed.prefill if from_prefill else routed.decode
+        node = self.nodes[peer].id if peer is not None else "a node"
+        return CodedError(f"{node} cancelled the request on its own ({message or 'no reason given'})",
+                          ErrorCode.INTERNAL, peer_code=ErrorCode.CANCELLED)
 
     def _first_once(self, routed: Routed, events: tuple[TokenEvent, ...], from_prefill: bool) -> tuple[TokenEvent, ...]:
         """The events of a TOKENS message to relay (under the lock). The prefill node may send its attempt's first
@@ -492,13 +505,22 @@ class RouterEngine:
 
     def _after_end(self, kind: MsgType, doc: dict[str, Any], peer: PeerId, node_id: str) -> None:
         """A frame for an ended attempt: dropped, but a HANDED_OFF from that attempt's prefill node that came
-        after the decode node's FINISH (the two travel on different connections) still counts its handoff."""
-        with self._lock:
-            prefill = self._late_handoffs.pop(m.nonce_of(doc), None) if kind is MsgType.HANDED_OFF else None
-        if prefill is not None and prefill == peer:
-            self._count_handoff(m.HandedOff.parse(doc))
+        after the decode node's FINISH (the two travel on different connections) still counts its handoff, once;
+        one from any other node is a protocol violation (dropped, counted, logged) that changes nothing."""
+        if kind is not MsgType.HANDED_OFF:
+            log.debug("router: %s from %s for an ended request", kind.name, node_id)
             return
-        log.debug("router: %s from %s for an ended request", kind.name, node_id)
+        done = m.HandedOff.parse(doc)
+        late = self._late_handoffs.claim(done.nonce, peer)
+        if late is Late.COUNT:
+            self._count_handoff(done)
+        elif late is Late.FORGED:
+            self.counters["dropped_frames"] += 1
+            self.transport.warnings.warning(
+                WarnClass.ROUTER_DROP, "router: dropping result frame from %s: a HANDED_OFF for a request it was "
+                "not assigned", peer)
+        else:
+            log.debug("router: HANDED_OFF from %s for an ended request", node_id)
 
     def _count_handoff(self, done: m.HandedOff) -> None:
         with self._lock:
