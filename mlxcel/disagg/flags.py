@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from mlxcel.cluster.identity import PeerId
-from mlxcel.config import DEFAULT_MAX_RESUMES, DEFAULT_RESUME_TIMEOUT_S, env_switch
+from mlxcel.config import DEFAULT_MAX_QUEUE, DEFAULT_MAX_RESUMES, DEFAULT_RESUME_TIMEOUT_S, env_switch
 from mlxcel.disagg.wire import (
     COPY_ENV,
     DEFAULT_HANDOFF_TIMEOUT_S,
@@ -52,6 +52,7 @@ class NodeConfig:
     node_id: str = ""
     max_resumes: int = DEFAULT_MAX_RESUMES  # router: resumes per request after a node failure (§6)
     resume_timeout_s: float = DEFAULT_RESUME_TIMEOUT_S  # router: one resume waits this long for a node of each role
+    hold_limit: int = DEFAULT_MAX_QUEUE  # router: new requests held at most at once while no node of a role is up
     switch_interval_s: float = TRANSPORT_SWITCH_INTERVAL_MS / 1000  # prefill, decode: the GIL's (mlxcel/threads.py)
     handoff_lanes: int = 1  # prefill: connections to one decode node handoffs spread over (MLXCEL_HANDOFF_LANES)
     intake_workers: int = 0  # decode: threads feeding handoff parts to their decoders (MLXCEL_HANDOFF_INTAKE_WORKERS)
@@ -187,11 +188,14 @@ def _addresses_and_secret(args: argparse.Namespace, dist: Distributed | None) ->
                       probe or DEFAULT_PROBE_INTERVAL_S, f"{role}@{bind}", *_resume(args, DEFAULT_RESUME_TIMEOUT_S))
 
 
-def _resume(args: argparse.Namespace, toml_timeout_s: float) -> tuple[int, float]:
-    """--max-resumes and --resume-timeout (the TOML's [timeouts] resume_s where the flag is not given)."""
+def _resume(args: argparse.Namespace, toml_timeout_s: float) -> tuple[int, float, int]:
+    """--max-resumes, --resume-timeout (the TOML's [timeouts] resume_s where the flag is not given) and
+    --max-queue (a router: the requests it holds at most while no node of a role is up)."""
     count = getattr(args, "max_resumes", None)
     timeout = getattr(args, "resume_timeout", None)
-    return (DEFAULT_MAX_RESUMES if count is None else count), (toml_timeout_s if timeout is None else timeout)
+    queue = getattr(args, "max_queue", None)
+    return ((DEFAULT_MAX_RESUMES if count is None else count), (toml_timeout_s if timeout is None else timeout),
+            DEFAULT_MAX_QUEUE if queue is None else queue)
 
 
 def wants_disagg(args: argparse.Namespace, dist: Distributed | None) -> bool:

@@ -8,7 +8,9 @@ GENERATE with ``decode_target`` to the prefill node. Results come back as one-wa
 node's listener; the demux delivers one only when its handshake-bound sender is a configured peer
 (else the rate-limited router-drop warning) and the node the exchange was assigned to.
 
-Failures: no node up -> ``EngineUnavailable`` at submit (HTTP 503 + Retry-After, never 429). A node
+Failures: no node of a role up -> the new request is held (``mlxcel.disagg.waiting``, docs/disagg.md §6.2)
+until one is, at most ``--resume-timeout``, then 503 + Retry-After (at once with resuming off or the hold
+bound, ``--max-queue``, reached; never 429). A node
 that goes down, refuses, or does not answer within ``--handoff-timeout`` fails the attempt: a request
 that has not emitted a token yet is dispatched again to other nodes (at most ``MAX_DISPATCH_ATTEMPTS``
 attempts; a down node is not picked again until a probe sees it back). One that has emitted tokens (or
@@ -39,12 +41,13 @@ from mlxcel.cluster.ratelimit import WarnClass
 from mlxcel.cluster.wire import Kind
 from mlxcel.disagg import messages as m
 from mlxcel.disagg.flags import NodeConfig
+from mlxcel.disagg.holding import HeldRequests
 from mlxcel.disagg.late_handoffs import Late, LateHandoffs
-from mlxcel.disagg.policy import GiveUp, NoneUp, Route, RoutePolicy, depends_on, may_resume
+from mlxcel.disagg.policy import GiveUp, NoneUp, Route, RoutePolicy, depends_on, node_failure
 from mlxcel.disagg.service import role_transport
+from mlxcel.disagg.waiting import NodeWaits
 from mlxcel.disagg.wire import PROBE_TIMEOUT_S, MsgType
 from mlxcel.engine.interface import EngineRequest, EngineUnavailable, EventStream, FinishEvent, TokenEvent
-from mlxcel.engine.resume import RETRY_S as RESUME_RETRY_S
 from mlxcel.engine.sampling import SamplingParams, random_seed
 from mlxcel.engine.textstream import SequenceText
 from mlxcel.error_codes import CodedError, ErrorClass, ErrorCode, code_of
@@ -92,7 +95,7 @@ class Routed:
     resume_error: tuple[ErrorCode, str] = (ErrorCode.UNAVAILABLE, "")  # the failure being resumed
 
 
-class RouterEngine:
+class RouterEngine(NodeWaits):
     """The ``Engine`` of a router process (``mlxcel.engine.interface``)."""
 
     def __init__(self, cfg: NodeConfig, tokenizer: Any, *, context_length: int, identity: str,
@@ -122,6 +125,10 @@ class RouterEngine:
         self._probes = ThreadPoolExecutor(max_workers=max(1, len(self.nodes)), thread_name_prefix="mlxcel-router-probe")
         self._by_rid: dict[str, Routed] = {}
         self._late_handoffs = LateHandoffs()  # ended attempts whose HANDED_OFF may still come
+        # new requests waiting for a node of each role (docs/disagg.md §6.2); with resuming off, 503 at once
+        self.held: HeldRequests[str, Routed] = HeldRequests(cfg.resume_timeout_s, cfg.hold_limit,
+                                                            enabled=cfg.max_resumes > 0)
+        self._hold_timer: threading.Timer | None = None
         self.counters: dict[str, float] = {
             "requests": 0, "completed": 0, "failed": 0, "cancelled": 0, "failovers": 0, "unavailable": 0,
             "dropped_frames": 0, "handoffs": 0, "handoff_bytes": 0, "handoff_seconds": 0.0,
@@ -142,6 +149,9 @@ class RouterEngine:
 
     def close(self) -> None:
         self.exchanges.close(lambda ex: EngineUnavailable("the router is shutting down"))
+        with self._lock:
+            for routed in self.held.take_all():
+                self._fail(routed, ErrorCode.UNAVAILABLE, "the router is shutting down; retry later")
         self._probes.shutdown(wait=False, cancel_futures=True)
         self.outbox.close()
         self.transport.close()
@@ -160,10 +170,19 @@ class RouterEngine:
         """Pick the nodes and dispatch; ``EngineUnavailable`` (503 + Retry-After) when no node can take it."""
         with self._lock:
             self.counters["requests"] += 1
-            prefill, decode = self._pick()
             routed = Routed(request, EventStream(request, self._cancel), params=self._resolved(request.params))
-            self._by_rid[request.request_id] = routed
-            self._dispatch(routed, prefill, decode)
+            route = self.policy.pick(self._usable) if not len(self.held) else None  # None: behind the held ones
+            if isinstance(route, Route):
+                self._by_rid[request.request_id] = routed
+                self._dispatch(routed, route.prefill, route.decode)
+            elif self.held.can_hold():
+                self._hold(routed, route)
+            elif route is not None:
+                raise self._unavailable(route, held=len(self.held))
+            else:
+                self.counters["unavailable"] += 1
+                raise EngineUnavailable(f"{len(self.held)} requests are held already, waiting for a prefill and a "
+                                        "decode node to be up (the router's --max-queue); retry later")
         return routed.stream
 
     def _resolved(self, params: SamplingParams) -> SamplingParams:
@@ -174,7 +193,9 @@ class RouterEngine:
 
     def stats(self) -> dict[str, float]:
         up = {role: sum(1 for p in peers if self.monitor.is_up(p)) for role, peers in self._peers.items()}
+        held = {"held": len(self.held), "holds": self.held.holds, "hold_failed": self.held.hold_failed}
         return {**{f"router_{k}": float(v) for k, v in self.counters.items()},
+                **{k: float(v) for k, v in held.items()}, **{f"router_{k}": float(v) for k, v in held.items()},
                 "resumed": float(self.counters["resumed"]), "resume_failed": float(self.counters["resume_failed"]),
                 "router_prefill_up": float(up["prefill"]), "router_decode_up": float(up["decode"]),
                 "router_in_flight": float(len(self._by_rid))}
@@ -217,17 +238,11 @@ class RouterEngine:
         status = self.monitor.status[peer]
         return status.up and not status.state.get("draining")
 
-    def _pick(self) -> tuple[PeerId, PeerId]:
-        route = self.policy.pick(self._usable)
-        if isinstance(route, NoneUp):
-            raise self._unavailable(route)
-        return route.prefill, route.decode
-
-    def _unavailable(self, none: NoneUp) -> EngineUnavailable:
-        """Count a request no node can take and say which nodes are down."""
+    def _unavailable(self, none: NoneUp, held: int = 0) -> EngineUnavailable:
+        """Count a request no node can take and say which nodes are down (and that the hold bound is reached)."""
         self.counters["unavailable"] += 1
-        ids = ", ".join(self.nodes[p].id for p in self._peers[none.role])
-        return EngineUnavailable(f"no {none.role} node is up ({ids} down or draining); retry later")
+        full = f"; {held} requests are held already (the router's --max-queue)" if held else ""
+        return EngineUnavailable(self._none_up(none) + full)
 
     def _dispatch(self, routed: Routed, prefill: PeerId, decode: PeerId) -> None:
         """Open the exchange of a new attempt and send GENERATE (under the lock)."""
@@ -292,48 +307,6 @@ class RouterEngine:
                  self.nodes[route.prefill].id, self.nodes[route.decode].id)
         self._dispatch(routed, route.prefill, route.decode)
 
-    # -- resuming (docs/disagg.md §6.1) ----------------------------------------------------------------
-
-    def _may_resume(self, routed: Routed, code: ErrorCode) -> bool:
-        req = routed.request
-        return may_resume(code, resumes=routed.resumes, max_resumes=self.cfg.max_resumes,
-                          closing=self.exchanges.closing, tokens=len(routed.tokens), prompt=len(req.prompt),
-                          max_tokens=req.params.max_tokens, context_length=self._context_length)
-
-    def _resume(self, routed: Routed, code: ErrorCode, message: str) -> None:
-        """Start resuming a failed request (under the lock): its text is assembled here from now on."""
-        routed.resumes += 1
-        routed.resume_deadline = time.monotonic() + self.cfg.resume_timeout_s
-        routed.resume_error = (code, message)
-        if routed.text is None and routed.tokens:
-            routed.text = SequenceText(self._tokenizer, routed.request.params.stop)
-            for token in routed.tokens:  # the state the node's text had: the client has all it released
-                routed.text.feed(token)
-        log.warning("router: %s: %s after %d tokens; resuming it (%d of at most %d)", routed.request.request_id,
-                    message, len(routed.tokens), routed.resumes, self.cfg.max_resumes)
-        self._try_resume(routed)
-
-    def _try_resume(self, routed: Routed) -> None:
-        """Dispatch the resumed attempt if a node of each role is up; else try again shortly, until the deadline."""
-        with self._lock:
-            if routed.done:
-                return
-            route = self.policy.pick(self.monitor.is_up)
-            if isinstance(route, Route):
-                self.counters["resumed"] += 1
-                self._dispatch(routed, route.prefill, route.decode)
-                return
-            if time.monotonic() < routed.resume_deadline and not self.exchanges.closing:
-                timer = threading.Timer(RESUME_RETRY_S, self._try_resume, (routed,))
-                timer.daemon = True
-                timer.start()
-                return
-            self.counters["resume_failed"] += 1
-            code, message = routed.resume_error
-            self._fail(routed, code if code.retryable else ErrorCode.UNAVAILABLE,
-                       f"{message}; could not be resumed within {self.cfg.resume_timeout_s:g}s "
-                       f"(--resume-timeout): {self._unavailable(route)}")
-
     def _relay(self, routed: Routed, ex: Exchange, events: tuple[TokenEvent, ...]) -> None:
         """Pass an attempt's token events to the client (under the lock); after a resume with text made here,
         ending the request on a stop string."""
@@ -377,6 +350,7 @@ class RouterEngine:
                 return
             routed.done = True
             self.counters["cancelled"] += 1
+            self.held.drop(request_id)  # a held request frees its place in the bound
             ex = routed.exchange
         if ex is not None:
             self.exchanges.resolve(ex, error=CodedError("cancelled", ErrorCode.CANCELLED))
@@ -451,30 +425,21 @@ class RouterEngine:
                 if not routed.done and routed.exchange is ex:
                     ex.deadline = time.monotonic() + self.cfg.handoff_timeout_s
         elif kind is MsgType.FINISH:
+            sender = routed.decode
             event = m.Finish.parse(doc).event
-            if event.code is not None and event.code.error_class is ErrorClass.CANCELLED:
-                self.exchanges.resolve(ex, error=self._node_cancelled(routed, from_prefill, event.error or ""))
+            if event.code is not None and event.code.error_class is ErrorClass.CANCELLED:  # a node's, never ours
+                self.exchanges.resolve(ex, error=node_failure(event.code, event.error or "", self.nodes[sender].id))
             else:
                 self.exchanges.resolve(ex, reply=event)
         elif kind is MsgType.HANDED_OFF:
             routed.handed_off = True
             self._count_handoff(m.HandedOff.parse(doc))
         elif kind is MsgType.ERROR:
+            sender = routed.prefill if from_prefill else routed.decode
             err = m.Error.parse(doc)
             if err.code is ErrorCode.UNREACHABLE and err.node is not None:
                 self._reported_down(err.node, err.message)
-            failure = (self._node_cancelled(routed, from_prefill, err.message)
-                       if err.code.error_class is ErrorClass.CANCELLED else CodedError(err.message, err.code))
-            self.exchanges.resolve(ex, error=failure)
-
-    def _node_cancelled(self, routed: Routed, from_prefill: bool, message: str) -> CodedError:
-        """A node ended a live attempt with CANCELLED. Only this router cancels a request (its client went away,
-        and then the request is over before anything of the node is read), so it is that node's failure: failed
-        over or resumed like any other, else 500 (docs/disagg.md §6), never the client's 499."""
-        peer = routed.prefill if from_prefill else routed.decode
-        node = self.nodes[peer].id if peer is not None else "a node"
-        return CodedError(f"{node} cancelled the request on its own ({message or 'no reason given'})",
-                          ErrorCode.INTERNAL, peer_code=ErrorCode.CANCELLED)
+            self.exchanges.resolve(ex, error=node_failure(err.code, err.message, self.nodes[sender].id))
 
     def _first_once(self, routed: Routed, events: tuple[TokenEvent, ...], from_prefill: bool) -> tuple[TokenEvent, ...]:
         """The events of a TOKENS message to relay (under the lock). The prefill node may send its attempt's first
@@ -608,6 +573,8 @@ class RouterEngine:
         if returned or info.down_reason:
             log.warning("router: %s (%s) is up again", info.id, info.role)
         info.down_reason = ""
+        if len(self.held):  # held requests go on at once, not at the next tick
+            self._place_held()
 
     def _on_down(self, peer: PeerId, why: str) -> None:
         info = self.nodes[peer]
