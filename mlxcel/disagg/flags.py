@@ -179,23 +179,28 @@ def _addresses_and_secret(args: argparse.Namespace, dist: Distributed | None) ->
         peers = {r: tuple(n.address for n in cluster.with_role(r)) for r in ("prefill", "decode")}
         return NodeConfig(role, dist.node.address, peers["prefill"] if role == "router" else (),
                           peers["decode"] if role != "decode" else (), secret, timeout,
-                          probe or cluster.timeouts.heartbeat_s, dist.node.id, *_resume(args, cluster.timeouts.resume_s))
+                          probe or cluster.timeouts.heartbeat_s, dist.node.id, *_resume(args, cluster.timeouts.resume_s),
+                          _hold_limit(args))
     secret = load_secret(getattr(args, "cluster_secret_file", None), required=True)
     assert secret is not None
     bind = parse_address(args.serving_bind, "--serving-bind")
     return NodeConfig(role, bind, parse_peers(getattr(args, "prefill_peers", None), "--prefill-peers"),
                       parse_peers(getattr(args, "decode_peers", None), "--decode-peers"), secret, timeout,
-                      probe or DEFAULT_PROBE_INTERVAL_S, f"{role}@{bind}", *_resume(args, DEFAULT_RESUME_TIMEOUT_S))
+                      probe or DEFAULT_PROBE_INTERVAL_S, f"{role}@{bind}", *_resume(args, DEFAULT_RESUME_TIMEOUT_S),
+                      _hold_limit(args))
 
 
-def _resume(args: argparse.Namespace, toml_timeout_s: float) -> tuple[int, float, int]:
-    """--max-resumes, --resume-timeout (the TOML's [timeouts] resume_s where the flag is not given) and
-    --max-queue (a router: the requests it holds at most while no node of a role is up)."""
+def _resume(args: argparse.Namespace, toml_timeout_s: float) -> tuple[int, float]:
+    """--max-resumes and --resume-timeout (the TOML's [timeouts] resume_s where the flag is not given)."""
     count = getattr(args, "max_resumes", None)
     timeout = getattr(args, "resume_timeout", None)
+    return (DEFAULT_MAX_RESUMES if count is None else count), (toml_timeout_s if timeout is None else timeout)
+
+
+def _hold_limit(args: argparse.Namespace) -> int:
+    """--max-queue: on a router, the new requests it holds at most while no node of a role is up (§6.2)."""
     queue = getattr(args, "max_queue", None)
-    return ((DEFAULT_MAX_RESUMES if count is None else count), (toml_timeout_s if timeout is None else timeout),
-            DEFAULT_MAX_QUEUE if queue is None else queue)
+    return DEFAULT_MAX_QUEUE if queue is None else queue
 
 
 def wants_disagg(args: argparse.Namespace, dist: Distributed | None) -> bool:
