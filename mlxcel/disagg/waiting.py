@@ -12,15 +12,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from mlxcel.disagg.policy import NoneUp, Route, may_resume
+from mlxcel.disagg.routed import Routed
 from mlxcel.engine.resume import RETRY_S as RESUME_RETRY_S
 from mlxcel.engine.textstream import SequenceText
 from mlxcel.error_codes import ErrorCode
-
-if TYPE_CHECKING:
-    from mlxcel.disagg.router import Routed
 
 log = logging.getLogger("mlxcel.disagg.router")
 
