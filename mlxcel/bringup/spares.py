@@ -9,7 +9,9 @@ reason, and the next one is tried; None when no standby is left.
 
 ``start()`` checks every spare every 10 s (``SPARE_CHECK_S``) with a short session (query, info,
 standby): one that does not answer is ``unreachable`` (with the reason) until it answers again, and is
-tried after the ones that answered. Checks and takeovers never overlap (one session per spare at a
+tried after the ones that answered. After a takeover the stage's old address is ``replaced``: it is checked
+the same way, quietly, and a peer waiting there (the old stage host started again) joins as a spare. Checks and
+takeovers never overlap (one session per spare at a
 time, or the spare would refuse the second as busy).
 
 ``SparePool.reassign(node_id)`` runs the same push against the stage's own address, dialled once: a
@@ -79,6 +81,7 @@ class SparePool:
         self._stop = threading.Event()
         self._state: dict[PeerId, str] = {p: "standby" for p in spares}
         self._why: dict[PeerId, str] = {}
+        self._replaced: dict[PeerId, str] = {}  # an address a spare took a stage from -> that stage's node id
         self.reassigned: dict[str, int] = {}  # node id -> how often its restarted peer was re-assigned
         self._refused_at: dict[str, float] = {}  # node id -> when its last re-assignment failed (monotonic)
 
@@ -97,22 +100,38 @@ class SparePool:
         self._stop.set()
 
     def check_all(self) -> None:
-        """One check of every spare still waiting (``standby`` or ``unreachable``)."""
-        for spare in self.standbys():
+        """One check of every spare still waiting (``standby`` or ``unreachable``) and of every ``replaced`` address:
+        a peer waiting there (the stage's old host, started again) joins as a spare."""
+        for spare in self._checked():
             with self._sessions:
-                if self._state.get(spare) not in ("standby", "unreachable"):
+                state = self._state.get(spare)
+                if state not in ("standby", "unreachable", "replaced"):
                     continue
                 try:
                     self._check(spare)
                 except (BringupError, ClusterError, OSError) as exc:
+                    if state == "replaced":
+                        continue  # nothing waits there (yet): not an error
                     why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc) or type(exc).__name__
-                    if self._state.get(spare) == "standby":
+                    if state == "standby":
                         log.warning("spare %s does not answer: %s", spare, why)
                     self._set(spare, "unreachable", why)
                 else:
-                    if self._state.get(spare) == "unreachable":
+                    if state == "unreachable":
                         log.warning("spare %s answers again", spare)
+                    elif state == "replaced":
+                        log.warning("the peer at %s joins as a spare (%s)", spare, self._adopted(spare))
                     self._set(spare, "standby")
+
+    def _checked(self) -> list[PeerId]:
+        with self._lock:
+            return [p for p, s in self._state.items() if s in ("standby", "unreachable", "replaced")]
+
+    def _adopted(self, address: PeerId) -> str:
+        """Where the stage that ``address`` served before a takeover runs now, for the log."""
+        node_id = self._replaced.pop(address, None)
+        where = next((s.address for s in self.plan.stages if s.node_id == node_id), None)
+        return f"{node_id} is served by {where}" if where is not None else "it served no stage"
 
     def _check(self, spare: PeerId) -> None:
         """query, info, standby on one short session; raises on any failure."""
@@ -132,10 +151,12 @@ class SparePool:
 
     def status(self) -> list[dict[str, Any]]:
         """Each spare and its state: ``standby``, ``unreachable`` (its last check failed; with ``reason``),
-        ``assigning stage-i``, ``stage-i`` (took it over) or ``failed`` (with ``reason``)."""
+        ``assigning stage-i``, ``stage-i`` (took it over), ``failed`` (with ``reason``) or ``replaced`` (a stage's
+        old address after a takeover, checked until a peer waits there; with ``reason``)."""
         with self._lock:
             return [{"address": str(p), "state": s,
-                     **({"reason": self._why[p]} if s in ("unreachable", "failed") and p in self._why else {})}
+                     **({"reason": self._why[p]} if s in ("unreachable", "failed", "replaced") and p in self._why
+                        else {})}
                     for p, s in self._state.items()]
 
     def standbys(self) -> list[PeerId]:
@@ -180,8 +201,12 @@ class SparePool:
                 self._set(spare, "failed", str(exc))
                 log.warning("spare %s did not take over %s: %s", spare, node_id, exc)
                 continue
+            old = next(s.address for s in self.plan.stages if s.node_id == node_id)
             self.plan = plan
             self._set(spare, node_id)
+            self._replaced[old] = node_id
+            self._set(old, "replaced", f"{node_id} was taken over by {spare}; a peer started again here joins as a "
+                                       "spare")
             log.warning("spare %s took over %s (layers %s)", spare, node_id,
                         format_range(*next((s.start, s.end) for s in plan.stages if s.node_id == node_id)))
             return spare

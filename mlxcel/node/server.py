@@ -32,6 +32,8 @@ Schema::
     config_out = "cluster-{node_id}.toml"
     name = "demo"                          # optional
     micro_batch_size = 4                   # optional, the coordinator's
+    spares = ["127.0.0.5:19000"]           # optional, the coordinator's: after peers in --cluster-peers, --pp-spare K
+    spare_after_s = 5                      # optional, with spares: --pp-spare-after S
 
 Paths are passed as written (the server resolves them against the node's working directory).
 """
@@ -46,7 +48,8 @@ from mlxcel.node.errors import NodeSpecError
 _SERVER_KEYS = {"program", "model", "host", "port", "api_key_file", "ssl_certfile", "ssl_keyfile", "threads", "args",
                 "cluster"}
 _CLUSTER_KEYS = {"secret_file", "bringup", "node_id", "config", "role", "peers", "control_addr", "config_out", "name",
-                 "micro_batch_size"}
+                 "micro_batch_size", "spares", "spare_after_s"}
+_SPARE_KEYS = ("spares", "spare_after_s")
 BRINGUPS = ("toml", "pp_auto")
 
 
@@ -81,6 +84,8 @@ def _cluster_flags(cluster: Any, path: Path) -> list[str]:
     if bringup not in BRINGUPS:
         raise NodeSpecError(f"{path}: {where} bringup must be one of {', '.join(BRINGUPS)}, got {bringup!r}")
     if bringup == "toml":
+        if any(k in table for k in _SPARE_KEYS):
+            raise NodeSpecError(f"{path}: {where} spares and spare_after_s need bringup pp_auto")
         flags = ["--distributed-config", _text(table, "config", path, where),
                  "--node-id", _text(table, "node_id", path, where)]
     else:
@@ -92,7 +97,10 @@ def _pp_auto_flags(table: dict[str, Any], path: Path, where: str) -> list[str]:
     coordinator = _text(table, "role", path, where) == "coordinator"
     if coordinator:
         peers = _texts(table, "peers", path, where)
-        flags = ["--pp-auto", str(len(peers)), "--cluster-peers", ",".join(peers)]
+        flags = ["--pp-auto", str(len(peers)), "--cluster-peers", ",".join(peers + _spares(table, peers, path, where))]
+        flags += _spare_flags(table, path, where)
+    elif any(k in table for k in _SPARE_KEYS):
+        raise NodeSpecError(f"{path}: {where} spares and spare_after_s are the coordinator's (role coordinator)")
     else:
         flags = ["--pp-peer"]
     flags += ["--cluster-control-addr", _text(table, "control_addr", path, where),
@@ -101,6 +109,28 @@ def _pp_auto_flags(table: dict[str, Any], path: Path, where: str) -> list[str]:
         flags += ["--cluster-name", _text(table, "name", path, where)]
     if coordinator and "micro_batch_size" in table:
         flags += ["--pp-micro-batch-size", str(_count(table, "micro_batch_size", path, where))]
+    return flags
+
+
+def _spares(table: dict[str, Any], peers: list[str], path: Path, where: str) -> list[str]:
+    """The spare peers' addresses (after the stages' in --cluster-peers); none a stage's."""
+    spares = _texts(table, "spares", path, where, allow_empty=True)
+    both = sorted(set(spares) & set(peers))
+    if both:
+        raise NodeSpecError(f"{path}: {where} spares {', '.join(both)} also in peers (a host is a stage or a spare)")
+    return spares
+
+
+def _spare_flags(table: dict[str, Any], path: Path, where: str) -> list[str]:
+    spares = table.get("spares", [])
+    flags = ["--pp-spare", str(len(spares))] if spares else []
+    if "spare_after_s" in table:
+        after = table["spare_after_s"]
+        if not spares:
+            raise NodeSpecError(f"{path}: {where} spare_after_s needs spares (with no spare there is nothing to assign)")
+        if isinstance(after, bool) or not isinstance(after, (int, float)) or after <= 0:
+            raise NodeSpecError(f"{path}: {where} spare_after_s must be a positive number, got {after!r}")
+        flags += ["--pp-spare-after", f"{after:g}"]
     return flags
 
 

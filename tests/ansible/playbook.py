@@ -107,3 +107,15 @@ class Deployment:
                 os.killpg(pid, signal.SIGKILL)
             except OSError:
                 pass
+
+
+def spare_inventory(deployment: Deployment, spare: str = SPARE_ADDRESS, name: str = "inventory-spares") -> str:
+    """The default inventory plus one host, local-spare-0 at ``spare``, in the group "spares" (pp_auto)."""
+    inventory = deployment.root / name
+    (inventory / "group_vars").mkdir(parents=True, exist_ok=True)
+    common = (REPO / "inventory" / "group_vars" / "all.yml").read_text()
+    (inventory / "group_vars" / "all.yml").write_text(common.replace("{{ inventory_dir | dirname }}", str(REPO)))
+    hosts = (REPO / "inventory" / "hosts.yml").read_text()
+    (inventory / "hosts.yml").write_text(hosts + "    spares:\n      hosts:\n        local-spare-0:\n"
+                                         f"          ansible_host: {spare}\n          mlxcel_node_id: spare-0\n")
+    return str(inventory)

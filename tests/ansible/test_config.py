@@ -16,7 +16,7 @@ from mlxcel.config import DEFAULT_PREFIX_CACHE_MB
 from mlxcel.models.random_checkpoint import make_random_checkpoint
 from mlxcel.topology.cluster_config import load_cluster_config
 from mlxcel.topology.partition import PartitionError, parse_layer_ranges
-from tests.ansible.playbook import HOSTS, REPO, Deployment
+from tests.ansible.playbook import HOSTS, REPO, SPARE_ADDRESS, Deployment, spare_inventory
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.proc]
 
@@ -254,3 +254,39 @@ def test_disagg_refuses_settings_only_a_pipeline_has(deployment: Deployment) -> 
     assert ("mlxcel_topology disagg has no stages, layer ranges or [pipeline] settings (every prefill and decode node "
             "holds the whole model), so mlxcel_config_prefix_cache_mb, mlxcel_config_startup_s cannot apply") in text, \
         result.output[-3000:]
+
+
+def test_pp_auto_spares_render_on_the_coordinators_command_line(deployment: Deployment) -> None:
+    """A host in the group "spares": a --pp-peer like the stage hosts; the coordinator lists it after the stages and
+    gets --pp-spare 1 and --pp-spare-after; spares count in the thread budget like stages."""
+    result = deployment.run("tests/ansible/render_units.yml", inventory=spare_inventory(deployment),
+                            mlxcel_bringup="pp_auto", mlxcel_bringup_spare_after_s=3)
+    assert result.rc == 0, result.output[-4000:]
+    shown = {n: json.loads((deployment.home(n) / "node-show.json").read_text())["command"]
+             for n in (*HOSTS, "spare-0")}
+    peers = [f"{HOSTS[n]}:{deployment.cluster_port}" for n in ("stage-0", "stage-1")]
+    coordinator = shown["coordinator"]
+    assert _flag(coordinator, "--pp-auto") == "2" and _flag(coordinator, "--pp-spare") == "1"
+    assert _flag(coordinator, "--cluster-peers") == ",".join([*peers, f"{SPARE_ADDRESS}:{deployment.cluster_port}"])
+    assert _flag(coordinator, "--pp-spare-after") == "3"
+    cluster = tomllib.loads((deployment.home("coordinator") / "node.toml").read_text())["server"]["cluster"]
+    assert cluster["spares"] == [f"{SPARE_ADDRESS}:{deployment.cluster_port}"] and cluster["spare_after_s"] == 3
+    for node in ("stage-0", "stage-1", "spare-0"):
+        assert "--pp-peer" in shown[node] and "--pp-spare" not in shown[node]
+        assert _flag(shown[node], "--threads") == str(max(1, len(os.sched_getaffinity(0)) // 3))
+
+
+@pytest.mark.parametrize("case, more, want", [
+    ("toml", {}, "hosts in 'spares' (['local-spare-0']) need mlxcel_bringup pp_auto"),
+    ("after", {"mlxcel_bringup": "pp_auto", "mlxcel_bringup_spare_after_s": 0},
+     "mlxcel_bringup_spare_after_s (got 0) needs spares and a value above 0 and at most 3600 seconds"),
+    ("order", {"mlxcel_bringup": "pp_auto"}, "so every address of the group 'spares' (127.0.0.10:"),
+])
+def test_pp_auto_spares_preflight_refuses_with_the_reason(deployment: Deployment, case: str, more: dict,
+                                                          want: str) -> None:
+    """Spares without pp_auto, a spare_after_s out of bounds, and a spare the coordinator would make a stage (its
+    address sorts before a stage's: "127.0.0.10:P" < "127.0.0.3:P") are refused before anything runs."""
+    inventory = spare_inventory(deployment, "127.0.0.10" if case == "order" else SPARE_ADDRESS, name=f"inv-{case}")
+    result = deployment.run("deploy.yml", "--tags", "install", inventory=inventory, **more)
+    assert result.rc != 0
+    assert want in " ".join(result.output.split()), result.output[-3000:]

@@ -30,11 +30,13 @@ from mlxcel.topology.cluster_config import load_cluster_config
 
 from tests.ansible.deploy_checks import (NODES, StreamingLoad, argv_of, assert_redeploy_changes_nothing, flag,
                                          greedy_answer, layer_threads, pids_of, roll_order)
-from tests.ansible.playbook import HOSTS, Deployment, free_port
+from tests.ansible.playbook import HOSTS, SPARE_ADDRESS, Deployment, free_port, spare_inventory
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.proc]
 PP_AUTO = {"mlxcel_bringup": "pp_auto"}
 ANSWERS: dict[str, str] = {}  # bring-up -> the greedy answer to one prompt
+SPARES: dict[str, str] = {}  # "inventory": the inventory with a spare host, once a test deployed it
+SPARE_NODES = (*NODES, "spare-0")
 
 
 @pytest.fixture(scope="module")
@@ -343,13 +345,72 @@ def _health(url: str) -> dict:
         return {}
 
 
+def _kill_node(deployment: Deployment, node: str) -> None:
+    """A host lost: its supervisor, its server and its warm standby, all with SIGKILL (nothing restarts it)."""
+    home = f"{deployment.home(node)}/"
+    for pid in deployment.pids():
+        if home in open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace"):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_pp_auto_a_spare_stands_by_takes_a_lost_stage_over_and_the_old_stage_host_returns_as_a_spare(
+        deployment: Deployment) -> None:
+    inventory = SPARES["inventory"] = spare_inventory(deployment)
+    spare, stage = f"{SPARE_ADDRESS}:{deployment.cluster_port}", f"{HOSTS['stage-1']}:{deployment.cluster_port}"
+    result = deployment.run("deploy.yml", inventory=inventory, mlxcel_bringup_spare_after_s=2, **PP_AUTO)
+    assert result.rc == 0, result.output[-4000:]
+    text = " ".join(result.output.split())
+    assert "local-spare-0 stands by as a spare" in text and "local-stage-1 is stage-1 (layers 2-3)" in text, text[-3000:]
+    coordinator = argv_of(deployment, "coordinator")
+    assert flag(coordinator, "--pp-auto") == "2" and flag(coordinator, "--pp-spare") == "1"
+    assert flag(coordinator, "--cluster-peers").endswith(f",{spare}") and flag(coordinator, "--pp-spare-after") == "2"
+    assert "--pp-peer" in argv_of(deployment, "spare-0")
+    assert _health(f"http://{SPARE_ADDRESS}:{deployment.http_port}/health")["status"] == "standby"
+    pids = pids_of(deployment, SPARE_NODES)
+
+    status = deployment.run("status.yml", inventory=inventory, **PP_AUTO)  # a standby is healthy: nothing restarts
+    assert status.rc == 0, status.output[-4000:]
+    assert re.search(rf"\bspare-0 +spare +{pids['spare-0'].strip()} .* 503 standby +standby \(healthy\)",
+                     " ".join(status.output.split())), status.output[-3000:]
+    assert pids_of(deployment, SPARE_NODES) == pids
+
+    _kill_node(deployment, "stage-1")  # the host is lost: the spare takes stage-1 over after 2 s
+    lost = time.monotonic()
+    while (cluster := _health(f"{deployment.url}/health")).get("status") != "ready" \
+            or [s.get("address") for s in cluster.get("stages", [])][1:] != [spare]:
+        assert time.monotonic() - lost < 90, cluster
+        time.sleep(0.5)
+    print(f"pp_auto stage host lost -> the spare serves its stage: {time.monotonic() - lost:.1f} s")
+    assert {"address": stage, "state": "replaced"}.items() <= cluster["spares"][1].items(), cluster
+    answer = greedy_answer(deployment.url)
+
+    result = deployment.run("deploy.yml", inventory=inventory, mlxcel_bringup_spare_after_s=2, **PP_AUTO)
+    assert result.rc == 0, result.output[-4000:]
+    text = " ".join(result.output.split())
+    assert "local-stage-1 starts again as a spare (not running;" in text and "starting every node" not in text, text[-3000:]
+    assert "local-stage-1 stands by as a spare" in text and "local-spare-0 is stage-1 (layers 2-3)" in text, text[-3000:]
+    now = pids_of(deployment, SPARE_NODES)
+    assert [now[n] for n in ("coordinator", "stage-0", "spare-0")] == [pids[n] for n in ("coordinator", "stage-0", "spare-0")]
+    assert {"address": stage, "state": "standby"} in _health(f"{deployment.url}/health")["spares"]
+    assert greedy_answer(deployment.url) == answer
+
+    status = deployment.run("status.yml", inventory=inventory, **PP_AUTO)
+    text = " ".join(status.output.split())
+    assert re.search(rf"\bstage-1 +spare +{now['stage-1'].strip()} .* 503 standby +standby \(healthy\)", text), text[-3000:]
+    assert re.search(rf"\bspare-0 +stage +{now['spare-0'].strip()} .* 200 ready +stage-1 layers 2-3\b", text), text[-3000:]
+    assert_redeploy_changes_nothing(deployment, nodes=SPARE_NODES, inventory=inventory, mlxcel_bringup_spare_after_s=2,
+                                    **PP_AUTO)
+
+
 def test_teardown_leaves_no_process(deployment: Deployment) -> None:
     assert deployment.pids(), "nothing to tear down: the deployment never started"
-    assert len(_supervisors(deployment)) == len(NODES)  # one supervisor per node, stopped with it
-    result = deployment.run("teardown.yml")
+    # after the spare test: its inventory, whose group "spares" needs mlxcel_bringup pp_auto
+    nodes, inventory, more = (SPARE_NODES, SPARES["inventory"], PP_AUTO) if SPARES else (NODES, "inventory", {})
+    assert len(_supervisors(deployment)) == len(nodes)  # one supervisor per node, stopped with it
+    result = deployment.run("teardown.yml", inventory=inventory, **more)
     assert result.rc == 0, result.output[-4000:]
     assert deployment.pids() == []
-    assert not any((deployment.home(n) / "node.pid").exists() for n in NODES)
-    again = deployment.run("teardown.yml")  # what is already gone is fine
+    assert not any((deployment.home(n) / "node.pid").exists() for n in nodes)
+    again = deployment.run("teardown.yml", inventory=inventory, **more)  # what is already gone is fine
     assert again.rc == 0 and all(r["changed"] == 0 for r in again.recap().values()), again.output[-3000:]
     assert os.path.isdir(deployment.home("coordinator"))

@@ -30,6 +30,34 @@ def test_a_pp_auto_peer_gets_no_coordinator_flag() -> None:
         "--cluster-name", "demo", "--cluster-secret-file", "/s", "--host", "127.0.0.3", "--port", "8080")
 
 
+COORDINATOR = {"secret_file": "/s", "bringup": "pp_auto", "role": "coordinator", "peers": ["a:1", "b:1"],
+               "control_addr": "c:1", "config_out": "/h/cluster.toml"}
+
+
+def test_a_pp_auto_coordinator_with_spares_lists_them_after_the_stages() -> None:
+    cluster = {**COORDINATOR, "spares": ["d:1"], "spare_after_s": 3}
+    assert _spec({**BASE, "cluster": cluster}).command[3:13] == (
+        "--pp-auto", "2", "--cluster-peers", "a:1,b:1,d:1", "--pp-spare", "1", "--pp-spare-after", "3",
+        "--cluster-control-addr", "c:1")
+    assert "--pp-spare" not in _spec({**BASE, "cluster": {**COORDINATOR, "spares": []}}).command  # none: no flag
+
+
+@pytest.mark.parametrize("cluster, error", [
+    ({**COORDINATOR, "spares": "d:1"}, "spares must be a list of non-empty strings"),
+    ({**COORDINATOR, "spares": ["a:1"]}, "spares a:1 also in peers (a host is a stage or a spare)"),
+    ({**COORDINATOR, "spare_after_s": 3}, "spare_after_s needs spares (with no spare there is nothing to assign)"),
+    ({**COORDINATOR, "spares": ["d:1"], "spare_after_s": 0}, "spare_after_s must be a positive number, got 0"),
+    ({**COORDINATOR, "spares": ["d:1"], "spare_after_s": True}, "spare_after_s must be a positive number, got True"),
+    ({**COORDINATOR, "role": "stage", "spares": ["d:1"]}, "spares and spare_after_s are the coordinator's"),
+    ({**COORDINATOR, "bringup": "toml", "node_id": "x", "config": "/c", "spares": ["d:1"]},
+     "spares and spare_after_s need bringup pp_auto"),
+])
+def test_spares_refused_with_the_key_named(cluster: dict, error: str) -> None:
+    with pytest.raises(NodeSpecError) as refused:
+        _spec({**BASE, "cluster": cluster})
+    assert error in str(refused.value) and "/h/node.toml" in str(refused.value)
+
+
 @pytest.mark.parametrize("server, top, error", [
     ({**BASE, "ssl_certfile": "/c"}, {}, "ssl_certfile and ssl_keyfile go together"),
     ({**BASE, "port": "8080"}, {}, "[server] port must be a positive integer"),

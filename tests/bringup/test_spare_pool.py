@@ -119,7 +119,8 @@ def test_a_spare_holding_another_secret_is_skipped_and_the_next_one_takes_the_st
     assert _states(pool) == [(str(impostor.address), "standby"), (str(honest.address), "standby")]
 
     assert pool.replace("stage-1") == honest.address
-    assert _states(pool) == [(str(impostor.address), "failed"), (str(honest.address), "stage-1")]
+    assert _states(pool) == [(str(impostor.address), "failed"), (str(honest.address), "stage-1"),
+                             (str(coordinator.plan.stages[1].address), "replaced")]  # the stage's old address
     assert "secret mismatch" in pool.status()[0]["reason"]
     activated = honest.wait(honest.release)
     assert activated is not None and activated.assignment.node_id == "stage-1"
@@ -202,3 +203,30 @@ def test_a_stage_restarted_at_its_address_gets_it_back_and_impostors_there_get_n
     assert activated.assignment.layers == (stage.start, stage.end)
     assert [s.address for s in coordinator.written[-1].stages] == [s.address for s in coordinator.plan.stages]
     assert pool.reassigned == {"stage-1": 1} and pool.status() == []
+
+
+def test_a_stage_host_returning_after_a_takeover_joins_as_a_spare(coordinator, peers, caplog):
+    """§5.6 "Replaced": the address a spare took a stage from is checked like a spare; a peer waiting there (the old
+    stage host started again) is told to stand by and becomes a standby the next takeover may use."""
+    spare = peers(FakePeer, "127.0.0.6")
+    pool = coordinator.pool(spare)
+    old = coordinator.plan.stages[1].address
+    assert pool.replace("stage-1") == spare.address
+    assert spare.wait(spare.release).assignment.node_id == "stage-1"
+    assert _states(pool) == [(str(spare.address), "stage-1"), (str(old), "replaced")]
+    assert pool.status()[1]["reason"] == (f"stage-1 was taken over by {spare.address}; a peer started again here "
+                                          "joins as a spare")
+    assert pool.standbys() == []  # never tried in a takeover while nothing waits there
+    caplog.clear()
+    pool.check_all()  # nothing listens there yet: not an error, nothing logged
+    assert _states(pool)[1] == (str(old), "replaced") and not caplog.records
+
+    returning = peers(FakePeer, old.host, port=old.port)  # the old stage host, started again as a --pp-peer
+    pool.check_all()
+    assert _states(pool)[1] == (str(old), "standby")
+    assert wait_until(lambda: returning.state == "standby") and returning.standby_for == coordinator.control
+    assert f"the peer at {old} joins as a spare (stage-1 is served by {spare.address})" in caplog.text
+    assert pool.standbys() == [old]
+    assert pool.replace("stage-1") == old  # the spare that took stage-1 died in turn: the old host takes it back
+    assert returning.wait(returning.release).assignment.node_id == "stage-1"
+    assert _states(pool) == [(str(spare.address), "replaced"), (str(old), "stage-1")]

@@ -72,7 +72,10 @@ def test_a_spare_stands_by_then_takes_over_a_killed_stage_mid_stream(bringup, ti
     health = _wait_health(coord.url, lambda b: b["status"] == "ready")
     assert [(s["id"], s["address"]) for s in health["stages"]] == [("stage-0", stage0.listener),
                                                                    ("stage-1", spare.listener)]
-    assert health["spares"] == [{"address": spare.listener, "state": "stage-1"}]
+    assert health["spares"] == [{"address": spare.listener, "state": "stage-1"},
+                                {"address": stage1.listener, "state": "replaced",  # where stage-1's old peer was
+                                 "reason": f"stage-1 was taken over by {spare.listener}; a peer started again here "
+                                           "joins as a spare"}]
     assert spare.listener in (coord.cwd / ".mlxcel" / "cluster.toml").read_text()  # the coordinator's file follows
     print(f"kill -> whole answer: {took:.1f}s")
 
