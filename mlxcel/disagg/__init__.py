@@ -15,6 +15,7 @@ Module map (the codecs are sans-I/O; the services own sockets and threads):
 - ``prefill``     ``PrefillService``: GENERATE -> checks -> prefill -> KV handoff stream -> HANDED_OFF
 - ``decode``      ``DecodeService``: handoff streams -> ``submit_prefilled`` -> TOKENS/FINISH to the router
 - ``router``      ``RouterEngine``: the OpenAI API's engine, round-robin over healthy nodes, failover, demux
+- ``routed``      ``Routed``: the router's record of one request and its current attempt
 - ``waiting``     the router's requests waiting for nodes: new ones held (``holding``: their bookkeeping), failed ones resumed
 - ``late_handoffs``  which prefill node's HANDED_OFF the router still counts after its attempt ended
 - ``policy``      ``RoutePolicy``: the router's pick (round-robin over nodes up) and retry decisions, over plain data

@@ -30,7 +30,7 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from mlxcel.cluster.exchanges import Exchange, ExchangeTable
@@ -44,12 +44,12 @@ from mlxcel.disagg.flags import NodeConfig
 from mlxcel.disagg.holding import HeldRequests
 from mlxcel.disagg.late_handoffs import Late, LateHandoffs
 from mlxcel.disagg.policy import GiveUp, NoneUp, Route, RoutePolicy, depends_on, node_failure
+from mlxcel.disagg.routed import Routed
 from mlxcel.disagg.service import role_transport
 from mlxcel.disagg.waiting import NodeWaits
 from mlxcel.disagg.wire import PROBE_TIMEOUT_S, MsgType
 from mlxcel.engine.interface import EngineRequest, EngineUnavailable, EventStream, FinishEvent, TokenEvent
 from mlxcel.engine.sampling import SamplingParams, random_seed
-from mlxcel.engine.textstream import SequenceText
 from mlxcel.error_codes import CodedError, ErrorClass, ErrorCode, code_of
 from mlxcel.cluster.outbox import Outbox
 
@@ -69,30 +69,6 @@ class NodeInfo:
     failures: int = 0
     completed: int = 0
     down_reason: str = ""
-
-
-@dataclass(eq=False)
-class Routed:
-    """One client request and its current attempt."""
-
-    request: EngineRequest
-    stream: Any  # EventStream
-    attempts: int = 0
-    emitted: int = 0
-    prefill: PeerId | None = None
-    decode: PeerId | None = None
-    exchange: Exchange | None = None
-    handed_off: bool = False
-    early_first: int | None = None  # this attempt's first token, relayed from its prefill node (None: not yet)
-    decode_spoke: bool = False  # this attempt's decode node sent TOKENS
-    done: bool = False
-    started: float = field(default_factory=time.perf_counter)
-    params: SamplingParams | None = None  # the request's, its seed resolved so that a resume replays it
-    tokens: list[int] = field(default_factory=list)  # every token relayed to the client, in order
-    text: SequenceText | None = None  # after a resume: the text is assembled here (the nodes' starts midway)
-    resumes: int = 0
-    resume_deadline: float = 0.0  # while a resume waits for nodes (monotonic)
-    resume_error: tuple[ErrorCode, str] = (ErrorCode.UNAVAILABLE, "")  # the failure being resumed
 
 
 class RouterEngine(NodeWaits):

@@ -20,7 +20,7 @@ from mlxcel.engine.textstream import SequenceText
 from mlxcel.error_codes import ErrorCode
 
 if TYPE_CHECKING:
-    from mlxcel.disagg.router import Routed
+    from mlxcel.disagg.routed import Routed
 
 log = logging.getLogger("mlxcel.disagg.router")
 
