@@ -151,9 +151,6 @@ BATCH_TAILS_ENV = "MLXCEL_BATCH_TAILS"
 #: asynchronous scheduling (1/0; unset: on a GPU): the server's scheduler plans step N+1 while step N runs
 #: (mlxcel/engine/executor.py)
 ASYNC_ENV = "MLXCEL_ASYNC_SCHED"
-#: a pipeline stage builds its next queued step while the device runs the current one (1/0; unset: off;
-#: mlxcel/pipeline/stage.py, docs/pipeline.md §3.13)
-STAGE_OVERLAP_ENV = "MLXCEL_STAGE_OVERLAP"
 MAX_THREADS = 256  # bound on a thread budget
 # An idle OpenBLAS worker spins (sched_yield) for 2**N TSC cycles before it sleeps. OpenBLAS's own
 # N = 28 (~0.1 s at 2.6 GHz) outlasts a pipeline stage's wait for its peers, so a waiting stage spun

@@ -30,7 +30,6 @@ from mlxcel.config import (
     MAX_RESUMES,
     ASYNC_ENV,
     BATCH_TAILS_ENV,
-    STAGE_OVERLAP_ENV,
     THREADS_ENV,
     env_switch,
     non_negative_int,
@@ -195,7 +194,7 @@ def check_flags(args: argparse.Namespace) -> None:
     try:
         auto_workers()
         auto_pipeline_min_len()
-        for switch in (BATCH_TAILS_ENV, ASYNC_ENV, STAGE_OVERLAP_ENV):
+        for switch in (BATCH_TAILS_ENV, ASYNC_ENV):
             env_switch(switch)
     except ValueError as exc:
         raise CLIError(str(exc)) from None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from pathlib import Path
 from typing import Any, Callable
 
@@ -38,7 +39,8 @@ class StageProcess(LoadingProcess):
                                                    max_rows=self.dist.cluster.max_batch_size)
             loaded.append(checkpoint)
             return StageService(self.dist.cluster, node.id, runner, self.dist.secret, model_facts(self.model_dir),
-                                on_shutdown=on_shutdown)
+                                on_shutdown=on_shutdown,
+                                step_delay_s=float(os.environ.get("MLXCEL_STAGE_STEP_DELAY_S", "0") or 0))
 
         seconds = self.start_service(build, who=f"stage {node.id}", address=node.address, on_fatal=on_fatal)
         if seconds is not None and node.layers is not None:
