@@ -10,7 +10,7 @@ import json
 import sys
 from typing import Any, Callable, Sequence
 
-from mlxcel import __version__
+from mlxcel import __version__, envs
 from mlxcel.config import (DEFAULT_MAX_TOKENS, DEFAULT_MODEL_DIR, DEFAULT_PP_MICRO_BATCH_SIZE, DEFAULT_PP_SIZE,
                            MAX_PP_MICRO_BATCH_SIZE, RANDOM_FAMILIES, non_negative_int, positive_int)
 from mlxcel.errors import CLIError
@@ -82,6 +82,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from mlxcel.commands.generate import run_generate
     from mlxcel.parallel.options import check_tp_flags
 
+    envs.check()  # every MLXCEL_* variable, refused by name before any load
     check_tp_flags(args)
     check_pipeline_flags(args)
     return run_generate(args)

@@ -28,10 +28,7 @@ from mlxcel.config import (
     DEFAULT_RESUME_TIMEOUT_S,
     MAX_RESUME_TIMEOUT_S,
     MAX_RESUMES,
-    ASYNC_ENV,
-    BATCH_TAILS_ENV,
     THREADS_ENV,
-    env_switch,
     non_negative_int,
     positive_int,
     resume_count,
@@ -39,6 +36,7 @@ from mlxcel.config import (
     seconds,
     thread_count,
 )
+from mlxcel import envs
 from mlxcel.bringup import wire
 from mlxcel.bringup.flags import check_bringup_flags, spare_count, spare_seconds
 from mlxcel.config import port as tcp_port
@@ -183,21 +181,11 @@ def check_cluster_flags(args: argparse.Namespace) -> None:
 
 def check_flags(args: argparse.Namespace) -> None:
     """Flag combinations of every feature (nothing is read or bound yet)."""
-    from mlxcel.cluster.aead_pipeline import auto_pipeline_min_len, auto_workers
     from mlxcel.parallel.options import check_tp_flags
 
     check_cluster_flags(args)
     check_tp_flags(args)
-    # MLXCEL_CRYPTO_WORKERS and MLXCEL_CRYPTO_PIPELINE_MIN_LEN, read when a transport starts, and the switches
-    # read when the scheduler or a stage starts: refused here, before any load (without importing the scheduler:
-    # a router or pp-peer never needs it)
-    try:
-        auto_workers()
-        auto_pipeline_min_len()
-        for switch in (BATCH_TAILS_ENV, ASYNC_ENV):
-            env_switch(switch)
-    except ValueError as exc:
-        raise CLIError(str(exc)) from None
+    envs.check()  # every MLXCEL_* variable, refused by name before any load
     if (args.max_batch_size or args.parallel) > args.parallel:
         raise CLIError(f"--max-batch-size ({args.max_batch_size}) cannot exceed --parallel ({args.parallel}): "
                        "a decode step batches only sequences that hold a slot")

@@ -28,7 +28,7 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import KVCache
 
-from mlxcel.config import ASYNC_ENV, env_switch
+from mlxcel import envs
 from mlxcel.engine.model_slice import ModelSlice
 from mlxcel.engine.prefix_cache import PrefixCache
 from mlxcel.engine.runner import PendingSample, RowSampler, Sampled, SliceRunner
@@ -353,7 +353,7 @@ def default_lookahead(runner: SliceRunner) -> int:
     Off on a CPU by default: MLX's CPU backend runs most of a step inside ``mx.async_eval`` itself (the
     step trace puts the device time under ``build`` there), so nothing overlaps, and the thinner steps
     of the first tokens cost more than they save (docs/benchmarks.md)."""
-    switch = env_switch(ASYNC_ENV)
+    switch = envs.settings().async_sched
     if switch is False or (switch is None and mx.default_device().type != mx.DeviceType.gpu):
         return 0
     caches = runner._make_cache()  # noqa: SLF001 - the layer caches a sequence gets

@@ -75,13 +75,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, cast
 
 from mlxcel.config import (
-    BATCH_TAILS_ENV,
     DEFAULT_MAX_QUEUE,
     DEFAULT_PARALLEL,
     DEFAULT_PREFIX_CACHE_MB,
     PREFILL_STEP,
-    env_switch,
 )
+from mlxcel import envs
 from mlxcel.engine import steptrace
 from mlxcel.engine.emitter import Emitter, FinishOut, TokenOut
 from mlxcel.engine.executor import PREVIOUS, Executor, Step, StepOutcome
@@ -950,7 +949,7 @@ class _Sink:
 def batch_tails_default(lookahead: int) -> bool:
     """Whether prompt tails ride the decode steps: ``MLXCEL_BATCH_TAILS`` (1/0) if set, else where scheduling
     is asynchronous (``lookahead``: a GPU); ValueError naming the variable for another value."""
-    switch = env_switch(BATCH_TAILS_ENV)
+    switch = envs.settings().batch_tails
     return bool(lookahead) if switch is None else switch
 
 
