@@ -37,6 +37,9 @@ STATE fields that look like timings (``*_s``, ``*_ms``, ``*_us``, ``*_ns``) and 
 recorded per stage as before/after deltas (``stage_state``), so stage-side timings join the rows
 as soon as stages report them.
 
+Part 3, ``pipeline_bench protection ...``: protected (AES-256-GCM) against attribution-only unprotected
+frames, end-to-end greedy decode of the 2-stage remote pipeline in one process (bench/protection_bench.py).
+
 Part 2, --streams levels: the single-node server and the pipeline coordinator server (the same
 stage processes) under N concurrent streaming clients with identical prompts, ABBA per level;
 aggregate decode tok/s.
@@ -743,6 +746,11 @@ def _env_pair(text: str) -> tuple[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["protection"]:  # part 3: protected against unprotected decode (bench/protection_bench.py)
+        from bench.protection_bench import main as protection_main
+
+        return protection_main(argv[1:])
     args = parse_args(argv)
     if args.worker:
         return worker_main(args)

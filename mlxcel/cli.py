@@ -12,7 +12,8 @@ from typing import Any, Callable, Sequence
 
 from mlxcel import __version__, envs
 from mlxcel.config import (DEFAULT_MAX_TOKENS, DEFAULT_MODEL_DIR, DEFAULT_PP_MICRO_BATCH_SIZE, DEFAULT_PP_SIZE,
-                           MAX_PP_MICRO_BATCH_SIZE, RANDOM_FAMILIES, non_negative_int, positive_int)
+                           MAX_PP_MICRO_BATCH_SIZE, RANDOM_FAMILIES, check_micro_batch_size, non_negative_int,
+                           positive_int)
 from mlxcel.errors import CLIError
 
 __all__ = ["CLIError", "DEFAULT_MODEL_DIR", "build_parser", "main", "positive_int", "server_main"]
@@ -67,21 +68,25 @@ def check_pipeline_flags(args: argparse.Namespace) -> None:
             raise CLIError(f"--pp-layers names {stages} stage{'s' if stages != 1 else ''} "
                            f"but --pp-size is {args.pp_size}")
         args.pp_size = stages
-    _check_micro_batch_size(args.pp_micro_batch_size)
+    micro_batch_size_flag(args.pp_micro_batch_size)
 
 
-def _check_micro_batch_size(size: int) -> None:
-    """``--pp-micro-batch-size``: 1 to MAX_PP_MICRO_BATCH_SIZE (the reference's text below 1)."""
-    if size < 1:
-        raise CLIError("--pp-micro-batch-size must be greater than 0")
-    if size > MAX_PP_MICRO_BATCH_SIZE:
-        raise CLIError(f"--pp-micro-batch-size must be at most {MAX_PP_MICRO_BATCH_SIZE}, got {size}")
+def micro_batch_size_flag(size: int | None) -> None:
+    """``--pp-micro-batch-size`` of either binary: ``config.check_micro_batch_size``'s bound, as a ``CLIError``."""
+    if size is None:
+        return
+    try:
+        check_micro_batch_size(size)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from mlxcel.commands.generate import run_generate
     from mlxcel.parallel.options import check_tp_flags
+    from mlxcel.commands.windows import GENERATE_FLAGS, check_native_windows
 
+    check_native_windows(args, GENERATE_FLAGS)  # before anything else, the model included
     envs.check()  # every MLXCEL_* variable, refused by name before any load
     check_tp_flags(args)
     check_pipeline_flags(args)

@@ -33,13 +33,20 @@ MAX_TOP_LOGPROBS = 20  # most alternatives reported per token (OpenAI's bound)
 DEFAULT_PP_SIZE = 1  # 1 = no pipeline
 DEFAULT_PP_MAX_BATCH = 8  # most rows a stage accepts in one activation
 DEFAULT_PP_MICRO_BATCH_SIZE = 1  # `generate --pp-micro-batch-size`: prompt chunks in flight (1 = no overlap)
-MAX_PP_MICRO_BATCH_SIZE = 64  # its bound: the stage protocol's micro-batch numbers 0..63 (protocol.MAX_MICRO_BATCHES)
+# its bound, for `generate`, the server and the TOML's micro_batch_size: the stage protocol's micro-batch numbers
+# 0..63 (protocol.MAX_MICRO_BATCHES)
+MAX_PP_MICRO_BATCH_SIZE = 64
 MAX_ACTIVATION_TOKENS = 2**20  # bound on n in a [rows, n, width] hidden-state activation
 MAX_PREFIX_TOKENS = 2**16  # most token ids in PREPARE's prompt / RELEASE's tokens (the JSON fits 1 MiB)
 DEFAULT_STARTUP_S = 60.0  # coordinator waits this long for every stage at start-up
 DEFAULT_EXCHANGE_S = 30.0  # absolute deadline of one exchange, RunEntry -> RunResult
 DEFAULT_HEARTBEAT_S = 2.0  # coordinator probes each stage this often
 DEFAULT_CLUSTER_NAME = "mlxcel-cluster"
+# Bounds of the cluster TOML's [transport] keys (mlxcel/topology/transport_table.py; their defaults are the
+# transport's, mlxcel/cluster/wire.py: 512 connections, 64 pending handshakes, 8 per source, 5 s, 5 attempts, 0.1 s)
+MAX_TRANSPORT_CONNECTIONS = 65536  # max_connections, max_pending_handshakes, max_pending_handshakes_per_ip
+MAX_HANDSHAKE_TIMEOUT_S = 300.0  # handshake_timeout_s
+MAX_RECONNECT_ATTEMPTS = 100  # max_reconnect_attempts (reconnect_base_delay_s: at most the 5 s maximum delay)
 # Resuming a request whose node failed mid-stream (``--max-resumes``, ``--resume-timeout``; the pipeline
 # coordinator and the disaggregated router; mlxcel/engine/resume.py, docs/pipeline.md §5.6, docs/disagg.md §6)
 DEFAULT_MAX_RESUMES = 3  # resumes per request; 0 = a node failure fails the request (503), as before
@@ -76,6 +83,29 @@ def port(text: str) -> int:
     if value > 65535:
         raise argparse.ArgumentTypeError(f"must be a TCP port (0-65535), got {value}")
     return value
+
+
+def udp_port(text: str) -> int:
+    """argparse type: a UDP port to send to or listen on, 1 to 65535 (port 0 cannot carry a datagram)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a UDP port, got {text!r}") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a UDP port (1-65535), got {value}")
+    return value
+
+
+def check_micro_batch_size(size: object) -> int:
+    """``--pp-micro-batch-size`` (both binaries) and the TOML's ``micro_batch_size``: 1 to MAX_PP_MICRO_BATCH_SIZE;
+    ValueError with the flag's text (the reference's below 1) otherwise."""
+    if not isinstance(size, int) or isinstance(size, bool):
+        raise ValueError(f"--pp-micro-batch-size must be an integer, got {size!r}")
+    if size < 1:
+        raise ValueError("--pp-micro-batch-size must be greater than 0")
+    if size > MAX_PP_MICRO_BATCH_SIZE:
+        raise ValueError(f"--pp-micro-batch-size must be at most {MAX_PP_MICRO_BATCH_SIZE}, got {size}")
+    return size
 
 
 def seconds(text: str) -> float:

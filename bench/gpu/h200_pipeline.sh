@@ -6,10 +6,14 @@
 # .gpu/deps and runs `bash bench/gpu/stash.sh && bash bench/gpu/h200_pipeline.sh run [SHAPES]`.
 # Prepare the folders here with bench/gpu/prepare_wheels.sh. Results go to $OUT/<shape>/ (rows and traces).
 # SHAPES: comma-separated of bf16, q4 (Qwen3-0.6B shape, random weights; q4 = 4-bit, group 64, bf16 scales).
+# PROTECTION=1 also runs part 3 per shape (protected AES-256-GCM against attribution-only unsealed frames,
+# bench/protection_bench.py, rows in $OUT/<shape>/pipeline_protection.jsonl); step `protection` instead of `run`
+# runs only that part: `bash bench/gpu/stash.sh && bash bench/gpu/h200_pipeline.sh protection q4`.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 step=${1:-run}
 if [ "$step" = stash ]; then exec bash bench/gpu/stash.sh; fi
+case $step in run|protection) ;; *) echo "unknown step $step (stash, run, protection)" >&2; exit 2 ;; esac
 g=/tmp/gpu  # where bench/gpu/stash.sh keeps the wheels
 shapes=${2:-bf16}
 RUNS=${RUNS:-5}
@@ -35,7 +39,13 @@ for shape in ${shapes//,/ }; do
     *) echo "unknown shape $shape" >&2; exit 2 ;;
   esac
   [ -e "$dir/config.json" ] || python3 -m mlxcel models make-random "$dir" "${qwen3_06b[@]}" "${extra[@]}"
-  python3 -m bench.pipeline_bench -m "$dir" --runs "$RUNS" --tokens "$TOKENS" --modes "${MODES:-single,inproc_pp,remote_pp}" \
-    --streams "" --trace --label "h200-$shape${LABEL:+-$LABEL}" --out "$OUT/$shape"
+  label="h200-$shape${LABEL:+-$LABEL}"
+  if [ "$step" = run ]; then
+    python3 -m bench.pipeline_bench -m "$dir" --runs "$RUNS" --tokens "$TOKENS" --modes "${MODES:-single,inproc_pp,remote_pp}" \
+      --streams "" --trace --label "$label" --out "$OUT/$shape"
+  fi
+  if [ "$step" = protection ] || [ "${PROTECTION:-0}" = 1 ]; then
+    python3 -m bench.pipeline_bench protection -m "$dir" --runs "$RUNS" --tokens "$TOKENS" --label "$label" --out "$OUT/$shape"
+  fi
 done
 ls -l "$OUT"/*

@@ -21,6 +21,10 @@
 #                     as the whole model (async, sync), two halves in one process, two halves in two processes
 #                     (PROBE_ROUNDS, default 2; PROBE_MODES, default every mode); pingpong-mps-bf16: the same on
 #                     q06-bf16 under one CUDA MPS server
+#   protection-bf16 protection-q4   the reference's headline: greedy decode of the 2-stage remote pipeline (both
+#                     stages and the coordinator in one process), AES-256-GCM on every frame against attribution-only
+#                     unsealed frames, RUNS (5) ABBA rounds of TOKENS tokens on q06-bf16 / q06-q4 (bench/protection_bench.py;
+#                     rows in protection/pipeline_protection.jsonl); protection-tiny: a smoke test on the tiny shape
 #   probe-bf16        removed with the compiled step (issue 41): bench/gpu/step_probe.py measured it
 #   serve             issue 24 item 2: the single-node server (mlxcel serve, asynchronous scheduling) and
 #                     mlx_lm.server, as users start them (SERVE_KINDS, default mlxcel,mlx_lm; add mlxcel-sync,
@@ -291,6 +295,10 @@ main() {
           --rounds "${PROBE_ROUNDS:-2}" ${PROBE_MODES:+--modes "$PROBE_MODES"} --label "$label" \
           --out "$RES/pingpong_probe.jsonl"
         mps_stop ;;
+      protection-bf16|protection-q4|protection-tiny)  # bench/protection_bench.py: protected vs unsealed decode
+        m=${s#protection-}; [ "$m" = tiny ] || m=q06-$m
+        make_model "$m" && python3 -m bench.pipeline_bench protection -m "/tmp/models/$m" --runs "$RUNS" \
+          --tokens "$TOKENS" --label "${LABEL:-h200}-$m" --out "$RES/protection" ;;
       probe-bf16) echo "suite probe-bf16 removed (issue 41: bench/gpu/step_probe.py went with the compiled step)" ;;
       q06-bf16) suite q06-bf16 150 ;;
       q06-q4) suite q06-q4 300 ;;

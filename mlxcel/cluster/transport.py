@@ -30,6 +30,7 @@ import threading
 from dataclasses import replace
 from typing import Callable, Iterable
 
+from .attribution import check_suite
 from .connection import Connection, StreamWriter
 from .errors import LocalProtocolError, PeerUnreachable, RequestError, ServerAtCapacity, TransportClosed
 from .frames import Buffer
@@ -88,6 +89,7 @@ class Transport:
             raise TypeError("secret must be a ClusterSecret")
         self.identity = as_peer(identity)
         self.options = replace(options or TransportOptions(), **overrides)  # type: ignore[arg-type]
+        check_suite(self.options.suite, f"cluster transport {self.identity}")
         if self.options.crypto_pipeline_min_len is None:  # the environment is read once, here
             self.options = replace(self.options, crypto_pipeline_min_len=self.options.effective_crypto_pipeline_min_len)
         self.warnings = warnings or cluster_warnings

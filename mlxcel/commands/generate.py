@@ -17,7 +17,7 @@ from mlxcel.engine.prompts import PromptError, encode_chat, encode_raw
 from mlxcel.engine.sampling import SamplingParams
 from mlxcel.errors import CLIError
 from mlxcel.models.loading import check_checkpoint, load_checkpoint
-from mlxcel.parallel.options import prepare_tp
+from mlxcel.parallel.options import prepare_tp, tp_secret
 from mlxcel.pipeline.inprocess import InProcessPipeline, stage_ranges
 from mlxcel.topology.partition import PartitionError
 
@@ -75,8 +75,7 @@ def _run_tensor_parallel(args: argparse.Namespace, tp: Any, params: SamplingPara
     if tp.rank > 0:
         raise CLIError(f"--tp-rank {tp.rank} is a follower rank: start it with mlxcel-server -m {args.model} "
                        f"--tp-size {tp.size} --tp-hostfile {args.tp_hostfile} --tp-rank {tp.rank}")
-    secret = load_secret(getattr(args, "cluster_secret_file", None), required=not tp.local)
-    with TPGeneration(tp, Path(args.model), secret) as gen:
+    with TPGeneration(tp, Path(args.model), tp_secret(args, tp)) as gen:
         print(describe_model(gen.loaded), file=sys.stderr)
         print(f"tensor parallel: {tp.plan.describe()}, {gen.backend} backend", file=sys.stderr)
         prompt = encode_prompt(args, gen.loaded.tokenizer, text)

@@ -26,15 +26,18 @@ from mlxcel.config import (
     DEFAULT_PREFIX_CACHE_MB,
     DEFAULT_MAX_RESUMES,
     DEFAULT_RESUME_TIMEOUT_S,
+    MAX_PP_MICRO_BATCH_SIZE,
     MAX_RESUME_TIMEOUT_S,
     MAX_RESUMES,
     THREADS_ENV,
+    check_micro_batch_size,
     non_negative_int,
     positive_int,
     resume_count,
     resume_seconds,
     seconds,
     thread_count,
+    udp_port,
 )
 from mlxcel import envs
 from mlxcel.bringup import wire
@@ -101,8 +104,16 @@ def _add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--cluster-secret-file", default=None, metavar="PATH",
                        help="file holding the cluster secret (else MLXCEL_CLUSTER_SECRET_FILE, "
                             "MLXCEL_CLUSTER_SECRET, [cluster] secret_file)")
-    group.add_argument("--pp-micro-batch-size", type=positive_int, default=None, metavar="M",
-                       help="rows per pipeline micro-batch (default: the TOML's, else ceil(batch / stages))")
+    group.add_argument("--pp-layers", default=None, metavar="RANGES",
+                       help="inclusive layer ranges of the pipeline's stages, e.g. 0-15,16-31 (with "
+                            "--distributed-config: one per stage of the TOML, which they set where it gives no "
+                            "layers and must equal where it does; default: the TOML's, else split by parameter bytes)")
+    group.add_argument("--peers", default=None, metavar="A:P,...",
+                       help="the peer list of the role started: --cluster-peers of a --pp-auto coordinator, "
+                            "--decode-peers of a --node-role prefill node (refused elsewhere)")
+    group.add_argument("--pp-micro-batch-size", type=int, default=None, metavar="M",
+                       help=f"rows per pipeline micro-batch (1 to {MAX_PP_MICRO_BATCH_SIZE}; default: the TOML's, "
+                            "else ceil(batch / stages))")
     group.add_argument("--pp-return-logits", action="store_true",
                        help="coordinator: the last stage returns full logits and the coordinator samples "
                             "(default: the last stage samples and returns token ids, a few bytes per token)")
@@ -146,8 +157,8 @@ def _add_bringup_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--cluster-discovery-target", default=None, metavar="IP",
                        help=f"peer, mdns: where beacons go (default {wire.DEFAULT_DISCOVERY_TARGET}; a directed "
                             "broadcast or the coordinator's IP)")
-    group.add_argument("--cluster-discovery-port", type=tcp_port, default=None, metavar="PORT",
-                       help=f"mdns: the beacons' UDP port (default {wire.DEFAULT_DISCOVERY_PORT})")
+    group.add_argument("--cluster-discovery-port", type=udp_port, default=None, metavar="PORT",
+                       help=f"mdns: the beacons' UDP port (1-65535; default {wire.DEFAULT_DISCOVERY_PORT})")
     group.add_argument("--cluster-config-out", default=None, metavar="PATH",
                        help=f"where the cluster TOML is written (coordinator default {wire.DEFAULT_COORDINATOR_CONFIG_OUT}, "
                             f"peer default {wire.DEFAULT_PEER_CONFIG_OUT}; {{node_id}} becomes the assigned node id)")
@@ -165,7 +176,9 @@ def _add_bringup_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check_cluster_flags(args: argparse.Namespace) -> None:
     """--distributed-config and --node-id come together; pipeline-only flags need them."""
+    resolve_peers(args)
     check_bringup_flags(args)  # --pp-auto / --pp-peer exclusions first: --dry-run with --pp-peer binds nothing
+    check_pp_layers(args)
     if args.node_id is not None and args.distributed_config is None:
         raise CLIError("--node-id needs --distributed-config (the cluster TOML that defines the node)")
     if args.distributed_config is not None and args.node_id is None:
@@ -175,14 +188,63 @@ def check_cluster_flags(args: argparse.Namespace) -> None:
     pipeline = args.distributed_config is not None or args.pp_auto is not None
     if args.pp_micro_batch_size is not None and not pipeline:
         raise CLIError("--pp-micro-batch-size needs --distributed-config or --pp-auto (it sizes a pipeline's micro-batches)")
+    if args.pp_micro_batch_size is not None:
+        try:
+            check_micro_batch_size(args.pp_micro_batch_size)  # generate's bound and texts (mlxcel.config)
+        except ValueError as exc:
+            raise CLIError(str(exc)) from None
     if args.pp_stop_stages and not pipeline:
         raise CLIError("--pp-stop-stages needs --distributed-config or --pp-auto (it stops a pipeline's stages)")
+
+
+def check_pp_layers(args: argparse.Namespace) -> None:
+    """--pp-layers: the generate's grammar and texts; it sets the stages of a --distributed-config pipeline only
+    (its count and the model's layers are checked once the TOML and config.json are read: ``load_distributed``)."""
+    from mlxcel.topology.partition import PartitionError, parse_range_text
+
+    text = getattr(args, "pp_layers", None)
+    if text is None:
+        return
+    try:
+        parse_range_text(text)
+    except PartitionError as exc:
+        raise CLIError(str(exc)) from None
+    if args.pp_auto is not None:
+        raise CLIError("--pp-layers cannot be combined with --pp-auto: each --pp-peer derives its stage's layers from "
+                       "its own checkpoint and refuses any other range (docs/bringup.md); for explicit ranges use "
+                       "--distributed-config")
+    if args.distributed_config is None and args.pp_peer:
+        raise CLIError("--pp-layers cannot be combined with --pp-peer: the coordinator assigns a peer its layers")
+    if args.distributed_config is None:
+        raise CLIError("--pp-layers needs --distributed-config (it sets the stage layer ranges of its pipeline)")
+
+
+def resolve_peers(args: argparse.Namespace) -> None:
+    """--peers: the peer list of the role started, stored as that role's own flag (``--cluster-peers`` of a
+    --pp-auto coordinator, ``--decode-peers`` of a prefill node); refused where it would be ambiguous or unused."""
+    peers = getattr(args, "peers", None)
+    if peers is None:
+        return
+    if getattr(args, "node_role", None) == "router":
+        raise CLIError("--peers is ambiguous for --node-role router: give --prefill-peers and --decode-peers")
+    if args.pp_auto is not None:
+        target = "cluster_peers"
+    elif getattr(args, "node_role", None) == "prefill":
+        target = "decode_peers"
+    else:
+        raise CLIError("--peers needs --pp-auto (its --cluster-peers) or --node-role prefill (its --decode-peers)")
+    if getattr(args, target, None) is not None:
+        raise CLIError(f"--peers and --{target.replace('_', '-')} name the same list; give one of them")
+    setattr(args, target, peers)
+    args.peers = None  # resolved: the checks of the target flag apply, and a second call is a no-op
 
 
 def check_flags(args: argparse.Namespace) -> None:
     """Flag combinations of every feature (nothing is read or bound yet)."""
     from mlxcel.parallel.options import check_tp_flags
+    from mlxcel.commands.windows import SERVER_FLAGS, check_native_windows
 
+    check_native_windows(args, SERVER_FLAGS)  # first: native Windows runs no distributed mode
     check_cluster_flags(args)
     check_tp_flags(args)
     envs.check()  # every MLXCEL_* variable, refused by name before any load
@@ -227,7 +289,8 @@ def cluster_node(args: argparse.Namespace, model: Path) -> Distributed | None:
     if args.distributed_config is None:
         return None
     return load_distributed(args.distributed_config, args.node_id, model,
-                            secret_file=getattr(args, "cluster_secret_file", None), options=pipeline_options(args))
+                            secret_file=getattr(args, "cluster_secret_file", None), options=pipeline_options(args),
+                            layers=getattr(args, "pp_layers", None))
 
 
 def serve_config(args: argparse.Namespace) -> ServeConfig:

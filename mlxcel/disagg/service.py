@@ -23,8 +23,10 @@ log = logging.getLogger("mlxcel.disagg")
 
 
 def role_transport(cfg: NodeConfig) -> Transport:
-    """The node's authenticated transport: identity = --serving-bind; a dead peer is known after one quick retry."""
-    return Transport(cfg.serving_bind, cfg.secret, max_reconnect_attempts=DIAL_RETRIES, reconnect_budget=0)
+    """The node's authenticated transport: identity = --serving-bind; a dead peer is known after one quick retry
+    (unless the cluster TOML's [transport] sets max_reconnect_attempts; its other keys apply as they are)."""
+    options = {"max_reconnect_attempts": DIAL_RETRIES, "reconnect_budget": 0, **dict(cfg.transport)}
+    return Transport(cfg.serving_bind, cfg.secret, **options)
 
 
 class RoleService:

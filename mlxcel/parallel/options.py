@@ -152,6 +152,17 @@ def check_tp_flags(args: argparse.Namespace) -> None:
         raise TPError(f"--tp-size {size} cannot be combined with --pp-size {args.pp_size}")
 
 
+def tp_secret(args: argparse.Namespace, tp: TPOptions) -> Any:
+    """The control channel's secret: with a hostfile the cluster secret (fail closed: the channel crosses hosts);
+    without one None, and nothing is read (no flag, no environment): rank 0 makes a fresh secret per launch for
+    the ranks it starts (the reference: tensor parallelism inside one process does not read it)."""
+    if tp.local:
+        return None
+    from mlxcel.cluster.secret import load_secret
+
+    return load_secret(_get(args, "cluster_secret_file"), required=True)
+
+
 def prepare_tp(args: argparse.Namespace, model_dir: Path, config: Mapping[str, Any]) -> TPOptions | None:
     """All checks before any weight is read; None when --tp-size is 1."""
     check_tp_flags(args)

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import mlx.core as mx
 
+from mlxcel.cluster.attribution import AttributionOnly, transport_options
 from mlxcel.cluster.errors import ClusterError, HandshakeError
 from mlxcel.cluster.exchanges import Exchange, ExchangeTable, new_nonce
 from mlxcel.cluster.health import PeerMonitor
@@ -77,7 +78,8 @@ class PipelineExecutor:
 
     def __init__(self, cluster: ClusterConfig, secret: ClusterSecret, model: ModelFacts, *,
                  max_batch_size: int, micro_batch_size: int | None = None, return_logits: bool = False,
-                 stop_stages_on_close: bool = False, replacer: StageReplacer | None = None):
+                 stop_stages_on_close: bool = False, replacer: StageReplacer | None = None,
+                 _attribution: AttributionOnly | None = None):
         self.cluster = cluster
         self.model = model
         self.depth = len(cluster.stages)
@@ -92,7 +94,10 @@ class PipelineExecutor:
         self.last = cluster.stages[-1].address
         self.stage_addrs = frozenset(n.address for n in cluster.stages)
         self._nodes = {n.address: n for n in cluster.stages}
-        self.transport = Transport(cluster.coordinator.address, secret)
+        # _attribution: bench code's unsealed frames (mlxcel/cluster/attribution.py); roles never pass it
+        self.transport = Transport(cluster.coordinator.address, secret,
+                                   transport_options(_attribution, who="the pipeline coordinator",
+                                                     base=cluster.transport_options()))
         self.outbox = Outbox(self.transport)
         self.exchanges = ExchangeTable(self._expired, on_tick=self._on_tick, name="mlxcel-coordinator-timer")
         self.monitor = PeerMonitor(self._nodes, interval_s=cluster.timeouts.heartbeat_s, probe=self._probe,

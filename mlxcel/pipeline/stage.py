@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from mlxcel import __version__
+from mlxcel.cluster.attribution import AttributionOnly, transport_options
 from mlxcel.cluster.identity import PeerId
 from mlxcel.cluster.messages import Message
 from mlxcel.cluster.ratelimit import WarnClass, cluster_warnings
@@ -92,7 +93,7 @@ class StageService:
 
     def __init__(self, cluster: ClusterConfig, node_id: str, runner: SliceRunner, secret: ClusterSecret,
                  model: ModelFacts, *, on_shutdown: Callable[[], None] | None = None,
-                 step_delay_s: float = 0.0):
+                 step_delay_s: float = 0.0, _attribution: AttributionOnly | None = None):
         self.cluster = cluster
         self.index = cluster.stage_index(node_id)
         self.node = cluster.stages[self.index]
@@ -103,7 +104,9 @@ class StageService:
         self.upstream = cluster.stages[self.index - 1].address if self.index > 0 else None
         self.downstream = cluster.stages[self.index + 1].address if self.index + 1 < len(cluster.stages) else None
         self.max_rows = cluster.max_batch_size
-        self.transport = Transport(self.node.address, secret)
+        # _attribution: bench code's unsealed frames (mlxcel/cluster/attribution.py); roles never pass it
+        self.transport = Transport(self.node.address, secret, transport_options(
+            _attribution, who=f"stage {node_id}", base=cluster.transport_options()))
         self.outbox = Outbox(self.transport)
         self.boot_id = os.urandom(8).hex()
         self.draining = False

@@ -61,6 +61,18 @@ _DECODE_SUMMARY = (
     _num("median_run_ratio"), _num("prompt_ratio"),
 )
 
+# bench/protection_bench.py: protected (AES-256-GCM) against attribution-only unprotected decode, a row per run
+_PROTECTION_RUN = (
+    _int("run"), _int("order"), _int("tokens"), _num("tok_s"), _num("per_token_ms_p50"), _num("per_token_ms_p95"),
+    _num("frames_per_token"), _num("bytes_per_token"), Field("identical", "bool"), _num("load_1m", nullable=True),
+)
+_PROTECTION_SUMMARY = (
+    _int("runs"), Field("identical", "bool"), _num("protected_tok_s"), _num("protected_tok_s_min"),
+    _num("protected_tok_s_max"), _num("unprotected_tok_s"), _num("unprotected_tok_s_min"), _num("unprotected_tok_s_max"),
+    _num("ratio"), _num("ratio_median"), _num("ratio_min"), _num("ratio_max"),
+    _num("cost_ms_per_token", signed=True), _num("load_1m_max", nullable=True),  # a difference: noise can flip it
+)
+
 SCHEMAS: dict[str, Schema] = {s.bench: s for s in (
     Schema("decode", "decode", (_str("impl"), _str("model")), variant_field="impl", variants={
         "mlxcel": ("decode", _DECODE_RUN),
@@ -99,6 +111,13 @@ SCHEMAS: dict[str, Schema] = {s.bench: s for s in (
         _num("cpu_s_worker_total", required=False, nullable=True), _num("cpu_s_stages", required=False, nullable=True),
         _num("latency_ms_p50", required=False, nullable=True), _num("latency_ms_p95", required=False, nullable=True),
     )),
+    Schema("pipeline_protection", "pipeline_protection", (
+        _str("mode"), _str("model"), _int("stages"), _int("tokens_requested"), _str("label", required=False, nullable=True),
+    ), variant_field="mode", variants={
+        "protected": ("pipeline_protection", _PROTECTION_RUN),
+        "unprotected": ("pipeline_protection", _PROTECTION_RUN),
+        "summary": ("pipeline_protection_summary", _PROTECTION_SUMMARY),
+    }),
     # bench/tp_bench.py: one fresh-process decode measurement; "shape" (the config's dims) is kept as it is
     Schema("tp_bench", "tp", (
         _str("impl", choices=("mlxcel", "mlx-lm")), _str("model"), _str("model_name"), _str("backend"), _int("tp"),

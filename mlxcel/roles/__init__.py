@@ -50,6 +50,10 @@ class Role:
         return self._hooks().configure(args, config)
 
     def run(self, context: RoleContext) -> int:
+        """Serve as this role: the process is a serving one from here on (``mlxcel.cluster.attribution``)."""
+        from mlxcel.cluster.attribution import enter_role
+
+        enter_role(self.name)
         return self._hooks().run(context)
 
 

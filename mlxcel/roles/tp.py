@@ -27,14 +27,13 @@ DECODE_PATH = "decode path: native batched forward"
 
 def configure(args: argparse.Namespace, config: ServeConfig) -> ServeConfig:
     """The shard plan and the group's settings (checked before any weight is read) and, with a
-    hostfile, the cluster secret (fail closed: the control channel crosses hosts)."""
-    from mlxcel.cluster.secret import load_secret
+    hostfile, the cluster secret (fail closed: the control channel crosses hosts; without one none is read)."""
     from mlxcel.models.loading import check_checkpoint
-    from mlxcel.parallel.options import prepare_tp
+    from mlxcel.parallel.options import prepare_tp, tp_secret
 
     tp = prepare_tp(args, config.server.model, check_checkpoint(config.server.model))
     assert tp is not None  # the role is chosen by --tp-size above 1
-    return replace(config, tp=tp, secret=load_secret(args.cluster_secret_file, required=not tp.local))
+    return replace(config, tp=tp, secret=tp_secret(args, tp))
 
 
 class TPServer:

@@ -5,6 +5,8 @@ Schema (docs/pipeline.md has the commented example, ``examples/cluster-loopback.
     [cluster]   name, pipeline_parallel_size, secret_file (a path; never the value)
     [pipeline]  micro_batch_size, max_batch_size, prefix_cache_mb, max_resumes, micro_batch_fill
     [timeouts]  startup_s, exchange_s, heartbeat_s, resume_s
+    [transport] max_connections, max_pending_handshakes, max_pending_handshakes_per_ip, handshake_timeout_s,
+                max_reconnect_attempts, reconnect_base_delay_s (``transport_table``)
     [[nodes]]   id, role ("coordinator" | "stage" | "prefill" | "decode" | "router"), address ("ip:port"),
                 layers ("a-b", stages only)
 
@@ -20,7 +22,7 @@ import math
 import tomllib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlxcel import config as defaults
 from mlxcel.cluster.errors import SecretError
@@ -28,8 +30,12 @@ from mlxcel.cluster.identity import PeerId
 from mlxcel.cluster.secret import secret_file_of
 from mlxcel.topology.names import DISAGG_ROLES, NODE_ROLES, PIPELINE_ROLES
 from mlxcel.topology.partition import PartitionError, check_contiguous, check_coverage, parse_range
+from mlxcel.topology.transport_table import Overrides, parse_transport_table
 
-_TOP_KEYS = {"cluster", "pipeline", "timeouts", "nodes"}
+if TYPE_CHECKING:
+    from mlxcel.cluster.options import TransportOptions
+
+_TOP_KEYS = {"cluster", "pipeline", "timeouts", "transport", "nodes"}
 _CLUSTER_KEYS = {"name", "pipeline_parallel_size", "secret_file"}
 _PIPELINE_KEYS = {"micro_batch_size", "max_batch_size", "prefix_cache_mb", "max_resumes", "micro_batch_fill"}
 _TIMEOUT_KEYS = {"startup_s", "exchange_s", "heartbeat_s", "resume_s"}
@@ -76,6 +82,7 @@ class ClusterConfig:
     disagg: tuple[Node, ...] = ()  # a disaggregated cluster's prefill, decode and router nodes, in file order
     max_resumes: int = defaults.DEFAULT_MAX_RESUMES  # per request, after a stage failure (docs/pipeline.md §5.6)
     micro_batch_fill: bool | None = None  # decode rows fill one micro-batch before the next; None: by device (§3.9)
+    transport: Overrides = ()  # [transport]: TransportOptions fields the TOML sets (every node's transport)
 
     @property
     def nodes(self) -> tuple[Node, ...]:
@@ -122,6 +129,12 @@ class ClusterConfig:
         except PartitionError as exc:
             raise ClusterConfigError(str(exc)) from None
 
+    def transport_options(self) -> TransportOptions:
+        """The options of this node's cluster transport: the defaults with the TOML's [transport] keys."""
+        from mlxcel.cluster.options import TransportOptions
+
+        return TransportOptions(**dict(self.transport))
+
     def micro_batch(self, max_batch_size: int) -> int:
         """Rows per micro-batch: configured, else the running rows shared evenly by the stages."""
         if self.micro_batch_size:
@@ -147,6 +160,10 @@ def parse_cluster_config(doc: dict[str, Any], path: Path) -> ClusterConfig:
     pipeline = _table(doc, "pipeline", path)
     timeouts = _table(doc, "timeouts", path)
     try:
+        transport = parse_transport_table(_table(doc, "transport", path))
+    except ValueError as exc:
+        raise ClusterConfigError(f"{path}: {exc}") from None
+    try:
         secret_file = secret_file_of(cluster, path)  # refuses a secret value before any other check
     except SecretError as exc:
         raise ClusterConfigError(str(exc)) from None
@@ -158,7 +175,7 @@ def parse_cluster_config(doc: dict[str, Any], path: Path) -> ClusterConfig:
         raise ClusterConfigError(f"{path}: name under [cluster] must be a non-empty string")
     nodes = _nodes(doc, path)
     if any(n.role in DISAGG_ROLES for n in nodes):
-        return _disaggregated(nodes, cluster, path, name, secret_file, timeouts)
+        return replace(_disaggregated(nodes, cluster, path, name, secret_file, timeouts), transport=transport)
     coordinators = [n for n in nodes if n.role == "coordinator"]
     stages = tuple(n for n in nodes if n.role == "stage")
     if len(coordinators) != 1:
@@ -173,7 +190,7 @@ def parse_cluster_config(doc: dict[str, Any], path: Path) -> ClusterConfig:
     return ClusterConfig(
         path=path, name=name, pipeline_parallel_size=size, coordinator=coordinators[0], stages=stages,
         secret_file=secret_file,
-        micro_batch_size=_positive(pipeline, "micro_batch_size", path, None),
+        micro_batch_size=_micro_batch_size(pipeline, path),
         max_batch_size=_positive(pipeline, "max_batch_size", path, defaults.DEFAULT_PP_MAX_BATCH),
         timeouts=Timeouts(
             startup_s=_seconds(timeouts, "startup_s", path, defaults.DEFAULT_STARTUP_S),
@@ -184,6 +201,7 @@ def parse_cluster_config(doc: dict[str, Any], path: Path) -> ClusterConfig:
         prefix_cache_mb=_mebibytes(pipeline, "prefix_cache_mb", path, defaults.DEFAULT_PREFIX_CACHE_MB),
         max_resumes=_max_resumes(pipeline, path),
         micro_batch_fill=_flag(pipeline, "micro_batch_fill", path),
+        transport=transport,
     )
 
 
@@ -285,6 +303,18 @@ def _positive(table: dict[str, Any], key: str, path: Path, default: Any) -> Any:
     if not _is_int(value) or value < 1:
         raise ClusterConfigError(f"{path}: {key} must be a positive integer, got {value!r}")
     return value
+
+
+def _micro_batch_size(table: dict[str, Any], path: Path) -> int | None:
+    """[pipeline] micro_batch_size: the bound of --pp-micro-batch-size (``config.check_micro_batch_size``)."""
+    value = table.get("micro_batch_size")
+    if value is None:
+        return None
+    try:
+        return defaults.check_micro_batch_size(value)
+    except ValueError:
+        raise ClusterConfigError(f"{path}: micro_batch_size under [pipeline] must be an integer from 1 to "
+                                 f"{defaults.MAX_PP_MICRO_BATCH_SIZE}, got {value!r}") from None
 
 
 def _mebibytes(table: dict[str, Any], key: str, path: Path, default: int) -> int:

@@ -1,9 +1,9 @@
 """A cluster node's place in its cluster, from ``--distributed-config FILE --node-id ID``.
 
 ``load_distributed`` checks, before anything listens: the TOML loads, the node exists, the secret is
-there (fail closed: every cluster connection is authenticated, so no node starts without one, and
-the error names every source), the stage ranges cover the checkpoint (or are planned from its
-parameter bytes). Every cluster role reads the result: stages, coordinator, prefill, decode, router.
+there (fail closed from two stages and on every disaggregated node, the error naming every source;
+the reference's scope), ``--pp-layers`` agrees with the TOML, the stage ranges cover the checkpoint (or
+are planned from its parameter bytes). Every cluster role reads the result: stages, coordinator, prefill, decode, router.
 """
 
 from __future__ import annotations
@@ -59,19 +59,51 @@ def resolve_layers(cluster: ClusterConfig, model_dir: Path, num_layers: int) -> 
     return cluster
 
 
+def apply_layers_flag(cluster: ClusterConfig, text: str, num_layers: int) -> ClusterConfig:
+    """``--pp-layers`` on a cluster TOML: one range per stage, covering the model (``mlxcel generate``'s texts);
+    it sets the stages' layers where the TOML gives none and must equal them where it does."""
+    from mlxcel.topology.partition import PartitionError, format_range, parse_layer_ranges
+
+    if not cluster.stages:
+        raise CLIError(f"--pp-layers sets the stage layers of a pipeline; {cluster.path} is a disaggregated cluster "
+                       "(every node holds the whole model)")
+    try:
+        ranges = parse_layer_ranges(text, num_layers)
+    except PartitionError as exc:
+        raise CLIError(str(exc)) from None
+    stages = len(cluster.stages)
+    if len(ranges) != stages:
+        raise CLIError(f"--pp-layers names {len(ranges)} stage{'s' if len(ranges) != 1 else ''} but {cluster.path} "
+                       f"has {stages} (pipeline_parallel_size {cluster.pipeline_parallel_size})")
+    given = [n.layers for n in cluster.stages]
+    if all(r is not None for r in given) and given != ranges:
+        shown = ",".join(format_range(*r) for r in given)  # type: ignore[misc]
+        raise CLIError(f"--pp-layers {text.strip()} contradicts the stage layers of {cluster.path} ({shown}): give "
+                       "the same ranges, or leave layers out of the TOML")
+    return cluster.with_layers(ranges)
+
+
 def load_distributed(config_path: str | Path, node_id: str, model_dir: Path, *, secret_file: str | None = None,
-                     options: PipelineOptions = PipelineOptions()) -> Distributed:
-    """Everything a cluster node needs before it binds a socket; ``CLIError``/``SecretError`` on a problem."""
+                     options: PipelineOptions = PipelineOptions(), layers: str | None = None) -> Distributed:
+    """Everything a cluster node needs before it binds a socket; ``CLIError``/``SecretError`` on a problem.
+
+    ``layers`` is ``--pp-layers`` (``apply_layers_flag``). The secret is required (fail closed) from two stages
+    and on every disaggregated node; a one-stage pipeline reads a configured one (a bad one is still an error) and
+    starts without one (the reference's scope), but its stage and coordinator cannot connect without it."""
     from mlxcel.models.facts import model_facts
 
     try:
         cluster = load_cluster_config(config_path)
         cluster.node(node_id)
-        cluster = resolve_layers(cluster, model_dir, model_facts(model_dir).num_layers)
+        num_layers = model_facts(model_dir).num_layers
+        if layers is not None:
+            cluster = apply_layers_flag(cluster, layers, num_layers)
+        cluster = resolve_layers(cluster, model_dir, num_layers)
         node = cluster.node(node_id)
     except ClusterConfigError as exc:
         raise CLIError(str(exc)) from None
-    secret = load_secret(secret_file, toml_secret_file=cluster.secret_file, required=True)
+    required = cluster.pipeline_parallel_size >= 2 or not cluster.stages
+    secret = load_secret(secret_file, toml_secret_file=cluster.secret_file, required=required)
     cluster = cluster.with_resume(options.max_resumes, options.resume_timeout_s)
     return Distributed(cluster, node, secret, options)
 
