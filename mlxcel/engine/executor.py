@@ -28,8 +28,7 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import KVCache
 
-from mlxcel.config import ASYNC_ENV, env_switch
-from mlxcel.engine.compiled_step import decode_forward
+from mlxcel import envs
 from mlxcel.engine.model_slice import ModelSlice
 from mlxcel.engine.prefix_cache import PrefixCache
 from mlxcel.engine.resume_policy import ResumePolicy
@@ -394,7 +393,7 @@ def default_lookahead(runner: SliceRunner) -> int:
     Off on a CPU by default: MLX's CPU backend runs most of a step inside ``mx.async_eval`` itself (the
     step trace puts the device time under ``build`` there), so nothing overlaps, and the thinner steps
     of the first tokens cost more than they save (docs/benchmarks.md)."""
-    switch = env_switch(ASYNC_ENV)
+    switch = envs.settings().async_sched
     if switch is False or (switch is None and mx.default_device().type != mx.DeviceType.gpu):
         return 0
     caches = runner._make_cache()  # noqa: SLF001 - the layer caches a sequence gets
@@ -405,13 +404,13 @@ def whole_model_runner(model: Any, *, max_rows: int) -> SliceRunner:
     """The whole model as one runner: mlx-lm's own forward, so every family it supports works."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    return SliceRunner(decode_forward(lambda x, c: model(x, cache=c)), lambda: make_prompt_cache(model),
+    return SliceRunner(lambda x, c: model(x, cache=c), lambda: make_prompt_cache(model),
                        is_first=True, is_last=True, max_rows=max_rows)
 
 
 def slice_runner(model: Any, start: int, end: int, *, max_rows: int) -> SliceRunner:
     """Layers [start, end) of ``model`` as a runner (a pipeline stage)."""
     piece = ModelSlice(model, start, end)
-    return SliceRunner(decode_forward(lambda x, c: piece(x, c)), piece.make_cache, is_first=piece.is_first,
+    return SliceRunner(lambda x, c: piece(x, c), piece.make_cache, is_first=piece.is_first,
                        is_last=piece.is_last, max_rows=max_rows,
                        input_width=None if piece.is_first else piece.input_width)

@@ -39,7 +39,7 @@ CHATS = ["Hello there", "The capital of France is", "Write one short sentence ab
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, tiny_llama):
     c = DisaggCluster(tmp_path_factory.mktemp("disagg"), tiny_llama, prefills=2, decodes=2,
-                      prefill_flags=("--log-level", "debug"), decode_env={"MLXCEL_DISAGG_STEP_DELAY_S": STEP_DELAY})
+                      prefill_flags=("--log-level", "debug"), decode_env={"MLXCEL_TEST_DECODE_STEP_DELAY_S": STEP_DELAY})
     c.prefill_env = {"MLXCEL_DECODE_ALLOWLIST": f"{c.decode_addrs[0]}, decode.lan:1,{c.decode_addrs[1]}",
                      "MLXCEL_HANDOFF_LANES": "2"}
     c.start()
