@@ -56,11 +56,11 @@ def is_harmony(tokenizer: Any) -> bool:
 def require_format(tokenizer: Any, param: str) -> ToolFormat:
     """The tool format, or a 400 naming ``param`` that says why this checkpoint takes no tools."""
     if is_harmony(tokenizer):
-        raise Unsupported("tool calls in gpt-oss's Harmony format are not supported yet", param=param)
+        raise Unsupported(f"'{param}': tool calls in gpt-oss's Harmony format are not supported yet", param=param)
     fmt = tool_format(tokenizer)
     if fmt is None:
-        raise Unsupported("this checkpoint's chat template knows no tools (mlx-lm infers no tool-call format "
-                          "from it), so it cannot take tools or tool calls", param=param)
+        raise Unsupported(f"'{param}': this checkpoint's chat template knows no tools (mlx-lm infers no tool-call "
+                          "format from it), so it cannot take tools or tool calls", param=param)
     return fmt
 
 
