@@ -25,7 +25,12 @@ def render_chat(tokenizer: Any, messages: Sequence[dict], *, tools: Sequence[dic
     extra = dict(template_kwargs or {})
     if tools:
         extra["tools"] = list(tools)
-    return tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False, **extra)
+    from jinja2 import TemplateError
+
+    try:
+        return tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False, **extra)
+    except TemplateError as exc:  # e.g. a template's raise_exception() on a message order it refuses
+        raise PromptError(f"the chat template refused these messages: {exc}") from None
 
 
 def encode_chat(tokenizer: Any, messages: Sequence[dict], *, tools: Sequence[dict] | None = None,

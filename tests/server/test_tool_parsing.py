@@ -140,3 +140,15 @@ def test_forced_openings_match_what_the_parsers_read():
 
 def test_assistant_messages_hide_absent_fields():
     assert p.dump(p.AssistantMessage(content="x")) == {"role": "assistant", "content": "x"}
+
+
+def test_a_template_error_is_a_prompt_error():
+    from jinja2 import TemplateError
+
+    from mlxcel.engine.prompts import PromptError, render_chat
+
+    def refuse(*_a, **_k):
+        raise TemplateError("Conversation roles must alternate")
+
+    with pytest.raises(PromptError, match="roles must alternate"):
+        render_chat(SimpleNamespace(chat_template="x", apply_chat_template=refuse), [{"role": "user", "content": "a"}])
