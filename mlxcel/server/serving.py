@@ -25,10 +25,11 @@ from mlxcel.engine.interface import (
     TokenEvent,
     finish_error,
 )
-from mlxcel.engine.prompts import PromptError, encode_chat, encode_raw
+from mlxcel.engine.prompts import PromptError, encode_raw
 from mlxcel.engine.sampling import SamplingParams
 from mlxcel.models.token_ids import TokenIdError, check_token_ids
 from mlxcel.server import protocol as p
+from mlxcel.server.chat_turn import Turn, join_deltas, prepare_turn
 from mlxcel.server.errors import (
     ClientDisconnected,
     ContextLengthExceeded,
@@ -104,7 +105,8 @@ class OpenAIServing:
 
     async def chat(self, req: p.ChatCompletionRequest, raw: Request) -> Response:
         engine = self._prepare(req)
-        prompt = encode_chat(engine.tokenizer, [_message_dict(m) for m in req.messages])
+        turn = prepare_turn(engine.tokenizer, req)
+        prompt = turn.prompt
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         top = self._top_logprobs(req.logprobs, req.top_logprobs)
@@ -113,11 +115,15 @@ class OpenAIServing:
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
-            return SSEResponse(self._chat_events(stream, rid, usage, engine.tokenizer))
+            return SSEResponse(self._chat_events(stream, rid, usage, engine.tokenizer, turn))
         out = await self._collect(stream, raw)
         logprobs = _chat_logprobs(out.tokens, engine.tokenizer) if req.logprobs else None
-        choice = p.ChatChoice(message=p.AssistantMessage(content=out.text), logprobs=logprobs,
-                              finish_reason=out.finish_reason)
+        message, finish = p.AssistantMessage(content=out.text), out.finish_reason
+        if not turn.plain:
+            shaped = turn.output()
+            message = join_deltas(shaped.feed(out.text) + shaped.finish())
+            finish = shaped.finish_reason(out.finish_reason or "stop")
+        choice = p.ChatChoice(message=message, logprobs=logprobs, finish_reason=finish)
         body = p.ChatCompletion(id=rid, model=self.model_name, choices=[choice], usage=_usage(out))
         return JSONResponse(p.dump(body))
 
@@ -254,7 +260,7 @@ class OpenAIServing:
         return out
 
     async def _chat_events(self, stream: EventStream, rid: str, include_usage: bool,
-                           tokenizer: Any) -> AsyncIterator[str]:
+                           tokenizer: Any, turn: Turn) -> AsyncIterator[str]:
         created = int(time.time())
 
         def chunk(delta: p.Delta, finish: str | None = None, logprobs: p.ChoiceLogprobs | None = None) -> str:
@@ -262,21 +268,35 @@ class OpenAIServing:
             return sse(p.ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=[choice]))
 
         text_chunk = text_template(lambda text: chunk(p.Delta(content=text)))
+        shaped = None if turn.plain else turn.output()
+
+        def chunks(text: str, lp: p.ChoiceLogprobs | None = None) -> list[str]:
+            """The text as chunks: content alone (the fast path), or split into reasoning and tool calls."""
+            if shaped is None:
+                return [text_chunk(text)] if text and lp is None else [chunk(p.Delta(content=text), logprobs=lp)]
+            deltas = shaped.feed(text)
+            if lp is not None and not deltas:
+                deltas = [p.Delta()]  # one chunk per token carries its logprob
+            return [chunk(d, logprobs=lp if i == 0 else None) for i, d in enumerate(deltas)]
 
         async def body() -> AsyncIterator[str]:
             yield chunk(p.Delta(role="assistant", content=""))
             async for ev in self._events(stream):
                 if isinstance(ev, TokenEvent):
-                    if ev.logprob is None:
-                        if ev.text:
-                            yield text_chunk(ev.text)
-                        continue
-                    lp = _chat_logprobs([ev], tokenizer)
-                    yield chunk(p.Delta(content=ev.text), logprobs=lp)
+                    lp = None if ev.logprob is None else _chat_logprobs([ev], tokenizer)
+                    if ev.text or lp is not None:
+                        for text in chunks(ev.text, lp):
+                            yield text
                     continue
+                finish = ev.finish_reason
                 if ev.text:
-                    yield chunk(p.Delta(content=ev.text))
-                yield chunk(p.Delta(), finish=ev.finish_reason)
+                    for text in chunks(ev.text):
+                        yield text
+                if shaped is not None:
+                    for delta in shaped.finish():
+                        yield chunk(delta)
+                    finish = shaped.finish_reason(finish)
+                yield chunk(p.Delta(), finish=finish)
                 if include_usage:
                     usage = p.Usage(prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens,
                                     total_tokens=ev.prompt_tokens + ev.completion_tokens)
@@ -333,14 +353,6 @@ async def _wait_disconnect(raw: Request) -> None:
         message = await raw.receive()
         if message["type"] == "http.disconnect":
             return
-
-
-def _message_dict(m: p.ChatMessage) -> dict:
-    if isinstance(m.content, list):
-        content = "".join(part.text for part in m.content)
-    else:
-        content = m.content or ""
-    return {"role": m.role, "content": content}
 
 
 def _completion_prompt(tokenizer: Any, prompt: Union[str, list]) -> list[int]:
