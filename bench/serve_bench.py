@@ -232,12 +232,12 @@ def _free_port() -> int:
 
 
 # mlxcel-sync / mlxcel-async: mlxcel with MLXCEL_ASYNC_SCHED=0 / 1 (the synchronous scheduler / asynchronous
-# scheduling wherever it applies, a CPU included); mlxcel-stable: MLXCEL_STABLE_JOIN=1 (the shape-stable join
-# of docs/engine.md); mlxcel-lone-tails: MLXCEL_BATCH_TAILS=0 (every prompt's last token a prompt step of its own,
+# scheduling wherever it applies, a CPU included); mlxcel-lone-tails: MLXCEL_BATCH_TAILS=0 (every prompt's last token a prompt step of its own,
 # as before batched tails); mlxcel: its defaults (asynchronous on a GPU with batched tails, the plain join)
-KINDS = ("mlxcel", "mlxcel-sync", "mlxcel-async", "mlxcel-stable", "mlxcel-lone-tails", "mlx_lm")
+# (mlxcel-stable, MLXCEL_STABLE_JOIN=1, went with the switch: issue 41)
+KINDS = ("mlxcel", "mlxcel-sync", "mlxcel-async", "mlxcel-lone-tails", "mlx_lm")
 _SWITCHES = {"mlxcel-sync": ("MLXCEL_ASYNC_SCHED", "0"), "mlxcel-async": ("MLXCEL_ASYNC_SCHED", "1"),
-             "mlxcel-stable": ("MLXCEL_STABLE_JOIN", "1"), "mlxcel-lone-tails": ("MLXCEL_BATCH_TAILS", "0")}
+             "mlxcel-lone-tails": ("MLXCEL_BATCH_TAILS", "0")}
 
 
 def launch_env(kind: str, step_trace: str | None = None) -> dict[str, str]:
@@ -415,7 +415,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model-name", default=None, help="model id to request (default: from /v1/models)")
     p.add_argument("--launch", default=None,
                    help="start these servers in turn (comma): mlxcel, mlxcel-sync / mlxcel-async "
-                        "(MLXCEL_ASYNC_SCHED=0 / 1), mlxcel-stable (MLXCEL_STABLE_JOIN=1), mlxcel-lone-tails "
+                        "(MLXCEL_ASYNC_SCHED=0 / 1), mlxcel-lone-tails "
                         "(MLXCEL_BATCH_TAILS=0), mlxcel-cacheN (--mlx-cache-mb N), mlx_lm")
     p.add_argument("--model-dir", default="models/smollm2-135m-instruct", help="checkpoint for --launch")
     p.add_argument("--parallel", type=int, default=8, help="concurrent sequences of launched servers (default 8)")

@@ -14,14 +14,13 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from mlxcel.cluster.identity import PeerId
-from mlxcel.config import DEFAULT_MAX_RESUMES, DEFAULT_RESUME_TIMEOUT_S, env_switch
+from mlxcel import envs
+from mlxcel.config import DEFAULT_MAX_QUEUE, DEFAULT_MAX_RESUMES, DEFAULT_RESUME_TIMEOUT_S
 from mlxcel.disagg.wire import (
-    COPY_ENV,
     DEFAULT_HANDOFF_TIMEOUT_S,
     DEFAULT_PROBE_INTERVAL_S,
     MIN_HANDOFF_TIMEOUT_S,
     PROGRESS_INTERVAL_S,
-    STAGING_ENV,
 )
 from mlxcel.errors import CLIError
 from mlxcel.threads import TRANSPORT_SWITCH_INTERVAL_MS, transport_switch_interval
@@ -52,6 +51,7 @@ class NodeConfig:
     node_id: str = ""
     max_resumes: int = DEFAULT_MAX_RESUMES  # router: resumes per request after a node failure (§6)
     resume_timeout_s: float = DEFAULT_RESUME_TIMEOUT_S  # router: one resume waits this long for a node of each role
+    hold_limit: int = DEFAULT_MAX_QUEUE  # router: new requests held at most at once while no node of a role is up
     switch_interval_s: float = TRANSPORT_SWITCH_INTERVAL_MS / 1000  # prefill, decode: the GIL's (mlxcel/threads.py)
     handoff_lanes: int = 1  # prefill: connections to one decode node handoffs spread over (MLXCEL_HANDOFF_LANES)
     intake_workers: int = 0  # decode: threads feeding handoff parts to their decoders (MLXCEL_HANDOFF_INTAKE_WORKERS)
@@ -139,27 +139,25 @@ def _check_cli_role(args: argparse.Namespace, role: str) -> None:
 
 def node_config(args: argparse.Namespace, dist: Distributed | None) -> NodeConfig:
     """This node's configuration, with the cluster secret (fail closed: ``SecretError`` names every source) and,
-    for a prefill or decode node, the environment variables of its transport, checked here (before the model
-    loads): ``MLXCEL_SWITCH_INTERVAL_MS``, ``MLXCEL_HANDOFF_STAGING``, ``MLXCEL_HANDOFF_LANES`` (prefill),
-    ``MLXCEL_HANDOFF_INTAKE_WORKERS`` and ``MLXCEL_HANDOFF_COPY`` (decode)."""
+    for a prefill or decode node, the environment variables of its transport: ``MLXCEL_SWITCH_INTERVAL_MS``,
+    ``MLXCEL_HANDOFF_STAGING``, ``MLXCEL_HANDOFF_LANES`` (prefill), ``MLXCEL_HANDOFF_INTAKE_WORKERS`` and
+    ``MLXCEL_HANDOFF_COPY`` (decode). A bad value of any variable is a ``CLIError`` naming it (mlxcel/envs.py)."""
+    envs.check()
     cfg = _addresses_and_secret(args, dist)
     if cfg.role == "router":  # the variables are not the router's
         return cfg
-    try:
-        return replace(cfg, switch_interval_s=transport_switch_interval(), **_handoff_environment(cfg.role))
-    except ValueError as exc:
-        raise CLIError(str(exc)) from None
+    return replace(cfg, switch_interval_s=transport_switch_interval(), **_handoff_environment(cfg.role))
 
 
 def _handoff_environment(role: str) -> dict[str, Any]:
-    """The handoff settings a prefill or decode node reads from its environment (ValueError naming a bad one)."""
+    """The handoff settings of a prefill or decode node, from the parsed environment (mlxcel/envs.py)."""
     from mlxcel.disagg.intake import default_workers
     from mlxcel.disagg.lanes import default_lanes
 
-    staging = env_switch(STAGING_ENV)
+    staging = envs.settings().handoff_staging
     if role == "prefill":
         return {"handoff_lanes": default_lanes(), "handoff_staging": staging}
-    return {"intake_workers": default_workers(), "handoff_copy": env_switch(COPY_ENV) is True,
+    return {"intake_workers": default_workers(), "handoff_copy": envs.settings().handoff_copy is True,
             "handoff_staging": staging}
 
 
@@ -180,13 +178,14 @@ def _addresses_and_secret(args: argparse.Namespace, dist: Distributed | None) ->
         return NodeConfig(role, dist.node.address, peers["prefill"] if role == "router" else (),
                           peers["decode"] if role != "decode" else (), secret, timeout,
                           probe or cluster.timeouts.heartbeat_s, dist.node.id, *_resume(args, cluster.timeouts.resume_s),
-                          transport=cluster.transport)
+                          _hold_limit(args), transport=cluster.transport)
     secret = load_secret(getattr(args, "cluster_secret_file", None), required=True)
     assert secret is not None
     bind = parse_address(args.serving_bind, "--serving-bind")
     return NodeConfig(role, bind, parse_peers(getattr(args, "prefill_peers", None), "--prefill-peers"),
                       parse_peers(getattr(args, "decode_peers", None), "--decode-peers"), secret, timeout,
-                      probe or DEFAULT_PROBE_INTERVAL_S, f"{role}@{bind}", *_resume(args, DEFAULT_RESUME_TIMEOUT_S))
+                      probe or DEFAULT_PROBE_INTERVAL_S, f"{role}@{bind}", *_resume(args, DEFAULT_RESUME_TIMEOUT_S),
+                      _hold_limit(args))
 
 
 def _resume(args: argparse.Namespace, toml_timeout_s: float) -> tuple[int, float]:
@@ -194,6 +193,12 @@ def _resume(args: argparse.Namespace, toml_timeout_s: float) -> tuple[int, float
     count = getattr(args, "max_resumes", None)
     timeout = getattr(args, "resume_timeout", None)
     return (DEFAULT_MAX_RESUMES if count is None else count), (toml_timeout_s if timeout is None else timeout)
+
+
+def _hold_limit(args: argparse.Namespace) -> int:
+    """--max-queue: on a router, the new requests it holds at most while no node of a role is up (§6.2)."""
+    queue = getattr(args, "max_queue", None)
+    return DEFAULT_MAX_QUEUE if queue is None else queue
 
 
 def wants_disagg(args: argparse.Namespace, dist: Distributed | None) -> bool:

@@ -10,6 +10,7 @@ Its only state is one round-robin cursor per role, so the router calls it under 
   nobody to take it: the request fails UNAVAILABLE) or ``GiveUp(code)`` (the request fails with it).
 - ``depends_on(peer, ...)``: whether an attempt is lost when ``peer`` goes down or restarts.
 - ``may_resume(code, ...)``: whether a failed request is resumed instead (docs/disagg.md §6.1).
+- ``node_failure(code, ...)``: the failure a node's reported code makes of an attempt (its CANCELLED: INTERNAL).
 
 Failover happens only before the first token reaches the client, for at most ``max_attempts``
 attempts in all, never while the router shuts down, and never for a bad-input or cancelled code.
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 from typing import Callable, Generic, Hashable, Sequence, TypeVar, Union
 
 from mlxcel.disagg.wire import MAX_DISPATCH_ATTEMPTS
-from mlxcel.error_codes import ErrorClass, ErrorCode
+from mlxcel.error_codes import CodedError, ErrorClass, ErrorCode
 
 Node = TypeVar("Node", bound=Hashable)
 ROLES = ("prefill", "decode")
@@ -75,6 +76,16 @@ def may_resume(code: ErrorCode, *, resumes: int, max_resumes: int, closing: bool
 def final_code(code: ErrorCode) -> ErrorCode:
     """The code a request fails with: a node's bad-input code is the client's (400), any other is ours."""
     return code if code.error_class is ErrorClass.BAD_INPUT else code.as_local()
+
+
+def node_failure(code: ErrorCode, message: str, node: str) -> CodedError:
+    """What a node's ERROR (or FINISH with a code) fails its live attempt with: its own code, except CANCELLED.
+    Only the router cancels a request, and one whose client went away is over before any node's answer is
+    read, so a node's CANCELLED is that node's failure (INTERNAL): failed over, resumed, else 500, never 499."""
+    if code.error_class is ErrorClass.CANCELLED:
+        return CodedError(f"{node} cancelled the request on its own ({message or 'no reason given'})",
+                          ErrorCode.INTERNAL, peer_code=code)
+    return CodedError(message, code)
 
 
 def depends_on(peer: Node, *, prefill: Node | None, decode: Node | None, handed_off: bool) -> bool:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Callable, Protocol
 
-from mlxcel.engine.resume import RETRY_S
+from mlxcel.engine.resume_policy import RETRY_S
 from mlxcel.error_codes import code_of
 
 

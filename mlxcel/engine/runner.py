@@ -24,7 +24,7 @@ import mlx.core as mx
 
 from mlxcel.config import MAX_TOP_LOGPROBS
 from mlxcel.engine import steptrace
-from mlxcel.engine.batch_rows import TRIM_BLOCK, Pads, extract_row, filter_rows, join_layer, stable_join_enabled
+from mlxcel.engine.batch_rows import Pads, extract_row, filter_rows, join_layer
 from mlxcel.engine.logits import RowLogits, row_logits
 from mlxcel.engine.sampling import SamplingParams, make_sampler
 from mlxcel.error_codes import CodedError, ErrorCode
@@ -194,7 +194,6 @@ class SliceRunner:
         # a row a decode step no longer names keeps its own cache until released (asynchronous scheduling
         # plans step N+1 without the rows that end at step N), instead of being forgotten at once
         self.keep_dropped = False
-        self.stable_join = stable_join_enabled()  # joins in shapes that repeat (batch_rows; off by default)
 
     # -- sequences -------------------------------------------------------------------------
 
@@ -358,8 +357,7 @@ class SliceRunner:
         if not slot.rids:
             slot.cache, slot.batched, slot.pads = [], False, []
         elif slot.batched:
-            block = TRIM_BLOCK if self.stable_join else 1
-            slot.pads = [filter_rows(c, indices, pads, block) for c, pads in zip(slot.cache, slot.pads, strict=True)]
+            slot.pads = [filter_rows(c, indices, pads) for c, pads in zip(slot.cache, slot.pads, strict=True)]
 
     def _append(self, slot: _Slot, joining: list[_Seq]) -> None:
         caches = [s.cache for s in joining]
@@ -367,7 +365,7 @@ class SliceRunner:
             slot.cache = caches[0]  # one row: its own cache, exactly as single-sequence generation
         else:
             layers = [join_layer(slot.cache[k] if slot.rids else None, slot.pads[k] if slot.batched else None,
-                                 rows, batched=slot.batched, stable=self.stable_join)
+                                 rows, batched=slot.batched)
                       for k, rows in enumerate(zip(*caches))]
             slot.cache, slot.pads = [c for c, _ in layers], [p for _, p in layers]
             slot.batched = True

@@ -183,7 +183,7 @@ async def test_a_request_cancelled_while_it_waits_to_resume_is_freed():
         stream = sched.submit(request("a", max_tokens=20))
         await fail_decode_after(ex, 1)
         ex.prepare_failures = [LOST] * 100
-        await until(lambda: bool(sched._resuming), "a resuming sequence")  # noqa: SLF001
+        await until(lambda: bool(sched.table.resuming), "a resuming sequence")  # noqa: SLF001
         stream.cancel()
         await until(lambda: not sched._seqs, "the request freed")  # noqa: SLF001
         assert sched._inflight_requests == 0  # noqa: SLF001 - its slot is free
