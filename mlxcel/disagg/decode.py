@@ -240,7 +240,8 @@ class DecodeService(RoleService):
             if meta.nonce in self.cancelled or meta.nonce in self.running:
                 return
         try:
-            stream = self.scheduler.submit_prefilled(request, first, KVImport(handoff, meta.draws))
+            context = (*handoff.prompt, first.token)  # what the penalties look back over (engine/logits.py)
+            stream = self.scheduler.submit_prefilled(request, first, KVImport(handoff, meta.draws, context))
         except EngineError as exc:
             self.send(meta.router, m.Error(meta.nonce, exc.code, str(exc)))
             return

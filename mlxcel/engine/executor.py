@@ -79,10 +79,12 @@ class KVExport:
 
 @dataclass(frozen=True)
 class KVImport:
-    """KV received from elsewhere, for ``adopt``: the importer's input and the sampler draws made there."""
+    """KV received from elsewhere, for ``adopt``: the importer's input, the sampler draws made there and the
+    tokens the logits processors look back over (the prompt's tail and the token sampled there)."""
 
     data: Any
     draws: int = 0
+    context: tuple[int, ...] = ()
 
 
 class ExecutorError(CodedError):
@@ -210,7 +212,7 @@ class LocalExecutor(ExecutorBase):
                 draws: int = 0, attempt: int = 0) -> int:
         cache, n = self.prefix.lookup(prompt)
         for i, runner in enumerate(self.runners):
-            row = RowSampler(params, top_logprobs) if runner.is_last else None
+            row = RowSampler(params, top_logprobs, context=prompt) if runner.is_last else None
             if row is not None:
                 row.skip(draws)
             runner.prepare(rid, row, cache=cache if i == 0 else None, length=n)
@@ -219,9 +221,9 @@ class LocalExecutor(ExecutorBase):
     def adopt(self, rid: str, params: SamplingParams, top_logprobs: int, cache: list | KVImport, length: int) -> None:
         """Install a KV cache filled elsewhere holding ``length`` tokens: mlx-lm caches (a ``take_cache``), or
         a ``KVImport`` that the importer turns into them here, its sampler advanced past the draws made there."""
-        draws = 0
+        draws, context = 0, ()
         if isinstance(cache, KVImport):
-            cache, draws = self.importer(cache.data), cache.draws
+            cache, draws, context = self.importer(cache.data), cache.draws, cache.context
         runner = self.runners[0]
         layers = len(runner._make_cache())  # noqa: SLF001 - the layer count a cache must have
         if not isinstance(cache, list) or len(cache) != layers:
@@ -229,7 +231,7 @@ class LocalExecutor(ExecutorBase):
         offset = getattr(cache[0], "offset", length)
         if offset != length:
             raise ValueError(f"the cache of {rid} holds {offset} tokens, its prompt has {length}")
-        row = RowSampler(params, top_logprobs)
+        row = RowSampler(params, top_logprobs, context=context)
         row.skip(draws)
         runner.prepare(rid, row, cache=cache, length=length)
 

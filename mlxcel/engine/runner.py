@@ -18,13 +18,14 @@ so its (lazy) head output is never computed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 
 from mlxcel.config import MAX_TOP_LOGPROBS
 from mlxcel.engine import steptrace
 from mlxcel.engine.batch_rows import Pads, extract_row, filter_rows, join_layer
+from mlxcel.engine.logits import RowLogits, row_logits
 from mlxcel.engine.sampling import SamplingParams, make_sampler
 from mlxcel.error_codes import CodedError, ErrorCode
 
@@ -49,16 +50,21 @@ class Sampled:
 
 @dataclass
 class RowSampler:
-    """A sequence's sampling state: parameters, its own seeded sampler, how many alternatives to report."""
+    """A sequence's sampling state: parameters, its own seeded sampler, how many alternatives to report, and
+    its logits processors (``mlxcel.engine.logits``: penalties, logit_bias) seeing ``context`` (the tokens
+    before its first sampled one, at least the last ``PENALTY_CONTEXT``) then every token it samples."""
 
     params: SamplingParams
     top_logprobs: int = 0
     sampler: Callable[[mx.array], mx.array] | None = None
+    context: Sequence[int] = ()
+    logits: RowLogits = field(init=False)
 
     def __post_init__(self) -> None:
         self.top_logprobs = max(0, min(self.top_logprobs, MAX_TOP_LOGPROBS))
         if self.sampler is None and not self.params.greedy:
             self.sampler = make_sampler(self.params)
+        self.logits = row_logits(self.params, self.context)
 
     def skip(self, draws: int) -> None:
         """Advance a seeded sampler past ``draws`` made elsewhere (a prefill node, the attempt before a
@@ -115,6 +121,11 @@ class PendingSample:
 
 def sample_lazy(logits: mx.array, rows: Sequence[RowSampler]) -> PendingSample:
     """Sample one token per row from last-position logits [B, V], on the device, without waiting."""
+    processed = [i for i, r in enumerate(rows) if r.logits]
+    if processed:  # the hook: each row's own processors on its own logits (docs/engine.md)
+        logits = logits.astype(mx.float32)
+        logits = mx.concatenate([r.logits(logits[i : i + 1]) if r.logits else logits[i : i + 1]
+                                 for i, r in enumerate(rows)])
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     if all(r.sampler is None for r in rows):
         tokens = mx.argmax(logprobs, axis=-1)
@@ -123,6 +134,8 @@ def sample_lazy(logits: mx.array, rows: Sequence[RowSampler]) -> PendingSample:
             (r.sampler(logprobs[i : i + 1]) if r.sampler else mx.argmax(logprobs[i : i + 1], axis=-1)).reshape(1)
             for i, r in enumerate(rows)
         ])
+    for i in processed:
+        rows[i].logits.observe(tokens[i])
     pending = PendingSample(rows, tokens)
     if any(r.params.logprobs for r in rows):
         pending.chosen = mx.take_along_axis(logprobs, tokens.reshape(-1, 1).astype(mx.int32), axis=-1).reshape(-1)

@@ -187,7 +187,7 @@ class StageService:
         if self.draining:
             raise ProtocolError(ErrorCode.UNAVAILABLE, f"stage {self.node.id} is draining; it accepts no new sequence")
         try:
-            params, top = params_from_wire(m.header.get("params"))
+            params, top, context = params_from_wire(m.header.get("params"), self.model.vocab_size)
         except (SamplingError, TypeError, ValueError) as exc:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"bad sampling parameters: {exc}") from None
         ret = m.header.get("return", "token")
@@ -206,7 +206,7 @@ class StageService:
                 raise ProtocolError(ErrorCode.UNAUTHORIZED, f"request {rid} belongs to another identity")
             self._owners[rid] = peer
             self._returns[rid] = ret
-        row = RowSampler(params, top) if self.is_last else None
+        row = RowSampler(params, top, context=context) if self.is_last else None
         if row is not None:
             row.skip(draws)  # a resumed sequence: its sampler goes on after the tokens sampled before
         self._work.put(("prepare", peer, m, _Prepare(row, prompt, cap)))

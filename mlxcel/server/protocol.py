@@ -126,9 +126,12 @@ class ChatMessage(_Request):
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     model: StrictStr
+    frequency_penalty: Optional[Number] = None
+    logit_bias: Optional[dict[str, Any]] = None  # token id -> bias; checked by serving (count first)
     logprobs: Optional[StrictBool] = False
     max_completion_tokens: Optional[StrictInt] = None
     max_tokens: Optional[StrictInt] = None
+    presence_penalty: Optional[Number] = None
     prompt_cache_key: Optional[StrictStr] = None  # accepted, no effect: our prefix cache needs no key
     safety_identifier: Optional[StrictStr] = None  # accepted, no effect: no abuse monitoring here
     seed: Optional[StrictInt] = None
@@ -146,21 +149,20 @@ class ChatCompletionRequest(_Request):
     tools: Optional[list[Tool]] = None
     # --- mlxcel extensions (vLLM spells them the same) ---
     top_k: Optional[StrictInt] = None  # sample from the k most likely tokens; 0 = off
+    min_p: Optional[Number] = None  # drop tokens below min_p x the top probability; 0 = off
+    repetition_penalty: Optional[Number] = None  # mlx-lm's multiplicative penalty; 1 = off
     ignore_eos: Optional[StrictBool] = False  # keep generating past EOS (benchmarks: fixed lengths)
     chat_template_kwargs: Optional[dict[str, Any]] = None  # extra variables for the chat template
 
     UNSUPPORTED = {
         "audio": (),
-        "frequency_penalty": (0,),
         "function_call": ("none",),
         "functions": ([],),
-        "logit_bias": ({},),
         "metadata": ({},),  # only useful with store
         "modalities": (["text"],),
         "moderation": (),
         "n": (1,),
         "prediction": (),
-        "presence_penalty": (0,),
         "prompt_cache_options": (),
         "prompt_cache_retention": ("in_memory",),  # a maximum: our prefix cache lives in memory
         "response_format": ({"type": "text"},),
@@ -174,8 +176,11 @@ class ChatCompletionRequest(_Request):
 class CompletionRequest(_Request):
     model: StrictStr
     prompt: Union[StrictStr, list[StrictStr], list[StrictInt]]
+    frequency_penalty: Optional[Number] = None
+    logit_bias: Optional[dict[str, Any]] = None
     logprobs: Optional[StrictInt] = None  # number of alternatives per token, 0-20
     max_tokens: Optional[StrictInt] = None
+    presence_penalty: Optional[Number] = None
     seed: Optional[StrictInt] = None
     stop: Union[StrictStr, list[StrictStr], None] = None
     stream: Optional[StrictBool] = False
@@ -185,15 +190,14 @@ class CompletionRequest(_Request):
     user: Optional[StrictStr] = None  # accepted, no effect
     # --- mlxcel extensions ---
     top_k: Optional[StrictInt] = None
+    min_p: Optional[Number] = None
+    repetition_penalty: Optional[Number] = None
     ignore_eos: Optional[StrictBool] = False
 
     UNSUPPORTED = {
         "best_of": (1,),
         "echo": (False,),
-        "frequency_penalty": (0,),
-        "logit_bias": ({},),
         "n": (1,),
-        "presence_penalty": (0,),
         "suffix": ("",),
     }
 

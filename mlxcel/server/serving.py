@@ -26,7 +26,9 @@ from mlxcel.engine.interface import (
     finish_error,
 )
 from mlxcel.engine.prompts import PromptError, encode_raw
-from mlxcel.engine.sampling import SamplingParams
+from mlxcel.engine.sampling import SamplingParams, check_logit_bias
+from mlxcel.engine.sampling_wire import logit_bias_from_doc
+from mlxcel.strict_json import FieldError
 from mlxcel.models.token_ids import TokenIdError, check_token_ids
 from mlxcel.server import protocol as p
 from mlxcel.server.chat_turn import Turn, join_deltas, prepare_turn
@@ -190,6 +192,11 @@ class OpenAIServing:
             seed=req.seed,
             stop=stop,
             logprobs=logprobs,
+            min_p=float(_given(req.min_p, defaults, "min_p", 0.0)),
+            repetition_penalty=float(_given(req.repetition_penalty, defaults, "repetition_penalty", 1.0)),
+            presence_penalty=float(req.presence_penalty or 0.0),
+            frequency_penalty=float(req.frequency_penalty or 0.0),
+            logit_bias=_logit_bias(req.logit_bias, _vocab_size(engine.tokenizer)),
         )
         return EngineRequest(tuple(prompt), params, top_logprobs=top, ignore_eos=bool(req.ignore_eos))
 
@@ -364,12 +371,27 @@ def _completion_prompt(tokenizer: Any, prompt: Union[str, list]) -> list[int]:
         if len(prompt) != 1:
             raise Unsupported("only one prompt per request is supported", param="prompt")
         return encode_raw(tokenizer, prompt[0])
-    vocab = getattr(tokenizer, "vocab_size", None) or len(tokenizer.get_vocab())
     try:
-        check_token_ids(prompt, vocab, "prompt")
+        check_token_ids(prompt, _vocab_size(tokenizer), "prompt")
     except TokenIdError as exc:
         raise InvalidRequest(str(exc), param="prompt") from None
     return list(prompt)
+
+
+def _vocab_size(tokenizer: Any) -> int:
+    return getattr(tokenizer, "vocab_size", None) or len(tokenizer.get_vocab())
+
+
+def _logit_bias(raw: dict[str, Any] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias`` object as checked (id, bias) pairs; a 400 naming ``logit_bias`` otherwise."""
+    if raw is None:
+        return ()
+    try:
+        pairs = logit_bias_from_doc(raw)
+    except FieldError as exc:
+        raise InvalidRequest(str(exc), param="logit_bias") from None
+    check_logit_bias(pairs, vocab_size)  # a SamplingError: a 400 naming logit_bias
+    return pairs
 
 
 def _usage(out: Outcome) -> p.Usage:

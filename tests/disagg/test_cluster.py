@@ -117,6 +117,20 @@ def test_seeded_sampling_and_logprobs_continue_across_the_handoff(cluster, singl
                                                                          temperature=0).choices[0].text
 
 
+def test_penalties_and_logit_bias_hold_across_the_handoff(cluster, single):
+    """The prefill node samples the first token with them, the decode node the rest with the window rebuilt
+    from the handoff's prompt and first token: the single node's text, streamed or not."""
+    from tests.engine.penalty_reference import PENALIZED
+
+    extra = {k: v for k, v in PENALIZED.items() if k != "repetition_penalty"}
+    kw = dict(max_tokens=16, temperature=0, extra_body={"repetition_penalty": PENALIZED["repetition_penalty"]}, **extra)
+    for text in CHATS[:2]:
+        ref = chat(single.url, text, **kw).choices[0].message.content
+        assert chat(cluster.url, text, **kw).choices[0].message.content == ref
+        assert streamed(cluster.url, text, **kw)[0] == ref
+        assert ref != chat(single.url, text, max_tokens=16, temperature=0).choices[0].message.content
+
+
 def test_two_decode_nodes_share_the_load_and_stats_are_redacted(cluster):
     before = {n["id"]: n["dispatched"] for n in cluster.stats()["nodes"]}
     for i in range(4):

@@ -21,16 +21,13 @@ REFUSED = {
     "audio": {"voice": "alloy", "format": "wav"},
     "best_of": 2,
     "echo": True,
-    "frequency_penalty": 0.5,
     "function_call": "auto",
     "functions": [TOOL["function"]],
-    "logit_bias": {"50": 10},
     "metadata": {"k": "v"},
     "modalities": ["text", "audio"],
     "moderation": {"policy": {"input": {"mode": "block"}}},
     "n": 2,
     "prediction": {"type": "content", "content": "x"},
-    "presence_penalty": -1,
     "prompt_cache_options": {"mode": "explicit"},
     "prompt_cache_retention": "24h",
     "response_format": {"type": "json_object"},
@@ -39,9 +36,7 @@ REFUSED = {
     "suffix": "the end",
     "verbosity": "low",
     "web_search_options": {},
-    # not OpenAI's at all (vLLM's sampling extras, typos)
-    "min_p": 0.1,
-    "repetition_penalty": 1.1,
+    # not OpenAI's at all (typos)
     "max_token": 5,
 }
 # chat-only nested fields: body changes -> the param the error must name
