@@ -8,7 +8,7 @@ Key sources, highest precedence first (as for the cluster secret):
 
 A key file holds one or more keys, one per line; blank lines and lines starting
 with ``#`` are ignored.  When keys are configured, every request needs
-``Authorization: Bearer <key>`` except ``GET /health`` (and ``/metrics`` with
+``Authorization: Bearer <key>`` (or ``x-api-key: <key>``, as Anthropic's clients send it) except ``GET /health`` (and ``/metrics`` with
 ``--metrics-public``): deny by default, so a route added later is covered too.
 
 Fail closed: listening on an address that is not loopback without a key is
@@ -23,6 +23,7 @@ import argparse
 import hashlib
 import hmac
 import ipaddress
+import json
 import logging
 import os
 import socket
@@ -239,19 +240,27 @@ _WRONG = "Incorrect API key provided."
 
 
 def bearer_token(headers: list[tuple[bytes, bytes]]) -> tuple[bytes | None, str]:
-    """The token of the first Authorization header, or None and the reason it is unusable."""
+    """The token of the first Authorization header, else of the first ``x-api-key`` header (Anthropic's
+    clients send it), or None and the reason it is unusable."""
     for name, value in headers:
         if name.lower() == b"authorization":
             scheme, _, token = value.strip().partition(b" ")
             if scheme.lower() != b"bearer" or not token.strip():
                 return None, _NOT_BEARER
             return token.strip(), _WRONG
+    for name, value in headers:
+        if name.lower() == b"x-api-key":
+            return (value.strip(), _WRONG) if value.strip() else (None, _MISSING)
     return None, _MISSING
 
 
-def unauthorized_body(message: str) -> bytes:
+def unauthorized_body(message: str, anthropic: bool = False) -> bytes:
+    """The 401 body in OpenAI's shape, or in Anthropic's (``authentication_error``) on its routes."""
+    from mlxcel.server.errors import anthropic_error
     from mlxcel.server.protocol import ErrorDetail, ErrorResponse
 
+    if anthropic:
+        return json.dumps(anthropic_error(401, message)).encode()
     detail = ErrorDetail(message=message, type="invalid_request_error", param=None, code="invalid_api_key")
     return ErrorResponse(error=detail).model_dump_json().encode()
 
@@ -263,7 +272,11 @@ class APIKeyMiddleware:
         self.app = app
         self.keys = keys
         self.open_paths = open_paths
-        self._bodies = {reason: unauthorized_body(reason) for reason in (_MISSING, _NOT_BEARER, _WRONG)}
+        from mlxcel.server.errors import is_anthropic
+
+        self._is_anthropic = is_anthropic
+        self._bodies = {(reason, anthropic): unauthorized_body(reason, anthropic)
+                        for reason in (_MISSING, _NOT_BEARER, _WRONG) for anthropic in (False, True)}
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] not in ("http", "websocket") or scope.get("path", "") in self.open_paths:
@@ -277,7 +290,7 @@ class APIKeyMiddleware:
             await send({"type": "websocket.close", "code": 1008})
             return
         challenge = b'Bearer error="invalid_token"' if token is not None else b"Bearer"
-        body = self._bodies[reason]
+        body = self._bodies[reason, self._is_anthropic(scope.get("path", ""))]
         await send({"type": "http.response.start", "status": 401,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                                 (b"www-authenticate", challenge)]})
