@@ -10,7 +10,7 @@ import json
 import sys
 from typing import Any, Callable, Sequence
 
-from mlxcel import __version__
+from mlxcel import __version__, envs
 from mlxcel.config import (DEFAULT_MAX_TOKENS, DEFAULT_MODEL_DIR, DEFAULT_PP_MICRO_BATCH_SIZE, DEFAULT_PP_SIZE,
                            MAX_PP_MICRO_BATCH_SIZE, RANDOM_FAMILIES, check_micro_batch_size, non_negative_int,
                            positive_int)
@@ -87,6 +87,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from mlxcel.commands.windows import GENERATE_FLAGS, check_native_windows
 
     check_native_windows(args, GENERATE_FLAGS)  # before anything else, the model included
+    envs.check()  # every MLXCEL_* variable, refused by name before any load
     check_tp_flags(args)
     check_pipeline_flags(args)
     return run_generate(args)

@@ -29,12 +29,8 @@ from mlxcel.config import (
     MAX_PP_MICRO_BATCH_SIZE,
     MAX_RESUME_TIMEOUT_S,
     MAX_RESUMES,
-    ASYNC_ENV,
-    BATCH_TAILS_ENV,
-    STAGE_OVERLAP_ENV,
     THREADS_ENV,
     check_micro_batch_size,
-    env_switch,
     non_negative_int,
     positive_int,
     resume_count,
@@ -43,6 +39,7 @@ from mlxcel.config import (
     thread_count,
     udp_port,
 )
+from mlxcel import envs
 from mlxcel.bringup import wire
 from mlxcel.bringup.flags import check_bringup_flags, spare_count, spare_seconds
 from mlxcel.config import port as tcp_port
@@ -244,23 +241,13 @@ def resolve_peers(args: argparse.Namespace) -> None:
 
 def check_flags(args: argparse.Namespace) -> None:
     """Flag combinations of every feature (nothing is read or bound yet)."""
-    from mlxcel.cluster.aead_pipeline import auto_pipeline_min_len, auto_workers
     from mlxcel.parallel.options import check_tp_flags
     from mlxcel.commands.windows import SERVER_FLAGS, check_native_windows
 
     check_native_windows(args, SERVER_FLAGS)  # first: native Windows runs no distributed mode
     check_cluster_flags(args)
     check_tp_flags(args)
-    # MLXCEL_CRYPTO_WORKERS and MLXCEL_CRYPTO_PIPELINE_MIN_LEN, read when a transport starts, and the switches
-    # read when the scheduler or a stage starts: refused here, before any load (without importing the scheduler:
-    # a router or pp-peer never needs it)
-    try:
-        auto_workers()
-        auto_pipeline_min_len()
-        for switch in (BATCH_TAILS_ENV, ASYNC_ENV, STAGE_OVERLAP_ENV):
-            env_switch(switch)
-    except ValueError as exc:
-        raise CLIError(str(exc)) from None
+    envs.check()  # every MLXCEL_* variable, refused by name before any load
     if (args.max_batch_size or args.parallel) > args.parallel:
         raise CLIError(f"--max-batch-size ({args.max_batch_size}) cannot exceed --parallel ({args.parallel}): "
                        "a decode step batches only sequences that hold a slot")

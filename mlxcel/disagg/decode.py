@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from mlxcel import envs
 from mlxcel.cluster.identity import PeerId
 from mlxcel.cluster.messages import Message, decode_error
 from mlxcel.cluster.wire import Kind
@@ -31,7 +31,7 @@ from mlxcel.disagg.kv_cache import handoff_allocator, import_cache, probe_layout
 from mlxcel.disagg.kv_codec import Handoff, HandoffDecoder, HandoffError
 from mlxcel.disagg.loop import LoopThread
 from mlxcel.disagg.service import RoleService
-from mlxcel.disagg.wire import CANCEL_MEMORY_S, PROGRESS_INTERVAL_S, STEP_DELAY_ENV, MsgType
+from mlxcel.disagg.wire import CANCEL_MEMORY_S, PROGRESS_INTERVAL_S, MsgType
 from mlxcel.engine.executor import KVImport, LocalExecutor
 from mlxcel.engine.interface import EngineError, EngineRequest, TokenEvent
 from mlxcel.engine.runner import Sampled
@@ -78,10 +78,10 @@ class DecodeService(RoleService):
         self.vocab_size = model_vocab_size(model)  # every token id of a handoff is below it
         self.capacity = parallel + max_queue
         self.per_sender = max(1, self.capacity // 2)  # handoffs one sender IP may have arriving at once
-        # MLXCEL_DISAGG_STEP_DELAY_S (a test and rehearsal aid) keeps a request in flight long enough
+        # MLXCEL_TEST_DECODE_STEP_DELAY_S (test only) keeps a request in flight long enough
         # to kill a node or drop a client under it
         self.executor = LocalExecutor(model, max_batch_size=max_batch_size, importer=import_cache,
-                                      step_delay_s=float(os.environ.get(STEP_DELAY_ENV, "0") or 0))
+                                      step_delay_s=envs.settings().test_decode_step_delay_s)
         self.scheduler = Scheduler(self.executor, tokenizer, context_length=context_length, parallel=parallel,
                                    max_queue=max_queue, warmup=warmup)
         self.loop = LoopThread("mlxcel-decode-loop")
@@ -240,7 +240,8 @@ class DecodeService(RoleService):
             if meta.nonce in self.cancelled or meta.nonce in self.running:
                 return
         try:
-            stream = self.scheduler.submit_prefilled(request, first, KVImport(handoff, meta.draws))
+            context = (*handoff.prompt, first.token)  # what the penalties look back over (engine/logits.py)
+            stream = self.scheduler.submit_prefilled(request, first, KVImport(handoff, meta.draws, context))
         except EngineError as exc:
             self.send(meta.router, m.Error(meta.nonce, exc.code, str(exc)))
             return

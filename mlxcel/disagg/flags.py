@@ -14,14 +14,13 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from mlxcel.cluster.identity import PeerId
-from mlxcel.config import DEFAULT_MAX_QUEUE, DEFAULT_MAX_RESUMES, DEFAULT_RESUME_TIMEOUT_S, env_switch
+from mlxcel import envs
+from mlxcel.config import DEFAULT_MAX_QUEUE, DEFAULT_MAX_RESUMES, DEFAULT_RESUME_TIMEOUT_S
 from mlxcel.disagg.wire import (
-    COPY_ENV,
     DEFAULT_HANDOFF_TIMEOUT_S,
     DEFAULT_PROBE_INTERVAL_S,
     MIN_HANDOFF_TIMEOUT_S,
     PROGRESS_INTERVAL_S,
-    STAGING_ENV,
 )
 from mlxcel.errors import CLIError
 from mlxcel.threads import TRANSPORT_SWITCH_INTERVAL_MS, transport_switch_interval
@@ -140,27 +139,25 @@ def _check_cli_role(args: argparse.Namespace, role: str) -> None:
 
 def node_config(args: argparse.Namespace, dist: Distributed | None) -> NodeConfig:
     """This node's configuration, with the cluster secret (fail closed: ``SecretError`` names every source) and,
-    for a prefill or decode node, the environment variables of its transport, checked here (before the model
-    loads): ``MLXCEL_SWITCH_INTERVAL_MS``, ``MLXCEL_HANDOFF_STAGING``, ``MLXCEL_HANDOFF_LANES`` (prefill),
-    ``MLXCEL_HANDOFF_INTAKE_WORKERS`` and ``MLXCEL_HANDOFF_COPY`` (decode)."""
+    for a prefill or decode node, the environment variables of its transport: ``MLXCEL_SWITCH_INTERVAL_MS``,
+    ``MLXCEL_HANDOFF_STAGING``, ``MLXCEL_HANDOFF_LANES`` (prefill), ``MLXCEL_HANDOFF_INTAKE_WORKERS`` and
+    ``MLXCEL_HANDOFF_COPY`` (decode). A bad value of any variable is a ``CLIError`` naming it (mlxcel/envs.py)."""
+    envs.check()
     cfg = _addresses_and_secret(args, dist)
     if cfg.role == "router":  # the variables are not the router's
         return cfg
-    try:
-        return replace(cfg, switch_interval_s=transport_switch_interval(), **_handoff_environment(cfg.role))
-    except ValueError as exc:
-        raise CLIError(str(exc)) from None
+    return replace(cfg, switch_interval_s=transport_switch_interval(), **_handoff_environment(cfg.role))
 
 
 def _handoff_environment(role: str) -> dict[str, Any]:
-    """The handoff settings a prefill or decode node reads from its environment (ValueError naming a bad one)."""
+    """The handoff settings of a prefill or decode node, from the parsed environment (mlxcel/envs.py)."""
     from mlxcel.disagg.intake import default_workers
     from mlxcel.disagg.lanes import default_lanes
 
-    staging = env_switch(STAGING_ENV)
+    staging = envs.settings().handoff_staging
     if role == "prefill":
         return {"handoff_lanes": default_lanes(), "handoff_staging": staging}
-    return {"intake_workers": default_workers(), "handoff_copy": env_switch(COPY_ENV) is True,
+    return {"intake_workers": default_workers(), "handoff_copy": envs.settings().handoff_copy is True,
             "handoff_staging": staging}
 
 

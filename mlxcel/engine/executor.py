@@ -28,8 +28,7 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import KVCache
 
-from mlxcel.config import ASYNC_ENV, env_switch
-from mlxcel.engine.compiled_step import decode_forward
+from mlxcel import envs
 from mlxcel.engine.model_slice import ModelSlice
 from mlxcel.engine.prefix_cache import PrefixCache
 from mlxcel.engine.resume_policy import ResumePolicy
@@ -80,10 +79,12 @@ class KVExport:
 
 @dataclass(frozen=True)
 class KVImport:
-    """KV received from elsewhere, for ``adopt``: the importer's input and the sampler draws made there."""
+    """KV received from elsewhere, for ``adopt``: the importer's input, the sampler draws made there and the
+    tokens the logits processors look back over (the prompt's tail and the token sampled there)."""
 
     data: Any
     draws: int = 0
+    context: tuple[int, ...] = ()
 
 
 class ExecutorError(CodedError):
@@ -211,7 +212,7 @@ class LocalExecutor(ExecutorBase):
                 draws: int = 0, attempt: int = 0) -> int:
         cache, n = self.prefix.lookup(prompt)
         for i, runner in enumerate(self.runners):
-            row = RowSampler(params, top_logprobs) if runner.is_last else None
+            row = RowSampler(params, top_logprobs, context=prompt) if runner.is_last else None
             if row is not None:
                 row.skip(draws)
             runner.prepare(rid, row, cache=cache if i == 0 else None, length=n)
@@ -220,9 +221,9 @@ class LocalExecutor(ExecutorBase):
     def adopt(self, rid: str, params: SamplingParams, top_logprobs: int, cache: list | KVImport, length: int) -> None:
         """Install a KV cache filled elsewhere holding ``length`` tokens: mlx-lm caches (a ``take_cache``), or
         a ``KVImport`` that the importer turns into them here, its sampler advanced past the draws made there."""
-        draws = 0
+        draws, context = 0, ()
         if isinstance(cache, KVImport):
-            cache, draws = self.importer(cache.data), cache.draws
+            cache, draws, context = self.importer(cache.data), cache.draws, cache.context
         runner = self.runners[0]
         layers = len(runner._make_cache())  # noqa: SLF001 - the layer count a cache must have
         if not isinstance(cache, list) or len(cache) != layers:
@@ -230,7 +231,7 @@ class LocalExecutor(ExecutorBase):
         offset = getattr(cache[0], "offset", length)
         if offset != length:
             raise ValueError(f"the cache of {rid} holds {offset} tokens, its prompt has {length}")
-        row = RowSampler(params, top_logprobs)
+        row = RowSampler(params, top_logprobs, context=context)
         row.skip(draws)
         runner.prepare(rid, row, cache=cache, length=length)
 
@@ -394,7 +395,7 @@ def default_lookahead(runner: SliceRunner) -> int:
     Off on a CPU by default: MLX's CPU backend runs most of a step inside ``mx.async_eval`` itself (the
     step trace puts the device time under ``build`` there), so nothing overlaps, and the thinner steps
     of the first tokens cost more than they save (docs/benchmarks.md)."""
-    switch = env_switch(ASYNC_ENV)
+    switch = envs.settings().async_sched
     if switch is False or (switch is None and mx.default_device().type != mx.DeviceType.gpu):
         return 0
     caches = runner._make_cache()  # noqa: SLF001 - the layer caches a sequence gets
@@ -405,13 +406,13 @@ def whole_model_runner(model: Any, *, max_rows: int) -> SliceRunner:
     """The whole model as one runner: mlx-lm's own forward, so every family it supports works."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    return SliceRunner(decode_forward(lambda x, c: model(x, cache=c)), lambda: make_prompt_cache(model),
+    return SliceRunner(lambda x, c: model(x, cache=c), lambda: make_prompt_cache(model),
                        is_first=True, is_last=True, max_rows=max_rows)
 
 
 def slice_runner(model: Any, start: int, end: int, *, max_rows: int) -> SliceRunner:
     """Layers [start, end) of ``model`` as a runner (a pipeline stage)."""
     piece = ModelSlice(model, start, end)
-    return SliceRunner(decode_forward(lambda x, c: piece(x, c)), piece.make_cache, is_first=piece.is_first,
+    return SliceRunner(lambda x, c: piece(x, c), piece.make_cache, is_first=piece.is_first,
                        is_last=piece.is_last, max_rows=max_rows,
                        input_width=None if piece.is_first else piece.input_width)

@@ -54,8 +54,8 @@ import threading
 import time
 from typing import Any
 
-from mlxcel.config import BATCH_TAILS_ENV, DEFAULT_MAX_QUEUE, DEFAULT_PARALLEL, DEFAULT_PREFIX_CACHE_MB, PREFILL_STEP
-from mlxcel.config import env_switch
+from mlxcel import envs
+from mlxcel.config import DEFAULT_MAX_QUEUE, DEFAULT_PARALLEL, DEFAULT_PREFIX_CACHE_MB, PREFILL_STEP
 from mlxcel.engine import steptrace
 from mlxcel.engine.emitter import Emitter
 from mlxcel.engine.executor import PREVIOUS, ExecutorBase, Step, StepOutcome
@@ -575,7 +575,7 @@ class Scheduler:
 def batch_tails_default(lookahead: int) -> bool:
     """Whether prompt tails ride the decode steps: ``MLXCEL_BATCH_TAILS`` (1/0) if set, else where scheduling
     is asynchronous (``lookahead``: a GPU); ValueError naming the variable for another value."""
-    switch = env_switch(BATCH_TAILS_ENV)
+    switch = envs.settings().batch_tails
     return bool(lookahead) if switch is None else switch
 
 

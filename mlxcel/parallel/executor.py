@@ -140,7 +140,7 @@ class TPExecutor(ExecutorBase):
         again = [rank for rank, c in counts.items() if c != agreed]
         if again:
             self.control.request_all(encode("prepare", rid=rid, prompt=prompt, limit=agreed), ranks=again)
-        self.shard.prepare(rid, RowSampler(params, top_logprobs), cache, n)
+        self.shard.prepare(rid, RowSampler(params, top_logprobs, context=prompt), cache, n)
         return n
 
     def _step(self, step: Step, done: Done) -> None:

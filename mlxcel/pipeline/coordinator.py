@@ -188,7 +188,7 @@ class PipelineExecutor(ExecutorBase):
         wire = rid if attempt == 0 else f"{rid}#{attempt}"
         with self._lock:
             self._wire[rid] = wire
-        header: dict[str, Any] = {"request_id": wire, "params": params_to_wire(params, top_logprobs),
+        header: dict[str, Any] = {"request_id": wire, "params": params_to_wire(params, top_logprobs, prompt),
                                   "return": "logits" if self.return_logits else "token"}
         if self.prefix_on and len(prompt) > 1:
             header["prompt"] = list(prompt[:MAX_PREFIX_TOKENS])
@@ -203,7 +203,7 @@ class PipelineExecutor(ExecutorBase):
             self._prepared.add(rid)
             self._lost.discard(rid)
         if self.return_logits:
-            self._samplers[rid] = RowSampler(params, top_logprobs)
+            self._samplers[rid] = RowSampler(params, top_logprobs, context=prompt)
             self._samplers[rid].skip(draws)
         if cached:
             self.prefix_hits += 1

@@ -8,23 +8,21 @@ is 1, true, yes or on.
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import replace
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from mlxcel import envs
 from mlxcel.disagg.flags import NodeConfig, node_config
-from mlxcel.disagg.wire import STATS_VERBOSE_ENV, VERBOSE_VALUES
 from mlxcel.roles.context import RoleContext, ServeConfig
 from mlxcel.server.runtime import ServerRuntime
 from mlxcel.server.serve import serve_openai
 
 
 def stats_verbose(env: dict[str, str] | None = None) -> bool:
-    value = (os.environ if env is None else env).get(STATS_VERBOSE_ENV, "")
-    return value.strip().lower() in VERBOSE_VALUES
+    return (envs.settings() if env is None else envs.read(env)).router_stats_verbose
 
 
 def router_factory(cfg: NodeConfig):

@@ -39,7 +39,7 @@ CHATS = ["Hello there", "The capital of France is", "Write one short sentence ab
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, tiny_llama):
     c = DisaggCluster(tmp_path_factory.mktemp("disagg"), tiny_llama, prefills=2, decodes=2,
-                      prefill_flags=("--log-level", "debug"), decode_env={"MLXCEL_DISAGG_STEP_DELAY_S": STEP_DELAY})
+                      prefill_flags=("--log-level", "debug"), decode_env={"MLXCEL_TEST_DECODE_STEP_DELAY_S": STEP_DELAY})
     c.prefill_env = {"MLXCEL_DECODE_ALLOWLIST": f"{c.decode_addrs[0]}, decode.lan:1,{c.decode_addrs[1]}",
                      "MLXCEL_HANDOFF_LANES": "2"}
     c.start()
@@ -115,6 +115,20 @@ def test_seeded_sampling_and_logprobs_continue_across_the_handoff(cluster, singl
     text = client(cluster.url).completions.create(model="tiny", prompt="abc", max_tokens=5, temperature=0)
     assert text.choices[0].text == client(single.url).completions.create(model="tiny", prompt="abc", max_tokens=5,
                                                                          temperature=0).choices[0].text
+
+
+def test_penalties_and_logit_bias_hold_across_the_handoff(cluster, single):
+    """The prefill node samples the first token with them, the decode node the rest with the window rebuilt
+    from the handoff's prompt and first token: the single node's text, streamed or not."""
+    from tests.engine.penalty_reference import PENALIZED
+
+    extra = {k: v for k, v in PENALIZED.items() if k != "repetition_penalty"}
+    kw = dict(max_tokens=16, temperature=0, extra_body={"repetition_penalty": PENALIZED["repetition_penalty"]}, **extra)
+    for text in CHATS[:2]:
+        ref = chat(single.url, text, **kw).choices[0].message.content
+        assert chat(cluster.url, text, **kw).choices[0].message.content == ref
+        assert streamed(cluster.url, text, **kw)[0] == ref
+        assert ref != chat(single.url, text, max_tokens=16, temperature=0).choices[0].message.content
 
 
 def test_two_decode_nodes_share_the_load_and_stats_are_redacted(cluster):
