@@ -28,6 +28,7 @@ from mlxcel.engine.interface import (
 from mlxcel.engine.prompts import PromptError, encode_raw
 from mlxcel.engine.sampling import SamplingParams, check_logit_bias
 from mlxcel.engine.sampling_wire import logit_bias_from_doc
+from mlxcel.server.structured import request_grammar
 from mlxcel.strict_json import FieldError
 from mlxcel.models.token_ids import TokenIdError, check_token_ids
 from mlxcel.server import protocol as p
@@ -112,7 +113,8 @@ class OpenAIServing:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         top = self._top_logprobs(req.logprobs, req.top_logprobs)
-        request = self._engine_request(engine, req, prompt, max_tokens, param, bool(req.logprobs), top)
+        grammar = request_grammar(engine.tokenizer, req, turn)
+        request = self._engine_request(engine, req, prompt, max_tokens, param, bool(req.logprobs), top, grammar)
         stream = engine.submit(request)
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         if req.stream:
@@ -170,7 +172,7 @@ class OpenAIServing:
         return top
 
     def _engine_request(self, engine: Engine, req: AnyRequest, prompt: list[int], max_tokens: int | None,
-                        param: str, logprobs: bool, top: int) -> EngineRequest:
+                        param: str, logprobs: bool, top: int, grammar: str | None = None) -> EngineRequest:
         ctx = engine.context_length
         n = len(prompt)
         if max_tokens is not None and not 1 <= max_tokens <= ctx:
@@ -197,6 +199,7 @@ class OpenAIServing:
             presence_penalty=float(req.presence_penalty or 0.0),
             frequency_penalty=float(req.frequency_penalty or 0.0),
             logit_bias=_logit_bias(req.logit_bias, _vocab_size(engine.tokenizer)),
+            grammar=grammar,
         )
         return EngineRequest(tuple(prompt), params, top_logprobs=top, ignore_eos=bool(req.ignore_eos))
 
