@@ -125,7 +125,7 @@ class GrammarMask:
         import llguidance
 
         self.tokenizer = vocabulary(vocab_size)
-        self.matcher = llguidance.LLMatcher(self.tokenizer, check_text(text))
+        self.matcher = llguidance.LLMatcher(self.tokenizer, check(text, vocab_size))
         if self.matcher.is_error():
             raise GrammarError(f"grammar does not compile: {self.matcher.get_error()}")
         if replay and not self.matcher.consume_tokens(list(replay)):
