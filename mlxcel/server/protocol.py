@@ -205,6 +205,7 @@ class CompletionRequest(_Request):
     min_p: Optional[Number] = None
     repetition_penalty: Optional[Number] = None
     ignore_eos: Optional[StrictBool] = False
+    response_format: Optional[ResponseFormat] = None  # extension: the completion matches it (constrained)
 
     UNSUPPORTED = {
         "best_of": (1,),

@@ -28,7 +28,7 @@ from mlxcel.engine.interface import (
 from mlxcel.engine.prompts import PromptError, encode_raw
 from mlxcel.engine.sampling import SamplingParams, check_logit_bias
 from mlxcel.engine.sampling_wire import logit_bias_from_doc
-from mlxcel.server.structured import request_grammar
+from mlxcel.server.structured import format_grammar, request_grammar
 from mlxcel.strict_json import FieldError
 from mlxcel.models.token_ids import TokenIdError, check_token_ids
 from mlxcel.server import protocol as p
@@ -138,7 +138,7 @@ class OpenAIServing:
             raise InvalidRequest(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}", param="logprobs")
         want_logprobs = req.logprobs is not None
         request = self._engine_request(engine, req, prompt, req.max_tokens, "max_tokens", want_logprobs,
-                                       req.logprobs or 0)
+                                       req.logprobs or 0, format_grammar(engine.tokenizer, req.response_format))
         stream = engine.submit(request)
         rid = f"cmpl-{uuid.uuid4().hex[:24]}"
         if req.stream:

@@ -29,7 +29,11 @@ def request_grammar(tokenizer: Any, req: p.ChatCompletionRequest, turn: Turn) ->
     forced = _forced_call_grammar(turn)
     if forced is not None:
         return _compiled(tokenizer, forced, "tools")
-    fmt = req.response_format
+    return format_grammar(tokenizer, req.response_format)
+
+
+def format_grammar(tokenizer: Any, fmt: Optional[p.ResponseFormat]) -> Optional[str]:
+    """The grammar of a ``response_format`` (chat and, as an extension, completions); None for text."""
     if fmt is None or fmt.type == "text":
         return None
     if fmt.type == "json_object":
