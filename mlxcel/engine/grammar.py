@@ -19,31 +19,22 @@ from __future__ import annotations
 
 import functools
 import json
-import threading
 from pathlib import Path
 from typing import Any, Sequence
 
 import mlx.core as mx
 import numpy as np
 
+from mlxcel.models.vocab_source import register, source_of  # noqa: F401 - register: the loaders' entry
+
 MAX_GRAMMAR_BYTES = 64 * 1024  # the grammar text's bound, on every wire and at the front
 #: JSON as the model writes it under a grammar: no free whitespace (a random model would loop in it)
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
-_lock = threading.Lock()
-_sources: dict[int | None, Any] = {}  # logits width -> a TokenizerWrapper or a checkpoint directory
 
 
 class GrammarError(ValueError):
     """A grammar is oversize, does not compile or refuses the tokens replayed into it; the message says why."""
-
-
-def register(source: Any, vocab_size: int | None) -> None:
-    """Where this process's model of ``vocab_size`` logits finds its vocabulary: an mlx-lm ``TokenizerWrapper``
-    or the checkpoint directory (read only once a grammar comes). The last one registered is the default."""
-    with _lock:
-        _sources[vocab_size] = source
-        _sources[None] = source
 
 
 def check_text(text: Any, name: str = "grammar") -> str:
@@ -111,8 +102,7 @@ def _vocabulary(source: Any) -> Any:
 
 def vocabulary(vocab_size: int | None = None) -> Any:
     """The llguidance tokenizer of this process's model (cached); ``GrammarError`` when none is registered."""
-    with _lock:
-        source = _sources.get(vocab_size, _sources.get(None))
+    source = source_of(vocab_size)
     if source is None:
         raise GrammarError("this node has no vocabulary to compile a grammar with")
     return _vocabulary(str(source) if isinstance(source, Path) else source)
