@@ -68,6 +68,9 @@ def prepare_turn(tokenizer: Any, req: p.ChatCompletionRequest) -> Turn:
     turn.markers = Markers(think=think, tool=(fmt.start, fmt.end) if calling and fmt else None)
     turn.state = "reasoning" if opens_in_reasoning(text, think) else "content"
     prefill = ""
+    structured = req.response_format is not None and req.response_format.type != "text"
+    if structured and turn.state == "reasoning" and not (calling and choice not in (None, "auto")):
+        prefill, turn.state = think[1] + "\n\n", "content"  # a structured answer skips the opened reasoning
     if calling and choice not in (None, "auto"):
         opening = tc.forced_opening(fmt, forced)
         if turn.state == "reasoning":  # a forced call skips the reasoning the template opened
