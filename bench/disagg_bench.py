@@ -20,8 +20,8 @@ one at a time, so the deltas belong to that request).
 order per level) over the topologies; each row gains the router's handoff count, bytes and seconds
 over its level. A topology ``<p>p<d>d-lanes<N>`` runs its prefill nodes with ``MLXCEL_HANDOFF_LANES=N``
 (``1p1d-lanes1`` against ``1p1d``: one connection per decode node against the host's default),
-``-copy`` its decode nodes with ``MLXCEL_HANDOFF_COPY=1`` (handoffs copied into MLX at import) and
-``-stable`` with ``MLXCEL_STABLE_JOIN=1``, ``-staged`` / ``-unstaged`` both roles with ``MLXCEL_HANDOFF_STAGING=1`` / ``0``
+``-copy`` its decode nodes with ``MLXCEL_HANDOFF_COPY=1`` (handoffs copied into MLX at import; ``-stable``,
+``MLXCEL_STABLE_JOIN=1``, went with the switch in issue 41), ``-staged`` / ``-unstaged`` both roles with ``MLXCEL_HANDOFF_STAGING=1`` / ``0``
 (page-locked staging, on by default on CUDA), ``-switch5`` both roles with ``MLXCEL_SWITCH_INTERVAL_MS=5``
 (Python's own GIL switch interval), ``-p0`` both roles with ``MLXCEL_CRYPTO_PIPELINE_MIN_LEN=0`` (crypto helpers on
 every fragmented message, as before 2026-12-04); options combine (``1p1d-copy-lanes1``). ``--long`` replaces serve_bench's stock prompts with ones of about
@@ -107,14 +107,14 @@ class Proc:
 
 
 #: a topology's options (``1p1d-copy-lanes2``): the environment they give the prefill or the decode nodes
-DECODE_OPTIONS = {"copy": ("MLXCEL_HANDOFF_COPY", "1"), "stable": ("MLXCEL_STABLE_JOIN", "1")}
+DECODE_OPTIONS = {"copy": ("MLXCEL_HANDOFF_COPY", "1")}
 
 
 def topology_options(name: str) -> tuple[str, dict[str, str], dict[str, str]]:
     """``<p>p<d>d`` and its ``-`` options: ``lanes<N>`` (the prefill nodes' MLXCEL_HANDOFF_LANES), ``switch<ms>``
     (both roles' MLXCEL_SWITCH_INTERVAL_MS), ``staged`` / ``unstaged`` (both roles' MLXCEL_HANDOFF_STAGING=1 / 0),
     ``p0`` (both roles' MLXCEL_CRYPTO_PIPELINE_MIN_LEN=0),
-    ``copy`` (the decode nodes' MLXCEL_HANDOFF_COPY=1), ``stable`` (the decode nodes' MLXCEL_STABLE_JOIN=1)."""
+    ``copy`` (the decode nodes' MLXCEL_HANDOFF_COPY=1)."""
     base, *options = name.split("-")
     prefill: dict[str, str] = {}
     decode: dict[str, str] = {}

@@ -76,7 +76,7 @@ WORKER_TIMEOUT_S = 900
 HEARTBEAT_S = 2  # the stages' STATE (and so the coordinator's /metrics of them) is at most this old
 _TIMING_SUFFIXES = ("_s", "_ms", "_us", "_ns")
 #: environment variables that change what is measured; rows record the ones set
-BENCH_ENV = ("MLXCEL_COMPILE_STEP", "MLX_MAX_OPS_PER_BUFFER", "MLX_MAX_MB_PER_BUFFER", "CUDA_VISIBLE_DEVICES")
+BENCH_ENV = ("MLX_MAX_OPS_PER_BUFFER", "MLX_MAX_MB_PER_BUFFER", "CUDA_VISIBLE_DEVICES")
 
 
 def free_port(host: str) -> int:
@@ -272,16 +272,14 @@ def worker(args: argparse.Namespace, out: TextIO, commands: TextIO | None = None
             remote_driver.timeline = tl
             return remote_driver.generate(prompt, n, logits)
     else:
-        from mlxcel.engine.compiled_step import decode_forward
-
         model = loaded.model
         if mode == "single":
-            forward, cache_of = decode_forward(lambda x, c: model(x, cache=c)), model
+            forward, cache_of = (lambda x, c: model(x, cache=c)), model
         else:
             from mlxcel.pipeline.inprocess import InProcessPipeline, stage_ranges
 
             cache_of = InProcessPipeline(model, stage_ranges(args.model, loaded.num_layers, args.stages, None))
-            forward = decode_forward(cache_of)
+            forward = cache_of
 
         def run(n: int, tl: Timeline | None) -> tuple[list[int], list[float]]:
             return timed_tokens(forward, cache_of, prompt, n, tl)
@@ -302,8 +300,6 @@ def worker(args: argparse.Namespace, out: TextIO, commands: TextIO | None = None
 
 def measure(args: argparse.Namespace, run: Callable, driver: "RemoteDriver | None", prompt: list[int]) -> dict[str, Any]:
     """One measured run of ``run`` (tokens, gaps, CPU, per-token timeline, wire and stage deltas)."""
-    from mlxcel.engine.compiled_step import compile_enabled
-
     timeline = Timeline()
     states = driver.states() if driver else []
     wire0 = driver.wire(states) if driver else None
@@ -313,7 +309,8 @@ def measure(args: argparse.Namespace, run: Callable, driver: "RemoteDriver | Non
     tokens, gaps = run(args.tokens, timeline)
     wall, cpu = time.perf_counter() - wall0, self_cpu_s() - cpu0
     stage1 = [proc_cpu_s(p) for p in args.stage_pids]
-    result: dict[str, Any] = {"pid": os.getpid(), "mode": args.worker, "compile_step": compile_enabled(),
+    # compile_step: always False since MLXCEL_COMPILE_STEP was removed (issue 41); kept for the report schema
+    result: dict[str, Any] = {"pid": os.getpid(), "mode": args.worker, "compile_step": False,
                               "prompt_tokens": len(prompt), "tokens": tokens, "gaps_s": gaps, "wall_s": wall,
                               "cpu_s_worker": cpu, "cpu_s_stage": cpu_delta(stage0, stage1), "load_1m": load_1m,
                               "steps": [{**s, "t_submit": s["t_submit"] - wall0, "t_done": s["t_done"] - wall0}
@@ -698,7 +695,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="OPENBLAS_NUM_THREADS of each stage process (stages that share one host's cores)")
     p.add_argument("--stage-env", type=_env_pair, action="append", default=[], metavar="NAME=VALUE",
                    help="an environment variable for the stage processes only (repeatable; recorded in the rows), "
-                        "e.g. MLXCEL_STAGE_OVERLAP=1 for stages that build ahead")
+                        "e.g. MLXCEL_HANDOFF_COPY=1")
     p.add_argument("--label", default=None, help="free-form label recorded in every row (e.g. h200-x2)")
     p.add_argument("--trace", action="store_true", help="also write trace-<mode>.jsonl: one line per token")
     p.add_argument("--reuse-workers", action="store_true",

@@ -126,7 +126,8 @@ def level_order(kinds: list[str], rnd: int, level_index: int) -> list[str]:
 
 async def run_level(url: str, model: str, concurrency: int, requests: int, max_tokens: int,
                     ignore_eos: bool, stagger_s: float = 0.0, tag: str = "level",
-                    headers: dict[str, str] | None = None) -> tuple[list[RequestResult], float]:
+                    headers: dict[str, str] | None = None,
+                    extra_body: dict[str, Any] | None = None) -> tuple[list[RequestResult], float]:
     """N closed-loop clients, each sending ``requests`` requests; returns results and wall time.
 
     With ``stagger_s`` > 0 client i starts i * stagger_s / N seconds late, so arrivals are spread
@@ -146,6 +147,7 @@ async def run_level(url: str, model: str, concurrency: int, requests: int, max_t
                         "max_tokens": max_tokens, "temperature": 0.0}
                 if ignore_eos:
                     body["ignore_eos"] = True
+                body.update(extra_body or {})  # --extra-body: e.g. penalties and logit_bias
                 out.append(await one_request(client, url, body))
             return out
 
@@ -232,12 +234,12 @@ def _free_port() -> int:
 
 
 # mlxcel-sync / mlxcel-async: mlxcel with MLXCEL_ASYNC_SCHED=0 / 1 (the synchronous scheduler / asynchronous
-# scheduling wherever it applies, a CPU included); mlxcel-stable: MLXCEL_STABLE_JOIN=1 (the shape-stable join
-# of docs/engine.md); mlxcel-lone-tails: MLXCEL_BATCH_TAILS=0 (every prompt's last token a prompt step of its own,
+# scheduling wherever it applies, a CPU included); mlxcel-lone-tails: MLXCEL_BATCH_TAILS=0 (every prompt's last token a prompt step of its own,
 # as before batched tails); mlxcel: its defaults (asynchronous on a GPU with batched tails, the plain join)
-KINDS = ("mlxcel", "mlxcel-sync", "mlxcel-async", "mlxcel-stable", "mlxcel-lone-tails", "mlx_lm")
+# (mlxcel-stable, MLXCEL_STABLE_JOIN=1, went with the switch: issue 41)
+KINDS = ("mlxcel", "mlxcel-sync", "mlxcel-async", "mlxcel-lone-tails", "mlx_lm")
 _SWITCHES = {"mlxcel-sync": ("MLXCEL_ASYNC_SCHED", "0"), "mlxcel-async": ("MLXCEL_ASYNC_SCHED", "1"),
-             "mlxcel-stable": ("MLXCEL_STABLE_JOIN", "1"), "mlxcel-lone-tails": ("MLXCEL_BATCH_TAILS", "0")}
+             "mlxcel-lone-tails": ("MLXCEL_BATCH_TAILS", "0")}
 
 
 def launch_env(kind: str, step_trace: str | None = None) -> dict[str, str]:
@@ -331,13 +333,15 @@ def bench_level(label: str, url: str, model: str, n: int, args: argparse.Namespa
     sampler = GpuUtil.start() if args.gpu_util else None
     try:
         results, wall = asyncio.run(run_level(url, model, n, args.requests, args.max_tokens, args.ignore_eos, stagger,
-                                              tag, headers=args.headers))
+                                              tag, headers=args.headers, extra_body=args.extra_body))
     finally:
         util = sampler.stop() if sampler is not None else None
     row = summarize(label, url, n, results, wall, args.max_tokens)
     if util is not None:
         row.update(util)
     row.update(arrival=args.arrival, prompt_tag=tag, prompts_sha256=prompts_sha256(tag, n, args.requests))
+    if args.extra_body:
+        row["extra_body"] = args.extra_body
     return row
 
 
@@ -409,13 +413,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=64, help="max_tokens per request (default 64)")
     p.add_argument("--ignore-eos", action="store_true",
                    help="send ignore_eos (mlxcel/vLLM extension) for fixed output lengths")
+    p.add_argument("--extra-body", type=json.loads, default=None,
+                   help='JSON object merged into every request, e.g. \'{"presence_penalty": 0.5, "logit_bias": {"9": 2}}\'')
     p.add_argument("--arrival", choices=["herd", "staggered"], default="herd",
                    help="herd: all clients start together; staggered: client starts spread over one "
                         "single-stream request time (steady-state arrivals)")
     p.add_argument("--model-name", default=None, help="model id to request (default: from /v1/models)")
     p.add_argument("--launch", default=None,
                    help="start these servers in turn (comma): mlxcel, mlxcel-sync / mlxcel-async "
-                        "(MLXCEL_ASYNC_SCHED=0 / 1), mlxcel-stable (MLXCEL_STABLE_JOIN=1), mlxcel-lone-tails "
+                        "(MLXCEL_ASYNC_SCHED=0 / 1), mlxcel-lone-tails "
                         "(MLXCEL_BATCH_TAILS=0), mlxcel-cacheN (--mlx-cache-mb N), mlx_lm")
     p.add_argument("--model-dir", default="models/smollm2-135m-instruct", help="checkpoint for --launch")
     p.add_argument("--parallel", type=int, default=8, help="concurrent sequences of launched servers (default 8)")

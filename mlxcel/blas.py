@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mlxcel import blas_shim, config
+from mlxcel import blas_shim, config, envs
 from mlxcel.threads import available_cores, blas_environment, env_budget
 
 PYPI_PACKAGE = "scipy-openblas32"
@@ -73,10 +73,10 @@ def preload_openblas() -> str:
     """
     if "openblas" in _loaded or not sys.platform.startswith("linux"):
         return _state["blas"]
-    if os.environ.get("MLXCEL_BLAS", "").lower() == "reference" or "mlx.core" in sys.modules:
+    if (envs.get("MLXCEL_BLAS") or "").lower() == "reference" or "mlx.core" in sys.modules:
         return _state["blas"]
     _prepare_environment()
-    directory = os.environ.get("MLXCEL_BLAS_DIR")
+    directory = envs.get("MLXCEL_BLAS_DIR")
     try:
         found = _load_directory(Path(directory)) if directory else _load_pypi()
     except (ImportError, OSError, ValueError) as exc:
@@ -170,7 +170,7 @@ def set_blas_threads(count: int) -> int:
     return blas_threads()
 
 
-def apply_thread_budget(flag: int | None, environ: Mapping[str, str] = os.environ) -> int:
+def apply_thread_budget(flag: int | None, environ: Mapping[str, str] | None = None) -> int:
     """The ``--threads`` flag, else ``MLXCEL_THREADS``, else what the BLAS chose; returns the threads in effect.
 
     Raises ValueError for an invalid ``MLXCEL_THREADS``.

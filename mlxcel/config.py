@@ -1,13 +1,12 @@
 """Flags' defaults and bounds: one source of truth for the CLI, the server, the cluster TOML and the docs.
 
-Plain constants, argparse ``type=`` helpers and the readers of environment switches and numbers only; nothing
+Plain constants and argparse ``type=`` helpers only (environment variables are read in mlxcel/envs.py); nothing
 here imports MLX or any other mlxcel module, so every layer can import it.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 from typing import Callable
 
 # Checkpoints
@@ -176,14 +175,6 @@ RANDOM_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "phi3", "g
 ENV_KEY_FILE = "MLXCEL_API_KEY_FILE"
 ENV_KEY = "MLXCEL_API_KEY"
 THREADS_ENV = "MLXCEL_THREADS"  # the budget before the flags are read (applied when OpenBLAS loads)
-#: prompt tails batched into decode steps (1/0; unset: where scheduling is asynchronous; mlxcel/engine/scheduler.py)
-BATCH_TAILS_ENV = "MLXCEL_BATCH_TAILS"
-#: asynchronous scheduling (1/0; unset: on a GPU): the server's scheduler plans step N+1 while step N runs
-#: (mlxcel/engine/executor.py)
-ASYNC_ENV = "MLXCEL_ASYNC_SCHED"
-#: a pipeline stage builds its next queued step while the device runs the current one (1/0; unset: off;
-#: mlxcel/pipeline/stage.py, docs/pipeline.md §3.13)
-STAGE_OVERLAP_ENV = "MLXCEL_STAGE_OVERLAP"
 MAX_THREADS = 256  # bound on a thread budget
 # An idle OpenBLAS worker spins (sched_yield) for 2**N TSC cycles before it sleeps. OpenBLAS's own
 # N = 28 (~0.1 s at 2.6 GHz) outlasts a pipeline stage's wait for its peers, so a waiting stage spun
@@ -219,31 +210,3 @@ TP_MAX_HOSTS = 1024  # hosts in a --tp-hostfile
 TP_MAX_ROWS = 4096  # bound on rows (and ranks) in a control message
 TP_MAX_STEP_TOKENS = 1 << 20  # token ids in one step message
 TP_MAX_CONTROL_TEXT = 1024  # UTF-8 bytes of a control message's text field (rid, identity, reason)
-
-
-def env_switch(name: str) -> bool | None:
-    """A 1/0 environment switch (also true/false, yes/no, on/off, any case): None when unset or empty;
-    ValueError naming the variable for anything else."""
-    value = os.environ.get(name, "").strip().lower()
-    if not value:
-        return None
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{name} must be 1 or 0, got {value!r}")
-
-
-def env_number(name: str, kind: Callable[[str], float], low: float, high: float, what: str) -> float | None:
-    """A number from the environment (``kind`` parses it: int or float) within ``[low, high]``: None when unset
-    or empty; ValueError naming the variable for anything else."""
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return None
-    try:
-        value = kind(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be {what}, not {raw!r}") from None
-    if not low <= value <= high:
-        raise ValueError(f"{name} must be from {low:g} to {high:g}, not {raw}")
-    return value

@@ -29,17 +29,14 @@ nodes set (``TRANSPORT_SWITCH_INTERVAL_MS``, ``MLXCEL_SWITCH_INTERVAL_MS`` overr
 
 from __future__ import annotations
 
-import argparse
 import os
 from collections.abc import Mapping
 
-from mlxcel import config
+from mlxcel import config, envs
 
 TIMEOUT_ENVS = ("OPENBLAS_THREAD_TIMEOUT", "GOTO_THREAD_TIMEOUT")
 #: the GIL switch interval (ms) of a process whose transport threads move bulk data beside a step thread
 TRANSPORT_SWITCH_INTERVAL_MS = 0.5
-SWITCH_ENV = "MLXCEL_SWITCH_INTERVAL_MS"
-MAX_SWITCH_INTERVAL_MS = 100.0
 
 
 def available_cores() -> int:
@@ -50,18 +47,13 @@ def available_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def env_budget(environ: Mapping[str, str] = os.environ) -> int | None:
-    """``MLXCEL_THREADS`` as a budget; None when unset or empty. Raises ValueError naming the variable."""
-    text = environ.get(config.THREADS_ENV, "").strip()
-    if not text:
-        return None
-    try:
-        return config.thread_count(text)
-    except argparse.ArgumentTypeError as exc:
-        raise ValueError(f"{config.THREADS_ENV}: {exc}") from None
+def env_budget(environ: Mapping[str, str] | None = None) -> int | None:
+    """``MLXCEL_THREADS`` as a budget (of ``environ``, else the settings); None when unset or empty. Raises
+    ``envs.EnvError`` (a ValueError) naming the variable."""
+    return envs.settings().threads if environ is None else envs.get("MLXCEL_THREADS", environ)
 
 
-def blas_environment(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+def blas_environment(environ: Mapping[str, str]) -> dict[str, str]:
     """The variables to set before OpenBLAS loads: the short idle timeout and ``MLXCEL_THREADS``'s budget.
 
     An invalid ``MLXCEL_THREADS`` is left out here; the server refuses it with ``env_budget``'s message.
@@ -81,5 +73,5 @@ def blas_environment(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
 def transport_switch_interval() -> float:
     """The switch interval in seconds for ``sys.setswitchinterval``: ``MLXCEL_SWITCH_INTERVAL_MS`` if set
     (0.01-100 ms; ValueError naming it otherwise), else ``TRANSPORT_SWITCH_INTERVAL_MS``."""
-    ms = config.env_number(SWITCH_ENV, float, 0.01, MAX_SWITCH_INTERVAL_MS, "a number of milliseconds")
+    ms = envs.settings().switch_interval_ms
     return (TRANSPORT_SWITCH_INTERVAL_MS if ms is None else ms) / 1000

@@ -15,6 +15,23 @@ pytest_plugins = ["tests.proc_marker"]
 DEFAULT_MODEL = Path(os.environ.get("MLXCEL_DEFAULT_MODEL", REPO / "models" / "smollm2-135m-instruct"))
 
 
+@pytest.fixture(autouse=True)
+def fresh_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test starts from the environment as it is (mlxcel/envs.py caches it), and a ``monkeypatch.setenv`` or
+    ``delenv`` inside a test drops the cache, as a fresh process would read the changed environment."""
+    from mlxcel import envs
+
+    envs.reload()
+    for name in ("setenv", "delenv"):
+        original = getattr(monkeypatch, name)
+
+        def changed(*args, _original=original, **kwargs) -> None:
+            _original(*args, **kwargs)
+            envs.reload()
+
+        setattr(monkeypatch, name, changed)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from mlxcel.models.random_checkpoint import make_random_checkpoint

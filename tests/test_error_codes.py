@@ -135,7 +135,7 @@ UNCODED = {
     "mlxcel.engine.sampling.SamplingError": "HTTP 400 by class (server/errors.py); wrapped by every codec",
     "mlxcel.engine.prompts.PromptError": "HTTP 400 by class (server/errors.py)",
     "mlxcel.models.errors.ModelError": "an operator line: the checkpoint cannot load",
-    "mlxcel.engine.scheduler.IllegalTransition": "a bug in the scheduler (a transition its table forbids), never an answer",
+    "mlxcel.engine.requests.IllegalTransition": "a bug in the scheduler (a transition its table forbids), never an answer",
     "mlxcel.topology.partition.PartitionError": "an operator line: --pp-layers / --memory",
     "mlxcel.topology.cluster_config.ClusterConfigError": "an operator line: the cluster TOML",
     "mlxcel.bringup.beacon.BeaconRejected": "a beacon is dropped, never answered",

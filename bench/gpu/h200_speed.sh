@@ -8,10 +8,11 @@
 # .gpu/src/bench/gpu/h200_speed.sh.) GPU_DIR (default /tmp/gpu) is where stash.sh put the wheels.
 # SUITES (run in order, each skipped once less than its budget is left of DEADLINE_S, default 560 s):
 #   q06-bf16 q06-q4   Qwen3-0.6B shape, 5 ABBA runs x (single, in-process 2, remote 2 protected), 128 tokens,
-#                     for every lever set in LEVERS (default "compile1 compile0": MLXCEL_COMPILE_STEP=1 / 0;
-#                     overlap1: the stages with MLXCEL_STAGE_OVERLAP=1, so they build ahead; mps / mps-overlap1:
-#                     compile0 / overlap1 with every process of the batch a client of one CUDA MPS server, so
-#                     processes sharing the one GPU share one context instead of taking turns)
+#                     for every lever set in LEVERS (default "compile0": the default build; mps: the same with
+#                     every process of the batch a client of one CUDA MPS server, so processes sharing the one
+#                     GPU share one context instead of taking turns). The levers compile1 (MLXCEL_COMPILE_STEP=1),
+#                     overlap1 and mps-overlap1 (MLXCEL_STAGE_OVERLAP=1) were removed with their switches
+#                     (issue 41; docs/benchmarks.md keeps their rows): naming one stops with "removed"
 #   q8b-q4            Qwen3-8B shape 4-bit (36 layers, hidden 4096, 32/8 heads, intermediate 12288)
 #   moe30b-q4         Qwen3-30B-A3B shape 4-bit (48 layers, hidden 2048, 128 experts, 8 active, width 768) + moe_probe
 #   ds-q4             deepseek_v3 classes at DeepSeek-V2-Lite's scale (27 layers, hidden 2048, 64 experts, 6 active,
@@ -24,7 +25,7 @@
 #                     stages and the coordinator in one process), AES-256-GCM on every frame against attribution-only
 #                     unsealed frames, RUNS (5) ABBA rounds of TOKENS tokens on q06-bf16 / q06-q4 (bench/protection_bench.py;
 #                     rows in protection/pipeline_protection.jsonl); protection-tiny: a smoke test on the tiny shape
-#   probe-bf16        bench/gpu/step_probe.py on the 0.6B bf16 shape: graph build vs step, plain / masked / compiled
+#   probe-bf16        removed with the compiled step (issue 41): bench/gpu/step_probe.py measured it
 #   serve             issue 24 item 2: the single-node server (mlxcel serve, asynchronous scheduling) and
 #                     mlx_lm.server, as users start them (SERVE_KINDS, default mlxcel,mlx_lm; add mlxcel-sync,
 #                     MLXCEL_ASYNC_SCHED=0, only on its own: three servers on one GPU ran out of memory), on q06-q4 then
@@ -61,7 +62,7 @@ T0=$(date +%s)
 DEADLINE_S=${DEADLINE_S:-560}
 RUNS=${RUNS:-5}
 TOKENS=${TOKENS:-128}
-LEVERS=${LEVERS:-compile1 compile0}
+LEVERS=${LEVERS:-compile0}
 RES=/tmp/results
 mkdir -p "$RES"
 left() { echo $(( DEADLINE_S - ($(date +%s) - T0) )); }
@@ -116,17 +117,16 @@ make_model() {  # name -> /tmp/models/name (built here, on the GPU)
 }
 
 bench() {  # model lever
-  local model=$1 lever=$2 compile stage_env=() mps=0
+  local model=$1 lever=$2 stage_env=() mps=0
   case $lever in mps*) mps=1; lever=${lever#mps}; lever=${lever#-}; lever=${lever:-compile0} ;; esac
   case $lever in
-    compile1) compile=1 ;;
-    compile0) compile=0 ;;  # the default build (stages do not build ahead)
-    overlap1) compile=0; stage_env=(--stage-env MLXCEL_STAGE_OVERLAP=1) ;;  # stages that build ahead (§3.13)
+    compile0) ;;  # the default build
+    compile1|overlap1) echo "lever $lever removed (issue 41: MLXCEL_COMPILE_STEP, MLXCEL_STAGE_OVERLAP)"; return 2 ;;
     *) echo "unknown lever $lever"; return 2 ;;
   esac
   [ $mps = 1 ] && { mps_start || return 0; lever=mps-$lever; }
   echo "== $model $lever ($(left) s left)"
-  MLXCEL_COMPILE_STEP=$compile python3 -m bench.pipeline_bench -m "/tmp/models/$model" --runs "$RUNS" --tokens "$TOKENS" \
+  python3 -m bench.pipeline_bench -m "/tmp/models/$model" --runs "$RUNS" --tokens "$TOKENS" \
     --modes "${MODES:-single,inproc_pp,remote_pp}" --streams "${STREAMS:-}" --trace --reuse-workers "${stage_env[@]}" \
     ${STAGE_DEVICES:+--stage-devices "$STAGE_DEVICES"} \
     --label "${LABEL:-h200}-$model-$lever" --out "$RES/$model-$lever" 2>&1 | grep -v "^WARNING"
@@ -299,8 +299,7 @@ main() {
         m=${s#protection-}; [ "$m" = tiny ] || m=q06-$m
         make_model "$m" && python3 -m bench.pipeline_bench protection -m "/tmp/models/$m" --runs "$RUNS" \
           --tokens "$TOKENS" --label "${LABEL:-h200}-$m" --out "$RES/protection" ;;
-      probe-bf16) make_model q06-bf16 && python3 -m bench.gpu.step_probe -m /tmp/models/q06-bf16 --steps 64 \
-                    --label h200-q06-bf16 --out "$RES/step_probe.jsonl" ;;
+      probe-bf16) echo "suite probe-bf16 removed (issue 41: bench/gpu/step_probe.py went with the compiled step)" ;;
       q06-bf16) suite q06-bf16 150 ;;
       q06-q4) suite q06-q4 300 ;;
       q8b-q4) suite q8b-q4 240 ;;

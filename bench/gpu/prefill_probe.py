@@ -11,9 +11,9 @@ first time its shape is seen (kernels built per shape):
 - ``after_leave`` / ``after_join``: then, in turn, one row leaves the batch (``batch_rows.filter_rows``)
   or a fresh row joins it (``merge`` + ``extend``, as the runner does), each followed by three decode steps:
   what a change of the batch costs the step that carries it, against the steady ``decode`` steps
-  (``PROBE_JOINS`` rounds, default 4; ``PROBE_JOIN_SAME=1``: every joining row of the same length;
-  joins as the runner makes them, ``batch_rows.append_rows``, or ``PROBE_JOIN_MLX_LM=1``: mlx-lm's merge
-  and extend).
+  (``PROBE_JOINS`` rounds, default 4; ``PROBE_JOIN_SAME=1``: every joining row of the same length). The
+  shape-stable join (``batch_rows.append_rows``) this probe also measured was removed with
+  ``MLXCEL_STABLE_JOIN`` (issue 41); ``PROBE_JOIN_MLX_LM`` is no longer read.
 
 Per call: ``queue_ms`` (building the graph and ``mx.async_eval``, the scheduler thread's share) and
 ``total_ms`` (to the end of the evaluation). Rows: --out (JSONL with the environment).
@@ -71,7 +71,7 @@ def decode_rows(model: Any, rows_n: int, context: int, steps: int, label: str) -
         model(mx.array([[3] * n], dtype=mx.uint32), cache=cache)
         mx.eval([c.state for c in cache])
         singles.append(cache)
-    from mlxcel.engine.batch_rows import append_rows, extended_pads, filter_rows, merged_pads
+    from mlxcel.engine.batch_rows import extended_pads, filter_rows, merged_pads
 
     layers = range(len(singles[0]))
     batched = [KVCache.merge([s[layer] for s in singles]) for layer in layers]
@@ -95,14 +95,10 @@ def decode_rows(model: Any, rows_n: int, context: int, steps: int, label: str) -
             step("after_leave", 3 * k + j)
         fresh = make_prompt_cache(model)
         model(mx.array([[4] * (context // 2 + (0 if same else k))], dtype=mx.uint32), cache=fresh)
-        if os.environ.get("PROBE_JOIN_MLX_LM") == "1":  # mlx-lm's merge and extend, as the runner did before
-            joining = [KVCache.merge([c]) for c in fresh]
-            pads = [extended_pads(c, p, m, merged_pads([f])) for c, p, m, f in zip(batched, pads, joining, fresh)]
-            for c, m in zip(batched, joining):
-                c.extend(m)
-        else:  # the runner's join (batch_rows.append_rows)
-            joined = [append_rows(c, p, [f]) for c, p, f in zip(batched, pads, fresh)]
-            batched, pads = [c for c, _ in joined], [p for _, p in joined]
+        joining = [KVCache.merge([c]) for c in fresh]  # mlx-lm's merge and extend, as the runner joins
+        pads = [extended_pads(c, p, m, merged_pads([f])) for c, p, m, f in zip(batched, pads, joining, fresh)]
+        for c, m in zip(batched, joining):
+            c.extend(m)
         for j in range(3):
             step("after_join", 3 * k + j)
     return out

@@ -26,7 +26,7 @@ from typing import Any, Callable, Sequence
 
 from cryptography.exceptions import InvalidTag
 
-from mlxcel.config import env_number
+from mlxcel import envs
 
 from .frames import Buffer, FrameOpener, FrameSealer
 from .wire import DEFAULT_CRYPTO_PIPELINE_MIN_LEN, FRAME_HEADER_LEN, NONCE_BYTES
@@ -39,12 +39,8 @@ DEFER_MIN_LEN = 32 * 1024
 #: reader and the sender already keep two cores busy (docs/protocol.md §9)
 AUTO_MIN_CORES = 4
 AUTO_WORKERS = 2
-#: MLXCEL_CRYPTO_WORKERS, when set, replaces the automatic choice (``crypto_workers=None``)
-WORKERS_ENV = "MLXCEL_CRYPTO_WORKERS"
-MAX_WORKERS = 64
-#: MLXCEL_CRYPTO_PIPELINE_MIN_LEN, when set, replaces DEFAULT_CRYPTO_PIPELINE_MIN_LEN (``crypto_pipeline_min_len=None``)
-PIPELINE_MIN_LEN_ENV = "MLXCEL_CRYPTO_PIPELINE_MIN_LEN"
-MAX_PIPELINE_MIN_LEN = 1 << 40
+# MLXCEL_CRYPTO_WORKERS and MLXCEL_CRYPTO_PIPELINE_MIN_LEN (mlxcel/envs.py), when set, replace the automatic
+# choice (``crypto_workers=None``) and DEFAULT_CRYPTO_PIPELINE_MIN_LEN (``crypto_pipeline_min_len=None``)
 
 SendParts = Callable[[tuple[tuple[Buffer, ...], int]], None]
 
@@ -60,7 +56,7 @@ def usable_cores() -> int:
 def auto_workers(cores: int | None = None) -> int:
     """Helpers per transport when ``crypto_workers`` is None: ``MLXCEL_CRYPTO_WORKERS`` if set (0 to 64; anything
     else is a ValueError naming it), else 2 on 4+ cores, else 0."""
-    value = env_number(WORKERS_ENV, int, 0, MAX_WORKERS, "a whole number") if cores is None else None
+    value = envs.settings().crypto_workers if cores is None else None
     if value is not None:
         return int(value)
     return AUTO_WORKERS if (usable_cores() if cores is None else cores) >= AUTO_MIN_CORES else 0
@@ -69,7 +65,7 @@ def auto_workers(cores: int | None = None) -> int:
 def auto_pipeline_min_len() -> int:
     """The smallest message the helpers take when ``crypto_pipeline_min_len`` is None: ``MLXCEL_CRYPTO_PIPELINE_MIN_LEN``
     if set (bytes, 0 to 2^40; anything else is a ValueError naming it), else 4 MiB."""
-    value = env_number(PIPELINE_MIN_LEN_ENV, int, 0, MAX_PIPELINE_MIN_LEN, "a whole number")
+    value = envs.settings().crypto_pipeline_min_len
     return DEFAULT_CRYPTO_PIPELINE_MIN_LEN if value is None else int(value)
 
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, NoReturn
 
+from mlxcel import envs
 from mlxcel.private_file import read_private_file
 
 from .errors import SecretError
@@ -121,9 +122,9 @@ def secret_file_of(cluster: Mapping[str, object], toml_path: Path) -> Path | Non
     return path if path.is_absolute() else toml_path.parent / path
 
 
-def _choose(cli_file: str | os.PathLike[str] | None, env: Mapping[str, str],
+def _choose(cli_file: str | os.PathLike[str] | None, env: envs.Settings,
             toml_secret_file: str | os.PathLike[str] | None) -> _Source | None:
-    env_file, env_value = env.get(ENV_SECRET_FILE), env.get(ENV_SECRET)
+    env_file, env_value = env.cluster_secret_file, env.cluster_secret
     if env_file is not None and env_value is not None:
         raise SecretError(f"both {ENV_SECRET_FILE} and {ENV_SECRET} are set; set only one of them")
     if cli_file is not None:
@@ -153,7 +154,7 @@ def load_secret(
     Returns None when nothing is configured and ``required`` is false; raises
     ``SecretError`` (naming every source) when it is true.
     """
-    source = _choose(cli_file, os.environ if env is None else env, toml_secret_file)
+    source = _choose(cli_file, envs.settings() if env is None else envs.read(env), toml_secret_file)
     if source is None:
         if required:
             raise SecretError(MISSING_MESSAGE)

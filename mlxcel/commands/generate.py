@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mlxcel import envs
 from mlxcel.config import (DEFAULT_MAX_TOKENS, DEFAULT_MODEL_DIR, DEFAULT_PP_MICRO_BATCH_SIZE, DEFAULT_PP_SIZE,
                            MAX_PP_MICRO_BATCH_SIZE, check_micro_batch_size, positive_int)
 from mlxcel.errors import CLIError
@@ -100,7 +101,8 @@ def run(args: argparse.Namespace) -> int:
     """Check the flags once (native Windows first, before the model is resolved), then generate."""
     from mlxcel.commands.windows import GENERATE_FLAGS, check_native_windows
 
-    check_native_windows(vars(args), GENERATE_FLAGS)
+    check_native_windows(vars(args), GENERATE_FLAGS)  # before anything else, the model included
+    envs.check()  # every MLXCEL_* variable, refused by name before any load
     tp = TPFlags.from_cli_args(vars(args))
     tp.check(pp_size=args.pp_size)
     check_pipeline_flags(args)

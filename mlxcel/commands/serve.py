@@ -17,13 +17,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mlxcel.config import (
-    ASYNC_ENV,
-    BATCH_TAILS_ENV,
-    DEFAULT_MLX_CACHE_MB,
-    STAGE_OVERLAP_ENV,
-    env_switch,
-)
+from mlxcel import envs
+from mlxcel.config import DEFAULT_MLX_CACHE_MB
 from mlxcel.roles.flags import ServeFlags
 from mlxcel.errors import CLIError
 from mlxcel.roles.context import RoleContext, ServeConfig
@@ -64,22 +59,12 @@ def check_cluster_flags(args: argparse.Namespace | ServeFlags) -> ServeFlags:
 def check_flags(args: argparse.Namespace | ServeFlags) -> ServeFlags:
     """Flag combinations of every feature and the environment (nothing is read or bound yet), once per start;
     returns the flags, checked, with ``--peers`` resolved."""
-    from mlxcel.cluster.aead_pipeline import auto_pipeline_min_len, auto_workers
     from mlxcel.commands.windows import SERVER_FLAGS, check_native_windows
 
     flags = as_flags(args)
     check_native_windows(flags.values(), SERVER_FLAGS)  # first: native Windows runs no distributed mode
     flags = flags.check()
-    # MLXCEL_CRYPTO_WORKERS and MLXCEL_CRYPTO_PIPELINE_MIN_LEN, read when a transport starts, and the switches
-    # read when the scheduler or a stage starts: refused here, before any load (without importing the scheduler:
-    # a router or pp-peer never needs it)
-    try:
-        auto_workers()
-        auto_pipeline_min_len()
-        for switch in (BATCH_TAILS_ENV, ASYNC_ENV, STAGE_OVERLAP_ENV):
-            env_switch(switch)
-    except ValueError as exc:
-        raise CLIError(str(exc)) from None
+    envs.check()  # every MLXCEL_* variable, refused by name before any load
     return flags
 
 

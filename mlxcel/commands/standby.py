@@ -16,6 +16,7 @@ import importlib
 import os
 import sys
 
+from mlxcel import envs
 from mlxcel.config import ENV_NODE_STANDBY_FDS
 
 GO = b"g"
@@ -30,7 +31,7 @@ WARM_MODULES = ("mlx.core", "mlx_lm.utils", "mlx_lm.models.cache", "transformers
 
 def wait_if_standby() -> None:
     """As a standby: import what a start needs, say so, and wait for the go (exit 0 without one)."""
-    fds = os.environ.pop(ENV_NODE_STANDBY_FDS, None)
+    fds = envs.take(ENV_NODE_STANDBY_FDS)
     if fds is None:
         return
     go_fd, warm_fd = (int(fd) for fd in fds.split(","))

@@ -11,10 +11,10 @@ it is operator configuration, not a wire-supplied address.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import Mapping
 
+from mlxcel import envs
 from mlxcel.cluster.identity import PeerId
 from mlxcel.disagg.wire import ALLOWLIST_ENV
 
@@ -51,7 +51,7 @@ class Allowlist:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Allowlist":
         """Read ``MLXCEL_DECODE_ALLOWLIST`` and log what it means (warnings for skipped entries and permissive)."""
-        text = (os.environ if env is None else env).get(ALLOWLIST_ENV)
+        text = (envs.settings() if env is None else envs.read(env)).decode_allowlist
         allow = cls.parse(text)
         for item in allow.skipped:
             log.warning("%s: skipping %r: entries must be numeric IP:port addresses (a hostname never matches a "

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from mlxcel import envs
 from mlxcel.cluster.identity import PeerId
 from mlxcel.cluster.secret import ClusterSecret
 from mlxcel.cluster.messages import Message, decode_error
@@ -32,7 +32,7 @@ from mlxcel.disagg.kv_cache import handoff_allocator, import_cache, probe_layout
 from mlxcel.disagg.kv_codec import Handoff, HandoffDecoder, HandoffError
 from mlxcel.disagg.loop import LoopThread
 from mlxcel.disagg.service import RoleService
-from mlxcel.disagg.wire import CANCEL_MEMORY_S, PROGRESS_INTERVAL_S, STEP_DELAY_ENV, MsgType
+from mlxcel.disagg.wire import CANCEL_MEMORY_S, PROGRESS_INTERVAL_S, MsgType
 from mlxcel.engine.executor import KVImport, LocalExecutor
 from mlxcel.engine.interface import EngineError, EngineRequest, TokenEvent
 from mlxcel.engine.runner import Sampled
@@ -53,11 +53,13 @@ class Incoming:
     meta: m.HandoffMeta | None = None
     refused: bool = False
 
-    def reply_to(self) -> tuple[str, PeerId] | None:
-        """(nonce, router) of its request document once that is readable, else None."""
+    def reply_to(self, decoder: HandoffDecoder | None = None) -> tuple[str, PeerId] | None:
+        """(nonce, router) of its request document once that is readable (from ``meta``, else from ``decoder``
+        or the current one: a CANCEL may drop it on another thread), else None."""
         if self.meta is not None:
             return self.meta.nonce, self.meta.router
-        return m.reply_to(self.decoder.meta) if self.decoder is not None else None
+        decoder = decoder or self.decoder
+        return m.reply_to(decoder.meta) if decoder is not None else None
 
 
 class DecodeService(RoleService):
@@ -77,10 +79,10 @@ class DecodeService(RoleService):
         self.vocab_size = model_vocab_size(model)  # every token id of a handoff is below it
         self.capacity = parallel + max_queue
         self.per_sender = max(1, self.capacity // 2)  # handoffs one sender IP may have arriving at once
-        # MLXCEL_DISAGG_STEP_DELAY_S (a test and rehearsal aid) keeps a request in flight long enough
+        # MLXCEL_TEST_DECODE_STEP_DELAY_S (test only) keeps a request in flight long enough
         # to kill a node or drop a client under it
         self.executor = LocalExecutor(model, max_batch_size=max_batch_size, importer=import_cache,
-                                      step_delay_s=float(os.environ.get(STEP_DELAY_ENV, "0") or 0))
+                                      step_delay_s=envs.settings().test_decode_step_delay_s)
         self.scheduler = Scheduler(self.executor, tokenizer, context_length=context_length, parallel=parallel,
                                    max_queue=max_queue, warmup=warmup)
         self.loop = LoopThread("mlxcel-decode-loop")
@@ -135,26 +137,28 @@ class DecodeService(RoleService):
                                                                    self.allocate), msg.peer)
             inc.last = time.monotonic()
         self._forget(stale)
-        if inc.refused or inc.decoder is None:
+        decoder = inc.decoder  # this thread's reference: a CANCEL (another connection's thread) may drop inc's
+        if inc.refused or decoder is None:
             return
         try:
-            inc.decoder.feed(msg.payload)
+            decoder.feed(msg.payload)
         except HandoffError as exc:  # the router of a readable request document hears why
-            self._refuse(inc, exc.code, f"decode node refused the KV handoff from {msg.peer}: {exc}")
+            self._refuse(inc, exc.code, f"decode node refused the KV handoff from {msg.peer}: {exc}", decoder)
             return
         if inc.meta is None:
-            self._header(inc, msg.peer)
-        elif inc.decoder.state == "done":  # END checked every byte: decode now, not at STREAM_END
-            self._complete(inc, msg.peer)
-            inc.decoder, inc.refused = None, True  # the rest of the stream is ignored; its STREAM_END forgets it
+            self._header(inc, decoder, msg.peer)
+        elif decoder.state == "done":  # END checked every byte: decode now, not at STREAM_END
+            self._complete(inc, decoder, msg.peer)
+            with self.lock:
+                inc.decoder, inc.refused = None, True  # the rest of the stream is ignored; its STREAM_END forgets it
 
-    def _header(self, inc: Incoming, peer: PeerId) -> None:
-        if inc.decoder is None:  # forgotten while this part was read
+    def _header(self, inc: Incoming, decoder: HandoffDecoder, peer: PeerId) -> None:
+        if inc.refused:  # forgotten while this part was read
             return
         try:
-            inc.meta = m.HandoffMeta.parse(inc.decoder.meta, self.vocab_size)
+            inc.meta = m.HandoffMeta.parse(decoder.meta, self.vocab_size)
         except m.MessageRefused as exc:
-            self._refuse(inc, exc.code, f"decode node refused the KV handoff from {peer}: {exc}")
+            self._refuse(inc, exc.code, f"decode node refused the KV handoff from {peer}: {exc}", decoder)
             return
         nonce = inc.meta.nonce
         with self.lock:
@@ -173,32 +177,39 @@ class DecodeService(RoleService):
     def _end(self, key: tuple[PeerId, int], msg: Message) -> None:
         with self.lock:
             inc = self.incoming.pop(key, None)
-        if inc is None or inc.refused or inc.decoder is None:
+        decoder = inc.decoder if inc is not None else None
+        if inc is None or inc.refused or decoder is None:
             return
         if msg.status:
             code, text = decode_error(msg.payload)
             self.counters["aborted"] += 1
             log.info("decode: the handoff from %s was aborted (%s: %s)", msg.peer, code.wire_name, text)
             return
-        self._complete(inc, msg.peer)
+        self._complete(inc, decoder, msg.peer)
 
-    def _complete(self, inc: Incoming, peer: PeerId) -> None:
-        """A stream whose END part arrived goes to the scheduler (one that ended without it is refused)."""
-        if inc.refused or inc.decoder is None:
+    def _complete(self, inc: Incoming, decoder: HandoffDecoder, peer: PeerId) -> None:
+        """A stream whose END part arrived goes to the scheduler (one that ended without it is refused).
+        A CANCEL that came meanwhile wins: ``_decode`` checks it again under the lock before admitting."""
+        if inc.refused:
             return
         try:
-            handoff = inc.decoder.result()
+            handoff = decoder.result()
         except HandoffError as exc:
-            self._refuse(inc, exc.code, f"decode node refused the KV handoff from {peer}: {exc}")
+            self._refuse(inc, exc.code, f"decode node refused the KV handoff from {peer}: {exc}", decoder)
             return
         assert inc.meta is not None
         self.counters["handoffs"] += 1
         self.counters["handoff_bytes"] += handoff.nbytes
         self.loop.submit(self._decode(inc.meta, handoff))
 
-    def _refuse(self, inc: Incoming, code: ErrorCode, message: str, *, quiet: bool = False) -> None:
-        reply = inc.reply_to()
-        inc.refused, inc.decoder = True, None  # its buffers go now; later parts of the stream are ignored
+    def _refuse(self, inc: Incoming, code: ErrorCode, message: str, decoder: HandoffDecoder | None = None, *,
+                quiet: bool = False) -> None:
+        """Refuse a handoff once (its buffers go now, later parts are ignored); its router hears why unless quiet."""
+        with self.lock:
+            if inc.refused:  # refused already (a CANCEL and a bad part, or the purge, on two threads)
+                return
+            reply = inc.reply_to(decoder)
+            inc.refused, inc.decoder = True, None
         self.counters["refused"] += 1
         if quiet:
             return
@@ -230,13 +241,19 @@ class DecodeService(RoleService):
             if meta.nonce in self.cancelled or meta.nonce in self.running:
                 return
         try:
-            stream = self.scheduler.submit_prefilled(request, first, KVImport(handoff, meta.draws))
+            context = (*handoff.prompt, first.token)  # what the penalties look back over (engine/logits.py)
+            stream = self.scheduler.submit_prefilled(request, first, KVImport(handoff, meta.draws, context))
         except EngineError as exc:
             self.send(meta.router, m.Error(meta.nonce, exc.code, str(exc)))
             return
-        with self.lock:
-            self.running[meta.nonce] = (stream, asyncio.current_task())
-            self.last_sent[meta.nonce] = (meta.router, time.monotonic())
+        with self.lock:  # a CANCEL that came since the check above: it found nothing running, so it is ours to do
+            cancelled = meta.nonce in self.cancelled
+            if not cancelled:
+                self.running[meta.nonce] = (stream, asyncio.current_task())
+                self.last_sent[meta.nonce] = (meta.router, time.monotonic())
+        if cancelled:
+            stream.cancel()  # the scheduler frees the slot; no token of it is sent
+            return
         gone = lambda exc: self.loop.soon(self._stop, meta.nonce)  # noqa: E731 - the router is gone: stop
         try:
             async for ev in stream:

@@ -15,14 +15,13 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from mlxcel.cluster.identity import PeerId
-from mlxcel.config import DEFAULT_MAX_RESUMES, DEFAULT_RESUME_TIMEOUT_S, env_switch
+from mlxcel import envs
+from mlxcel.config import DEFAULT_MAX_QUEUE, DEFAULT_MAX_RESUMES, DEFAULT_RESUME_TIMEOUT_S
 from mlxcel.disagg.wire import (
-    COPY_ENV,
     DEFAULT_HANDOFF_TIMEOUT_S,
     DEFAULT_PROBE_INTERVAL_S,
     MIN_HANDOFF_TIMEOUT_S,
     PROGRESS_INTERVAL_S,
-    STAGING_ENV,
 )
 from mlxcel.errors import CLIError
 from mlxcel.flagset import FlagSet
@@ -54,6 +53,7 @@ class NodeConfig:
     node_id: str = ""
     max_resumes: int = DEFAULT_MAX_RESUMES  # router: resumes per request after a node failure (§6)
     resume_timeout_s: float = DEFAULT_RESUME_TIMEOUT_S  # router: one resume waits this long for a node of each role
+    hold_limit: int = DEFAULT_MAX_QUEUE  # router: new requests held at most at once while no node of a role is up
     switch_interval_s: float = TRANSPORT_SWITCH_INTERVAL_MS / 1000  # prefill, decode: the GIL's (mlxcel/threads.py)
     handoff_lanes: int = 1  # prefill: connections to one decode node handoffs spread over (MLXCEL_HANDOFF_LANES)
     intake_workers: int = 0  # decode: threads feeding handoff parts to their decoders (MLXCEL_HANDOFF_INTAKE_WORKERS)
@@ -159,34 +159,35 @@ class DisaggFlags(FlagSet):
 
 
 def node_config(flags: DisaggFlags, dist: Distributed | None, max_resumes: int | None = None,
-                resume_timeout: float | None = None) -> NodeConfig:
+                resume_timeout: float | None = None, max_queue: int | None = None) -> NodeConfig:
     """This node's configuration (its flags checked once already, ``DisaggFlags.check``) and, for a prefill or
-    decode node, the environment variables of its transport, checked here (before the model loads):
-    ``MLXCEL_SWITCH_INTERVAL_MS``, ``MLXCEL_HANDOFF_STAGING``, ``MLXCEL_HANDOFF_LANES`` (prefill),
-    ``MLXCEL_HANDOFF_INTAKE_WORKERS`` and ``MLXCEL_HANDOFF_COPY`` (decode). ``max_resumes``, ``resume_timeout``:
-    --max-resumes and --resume-timeout (None: the default, the TOML's resume_s)."""
-    cfg = _addresses(flags, dist, (max_resumes, resume_timeout))
+    decode node, the environment variables of its transport: ``MLXCEL_SWITCH_INTERVAL_MS``,
+    ``MLXCEL_HANDOFF_STAGING``, ``MLXCEL_HANDOFF_LANES`` (prefill), ``MLXCEL_HANDOFF_INTAKE_WORKERS`` and
+    ``MLXCEL_HANDOFF_COPY`` (decode). A bad value of any variable is a ``CLIError`` naming it (mlxcel/envs.py).
+    ``max_resumes``, ``resume_timeout``: --max-resumes and --resume-timeout (None: the default, the TOML's
+    resume_s); ``max_queue``: --max-queue, a router's hold limit (None: the default)."""
+    envs.check()
+    hold = DEFAULT_MAX_QUEUE if max_queue is None else max_queue
+    cfg = _addresses(flags, dist, (max_resumes, resume_timeout), hold)
     if cfg.role == "router":  # the variables are not the router's
         return cfg
-    try:
-        return replace(cfg, switch_interval_s=transport_switch_interval(), **_handoff_environment(cfg.role))
-    except ValueError as exc:
-        raise CLIError(str(exc)) from None
+    return replace(cfg, switch_interval_s=transport_switch_interval(), **_handoff_environment(cfg.role))
 
 
 def _handoff_environment(role: str) -> dict[str, Any]:
-    """The handoff settings a prefill or decode node reads from its environment (ValueError naming a bad one)."""
+    """The handoff settings of a prefill or decode node, from the parsed environment (mlxcel/envs.py)."""
     from mlxcel.disagg.intake import default_workers
     from mlxcel.disagg.lanes import default_lanes
 
-    staging = env_switch(STAGING_ENV)
+    staging = envs.settings().handoff_staging
     if role == "prefill":
         return {"handoff_lanes": default_lanes(), "handoff_staging": staging}
-    return {"intake_workers": default_workers(), "handoff_copy": env_switch(COPY_ENV) is True,
+    return {"intake_workers": default_workers(), "handoff_copy": envs.settings().handoff_copy is True,
             "handoff_staging": staging}
 
 
-def _addresses(flags: DisaggFlags, dist: Distributed | None, resume: tuple[int | None, float | None]) -> NodeConfig:
+def _addresses(flags: DisaggFlags, dist: Distributed | None, resume: tuple[int | None, float | None],
+               hold: int) -> NodeConfig:
     role = flags.role(dist)
     if role not in DISAGG_ROLES:
         raise CLIError(f"{role} is not a disaggregated role")
@@ -198,12 +199,13 @@ def _addresses(flags: DisaggFlags, dist: Distributed | None, resume: tuple[int |
         return NodeConfig(role, dist.node.address, peers["prefill"] if role == "router" else (),
                           peers["decode"] if role != "decode" else (), timeout,
                           probe or cluster.timeouts.heartbeat_s, dist.node.id, *_resume(resume, cluster.timeouts.resume_s),
-                          transport=cluster.transport)
+                          hold, transport=cluster.transport)
     assert flags.serving_bind is not None  # check refused a role without it
     bind = parse_address(flags.serving_bind, "--serving-bind")
     return NodeConfig(role, bind, parse_peers(flags.prefill_peers, "--prefill-peers"),
                       parse_peers(flags.decode_peers, "--decode-peers"), timeout,
-                      probe or DEFAULT_PROBE_INTERVAL_S, f"{role}@{bind}", *_resume(resume, DEFAULT_RESUME_TIMEOUT_S))
+                      probe or DEFAULT_PROBE_INTERVAL_S, f"{role}@{bind}", *_resume(resume, DEFAULT_RESUME_TIMEOUT_S),
+                      hold)
 
 
 def _resume(resume: tuple[int | None, float | None], toml_timeout_s: float) -> tuple[int, float]:

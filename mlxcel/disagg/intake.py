@@ -19,21 +19,18 @@ import threading
 from typing import Any, Callable, Hashable
 
 from mlxcel.cluster.aead_pipeline import usable_cores
-from mlxcel.config import env_number
+from mlxcel import envs
 
 log = logging.getLogger("mlxcel.disagg.intake")
 
 #: parts one worker holds queued before the reader that feeds it blocks
 DEPTH = 8
-#: MLXCEL_HANDOFF_INTAKE_WORKERS overrides the per-host default
-WORKERS_ENV = "MLXCEL_HANDOFF_INTAKE_WORKERS"
-MAX_WORKERS = 64
 
 
 def default_workers(cores: int | None = None) -> int:
     """0 below 4 usable cores, else a quarter of them, at most 4 (MLXCEL_HANDOFF_INTAKE_WORKERS overrides, 0..64;
-    anything else is a ValueError naming it)."""
-    value = env_number(WORKERS_ENV, int, 0, MAX_WORKERS, "a whole number")
+    anything else is refused by mlxcel/envs.py, naming it)."""
+    value = envs.settings().handoff_intake_workers
     if value is not None:
         return int(value)
     cores = usable_cores() if cores is None else cores

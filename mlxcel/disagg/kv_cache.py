@@ -38,10 +38,10 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
 )
 
-from mlxcel.config import env_switch
+from mlxcel import envs
 from mlxcel.disagg.kv_codec import NUMPY_DTYPES, Handoff, HandoffError, KVLayout, LayerSpec, TensorSpec, dtype_code
 from mlxcel.disagg.host_staging import HostBuffer, Staging
-from mlxcel.disagg.wire import COPY_ENV, CacheKind, DType
+from mlxcel.disagg.wire import CacheKind, DType
 
 #: the cache classes a handoff carries, by the record kind that describes them
 CLASSES: dict[CacheKind, type] = {CacheKind.KV: KVCache, CacheKind.ROTATING: RotatingKVCache,
@@ -236,7 +236,7 @@ def handoff_allocator(copy: bool | None = None) -> Any:
     buffers, copied into MLX by ``import_cache``); ``copy`` (None: MLXCEL_HANDOFF_COPY=1) takes the copying
     path anyway."""
     global _ALIASES
-    if env_switch(COPY_ENV) if copy is None else copy:
+    if envs.settings().handoff_copy if copy is None else copy:
         return None
     if _ALIASES is None:
         _ALIASES = _views_alias()

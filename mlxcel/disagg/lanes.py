@@ -15,16 +15,13 @@ import threading
 from typing import Iterator
 
 from mlxcel.cluster.aead_pipeline import usable_cores
-from mlxcel.config import env_number
+from mlxcel import envs
 
-#: MLXCEL_HANDOFF_LANES overrides the per-host default
-LANES_ENV = "MLXCEL_HANDOFF_LANES"
-MAX_LANES = 16
 
 
 def default_lanes(cores: int | None = None) -> int:
     """1 below 4 usable cores, else a quarter of them, at most 4 (MLXCEL_HANDOFF_LANES overrides, 1..16)."""
-    value = env_number(LANES_ENV, int, 1, MAX_LANES, "a whole number")
+    value = envs.settings().handoff_lanes
     if value is not None:
         return int(value)
     cores = usable_cores() if cores is None else cores

@@ -16,8 +16,8 @@ from mlxcel.config import MAX_TOKENS_LIMIT, MAX_TOP_LOGPROBS
 from mlxcel.disagg.wire import MAX_CONTROL_LEN, MAX_EVENTS_PER_MESSAGE, NONCE_HEX_LEN, MsgType
 from mlxcel.engine.interface import EngineRequest, FinishEvent, TokenEvent
 from mlxcel.engine import sampling_wire
-from mlxcel.engine.sampling import SamplingError, SamplingParams
-from mlxcel.engine.sampling_wire import Param, ParamsFormat, params_from_doc
+from mlxcel.engine.sampling import SamplingError, SamplingParams, check_logit_bias
+from mlxcel.engine.sampling_wire import PROCESSOR_PARAMS, Param, ParamsFormat, params_from_doc
 from mlxcel import strict_json as strict
 from mlxcel.error_codes import CodedError, ErrorCode
 from mlxcel.models.token_ids import TokenIdError, check_token_ids
@@ -120,8 +120,9 @@ PARAMS = ParamsFormat({
     "seed": Param(int, None, optional=True, bounds={"lo": -(2**63), "hi": 2**63 - 1}),
     "stop": Param(tuple, [], bounds={"max_chars": MAX_TEXT, "text": "params.stop must be a list of strings"}),
     "logprobs": Param(bool, False),
+    **PROCESSOR_PARAMS,
 }, unknown="params: unknown field(s) {names}",
-    order=("stop", "seed", "max_tokens", "temperature", "top_p", "top_k", "logprobs"))
+    order=("stop", "seed", "max_tokens", "temperature", "top_p", "top_k", "logprobs", *PROCESSOR_PARAMS))
 
 
 def params_doc(p: SamplingParams) -> dict[str, Any]:
@@ -129,10 +130,13 @@ def params_doc(p: SamplingParams) -> dict[str, Any]:
 
 
 @_refused
-def params_of(value: Any) -> SamplingParams:
-    """SamplingParams from their document, with the same bounds as the HTTP API."""
+def params_of(value: Any, vocab_size: int | None = None) -> SamplingParams:
+    """SamplingParams from their document, with the same bounds as the HTTP API; ``logit_bias`` ids below the
+    receiver's ``vocab_size`` (None: unchecked)."""
     try:
-        return params_from_doc(value, PARAMS)[0]
+        params = params_from_doc(value, PARAMS)[0]
+        check_logit_bias(params.logit_bias, vocab_size)
+        return params
     except SamplingError as exc:
         raise MessageRefused(f"params.{exc.param}: {exc}") from None
 
@@ -172,7 +176,7 @@ class Generate:
                 target = PeerId.parse(target)
             except ValueError:
                 raise MessageRefused(f"decode_target must be a numeric ip:port, got {target!r}") from None
-        return cls(nonce, prompt, params_of(doc.get("params")),
+        return cls(nonce, prompt, params_of(doc.get("params"), vocab_size),
                    _int(doc, "top_logprobs", 0, MAX_TOP_LOGPROBS, default=0), _bool(doc, "ignore_eos"), target,
                    _int(doc, "draws", 0, MAX_TOKENS_LIMIT, default=0))
 
@@ -332,7 +336,7 @@ class HandoffMeta:
             raise MessageRefused("router must be a numeric ip:port") from None
         first = event_of(doc.get("first"))
         in_vocab((first.token, *(t for t, _ in first.top_logprobs)), vocab_size, "first")
-        return cls(nonce_of(doc), router, params_of(doc.get("params")), first,
+        return cls(nonce_of(doc), router, params_of(doc.get("params"), vocab_size), first,
                    _int(doc, "top_logprobs", 0, MAX_TOP_LOGPROBS, default=0), _bool(doc, "ignore_eos"),
                    _int(doc, "draws", 0, MAX_TOKENS_LIMIT + 1))
 

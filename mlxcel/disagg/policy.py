@@ -9,7 +9,9 @@ Its only state is one round-robin cursor per role, so the router calls it under 
 - ``after_failure(code, ...)``: ``Route`` (fail over to those nodes), ``NoneUp`` (fail over wanted,
   nobody to take it: the request fails UNAVAILABLE) or ``GiveUp(code)`` (the request fails with it).
 - ``depends_on(peer, ...)``: whether an attempt is lost when ``peer`` goes down or restarts.
-- ``may_resume(code, ...)``: whether a failed request is resumed instead (docs/disagg.md §6.1).
+- ``may_resume(code, policy, ...)``: whether a failed request is resumed instead (docs/disagg.md §6.1): the
+  error classes here, the bounds the engine's ``ResumePolicy`` (shared with the scheduler).
+- ``node_failure(code, ...)``: the failure a node's reported code makes of an attempt (its CANCELLED: INTERNAL).
 
 Failover happens only before the first token reaches the client, for at most ``max_attempts``
 attempts in all, never while the router shuts down, and never for a bad-input or cancelled code.
@@ -24,7 +26,8 @@ from dataclasses import dataclass
 from typing import Callable, Generic, Hashable, Sequence, TypeVar, Union
 
 from mlxcel.disagg.wire import MAX_DISPATCH_ATTEMPTS
-from mlxcel.error_codes import ErrorClass, ErrorCode
+from mlxcel.engine.resume_policy import ResumePolicy
+from mlxcel.error_codes import CodedError, ErrorClass, ErrorCode
 
 Node = TypeVar("Node", bound=Hashable)
 ROLES = ("prefill", "decode")
@@ -64,17 +67,29 @@ def may_retry(code: ErrorCode, *, attempts: int, emitted: int, closing: bool,
     return not closing and emitted == 0 and attempts < max_attempts and code.error_class not in NO_RETRY
 
 
-def may_resume(code: ErrorCode, *, resumes: int, max_resumes: int, closing: bool, tokens: int, prompt: int,
+def may_resume(code: ErrorCode, policy: ResumePolicy, *, resumes: int, closing: bool, tokens: int, prompt: int,
                max_tokens: int, context_length: int) -> bool:
     """Whether a failed request (``resumes`` made, ``tokens`` streamed after a ``prompt``-token prompt) is
-    resumed: prefilled again with prompt + tokens on nodes that are up (waiting for one if none is)."""
-    return (not closing and resumes < max_resumes and code.error_class not in NO_RETRY
-            and tokens < max_tokens and prompt + tokens <= context_length)
+    resumed: prefilled again with prompt + tokens on nodes that are up (waiting for one if none is). Its
+    bounds are the scheduler's (``ResumePolicy.allows``); the router adds its error classes, shutdown and
+    tokens left to generate."""
+    return (not closing and code.error_class not in NO_RETRY and tokens < max_tokens
+            and policy.allows(resumes, prompt + tokens, context_length))
 
 
 def final_code(code: ErrorCode) -> ErrorCode:
     """The code a request fails with: a node's bad-input code is the client's (400), any other is ours."""
     return code if code.error_class is ErrorClass.BAD_INPUT else code.as_local()
+
+
+def node_failure(code: ErrorCode, message: str, node: str) -> CodedError:
+    """What a node's ERROR (or FINISH with a code) fails its live attempt with: its own code, except CANCELLED.
+    Only the router cancels a request, and one whose client went away is over before any node's answer is
+    read, so a node's CANCELLED is that node's failure (INTERNAL): failed over, resumed, else 500, never 499."""
+    if code.error_class is ErrorClass.CANCELLED:
+        return CodedError(f"{node} cancelled the request on its own ({message or 'no reason given'})",
+                          ErrorCode.INTERNAL, peer_code=code)
+    return CodedError(message, code)
 
 
 def depends_on(peer: Node, *, prefill: Node | None, decode: Node | None, handed_off: bool) -> bool:

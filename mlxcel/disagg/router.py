@@ -8,7 +8,9 @@ GENERATE with ``decode_target`` to the prefill node. Results come back as one-wa
 node's listener; the demux delivers one only when its handshake-bound sender is a configured peer
 (else the rate-limited router-drop warning) and the node the exchange was assigned to.
 
-Failures: no node up -> ``EngineUnavailable`` at submit (HTTP 503 + Retry-After, never 429). A node
+Failures: no node of a role up -> the new request is held (``mlxcel.disagg.waiting``, docs/disagg.md §6.2)
+until one is, at most ``--resume-timeout``, then 503 + Retry-After (at once with resuming off or the hold
+bound, ``--max-queue``, reached; never 429). A node
 that goes down, refuses, or does not answer within ``--handoff-timeout`` fails the attempt: a request
 that has not emitted a token yet is dispatched again to other nodes (at most ``MAX_DISPATCH_ATTEMPTS``
 attempts; a down node is not picked again until a probe sees it back). One that has emitted tokens (or
@@ -18,7 +20,8 @@ here when it named none) and ``draws`` = the tokens streamed, so the nodes' samp
 stopped; its text is assembled here from then on (the request's stop strings apply here), so the
 client sees one unbroken stream. A resume waits up to ``--resume-timeout`` for a node of each role to
 be up; at most ``--max-resumes`` per request, then a retryable error (503 + Retry-After). A cancelled
-request (client gone) sends CANCEL to both of its nodes.
+request (client gone) sends CANCEL to both of its nodes; a node's own CANCELLED for a request whose client is
+still here is that node's failure (failed over, resumed, else 500), never the client's 499.
 """
 
 from __future__ import annotations
@@ -26,9 +29,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 from mlxcel.cluster.exchanges import Exchange, ExchangeTable
@@ -40,60 +42,25 @@ from mlxcel.cluster.ratelimit import WarnClass
 from mlxcel.cluster.wire import Kind
 from mlxcel.disagg import messages as m
 from mlxcel.disagg.flags import NodeConfig
-from mlxcel.disagg.policy import GiveUp, NoneUp, Route, RoutePolicy, depends_on, may_resume
+from mlxcel.disagg.holding import HeldRequests
+from mlxcel.disagg.late_handoffs import Late, LateHandoffs
+from mlxcel.disagg.routed import ATTEMPT_OUT, NodeInfo, Routed, RouteState, finished_state
+from mlxcel.disagg.policy import GiveUp, NoneUp, Route, RoutePolicy, depends_on, node_failure
 from mlxcel.disagg.service import role_transport
+from mlxcel.disagg.waiting import NodeWaits
 from mlxcel.disagg.wire import PROBE_TIMEOUT_S, MsgType
 from mlxcel.engine.interface import EngineRequest, EngineUnavailable, EventStream, FinishEvent, TokenEvent
-from mlxcel.engine.resume import RETRY_S as RESUME_RETRY_S
-from mlxcel.engine.sampling import SamplingParams, random_seed
-from mlxcel.engine.textstream import SequenceText
-from mlxcel.error_codes import CodedError, ErrorCode, code_of
+from mlxcel.engine.resume import replayable
+from mlxcel.engine.resume_policy import ResumePolicy
+from mlxcel.error_codes import CodedError, ErrorClass, ErrorCode, code_of
 from mlxcel.cluster.outbox import Outbox
 
 log = logging.getLogger("mlxcel.disagg.router")
 
-MAX_LATE_HANDOFFS = 1024  # ended attempts whose HANDED_OFF may still come (their handoff is counted then)
 STARTUP_PROBE_WAIT_S = 3.0  # start() waits this long at most for every node's first probe answer
 
 
-@dataclass(eq=False)
-class NodeInfo:
-    """One configured node: its router-assigned id, role and counters."""
-
-    id: str
-    role: str
-    address: PeerId
-    dispatched: int = 0
-    failures: int = 0
-    completed: int = 0
-    down_reason: str = ""
-
-
-@dataclass(eq=False)
-class Routed:
-    """One client request and its current attempt."""
-
-    request: EngineRequest
-    stream: Any  # EventStream
-    attempts: int = 0
-    emitted: int = 0
-    prefill: PeerId | None = None
-    decode: PeerId | None = None
-    exchange: Exchange | None = None
-    handed_off: bool = False
-    early_first: int | None = None  # this attempt's first token, relayed from its prefill node (None: not yet)
-    decode_spoke: bool = False  # this attempt's decode node sent TOKENS
-    done: bool = False
-    started: float = field(default_factory=time.perf_counter)
-    params: SamplingParams | None = None  # the request's, its seed resolved so that a resume replays it
-    tokens: list[int] = field(default_factory=list)  # every token relayed to the client, in order
-    text: SequenceText | None = None  # after a resume: the text is assembled here (the nodes' starts midway)
-    resumes: int = 0
-    resume_deadline: float = 0.0  # while a resume waits for nodes (monotonic)
-    resume_error: tuple[ErrorCode, str] = (ErrorCode.UNAVAILABLE, "")  # the failure being resumed
-
-
-class RouterEngine:
+class RouterEngine(NodeWaits):
     """The ``Engine`` of a router process (``mlxcel.engine.interface``)."""
 
     def __init__(self, cfg: NodeConfig, tokenizer: Any, *, secret: ClusterSecret, context_length: int, identity: str,
@@ -122,7 +89,13 @@ class RouterEngine:
         self.outbox = Outbox(self.transport)
         self._probes = ThreadPoolExecutor(max_workers=max(1, len(self.nodes)), thread_name_prefix="mlxcel-router-probe")
         self._by_rid: dict[str, Routed] = {}
-        self._late_handoffs: OrderedDict[str, PeerId] = OrderedDict()  # ended attempt's nonce -> its prefill node
+        self._late_handoffs = LateHandoffs()  # ended attempts whose HANDED_OFF may still come
+        # the bounds of resuming and holding, the scheduler's (mlxcel.engine.resume_policy)
+        self.resume_policy = ResumePolicy(cfg.max_resumes, cfg.resume_timeout_s)
+        # new requests waiting for a node of each role (docs/disagg.md §6.2); with resuming off, 503 at once
+        self.held: HeldRequests[str, Routed] = HeldRequests(cfg.resume_timeout_s, cfg.hold_limit,
+                                                            enabled=self.resume_policy.enabled)
+        self._hold_timer: threading.Timer | None = None
         self.counters: dict[str, float] = {
             "requests": 0, "completed": 0, "failed": 0, "cancelled": 0, "failovers": 0, "unavailable": 0,
             "dropped_frames": 0, "handoffs": 0, "handoff_bytes": 0, "handoff_seconds": 0.0,
@@ -143,6 +116,9 @@ class RouterEngine:
 
     def close(self) -> None:
         self.exchanges.close(lambda ex: EngineUnavailable("the router is shutting down"))
+        with self._lock:
+            for routed in self.held.take_all():
+                self._fail(routed, ErrorCode.UNAVAILABLE, "the router is shutting down; retry later")
         self._probes.shutdown(wait=False, cancel_futures=True)
         self.outbox.close()
         self.transport.close()
@@ -161,21 +137,27 @@ class RouterEngine:
         """Pick the nodes and dispatch; ``EngineUnavailable`` (503 + Retry-After) when no node can take it."""
         with self._lock:
             self.counters["requests"] += 1
-            prefill, decode = self._pick()
-            routed = Routed(request, EventStream(request, self._cancel), params=self._resolved(request.params))
-            self._by_rid[request.request_id] = routed
-            self._dispatch(routed, prefill, decode)
+            routed = Routed(request, EventStream(request, self._cancel),
+                            params=replayable(request.params, self.resume_policy))
+            route = self.policy.pick(self._usable) if not len(self.held) else None  # None: behind the held ones
+            if isinstance(route, Route):
+                self._by_rid[request.request_id] = routed
+                self._dispatch(routed, route.prefill, route.decode)
+            elif self.held.can_hold():
+                self._hold(routed, route)
+            elif route is not None:
+                raise self._unavailable(route, held=len(self.held))
+            else:
+                self.counters["unavailable"] += 1
+                raise EngineUnavailable(f"{len(self.held)} requests are held already, waiting for a prefill and a "
+                                        "decode node to be up (the router's --max-queue); retry later")
         return routed.stream
-
-    def _resolved(self, params: SamplingParams) -> SamplingParams:
-        """A sampled request that names no seed gets one here, so that a resume continues its random stream."""
-        if self.cfg.max_resumes > 0 and not params.greedy and params.seed is None:
-            return replace(params, seed=random_seed())
-        return params
 
     def stats(self) -> dict[str, float]:
         up = {role: sum(1 for p in peers if self.monitor.is_up(p)) for role, peers in self._peers.items()}
+        held = {"held": len(self.held), "holds": self.held.holds, "hold_failed": self.held.hold_failed}
         return {**{f"router_{k}": float(v) for k, v in self.counters.items()},
+                **{k: float(v) for k, v in held.items()}, **{f"router_{k}": float(v) for k, v in held.items()},
                 "resumed": float(self.counters["resumed"]), "resume_failed": float(self.counters["resume_failed"]),
                 "router_prefill_up": float(up["prefill"]), "router_decode_up": float(up["decode"]),
                 "router_in_flight": float(len(self._by_rid))}
@@ -218,22 +200,17 @@ class RouterEngine:
         status = self.monitor.status[peer]
         return status.up and not status.state.get("draining")
 
-    def _pick(self) -> tuple[PeerId, PeerId]:
-        route = self.policy.pick(self._usable)
-        if isinstance(route, NoneUp):
-            raise self._unavailable(route)
-        return route.prefill, route.decode
-
-    def _unavailable(self, none: NoneUp) -> EngineUnavailable:
-        """Count a request no node can take and say which nodes are down."""
+    def _unavailable(self, none: NoneUp, held: int = 0) -> EngineUnavailable:
+        """Count a request no node can take and say which nodes are down (and that the hold bound is reached)."""
         self.counters["unavailable"] += 1
-        ids = ", ".join(self.nodes[p].id for p in self._peers[none.role])
-        return EngineUnavailable(f"no {none.role} node is up ({ids} down or draining); retry later")
+        full = f"; {held} requests are held already (the router's --max-queue)" if held else ""
+        return EngineUnavailable(self._none_up(none) + full)
 
     def _dispatch(self, routed: Routed, prefill: PeerId, decode: PeerId) -> None:
         """Open the exchange of a new attempt and send GENERATE (under the lock)."""
+        routed.move(RouteState.PREFILLING)
         routed.attempts += 1
-        routed.prefill, routed.decode, routed.handed_off = prefill, decode, False
+        routed.prefill, routed.decode = prefill, decode
         routed.early_first, routed.decode_spoke = None, False
         ex = self.exchanges.open(self.cfg.handoff_timeout_s, senders=(prefill, decode), context=routed,
                                  then=self._ended)
@@ -263,12 +240,9 @@ class RouterEngine:
         """An attempt's exchange ended: finished, failed (fail over or fail the request), or superseded."""
         routed: Routed = ex.context
         with self._lock:
-            if not routed.handed_off and routed.prefill is not None:  # its HANDED_OFF may come after the FINISH
-                self._late_handoffs[ex.nonce] = routed.prefill
-                while len(self._late_handoffs) > MAX_LATE_HANDOFFS:
-                    self._late_handoffs.popitem(last=False)
-            if routed.exchange is not ex or routed.done:
+            if routed.exchange is not ex or routed.state not in ATTEMPT_OUT:
                 return
+            self._expect_late_handoff(routed, ex)
             if ex.error is None:
                 self._finish(routed, ex.reply)
                 return
@@ -295,48 +269,6 @@ class RouterEngine:
                  self.nodes[route.prefill].id, self.nodes[route.decode].id)
         self._dispatch(routed, route.prefill, route.decode)
 
-    # -- resuming (docs/disagg.md §6.1) ----------------------------------------------------------------
-
-    def _may_resume(self, routed: Routed, code: ErrorCode) -> bool:
-        req = routed.request
-        return may_resume(code, resumes=routed.resumes, max_resumes=self.cfg.max_resumes,
-                          closing=self.exchanges.closing, tokens=len(routed.tokens), prompt=len(req.prompt),
-                          max_tokens=req.params.max_tokens, context_length=self._context_length)
-
-    def _resume(self, routed: Routed, code: ErrorCode, message: str) -> None:
-        """Start resuming a failed request (under the lock): its text is assembled here from now on."""
-        routed.resumes += 1
-        routed.resume_deadline = time.monotonic() + self.cfg.resume_timeout_s
-        routed.resume_error = (code, message)
-        if routed.text is None and routed.tokens:
-            routed.text = SequenceText(self._tokenizer, routed.request.params.stop)
-            for token in routed.tokens:  # the state the node's text had: the client has all it released
-                routed.text.feed(token)
-        log.warning("router: %s: %s after %d tokens; resuming it (%d of at most %d)", routed.request.request_id,
-                    message, len(routed.tokens), routed.resumes, self.cfg.max_resumes)
-        self._try_resume(routed)
-
-    def _try_resume(self, routed: Routed) -> None:
-        """Dispatch the resumed attempt if a node of each role is up; else try again shortly, until the deadline."""
-        with self._lock:
-            if routed.done:
-                return
-            route = self.policy.pick(self.monitor.is_up)
-            if isinstance(route, Route):
-                self.counters["resumed"] += 1
-                self._dispatch(routed, route.prefill, route.decode)
-                return
-            if time.monotonic() < routed.resume_deadline and not self.exchanges.closing:
-                timer = threading.Timer(RESUME_RETRY_S, self._try_resume, (routed,))
-                timer.daemon = True
-                timer.start()
-                return
-            self.counters["resume_failed"] += 1
-            code, message = routed.resume_error
-            self._fail(routed, code if code.retryable else ErrorCode.UNAVAILABLE,
-                       f"{message}; could not be resumed within {self.cfg.resume_timeout_s:g}s "
-                       f"(--resume-timeout): {self._unavailable(route)}")
-
     def _relay(self, routed: Routed, ex: Exchange, events: tuple[TokenEvent, ...]) -> None:
         """Pass an attempt's token events to the client (under the lock); after a resume with text made here,
         ending the request on a stop string."""
@@ -356,7 +288,7 @@ class RouterEngine:
         if routed.text is not None and event.error is None:  # resumed: the tail and the counts are this side's
             event = FinishEvent(event.finish_reason, routed.text.finish(), len(routed.request.prompt),
                                 len(routed.tokens))
-        routed.done = True
+        routed.move(finished_state(event))
         self._by_rid.pop(routed.request.request_id, None)
         if event.error is None:
             self.counters["completed"] += 1
@@ -376,14 +308,23 @@ class RouterEngine:
         """The client went away: end the attempt and free the KV on both nodes."""
         with self._lock:
             routed = self._by_rid.pop(request_id, None)
-            if routed is None or routed.done:
+            if routed is None or routed.state.finished:
                 return
-            routed.done = True
+            ex = routed.exchange  # while resuming: the failed attempt's (CANCEL again to its nodes)
+            if ex is not None and routed.state in ATTEMPT_OUT:
+                self._expect_late_handoff(routed, ex)
+            routed.move(RouteState.FINISHED_CANCELLED)
             self.counters["cancelled"] += 1
-            ex = routed.exchange
+            self.held.drop(request_id)  # a held request frees its place in the bound
         if ex is not None:
             self.exchanges.resolve(ex, error=CodedError("cancelled", ErrorCode.CANCELLED))
             self._cancel_on_nodes(routed, ex.nonce)
+
+    def _expect_late_handoff(self, routed: Routed, ex: Exchange) -> None:
+        """The attempt ``ex`` ends (under the lock): if its prefill node has not handed off yet, its HANDED_OFF
+        may still come (on another connection than the FINISH) and then counts, once (docs/disagg.md §7.1)."""
+        if routed.state is RouteState.PREFILLING and routed.prefill is not None:
+            self._late_handoffs.expect(ex.nonce, routed.prefill)
 
     def _cancel_on_nodes(self, routed: Routed, nonce: str) -> None:
         for peer in (routed.prefill, routed.decode):
@@ -429,20 +370,20 @@ class RouterEngine:
                     WarnClass.ROUTER_DROP, "router: dropping result frame from %s: a %s for a request it was not "
                     "assigned", msg.peer, kind.name)
                 return
-            self._result(kind, doc, ex, routed, from_prefill=msg.peer == routed.prefill)
+            self._result(kind, doc, ex, routed, sender=msg.peer)
         except m.MessageRefused as exc:
             self.counters["dropped_frames"] += 1
             self.transport.warnings.warning(WarnClass.ROUTER_DROP, "router: dropping result frame from %s: %s",
                                             msg.peer, exc)
 
-    def _result(self, kind: MsgType, doc: dict[str, Any], ex: Exchange, routed: Routed, *,
-                from_prefill: bool = False) -> None:
+    def _result(self, kind: MsgType, doc: dict[str, Any], ex: Exchange, routed: Routed, *, sender: PeerId) -> None:
+        from_prefill = sender == routed.prefill
         if kind is MsgType.TOKENS:
             tokens = m.Tokens.parse(doc)
             if not self._in_vocab(tokens, ex, routed):
                 return
             with self._lock:
-                if routed.done or routed.exchange is not ex:
+                if routed.state not in ATTEMPT_OUT or routed.exchange is not ex:
                     return
                 events = self._first_once(routed, tokens.events, from_prefill)
                 ex.deadline = time.monotonic() + self.cfg.handoff_timeout_s  # an idle bound from now on
@@ -451,18 +392,27 @@ class RouterEngine:
                     self._relay(routed, ex, events)
         elif kind is MsgType.PROGRESS:
             with self._lock:
-                if not routed.done and routed.exchange is ex:
+                if routed.state in ATTEMPT_OUT and routed.exchange is ex:
                     ex.deadline = time.monotonic() + self.cfg.handoff_timeout_s
         elif kind is MsgType.FINISH:
-            self.exchanges.resolve(ex, reply=m.Finish.parse(doc).event)
+            event = m.Finish.parse(doc).event
+            if event.code is not None and event.code.error_class is ErrorClass.CANCELLED:  # a node's, never ours
+                self.exchanges.resolve(ex, error=node_failure(event.code, event.error or "", self.nodes[sender].id))
+            else:
+                self.exchanges.resolve(ex, reply=event)
         elif kind is MsgType.HANDED_OFF:
-            routed.handed_off = True
-            self._count_handoff(m.HandedOff.parse(doc))
+            done = m.HandedOff.parse(doc)
+            with self._lock:
+                live = routed.state in ATTEMPT_OUT and routed.exchange is ex
+                if live and routed.state is RouteState.PREFILLING:
+                    routed.move(RouteState.DECODING)
+            if live or self._late_handoffs.claim(ex.nonce, sender) is Late.COUNT:  # the attempt ended meanwhile
+                self._count_handoff(done)
         elif kind is MsgType.ERROR:
             err = m.Error.parse(doc)
             if err.code is ErrorCode.UNREACHABLE and err.node is not None:
                 self._reported_down(err.node, err.message)
-            self.exchanges.resolve(ex, error=CodedError(err.message, err.code))
+            self.exchanges.resolve(ex, error=node_failure(err.code, err.message, self.nodes[sender].id))
 
     def _first_once(self, routed: Routed, events: tuple[TokenEvent, ...], from_prefill: bool) -> tuple[TokenEvent, ...]:
         """The events of a TOKENS message to relay (under the lock). The prefill node may send its attempt's first
@@ -493,13 +443,22 @@ class RouterEngine:
 
     def _after_end(self, kind: MsgType, doc: dict[str, Any], peer: PeerId, node_id: str) -> None:
         """A frame for an ended attempt: dropped, but a HANDED_OFF from that attempt's prefill node that came
-        after the decode node's FINISH (the two travel on different connections) still counts its handoff."""
-        with self._lock:
-            prefill = self._late_handoffs.pop(m.nonce_of(doc), None) if kind is MsgType.HANDED_OFF else None
-        if prefill is not None and prefill == peer:
-            self._count_handoff(m.HandedOff.parse(doc))
+        after the decode node's FINISH (the two travel on different connections) still counts its handoff, once;
+        one from any other node is a protocol violation (dropped, counted, logged) that changes nothing."""
+        if kind is not MsgType.HANDED_OFF:
+            log.debug("router: %s from %s for an ended request", kind.name, node_id)
             return
-        log.debug("router: %s from %s for an ended request", kind.name, node_id)
+        done = m.HandedOff.parse(doc)
+        late = self._late_handoffs.claim(done.nonce, peer)
+        if late is Late.COUNT:
+            self._count_handoff(done)
+        elif late is Late.FORGED:
+            self.counters["dropped_frames"] += 1
+            self.transport.warnings.warning(
+                WarnClass.ROUTER_DROP, "router: dropping result frame from %s: a HANDED_OFF for a request it was "
+                "not assigned", peer)
+        else:
+            log.debug("router: HANDED_OFF from %s for an ended request", node_id)
 
     def _count_handoff(self, done: m.HandedOff) -> None:
         with self._lock:
@@ -587,6 +546,8 @@ class RouterEngine:
         if returned or info.down_reason:
             log.warning("router: %s (%s) is up again", info.id, info.role)
         info.down_reason = ""
+        if len(self.held):  # held requests go on at once, not at the next tick
+            self._place_held()
 
     def _on_down(self, peer: PeerId, why: str) -> None:
         info = self.nodes[peer]
@@ -602,7 +563,7 @@ class RouterEngine:
     def _fail_assigned(self, peer: PeerId, why: str) -> None:
         """Fail the attempts that depend on ``peer``: its decodes, and its prefills not handed off yet."""
         with self._lock:
-            hit = [r for r in self._by_rid.values() if r.exchange is not None and not r.done
+            hit = [r for r in self._by_rid.values() if r.state in ATTEMPT_OUT
                    and depends_on(peer, prefill=r.prefill, decode=r.decode, handed_off=r.handed_off)]
         for routed in hit:
             if routed.exchange is not None:

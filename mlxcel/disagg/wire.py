@@ -81,15 +81,7 @@ NONCE_HEX_LEN = 16
 
 # the role names (--node-role's choices among them) are written once, in mlxcel/topology/names.py
 ALLOWLIST_ENV = "MLXCEL_DECODE_ALLOWLIST"
-STATS_VERBOSE_ENV = "MLXCEL_ROUTER_STATS_VERBOSE"
-STEP_DELAY_ENV = "MLXCEL_DISAGG_STEP_DELAY_S"  # test aid: a decode node sleeps this long before each decode step
-#: MLXCEL_HANDOFF_COPY=1: a decode node receives into numpy buffers copied into MLX at import, even where a view
-#: writes into MLX
-COPY_ENV = "MLXCEL_HANDOFF_COPY"
-#: MLXCEL_HANDOFF_STAGING: 1 stages handoffs through page-locked host buffers on any device, 0 never; unset: where
-#: MLX runs on CUDA (mlxcel/disagg/host_staging.py)
-STAGING_ENV = "MLXCEL_HANDOFF_STAGING"
-VERBOSE_VALUES = ("1", "true", "yes", "on")
+# the other environment variables of these roles are read once, in mlxcel/envs.py
 #: router: a request fails when no handoff result (first token or error) arrives this long after dispatch,
 #: and when a decode node stays silent this long between two messages
 DEFAULT_HANDOFF_TIMEOUT_S = 30.0

@@ -22,16 +22,16 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence, Union
+from typing import Any, Callable, Sequence, Union
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import KVCache
 
-from mlxcel.config import ASYNC_ENV, env_switch
-from mlxcel.engine.compiled_step import decode_forward
+from mlxcel import envs
 from mlxcel.engine.model_slice import ModelSlice
 from mlxcel.engine.prefix_cache import PrefixCache
+from mlxcel.engine.resume_policy import ResumePolicy
 from mlxcel.engine.runner import PendingSample, RowSampler, Sampled, SliceRunner
 from mlxcel.engine.sampling import SamplingParams
 from mlxcel.error_codes import CodedError, ErrorCode
@@ -79,10 +79,12 @@ class KVExport:
 
 @dataclass(frozen=True)
 class KVImport:
-    """KV received from elsewhere, for ``adopt``: the importer's input and the sampler draws made there."""
+    """KV received from elsewhere, for ``adopt``: the importer's input, the sampler draws made there and the
+    tokens the logits processors look back over (the prompt's tail and the token sampled there)."""
 
     data: Any
     draws: int = 0
+    context: tuple[int, ...] = ()
 
 
 class ExecutorError(CodedError):
@@ -90,47 +92,85 @@ class ExecutorError(CodedError):
     ``peer_code`` keeps what a remote peer reported when that was turned into a local code."""
 
 
-class Executor(Protocol):
-    """What the scheduler needs from the compute."""
+class ExecutorBase:
+    """What the scheduler needs from the compute: every hook it calls, each optional one with its default.
 
-    depth: int  # steps that may be in flight at once
+    Every executor derives from it (``LocalExecutor``, the pipeline coordinator's ``PipelineExecutor``,
+    the tensor-parallel ``TPExecutor``), so the scheduler calls hooks instead of probing for them. A
+    subclass sets ``depth`` and ``micro_batch_size`` and implements ``prepare``, ``submit`` and ``release``;
+    it overrides an optional hook only to do more than its default.
+    """
+
+    depth: int = 1  # steps that may be in flight at once
     micro_batch_size: int  # rows per decode step at most
+    fill_micro_batches: bool = False  # fill one decode group before the next instead of spreading rows evenly
+    resume_policy: ResumePolicy | None = None  # resume requests a node failure lost (mlxcel.engine.resume)
+    adopts: bool = False  # ``adopt`` installs a KV cache filled elsewhere (``Scheduler.submit_prefilled``)
 
-    def prepare(self, rid: str, params: SamplingParams, top_logprobs: int, prompt: Sequence[int]) -> int:
+    def prepare(self, rid: str, params: SamplingParams, top_logprobs: int, prompt: Sequence[int], *,
+                draws: int = 0, attempt: int = 0) -> int:
         """Make room for a sequence; returns how many leading prompt tokens are already cached.
 
-        An executor that resumes sequences (``mlxcel.engine.resume``) also takes ``draws=n`` and
-        ``attempt=k``: the sequence's ``k``-th resume, after ``n`` sampled tokens, so its sampler starts at
-        draw ``n`` (a remote executor may name it anew per attempt, so stale steps cannot touch it)."""
+        ``draws=n`` starts its sampler at draw ``n`` (it sampled ``n`` tokens elsewhere or before a resume);
+        ``attempt=k`` is its ``k``-th resume (a remote executor may name it anew per attempt, so stale steps
+        cannot touch it). Only an executor that resumes or takes re-prefills needs to accept them."""
+        raise NotImplementedError
 
     def submit(self, step: Step, done: Done) -> None:
         """Start a step; ``done`` is called exactly once when it finishes or fails."""
+        raise NotImplementedError
 
     def release(self, rid: str, tokens: Sequence[int] | None = None) -> None:
         """Free a sequence everywhere; ``tokens`` offers its KV to the prefix cache under those tokens."""
+        raise NotImplementedError
 
-    # optional: ``cancel(rid)`` frees a sequence whose client gave up (the pipeline sends CANCEL, which
-    # each stage acknowledges); without it the scheduler calls ``release(rid, None)``.
-    #
-    # optional: ``start_async()`` (returns the lookahead it allows, an int) and ``poll()``: asynchronous
-    # scheduling, for a driver that polls (the scheduler). Once started, such an executor's
-    # ``submit`` only queues the step on the device and returns; ``poll()`` waits for the oldest queued step
-    # and calls its ``done`` (steps complete in submission order; False when none is queued). Up to
-    # ``lookahead`` more decode steps of a micro-batch may be submitted while one is queued: a row of such a
-    # step that was in the step before takes the token ``PREVIOUS``, which the executor reads on the device
-    # from that step's samples, so the host plans step N+1 while the device runs step N.
+    def adopt(self, rid: str, params: SamplingParams, top_logprobs: int, cache: Any, length: int) -> None:
+        """Install ``cache``, filled elsewhere with ``length`` prompt tokens, as a new sequence's KV cache
+        (only where ``adopts``)."""
+        raise TypeError(f"{type(self).__name__} has no adopt method: it cannot take prefilled sequences")
+
+    def cancel(self, rid: str) -> None:
+        """Free a sequence whose client gave up (the pipeline sends CANCEL, which each stage acknowledges);
+        by default a ``release`` that offers nothing to the prefix cache."""
+        self.release(rid, None)
+
+    def start_async(self) -> int:
+        """Asynchronous scheduling, for a driver that polls (the scheduler calls it once): returns the
+        lookahead it allows, 0 (the default) for none. Once started with a lookahead, ``submit`` only queues
+        the step on the device and returns; ``poll`` waits for the oldest queued step and calls its ``done``
+        (steps complete in submission order). Up to ``lookahead`` more decode steps of a micro-batch may be
+        submitted while one is queued: a row of such a step that was in the step before takes the token
+        ``PREVIOUS``, which the executor reads on the device from that step's samples."""
+        return 0
+
+    def poll(self) -> bool:
+        """Report the oldest queued step (asynchronous scheduling); False when none is queued."""
+        return False
+
+    def resumable(self, exc: BaseException) -> bool:
+        """Whether a failed step or start lost the sequence's state to a node failure (resume or hold it)
+        rather than failed on the request itself; by default never."""
+        return False
+
+    def check_peers(self) -> None:
+        """Before resuming: raise if no node can take a sequence now (a restarted one is seen first)."""
 
     def stats(self) -> dict[str, float]:
         """Executor counters for /metrics."""
+        return {}
 
     def health(self) -> dict[str, Any]:
         """{"status": "ok" | "degraded", ...} for /health."""
+        return {"status": "ok"}
 
     def close(self) -> None:
         """Release everything; fail nothing (the scheduler already did)."""
 
 
-class LocalExecutor:
+Executor = ExecutorBase  # the name the docs and type hints use
+
+
+class LocalExecutor(ExecutorBase):
     """Runs steps synchronously on this host, on the whole model (in-process stages are
     ``mlxcel.pipeline.inprocess.InProcessPipeline``, for ``mlxcel generate --pp-size``).
 
@@ -149,6 +189,7 @@ class LocalExecutor:
     """
 
     depth = 1
+    adopts = True
 
     def __init__(self, model: Any, *, max_batch_size: int, prefix_cache_bytes: int = 0,
                  exporter: Exporter | None = None, importer: Importer | None = None, step_delay_s: float = 0.0,
@@ -171,7 +212,7 @@ class LocalExecutor:
                 draws: int = 0, attempt: int = 0) -> int:
         cache, n = self.prefix.lookup(prompt)
         for i, runner in enumerate(self.runners):
-            row = RowSampler(params, top_logprobs) if runner.is_last else None
+            row = RowSampler(params, top_logprobs, context=prompt) if runner.is_last else None
             if row is not None:
                 row.skip(draws)
             runner.prepare(rid, row, cache=cache if i == 0 else None, length=n)
@@ -180,9 +221,9 @@ class LocalExecutor:
     def adopt(self, rid: str, params: SamplingParams, top_logprobs: int, cache: list | KVImport, length: int) -> None:
         """Install a KV cache filled elsewhere holding ``length`` tokens: mlx-lm caches (a ``take_cache``), or
         a ``KVImport`` that the importer turns into them here, its sampler advanced past the draws made there."""
-        draws = 0
+        draws, context = 0, ()
         if isinstance(cache, KVImport):
-            cache, draws = self.importer(cache.data), cache.draws
+            cache, draws, context = self.importer(cache.data), cache.draws, cache.context
         runner = self.runners[0]
         layers = len(runner._make_cache())  # noqa: SLF001 - the layer count a cache must have
         if not isinstance(cache, list) or len(cache) != layers:
@@ -190,7 +231,7 @@ class LocalExecutor:
         offset = getattr(cache[0], "offset", length)
         if offset != length:
             raise ValueError(f"the cache of {rid} holds {offset} tokens, its prompt has {length}")
-        row = RowSampler(params, top_logprobs)
+        row = RowSampler(params, top_logprobs, context=context)
         row.skip(draws)
         runner.prepare(rid, row, cache=cache, length=length)
 
@@ -354,7 +395,7 @@ def default_lookahead(runner: SliceRunner) -> int:
     Off on a CPU by default: MLX's CPU backend runs most of a step inside ``mx.async_eval`` itself (the
     step trace puts the device time under ``build`` there), so nothing overlaps, and the thinner steps
     of the first tokens cost more than they save (docs/benchmarks.md)."""
-    switch = env_switch(ASYNC_ENV)
+    switch = envs.settings().async_sched
     if switch is False or (switch is None and mx.default_device().type != mx.DeviceType.gpu):
         return 0
     caches = runner._make_cache()  # noqa: SLF001 - the layer caches a sequence gets
@@ -365,13 +406,13 @@ def whole_model_runner(model: Any, *, max_rows: int) -> SliceRunner:
     """The whole model as one runner: mlx-lm's own forward, so every family it supports works."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    return SliceRunner(decode_forward(lambda x, c: model(x, cache=c)), lambda: make_prompt_cache(model),
+    return SliceRunner(lambda x, c: model(x, cache=c), lambda: make_prompt_cache(model),
                        is_first=True, is_last=True, max_rows=max_rows)
 
 
 def slice_runner(model: Any, start: int, end: int, *, max_rows: int) -> SliceRunner:
     """Layers [start, end) of ``model`` as a runner (a pipeline stage)."""
     piece = ModelSlice(model, start, end)
-    return SliceRunner(decode_forward(lambda x, c: piece(x, c)), piece.make_cache, is_first=piece.is_first,
+    return SliceRunner(lambda x, c: piece(x, c), piece.make_cache, is_first=piece.is_first,
                        is_last=piece.is_last, max_rows=max_rows,
                        input_width=None if piece.is_first else piece.input_width)

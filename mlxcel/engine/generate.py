@@ -16,7 +16,6 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxcel.config import PREFILL_STEP
-from mlxcel.engine.compiled_step import decode_forward
 from mlxcel.engine.model_slice import ModelSlice
 from mlxcel.engine.prefill_split import prompt_chunk
 from mlxcel.engine.sampling import SamplingParams, make_sampler
@@ -124,7 +123,7 @@ def stream_generate(
     """Generate text for token ids ``prompt``; EOS and stop strings end with finish_reason "stop"."""
     stats = stats if stats is not None else GenerationStats()
     stats.prompt_tokens = len(prompt)
-    forward = forward or decode_forward(lambda x, c: model(x, cache=c))
+    forward = forward or (lambda x, c: model(x, cache=c))
     text_out = SequenceText(tokenizer, params.stop)
     eos = set(tokenizer.eos_token_ids)
     mx.reset_peak_memory()

@@ -15,14 +15,29 @@ def has_chat_template(tokenizer: Any) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def encode_chat(tokenizer: Any, messages: Sequence[dict]) -> list[int]:
-    """Apply the checkpoint's chat template (with the assistant prompt) and tokenize."""
+def render_chat(tokenizer: Any, messages: Sequence[dict], *, tools: Sequence[dict] | None = None,
+                template_kwargs: dict[str, Any] | None = None) -> str:
+    """The checkpoint's chat template over ``messages`` (and ``tools``), ending with the assistant prompt."""
     if not messages:
         raise PromptError("messages must not be empty")
     if not has_chat_template(tokenizer):
         raise ModelError("this checkpoint has no chat template; send a raw prompt instead (--raw, /v1/completions)")
-    text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
-    return encode_raw(tokenizer, text, add_special_tokens=False)
+    extra = dict(template_kwargs or {})
+    if tools:
+        extra["tools"] = list(tools)
+    from jinja2 import TemplateError
+
+    try:
+        return tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False, **extra)
+    except TemplateError as exc:  # e.g. a template's raise_exception() on a message order it refuses
+        raise PromptError(f"the chat template refused these messages: {exc}") from None
+
+
+def encode_chat(tokenizer: Any, messages: Sequence[dict], *, tools: Sequence[dict] | None = None,
+                template_kwargs: dict[str, Any] | None = None, prefill: str = "") -> list[int]:
+    """Apply the checkpoint's chat template (with the assistant prompt), append ``prefill``, tokenize."""
+    text = render_chat(tokenizer, messages, tools=tools, template_kwargs=template_kwargs)
+    return encode_raw(tokenizer, text + prefill, add_special_tokens=False)
 
 
 def encode_raw(tokenizer: Any, text: str, *, add_special_tokens: bool = True) -> list[int]:

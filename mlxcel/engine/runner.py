@@ -18,13 +18,14 @@ so its (lazy) head output is never computed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 
 from mlxcel.config import MAX_TOP_LOGPROBS
 from mlxcel.engine import steptrace
-from mlxcel.engine.batch_rows import TRIM_BLOCK, Pads, extract_row, filter_rows, join_layer, stable_join_enabled
+from mlxcel.engine.batch_rows import Pads, extract_row, filter_rows, join_layer
+from mlxcel.engine.logits import RowLogits, row_logits
 from mlxcel.engine.sampling import SamplingParams, make_sampler
 from mlxcel.error_codes import CodedError, ErrorCode
 
@@ -49,16 +50,21 @@ class Sampled:
 
 @dataclass
 class RowSampler:
-    """A sequence's sampling state: parameters, its own seeded sampler, how many alternatives to report."""
+    """A sequence's sampling state: parameters, its own seeded sampler, how many alternatives to report, and
+    its logits processors (``mlxcel.engine.logits``: penalties, logit_bias) seeing ``context`` (the tokens
+    before its first sampled one, at least the last ``PENALTY_CONTEXT``) then every token it samples."""
 
     params: SamplingParams
     top_logprobs: int = 0
     sampler: Callable[[mx.array], mx.array] | None = None
+    context: Sequence[int] = ()
+    logits: RowLogits = field(init=False)
 
     def __post_init__(self) -> None:
         self.top_logprobs = max(0, min(self.top_logprobs, MAX_TOP_LOGPROBS))
         if self.sampler is None and not self.params.greedy:
             self.sampler = make_sampler(self.params)
+        self.logits = row_logits(self.params, self.context)
 
     def skip(self, draws: int) -> None:
         """Advance a seeded sampler past ``draws`` made elsewhere (a prefill node, the attempt before a
@@ -115,6 +121,11 @@ class PendingSample:
 
 def sample_lazy(logits: mx.array, rows: Sequence[RowSampler]) -> PendingSample:
     """Sample one token per row from last-position logits [B, V], on the device, without waiting."""
+    processed = [i for i, r in enumerate(rows) if r.logits]
+    if processed:  # the hook: each row's own processors on its own logits (docs/engine.md)
+        logits = logits.astype(mx.float32)
+        logits = mx.concatenate([r.logits(logits[i : i + 1]) if r.logits else logits[i : i + 1]
+                                 for i, r in enumerate(rows)])
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     if all(r.sampler is None for r in rows):
         tokens = mx.argmax(logprobs, axis=-1)
@@ -123,6 +134,8 @@ def sample_lazy(logits: mx.array, rows: Sequence[RowSampler]) -> PendingSample:
             (r.sampler(logprobs[i : i + 1]) if r.sampler else mx.argmax(logprobs[i : i + 1], axis=-1)).reshape(1)
             for i, r in enumerate(rows)
         ])
+    for i in processed:
+        rows[i].logits.observe(tokens[i])
     pending = PendingSample(rows, tokens)
     if any(r.params.logprobs for r in rows):
         pending.chosen = mx.take_along_axis(logprobs, tokens.reshape(-1, 1).astype(mx.int32), axis=-1).reshape(-1)
@@ -181,7 +194,6 @@ class SliceRunner:
         # a row a decode step no longer names keeps its own cache until released (asynchronous scheduling
         # plans step N+1 without the rows that end at step N), instead of being forgotten at once
         self.keep_dropped = False
-        self.stable_join = stable_join_enabled()  # joins in shapes that repeat (batch_rows; off by default)
 
     # -- sequences -------------------------------------------------------------------------
 
@@ -345,8 +357,7 @@ class SliceRunner:
         if not slot.rids:
             slot.cache, slot.batched, slot.pads = [], False, []
         elif slot.batched:
-            block = TRIM_BLOCK if self.stable_join else 1
-            slot.pads = [filter_rows(c, indices, pads, block) for c, pads in zip(slot.cache, slot.pads, strict=True)]
+            slot.pads = [filter_rows(c, indices, pads) for c, pads in zip(slot.cache, slot.pads, strict=True)]
 
     def _append(self, slot: _Slot, joining: list[_Seq]) -> None:
         caches = [s.cache for s in joining]
@@ -354,7 +365,7 @@ class SliceRunner:
             slot.cache = caches[0]  # one row: its own cache, exactly as single-sequence generation
         else:
             layers = [join_layer(slot.cache[k] if slot.rids else None, slot.pads[k] if slot.batched else None,
-                                 rows, batched=slot.batched, stable=self.stable_join)
+                                 rows, batched=slot.batched)
                       for k, rows in enumerate(zip(*caches))]
             slot.cache, slot.pads = [c for c, _ in layers], [p for _, p in layers]
             slot.batched = True

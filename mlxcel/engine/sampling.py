@@ -1,4 +1,5 @@
-"""Sampling parameters and samplers: greedy, temperature, top-p, top-k, per-request seed."""
+"""Sampling parameters and samplers: greedy, temperature, top-p, min-p, top-k, per-request seed; the
+parameters of the logits processors (penalties, logit_bias) that ``mlxcel.engine.logits`` builds."""
 
 from __future__ import annotations
 
@@ -7,9 +8,14 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_top_k, apply_top_p
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from mlxcel.config import DEFAULT_MAX_TOKENS, MAX_STOP_STRINGS, MAX_TOKENS_LIMIT
+
+MAX_LOGIT_BIAS = 300  # most logit_bias entries per request (OpenAI's bound)
+LOGIT_BIAS_LIMIT = 100.0  # a bias is in [-100, 100]
+PENALTY_LIMIT = 2.0  # presence and frequency penalties are in [-2, 2] (OpenAI's bound)
+MAX_REPETITION_PENALTY = 10.0  # repetition_penalty is in (0, 10]; 1 is off
 
 Sampler = Callable[[mx.array], mx.array]
 
@@ -33,6 +39,11 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
     logprobs: bool = False
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs, ids ascending and distinct
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
@@ -49,10 +60,45 @@ class SamplingParams:
             raise SamplingError("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
         if any(not s for s in self.stop):
             raise SamplingError("stop", "stop strings must not be empty")
+        self._check_processors()
+
+    def _check_processors(self) -> None:
+        if not 0.0 <= self.min_p <= 1.0:
+            raise SamplingError("min_p", f"min_p must be between 0 and 1, got {self.min_p}")
+        if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise SamplingError("repetition_penalty", f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], "
+                                f"got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -PENALTY_LIMIT <= value <= PENALTY_LIMIT:
+                raise SamplingError(name, f"{name} must be between -2 and 2, got {value}")
+        check_logit_bias(self.logit_bias)
+
+    @property
+    def processed(self) -> bool:
+        """Whether logits processors apply (a penalty or a logit_bias): the row keeps a token history."""
+        return bool(self.logit_bias) or self.repetition_penalty != 1.0 or bool(self.presence_penalty) \
+            or bool(self.frequency_penalty)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def check_logit_bias(pairs: tuple[tuple[int, float], ...], vocab_size: int | None = None) -> None:
+    """``SamplingError`` (param ``logit_bias``) unless ``pairs`` are at most ``MAX_LOGIT_BIAS`` (id, bias)
+    pairs, ids distinct, ascending and below ``vocab_size`` (None: unchecked), biases in [-100, 100]."""
+    if len(pairs) > MAX_LOGIT_BIAS:
+        raise SamplingError("logit_bias", f"logit_bias holds {len(pairs)} entries; at most {MAX_LOGIT_BIAS}")
+    last = -1
+    for token, bias in pairs:
+        if isinstance(token, bool) or not isinstance(token, int) or token <= last:
+            raise SamplingError("logit_bias", "logit_bias token ids must be distinct integers >= 0 in ascending order")
+        if vocab_size is not None and token >= vocab_size:
+            raise SamplingError("logit_bias", f"logit_bias names token {token}; the vocabulary has {vocab_size}")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+            raise SamplingError("logit_bias", f"logit_bias values must be numbers between -100 and 100, got {bias!r}")
+        last = token
 
 
 _MASK64 = (1 << 64) - 1
@@ -71,7 +117,7 @@ def draw_seed(seed: int, draw: int) -> int:
 
 
 class SeededSampler:
-    """Temperature / top-p / top-k sampling of one sequence; draw ``n`` uses the key
+    """Temperature / top-p / min-p / top-k sampling of one sequence; draw ``n`` uses the key
     ``mx.random.key(draw_seed(seed, n))``, so ``skip`` is O(1) and a resume reproduces the stream."""
 
     def __init__(self, params: SamplingParams, seed: int, draws: int = 0):
@@ -88,6 +134,8 @@ class SeededSampler:
         params = self.params
         if params.top_p < 1.0:
             logprobs = apply_top_p(logprobs, params.top_p)
+        if params.min_p > 0.0:  # mlx-lm's order: top-p, min-p, top-k
+            logprobs = apply_min_p(logprobs, params.min_p)
         if 0 < params.top_k < logprobs.shape[-1]:
             logprobs = apply_top_k(logprobs, params.top_k)
         key = mx.random.key(draw_seed(self.seed, self.draws))

@@ -25,14 +25,14 @@ from __future__ import annotations
 
 import atexit
 import json
-import os
 import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-TRACE_ENV = "MLXCEL_STEP_TRACE"
+from mlxcel import envs
+
 FLUSH_S = 0.25  # lines reach the file at least this often
 PHASES = ("idle", "build", "device", "sample", "detok", "emit", "lock")
 OFF_PHASES = ("off_detok", "off_emit")  # on the emitter thread (mlxcel/engine/emitter.py), beside the passes
@@ -109,7 +109,7 @@ def from_env() -> StepTrace | None:
     """The trace ``MLXCEL_STEP_TRACE`` names (one per process, opened on first use), else the one
     ``install`` set, else None."""
     global _active
-    path = os.environ.get(TRACE_ENV, "").strip()
+    path = envs.settings().step_trace
     if path and _active is None:
         _active = StepTrace(path)
     return _active

@@ -20,25 +20,24 @@ from mlx.utils import tree_flatten
 
 from mlxcel.config import RANDOM_FAMILIES
 
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+from mlxcel.models.random_templates import PLAIN as CHAT_TEMPLATE, TEMPLATES
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
-def _tokenizer_json() -> dict:
-    """A byte-level BPE over the 256 byte symbols, no merges, three special tokens."""
+def _tokenizer_json(extra: list[str] | None = None) -> dict:
+    """A byte-level BPE over the 256 byte symbols, no merges, three special tokens (then ``extra`` ones)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
     for sym in sorted(alphabet):
         vocab[sym] = len(vocab)
+    for special in extra or ():
+        vocab[special] = len(vocab)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(SPECIAL_TOKENS)
+    tok.add_special_tokens(SPECIAL_TOKENS + list(extra or ()))
     return json.loads(tok.to_str())
 
 
@@ -181,6 +180,7 @@ def make_random_checkpoint(
     head_dim: int | None = None,
     group_size: int = 32,
     overrides: dict[str, Any] | None = None,
+    template: str = "plain",
 ) -> Path:
     """Write config.json, model.safetensors and tokenizer files for a random model; return the dir.
 
@@ -191,9 +191,15 @@ def make_random_checkpoint(
     defaults to hidden / heads (Qwen3-0.6B: hidden 1024, 16 heads, head_dim 128). ``family`` is
     one of ``RANDOM_FAMILIES``. ``overrides`` replaces or adds config.json fields after the family's
     tiny defaults (e.g. ``{"num_experts": 128, "num_experts_per_tok": 8}`` for a Qwen3-30B-A3B shape).
+    ``template`` picks the chat template and its marker tokens (``random_templates.TEMPLATES``).
     """
     from mlx_lm.utils import _get_classes
 
+    if template not in TEMPLATES:
+        raise ValueError(f"template must be one of {', '.join(TEMPLATES)}, got {template!r}")
+    chat_template, specials = TEMPLATES[template]
+    if vocab < 259 + len(specials):
+        raise ValueError(f"vocab must cover the tokenizer's {259 + len(specials)} tokens, got {vocab}")
     if vocab < 259:
         raise ValueError(f"vocab must cover the tokenizer's 259 tokens, got {vocab}")
     if dtype not in DTYPES:
@@ -222,10 +228,10 @@ def make_random_checkpoint(
     mx.eval(weights)
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    (out / "tokenizer.json").write_text(json.dumps(_tokenizer_json()))
+    (out / "tokenizer.json").write_text(json.dumps(_tokenizer_json(specials)))
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": chat_template,
         "eos_token": "<|im_end|>",
         "bos_token": None,
         "pad_token": "<|endoftext|>",

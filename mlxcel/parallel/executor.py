@@ -21,7 +21,7 @@ import time
 from concurrent.futures import Future
 from typing import Any, Callable, Sequence
 
-from mlxcel.engine.executor import Done, ExecutorError, Step
+from mlxcel.engine.executor import Done, ExecutorBase, ExecutorError, Step
 from mlxcel.engine.runner import RowSampler, RunnerError
 from mlxcel.engine.sampling import SamplingParams
 from mlxcel.error_codes import ErrorCode
@@ -33,7 +33,7 @@ log = logging.getLogger("mlxcel.parallel")
 WAIT_SLICE_S = 0.1
 
 
-class TPExecutor:
+class TPExecutor(ExecutorBase):
     """Rank 0 of a tensor-parallel group as the scheduler's executor."""
 
     depth = 1
@@ -140,7 +140,7 @@ class TPExecutor:
         again = [rank for rank, c in counts.items() if c != agreed]
         if again:
             self.control.request_all(encode("prepare", rid=rid, prompt=prompt, limit=agreed), ranks=again)
-        self.shard.prepare(rid, RowSampler(params, top_logprobs), cache, n)
+        self.shard.prepare(rid, RowSampler(params, top_logprobs, context=prompt), cache, n)
         return n
 
     def _step(self, step: Step, done: Done) -> None:

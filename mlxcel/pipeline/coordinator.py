@@ -40,8 +40,8 @@ from mlxcel.cluster.secret import ClusterSecret
 from mlxcel.cluster.transport import Transport
 from mlxcel.cluster.wire import FRAME_OVERHEAD, Kind
 from mlxcel.config import MAX_PREFIX_TOKENS, MAX_TOKENS_LIMIT
-from mlxcel.engine.executor import Done, ExecutorError, Step
-from mlxcel.engine.resume import ResumePolicy
+from mlxcel.engine.executor import Done, ExecutorBase, ExecutorError, Step
+from mlxcel.engine.resume_policy import ResumePolicy
 from mlxcel.engine.runner import RowSampler, Sampled, sample_rows
 from mlxcel.engine.sampling import SamplingParams
 from mlxcel.error_codes import ErrorCode
@@ -69,8 +69,8 @@ COMMAND_TIMEOUT_S = 10.0
 _PREPARE = "prepare"  # the context of a PREPARE's exchange: failed at once when its stage goes down
 
 
-class PipelineExecutor:
-    """Drives the stages of a cluster; implements ``mlxcel.engine.executor.Executor``.
+class PipelineExecutor(ExecutorBase):
+    """Drives the stages of a cluster; an ``mlxcel.engine.executor.ExecutorBase``.
 
     Start-up, the Executor interface and reply validation live here; the open exchanges
     (``ExchangeTable``) and stage health (``PeerMonitor``) are the cluster layer's shared pieces.
@@ -188,7 +188,7 @@ class PipelineExecutor:
         wire = rid if attempt == 0 else f"{rid}#{attempt}"
         with self._lock:
             self._wire[rid] = wire
-        header: dict[str, Any] = {"request_id": wire, "params": params_to_wire(params, top_logprobs),
+        header: dict[str, Any] = {"request_id": wire, "params": params_to_wire(params, top_logprobs, prompt),
                                   "return": "logits" if self.return_logits else "token"}
         if self.prefix_on and len(prompt) > 1:
             header["prompt"] = list(prompt[:MAX_PREFIX_TOKENS])
@@ -203,7 +203,7 @@ class PipelineExecutor:
             self._prepared.add(rid)
             self._lost.discard(rid)
         if self.return_logits:
-            self._samplers[rid] = RowSampler(params, top_logprobs)
+            self._samplers[rid] = RowSampler(params, top_logprobs, context=prompt)
             self._samplers[rid].skip(draws)
         if cached:
             self.prefix_hits += 1

@@ -3,12 +3,13 @@ cache's token lists (PREPARE ``prompt``, RELEASE ``tokens``) and counts (``max_c
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 from mlxcel import strict_json as strict
 from mlxcel.config import MAX_PREFIX_TOKENS, MAX_TOP_LOGPROBS
-from mlxcel.engine.sampling import SamplingParams
-from mlxcel.engine.sampling_wire import Param, ParamsFormat, params_doc, params_from_doc
+from mlxcel.engine.sampling import SamplingParams, check_logit_bias
+from mlxcel.engine.logits import context_of
+from mlxcel.engine.sampling_wire import PROCESSOR_PARAMS, Param, ParamsFormat, context_from_doc, params_doc, params_from_doc
 from mlxcel.models.token_ids import check_token_ids
 
 _FROM_TO = "{name} must be an integer from {lo} to {hi}"
@@ -23,18 +24,26 @@ PREPARE_PARAMS = ParamsFormat({
     "seed": Param(int, None, optional=True, bounds={"text": "{name} must be an integer or null"}),
     "logprobs": Param(bool, False, bounds={"text": "{name} must be a boolean"}),
     "top_logprobs": Param(int, 0, bounds={"lo": 0, "hi": MAX_TOP_LOGPROBS, "text": _FROM_TO}),
+    **PROCESSOR_PARAMS,
+    "context": Param(list, [], read=context_from_doc),
 })
 
 
-def params_to_wire(params: SamplingParams, top_logprobs: int) -> dict[str, Any]:
-    """What the last stage needs to sample: stop strings and max_tokens stay with the coordinator."""
-    return params_doc(params, PREPARE_PARAMS, top_logprobs=top_logprobs)
+def params_to_wire(params: SamplingParams, top_logprobs: int, prompt: Sequence[int] = ()) -> dict[str, Any]:
+    """What the last stage needs to sample: stop strings and max_tokens stay with the coordinator; ``context``
+    is the prompt's tail the penalties look back over (empty when no penalty applies)."""
+    context = list(context_of(prompt)) if params.processed else []
+    return params_doc(params, PREPARE_PARAMS, top_logprobs=top_logprobs, context=context)
 
 
-def params_from_wire(raw: Any) -> tuple[SamplingParams, int]:
-    """Validate and rebuild; raises SamplingError or ValueError (a ``FieldError``) on bad values."""
+def params_from_wire(raw: Any, vocab_size: int | None = None) -> tuple[SamplingParams, int, tuple[int, ...]]:
+    """Validate and rebuild: (params, top_logprobs, context); ``logit_bias`` and ``context`` ids must be below
+    ``vocab_size`` (None: unchecked). Raises SamplingError or ValueError (a ``FieldError``) on bad values."""
     params, extra = params_from_doc(raw, PREPARE_PARAMS)
-    return params, extra["top_logprobs"]
+    check_logit_bias(params.logit_bias, vocab_size)
+    if vocab_size is not None:
+        check_token_ids(list(extra["context"]), vocab_size, "context")
+    return params, extra["top_logprobs"], extra["context"]
 
 
 def tokens_from_wire(raw: Any, name: str, vocab_size: int) -> list[int] | None:

@@ -24,7 +24,6 @@ import os
 import queue
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -36,9 +35,9 @@ from mlxcel.cluster.ratelimit import WarnClass, cluster_warnings
 from mlxcel.cluster.secret import ClusterSecret
 from mlxcel.cluster.transport import Transport
 from mlxcel.cluster.wire import Kind
-from mlxcel.config import MAX_PREFIX_TOKENS, MAX_TOKENS_LIMIT, STAGE_OVERLAP_ENV, env_switch
+from mlxcel.config import MAX_PREFIX_TOKENS, MAX_TOKENS_LIMIT
 from mlxcel.engine.prefix_cache import PrefixCache
-from mlxcel.engine.runner import PendingSample, RowSampler, RunnerError, Sampled, SliceRunner
+from mlxcel.engine.runner import RowSampler, RunnerError, Sampled, SliceRunner
 from mlxcel.engine.sampling import SamplingError
 from mlxcel.models.facts import ModelFacts
 from mlxcel.topology.cluster_config import ClusterConfig
@@ -60,28 +59,17 @@ from mlxcel.pipeline.protocol import (
 
 log = logging.getLogger("mlxcel.pipeline.stage")
 _STOP = object()
-# Test and rehearsal aid: sleep this many seconds per step (simulates a slow stage, e.g. for cancellation tests).
-STAGE_STEP_DELAY_ENV = "MLXCEL_STAGE_STEP_DELAY_S"
 
 
 @dataclass(frozen=True)
 class _Launched:
-    """A step built (and, overlapped, queued on the device) but not yet waited for and sent."""
+    """A step built but not yet waited for and sent."""
 
     owner: PeerId
     message: StageMessage
-    out: Any  # hidden states, a PendingSample, sampled rows, logits, or None (an intermediate prompt chunk)
+    out: Any  # hidden states, sampled rows, logits, or None (an intermediate prompt chunk)
     started: float
     logits: bool
-
-
-def overlap_depth() -> int:
-    """How many steps a stage builds ahead of the one the device runs: 1 with ``MLXCEL_STAGE_OVERLAP=1``, else 0.
-
-    Off by default: it lost wherever it was measured at 8 streams (docs/benchmarks.md): on a CPU 0.78x the single
-    node against 1.00-1.04x without it (MLX's CPU backend computes most of a step inside ``mx.async_eval``, so
-    building the next step first delays the current step's send by a whole step), on an H100 0.42x against 0.73x."""
-    return 1 if env_switch(STAGE_OVERLAP_ENV) else 0
 
 
 @dataclass(frozen=True)
@@ -104,8 +92,8 @@ class StageService:
     """Serves one stage of a cluster until closed."""
 
     def __init__(self, cluster: ClusterConfig, node_id: str, runner: SliceRunner, secret: ClusterSecret,
-                 model: ModelFacts, *, on_shutdown: Callable[[], None] | None = None, overlap: int | None = None,
-                 _attribution: AttributionOnly | None = None):
+                 model: ModelFacts, *, on_shutdown: Callable[[], None] | None = None,
+                 step_delay_s: float = 0.0, _attribution: AttributionOnly | None = None):
         self.cluster = cluster
         self.index = cluster.stage_index(node_id)
         self.node = cluster.stages[self.index]
@@ -134,9 +122,7 @@ class StageService:
         # seconds spent since start, per part of a step: decoding on the reader thread, waiting for the
         # worker, computing (tensor in, forward, evaluation or sampling), sending (tensor out, encode, send)
         self.timings = dict.fromkeys(STATE_SECONDS, 0.0)
-        self._delay = float(os.environ.get(STAGE_STEP_DELAY_ENV, "0") or 0)
-        self.overlap = overlap_depth() if overlap is None else overlap  # steps built ahead (``_run``)
-        self.overlapped = 0  # steps built while an earlier one was still on the device
+        self._delay = step_delay_s  # a test and rehearsal aid: sleep this long before every step (a slow stage)
 
     @property
     def is_first(self) -> bool:
@@ -201,7 +187,7 @@ class StageService:
         if self.draining:
             raise ProtocolError(ErrorCode.UNAVAILABLE, f"stage {self.node.id} is draining; it accepts no new sequence")
         try:
-            params, top = params_from_wire(m.header.get("params"))
+            params, top, context = params_from_wire(m.header.get("params"), self.model.vocab_size)
         except (SamplingError, TypeError, ValueError) as exc:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"bad sampling parameters: {exc}") from None
         ret = m.header.get("return", "token")
@@ -220,7 +206,7 @@ class StageService:
                 raise ProtocolError(ErrorCode.UNAUTHORIZED, f"request {rid} belongs to another identity")
             self._owners[rid] = peer
             self._returns[rid] = ret
-        row = RowSampler(params, top) if self.is_last else None
+        row = RowSampler(params, top, context=context) if self.is_last else None
         if row is not None:
             row.skip(draws)  # a resumed sequence: its sampler goes on after the tokens sampled before
         self._work.put(("prepare", peer, m, _Prepare(row, prompt, cap)))
@@ -330,43 +316,18 @@ class StageService:
     # -- the worker: every MLX operation -----------------------------------------------------------
 
     def _run(self) -> None:
-        """Every queued item in arrival order. With ``overlap``, a step is built and queued on the device,
-        and before it is waited for and sent, the next queued step (another micro-batch, the next prompt
-        chunk) is built too: the host builds step N+1 while the device runs step N. A command (PREPARE,
-        RELEASE) first waits out every step in flight."""
-        inflight: deque[_Launched] = deque()
+        """Every queued item in arrival order, each to its end (built, evaluated, sent) before the next."""
         while True:
-            if inflight:
-                try:
-                    item = self._work.get_nowait()
-                except queue.Empty:  # nothing to build meanwhile: finish the oldest step
-                    self._finish_oldest(inflight)
-                    continue
-            else:
-                item = self._work.get()
+            item = self._work.get()
             if item is _STOP:
                 return
             op, peer, m, arg = item
-            if op == "run" and self.overlap:
-                launched = self._attempt(peer, m, self._launch, peer, m, arg, True)
-                if launched is not None:
-                    self.overlapped += bool(inflight)
-                    inflight.append(launched)
-                while len(inflight) > self.overlap:
-                    self._finish_oldest(inflight)
-                continue
-            while inflight:
-                self._finish_oldest(inflight)
             if op == "prepare":
                 self._attempt(peer, m, self._prepare, peer, m, arg)
             elif op == "release":
                 self._attempt(peer, m, self._forget, peer, m, *arg)
             else:
                 self._attempt(peer, m, self._step, peer, m, arg)
-
-    def _finish_oldest(self, inflight: deque[_Launched]) -> None:
-        step = inflight.popleft()
-        self._attempt(step.owner, step.message, self._finish, step)
 
     def _attempt(self, peer: PeerId, m: StageMessage, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)``; a failure is answered to ``peer`` as an ERROR for ``m`` (None returned), never
@@ -400,10 +361,10 @@ class StageService:
 
     def _step(self, owner: PeerId, m: StageMessage, tensor: str) -> None:
         """One step to its end: computed, evaluated, sent."""
-        self._finish(self._launch(owner, m, tensor, False))
+        self._finish(self._launch(owner, m, tensor))
 
-    def _launch(self, owner: PeerId, m: StageMessage, tensor: str, lazy: bool) -> _Launched:
-        """Build one step (prompt chunk or decode step) and, with ``lazy``, queue it on the device unwaited."""
+    def _launch(self, owner: PeerId, m: StageMessage, tensor: str) -> _Launched:
+        """Build and evaluate one step (prompt chunk or decode step)."""
         from mlxcel.pipeline.tensors import from_wire
 
         h = m.header
@@ -419,10 +380,9 @@ class StageService:
         if self._delay:
             time.sleep(self._delay)
         if phase == "prefill":
-            out = self.runner.prefill(rids[0], x, sample=sample, logits=logits, lazy=lazy)
+            out = self.runner.prefill(rids[0], x, sample=sample, logits=logits)
         else:
-            out = self.runner.decode(self._slot(owner, int(h.get("micro_batch", 0))), rids, x, logits=logits,
-                                     lazy=lazy)
+            out = self.runner.decode(self._slot(owner, int(h.get("micro_batch", 0))), rids, x, logits=logits)
         self.steps += 1
         return _Launched(owner, m, out, started, logits)
 
@@ -430,7 +390,7 @@ class StageService:
         """Wait for a launched step's output and send it on: the activation downstream, or the result."""
         from mlxcel.pipeline.tensors import to_wire
 
-        out = step.out.resolve() if isinstance(step.out, PendingSample) else step.out
+        out = step.out
         h, owner, m = step.message.header, step.owner, step.message
         fwd = {k: h[k] for k in ("nonce", "phase", "micro_batch", "request_ids", "sample") if k in h}
         hidden = None if self.is_last else to_wire(out)  # waits for a queued step's evaluation
@@ -452,7 +412,9 @@ class StageService:
             "model_identity": self.model.identity, "num_layers": self.model.num_layers,
             "hidden_size": self.model.hidden_size, "vocab_size": self.model.vocab_size,
             "sequences": len(self.runner), "draining": self.draining, "version": __version__,
-            "boot_id": self.boot_id, "steps": self.steps, "overlapped": self.overlapped, **{k: round(v, 6) for k, v in self.timings.items()}, "prefix_bytes": self.prefix.nbytes,
+            "boot_id": self.boot_id, "steps": self.steps,
+            "overlapped": 0,  # kept on the wire: no step is built ahead since MLXCEL_STAGE_OVERLAP went (§3.13)
+            **{k: round(v, 6) for k, v in self.timings.items()}, "prefix_bytes": self.prefix.nbytes,
             "sent_frames": self.outbox.frames, "sent_bytes": self.outbox.bytes,
         }
 

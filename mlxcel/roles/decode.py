@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 def configure(flags: ServeFlags, config: ServeConfig) -> ServeConfig:
     """The node's addresses and peers (flags or the cluster TOML; the secret is the command's, fail closed)."""
     return replace(config, disagg=node_config(flags.disagg, config.dist, flags.resume.max_resumes,
-                                              flags.resume.resume_timeout))
+                                              flags.resume.resume_timeout, flags.server.max_queue))
 
 
 def run(context: RoleContext) -> int:

@@ -7,16 +7,15 @@ is 1, true, yes or on.
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from mlxcel import envs
 from mlxcel.cluster.secret import ClusterSecret
 from mlxcel.disagg.flags import NodeConfig, node_config
-from mlxcel.disagg.wire import STATS_VERBOSE_ENV, VERBOSE_VALUES
 from mlxcel.roles.context import RoleContext, ServeConfig
 from mlxcel.server.runtime import ServerRuntime
 from mlxcel.server.serve import serve_openai
@@ -26,8 +25,7 @@ if TYPE_CHECKING:
 
 
 def stats_verbose(env: dict[str, str] | None = None) -> bool:
-    value = (os.environ if env is None else env).get(STATS_VERBOSE_ENV, "")
-    return value.strip().lower() in VERBOSE_VALUES
+    return (envs.settings() if env is None else envs.read(env)).router_stats_verbose
 
 
 def router_factory(cfg: NodeConfig, secret: ClusterSecret):
@@ -52,7 +50,7 @@ def router_factory(cfg: NodeConfig, secret: ClusterSecret):
 def configure(flags: ServeFlags, config: ServeConfig) -> ServeConfig:
     """The prefill and decode nodes it balances (flags or the cluster TOML; the secret is the command's)."""
     return replace(config, disagg=node_config(flags.disagg, config.dist, flags.resume.max_resumes,
-                                              flags.resume.resume_timeout))
+                                              flags.resume.resume_timeout, flags.server.max_queue))
 
 
 def stats_route(runtime: ServerRuntime, verbose: bool):

@@ -6,6 +6,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from mlxcel import envs
 from mlxcel.cluster.secret import ClusterSecret
 from mlxcel.errors import CLIError
 from mlxcel.loading_process import LoadingProcess, serve_loading
@@ -42,7 +43,8 @@ class StageProcess(LoadingProcess):
                                                    max_rows=self.dist.cluster.max_batch_size)
             loaded.append(checkpoint)
             return StageService(self.dist.cluster, node.id, runner, self.secret, model_facts(self.model_dir),
-                                on_shutdown=on_shutdown)
+                                on_shutdown=on_shutdown,
+                                step_delay_s=envs.settings().test_stage_step_delay_s)  # test only
 
         seconds = self.start_service(build, who=f"stage {node.id}", address=node.address, on_fatal=on_fatal)
         if seconds is not None and node.layers is not None:

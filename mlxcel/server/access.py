@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, NoReturn
 
+from mlxcel import envs
 from mlxcel.config import ENV_KEY, ENV_KEY_FILE
 from mlxcel.errors import CLIError
 from mlxcel.flagset import FlagSet
@@ -121,8 +122,8 @@ def _read_key_file(path: Path, label: str) -> str:
 def load_api_keys(cli_file: str | os.PathLike[str] | None = None, *,
                   env: Mapping[str, str] | None = None) -> APIKeys | None:
     """Keys from the highest-precedence configured source; None when none is configured."""
-    env = os.environ if env is None else env
-    env_file, env_value = env.get(ENV_KEY_FILE), env.get(ENV_KEY)
+    settings = envs.settings() if env is None else envs.read(env)
+    env_file, env_value = settings.api_key_file, settings.api_key
     if env_file is not None and env_value is not None:
         raise AccessError(f"both {ENV_KEY_FILE} and {ENV_KEY} are set; set only one of them")
     if cli_file is not None:

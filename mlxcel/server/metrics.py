@@ -25,8 +25,8 @@ _ENGINE_GAUGES = {
     "micro_batch_size": ("mlxcel_micro_batch_size", "Rows per decode micro-batch"),
     "pipeline_depth": ("mlxcel_pipeline_depth", "Steps that may be in flight at once (pipeline stages)"),
     "stages_down": ("mlxcel_pipeline_stages_down", "Pipeline stages that do not answer now"),
-    "held": ("mlxcel_held_requests", "New requests held now: a pipeline stage is down, they start once it is back "
-                                     "(at most --resume-timeout)"),
+    "held": ("mlxcel_held_requests", "New requests held now: a pipeline stage (or, on a router, every node of a "
+                                     "role) is down, they start once it is back (at most --resume-timeout)"),
 }
 _ENGINE_COUNTERS = {
     "decode_steps": ("mlxcel_decode_steps", "Batched decode steps run"),
@@ -67,6 +67,9 @@ _ROUTER_GAUGES = {
     "router_resumed": "Resumed attempts dispatched: a request's prompt plus its streamed tokens prefilled again",
     "router_resume_failed": "Requests that could not be resumed within --resume-timeout (503)",
     "router_early_first": "First tokens the prefill nodes sent early (relayed before the KV handoff arrived)",
+    "router_held": "New requests held now: no prefill or no decode node is up (at most --resume-timeout each)",
+    "router_holds": "New requests ever held because no prefill or no decode node was up",
+    "router_hold_failed": "Held requests that failed (503): no node of a role up within --resume-timeout",
     "router_prefill_up": "Prefill nodes up now",
     "router_decode_up": "Decode nodes up now",
     "router_in_flight": "Requests in flight now",

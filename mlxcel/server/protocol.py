@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, ClassVar, Iterator, Literal, NamedTuple, Optional, Union
+from typing import Annotated, Any, ClassVar, Iterator, Literal, NamedTuple, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_serializer
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, StringConstraints,
+                      model_serializer)
 
 Number = Union[StrictInt, StrictFloat]
 
@@ -77,21 +78,60 @@ class TextPart(_Request):
     UNSUPPORTED = {"prompt_cache_breakpoint": ()}
 
 
+FunctionName = Annotated[str, StringConstraints(strict=True, pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]
+
+
+class FunctionCall(_Request):
+    name: FunctionName
+    arguments: StrictStr  # JSON text, as the model wrote it
+
+
+class ToolCall(_Request):
+    id: Annotated[str, StringConstraints(strict=True, min_length=1, max_length=256)]
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class FunctionDefinition(_Request):
+    name: FunctionName
+    description: Optional[StrictStr] = None
+    parameters: Optional[dict[str, Any]] = None  # a JSON schema, rendered by the chat template
+    UNSUPPORTED = {"strict": (False,)}  # schema-exact arguments need constrained decoding
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: FunctionName
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[StrictStr, list[TextPart], None] = None
-    # name: chat templates do not render it; the rest: tools, audio, refusals. Echoed assistant
+    tool_calls: Optional[list[ToolCall]] = None  # assistant messages
+    tool_call_id: Optional[Annotated[str, StringConstraints(strict=True, max_length=256)]] = None  # tool messages
+    # name: chat templates do not render it; the rest: audio, refusals. Echoed assistant
     # messages (the openai client's ChatCompletionMessage) carry "refusal": null, "annotations": [].
-    UNSUPPORTED = {"name": (), "audio": (), "function_call": (), "refusal": (), "tool_calls": ([],),
-                   "tool_call_id": (), "annotations": ([],)}
+    UNSUPPORTED = {"name": (), "audio": (), "function_call": (), "refusal": (), "annotations": ([],)}
 
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     model: StrictStr
+    frequency_penalty: Optional[Number] = None
+    logit_bias: Optional[dict[str, Any]] = None  # token id -> bias; checked by serving (count first)
     logprobs: Optional[StrictBool] = False
     max_completion_tokens: Optional[StrictInt] = None
     max_tokens: Optional[StrictInt] = None
+    presence_penalty: Optional[Number] = None
     prompt_cache_key: Optional[StrictStr] = None  # accepted, no effect: our prefix cache needs no key
     safety_identifier: Optional[StrictStr] = None  # accepted, no effect: no abuse monitoring here
     seed: Optional[StrictInt] = None
@@ -103,30 +143,31 @@ class ChatCompletionRequest(_Request):
     top_p: Optional[Number] = None
     user: Optional[StrictStr] = None  # accepted, no effect (as safety_identifier)
     # --- mlxcel extensions (vLLM spells them the same) ---
+    parallel_tool_calls: Optional[StrictBool] = True
+    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    tools: Optional[list[Tool]] = None
+    # --- mlxcel extensions (vLLM spells them the same) ---
     top_k: Optional[StrictInt] = None  # sample from the k most likely tokens; 0 = off
+    min_p: Optional[Number] = None  # drop tokens below min_p x the top probability; 0 = off
+    repetition_penalty: Optional[Number] = None  # mlx-lm's multiplicative penalty; 1 = off
     ignore_eos: Optional[StrictBool] = False  # keep generating past EOS (benchmarks: fixed lengths)
+    chat_template_kwargs: Optional[dict[str, Any]] = None  # extra variables for the chat template
 
     UNSUPPORTED = {
         "audio": (),
-        "frequency_penalty": (0,),
         "function_call": ("none",),
         "functions": ([],),
-        "logit_bias": ({},),
         "metadata": ({},),  # only useful with store
         "modalities": (["text"],),
         "moderation": (),
         "n": (1,),
-        "parallel_tool_calls": (True, False),  # no tools: either asks for nothing
         "prediction": (),
-        "presence_penalty": (0,),
         "prompt_cache_options": (),
         "prompt_cache_retention": ("in_memory",),  # a maximum: our prefix cache lives in memory
-        "reasoning_effort": (),
         "response_format": ({"type": "text"},),
         "service_tier": ("auto", "default"),
         "store": (False,),
-        "tool_choice": ("none", "auto"),  # no tools: "auto" calls none
-        "tools": ([],),
         "verbosity": (),
         "web_search_options": (),  # {} turns web search on
     }
@@ -135,8 +176,11 @@ class ChatCompletionRequest(_Request):
 class CompletionRequest(_Request):
     model: StrictStr
     prompt: Union[StrictStr, list[StrictStr], list[StrictInt]]
+    frequency_penalty: Optional[Number] = None
+    logit_bias: Optional[dict[str, Any]] = None
     logprobs: Optional[StrictInt] = None  # number of alternatives per token, 0-20
     max_tokens: Optional[StrictInt] = None
+    presence_penalty: Optional[Number] = None
     seed: Optional[StrictInt] = None
     stop: Union[StrictStr, list[StrictStr], None] = None
     stream: Optional[StrictBool] = False
@@ -146,15 +190,14 @@ class CompletionRequest(_Request):
     user: Optional[StrictStr] = None  # accepted, no effect
     # --- mlxcel extensions ---
     top_k: Optional[StrictInt] = None
+    min_p: Optional[Number] = None
+    repetition_penalty: Optional[Number] = None
     ignore_eos: Optional[StrictBool] = False
 
     UNSUPPORTED = {
         "best_of": (1,),
         "echo": (False,),
-        "frequency_penalty": (0,),
-        "logit_bias": ({},),
         "n": (1,),
-        "presence_penalty": (0,),
         "suffix": ("",),
     }
 
@@ -185,9 +228,29 @@ class ChoiceLogprobs(BaseModel):
     content: Optional[list[TokenLogprob]] = None
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None  # the text between the think markers (vLLM's name)
+    reasoning: Optional[str] = None  # the same text, under mlx_lm.server's name
+    tool_calls: Optional[list[ToolCallOut]] = None
+
+    @model_serializer(mode="wrap")
+    def _drop_absent(self, handler: Any) -> dict:
+        """content is always sent (null with only tool calls); the other fields only when present."""
+        out = handler(self)
+        return {k: v for k, v in out.items() if v is not None or k == "content"}
 
 
 class ChatChoice(BaseModel):
@@ -207,9 +270,32 @@ class ChatCompletion(BaseModel):
     system_fingerprint: Optional[str] = None
 
 
+class FunctionDelta(BaseModel):
+    name: Optional[str] = None
+    arguments: Optional[str] = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: Any) -> dict:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ToolCallDelta(BaseModel):
+    index: int
+    id: Optional[str] = None
+    type: Optional[Literal["function"]] = None
+    function: FunctionDelta
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: Any) -> dict:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
 class Delta(BaseModel):
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None
+    reasoning: Optional[str] = None
+    tool_calls: Optional[list[ToolCallDelta]] = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: Any) -> dict:

@@ -7,13 +7,13 @@ bound, so /health can answer 503 meanwhile; a load failure is fatal.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from mlxcel import envs
 from mlxcel.config import DEFAULT_MAX_QUEUE, DEFAULT_PARALLEL, DEFAULT_PREFIX_CACHE_MB
 from mlxcel.engine.interface import Engine, EngineUnavailable
 from mlxcel.models.facts import context_length
@@ -21,7 +21,6 @@ from mlxcel.models.facts import context_length
 log = logging.getLogger("mlxcel.server")
 
 # Test and rehearsal aid: hold readiness this many seconds after warmup (simulates a slow warmup).
-WARMUP_DELAY_ENV = "MLXCEL_WARMUP_DELAY_S"
 
 
 @dataclass(frozen=True)
@@ -99,7 +98,7 @@ class ServerRuntime:
         except Exception as exc:  # anything else a broken checkpoint raises: still one line, still fatal
             self._fail(f"{self.config.model}: cannot load checkpoint: {exc}", on_fatal)
             return
-        delay = float(os.environ.get(WARMUP_DELAY_ENV, "0") or 0)
+        delay = envs.settings().test_warmup_delay_s  # test only: a slow load
         if delay and self.config.warmup:
             time.sleep(delay)
         self.state = "ready"

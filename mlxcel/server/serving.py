@@ -25,10 +25,13 @@ from mlxcel.engine.interface import (
     TokenEvent,
     finish_error,
 )
-from mlxcel.engine.prompts import PromptError, encode_chat, encode_raw
-from mlxcel.engine.sampling import SamplingParams
+from mlxcel.engine.prompts import PromptError, encode_raw
+from mlxcel.engine.sampling import SamplingParams, check_logit_bias
+from mlxcel.engine.sampling_wire import logit_bias_from_doc
+from mlxcel.strict_json import FieldError
 from mlxcel.models.token_ids import TokenIdError, check_token_ids
 from mlxcel.server import protocol as p
+from mlxcel.server.chat_turn import Turn, join_deltas, prepare_turn
 from mlxcel.server.errors import (
     ClientDisconnected,
     ContextLengthExceeded,
@@ -104,7 +107,8 @@ class OpenAIServing:
 
     async def chat(self, req: p.ChatCompletionRequest, raw: Request) -> Response:
         engine = self._prepare(req)
-        prompt = encode_chat(engine.tokenizer, [_message_dict(m) for m in req.messages])
+        turn = prepare_turn(engine.tokenizer, req)
+        prompt = turn.prompt
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         top = self._top_logprobs(req.logprobs, req.top_logprobs)
@@ -113,11 +117,15 @@ class OpenAIServing:
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
-            return SSEResponse(self._chat_events(stream, rid, usage, engine.tokenizer))
+            return SSEResponse(self._chat_events(stream, rid, usage, engine.tokenizer, turn))
         out = await self._collect(stream, raw)
         logprobs = _chat_logprobs(out.tokens, engine.tokenizer) if req.logprobs else None
-        choice = p.ChatChoice(message=p.AssistantMessage(content=out.text), logprobs=logprobs,
-                              finish_reason=out.finish_reason)
+        message, finish = p.AssistantMessage(content=out.text), out.finish_reason
+        if not turn.plain:
+            shaped = turn.output()
+            message = join_deltas(shaped.feed(out.text) + shaped.finish())
+            finish = shaped.finish_reason(out.finish_reason or "stop")
+        choice = p.ChatChoice(message=message, logprobs=logprobs, finish_reason=finish)
         body = p.ChatCompletion(id=rid, model=self.model_name, choices=[choice], usage=_usage(out))
         return JSONResponse(p.dump(body))
 
@@ -184,6 +192,11 @@ class OpenAIServing:
             seed=req.seed,
             stop=stop,
             logprobs=logprobs,
+            min_p=float(_given(req.min_p, defaults, "min_p", 0.0)),
+            repetition_penalty=float(_given(req.repetition_penalty, defaults, "repetition_penalty", 1.0)),
+            presence_penalty=float(req.presence_penalty or 0.0),
+            frequency_penalty=float(req.frequency_penalty or 0.0),
+            logit_bias=_logit_bias(req.logit_bias, _vocab_size(engine.tokenizer)),
         )
         return EngineRequest(tuple(prompt), params, top_logprobs=top, ignore_eos=bool(req.ignore_eos))
 
@@ -254,7 +267,7 @@ class OpenAIServing:
         return out
 
     async def _chat_events(self, stream: EventStream, rid: str, include_usage: bool,
-                           tokenizer: Any) -> AsyncIterator[str]:
+                           tokenizer: Any, turn: Turn) -> AsyncIterator[str]:
         created = int(time.time())
 
         def chunk(delta: p.Delta, finish: str | None = None, logprobs: p.ChoiceLogprobs | None = None) -> str:
@@ -262,21 +275,35 @@ class OpenAIServing:
             return sse(p.ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=[choice]))
 
         text_chunk = text_template(lambda text: chunk(p.Delta(content=text)))
+        shaped = None if turn.plain else turn.output()
+
+        def chunks(text: str, lp: p.ChoiceLogprobs | None = None) -> list[str]:
+            """The text as chunks: content alone (the fast path), or split into reasoning and tool calls."""
+            if shaped is None:
+                return [text_chunk(text)] if text and lp is None else [chunk(p.Delta(content=text), logprobs=lp)]
+            deltas = shaped.feed(text)
+            if lp is not None and not deltas:
+                deltas = [p.Delta()]  # one chunk per token carries its logprob
+            return [chunk(d, logprobs=lp if i == 0 else None) for i, d in enumerate(deltas)]
 
         async def body() -> AsyncIterator[str]:
             yield chunk(p.Delta(role="assistant", content=""))
             async for ev in self._events(stream):
                 if isinstance(ev, TokenEvent):
-                    if ev.logprob is None:
-                        if ev.text:
-                            yield text_chunk(ev.text)
-                        continue
-                    lp = _chat_logprobs([ev], tokenizer)
-                    yield chunk(p.Delta(content=ev.text), logprobs=lp)
+                    lp = None if ev.logprob is None else _chat_logprobs([ev], tokenizer)
+                    if ev.text or lp is not None:
+                        for text in chunks(ev.text, lp):
+                            yield text
                     continue
+                finish = ev.finish_reason
                 if ev.text:
-                    yield chunk(p.Delta(content=ev.text))
-                yield chunk(p.Delta(), finish=ev.finish_reason)
+                    for text in chunks(ev.text):
+                        yield text
+                if shaped is not None:
+                    for delta in shaped.finish():
+                        yield chunk(delta)
+                    finish = shaped.finish_reason(finish)
+                yield chunk(p.Delta(), finish=finish)
                 if include_usage:
                     usage = p.Usage(prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens,
                                     total_tokens=ev.prompt_tokens + ev.completion_tokens)
@@ -335,14 +362,6 @@ async def _wait_disconnect(raw: Request) -> None:
             return
 
 
-def _message_dict(m: p.ChatMessage) -> dict:
-    if isinstance(m.content, list):
-        content = "".join(part.text for part in m.content)
-    else:
-        content = m.content or ""
-    return {"role": m.role, "content": content}
-
-
 def _completion_prompt(tokenizer: Any, prompt: Union[str, list]) -> list[int]:
     if isinstance(prompt, str):
         return encode_raw(tokenizer, prompt)
@@ -352,12 +371,27 @@ def _completion_prompt(tokenizer: Any, prompt: Union[str, list]) -> list[int]:
         if len(prompt) != 1:
             raise Unsupported("only one prompt per request is supported", param="prompt")
         return encode_raw(tokenizer, prompt[0])
-    vocab = getattr(tokenizer, "vocab_size", None) or len(tokenizer.get_vocab())
     try:
-        check_token_ids(prompt, vocab, "prompt")
+        check_token_ids(prompt, _vocab_size(tokenizer), "prompt")
     except TokenIdError as exc:
         raise InvalidRequest(str(exc), param="prompt") from None
     return list(prompt)
+
+
+def _vocab_size(tokenizer: Any) -> int:
+    return getattr(tokenizer, "vocab_size", None) or len(tokenizer.get_vocab())
+
+
+def _logit_bias(raw: dict[str, Any] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias`` object as checked (id, bias) pairs; a 400 naming ``logit_bias`` otherwise."""
+    if raw is None:
+        return ()
+    try:
+        pairs = logit_bias_from_doc(raw)
+    except FieldError as exc:
+        raise InvalidRequest(str(exc), param="logit_bias") from None
+    check_logit_bias(pairs, vocab_size)  # a SamplingError: a 400 naming logit_bias
+    return pairs
 
 
 def _usage(out: Outcome) -> p.Usage:

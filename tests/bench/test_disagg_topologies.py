@@ -15,7 +15,6 @@ def test_a_plain_topology_changes_no_environment():
 def test_options_combine_and_go_to_the_nodes_they_concern():
     assert topology_options("1p1d-copy-lanes1") == ("1p1d", {"MLXCEL_HANDOFF_LANES": "1"},
                                                     {"MLXCEL_HANDOFF_COPY": "1"})
-    assert topology_options("2p1d-stable") == ("2p1d", {}, {"MLXCEL_STABLE_JOIN": "1"})
     both = {"MLXCEL_SWITCH_INTERVAL_MS": "0.2"}
     assert topology_options("1p1d-switch0.2") == ("1p1d", both, both)
     off = {"MLXCEL_HANDOFF_STAGING": "0"}
@@ -25,7 +24,7 @@ def test_options_combine_and_go_to_the_nodes_they_concern():
     assert topology_options("1p1d-p0") == ("1p1d", every, every)
 
 
-@pytest.mark.parametrize("name", ["1p1d-bogus", "1p1d-lanes", "1p1d-lanesx", "1p1d-switch", "1p1d-switchfast"])
+@pytest.mark.parametrize("name", ["1p1d-bogus", "2p1d-stable", "1p1d-lanes", "1p1d-lanesx", "1p1d-switch", "1p1d-switchfast"])
 def test_an_unknown_option_stops_the_run_with_its_name(name):
     with pytest.raises(SystemExit, match="unknown topology option"):
         topology_options(name)

@@ -40,13 +40,12 @@ def test_the_sync_kind_turns_asynchronous_scheduling_off_and_traces_apart(tmp_pa
     assert "MLXCEL_STEP_TRACE" not in launch_env("mlx_lm", trace)
 
 
-SWITCHES = ("MLXCEL_STABLE_JOIN", "MLXCEL_ASYNC_SCHED", "MLXCEL_BATCH_TAILS")
+SWITCHES = ("MLXCEL_ASYNC_SCHED", "MLXCEL_BATCH_TAILS")
 
 
-@pytest.mark.parametrize("kind, variable, value", [("mlxcel-stable", "MLXCEL_STABLE_JOIN", "1"),
-                                                   ("mlxcel-lone-tails", "MLXCEL_BATCH_TAILS", "0")])
+@pytest.mark.parametrize("kind, variable, value", [("mlxcel-lone-tails", "MLXCEL_BATCH_TAILS", "0")])
 def test_a_switch_kind_sets_its_variable_and_nothing_else(tmp_path, monkeypatch, kind, variable, value):
-    """mlxcel-stable: the shape-stable join on; mlxcel-lone-tails: batched prompt tails off; each traced apart."""
+    """mlxcel-lone-tails: batched prompt tails off, traced apart (mlxcel-stable went with its switch)."""
     for name in SWITCHES:
         monkeypatch.delenv(name, raising=False)
     env = launch_env(kind, str(tmp_path / "steps.jsonl"))

@@ -26,7 +26,7 @@ from tests.server.util import metrics
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.proc]
 N = 60
-SLOW = {"MLXCEL_STAGE_STEP_DELAY_S": "0.03"}  # a 60-token answer lasts long enough to break it midway
+SLOW = {"MLXCEL_TEST_STAGE_STEP_DELAY_S": "0.03"}  # a 60-token answer lasts long enough to break it midway
 
 
 def _health(url: str) -> httpx.Response:

@@ -39,7 +39,7 @@ CHATS = ["Hello there", "The capital of France is", "Write one short sentence ab
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, tiny_llama):
     c = DisaggCluster(tmp_path_factory.mktemp("disagg"), tiny_llama, prefills=2, decodes=2,
-                      prefill_flags=("--log-level", "debug"), decode_env={"MLXCEL_DISAGG_STEP_DELAY_S": STEP_DELAY})
+                      prefill_flags=("--log-level", "debug"), decode_env={"MLXCEL_TEST_DECODE_STEP_DELAY_S": STEP_DELAY})
     c.prefill_env = {"MLXCEL_DECODE_ALLOWLIST": f"{c.decode_addrs[0]}, decode.lan:1,{c.decode_addrs[1]}",
                      "MLXCEL_HANDOFF_LANES": "2"}
     c.start()
@@ -115,6 +115,20 @@ def test_seeded_sampling_and_logprobs_continue_across_the_handoff(cluster, singl
     text = client(cluster.url).completions.create(model="tiny", prompt="abc", max_tokens=5, temperature=0)
     assert text.choices[0].text == client(single.url).completions.create(model="tiny", prompt="abc", max_tokens=5,
                                                                          temperature=0).choices[0].text
+
+
+def test_penalties_and_logit_bias_hold_across_the_handoff(cluster, single):
+    """The prefill node samples the first token with them, the decode node the rest with the window rebuilt
+    from the handoff's prompt and first token: the single node's text, streamed or not."""
+    from tests.engine.penalty_reference import PENALIZED
+
+    extra = {k: v for k, v in PENALIZED.items() if k != "repetition_penalty"}
+    kw = dict(max_tokens=16, temperature=0, extra_body={"repetition_penalty": PENALIZED["repetition_penalty"]}, **extra)
+    for text in CHATS[:2]:
+        ref = chat(single.url, text, **kw).choices[0].message.content
+        assert chat(cluster.url, text, **kw).choices[0].message.content == ref
+        assert streamed(cluster.url, text, **kw)[0] == ref
+        assert ref != chat(single.url, text, max_tokens=16, temperature=0).choices[0].message.content
 
 
 def test_two_decode_nodes_share_the_load_and_stats_are_redacted(cluster):
@@ -415,24 +429,33 @@ def test_a_dead_prefill_node_is_skipped_and_no_request_fails(cluster):
     cluster.wait_status("prefill-1", "up")
 
 
-def test_with_every_decode_node_down_the_router_answers_503_and_recovers(cluster):
+def test_with_every_decode_node_down_requests_are_held_and_go_on_when_one_is_back(cluster):
+    """No decode node up: new requests are held (docs/disagg.md §6.2), streamed or not, while /v1/models answers
+    and /health says 503; once a decode node is back they complete (the 503 after --resume-timeout and the
+    hold bound: tests/disagg/test_router_holding.py)."""
     for node in cluster.decodes:
         node.kill()
     for i in range(len(cluster.decodes)):
         cluster.wait_status(f"decode-{i}", "down")
-    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-    for stream in (False, True):
-        r = httpx.post(f"{cluster.url}/v1/chat/completions", json={**body, "stream": stream}, timeout=10)
-        assert r.status_code == 503 and r.headers["retry-after"] == "1"
-        assert "no decode node is up" in r.json()["error"]["message"]
-    with pytest.raises(openai.InternalServerError) as info:
-        chat(cluster.url, "hi", max_tokens=2)
-    assert info.value.status_code == 503
+    before = cluster.stats()["metrics"]
+    replies: dict = {}
+    held = [threading.Thread(target=lambda: replies.update(plain=chat(cluster.url, "hi", max_tokens=2, temperature=0))),
+            threading.Thread(target=lambda: replies.update(streamed=streamed(cluster.url, "hi", max_tokens=2,
+                                                                               temperature=0)))]
+    for thread in held:
+        thread.start()
+    wait_for(lambda: cluster.stats()["metrics"]["router_held"] == 2, what="two requests held")
     models = httpx.get(f"{cluster.url}/v1/models", timeout=5)
     assert models.status_code == 200 and models.json()["data"][0]["id"] == "tiny"
     health = httpx.get(f"{cluster.url}/health", timeout=5)
     assert health.status_code == 503 and health.json()["decode_up"] == 0
     cluster.decodes[1].restart()
+    for thread in held:
+        thread.join(60)
+    assert replies["plain"].usage.completion_tokens == 2 and replies["streamed"][0]
+    after = cluster.stats()["metrics"]
+    assert after["router_holds"] == before["router_holds"] + 2 and after["router_held"] == 0
+    assert after["router_unavailable"] == before["router_unavailable"]
     cluster.wait_status("decode-1", "up")
     assert chat(cluster.url, "hi again", max_tokens=2, temperature=0).usage.completion_tokens == 2
 

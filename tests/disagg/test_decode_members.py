@@ -187,3 +187,35 @@ def test_with_intake_workers_and_crypto_helpers_handoffs_finish_and_attacks_are_
     finally:
         node.stop()
         member.close()
+
+
+def test_a_cancel_racing_an_arriving_multi_part_handoff_drops_it_cleanly(decode):
+    """CANCEL while a long handoff arrives (its client left at its first token): the handoff is dropped and its
+    later parts ignored, with no handler traceback in the node's log, no token for it, and every slot back."""
+    node, target, members = decode
+    prober, honest, router = members[PROBER_IP], members[HONEST_IP], members[IDLER_IP]  # CANCEL: another connection
+    prompt = tuple(1 + i % 300 for i in range(2000))  # 2 MB of KV: parts that each take a while beside the CANCEL
+    parts = list(encode_chunks([np.zeros(LAYOUT.nbytes(len(prompt)), np.uint8)], chunk_len=256 * 1024))
+    before, nonces = node.state(), [f"00000000000001{i:02x}" for i in range(40)]
+    for i, nonce in enumerate(nonces):
+        with prober.transport.open_stream(target) as s:
+            s.write(encode_header(prober.doc(nonce), prompt, LAYOUT))
+            for k, part in enumerate(parts[:-1]):  # CANCEL races the chunks in flight ...
+                if k == 1 + i % (len(parts) - 3):
+                    router.transport.send(target, Kind.CONTROL, m.cancel(nonce))
+                s.write(part)
+            wait_for(lambda: node.state()["cancelled"] == before["cancelled"] + i + 1, what="the CANCEL")
+            s.write(parts[-1])  # ... and lands before END
+    wait_for(lambda: node.state()["incoming"] == 0, what="the cancelled streams to end")
+    time.sleep(0.5)
+    failed = [line for line in node.lines if "handler failed" in line or "Traceback" in line]
+    assert not failed, "".join(node.lines[-40:])
+    assert not [d for d in prober.of(MsgType.TOKENS) + prober.of(MsgType.FINISH) if d["nonce"] in nonces]
+    state = node.state()
+    assert state["sequences"] == 0 and state["kv_sequences"] == 0
+    assert state["handoffs"] == before["handoffs"] and state["refused"] == before["refused"] + len(nonces)
+    for i in range(SLOTS // 2):  # every slot is back: one sender's share of them finishes
+        full_handoff(honest, target, f"00000000000002{i:02x}")
+    finishes = wait_for(lambda: len(honest.of(MsgType.FINISH)) >= SLOTS // 2 and honest.of(MsgType.FINISH),
+                        what="the honest FINISHes")
+    assert {d["nonce"] for d in finishes} >= {f"00000000000002{i:02x}" for i in range(SLOTS // 2)}

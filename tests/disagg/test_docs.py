@@ -67,7 +67,8 @@ def test_the_documented_required_generate_fields_are_required():
 def test_the_documented_defaults_are_what_a_missing_field_takes():
     _, defaults = generate_fields()
     assert set(defaults) == {"params.temperature", "params.top_p", "params.top_k", "params.seed", "params.stop",
-                             "params.logprobs", "top_logprobs", "ignore_eos"}
+                             "params.logprobs", "params.min_p", "params.repetition_penalty", "params.presence_penalty",
+                             "params.frequency_penalty", "params.logit_bias", "top_logprobs", "ignore_eos"}
     gen = m.Generate.parse(minimal(), 8)
     assert gen.decode_target is None and m.Generate.parse({**minimal(), "decode_target": None}, 8).decode_target is None
     for name, value in defaults.items():
@@ -76,7 +77,9 @@ def test_the_documented_defaults_are_what_a_missing_field_takes():
 
 
 @pytest.mark.parametrize("name", ["params.temperature", "params.top_p", "params.top_k", "params.stop",
-                                  "params.logprobs", "top_logprobs", "ignore_eos"])
+                                  "params.logprobs", "params.min_p", "params.repetition_penalty",
+                                  "params.presence_penalty", "params.frequency_penalty", "params.logit_bias",
+                                  "top_logprobs", "ignore_eos"])
 def test_null_is_no_missing_field_outside_seed_and_decode_target(name):
     with pytest.raises(m.MessageRefused):
         m.Generate.parse(put(minimal(), name, None), 8)

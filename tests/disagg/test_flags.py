@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from mlxcel import envs
+
 from mlxcel.cli import build_parser
 from mlxcel.cluster.errors import SecretError
 from mlxcel.cluster.identity import PeerId
@@ -97,7 +99,10 @@ def test_the_switch_interval_is_half_a_millisecond_unless_the_environment_says(m
             node_config(a.disagg, None)
     router = args("--node-role", "router", "--serving-bind", "127.0.0.1:9000", "--prefill-peers", "127.0.0.2:1",
                   "--decode-peers", "127.0.0.3:2", "--cluster-secret-file", str(secret))
-    assert node_config(router.disagg, None).role == "router"  # not the router's variable: never read there
+    with pytest.raises(CLIError, match="MLXCEL_SWITCH_INTERVAL_MS must be"):  # every role refuses a bad variable
+        node_config(router.disagg, None)
+    monkeypatch.delenv("MLXCEL_SWITCH_INTERVAL_MS")
+    assert node_config(router.disagg, None).role == "router"
 
 
 def test_the_handoff_environment_is_read_into_the_config_and_a_bad_value_is_named(monkeypatch, tmp_path):
@@ -123,8 +128,10 @@ def test_the_handoff_environment_is_read_into_the_config_and_a_bad_value_is_name
                                 ("MLXCEL_HANDOFF_STAGING", "auto", "1 or 0", prefill)):
         with monkeypatch.context() as env:
             env.setenv(name, bad)
+            envs.reload()  # a fresh process would read the changed environment
             with pytest.raises(CLIError, match=f"{name} must be .*{words}"):
                 node_config(a.disagg, None)
+        envs.reload()
 
 
 def test_a_bad_handoff_variable_stops_a_decode_node_before_its_model_loads(tmp_path, tiny_llama):

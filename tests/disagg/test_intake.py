@@ -7,7 +7,9 @@ import time
 
 import pytest
 
-from mlxcel.disagg.intake import DEPTH, WORKERS_ENV, Intake, default_workers
+from mlxcel.disagg.intake import DEPTH, Intake, default_workers
+
+WORKERS_ENV = "MLXCEL_HANDOFF_INTAKE_WORKERS"
 
 
 def test_parts_of_each_stream_run_in_order_off_the_callers_thread():

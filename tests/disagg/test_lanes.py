@@ -6,7 +6,9 @@ import threading
 
 import pytest
 
-from mlxcel.disagg.lanes import LANES_ENV, LanePicker, default_lanes
+from mlxcel.disagg.lanes import LanePicker, default_lanes
+
+LANES_ENV = "MLXCEL_HANDOFF_LANES"
 
 
 def test_concurrent_handoffs_take_the_least_busy_lanes_and_give_them_back():

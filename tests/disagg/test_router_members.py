@@ -17,13 +17,13 @@ import pytest
 
 from mlxcel.cluster.identity import PeerId
 from mlxcel.cluster.secret import ClusterSecret, load_secret
-from mlxcel.cluster.transport import Transport
 from mlxcel.cluster.wire import Kind
 from mlxcel.disagg import messages as m
 from mlxcel.disagg.wire import MsgType
 from mlxcel.engine.interface import FinishEvent, TokenEvent
 from mlxcel.models.identity import model_identity
 from tests.disagg.cluster import RoleNode, wait_for
+from tests.disagg.members import Member
 from tests.pipeline.cluster import free_port, write_secret
 
 pytestmark = pytest.mark.proc  # starts processes (tests/proc_marker.py)
@@ -34,26 +34,6 @@ ROUTER_IP, PREFILL_IP, WRONG_IP, ABSENT_IP, DECODE_IP = (f"127.0.0.{i}" for i in
 
 def addr(ip: str) -> str:
     return f"{ip}:{free_port(ip)}"
-
-
-class Member:
-    """A secret holder at a configured node address: answers STATE as ``role``, records control messages."""
-
-    def __init__(self, bind: str, secret: ClusterSecret, role: str, model: str):
-        self.got: list[tuple[MsgType, dict]] = []
-        self.state = m.state_doc(role=role, boot_id="00" * 8, model=model, ready=True)
-        self.transport = Transport(bind, secret, max_reconnect_attempts=1, reconnect_budget=0)
-        self.transport.serve(on_message=self._message, on_request=lambda msg: self.state)
-
-    def _message(self, msg) -> None:
-        if msg.kind is Kind.CONTROL:
-            self.got.append(m.decode(msg.payload))
-
-    def of(self, kind: MsgType) -> list[dict]:
-        return [doc for k, doc in list(self.got) if k is kind]
-
-    def close(self) -> None:
-        self.transport.close()
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +73,7 @@ def documented_metrics() -> list[str]:
 def test_every_router_metric_the_docs_list_is_a_gauge_on_metrics(setup):
     node, *_ = setup
     names = documented_metrics()
-    assert len(names) == 20
+    assert len(names) == 23
     assert sorted(stats(node)["metrics"]) == names  # the docs list exactly what /router/stats reports
     body = httpx.get(f"{node.url}/metrics", timeout=5).text
     missing = [n for n in names if not re.search(rf"^# TYPE {n} gauge$", body, re.M)]

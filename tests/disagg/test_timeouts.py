@@ -16,7 +16,7 @@ pytestmark = pytest.mark.proc  # starts processes (tests/proc_marker.py)
 def test_a_request_queued_longer_than_the_handoff_timeout_still_completes(tmp_path, tiny_llama):
     cluster = DisaggCluster(tmp_path, tiny_llama, router_flags=("--handoff-timeout", "5"),
                             node_flags=("--no-warmup", "--parallel", "1", "--max-queue", "4"),
-                            decode_env={"MLXCEL_DISAGG_STEP_DELAY_S": "0.05"})
+                            decode_env={"MLXCEL_TEST_DECODE_STEP_DELAY_S": "0.05"})
     try:
         cluster.start()
         api = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="x", max_retries=0, timeout=60)

@@ -271,3 +271,42 @@ def test_the_decoders_bound_every_id_by_the_vocabulary(value, where):
         assert not ok and exc.code is ErrorCode.BAD_TENSOR and f"[0, {VOCAB})" in str(exc), exc
     else:
         assert ok, f"{where}: {value} was accepted"
+
+
+# -- the logits processors' fields (logit_bias): bounded by the receiver, whoever holds the secret ---------
+
+
+OVERSIZE_BIAS = {str(i): 1.0 for i in range(301)}  # one past the bound: refused before a single entry is used
+
+
+@pytest.mark.parametrize("bias,words", [
+    (OVERSIZE_BIAS, "logit_bias holds 301 entries; at most 300"),
+    ({str(VOCAB): 5.0}, f"logit_bias names token {VOCAB}; the vocabulary has {VOCAB}"),
+    ({"7": 101.0}, "logit_bias values must be numbers between -100 and 100"),
+    ({"-1": 1.0}, "logit_bias keys must be token ids"),
+])
+def test_a_prefill_node_refuses_a_bad_logit_bias_and_keeps_serving(nodes, bias, words):
+    rid = generate(nodes, params={**PARAMS, "logit_bias": bias})
+    assert_refused(nodes, rid, nodes.prefill, ErrorCode.BAD_REQUEST, words)
+    assert_nothing_held(nodes)
+    assert_served(nodes)
+
+
+@pytest.mark.parametrize("bias,words", [
+    (OVERSIZE_BIAS, "logit_bias holds 301 entries; at most 300"),
+    ({str(2**32 - 1): 5.0}, f"logit_bias names token {2**32 - 1}; the vocabulary has {VOCAB}"),
+])
+def test_a_decode_node_refuses_a_handoff_with_a_bad_logit_bias(nodes, bias, words):
+    rid = hand_off(nodes, params={**PARAMS, "max_tokens": 2, "logit_bias": bias})
+    assert_refused(nodes, rid, nodes.decode, ErrorCode.BAD_REQUEST, words)
+    assert_nothing_held(nodes)
+    assert_served(nodes)
+
+
+def test_a_handoff_s_logit_bias_and_penalties_reach_the_decode_node_s_sampler(nodes):
+    """+100 on token 9: the second token (sampled on the decode node) is 9."""
+    rid = hand_off(nodes, params={**PARAMS, "max_tokens": 2, "logit_bias": {"9": 100.0}, "presence_penalty": 1.0})
+    kind, doc = nodes.answer(rid, (MsgType.FINISH, MsgType.ERROR), nodes.decode)
+    assert kind is MsgType.FINISH, doc
+    tokens = [e[0] for k, d in list(nodes.got) if k is MsgType.TOKENS and d.get("nonce") == rid for e in d["events"]]
+    assert tokens == [5, 9], tokens

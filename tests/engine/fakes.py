@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-from mlxcel.engine.executor import Done, Step, StepOutcome
+from mlxcel.engine.executor import Done, ExecutorBase, Step, StepOutcome
 from mlxcel.engine.interface import EventStream, FinishEvent, TokenEvent
 from mlxcel.engine.runner import Sampled
 from mlxcel.engine.sampling import SamplingParams
@@ -67,7 +67,7 @@ def logprob_of(n: int) -> float:
     return -0.5 - n
 
 
-class FakeExecutor:
+class FakeExecutor(ExecutorBase):
     """An ``Executor`` that samples ``script[rid]`` in order (then 100, 101, ...), and records everything."""
 
     def __init__(self, *, depth: int = 1, micro_batch_size: int = 4, auto: bool = False,
@@ -91,8 +91,7 @@ class FakeExecutor:
         self._sampled: dict[str, int] = {}
         self._last: dict[str, int] = {}  # the token each rid sampled last (what its next decode must feed)
         self._lock = threading.Lock()
-        if not adopt:
-            self.adopt = None  # type: ignore[assignment]
+        self.adopts = adopt  # False: an executor that cannot take prefilled sequences
 
     # -- the Executor protocol --------------------------------------------------------------------
 

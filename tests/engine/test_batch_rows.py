@@ -1,7 +1,7 @@
 """Rows join and leave a batched KV cache without reading the device (mlxcel/engine/batch_rows.py).
 
 Every row must read back exactly what it holds, through any sequence of joins, leaves and decode steps,
-with the host-side padding equal to the device's; joins must make few shapes; and a decode run whose rows
+with the host-side padding equal to the device's; and a decode run whose rows
 join and leave must never call mlx-lm's reading methods.
 """
 
@@ -14,16 +14,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from mlxcel.engine.batch_rows import (
-    STABLE_JOIN_ENV,
-    TRIM_BLOCK,
-    append_rows,
-    extended_pads,
-    extract_row,
-    filter_rows,
-    merged_pads,
-    stable_join_enabled,
-)
+from mlxcel.engine.batch_rows import extended_pads, extract_row, filter_rows, join_layer, merged_pads
 from mlxcel.engine.executor import whole_model_runner
 from mlxcel.engine.runner import RowSampler
 from mlxcel.engine.sampling import SamplingParams
@@ -40,9 +31,8 @@ def contents(cache: KVCache) -> tuple[mx.array, mx.array]:
     return cache.keys[..., : cache.offset, :], cache.values[..., : cache.offset, :]
 
 
-@pytest.mark.parametrize("block", [1, TRIM_BLOCK])
 @pytest.mark.parametrize("seed", range(8))
-def test_every_row_keeps_its_tokens_through_joins_leaves_and_decode_steps(seed, block):
+def test_every_row_keeps_its_tokens_through_joins_leaves_and_decode_steps(seed):
     """A model of the batch: each row's own KV. After every join (lengths below and above the batch's write
     index), leave and decode step, each row reads back exactly, by ours and by mlx-lm's own ``extract``,
     the host padding is the device's, and every row ends at the write index."""
@@ -52,10 +42,10 @@ def test_every_row_keeps_its_tokens_through_joins_leaves_and_decode_steps(seed, 
         if not rows or rng.random() < 0.5:
             joining = [one_row(rng.randint(1, 40), seed * 1000 + step * 10 + j) for j in range(rng.randint(1, 3))]
             rows += [contents(r) for r in joining]
-            batch, pads = append_rows(batch, pads, joining)
+            batch, pads = join_layer(batch, pads, joining, batched=batch is not None)
         elif len(rows) > 1:
             keep = sorted(rng.sample(range(len(rows)), rng.randint(1, len(rows) - 1)))
-            pads = filter_rows(batch, keep, pads, block)
+            pads = filter_rows(batch, keep, pads)
             rows = [rows[i] for i in keep]
         k = mx.random.normal((len(rows), 2, 1, 4))
         batch.update_and_fetch(k, k + 1)
@@ -67,19 +57,6 @@ def test_every_row_keeps_its_tokens_through_joins_leaves_and_decode_steps(seed, 
         for i, (keys, values) in enumerate(rows):
             for got in (extract_row(batch, i, pads), batch.extract(i)):
                 assert mx.array_equal(got.keys, keys) and mx.array_equal(got.values, values)
-
-
-def test_joins_keep_the_batch_width_in_whole_blocks():
-    """The shapes a join makes come from the buffers' widths (KVCache grows in blocks of 256), not the rows'
-    lengths, so joins of many lengths leave few widths."""
-    batch, pads = append_rows(None, None, [one_row(30, 1)])
-    widths = set()
-    for n in range(1, 30, 3):
-        batch, pads = append_rows(batch, pads, [one_row(n, n)])
-        widths.add(batch.keys.shape[2])
-    batch, pads = append_rows(batch, pads, [one_row(300, 7)])  # longer than the write index: all rows move right
-    widths.add(batch.keys.shape[2])
-    assert widths <= {256, 512} and batch._idx == 300 and pads[-1] == 0
 
 
 def test_an_extension_through_mlx_lm_keeps_the_host_padding():
@@ -120,38 +97,3 @@ def test_rows_join_and_leave_a_decode_slot_without_reading_the_padding_back(tiny
         last.update({r: s.token for r, s in zip(rows, got)})
     cache, length = runner.take_cache("c")
     assert length == len(prompts["c"]) + 3  # three decode steps and cache[0].offset == length
-
-
-def decode_logits(model: Any) -> list[mx.array]:
-    """Last-position logits of every step of a decode run whose rows join (of several lengths) and leave."""
-    runner = whole_model_runner(model, max_rows=4)
-    prompts = {"a": [5, 17, 90, 3, 42, 7], "b": [7, 7, 1], "c": [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12], "d": [4]}
-    for rid, prompt in prompts.items():
-        runner.prepare(rid, RowSampler(SamplingParams()))
-        runner.prefill(rid, mx.array([prompt]), sample=True)
-    out = []
-    for rows in (["a"], ["a", "b"], ["a", "b", "c"], ["b", "c"], ["b", "c", "d"], ["c", "d"]):
-        out.append(runner.decode(0, rows, mx.array([[3] for _ in rows]), logits=True))
-    return out
-
-
-def test_the_stable_join_decodes_what_mlx_lm_s_merge_decodes(tiny_llama, monkeypatch):
-    from mlxcel.models.loading import load_checkpoint
-
-    model = load_checkpoint(tiny_llama).model
-    monkeypatch.setenv(STABLE_JOIN_ENV, "0")
-    plain = decode_logits(model)
-    monkeypatch.setenv(STABLE_JOIN_ENV, "1")
-    stable = decode_logits(model)
-    assert [a.shape for a in plain] == [b.shape for b in stable]
-    assert all(mx.allclose(a, b, atol=1e-4).item() for a, b in zip(plain, stable))
-
-
-def test_the_switch_is_off_by_default_and_refuses_other_values(monkeypatch):
-    monkeypatch.delenv(STABLE_JOIN_ENV, raising=False)
-    assert stable_join_enabled() is False
-    monkeypatch.setenv(STABLE_JOIN_ENV, "on")
-    assert stable_join_enabled() is True
-    monkeypatch.setenv(STABLE_JOIN_ENV, "maybe")
-    with pytest.raises(ValueError, match=STABLE_JOIN_ENV):
-        stable_join_enabled()

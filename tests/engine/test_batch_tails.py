@@ -13,7 +13,9 @@ import pytest
 
 from mlxcel.commands.serve import CLIError, check_flags
 from mlxcel.engine.executor import LocalExecutor, Step
-from mlxcel.engine.scheduler import BATCH_TAILS_ENV, Scheduler, batch_tails_default
+from mlxcel.engine.scheduler import Scheduler, batch_tails_default
+
+BATCH_TAILS_ENV = "MLXCEL_BATCH_TAILS"
 from tests.engine.test_async_sched import Tokenizer, events, prompts, req, run, same
 
 pytestmark = pytest.mark.timeout(180)

@@ -25,7 +25,8 @@ from mlxcel.engine.interface import (
 )
 from mlxcel.engine.runner import Sampled
 from mlxcel.engine.sampling import SamplingParams
-from mlxcel.engine.scheduler import TRANSITIONS, IllegalTransition, RequestState, Scheduler, _Sequence
+from mlxcel.engine.requests import TRANSITIONS, IllegalTransition, RequestState, Seq
+from mlxcel.engine.scheduler import Scheduler
 from mlxcel.error_codes import ErrorCode
 from mlxcel.server.errors import error_reply
 from tests.engine.fakes import (
@@ -508,7 +509,7 @@ async def test_a_failed_prompt_chunk_frees_its_sequence_and_the_next_request_is_
         tokens, finish = await collect(a)
         assert tokens == [] and str(exc) in finish.error and http_of(finish).status == status
         await until(lambda: "a" in ex.released_ids(), "a released")
-        assert ex.released == [("a", None)] and sched._deferred == []  # freed once, its KV not offered
+        assert ex.released == [("a", None)] and sched.releases.deferred == []  # freed once, its KV not offered
         b = sched.submit(request("b", max_tokens=2))
         await ex.drive(lambda: "b" in ex.released_ids())
         tokens, ok = await collect(b)
@@ -529,7 +530,7 @@ async def test_a_prompt_chunk_that_fails_after_its_request_was_cancelled_frees_i
         ex.complete(chunk, RuntimeError("boom"))
         await until(lambda: ex.released == [("a", None)], "a released")
         await settle()
-        assert ex.released == [("a", None)] and sched._deferred == [] and sched.counters.running == 0
+        assert ex.released == [("a", None)] and sched.releases.deferred == [] and sched.counters.running == 0
         assert sched.counters.failed_steps == 1 and len(ex.steps) == 1
 
 
@@ -635,16 +636,16 @@ ALLOWED = {
 
 @pytest.fixture
 def moves(monkeypatch) -> dict[str, list[str]]:
-    """Every request's states in the order it went through them, recorded at ``_Sequence.move``."""
+    """Every request's states in the order it went through them, recorded at ``Seq.move``."""
     seen: dict[str, list[str]] = {}
-    move = _Sequence.move
+    move = Seq.move
 
-    def recording(seq: _Sequence, to: RequestState) -> RequestState:
+    def recording(seq: Seq, to: RequestState) -> RequestState:
         was = move(seq, to)
         seen.setdefault(seq.rid, [was.name]).append(to.name)
         return was
 
-    monkeypatch.setattr(_Sequence, "move", recording)
+    monkeypatch.setattr(Seq, "move", recording)
     return seen
 
 
@@ -675,7 +676,7 @@ def test_the_transition_table_is_the_documented_one():
 @pytest.mark.parametrize("start", list(S))
 def test_a_move_outside_the_table_raises_and_leaves_the_state(start):
     for to in S:
-        seq = _Sequence(request("a"), None, None, state=start)  # type: ignore[arg-type]
+        seq = Seq(request("a"), None, None, state=start)  # type: ignore[arg-type]
         if to in ALLOWED[start]:
             assert seq.move(to) is start and seq.state is to
         else:

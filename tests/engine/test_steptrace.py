@@ -91,7 +91,7 @@ def test_the_summary_gives_shares_that_add_up(model, trace):
 
 
 def test_tracing_is_off_without_the_variable(monkeypatch):
-    monkeypatch.delenv(steptrace.TRACE_ENV, raising=False)
+    monkeypatch.delenv("MLXCEL_STEP_TRACE", raising=False)
     steptrace.install(None)
     assert steptrace.from_env() is None
     with steptrace.phase("build"):  # a no-op

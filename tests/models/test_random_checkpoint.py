@@ -101,3 +101,21 @@ def test_a_field_with_its_own_flag_cannot_be_set(tmp_path: Path, capsys) -> None
     assert main(["models", "make-random", str(tmp_path / "x"), "--set", "hidden_size=128"]) != 0
     assert "give hidden_size with its own flag" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def test_templates_carry_their_markers_as_special_tokens(tmp_path):
+    """Each template variant's markers are single special tokens, and mlx-lm infers the family's parser."""
+    from mlx_lm.tokenizer_utils import load
+
+    from mlxcel.models.random_checkpoint import make_random_checkpoint
+    from mlxcel.models.random_templates import TEMPLATES
+
+    parsers = {"plain": None, "qwen3": "json_tools", "glm47": "glm47", "kimi_k2": "kimi_k2"}
+    for name, (_, specials) in TEMPLATES.items():
+        tok = load(make_random_checkpoint(tmp_path / name, layers=1, template=name))
+        assert all(len(tok.encode(s, add_special_tokens=False)) == 1 for s in specials), name
+        parser = tok.tool_parser
+        assert (parser.__module__.rsplit(".", 1)[-1] if parser else None) == parsers[name]
+    assert load(tmp_path / "qwen3").think_start == "<think>"
+    with pytest.raises(ValueError, match="template must be one of"):
+        make_random_checkpoint(tmp_path / "x", template="nope")

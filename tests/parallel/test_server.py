@@ -111,3 +111,14 @@ def test_bad_input_is_the_same_error(single, tp):
         with pytest.raises(openai.BadRequestError):
             complete(server, [1, 2, 3], max_tokens=10**9)
     assert httpx.get(f"{tp.url}/health").json() == {"status": "ready"}
+
+
+def test_penalties_and_logit_bias_on_rank_0_equal_a_single_node(single, tp):
+    from tests.engine.penalty_reference import PENALIZED
+
+    extra = {k: v for k, v in PENALIZED.items() if k != "repetition_penalty"}
+    body = {"ignore_eos": True, "repetition_penalty": PENALIZED["repetition_penalty"]}
+    got = [client(s).completions.create(model=MODEL, prompt=PROMPTS[0], temperature=0, max_tokens=16,
+                                        extra_body=body, **extra).choices[0].text for s in (single, tp)]
+    assert got[0] == got[1]
+    assert got[0] != complete(single, PROMPTS[0], max_tokens=16).choices[0].text

@@ -103,7 +103,7 @@ class LocalCluster:
         self.toml = tmp / "cluster.toml"
         self.toml.write_text(self.render(layers, timeouts, pipeline))
         self.coordinator_flags = coordinator_flags
-        self.stage_env = {"MLXCEL_STAGE_STEP_DELAY_S": str(stage_delay)} if stage_delay else None
+        self.stage_env = {"MLXCEL_TEST_STAGE_STEP_DELAY_S": str(stage_delay)} if stage_delay else None
         self.stages: list[Node] = []
         self.coordinator: Node | None = None
 

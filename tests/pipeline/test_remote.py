@@ -102,6 +102,12 @@ def test_three_stages_of_qwen3_equal_single_device(tmp_path, tiny_qwen3):
             got = list(pool.map(lambda p: remote_tokens(c.url, p, 16), PROMPTS))
         assert got == [reference_tokens(tiny_qwen3, p, 16) for p in PROMPTS]
         assert [s.health().json()["layers"] for s in c.stages] == [[0, 1], [1, 3], [3, 4]]
+        # the coordinator applies the penalties and logit_bias to the returned logits, as one node does
+        from tests.engine.penalty_reference import PENALIZED, mlx_lm_reference
+
+        body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+        r = httpx.post(f"{c.url}/v1/completions", json={**body, **PENALIZED}, timeout=60)
+        assert r.json()["choices"][0]["text"] == mlx_lm_reference(tiny_qwen3, PROMPTS[0], 16), r.text
     finally:
         c.stop()
 

@@ -191,3 +191,20 @@ def test_a_request_held_past_the_resume_timeout_gets_503_with_retry_after(tmp_pa
         assert (m["mlxcel_requests_held_total"], m["mlxcel_hold_failed_requests_total"]) == (2, 2)
     finally:
         c.stop()
+
+
+def test_a_penalized_request_resumed_equals_the_uninterrupted_one_and_mlx_lm(cluster, tiny_llama):
+    """Penalties depend on the tokens so far: the resume rebuilds their window from prompt + generated."""
+    from tests.engine.penalty_reference import PENALIZED, mlx_lm_reference
+
+    wait_healthy(cluster)
+    undisturbed = httpx.post(f"{cluster.url}/v1/completions", json=body(**PENALIZED), timeout=120).json()
+    expected = undisturbed["choices"][0]["text"]
+    assert expected == mlx_lm_reference(tiny_llama, PROMPT, N)  # the last stage samples as one node does
+
+    def kill_and_restart() -> None:
+        cluster.stages[1].stop(signal.SIGKILL)
+        cluster.start_stage(1)
+
+    assert disturbed(cluster, kill_and_restart, **PENALIZED) == expected
+    wait_healthy(cluster)

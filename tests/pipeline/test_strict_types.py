@@ -67,6 +67,12 @@ FIELDS: list[tuple[str, tuple, dict, Callable[[dict], None]]] = [
     ("PREPARE", ("top_k",), {"top_k": 3}, _params),
     ("PREPARE", ("seed",), {"seed": 1}, _params),
     ("PREPARE", ("top_logprobs",), {"top_logprobs": 1, "logprobs": True}, _params),
+    ("PREPARE", ("min_p",), {"min_p": 0.5}, _params),
+    ("PREPARE", ("repetition_penalty",), {"repetition_penalty": 1.2}, _params),
+    ("PREPARE", ("presence_penalty",), {"presence_penalty": 0.5}, _params),
+    ("PREPARE", ("frequency_penalty",), {"frequency_penalty": 0.5}, _params),
+    ("PREPARE", ("logit_bias", "7"), {"logit_bias": {"7": 1.0}}, _params),  # true is not a bias of 1
+    ("PREPARE", ("context", 1), {"context": [7, 1, 2]}, _params),  # true is not token 1
     ("PREPARE", ("prompt", 1), {"prompt": [7, 1, 2]}, _tokens("prompt")),  # true is not token 1
     ("PREPARE", ("max_cached",), {"max_cached": 1}, _count("max_cached", 1 << 16)),
     ("PREPARE", ("draws",), {"draws": 1}, _count("draws", 1 << 20)),  # a resumed sequence's sampler offset

@@ -112,3 +112,34 @@ def test_the_stages_still_serve_the_whole_models_tokens(strict, expected):
     victim = start_victim(strict, expected)
     finish_victim(strict, victim, expected)
     assert wait_until(lambda: all(len(s.runner) == 0 for s in strict.real()))
+
+
+def _prepare_with(strict, params: dict, request_id: str = "biased") -> tuple[str, str, str]:
+    """(answer type, code) of a PREPARE whose ``params`` are GREEDY's with ``params`` over them, sent by the
+    coordinator's own identity (trusted for protocol, not for sizes) to the last stage."""
+    nonce = new_nonce()
+    header = {"nonce": nonce, "request_id": rid(request_id), "params": {**GREEDY, **params}}
+    strict.coordinator.transport.send(strict.addr(1), Kind.TENSOR_DATA, encode(MsgType.PREPARE, header))
+    assert wait_until(lambda: strict.tap.about(nonce)), f"no answer to {list(params)}"
+    (_, m), = strict.tap.about(nonce)
+    return m.type.name, code_name(m.header.get("code")) if m.type is MsgType.ERROR else "", m.header.get("message", "")
+
+
+def test_a_stage_refuses_an_oversize_or_out_of_vocabulary_logit_bias_or_context(strict):
+    many = {str(i): 1.0 for i in range(3000)}  # as many as a PREPARE header carries (a million does not fit)
+    cases = [({"logit_bias": many}, "logit_bias holds 3000 entries; at most 300"),
+             ({"logit_bias": {str(VOCAB): 1.0}}, f"logit_bias names token {VOCAB}"),
+             ({"logit_bias": {"3": -100.5}}, "between -100 and 100"),
+             ({"presence_penalty": 2.5}, "presence_penalty must be between -2 and 2"),
+             ({"context": list(range(21))}, "context must be a list of at most 20 token ids"),
+             ({"context": [1, VOCAB]}, f"token id {VOCAB} in `context` is out of range")]
+    for params, words in cases:
+        kind, code, message = _prepare_with(strict, params)
+        assert (kind, code) == ("ERROR", "bad_request") and words in message, (list(params), message[:200])
+        assert rid("biased") not in strict.real()[1].runner  # refused: nothing prepared
+    kind, _, _ = _prepare_with(strict, {"logit_bias": {"3": 100.0}, "context": [1, 2], "frequency_penalty": 0.5},
+                               "accepted")
+    assert kind == "ACK"
+    strict.coordinator.transport.send(strict.addr(1), Kind.TENSOR_DATA, encode(
+        MsgType.RELEASE, {"nonce": new_nonce(), "request_id": rid("accepted")}))
+    assert wait_until(lambda: rid("accepted") not in strict.real()[1].runner)

@@ -2,7 +2,7 @@
 
 OpenBLAS's workers spin for ~0.1 s after each matrix product before they sleep; a stage waits less
 than that between two steps, so before the fix a waiting stage burnt a core for the whole request.
-Every stage here sleeps before each of its steps (``MLXCEL_STAGE_STEP_DELAY_S``), so each stage
+Every stage here sleeps before each of its steps (``MLXCEL_TEST_STAGE_STEP_DELAY_S``), so each stage
 waits through most of the request; its CPU time over the request is then its own small compute.
 The checkpoint is wide enough (1 x 256 x 2048 products) that OpenBLAS runs one decode row on two
 threads, which is what wakes the workers.

@@ -160,3 +160,35 @@ def test_openai_client_sees_errors_as_exceptions(server):
         assert info.value.param == "n"
     finally:
         oa.close()
+
+
+def test_penalties_and_logit_bias_equal_mlx_lm_s_processors(client, tiny_llama):
+    from tests.engine.penalty_reference import PENALIZED, mlx_lm_reference
+    from tests.server.test_batching import reference_text
+
+    prompt, n = [1, 40, 41, 42, 43, 44], 24
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True}
+    got = client.post("/v1/completions", json={**body, **PENALIZED}).json()["choices"][0]["text"]
+    assert got == mlx_lm_reference(tiny_llama, prompt, n)
+    assert got != reference_text(tiny_llama, prompt, n)  # the penalties change the greedy output
+    for field in ("presence_penalty", "frequency_penalty", "repetition_penalty"):  # each one alone, too
+        one = {field: PENALIZED[field]}
+        text = client.post("/v1/completions", json={**body, **one}).json()["choices"][0]["text"]
+        assert text == mlx_lm_reference(tiny_llama, prompt, n, one), field
+
+
+def test_logit_bias_plus_100_forces_a_token_in_chat_streamed_or_not(client, tiny_llama):
+    from tests.engine.penalty_reference import mlx_lm_reference
+
+    body = chat_body(max_tokens=6, temperature=0.7, seed=3, ignore_eos=True, logit_bias={"70": 100})
+    text = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
+    assert text == mlx_lm_reference(tiny_llama, [1], 6, {"logit_bias": {"70": 100}})  # six times token 70
+    events = sse_events(client.post("/v1/chat/completions", json={**body, "stream": True}))
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1] if e["choices"]) == text
+
+
+def test_min_p_one_samples_the_greedy_token(client):
+    body = chat_body(max_tokens=8, ignore_eos=True)
+    greedy = client.post("/v1/chat/completions", json={**body, "temperature": 0}).json()
+    hot = client.post("/v1/chat/completions", json={**body, "temperature": 1.8, "seed": 9, "min_p": 1.0}).json()
+    assert hot["choices"][0]["message"]["content"] == greedy["choices"][0]["message"]["content"]

@@ -88,8 +88,17 @@ def test_max_tokens_out_of_range(client, key, value):
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
-    ({"presence_penalty": 0.5}, "presence_penalty"),
-    ({"logit_bias": {"5": 1}}, "logit_bias"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -2.1}, "frequency_penalty"),
+    ({"presence_penalty": "1"}, "presence_penalty"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"logit_bias": {"5": "1"}}, "logit_bias"),
+    ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"logit_bias": {"99999": 1}}, "logit_bias"),
+    ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
+    ({"logit_bias": [1]}, "logit_bias"),
 ])
 def test_invalid_or_unsupported_parameters(client, extra, param):
     err = error_of(client.post("/v1/chat/completions", json=chat_body(**extra)), 400)

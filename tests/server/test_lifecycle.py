@@ -21,7 +21,7 @@ LONG = {"max_tokens": 1900, "temperature": 0, "ignore_eos": True}
 def slow(start_server, tiny_llama):
     """Warmup held for 2 s (test hook) and a 0.5 s request timeout."""
     return start_server(tiny_llama, "--request-timeout", "0.5", ready=False,
-                        env={"MLXCEL_WARMUP_DELAY_S": "2"})
+                        env={"MLXCEL_TEST_WARMUP_DELAY_S": "2"})
 
 
 def test_health_is_503_until_warm_then_200(slow):

@@ -1,0 +1,64 @@
+"""Tool calls and reasoning through the pipeline coordinator and the disaggregated router.
+
+Both serve through the same HTTP front as the single node, so a greedy forced call and its reasoning
+split must equal the single node's (ids aside, which are fresh per answer).
+"""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from mlxcel.models.random_checkpoint import make_random_checkpoint
+from tests.disagg.cluster import DisaggCluster
+from tests.pipeline.cluster import LocalCluster
+from tests.server.test_tools_api import ASK, NAMED, WEATHER, reassemble, whole, without_ids
+from tests.server.util import MODEL
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.proc]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_random_checkpoint(tmp_path_factory.mktemp("tools-topo"), family="llama", layers=4,
+                                  template="qwen3")
+
+
+def answers(url: str) -> dict:
+    """A forced call (whole and streamed), the round trip after it, and a reasoning answer; ids dropped."""
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as oa:
+        kw = dict(model=MODEL, tools=[WEATHER], temperature=0, max_tokens=6)
+        done = oa.chat.completions.create(messages=ASK, tool_choice=NAMED, **kw)
+        streamed = reassemble(oa.chat.completions.create(messages=ASK, tool_choice=NAMED, stream=True, **kw))
+        [call] = done.choices[0].message.tool_calls
+        result = {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temp_c": 21})}
+        after = oa.chat.completions.create(messages=[*ASK, done.choices[0].message, result], tool_choice="none",
+                                           **kw)
+        thought = oa.chat.completions.create(model=MODEL, messages=ASK, temperature=0, max_tokens=6)
+    assert without_ids(streamed) == without_ids(whole(done))
+    return {"call": without_ids(whole(done)), "after": whole(after), "thought": whole(thought)}
+
+
+@pytest.fixture(scope="module")
+def single(start_server, model) -> dict:
+    got = answers(start_server(model).url)
+    assert got["call"]["calls"][0]["name"] == "get_weather" and got["thought"]["reasoning"]
+    return got
+
+
+def test_pipeline_coordinator_equals_single_node(tmp_path_factory, model, single):
+    c = LocalCluster(tmp_path_factory.mktemp("pp-tools"), model).start()
+    try:
+        assert answers(c.url) == single
+    finally:
+        c.stop()
+
+
+def test_disaggregated_router_equals_single_node(tmp_path_factory, model, single):
+    c = DisaggCluster(tmp_path_factory.mktemp("disagg-tools"), model).start()
+    try:
+        assert answers(c.url) == single
+    finally:
+        c.stop()
