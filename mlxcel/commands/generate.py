@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     check_native_windows(vars(args), GENERATE_FLAGS)  # before anything else, the model included
     envs.check()  # every MLXCEL_* variable, refused by name before any load
     tp = TPFlags.from_cli_args(vars(args))
-    tp.check(pp_size=args.pp_size)
+    tp.check(pp_layers=args.pp_layers, pp_size=args.pp_size)
     check_pipeline_flags(args)
     return run_generate(args, tp)
 

@@ -110,3 +110,15 @@ def test_check_resolves_peers_without_changing_the_parsed_flags():
     assert flags.cluster.peers == "127.0.0.3:1,127.0.0.4:1" and flags.bringup.cluster_peers is None
     with pytest.raises(CLIError, match="--peers needs --pp-auto"):
         as_flags(build_parser().parse_args(["serve", "--peers", "127.0.0.3:1"])).check()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--pp-layers", "0-1,2-3"], "--tp-size 2 cannot be combined with --pp-layers: tensor parallelism runs the whole "
+                                 "model on every rank (pipeline stages are not sharded)"),
+    (["--pp-size", "2"], "--tp-size 2 cannot be combined with --pp-size 2"),
+])
+def test_generate_refuses_tp_with_a_pipeline_before_the_model_is_read(tmp_path, capsys, argv, message):
+    from mlxcel.cli import main
+
+    code = main(["generate", "-m", str(tmp_path / "absent"), "-p", "x", "--tp-size", "2", *argv])
+    assert code == 1 and capsys.readouterr().err.strip() == f"mlxcel: error: {message}"

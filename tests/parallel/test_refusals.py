@@ -69,7 +69,7 @@ def _prepare(model: Path, *flags: str):
     args = build_parser().parse_args(["generate", "-m", str(model), "-p", "x", *flags])
     config = json.loads((model / "config.json").read_text())
     tp = TPFlags.from_cli_args(vars(args))
-    tp.check(pp_size=args.pp_size)  # the command's one check, then what needs config.json
+    tp.check(pp_layers=args.pp_layers, pp_size=args.pp_size)  # the command's one check, then what needs config.json
     return prepare_tp(tp, model, config)
 
 
