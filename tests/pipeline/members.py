@@ -214,10 +214,11 @@ class Pending:
 class GreedyRun:
     """One greedy sequence driven through an executor step by step (prefill, then decode in ``slot``)."""
 
-    def __init__(self, executor: Any, rid: str, prompt: Sequence[int], *, slot: int = 0):
+    def __init__(self, executor: Any, rid: str, prompt: Sequence[int], *, slot: int = 0,
+                 params: SamplingParams | None = None, draws: int = 0):
         self.executor, self.rid, self.prompt, self.slot = executor, rid, list(prompt), slot
         self.tokens: list[int] = []
-        executor.prepare(rid, SamplingParams(), 0, self.prompt)
+        executor.prepare(rid, params or SamplingParams(), 0, self.prompt, draws=draws)
 
     def step(self) -> int:
         """The next token; raises ExecutorError when the step fails."""

@@ -10,11 +10,13 @@ the whole model's tokens.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from mlxcel.cluster.wire import Kind
 from mlxcel.config import MAX_PREFIX_TOKENS
+from mlxcel.engine.sampling import SamplingParams
 from mlxcel.pipeline.protocol import MsgType, encode, new_nonce
 from tests.pipeline.test_authorization import (  # noqa: F401 - fixtures
     GREEDY,
@@ -29,7 +31,7 @@ from tests.pipeline.test_authorization import (  # noqa: F401 - fixtures
     start_victim,
     strict,
 )
-from tests.pipeline.members import wait_until
+from tests.pipeline.members import GreedyRun, wait_until
 
 EDGES = (2**32 - 1, 2**31, 2**31 - 1, VOCAB, VOCAB - 1, 600, 0, -1, -(2**31), 2**32, 2**63)
 FIELDS = ["input_ids int32", "input_ids uint32", "prompt", "max_cached", "tokens"]
@@ -143,3 +145,40 @@ def test_a_stage_refuses_an_oversize_or_out_of_vocabulary_logit_bias_or_context(
     strict.coordinator.transport.send(strict.addr(1), Kind.TENSOR_DATA, encode(
         MsgType.RELEASE, {"nonce": new_nonce(), "request_id": rid("accepted")}))
     assert wait_until(lambda: rid("accepted") not in strict.real()[1].runner)
+
+
+# -- a grammar (constrained decoding): bounded, compiled and replayed by the stage that samples ------------
+
+
+HI = 'start: "hi"'  # the tiny tokenizer is byte-level: "h" is token 74, "i" 75; then only EOS (2)
+H, I, EOS = 74, 75, 2
+
+
+@pytest.mark.parametrize("params,words", [
+    ({"grammar": "a" * (64 * 1024 + 1)}, "grammar is 65537 bytes; at most 65536 are accepted"),
+    ({"grammar": "start: foo("}, "grammar does not compile"),
+    ({"grammar": HI, "replay": [H, H]}, "the 2 replayed token(s) do not match the grammar"),
+    ({"grammar": None, "replay": [H]}, "replay needs a grammar"),
+    ({"grammar": HI, "replay": [H, VOCAB]}, f"token id {VOCAB} in `replay` is out of range"),
+], ids=["oversize", "uncompilable", "replay-refused", "replay-without-grammar", "replay-out-of-vocabulary"])
+def test_a_stage_refuses_a_bad_grammar_or_replay_and_keeps_serving(strict, params, words):
+    """The last stage samples: it bounds the grammar's text, compiles it and replays what came before;
+    each refusal is bad_request, nothing is prepared, and a constrained request afterwards is served."""
+    held = [len(s.runner) for s in strict.real()]
+    kind, code, message = _prepare_with(strict, params, "constrained")
+    assert (kind, code) == ("ERROR", "bad_request") and words in message, message[:300]
+    assert len(message) < 1000  # the oversize text is not echoed back
+    assert [len(s.runner) for s in strict.real()] == held  # refused: nothing prepared
+    run = GreedyRun(strict.coordinator, rid("hi"), PROMPT, params=SamplingParams(grammar=HI))
+    assert run.run(3) == [H, I, EOS]  # the grammar, then only EOS: whatever the random weights prefer
+    run.release()
+    assert wait_until(lambda: all(len(s.runner) == 0 for s in strict.real()))
+
+
+def test_a_stage_resumes_a_grammar_from_its_replay(strict):
+    """A PREPARE whose replay is the grammar's first token: the stage's matcher goes on after it (only "i")."""
+    run = GreedyRun(strict.coordinator, rid("resumed"), [*PROMPT, H],
+                    params=SamplingParams(grammar=HI), draws=1)
+    assert run.run(2) == [I, EOS]
+    run.release()
+    assert wait_until(lambda: all(len(s.runner) == 0 for s in strict.real()))
