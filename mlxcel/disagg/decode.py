@@ -33,6 +33,7 @@ from mlxcel.disagg.kv_codec import Handoff, HandoffDecoder, HandoffError
 from mlxcel.disagg.loop import LoopThread
 from mlxcel.disagg.service import RoleService
 from mlxcel.disagg.wire import CANCEL_MEMORY_S, PROGRESS_INTERVAL_S, MsgType
+from mlxcel.engine.grammar import GrammarError, check_replay
 from mlxcel.engine.executor import KVImport, LocalExecutor
 from mlxcel.engine.interface import EngineError, EngineRequest, TokenEvent
 from mlxcel.engine.logits import replayed
@@ -42,6 +43,18 @@ from mlxcel.error_codes import ErrorCode
 from mlxcel.models.token_ids import model_vocab_size
 
 log = logging.getLogger("mlxcel.disagg.decode")
+
+
+def _check_grammar(meta: m.HandoffMeta, prompt: tuple[int, ...], vocab_size: int | None) -> None:
+    """A handoff's grammar compiles here and accepts the tokens generated so far (``generated``: the prompt's
+    tail and ``first``), checked from its header, before its KV streams in; ``MessageRefused`` or ``GrammarError``
+    (both BAD_REQUEST)."""
+    if meta.params.grammar is not None:
+        if meta.generated > len(prompt):  # the request's own prompt holds one token at least
+            raise m.MessageRefused(f"generated ({meta.generated}) must be at most the handoff's {len(prompt)} prompt "
+                                   "ids (the request's own prompt has one at least)")
+        check_replay(meta.params.grammar, replayed(meta.params, (*prompt, meta.first.token), meta.generated),
+                     vocab_size)
 
 
 @dataclass(eq=False)
@@ -157,10 +170,12 @@ class DecodeService(RoleService):
         if inc.refused:  # forgotten while this part was read
             return
         try:
-            inc.meta = m.HandoffMeta.parse(decoder.meta, self.vocab_size)
-        except m.MessageRefused as exc:
+            meta = m.HandoffMeta.parse(decoder.meta, self.vocab_size)
+            _check_grammar(meta, decoder.prompt, self.vocab_size)
+        except (m.MessageRefused, GrammarError) as exc:
             self._refuse(inc, exc.code, f"decode node refused the KV handoff from {peer}: {exc}", decoder)
             return
+        inc.meta = meta
         nonce = inc.meta.nonce
         with self.lock:
             arriving = [i for i in self.incoming.values() if i.meta is not None and not i.refused]

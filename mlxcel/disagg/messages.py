@@ -176,9 +176,11 @@ class Generate:
                 target = PeerId.parse(target)
             except ValueError:
                 raise MessageRefused(f"decode_target must be a numeric ip:port, got {target!r}") from None
-        return cls(nonce, prompt, params_of(doc.get("params"), vocab_size),
-                   _int(doc, "top_logprobs", 0, MAX_TOP_LOGPROBS, default=0), _bool(doc, "ignore_eos"), target,
-                   _int(doc, "draws", 0, MAX_TOKENS_LIMIT, default=0))
+        params, draws = params_of(doc.get("params"), vocab_size), _int(doc, "draws", 0, MAX_TOKENS_LIMIT, default=0)
+        if params.constrained and draws >= len(prompt):  # a grammar replays the last ``draws``: the prompt's own stay
+            raise MessageRefused(f"draws ({draws}) must be fewer than the prompt's {len(prompt)} token(s) with a grammar")
+        return cls(nonce, prompt, params, _int(doc, "top_logprobs", 0, MAX_TOP_LOGPROBS, default=0),
+                   _bool(doc, "ignore_eos"), target, draws)
 
     def request(self) -> EngineRequest:
         return EngineRequest(self.prompt, self.params, self.top_logprobs, self.ignore_eos, request_id=self.nonce,

@@ -25,6 +25,7 @@ from typing import Any, Sequence
 import mlx.core as mx
 import numpy as np
 
+from mlxcel.error_codes import ErrorCode
 from mlxcel.models.vocab_source import register, source_of  # noqa: F401 - register: the loaders' entry
 
 MAX_GRAMMAR_BYTES = 64 * 1024  # the grammar text's bound, on every wire and at the front
@@ -32,9 +33,11 @@ MAX_GRAMMAR_BYTES = 64 * 1024  # the grammar text's bound, on every wire and at 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
-
 class GrammarError(ValueError):
-    """A grammar is oversize, does not compile or refuses the tokens replayed into it; the message says why."""
+    """A grammar is oversize, does not compile or refuses the tokens replayed into it; the message says why.
+    The request's fault wherever it surfaces (``code``: a node that samples answers BAD_REQUEST)."""
+
+    code = ErrorCode.BAD_REQUEST
 
 
 def check_text(text: Any, name: str = "grammar") -> str:
@@ -106,6 +109,12 @@ def vocabulary(vocab_size: int | None = None) -> Any:
     if source is None:
         raise GrammarError("this node has no vocabulary to compile a grammar with")
     return _vocabulary(str(source) if isinstance(source, Path) else source)
+
+
+def check_replay(text: str, replay: Sequence[int], vocab_size: int | None = None) -> None:
+    """``GrammarError`` unless ``text`` compiles here and accepts ``replay`` (what a receiver checks on arrival,
+    before it takes anything more of the request)."""
+    GrammarMask(text, replay, vocab_size)
 
 
 class GrammarMask:

@@ -310,3 +310,74 @@ def test_a_handoff_s_logit_bias_and_penalties_reach_the_decode_node_s_sampler(no
     assert kind is MsgType.FINISH, doc
     tokens = [e[0] for k, d in list(nodes.got) if k is MsgType.TOKENS and d.get("nonce") == rid for e in d["events"]]
     assert tokens == [5, 9], tokens
+
+
+# -- a grammar (constrained decoding): bounded, compiled and replayed by each node that samples ------------
+
+
+HI = 'start: "hi"'  # the tiny tokenizer is byte-level: "h" is token 74, "i" 75; then only EOS
+H, I = 74, 75
+OVERSIZE_GRAMMAR = "a" * (64 * 1024 + 1)
+
+
+def constrained_tokens(n: Nodes, rid: str) -> tuple[list[int], dict]:
+    """The token ids of a request's completion (the decode node's TOKENS: a prefill node's early first token,
+    docs/disagg.md §3.1, comes again from the decode node), and its FINISH document."""
+    kind, doc = n.answer(rid, (MsgType.FINISH, MsgType.ERROR), n.decode)
+    assert kind is MsgType.FINISH, doc
+    got = [e[0] for k, d in list(n.got) if k is MsgType.TOKENS and d.get("nonce") == rid for e in d["events"]]
+    return got[len(got) - doc["completion_tokens"]:], doc
+
+
+def assert_constrained_served(n: Nodes) -> None:
+    """A constrained request still goes through both nodes: the grammar's text, then stop."""
+    rid = generate(n, params={**PARAMS, "max_tokens": 4, "grammar": HI}, ignore_eos=False)
+    tokens, finish = constrained_tokens(n, rid)
+    assert tokens == [H, I] and finish["reason"] == "stop", (tokens, finish)
+
+
+@pytest.mark.parametrize("fields,words", [
+    ({"params": {**PARAMS, "grammar": OVERSIZE_GRAMMAR}}, "grammar is 65537 bytes; at most 65536 are accepted"),
+    ({"params": {**PARAMS, "grammar": "start: foo("}}, "grammar does not compile"),
+    ({"params": {**PARAMS, "grammar": HI}, "prompt": [1, 40, H, H], "draws": 2},
+     "the 2 replayed token(s) do not match the grammar"),
+    ({"params": {**PARAMS, "grammar": HI}, "prompt": [1, 40, H, VOCAB], "draws": 2}, "out of range"),
+    ({"params": {**PARAMS, "grammar": HI}, "prompt": [H], "draws": 1},
+     "draws (1) must be fewer than the prompt's 1 token(s)"),
+], ids=["oversize", "uncompilable", "replay-refused", "replay-out-of-vocabulary", "replay-longer-than-prompt"])
+def test_a_prefill_node_refuses_a_bad_grammar_and_keeps_serving(nodes, fields, words):
+    """The prefill node samples the first token: it bounds the grammar, compiles it and replays a resumed
+    request's earlier tokens (the prompt's last ``draws``); each refusal is BAD_REQUEST, nothing is held."""
+    rid = generate(nodes, ignore_eos=False, **fields)
+    assert_refused(nodes, rid, nodes.prefill, ErrorCode.BAD_REQUEST, words)
+    assert_nothing_held(nodes)
+    assert_constrained_served(nodes)
+
+
+@pytest.mark.parametrize("meta,words", [
+    ({"params": {**PARAMS, "max_tokens": 2, "grammar": OVERSIZE_GRAMMAR}, "generated": 1},
+     "grammar is 65537 bytes; at most 65536 are accepted"),
+    ({"params": {**PARAMS, "max_tokens": 2, "grammar": "start: foo("}, "generated": 1}, "grammar does not compile"),
+    ({"params": {**PARAMS, "max_tokens": 2, "grammar": HI}, "generated": 1, "first": [I, "", None, []]},
+     "the 1 replayed token(s) do not match the grammar"),
+    ({"params": {**PARAMS, "max_tokens": 2}, "generated": 1}, "generated is sent only with a grammar"),
+    ({"params": {**PARAMS, "max_tokens": 2, "grammar": HI}}, "generated"),
+    ({"params": {**PARAMS, "max_tokens": 2, "grammar": HI}, "generated": 5, "first": [H, "", None, []]},
+     "generated (5) must be at most the handoff's 4 prompt ids"),
+], ids=["oversize", "uncompilable", "replay-refused", "replay-without-grammar", "grammar-without-replay",
+        "replay-longer-than-prompt"])
+def test_a_decode_node_refuses_a_handoff_with_a_bad_grammar_and_keeps_serving(nodes, meta, words):
+    """The decode node samples the rest: it compiles the grammar again and replays the tokens generated
+    so far (``generated``: the first token here); each refusal is BAD_REQUEST, nothing is held."""
+    rid = hand_off(nodes, ignore_eos=False, **meta)
+    assert_refused(nodes, rid, nodes.decode, ErrorCode.BAD_REQUEST, words)
+    assert_nothing_held(nodes)
+    assert_constrained_served(nodes)
+
+
+def test_a_handoff_s_grammar_goes_on_from_its_replay(nodes):
+    """A handoff whose first token is the grammar's first: the decode node allows only "i", then stop."""
+    rid = hand_off(nodes, params={**PARAMS, "max_tokens": 4, "grammar": HI}, generated=1,
+                   first=[H, "h", None, []], ignore_eos=False)
+    tokens, finish = constrained_tokens(nodes, rid)
+    assert tokens == [H, I] and finish["reason"] == "stop", (tokens, finish)
