@@ -92,24 +92,55 @@ def test_cancelled_request_frees_kv_on_every_stage(cluster):
     pytest.fail(f"stages still hold sequences: {[s.health().json() for s in cluster.stages]}")
 
 
-def test_three_stages_of_qwen3_equal_single_device(tmp_path, tiny_qwen3):
-    """Three stages with explicit ranges; the last stage returns full logits and the coordinator samples.
-    Concurrent requests on this CPU coordinator fill micro-batches in order (3 rows, then 1; §3.9)."""
-    c = LocalCluster(tmp_path, tiny_qwen3, stages=3, layers=["0-0", "1-2", "3-3"],
+@pytest.fixture(scope="module")
+def logits_cluster(tmp_path_factory, tiny_qwen3):
+    """Three stages with explicit ranges; the last stage returns full logits and the coordinator samples."""
+    c = LocalCluster(tmp_path_factory.mktemp("pp-logits"), tiny_qwen3, stages=3, layers=["0-0", "1-2", "3-3"],
                      coordinator_flags=("--pp-return-logits",)).start()
-    try:
-        with ThreadPoolExecutor(len(PROMPTS)) as pool:
-            got = list(pool.map(lambda p: remote_tokens(c.url, p, 16), PROMPTS))
-        assert got == [reference_tokens(tiny_qwen3, p, 16) for p in PROMPTS]
-        assert [s.health().json()["layers"] for s in c.stages] == [[0, 1], [1, 3], [3, 4]]
-        # the coordinator applies the penalties and logit_bias to the returned logits, as one node does
-        from tests.engine.penalty_reference import PENALIZED, mlx_lm_reference
+    yield c
+    c.stop()
 
-        body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 16, "temperature": 0, "ignore_eos": True}
-        r = httpx.post(f"{c.url}/v1/completions", json={**body, **PENALIZED}, timeout=60)
-        assert r.json()["choices"][0]["text"] == mlx_lm_reference(tiny_qwen3, PROMPTS[0], 16), r.text
+
+def test_three_stages_of_qwen3_equal_single_device(logits_cluster, tiny_qwen3):
+    """Concurrent requests on this CPU coordinator fill micro-batches in order (3 rows, then 1; §3.9)."""
+    c = logits_cluster
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        got = list(pool.map(lambda p: remote_tokens(c.url, p, 16), PROMPTS))
+    assert got == [reference_tokens(tiny_qwen3, p, 16) for p in PROMPTS]
+    assert [s.health().json()["layers"] for s in c.stages] == [[0, 1], [1, 3], [3, 4]]
+    # the coordinator applies the penalties and logit_bias to the returned logits, as one node does
+    from tests.engine.penalty_reference import PENALIZED, mlx_lm_reference
+
+    body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    r = httpx.post(f"{c.url}/v1/completions", json={**body, **PENALIZED}, timeout=60)
+    assert r.json()["choices"][0]["text"] == mlx_lm_reference(tiny_qwen3, PROMPTS[0], 16), r.text
+
+
+def test_a_json_schema_sampled_by_the_coordinator_equals_a_single_node(logits_cluster, tiny_qwen3):
+    """With --pp-return-logits the coordinator holds the grammar's matcher and masks the returned logits:
+    the greedy document equals the single node's, token for token, and is valid against the schema."""
+    import json
+
+    import jsonschema
+
+    from tests.server.util import ServerProcess
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                               "ok": {"type": "boolean"}, "tag": {"enum": ["x", "yz"]}},
+              "required": ["n", "ok", "tag"], "additionalProperties": False}
+    body = {"model": "tiny", "max_tokens": 48, "temperature": 0,  # a byte-level tokenizer: a token a byte
+            "response_format": {"type": "json_schema", "json_schema": {"name": "o", "schema": schema}}}
+    single = ServerProcess(tiny_qwen3)
+    try:
+        single.wait_ready()
+        got = [[httpx.post(f"{url}/v1/completions", json={**body, "prompt": p}, timeout=60).json()
+                for url in (single.url, logits_cluster.url)] for p in PROMPTS[:2]]
     finally:
-        c.stop()
+        single.stop()
+    for ref, remote in got:
+        assert remote["choices"][0]["text"] == ref["choices"][0]["text"], (ref, remote)
+        assert remote["choices"][0]["finish_reason"] == "stop", remote["choices"][0]
+        jsonschema.validate(json.loads(remote["choices"][0]["text"]), schema)
 
 
 def test_stage_killed_mid_generation_then_restarted(tmp_path, tiny_llama):
