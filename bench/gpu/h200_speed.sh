@@ -25,6 +25,10 @@
 #                     stages and the coordinator in one process), AES-256-GCM on every frame against attribution-only
 #                     unsealed frames, RUNS (5) ABBA rounds of TOKENS tokens on q06-bf16 / q06-q4 (bench/protection_bench.py;
 #                     rows in protection/pipeline_protection.jsonl); protection-tiny: a smoke test on the tiny shape
+#   structured-bf16 structured-q4   issue 42 item 9: the single-node server's tokens/s with and without a JSON schema
+#                     (response_format json_schema: the grammar's token mask) at 1 and 32 streams (STRUCTURED_STREAMS),
+#                     identical prompts, STRUCTURED_ROUNDS (4) ABBA rounds, TOKENS tokens a request, on q06-bf16 / q06-q4
+#                     (bench/structured_bench.py; rows in structured/structured_output.jsonl); structured-tiny: a smoke test
 #   probe-bf16        removed with the compiled step (issue 41): bench/gpu/step_probe.py measured it
 #   serve             issue 24 item 2: the single-node server (mlxcel serve, asynchronous scheduling) and
 #                     mlx_lm.server, as users start them (SERVE_KINDS, default mlxcel,mlx_lm; add mlxcel-sync,
@@ -299,6 +303,11 @@ main() {
         m=${s#protection-}; [ "$m" = tiny ] || m=q06-$m
         make_model "$m" && python3 -m bench.pipeline_bench protection -m "/tmp/models/$m" --runs "$RUNS" \
           --tokens "$TOKENS" --label "${LABEL:-h200}-$m" --out "$RES/protection" ;;
+      structured-bf16|structured-q4|structured-tiny)  # bench/structured_bench.py: a JSON schema's mask, per token
+        m=${s#structured-}; [ "$m" = tiny ] || m=q06-$m
+        make_model "$m" && python3 -m bench.structured_bench --model-dir "/tmp/models/$m" \
+          --concurrency "${STRUCTURED_STREAMS:-1,32}" --rounds "${STRUCTURED_ROUNDS:-4}" --max-tokens "$TOKENS" \
+          --label "${LABEL:-h200}-$m" --out "$RES/structured" ;;
       probe-bf16) echo "suite probe-bf16 removed (issue 41: bench/gpu/step_probe.py went with the compiled step)" ;;
       q06-bf16) suite q06-bf16 150 ;;
       q06-q4) suite q06-q4 300 ;;

@@ -13,7 +13,7 @@ import pandas as pd
 
 from mlxcel import __version__
 from mlxcel.report import baseline as _baseline
-from mlxcel.report import disagg, html, plots, protection, reference, tables
+from mlxcel.report import disagg, html, plots, protection, reference, structured, tables
 from mlxcel.report.load import REPORT_MARKER, Loaded, ReportInputError, load
 
 
@@ -49,6 +49,7 @@ def summarize(loaded: Loaded) -> dict[str, pd.DataFrame]:
         "disagg_handoff": disagg.handoff_summary(loaded.table("disagg_handoff")),
         "disagg_serve": disagg.serve_summary(loaded.table("disagg_serve")),
         "protection": protection.protection_summary(loaded.table("pipeline_protection_summary")),
+        "structured": structured.structured_summary(loaded.table("structured_output_summary")),
         "environment": tables.environment_table(loaded.tables),
     }
 
@@ -336,7 +337,7 @@ def build_report(inputs: Sequence[str | Path], out_dir: str | Path, *, baseline:
         "pipeline_summary": summaries["pipeline"], "serve_summary": summaries["serve"], "tp_summary": summaries["tp"],
         "disagg_frames_summary": summaries["disagg_frames"], "disagg_handoff_summary": summaries["disagg_handoff"],
         "disagg_serve_summary": summaries["disagg_serve"], "protection_summary": summaries["protection"],
-        "metrics": metrics,
+        "structured_output_summary": summaries["structured"], "metrics": metrics,
         "reference_frame": reference.frame_table(), "reference_pipeline": reference.pipeline_table(),
         "baseline_comparison": comparison,
         "rejected": pd.DataFrame({"problem": loaded.problems}) if loaded.problems else None,
@@ -359,6 +360,8 @@ def build_report(inputs: Sequence[str | Path], out_dir: str | Path, *, baseline:
         "tp_table": _tp_table(summaries["tp"]) if not summaries["tp"].empty else None, "tp_note": tables.TP_NOTE,
         "protection_table": (protection.protection_table(summaries["protection"])
                              if not summaries["protection"].empty else None),
+        "structured_table": (structured.structured_table(summaries["structured"])
+                             if not summaries["structured"].empty else None),
         "baseline": str(baseline) if baseline is not None else None,
         "comparison": _comparison_table(comparison) if comparison is not None else None,
         "regressions": regressions, "tolerance_pct": f"{tolerance:.0%}",

@@ -73,6 +73,20 @@ _PROTECTION_SUMMARY = (
     _num("cost_ms_per_token", signed=True), _num("load_1m_max", nullable=True),  # a difference: noise can flip it
 )
 
+# bench/structured_bench.py: one server with and without a JSON schema (response_format), same prompts, ABBA
+_STRUCTURED_LEVEL = (
+    _int("round"), _int("order"), _int("requests"), _int("errors"), _str("error_sample", required=False, nullable=True),
+    _int("output_tokens"), _int("tokens_min"), _int("tokens_max"), _num("wall_s"), _num("agg_tps", nullable=True),
+    _num("itl_p50_ms", nullable=True), _num("itl_mean_ms", nullable=True), _num("ttft_p50_ms", nullable=True),
+    _str("prompts_sha256"), _num("load_1m", nullable=True), _num("load_5m", required=False, nullable=True),
+)
+_STRUCTURED_SUMMARY = (
+    _int("rounds"), Field("same_tokens", "bool"), _num("plain_tps"), _num("schema_tps"), _num("plain_itl_ms"),
+    _num("schema_itl_ms"), _num("tps_ratio"), _num("tps_ratio_min"), _num("tps_ratio_max"), _num("itl_ratio"),
+    _num("itl_ratio_min"), _num("itl_ratio_max"), _num("cost_pct", signed=True),  # noise can make it negative
+    _num("load_1m_max", nullable=True),
+)
+
 SCHEMAS: dict[str, Schema] = {s.bench: s for s in (
     Schema("decode", "decode", (_str("impl"), _str("model")), variant_field="impl", variants={
         "mlxcel": ("decode", _DECODE_RUN),
@@ -117,6 +131,13 @@ SCHEMAS: dict[str, Schema] = {s.bench: s for s in (
         "protected": ("pipeline_protection", _PROTECTION_RUN),
         "unprotected": ("pipeline_protection", _PROTECTION_RUN),
         "summary": ("pipeline_protection_summary", _PROTECTION_SUMMARY),
+    }),
+    Schema("structured_output", "structured_output", (
+        _str("mode"), _str("model"), _int("concurrency"), _int("max_tokens"), _str("label", required=False, nullable=True),
+    ), variant_field="mode", variants={
+        "plain": ("structured_output", _STRUCTURED_LEVEL),
+        "json_schema": ("structured_output", _STRUCTURED_LEVEL),
+        "summary": ("structured_output_summary", _STRUCTURED_SUMMARY),
     }),
     # bench/tp_bench.py: one fresh-process decode measurement; "shape" (the config's dims) is kept as it is
     Schema("tp_bench", "tp", (
