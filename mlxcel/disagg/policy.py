@@ -9,7 +9,8 @@ Its only state is one round-robin cursor per role, so the router calls it under 
 - ``after_failure(code, ...)``: ``Route`` (fail over to those nodes), ``NoneUp`` (fail over wanted,
   nobody to take it: the request fails UNAVAILABLE) or ``GiveUp(code)`` (the request fails with it).
 - ``depends_on(peer, ...)``: whether an attempt is lost when ``peer`` goes down or restarts.
-- ``may_resume(code, ...)``: whether a failed request is resumed instead (docs/disagg.md §6.1).
+- ``may_resume(code, policy, ...)``: whether a failed request is resumed instead (docs/disagg.md §6.1): the
+  error classes here, the bounds the engine's ``ResumePolicy`` (shared with the scheduler).
 - ``node_failure(code, ...)``: the failure a node's reported code makes of an attempt (its CANCELLED: INTERNAL).
 
 Failover happens only before the first token reaches the client, for at most ``max_attempts``
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from typing import Callable, Generic, Hashable, Sequence, TypeVar, Union
 
 from mlxcel.disagg.wire import MAX_DISPATCH_ATTEMPTS
+from mlxcel.engine.resume_policy import ResumePolicy
 from mlxcel.error_codes import CodedError, ErrorClass, ErrorCode
 
 Node = TypeVar("Node", bound=Hashable)
@@ -65,12 +67,14 @@ def may_retry(code: ErrorCode, *, attempts: int, emitted: int, closing: bool,
     return not closing and emitted == 0 and attempts < max_attempts and code.error_class not in NO_RETRY
 
 
-def may_resume(code: ErrorCode, *, resumes: int, max_resumes: int, closing: bool, tokens: int, prompt: int,
+def may_resume(code: ErrorCode, policy: ResumePolicy, *, resumes: int, closing: bool, tokens: int, prompt: int,
                max_tokens: int, context_length: int) -> bool:
     """Whether a failed request (``resumes`` made, ``tokens`` streamed after a ``prompt``-token prompt) is
-    resumed: prefilled again with prompt + tokens on nodes that are up (waiting for one if none is)."""
-    return (not closing and resumes < max_resumes and code.error_class not in NO_RETRY
-            and tokens < max_tokens and prompt + tokens <= context_length)
+    resumed: prefilled again with prompt + tokens on nodes that are up (waiting for one if none is). Its
+    bounds are the scheduler's (``ResumePolicy.allows``); the router adds its error classes, shutdown and
+    tokens left to generate."""
+    return (not closing and code.error_class not in NO_RETRY and tokens < max_tokens
+            and policy.allows(resumes, prompt + tokens, context_length))
 
 
 def final_code(code: ErrorCode) -> ErrorCode:

@@ -43,13 +43,14 @@ from mlxcel.disagg import messages as m
 from mlxcel.disagg.flags import NodeConfig
 from mlxcel.disagg.holding import HeldRequests
 from mlxcel.disagg.late_handoffs import Late, LateHandoffs
-from mlxcel.disagg.routed import NodeInfo, Routed
+from mlxcel.disagg.routed import ATTEMPT_OUT, NodeInfo, Routed, RouteState, finished_state
 from mlxcel.disagg.policy import GiveUp, NoneUp, Route, RoutePolicy, depends_on, node_failure
 from mlxcel.disagg.service import role_transport
 from mlxcel.disagg.waiting import NodeWaits
 from mlxcel.disagg.wire import PROBE_TIMEOUT_S, MsgType
 from mlxcel.engine.interface import EngineRequest, EngineUnavailable, EventStream, FinishEvent, TokenEvent
-from mlxcel.engine.sampling import SamplingParams, random_seed
+from mlxcel.engine.resume import replayable
+from mlxcel.engine.resume_policy import ResumePolicy
 from mlxcel.error_codes import CodedError, ErrorClass, ErrorCode, code_of
 from mlxcel.cluster.outbox import Outbox
 
@@ -88,9 +89,11 @@ class RouterEngine(NodeWaits):
         self._probes = ThreadPoolExecutor(max_workers=max(1, len(self.nodes)), thread_name_prefix="mlxcel-router-probe")
         self._by_rid: dict[str, Routed] = {}
         self._late_handoffs = LateHandoffs()  # ended attempts whose HANDED_OFF may still come
+        # the bounds of resuming and holding, the scheduler's (mlxcel.engine.resume_policy)
+        self.resume_policy = ResumePolicy(cfg.max_resumes, cfg.resume_timeout_s)
         # new requests waiting for a node of each role (docs/disagg.md §6.2); with resuming off, 503 at once
         self.held: HeldRequests[str, Routed] = HeldRequests(cfg.resume_timeout_s, cfg.hold_limit,
-                                                            enabled=cfg.max_resumes > 0)
+                                                            enabled=self.resume_policy.enabled)
         self._hold_timer: threading.Timer | None = None
         self.counters: dict[str, float] = {
             "requests": 0, "completed": 0, "failed": 0, "cancelled": 0, "failovers": 0, "unavailable": 0,
@@ -133,7 +136,8 @@ class RouterEngine(NodeWaits):
         """Pick the nodes and dispatch; ``EngineUnavailable`` (503 + Retry-After) when no node can take it."""
         with self._lock:
             self.counters["requests"] += 1
-            routed = Routed(request, EventStream(request, self._cancel), params=self._resolved(request.params))
+            routed = Routed(request, EventStream(request, self._cancel),
+                            params=replayable(request.params, self.resume_policy))
             route = self.policy.pick(self._usable) if not len(self.held) else None  # None: behind the held ones
             if isinstance(route, Route):
                 self._by_rid[request.request_id] = routed
@@ -147,12 +151,6 @@ class RouterEngine(NodeWaits):
                 raise EngineUnavailable(f"{len(self.held)} requests are held already, waiting for a prefill and a "
                                         "decode node to be up (the router's --max-queue); retry later")
         return routed.stream
-
-    def _resolved(self, params: SamplingParams) -> SamplingParams:
-        """A sampled request that names no seed gets one here, so that a resume continues its random stream."""
-        if self.cfg.max_resumes > 0 and not params.greedy and params.seed is None:
-            return replace(params, seed=random_seed())
-        return params
 
     def stats(self) -> dict[str, float]:
         up = {role: sum(1 for p in peers if self.monitor.is_up(p)) for role, peers in self._peers.items()}
@@ -209,8 +207,9 @@ class RouterEngine(NodeWaits):
 
     def _dispatch(self, routed: Routed, prefill: PeerId, decode: PeerId) -> None:
         """Open the exchange of a new attempt and send GENERATE (under the lock)."""
+        routed.move(RouteState.PREFILLING)
         routed.attempts += 1
-        routed.prefill, routed.decode, routed.handed_off = prefill, decode, False
+        routed.prefill, routed.decode = prefill, decode
         routed.early_first, routed.decode_spoke = None, False
         ex = self.exchanges.open(self.cfg.handoff_timeout_s, senders=(prefill, decode), context=routed,
                                  then=self._ended)
@@ -240,10 +239,9 @@ class RouterEngine(NodeWaits):
         """An attempt's exchange ended: finished, failed (fail over or fail the request), or superseded."""
         routed: Routed = ex.context
         with self._lock:
-            if not routed.handed_off and routed.prefill is not None:  # its HANDED_OFF may come after the FINISH
-                self._late_handoffs.expect(ex.nonce, routed.prefill)
-            if routed.exchange is not ex or routed.done:
+            if routed.exchange is not ex or routed.state not in ATTEMPT_OUT:
                 return
+            self._expect_late_handoff(routed, ex)
             if ex.error is None:
                 self._finish(routed, ex.reply)
                 return
@@ -289,7 +287,7 @@ class RouterEngine(NodeWaits):
         if routed.text is not None and event.error is None:  # resumed: the tail and the counts are this side's
             event = FinishEvent(event.finish_reason, routed.text.finish(), len(routed.request.prompt),
                                 len(routed.tokens))
-        routed.done = True
+        routed.move(finished_state(event))
         self._by_rid.pop(routed.request.request_id, None)
         if event.error is None:
             self.counters["completed"] += 1
@@ -309,15 +307,23 @@ class RouterEngine(NodeWaits):
         """The client went away: end the attempt and free the KV on both nodes."""
         with self._lock:
             routed = self._by_rid.pop(request_id, None)
-            if routed is None or routed.done:
+            if routed is None or routed.state.finished:
                 return
-            routed.done = True
+            ex = routed.exchange  # while resuming: the failed attempt's (CANCEL again to its nodes)
+            if ex is not None and routed.state in ATTEMPT_OUT:
+                self._expect_late_handoff(routed, ex)
+            routed.move(RouteState.FINISHED_CANCELLED)
             self.counters["cancelled"] += 1
             self.held.drop(request_id)  # a held request frees its place in the bound
-            ex = routed.exchange
         if ex is not None:
             self.exchanges.resolve(ex, error=CodedError("cancelled", ErrorCode.CANCELLED))
             self._cancel_on_nodes(routed, ex.nonce)
+
+    def _expect_late_handoff(self, routed: Routed, ex: Exchange) -> None:
+        """The attempt ``ex`` ends (under the lock): if its prefill node has not handed off yet, its HANDED_OFF
+        may still come (on another connection than the FINISH) and then counts, once (docs/disagg.md §7.1)."""
+        if routed.state is RouteState.PREFILLING and routed.prefill is not None:
+            self._late_handoffs.expect(ex.nonce, routed.prefill)
 
     def _cancel_on_nodes(self, routed: Routed, nonce: str) -> None:
         for peer in (routed.prefill, routed.decode):
@@ -363,20 +369,20 @@ class RouterEngine(NodeWaits):
                     WarnClass.ROUTER_DROP, "router: dropping result frame from %s: a %s for a request it was not "
                     "assigned", msg.peer, kind.name)
                 return
-            self._result(kind, doc, ex, routed, from_prefill=msg.peer == routed.prefill)
+            self._result(kind, doc, ex, routed, sender=msg.peer)
         except m.MessageRefused as exc:
             self.counters["dropped_frames"] += 1
             self.transport.warnings.warning(WarnClass.ROUTER_DROP, "router: dropping result frame from %s: %s",
                                             msg.peer, exc)
 
-    def _result(self, kind: MsgType, doc: dict[str, Any], ex: Exchange, routed: Routed, *,
-                from_prefill: bool = False) -> None:
+    def _result(self, kind: MsgType, doc: dict[str, Any], ex: Exchange, routed: Routed, *, sender: PeerId) -> None:
+        from_prefill = sender == routed.prefill
         if kind is MsgType.TOKENS:
             tokens = m.Tokens.parse(doc)
             if not self._in_vocab(tokens, ex, routed):
                 return
             with self._lock:
-                if routed.done or routed.exchange is not ex:
+                if routed.state not in ATTEMPT_OUT or routed.exchange is not ex:
                     return
                 events = self._first_once(routed, tokens.events, from_prefill)
                 ex.deadline = time.monotonic() + self.cfg.handoff_timeout_s  # an idle bound from now on
@@ -385,20 +391,23 @@ class RouterEngine(NodeWaits):
                     self._relay(routed, ex, events)
         elif kind is MsgType.PROGRESS:
             with self._lock:
-                if not routed.done and routed.exchange is ex:
+                if routed.state in ATTEMPT_OUT and routed.exchange is ex:
                     ex.deadline = time.monotonic() + self.cfg.handoff_timeout_s
         elif kind is MsgType.FINISH:
-            sender = routed.decode
             event = m.Finish.parse(doc).event
             if event.code is not None and event.code.error_class is ErrorClass.CANCELLED:  # a node's, never ours
                 self.exchanges.resolve(ex, error=node_failure(event.code, event.error or "", self.nodes[sender].id))
             else:
                 self.exchanges.resolve(ex, reply=event)
         elif kind is MsgType.HANDED_OFF:
-            routed.handed_off = True
-            self._count_handoff(m.HandedOff.parse(doc))
+            done = m.HandedOff.parse(doc)
+            with self._lock:
+                live = routed.state in ATTEMPT_OUT and routed.exchange is ex
+                if live and routed.state is RouteState.PREFILLING:
+                    routed.move(RouteState.DECODING)
+            if live or self._late_handoffs.claim(ex.nonce, sender) is Late.COUNT:  # the attempt ended meanwhile
+                self._count_handoff(done)
         elif kind is MsgType.ERROR:
-            sender = routed.prefill if from_prefill else routed.decode
             err = m.Error.parse(doc)
             if err.code is ErrorCode.UNREACHABLE and err.node is not None:
                 self._reported_down(err.node, err.message)
@@ -553,7 +562,7 @@ class RouterEngine(NodeWaits):
     def _fail_assigned(self, peer: PeerId, why: str) -> None:
         """Fail the attempts that depend on ``peer``: its decodes, and its prefills not handed off yet."""
         with self._lock:
-            hit = [r for r in self._by_rid.values() if r.exchange is not None and not r.done
+            hit = [r for r in self._by_rid.values() if r.state in ATTEMPT_OUT
                    and depends_on(peer, prefill=r.prefill, decode=r.decode, handed_off=r.handed_off)]
         for routed in hit:
             if routed.exchange is not None:

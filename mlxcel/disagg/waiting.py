@@ -3,8 +3,15 @@ prefill or no decode node is up, and failed requests resumed once a node of each
 
 ``NodeWaits`` is a part of ``RouterEngine`` (a mixin: it uses the router's lock, policy, monitor, counters
 and ``_dispatch``/``_fail``); the held requests' bookkeeping is ``mlxcel.disagg.holding.HeldRequests``.
-Both wait the same way: tried again every 0.5 s (``RESUME_RETRY_S``) and, for held requests, at once when
-a node comes up; each gives up after ``--resume-timeout`` with 503 + Retry-After.
+Both wait the same way: tried again every ``RETRY_S`` (0.5 s) and, for held requests, at once when a node
+comes up; each gives up after ``--resume-timeout`` with 503 + Retry-After.
+
+The decisions are the engine's, shared with the scheduler's ``Resumer`` (``mlxcel.engine.resume``): the
+router's ``ResumePolicy`` (``resume_policy``) bounds a resume (``allows``), sets its deadline (``begin``)
+and says whether to try again (``again``); each held request's clock and 503 text are ``Hold``'s
+(``mlxcel.engine.holding``, through ``HeldRequests``). What is the router's own: the error classes that
+are never resumed (``mlxcel.disagg.policy.may_resume``), the timers that drive the tries, and the text
+of a resume that ran out of time (it names the nodes that are down).
 """
 
 from __future__ import annotations
@@ -15,8 +22,8 @@ import time
 from typing import Any
 
 from mlxcel.disagg.policy import NoneUp, Route, may_resume
-from mlxcel.disagg.routed import Routed
-from mlxcel.engine.resume import RETRY_S as RESUME_RETRY_S
+from mlxcel.disagg.routed import Routed, RouteState
+from mlxcel.engine.resume_policy import RETRY_S, ResumePolicy
 from mlxcel.engine.textstream import SequenceText
 from mlxcel.error_codes import ErrorCode
 
@@ -34,6 +41,7 @@ class NodeWaits:
     _peers: Any
     held: Any
     policy: Any
+    resume_policy: ResumePolicy
     monitor: Any
     exchanges: Any
     counters: dict[str, float]
@@ -53,6 +61,7 @@ class NodeWaits:
             log.warning("router: holding new requests until a prefill and a decode node are up (%s); each waits at "
                         "most %gs (--resume-timeout)", self._none_up(route), self.held.wait_s)
         self._by_rid[routed.request.request_id] = routed
+        routed.move(RouteState.HELD)
         self.held.hold(routed.request.request_id, routed, time.monotonic())
         self._place_held()
 
@@ -72,14 +81,14 @@ class NodeWaits:
 
             if self.held.place(start):
                 log.warning("router: nodes are up: held requests go on (%d still held)", len(self.held))
-            for routed in self.held.expired(time.monotonic()):
+            now = time.monotonic()
+            for routed in self.held.expired(now):
                 cause = self._none_up(why[0]) if why else "no node could take it"
                 log.warning("router: request %s held %gs and not started: %s", routed.request.request_id,
                             self.held.wait_s, cause)
-                self._fail(routed, ErrorCode.UNAVAILABLE, f"{cause} (the request waited {self.held.wait_s:g}s for "
-                           "it, --resume-timeout)")
+                self._fail(routed, ErrorCode.UNAVAILABLE, self.held.message(routed, now, cause))
             if len(self.held) and self._hold_timer is None and not self.exchanges.closing:
-                self._hold_timer = threading.Timer(RESUME_RETRY_S, self._hold_tick)
+                self._hold_timer = threading.Timer(RETRY_S, self._hold_tick)
                 self._hold_timer.daemon = True
                 self._hold_timer.start()
 
@@ -92,14 +101,14 @@ class NodeWaits:
 
     def _may_resume(self, routed: Routed, code: ErrorCode) -> bool:
         req = routed.request
-        return may_resume(code, resumes=routed.resumes, max_resumes=self.cfg.max_resumes,
-                          closing=self.exchanges.closing, tokens=len(routed.tokens), prompt=len(req.prompt),
-                          max_tokens=req.params.max_tokens, context_length=self._context_length)
+        return may_resume(code, self.resume_policy, resumes=routed.resumes, closing=self.exchanges.closing,
+                          tokens=len(routed.tokens), prompt=len(req.prompt), max_tokens=req.params.max_tokens,
+                          context_length=self._context_length)
 
     def _resume(self, routed: Routed, code: ErrorCode, message: str) -> None:
         """Start resuming a failed request (under the lock): its text is assembled here from now on."""
-        routed.resumes += 1
-        routed.resume_deadline = time.monotonic() + self.cfg.resume_timeout_s
+        routed.move(RouteState.RESUMING)
+        self.resume_policy.begin(routed, time.monotonic())
         routed.resume_error = (code, message)
         if routed.text is None and routed.tokens:
             routed.text = SequenceText(self._tokenizer, routed.request.params.stop)
@@ -112,20 +121,20 @@ class NodeWaits:
     def _try_resume(self, routed: Routed) -> None:
         """Dispatch the resumed attempt if a node of each role is up; else try again shortly, until the deadline."""
         with self._lock:
-            if routed.done:
+            if routed.state is not RouteState.RESUMING:  # cancelled (or shut down) meanwhile
                 return
             route = self.policy.pick(self.monitor.is_up)
             if isinstance(route, Route):
                 self.counters["resumed"] += 1
                 self._dispatch(routed, route.prefill, route.decode)
                 return
-            if time.monotonic() < routed.resume_deadline and not self.exchanges.closing:
-                timer = threading.Timer(RESUME_RETRY_S, self._try_resume, (routed,))
+            if not self.exchanges.closing and self.resume_policy.again(routed, time.monotonic()):
+                timer = threading.Timer(RETRY_S, self._try_resume, (routed,))
                 timer.daemon = True
                 timer.start()
                 return
             self.counters["resume_failed"] += 1
             code, message = routed.resume_error
             self._fail(routed, code if code.retryable else ErrorCode.UNAVAILABLE,
-                       f"{message}; could not be resumed within {self.cfg.resume_timeout_s:g}s "
+                       f"{message}; could not be resumed within {self.resume_policy.wait_s:g}s "
                        f"(--resume-timeout): {self._unavailable(route)}")

@@ -10,6 +10,11 @@ executor calls ``resumable`` holds; any other (a stage's ``not_found`` to PREPAR
 Each held request waits at most ``wait_s`` (``--resume-timeout``) from the moment it was first held:
 after its failed start came back (a PREPARE nobody answered takes its whole command timeout), or, for
 one arriving while requests are held, from its arrival. Its 503 states how long it waited and was held.
+
+The disaggregated router holds new requests the same way (docs/disagg.md §6.2): its ``HeldRequests``
+(``mlxcel.disagg.holding``) keeps each held request's clock and 503 text with ``Hold`` (``hold``,
+``expired``, ``message``); its cadence is the same ``RETRY_S``, driven by a timer instead of this hold's
+``next_try`` (the router has no scheduler loop to poll it).
 """
 
 from __future__ import annotations
@@ -71,8 +76,9 @@ class Hold:
     def expired(self, seq: HeldSequence, now: float) -> bool:
         return bool(seq.held_since) and now >= seq.held_since + self.wait_s
 
-    def message(self, seq: HeldSequence, now: float) -> str:
-        """The error of a held request that reached its bound: the start's own error, and the truth about
-        how long it waited (since its arrival) and was held (since it was first held)."""
-        return (f"{self.error} (the request waited {now - seq.arrived:.1f}s for it, held "
+    def message(self, seq: HeldSequence, now: float, cause: object = None) -> str:
+        """The error of a held request that reached its bound: ``cause`` (by default the last failed start's
+        error), and the truth about how long it waited (since its arrival) and was held (since first held)."""
+        cause = self.error if cause is None else cause
+        return (f"{cause} (the request waited {now - seq.arrived:.1f}s for it, held "
                 f"{now - seq.held_since:.1f}s of them; --resume-timeout {self.wait_s:g}s)")

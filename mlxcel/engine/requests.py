@@ -19,6 +19,10 @@ A finished state is final: a finished request leaves the table. This module runs
 lock and imports neither the executor nor the scheduler (``tests/engine/test_layout.py``): the
 scheduler thread (``mlxcel.engine.scheduler``) and the resume object (``mlxcel.engine.resume``) are its
 only users, both on that thread. docs/engine.md, "Request states".
+
+The machinery is generic, and the router's record (``mlxcel.disagg.routed.Routed``) uses it too: a state
+enum derives from ``Lifecycle`` (its ``FINISHED_*`` states are final), ``transition_table`` checks a table
+as data (every state has a row, a finished one none), and a record derives from ``Stateful`` (``move``).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import enum
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, ClassVar, Iterator, Mapping, TypeVar
 
 from mlxcel.engine.interface import EngineRequest
 from mlxcel.engine.runner import Sampled
@@ -35,7 +39,53 @@ from mlxcel.engine.sampling import SamplingParams
 from mlxcel.engine.textstream import SequenceText
 
 
-class RequestState(enum.Enum):
+class Lifecycle(enum.Enum):
+    """The states of a request record (each record's enum derives from it): ``FINISHED_*`` ones are final."""
+
+    @property
+    def finished(self) -> bool:
+        return self.name.startswith("FINISHED_")
+
+
+State = TypeVar("State", bound=Lifecycle)
+
+
+def transition_table(moves: Mapping[State, frozenset[State]]) -> dict[State, frozenset[State]]:
+    """A transition table as data, checked: every state of the enum has a row, a finished state none (it is
+    final; its empty row is filled in here). ``ValueError`` names what is wrong."""
+    states = list(type(next(iter(moves))))
+    missing = [s.name for s in states if s not in moves and not s.finished]
+    moving = [s.name for s, row in moves.items() if s.finished and row]
+    if missing or moving:
+        raise ValueError(f"transition table: no row for {missing}; finished states that move: {moving}")
+    return {s: frozenset(moves.get(s, ())) for s in states}
+
+
+class IllegalTransition(RuntimeError):
+    """A request was moved to a state its table does not allow from its own: a bug of the scheduler or the
+    router, never a client's."""
+
+
+class Stateful:
+    """A record whose one ``state`` field changes only through ``move``, checked against ``transitions``."""
+
+    transitions: ClassVar[Mapping[Any, frozenset[Any]]]
+    state: Any
+
+    @property
+    def rid(self) -> str:
+        raise NotImplementedError
+
+    def move(self, to: Any) -> Any:
+        """Enter state ``to``; returns the state left. ``IllegalTransition`` (and nothing changes) if the
+        table forbids it."""
+        if to not in self.transitions[self.state]:
+            raise IllegalTransition(f"request {self.rid}: {self.state.name} -> {to.name} is not a transition")
+        was, self.state = self.state, to
+        return was
+
+
+class RequestState(Lifecycle):
     """Where a request is in the scheduler (the module docstring has the transitions)."""
 
     WAITING = "waiting"  # queued for a slot (``waiting``)
@@ -48,27 +98,18 @@ class RequestState(enum.Enum):
     FINISHED_ERROR = "finished_error"
     FINISHED_CANCELLED = "finished_cancelled"  # the client went away
 
-    @property
-    def finished(self) -> bool:
-        return self.name.startswith("FINISHED_")
-
 
 S = RequestState  # short for the tables and transitions below
 _ENDS_EARLY = frozenset({S.FINISHED_ERROR, S.FINISHED_CANCELLED})
 _ENDS = _ENDS_EARLY | {S.FINISHED_STOPPED, S.FINISHED_LENGTH}
-TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
+TRANSITIONS: dict[RequestState, frozenset[RequestState]] = transition_table({
     S.WAITING: frozenset({S.PREFILLING, S.JOINING}) | _ENDS_EARLY,
     S.PREFILLING: frozenset({S.JOINING, S.RESUMING}) | _ENDS_EARLY,
     S.JOINING: frozenset({S.RUNNING}) | _ENDS,
     S.RUNNING: _ENDS | {S.RESUMING},
     S.RESUMING: frozenset({S.PREFILLING}) | _ENDS_EARLY,
-    **{end: frozenset() for end in _ENDS},
-}
+})
 FINISHED_BY_REASON = {"stop": S.FINISHED_STOPPED, "length": S.FINISHED_LENGTH, "error": S.FINISHED_ERROR}
-
-
-class IllegalTransition(RuntimeError):
-    """A request was moved to a state ``TRANSITIONS`` does not allow from its own: a scheduler bug."""
 
 
 @dataclass(frozen=True)
@@ -80,8 +121,10 @@ class Handoff:
 
 
 @dataclass(eq=False)
-class Seq:
+class Seq(Stateful):
     """One request in the scheduler: what it asked for, where it is, and what it needs to go on."""
+
+    transitions: ClassVar[Mapping[RequestState, frozenset[RequestState]]] = TRANSITIONS
 
     request: EngineRequest
     stream: Any  # EventStream (or a sink during warmup)
@@ -110,13 +153,6 @@ class Seq:
     def full(self) -> list[int]:
         """Its prompt and every token generated so far: what a resume prefills again."""
         return list(self.request.prompt) + self.generated
-
-    def move(self, to: RequestState) -> RequestState:
-        """Enter state ``to``; returns the state left. ``IllegalTransition`` if ``TRANSITIONS`` forbids it."""
-        if to not in TRANSITIONS[self.state]:
-            raise IllegalTransition(f"request {self.rid}: {self.state.name} -> {to.name} is not a transition")
-        was, self.state = self.state, to
-        return was
 
 
 @dataclass

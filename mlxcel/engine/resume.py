@@ -11,7 +11,8 @@ equals an undisturbed run and a seeded one continues its random sequence.
 ``ResumePolicy`` (``mlxcel.engine.resume_policy``, re-exported here) bounds it: at most
 ``max_resumes`` resumes per request, each waiting at most ``wait_s`` for a node to take it again.
 The same bound holds a new request whose start failed with such a node failure (``Hold``,
-``mlxcel.engine.holding``; docs/pipeline.md §5.6).
+``mlxcel.engine.holding``; docs/pipeline.md §5.6). ``replayable`` gives a sampled request without a
+seed one, so that a resume continues its random stream.
 
 ``Resumer`` is both, as one object over the scheduler's ``RequestTable`` and its executor: it moves
 requests WAITING (held), RESUMING and back to PREFILLING, and ends those past their bounds through the
@@ -20,25 +21,42 @@ scheduler. An executor that can resume (``mlxcel.pipeline.coordinator.PipelineEx
 ``resume_policy`` and answers ``resumable(exc)``: whether a failed step lost the sequence's state to a
 node failure (resume it) rather than failed on the request itself (end it); ``ExecutorBase``'s
 defaults (no policy, nothing resumable) turn both off.
+
+The disaggregated router resumes and holds its own requests (``mlxcel.disagg.waiting``) with the same
+pieces: ``ResumePolicy`` (bounds, deadline, cadence), ``Hold`` (each held request's clock and its 503)
+and ``replayable``; not with a ``Resumer``, which polls a request table from the scheduler's loop and
+prepares again on an executor, where the router's requests move on its transport's, monitor's and
+timers' threads under its lock and are resumed by dispatching a new attempt to other nodes
+(docs/engine.md, "Request states").
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING, Callable, Protocol
 
 from mlxcel.engine.holding import Hold, start_may_wait
 from mlxcel.engine.requests import RequestState, RequestTable, Seq
 from mlxcel.engine.resume_policy import RETRY_S, ResumePolicy
+from mlxcel.engine.sampling import SamplingParams, random_seed
 from mlxcel.error_codes import ErrorCode, code_of
 
 if TYPE_CHECKING:
     from mlxcel.engine.executor import ExecutorBase
 
-__all__ = ["RETRY_S", "ResumePolicy", "Resumer"]
+__all__ = ["RETRY_S", "ResumePolicy", "Resumer", "replayable"]
 
 log = logging.getLogger("mlxcel.engine")
+
+
+def replayable(params: SamplingParams, policy: ResumePolicy | None) -> SamplingParams:
+    """``params`` as a resume can replay them: a sampled request that names no seed gets one here while
+    resuming is on, so that a resume continues its random stream (the scheduler's and the router's)."""
+    if policy is not None and policy.enabled and not params.greedy and params.seed is None:
+        return replace(params, seed=random_seed())
+    return params
 
 
 class Finish(Protocol):
@@ -65,9 +83,9 @@ class Resumer:
     def may_resume(self, seq: Seq, exc: BaseException) -> bool:
         """Whether ``seq``, whose step failed with ``exc``, is resumed instead of failed: the executor says
         the node failure lost its state, its bounds are not spent, it fits the context for a re-prefill."""
-        if self.policy is None or seq.resumes >= self.policy.max_resumes or not self.executor.resumable(exc):
+        if self.policy is None or not self.executor.resumable(exc):
             return False
-        return len(seq.request.prompt) + len(seq.generated) <= self.context_length
+        return self.policy.allows(seq.resumes, len(seq.request.prompt) + len(seq.generated), self.context_length)
 
     def suspend(self, seq: Seq, exc: BaseException) -> None:
         """Take ``seq`` off the executor (its step just returned, and the scheduler took it out of its decode
@@ -75,9 +93,8 @@ class Resumer:
         assert self.policy is not None
         self.table.move(seq, RequestState.RESUMING)
         seq.group, seq.todo = None, []
-        seq.resumes += 1
-        now = time.monotonic()
-        seq.resume_deadline, seq.resume_next, seq.resume_error = now + self.policy.wait_s, now + RETRY_S, exc
+        self.policy.begin(seq, time.monotonic())
+        seq.resume_error = exc
         log.warning("request %s lost to a node failure after %d tokens (%s); resuming it (%d of at most %d)",
                     seq.rid, len(seq.generated), exc, seq.resumes, self.policy.max_resumes)
         self._release(seq.rid)
@@ -114,10 +131,9 @@ class Resumer:
         """A try to resume ``seq`` failed with ``exc``: try again shortly, or fail it past its deadline or
         when the failure is not one to wait for (a PREPARE refused ``not_found``: ``start_may_wait``)."""
         seq.resume_error = exc
-        if time.monotonic() >= seq.resume_deadline or not start_may_wait(exc, self.executor.resumable):
+        assert self.policy is not None
+        if not (start_may_wait(exc, self.executor.resumable) and self.policy.again(seq, time.monotonic())):
             self._resume_failed(seq)
-        else:
-            seq.resume_next = time.monotonic() + RETRY_S
 
     def _prepare_again(self, seq: Seq) -> int:
         """The executor's ``prepare`` with prompt + generated, the sampler past the tokens sampled so far."""

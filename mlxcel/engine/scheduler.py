@@ -52,7 +52,6 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import replace
 from typing import Any
 
 from mlxcel import envs
@@ -66,9 +65,8 @@ from mlxcel.engine.prefill_split import prompt_chunk
 from mlxcel.engine.releases import Releases
 from mlxcel.engine.requests import FINISHED_BY_REASON, EngineCounters, Handoff, RequestState, RequestTable, Seq
 from mlxcel.engine.requests import RequestState as S
-from mlxcel.engine.resume import Resumer, ResumePolicy
+from mlxcel.engine.resume import Resumer, ResumePolicy, replayable
 from mlxcel.engine.runner import Sampled
-from mlxcel.engine.sampling import random_seed
 from mlxcel.engine.textstream import SequenceText
 from mlxcel.engine.warmup import Sink, warmup_requests
 from mlxcel.error_codes import ErrorCode, code_of
@@ -312,9 +310,7 @@ class Scheduler:
         if getattr(stream, "cancelled", False):
             self._release_slot()
             return
-        params = req.params
-        if self.resume is not None and not params.greedy and params.seed is None:
-            params = replace(params, seed=random_seed())  # a resume replays the same random stream
+        params = replayable(req.params, self.resume)  # a resume replays the same random stream
         seq = Seq(req, stream, SequenceText(self._tokenizer, req.params.stop), handoff=handoff, params=params,
                   offthread=self.outputs.offthread(req.params))
         self.table.add(seq)

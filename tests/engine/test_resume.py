@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 import mlx.core as mx
@@ -20,7 +21,7 @@ import pytest
 
 from mlxcel.engine.executor import ExecutorError
 from mlxcel.engine.interface import EngineOverloaded, EngineRequest, FinishEvent, TokenEvent
-from mlxcel.engine.resume import ResumePolicy
+from mlxcel.engine.resume import RETRY_S, ResumePolicy
 from mlxcel.engine.runner import RowSampler, sample_rows
 from mlxcel.engine.sampling import SamplingParams, draw_seed, make_sampler
 from mlxcel.engine.scheduler import Scheduler
@@ -353,13 +354,50 @@ def test_the_toml_keys_are_bounded(tmp_path, text, message):
     ({"code": ErrorCode.CANCELLED}, False),
     ({"tokens": 8}, False),  # nothing left to generate
     ({"prompt": 1000}, False),  # prompt + tokens no longer fit the context: cannot be prefilled again
+    ({"policy": ResumePolicy(0, 5.0)}, False),  # resuming off
 ])
 def test_the_router_policy_resumes_only_within_its_bounds(kw, expected):
     from mlxcel.disagg.policy import may_resume
 
-    args = dict(code=ErrorCode.UNREACHABLE, resumes=0, max_resumes=3, closing=False, tokens=4, prompt=10,
-                max_tokens=8, context_length=1000)
+    args = dict(code=ErrorCode.UNREACHABLE, policy=ResumePolicy(3, 5.0), resumes=0, closing=False, tokens=4,
+                prompt=10, max_tokens=8, context_length=1000)
     args.update(kw)
-    code = args.pop("code")
-    assert may_resume(code, **args) is expected
+    code, policy = args.pop("code"), args.pop("policy")
+    assert may_resume(code, policy, **args) is expected
+
+
+@dataclass
+class Record:
+    """A request being resumed, as the policy sees it (``ResumeRecord``: the scheduler's Seq, the router's Routed)."""
+
+    resumes: int = 0
+    resume_deadline: float = 0.0
+    resume_next: float = 0.0
+
+
+def test_the_policy_bounds_a_resume_sets_its_deadline_and_its_cadence():
+    """The decisions the scheduler's Resumer and the router both take from ``ResumePolicy``."""
+    policy = ResumePolicy(2, 5.0)
+    assert policy.allows(1, 100, 100) and not policy.allows(2, 10, 100) and not policy.allows(0, 101, 100)
+    assert not ResumePolicy(0, 5.0).allows(0, 1, 100)
+    rec = Record()
+    policy.begin(rec, 100.0)
+    assert (rec.resumes, rec.resume_deadline, rec.resume_next) == (1, 105.0, 100.0 + RETRY_S)
+    assert policy.again(rec, 104.9) and rec.resume_next == 104.9 + RETRY_S
+    assert not policy.again(rec, 105.0) and rec.resume_next == 104.9 + RETRY_S  # past its deadline: give up
+
+
+@pytest.mark.parametrize("policy, params, seeded", [
+    (ResumePolicy(3, 5.0), SamplingParams(temperature=0.7), True),  # a resume replays its random stream
+    (ResumePolicy(3, 5.0), SamplingParams(temperature=0.7, seed=7), False),  # its own seed is kept
+    (ResumePolicy(3, 5.0), SamplingParams(temperature=0.0), False),  # greedy: nothing to replay
+    (ResumePolicy(0, 5.0), SamplingParams(temperature=0.7), False),  # resuming off
+    (None, SamplingParams(temperature=0.7), False),
+])
+def test_a_sampled_request_without_a_seed_gets_one_where_it_may_be_resumed(policy, params, seeded):
+    from mlxcel.engine.resume import replayable
+
+    got = replayable(params, policy)
+    assert (got.seed is not None and params.seed is None) is seeded
+    assert got.seed == params.seed or seeded
 
