@@ -103,8 +103,9 @@ GPT_OSS = _TS_TYPE + (
     "{%- if tools %}" + _NL + "Calls to these tools must go to the commentary channel: 'functions'.{%- endif %}<|end|>"
     "{%- if messages[0].role in ('system', 'developer') %}{%- set dev = messages[0].content %}"
     "{%- set turns = messages[1:] %}{%- else %}{%- set dev = '' %}{%- set turns = messages %}{%- endif %}"
-    "{%- if dev or tools %}<|start|>developer<|message|>{%- if dev %}# Instructions\n\n{{ dev }}\n\n{%- endif %}"
-    "{%- if tools %}# Tools\n\n## functions\n\nnamespace functions {{ '{' }}" + _NL * 2 + "{%- for t in tools %}{%- set f = t.function %}"
+    "{%- if dev or tools %}<|start|>developer<|message|>{%- if dev %}# Instructions\n\n{{ dev }}" + _NL * 2 +
+    "{%- endif %}{%- if tools %}# Tools\n\n## functions\n\nnamespace functions {{ '{' }}" + _NL * 2 +
+    "{%- for t in tools %}{%- set f = t.function %}"
     "// {{ f.description }}\ntype {{ f.name }} = {% if f.parameters and f.parameters.properties %}(_: {{ '{' }}" + _NL +
     "{%- for k, v in f.parameters.properties.items() %}{{ k }}{{ '' if k in (f.parameters.required or []) else '?' }}"
     ": {{ ts_type(v) }}," + _NL + "{%- endfor %}}) => any;" + _NL * 2 + "{%- else %}() => any;" + _NL * 2 +

@@ -141,8 +141,10 @@ def test_prompts_render_tools_force_calls_and_carry_results(tokenizer):
     assert named.forced == "get_weather" and named.output()._split.state == "tool"
     anyone = prepare_turn(tokenizer, request(tools=[WEATHER, TIME], tool_choice="required"))
     assert text(anyone.prompt).endswith("<|start|>assistant<|channel|>commentary to=functions.")
-    auto = prepare_turn(tokenizer, request(tools=[WEATHER], reasoning_effort="high"))
+    auto = prepare_turn(tokenizer, request(tools=[WEATHER], reasoning_effort="high", messages=[
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]))
     assert text(auto.prompt).endswith("<|start|>assistant") and "Reasoning: high" in text(auto.prompt)
+    assert "<|start|>developer<|message|># Instructions\n\nBe brief.\n\n# Tools\n\n" in text(auto.prompt)
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
     trip = prepare_turn(tokenizer, request(tools=[WEATHER], tool_choice="none", messages=[
         {"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]},
