@@ -8,7 +8,7 @@ Key sources, highest precedence first (as for the cluster secret):
 
 A key file holds one or more keys, one per line; blank lines and lines starting
 with ``#`` are ignored.  When keys are configured, every request needs
-``Authorization: Bearer <key>`` except ``GET /health`` (and ``/metrics`` with
+``Authorization: Bearer <key>`` (on the Anthropic routes also ``x-api-key: <key>``) except ``GET /health`` (and ``/metrics`` with
 ``--metrics-public``): deny by default, so a route added later is covered too.
 
 Fail closed: listening on an address that is not loopback without a key is
@@ -23,6 +23,7 @@ import argparse
 import hashlib
 import hmac
 import ipaddress
+import json
 import logging
 import os
 import socket
@@ -236,22 +237,36 @@ def log_access(access: AccessConfig, host: str) -> None:
 _MISSING = "You didn't provide an API key. Send it in an Authorization header: 'Authorization: Bearer <key>'."
 _NOT_BEARER = "The Authorization header must use the Bearer scheme: 'Authorization: Bearer <key>'."
 _WRONG = "Incorrect API key provided."
+_MISSING_ANTHROPIC = "You didn't provide an API key. Send it in an x-api-key header or as 'Authorization: Bearer <key>'."
 
 
-def bearer_token(headers: list[tuple[bytes, bytes]]) -> tuple[bytes | None, str]:
-    """The token of the first Authorization header, or None and the reason it is unusable."""
+def bearer_token(headers: list[tuple[bytes, bytes]], x_api_key: bool = False) -> tuple[bytes | None, str]:
+    """The token of the first Authorization header, or None and the reason it is unusable.
+
+    ``x_api_key`` (Anthropic's routes, whose clients send ``x-api-key: <key>``): without an Authorization
+    header, the first ``x-api-key`` header counts.
+    """
     for name, value in headers:
         if name.lower() == b"authorization":
             scheme, _, token = value.strip().partition(b" ")
             if scheme.lower() != b"bearer" or not token.strip():
                 return None, _NOT_BEARER
             return token.strip(), _WRONG
+    if x_api_key:
+        for name, value in headers:
+            if name.lower() == b"x-api-key":
+                return (value.strip(), _WRONG) if value.strip() else (None, _MISSING_ANTHROPIC)
+        return None, _MISSING_ANTHROPIC
     return None, _MISSING
 
 
-def unauthorized_body(message: str) -> bytes:
+def unauthorized_body(message: str, anthropic: bool = False) -> bytes:
+    """The 401 body in OpenAI's shape, or in Anthropic's (``authentication_error``) on its routes."""
+    from mlxcel.server.errors import anthropic_error
     from mlxcel.server.protocol import ErrorDetail, ErrorResponse
 
+    if anthropic:
+        return json.dumps(anthropic_error(401, message)).encode()
     detail = ErrorDetail(message=message, type="invalid_request_error", param=None, code="invalid_api_key")
     return ErrorResponse(error=detail).model_dump_json().encode()
 
@@ -263,13 +278,19 @@ class APIKeyMiddleware:
         self.app = app
         self.keys = keys
         self.open_paths = open_paths
-        self._bodies = {reason: unauthorized_body(reason) for reason in (_MISSING, _NOT_BEARER, _WRONG)}
+        from mlxcel.server.errors import is_anthropic
+
+        self._is_anthropic = is_anthropic
+        self._bodies = {(reason, anthropic): unauthorized_body(reason, anthropic)
+                        for reason in (_MISSING, _MISSING_ANTHROPIC, _NOT_BEARER, _WRONG)
+                        for anthropic in (False, True)}
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] not in ("http", "websocket") or scope.get("path", "") in self.open_paths:
             await self.app(scope, receive, send)
             return
-        token, reason = bearer_token(scope.get("headers", []))
+        anthropic = self._is_anthropic(scope.get("path", ""))
+        token, reason = bearer_token(scope.get("headers", []), x_api_key=anthropic)
         if token is not None and self.keys.matches(token):
             await self.app(scope, receive, send)
             return
@@ -277,7 +298,7 @@ class APIKeyMiddleware:
             await send({"type": "websocket.close", "code": 1008})
             return
         challenge = b'Bearer error="invalid_token"' if token is not None else b"Bearer"
-        body = self._bodies[reason]
+        body = self._bodies[reason, anthropic]
         await send({"type": "http.response.start", "status": 401,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                                 (b"www-authenticate", challenge)]})

@@ -9,13 +9,16 @@ from fastapi import FastAPI
 
 from mlxcel import __version__
 from mlxcel.server.access import AccessConfig, install_access
+from mlxcel.server.anthropic_api import AnthropicServing
 from mlxcel.server.errors import install_error_handlers
 from mlxcel.server.metrics import ServerMetrics
+from mlxcel.server.responses_api import ResponsesServing
 from mlxcel.server.router import router
 from mlxcel.server.runtime import ServerRuntime
 from mlxcel.server.serving import OpenAIServing
 
-_ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"}
+_ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
+              "/v1/messages/count_tokens", "/v1/models", "/health", "/metrics"}
 
 
 class RequestCounter:
@@ -62,6 +65,8 @@ def create_app(runtime: ServerRuntime, on_fatal: Callable[[str], None] = lambda 
 
     app = FastAPI(title="mlxcel", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.serving = OpenAIServing(runtime, metrics)
+    app.state.responses = ResponsesServing(app.state.serving)
+    app.state.anthropic = AnthropicServing(app.state.serving)
     app.include_router(router)
     install_error_handlers(app)
     install_access(app, access)

@@ -2,6 +2,7 @@
 
 Body: ``{"error": {"message", "type", "param", "code"}}``. Types follow OpenAI:
 invalid_request_error (400/404), server_error (500), overloaded/unavailable (503).
+The Anthropic Messages routes answer the same errors in Anthropic's shape (``anthropic_error``).
 """
 
 from __future__ import annotations
@@ -165,11 +166,32 @@ def error_reply(exc: BaseException) -> ErrorReply:
                   code="internal_error")
 
 
-def install_error_handlers(app: FastAPI) -> None:
-    """Route every exception FastAPI sees through ``error_reply``."""
+#: routes that answer in Anthropic's error shape (the Messages API)
+ANTHROPIC_PREFIX = "/v1/messages"
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                    503: "overloaded_error", 529: "overloaded_error"}
 
-    async def handle(_: Request, exc: Exception) -> JSONResponse:
-        return error_reply(exc).response()
+
+def is_anthropic(path: str) -> bool:
+    return path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/")
+
+
+def anthropic_error(status: int, message: str) -> dict:
+    """Anthropic's error body: ``{"type": "error", "error": {"type", "message"}}``, the type by status."""
+    kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Route every exception FastAPI sees through ``error_reply`` (in Anthropic's shape on its routes)."""
+
+    async def handle(request: Request, exc: Exception) -> JSONResponse:
+        reply = error_reply(exc)
+        if is_anthropic(request.url.path):
+            body = anthropic_error(reply.status, reply.json()["error"]["message"])
+            return JSONResponse(body, status_code=reply.status, headers=reply.headers)
+        return reply.response()
 
     for exc_type in (APIError, RequestValidationError, ClientDisconnected, SamplingError, PromptError, ModelError,
                      EngineError, StarletteHTTPException, Exception):

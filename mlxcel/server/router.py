@@ -5,7 +5,9 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from mlxcel.server import anthropic_protocol as ap
 from mlxcel.server import protocol as p
+from mlxcel.server import responses_protocol as rp
 from mlxcel.server.metrics import CONTENT_TYPE
 from mlxcel.server.serving import OpenAIServing
 
@@ -24,6 +26,31 @@ async def chat_completions(body: p.ChatCompletionRequest, request: Request) -> R
 @router.post("/v1/completions")
 async def completions(body: p.CompletionRequest, request: Request) -> Response:
     return await _serving(request).completion(body, request)
+
+
+@router.post("/v1/responses")
+async def responses(body: rp.ResponsesRequest, request: Request) -> Response:
+    return await request.app.state.responses.create(body, request)
+
+
+@router.get("/v1/responses/{response_id}")
+async def get_response(response_id: str, request: Request) -> dict:
+    return request.app.state.responses.retrieve(response_id)
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, request: Request) -> dict:
+    return request.app.state.responses.delete(response_id)
+
+
+@router.post("/v1/messages")
+async def messages(body: ap.MessagesRequest, request: Request) -> Response:
+    return await request.app.state.anthropic.create(body, request)
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(body: ap.CountTokensRequest, request: Request) -> dict:
+    return request.app.state.anthropic.count_tokens(body)
 
 
 @router.get("/v1/models")

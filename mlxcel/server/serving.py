@@ -105,15 +105,22 @@ class OpenAIServing:
     def models(self) -> p.ModelList:
         return p.ModelList(data=[p.ModelCard(id=self.model_name, created=self.runtime.created)])
 
-    async def chat(self, req: p.ChatCompletionRequest, raw: Request) -> Response:
+    def submit_chat(self, req: p.ChatCompletionRequest) -> tuple[Engine, Turn, EventStream]:
+        """Validate, render and submit one chat request (the internal request every dialect builds)."""
         engine = self._prepare(req)
         turn = prepare_turn(engine.tokenizer, req)
-        prompt = turn.prompt
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         top = self._top_logprobs(req.logprobs, req.top_logprobs)
-        request = self._engine_request(engine, req, prompt, max_tokens, param, bool(req.logprobs), top)
-        stream = engine.submit(request)
+        request = self._engine_request(engine, req, turn.prompt, max_tokens, param, bool(req.logprobs), top)
+        return engine, turn, engine.submit(request)
+
+    def render_chat(self, req: p.ChatCompletionRequest) -> Turn:
+        """Validate and render one chat request without submitting it (token counting)."""
+        return prepare_turn(self._prepare(req).tokenizer, req)
+
+    async def chat(self, req: p.ChatCompletionRequest, raw: Request) -> Response:
+        engine, turn, stream = self.submit_chat(req)
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -230,6 +237,10 @@ class OpenAIServing:
             raise RequestTimeout(f"the request did not finish within {timeout:g}s (--request-timeout)") from None
         finally:
             stream.cancel()  # no-op when finished
+
+    def events(self, stream: EventStream) -> AsyncIterator[TokenEvent | FinishEvent]:
+        """The engine's events for a dialect's own shaping (timeout, metrics, cancellation as for chat)."""
+        return self._events(stream)
 
     def _count_finish(self, event: FinishEvent, seconds: float) -> None:
         self.metrics.finished.labels(event.finish_reason).inc()

@@ -181,6 +181,14 @@ def test_bearer_token_parsing(value, token, reason):
     got, why = bearer_token([(b"x-api-key", b"other"), (b"Authorization", value.encode())])
     assert got == (token.encode() if token else None) and why == reason
     assert bearer_token([(b"x-api-key", KEY.encode())]) == (None, access._MISSING)
+    got, why = bearer_token([(b"x-api-key", b"other"), (b"Authorization", value.encode())], x_api_key=True)
+    assert got == (token.encode() if token else None) and why == reason  # Authorization wins on Anthropic's routes
+
+
+def test_x_api_key_counts_only_on_anthropic_routes():
+    assert bearer_token([(b"X-Api-Key", b" k1 ")], x_api_key=True) == (b"k1", access._WRONG)
+    assert bearer_token([(b"x-api-key", b"")], x_api_key=True) == (None, access._MISSING_ANTHROPIC)
+    assert bearer_token([], x_api_key=True) == (None, access._MISSING_ANTHROPIC)
 
 
 # --- bind policy -------------------------------------------------------------------------------------
