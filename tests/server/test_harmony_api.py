@@ -82,3 +82,19 @@ def test_xml_families_forced_round_trip(start_server, tmp_path_factory, template
         result = {"role": "tool", "tool_call_id": call.id, "content": "sunny"}
         answer = oa.chat.completions.create(messages=[*ASK, sent, result], **kw)
         assert answer.usage.prompt_tokens > done.usage.prompt_tokens
+
+
+def test_gpt_oss_calls_through_the_responses_and_messages_apis(gpt_oss_url):
+    """The other dialects build the same internal request, so Harmony calls reach them as their own items."""
+    import anthropic
+
+    fn = {"type": "function", **WEATHER["function"]}
+    with client(gpt_oss_url) as oa:
+        done = oa.responses.create(model=MODEL, input="Weather in Paris?", tools=[fn], max_output_tokens=6,
+                                   tool_choice={"type": "function", "name": "get_weather"}, temperature=0)
+        assert [o.name for o in done.output if o.type == "function_call"] == ["get_weather"]
+    tool = {"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}
+    with anthropic.Anthropic(base_url=gpt_oss_url, api_key="unused", max_retries=0) as an:
+        msg = an.messages.create(model=MODEL, max_tokens=6, messages=ASK, tools=[tool],
+                                 tool_choice={"type": "tool", "name": "get_weather"}, extra_body={"temperature": 0})
+        assert [b.name for b in msg.content if b.type == "tool_use"] == ["get_weather"]
