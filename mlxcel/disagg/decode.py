@@ -34,6 +34,7 @@ from mlxcel.disagg.service import RoleService
 from mlxcel.disagg.wire import CANCEL_MEMORY_S, PROGRESS_INTERVAL_S, MsgType
 from mlxcel.engine.executor import KVImport, LocalExecutor
 from mlxcel.engine.interface import EngineError, EngineRequest, TokenEvent
+from mlxcel.engine.logits import replayed
 from mlxcel.engine.runner import Sampled
 from mlxcel.engine.scheduler import Scheduler
 from mlxcel.error_codes import ErrorCode
@@ -241,7 +242,8 @@ class DecodeService(RoleService):
                 return
         try:
             context = (*handoff.prompt, first.token)  # what the penalties look back over (engine/logits.py)
-            stream = self.scheduler.submit_prefilled(request, first, KVImport(handoff, meta.draws, context))
+            replay = replayed(meta.params, context, meta.generated)  # a grammar's matcher goes on from here
+            stream = self.scheduler.submit_prefilled(request, first, KVImport(handoff, meta.draws, context, replay))
         except EngineError as exc:
             self.send(meta.router, m.Error(meta.nonce, exc.code, str(exc)))
             return

@@ -321,11 +321,17 @@ class HandoffMeta:
     ignore_eos: bool = False
     draws: int = 0  # random draws the prefill's sampler made (the decode sampler skips them)
     extra: dict[str, Any] = field(default_factory=dict)
+    # with a grammar: the tokens generated so far (the prompt's tail and ``first``), which the decode node's
+    # matcher replays; sent only with a grammar
+    generated: int = 0
 
     def doc(self) -> dict[str, Any]:
-        return {"nonce": self.nonce, "router": str(self.router), "params": params_doc(self.params),
-                "first": event_doc(self.first), "top_logprobs": self.top_logprobs, "ignore_eos": self.ignore_eos,
-                "draws": self.draws, **self.extra}
+        doc = {"nonce": self.nonce, "router": str(self.router), "params": params_doc(self.params),
+               "first": event_doc(self.first), "top_logprobs": self.top_logprobs, "ignore_eos": self.ignore_eos,
+               "draws": self.draws, **self.extra}
+        if self.params.constrained:
+            doc["generated"] = self.generated
+        return doc
 
     @classmethod
     def parse(cls, doc: dict, vocab_size: int | None = None) -> "HandoffMeta":
@@ -336,9 +342,13 @@ class HandoffMeta:
             raise MessageRefused("router must be a numeric ip:port") from None
         first = event_of(doc.get("first"))
         in_vocab((first.token, *(t for t, _ in first.top_logprobs)), vocab_size, "first")
-        return cls(nonce_of(doc), router, params_of(doc.get("params"), vocab_size), first,
+        params = params_of(doc.get("params"), vocab_size)
+        generated = _int(doc, "generated", 1, MAX_TOKENS_LIMIT + 1) if params.constrained else 0
+        if not params.constrained and "generated" in doc:
+            raise MessageRefused("generated is sent only with a grammar")
+        return cls(nonce_of(doc), router, params, first,
                    _int(doc, "top_logprobs", 0, MAX_TOP_LOGPROBS, default=0), _bool(doc, "ignore_eos"),
-                   _int(doc, "draws", 0, MAX_TOKENS_LIMIT + 1))
+                   _int(doc, "draws", 0, MAX_TOKENS_LIMIT + 1), generated=generated)
 
 
 def reply_to(doc: dict) -> tuple[str, PeerId] | None:

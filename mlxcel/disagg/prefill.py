@@ -244,7 +244,7 @@ class PrefillService(RoleService):
     def _hand_off(self, job: Job, first: TokenEvent, kv: KVExport) -> None:
         """Stream header, chunks and end record to the decode node (a worker thread)."""
         meta = m.HandoffMeta(job.nonce, job.router, job.params, first, job.gen.top_logprobs, job.gen.ignore_eos,
-                             draws=0 if job.params.greedy else job.gen.draws + 1)
+                             draws=0 if job.params.greedy else job.gen.draws + 1, generated=job.gen.draws + 1)
         prefill_s = time.perf_counter() - job.started
         start = time.perf_counter()
         staged = self.staging.to_host(kv.data) if self.staging is not None else None  # None: the pool is full

@@ -11,8 +11,9 @@ import enum
 
 KV_MAGIC = b"MXKV"
 KV_VERSION = 1
-#: largest JSON request document inside a handoff header
-MAX_KV_META_LEN = 16 * 1024
+#: largest JSON request document inside a handoff header: 16 KiB, and room for a grammar (64 KiB of text, each
+#: byte at most 6 once JSON-escaped)
+MAX_KV_META_LEN = 16 * 1024 + 6 * 64 * 1024
 #: largest tensor-byte payload of one CHUNK part (the sender uses KV_CHUNK_LEN)
 MAX_KV_CHUNK_LEN = 4 * 1024 * 1024
 KV_CHUNK_LEN = 1024 * 1024

@@ -32,6 +32,7 @@ from mlxcel import envs
 from mlxcel.engine.model_slice import ModelSlice
 from mlxcel.engine.prefix_cache import PrefixCache
 from mlxcel.engine.resume_policy import ResumePolicy
+from mlxcel.engine.logits import replayed
 from mlxcel.engine.runner import PendingSample, RowSampler, Sampled, SliceRunner
 from mlxcel.engine.sampling import SamplingParams
 from mlxcel.error_codes import CodedError, ErrorCode
@@ -85,6 +86,7 @@ class KVImport:
     data: Any
     draws: int = 0
     context: tuple[int, ...] = ()
+    replay: tuple[int, ...] = ()  # the tokens generated so far, for a grammar (mlxcel.engine.grammar)
 
 
 class ExecutorError(CodedError):
@@ -212,7 +214,8 @@ class LocalExecutor(ExecutorBase):
                 draws: int = 0, attempt: int = 0) -> int:
         cache, n = self.prefix.lookup(prompt)
         for i, runner in enumerate(self.runners):
-            row = RowSampler(params, top_logprobs, context=prompt) if runner.is_last else None
+            row = RowSampler(params, top_logprobs, context=prompt, replay=replayed(params, prompt, draws)) \
+                if runner.is_last else None
             if row is not None:
                 row.skip(draws)
             runner.prepare(rid, row, cache=cache if i == 0 else None, length=n)
@@ -221,9 +224,9 @@ class LocalExecutor(ExecutorBase):
     def adopt(self, rid: str, params: SamplingParams, top_logprobs: int, cache: list | KVImport, length: int) -> None:
         """Install a KV cache filled elsewhere holding ``length`` tokens: mlx-lm caches (a ``take_cache``), or
         a ``KVImport`` that the importer turns into them here, its sampler advanced past the draws made there."""
-        draws, context = 0, ()
+        draws, context, replay = 0, (), ()
         if isinstance(cache, KVImport):
-            cache, draws, context = self.importer(cache.data), cache.draws, cache.context
+            cache, draws, context, replay = self.importer(cache.data), cache.draws, cache.context, cache.replay
         runner = self.runners[0]
         layers = len(runner._make_cache())  # noqa: SLF001 - the layer count a cache must have
         if not isinstance(cache, list) or len(cache) != layers:
@@ -231,7 +234,7 @@ class LocalExecutor(ExecutorBase):
         offset = getattr(cache[0], "offset", length)
         if offset != length:
             raise ValueError(f"the cache of {rid} holds {offset} tokens, its prompt has {length}")
-        row = RowSampler(params, top_logprobs, context=context)
+        row = RowSampler(params, top_logprobs, context=context, replay=replay)
         row.skip(draws)
         runner.prepare(rid, row, cache=cache, length=length)
 

@@ -52,19 +52,23 @@ class Sampled:
 class RowSampler:
     """A sequence's sampling state: parameters, its own seeded sampler, how many alternatives to report, and
     its logits processors (``mlxcel.engine.logits``: penalties, logit_bias) seeing ``context`` (the tokens
-    before its first sampled one, at least the last ``PENALTY_CONTEXT``) then every token it samples."""
+    before its first sampled one, at least the last ``PENALTY_CONTEXT``) then every token it samples; a
+    grammar's mask advanced over ``replay`` (the tokens generated before, elsewhere). ``GrammarError``
+    where the grammar does not compile here or refuses ``replay``."""
 
     params: SamplingParams
     top_logprobs: int = 0
     sampler: Callable[[mx.array], mx.array] | None = None
     context: Sequence[int] = ()
+    replay: Sequence[int] = ()
+    vocab_size: int | None = None
     logits: RowLogits = field(init=False)
 
     def __post_init__(self) -> None:
         self.top_logprobs = max(0, min(self.top_logprobs, MAX_TOP_LOGPROBS))
         if self.sampler is None and not self.params.greedy:
             self.sampler = make_sampler(self.params)
-        self.logits = row_logits(self.params, self.context)
+        self.logits = row_logits(self.params, self.context, self.replay, self.vocab_size)
 
     def skip(self, draws: int) -> None:
         """Advance a seeded sampler past ``draws`` made elsewhere (a prefill node, the attempt before a

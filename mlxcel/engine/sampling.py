@@ -11,6 +11,7 @@ import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from mlxcel.config import DEFAULT_MAX_TOKENS, MAX_STOP_STRINGS, MAX_TOKENS_LIMIT
+from mlxcel.engine.grammar import GrammarError, check_text
 
 MAX_LOGIT_BIAS = 300  # most logit_bias entries per request (OpenAI's bound)
 LOGIT_BIAS_LIMIT = 100.0  # a bias is in [-100, 100]
@@ -44,6 +45,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs, ids ascending and distinct
+    grammar: str | None = None  # llguidance grammar text the output must match (mlxcel.engine.grammar)
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
@@ -73,12 +75,22 @@ class SamplingParams:
             if not -PENALTY_LIMIT <= value <= PENALTY_LIMIT:
                 raise SamplingError(name, f"{name} must be between -2 and 2, got {value}")
         check_logit_bias(self.logit_bias)
+        if self.grammar is not None:
+            try:
+                check_text(self.grammar)
+            except GrammarError as exc:
+                raise SamplingError("grammar", str(exc)) from None
 
     @property
     def processed(self) -> bool:
         """Whether logits processors apply (a penalty or a logit_bias): the row keeps a token history."""
         return bool(self.logit_bias) or self.repetition_penalty != 1.0 or bool(self.presence_penalty) \
             or bool(self.frequency_penalty)
+
+    @property
+    def constrained(self) -> bool:
+        """Whether a grammar masks the row's tokens (the row replays what it generated before)."""
+        return self.grammar is not None
 
     @property
     def greedy(self) -> bool:

@@ -6,7 +6,8 @@ a ``ParamsFormat``: which fields travel, their defaults and bounds and the wordi
 checks are ``mlxcel.strict_json``'s: a mistyped or out-of-bounds field, or an unknown one, raises its
 ``FieldError``; a value ``SamplingParams`` itself refuses raises ``SamplingError``. ``logit_bias`` travels as
 OpenAI's object (``{"token id": bias}``, at most ``MAX_LOGIT_BIAS`` entries, checked before anything else is
-read from it) and a token window (``context``) as a list of at most ``PENALTY_CONTEXT`` ids.
+read from it), a token window (``context``) as a list of at most ``PENALTY_CONTEXT`` ids, a ``grammar`` as its
+text (null: none; at most ``MAX_GRAMMAR_BYTES``, compiled by the receiver) and what it replays (``replay``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Callable
 
 from mlxcel import strict_json as strict
+from mlxcel.config import MAX_TOKENS_LIMIT
+from mlxcel.engine.grammar import GrammarError, check_text
 from mlxcel.engine.logits import PENALTY_CONTEXT
 from mlxcel.engine.sampling import LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS, SamplingParams
 
@@ -65,6 +68,23 @@ def context_from_doc(raw: Any, name: str = "context") -> tuple[int, ...]:
     return tuple(raw)
 
 
+def grammar_from_doc(raw: Any, name: str = "grammar") -> str | None:
+    """A grammar's text (null: none): a string of at most ``MAX_GRAMMAR_BYTES``; the receiver compiles it."""
+    if raw is None:
+        return None
+    try:
+        return check_text(raw, name)
+    except GrammarError as exc:
+        raise strict.FieldError(name, str(exc)) from None
+
+
+def replay_from_doc(raw: Any, name: str = "replay") -> tuple[int, ...]:
+    """The tokens a grammar replays: a list of at most ``MAX_TOKENS_LIMIT`` ids (the receiver checks its vocabulary)."""
+    if not isinstance(raw, list) or len(raw) > MAX_TOKENS_LIMIT or not all(strict.is_int(t) and t >= 0 for t in raw):
+        raise strict.FieldError(name, f"{name} must be a list of at most {MAX_TOKENS_LIMIT} token ids")
+    return tuple(raw)
+
+
 #: the fields of the logits processors and min-p, shared by every ``params`` format that carries them
 PROCESSOR_PARAMS = {
     "min_p": Param(float, 0.0),
@@ -72,6 +92,7 @@ PROCESSOR_PARAMS = {
     "presence_penalty": Param(float, 0.0),
     "frequency_penalty": Param(float, 0.0),
     "logit_bias": Param(dict, {}, read=logit_bias_from_doc, write=logit_bias_doc),
+    "grammar": Param(str, None, optional=True, read=grammar_from_doc),
 }
 
 

@@ -121,6 +121,9 @@ def load_checkpoint(model_dir: str | Path, *, lazy: bool = False, tokenizer: boo
     except (ValueError, FileNotFoundError, KeyError, OSError) as exc:
         raise ModelError(f"{path}: cannot load checkpoint: {exc}") from None
     _eval_private_arrays(model)
+    from mlxcel.models import vocab_source  # where a grammar finds this model's vocabulary (read once one comes)
+
+    vocab_source.register(wrapper or path, config.get("vocab_size"))
     return LoadedModel(model=model, tokenizer=wrapper, config=config, path=path)
 
 

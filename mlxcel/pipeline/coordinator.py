@@ -42,6 +42,7 @@ from mlxcel.cluster.wire import FRAME_OVERHEAD, Kind
 from mlxcel.config import MAX_PREFIX_TOKENS, MAX_TOKENS_LIMIT
 from mlxcel.engine.executor import Done, ExecutorBase, ExecutorError, Step
 from mlxcel.engine.resume_policy import ResumePolicy
+from mlxcel.engine.logits import replayed
 from mlxcel.engine.runner import RowSampler, Sampled, sample_rows
 from mlxcel.engine.sampling import SamplingParams
 from mlxcel.error_codes import ErrorCode
@@ -188,7 +189,7 @@ class PipelineExecutor(ExecutorBase):
         wire = rid if attempt == 0 else f"{rid}#{attempt}"
         with self._lock:
             self._wire[rid] = wire
-        header: dict[str, Any] = {"request_id": wire, "params": params_to_wire(params, top_logprobs, prompt),
+        header: dict[str, Any] = {"request_id": wire, "params": params_to_wire(params, top_logprobs, prompt, draws),
                                   "return": "logits" if self.return_logits else "token"}
         if self.prefix_on and len(prompt) > 1:
             header["prompt"] = list(prompt[:MAX_PREFIX_TOKENS])
@@ -203,7 +204,8 @@ class PipelineExecutor(ExecutorBase):
             self._prepared.add(rid)
             self._lost.discard(rid)
         if self.return_logits:
-            self._samplers[rid] = RowSampler(params, top_logprobs, context=prompt)
+            self._samplers[rid] = RowSampler(params, top_logprobs, context=prompt,
+                                             replay=replayed(params, prompt, draws))
             self._samplers[rid].skip(draws)
         if cached:
             self.prefix_hits += 1

@@ -42,7 +42,7 @@ from mlxcel.engine.sampling import SamplingError
 from mlxcel.models.facts import ModelFacts
 from mlxcel.topology.cluster_config import ClusterConfig
 from mlxcel.cluster.outbox import Outbox, fast_handoffs
-from mlxcel.pipeline.params import count_from_wire, params_from_wire, tokens_from_wire
+from mlxcel.pipeline.params import count_from_wire, params_and_replay, tokens_from_wire
 from mlxcel.pipeline.protocol import (
     COMMANDS,
     STATE_SECONDS,
@@ -187,7 +187,10 @@ class StageService:
         if self.draining:
             raise ProtocolError(ErrorCode.UNAVAILABLE, f"stage {self.node.id} is draining; it accepts no new sequence")
         try:
-            params, top, context = params_from_wire(m.header.get("params"), self.model.vocab_size)
+            params, top, context, replay = params_and_replay(m.header.get("params"), self.model.vocab_size)
+            # a grammar compiles here, against this stage's vocabulary, and replays what came before (GrammarError)
+            row = RowSampler(params, top, context=context, replay=replay, vocab_size=self.model.vocab_size) \
+                if self.is_last else None
         except (SamplingError, TypeError, ValueError) as exc:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"bad sampling parameters: {exc}") from None
         ret = m.header.get("return", "token")
@@ -206,7 +209,6 @@ class StageService:
                 raise ProtocolError(ErrorCode.UNAUTHORIZED, f"request {rid} belongs to another identity")
             self._owners[rid] = peer
             self._returns[rid] = ret
-        row = RowSampler(params, top, context=context) if self.is_last else None
         if row is not None:
             row.skip(draws)  # a resumed sequence: its sampler goes on after the tokens sampled before
         self._work.put(("prepare", peer, m, _Prepare(row, prompt, cap)))

@@ -71,10 +71,16 @@ def prepare_turn(tokenizer: Any, req: p.ChatCompletionRequest) -> Turn:
     turn.markers = Markers(think=think, tool=(fmt.start, fmt.end) if calling and fmt else None)
     turn.state = "reasoning" if opens_in_reasoning(text, think) else "content"
     prefill = ""
+    structured = req.response_format is not None and req.response_format.type != "text"
+    forcing = calling and choice not in (None, "auto")
     if hm.is_harmony(tokenizer):
-        prefill = tc.forced_opening(fmt, forced) if calling and choice not in (None, "auto") else ""
+        prefill = tc.forced_opening(fmt, forced) if forcing else hm.FINAL if structured else ""
         turn.harmony = hm.opened_tail(text + prefill)
-    elif calling and choice not in (None, "auto"):
+        if forcing and forced:
+            turn.state = "tool"  # inside the call's JSON arguments, which a grammar can constrain
+    elif structured and turn.state == "reasoning" and not forcing:
+        prefill, turn.state = think[1] + "\n\n", "content"  # a structured answer skips the opened reasoning
+    if forcing and turn.harmony is None:
         opening = tc.forced_opening(fmt, forced)
         if turn.state == "reasoning":  # a forced call skips the reasoning the template opened
             prefill = think[1] + "\n\n"

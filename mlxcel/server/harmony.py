@@ -27,6 +27,7 @@ MAX_HEADER = 256
 #: the canonical header of a call message; a forced call prefills it (``tool_calls.FORCED_OPENINGS``)
 CALL_HEAD = "<|channel|>commentary to={recipient} <|constrain|>json<|message|>"
 FORCED_ANY = "<|channel|>commentary to=functions."  # tool_choice "required" among several tools
+FINAL = "<|channel|>final<|message|>"  # a structured answer (response_format) is the final channel's body
 
 _RECIPIENT = re.compile(r"\bto=([^\s<]+)")
 _CHANNEL = re.compile(re.escape(CHANNEL) + r"\s*([A-Za-z_]+)")

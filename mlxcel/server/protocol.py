@@ -104,6 +104,18 @@ class Tool(_Request):
     function: FunctionDefinition
 
 
+class JsonSchemaFormat(_Request):
+    name: Annotated[str, StringConstraints(strict=True, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    description: Optional[StrictStr] = None
+    schema_: Optional[dict[str, Any]] = Field(None, alias="schema")  # the output's JSON Schema
+    strict: Optional[StrictBool] = None  # the output always matches the schema (constrained decoding)
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+
 class NamedFunction(_Request):
     name: FunctionName
 
@@ -145,6 +157,7 @@ class ChatCompletionRequest(_Request):
     # --- mlxcel extensions (vLLM spells them the same) ---
     parallel_tool_calls: Optional[StrictBool] = True
     reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]] = None
+    response_format: Optional[ResponseFormat] = None  # text, json_object, json_schema (constrained decoding)
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     tools: Optional[list[Tool]] = None
     # --- mlxcel extensions (vLLM spells them the same) ---
@@ -165,7 +178,6 @@ class ChatCompletionRequest(_Request):
         "prediction": (),
         "prompt_cache_options": (),
         "prompt_cache_retention": ("in_memory",),  # a maximum: our prefix cache lives in memory
-        "response_format": ({"type": "text"},),
         "service_tier": ("auto", "default"),
         "store": (False,),
         "verbosity": (),
@@ -193,6 +205,7 @@ class CompletionRequest(_Request):
     min_p: Optional[Number] = None
     repetition_penalty: Optional[Number] = None
     ignore_eos: Optional[StrictBool] = False
+    response_format: Optional[ResponseFormat] = None  # extension: the completion matches it (constrained)
 
     UNSUPPORTED = {
         "best_of": (1,),

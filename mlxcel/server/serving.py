@@ -28,6 +28,7 @@ from mlxcel.engine.interface import (
 from mlxcel.engine.prompts import PromptError, encode_raw
 from mlxcel.engine.sampling import SamplingParams, check_logit_bias
 from mlxcel.engine.sampling_wire import logit_bias_from_doc
+from mlxcel.server.structured import format_grammar, request_grammar
 from mlxcel.strict_json import FieldError
 from mlxcel.models.token_ids import TokenIdError, check_token_ids
 from mlxcel.server import protocol as p
@@ -112,7 +113,9 @@ class OpenAIServing:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         top = self._top_logprobs(req.logprobs, req.top_logprobs)
-        request = self._engine_request(engine, req, turn.prompt, max_tokens, param, bool(req.logprobs), top)
+        grammar = request_grammar(engine.tokenizer, req, turn)
+        request = self._engine_request(engine, req, turn.prompt, max_tokens, param, bool(req.logprobs), top,
+                                       grammar)
         return engine, turn, engine.submit(request)
 
     def render_chat(self, req: p.ChatCompletionRequest) -> Turn:
@@ -143,7 +146,7 @@ class OpenAIServing:
             raise InvalidRequest(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}", param="logprobs")
         want_logprobs = req.logprobs is not None
         request = self._engine_request(engine, req, prompt, req.max_tokens, "max_tokens", want_logprobs,
-                                       req.logprobs or 0)
+                                       req.logprobs or 0, format_grammar(engine.tokenizer, req.response_format))
         stream = engine.submit(request)
         rid = f"cmpl-{uuid.uuid4().hex[:24]}"
         if req.stream:
@@ -177,7 +180,7 @@ class OpenAIServing:
         return top
 
     def _engine_request(self, engine: Engine, req: AnyRequest, prompt: list[int], max_tokens: int | None,
-                        param: str, logprobs: bool, top: int) -> EngineRequest:
+                        param: str, logprobs: bool, top: int, grammar: str | None = None) -> EngineRequest:
         ctx = engine.context_length
         n = len(prompt)
         if max_tokens is not None and not 1 <= max_tokens <= ctx:
@@ -204,6 +207,7 @@ class OpenAIServing:
             presence_penalty=float(req.presence_penalty or 0.0),
             frequency_penalty=float(req.frequency_penalty or 0.0),
             logit_bias=_logit_bias(req.logit_bias, _vocab_size(engine.tokenizer)),
+            grammar=grammar,
         )
         return EngineRequest(tuple(prompt), params, top_logprobs=top, ignore_eos=bool(req.ignore_eos))
 

@@ -505,3 +505,19 @@ def test_a_prefill_node_may_send_only_its_attempt_s_first_token(cluster, single)
         posing.close()
     assert text == ref and "FORGED" not in text
     assert cluster.stats()["metrics"]["router_dropped_frames"] >= dropped + 2
+
+
+def test_a_json_schema_holds_across_the_handoff(cluster, single):
+    """The prefill node samples the first token under the grammar, the decode node the rest after replaying
+    it (the handoff's ``generated``): the single node's valid JSON, streamed or not."""
+    import json
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                               "ok": {"type": "boolean"}}, "required": ["n", "ok"],
+              "additionalProperties": False}
+    extra = {"response_format": {"type": "json_schema", "json_schema": {"name": "o", "schema": schema}}}
+    kw = dict(max_tokens=24, temperature=0, extra_body=extra)
+    ref = chat(single.url, CHATS[0], **kw)
+    assert ref.choices[0].finish_reason == "stop" and set(json.loads(ref.choices[0].message.content)) == {"n", "ok"}
+    assert chat(cluster.url, CHATS[0], **kw).choices[0].message.content == ref.choices[0].message.content
+    assert streamed(cluster.url, CHATS[0], **kw)[0] == ref.choices[0].message.content

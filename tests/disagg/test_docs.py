@@ -68,7 +68,8 @@ def test_the_documented_defaults_are_what_a_missing_field_takes():
     _, defaults = generate_fields()
     assert set(defaults) == {"params.temperature", "params.top_p", "params.top_k", "params.seed", "params.stop",
                              "params.logprobs", "params.min_p", "params.repetition_penalty", "params.presence_penalty",
-                             "params.frequency_penalty", "params.logit_bias", "top_logprobs", "ignore_eos"}
+                             "params.frequency_penalty", "params.logit_bias", "params.grammar", "top_logprobs",
+                             "ignore_eos"}
     gen = m.Generate.parse(minimal(), 8)
     assert gen.decode_target is None and m.Generate.parse({**minimal(), "decode_target": None}, 8).decode_target is None
     for name, value in defaults.items():

@@ -122,3 +122,15 @@ def test_penalties_and_logit_bias_on_rank_0_equal_a_single_node(single, tp):
                                         extra_body=body, **extra).choices[0].text for s in (single, tp)]
     assert got[0] == got[1]
     assert got[0] != complete(single, PROMPTS[0], max_tokens=16).choices[0].text
+
+
+def test_a_json_schema_on_rank_0_equals_a_single_node(single, tp):
+    import json
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["n"], "additionalProperties": False}
+    body = {"response_format": {"type": "json_schema", "json_schema": {"name": "o", "schema": schema}}}
+    got = [client(s).completions.create(model=MODEL, prompt=PROMPTS[0], temperature=0, max_tokens=16,
+                                        extra_body=body) for s in (single, tp)]
+    assert got[0].choices[0].text == got[1].choices[0].text and got[0].choices[0].finish_reason == "stop"
+    assert set(json.loads(got[0].choices[0].text)) == {"n"}

@@ -208,3 +208,27 @@ def test_a_penalized_request_resumed_equals_the_uninterrupted_one_and_mlx_lm(clu
 
     assert disturbed(cluster, kill_and_restart, **PENALIZED) == expected
     wait_healthy(cluster)
+
+
+def test_a_constrained_request_resumed_equals_the_uninterrupted_one(cluster):
+    """The grammar's matcher is rebuilt on the restarted last stage by replaying the tokens generated so far
+    (PREPARE params.replay): the resumed JSON equals the uninterrupted one, and it is valid."""
+    import json
+
+    schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 300}}, "required": ["s"],
+              "additionalProperties": False}
+    fmt = {"response_format": {"type": "json_schema", "json_schema": {"name": "o", "schema": schema}},
+           "ignore_eos": False}
+    wait_healthy(cluster)
+    undisturbed = httpx.post(f"{cluster.url}/v1/completions", json=body(**fmt), timeout=120).json()
+    expected = undisturbed["choices"][0]["text"]
+    assert expected.startswith('{"s": "')
+    if undisturbed["choices"][0]["finish_reason"] == "stop":
+        assert set(json.loads(expected)) == {"s"}
+
+    def kill_and_restart() -> None:
+        cluster.stages[1].stop(signal.SIGKILL)
+        cluster.start_stage(1)
+
+    assert disturbed(cluster, kill_and_restart, **fmt) == expected
+    wait_healthy(cluster)

@@ -73,6 +73,8 @@ FIELDS: list[tuple[str, tuple, dict, Callable[[dict], None]]] = [
     ("PREPARE", ("frequency_penalty",), {"frequency_penalty": 0.5}, _params),
     ("PREPARE", ("logit_bias", "7"), {"logit_bias": {"7": 1.0}}, _params),  # true is not a bias of 1
     ("PREPARE", ("context", 1), {"context": [7, 1, 2]}, _params),  # true is not token 1
+    ("PREPARE", ("replay", 1), {"replay": [7, 1, 2], "grammar": "start: /[0-9]+/"}, _params),  # true is not token 1
+    ("PREPARE", ("grammar",), {"grammar": "start: /[0-9]+/"}, _params),  # a grammar is text, not a number
     ("PREPARE", ("prompt", 1), {"prompt": [7, 1, 2]}, _tokens("prompt")),  # true is not token 1
     ("PREPARE", ("max_cached",), {"max_cached": 1}, _count("max_cached", 1 << 16)),
     ("PREPARE", ("draws",), {"draws": 1}, _count("draws", 1 << 20)),  # a resumed sequence's sampler offset

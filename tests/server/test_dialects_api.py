@@ -163,11 +163,17 @@ def test_responses_errors_name_the_field(srv):
     assert "no function_call" in responses_bad(srv, "input[0].call_id", input=stray)["message"]
     responses_bad(srv, "tool_choice", tools=[WEATHER], tool_choice={"type": "function", "name": "nope"})
     responses_bad(srv, "model", status=404, model="other")
-    # json_schema travels to the internal request's constraint; refused while the server has no grammar
-    fmt = {"type": "json_schema", "name": "w", "schema": {"type": "object"}}
-    r = httpx.post(f"{srv.url}/v1/responses", headers={"Authorization": f"Bearer {KEY}"}, timeout=30,
-                   json={"model": MODEL, "input": "hi", "max_output_tokens": 1, "text": {"format": fmt}})
-    assert r.status_code == 200 or r.json()["error"]["param"] == "text.format", r.text
+    # json_schema travels to the internal request's constraint: the grammar guarantees the output
+    fmt = {"type": "json_schema", "name": "w", "strict": True,
+           "schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 4}},
+                      "required": ["city"], "additionalProperties": False}}
+    r = httpx.post(f"{srv.url}/v1/responses", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+                   json={"model": MODEL, "input": "hi", "max_output_tokens": 24, "text": {"format": fmt}})
+    assert r.status_code == 200, r.text
+    message = [item for item in r.json()["output"] if item["type"] == "message"][0]
+    assert set(json.loads(message["content"][0]["text"])) == {"city"}
+    bad = dict(fmt, schema={"type": "array", "uniqueItems": True})
+    assert "uniqueItems" in responses_bad(srv, "text.format", input="hi", text={"format": bad})["message"]
 
 
 # ------------------------------------------------------------------------------ Anthropic Messages API

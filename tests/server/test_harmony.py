@@ -155,6 +155,14 @@ def test_prompts_render_tools_force_calls_and_carry_results(tokenizer):
     assert trip.markers.tool is None  # tool_choice none: a message to a function would be content
 
 
+def test_a_structured_answer_is_the_final_channel(tokenizer):
+    """response_format's grammar constrains the body, so the answer starts inside the final channel."""
+    turn = prepare_turn(tokenizer, request(response_format={"type": "json_object"}))
+    assert tokenizer.decode(turn.prompt).endswith("<|start|>assistant" + hm.FINAL)
+    out = turn.output()
+    assert out.feed('{"a": 1}') == [p.Delta(content='{"a": 1}')]  # streamed at once, not held as a header
+
+
 def test_bad_harmony_requests_are_400s(tokenizer):
     with pytest.raises(InvalidRequest) as e:
         prepare_turn(tokenizer, request(tools=[WEATHER], tool_choice={"type": "function",

@@ -98,3 +98,27 @@ def test_gpt_oss_calls_through_the_responses_and_messages_apis(gpt_oss_url):
         msg = an.messages.create(model=MODEL, max_tokens=6, messages=ASK, tools=[tool],
                                  tool_choice={"type": "tool", "name": "get_weather"}, extra_body={"temperature": 0})
         assert [b.name for b in msg.content if b.type == "tool_use"] == ["get_weather"]
+
+
+def test_gpt_oss_constrained_call_arguments_and_structured_answer(gpt_oss_url):
+    """A forced Harmony call's arguments and a response_format answer (the final channel's body) are valid JSON."""
+    import jsonschema
+
+    params = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 3},
+                                               "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+              "required": ["city", "days"], "additionalProperties": False}
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": params}}
+    with client(gpt_oss_url) as oa:
+        done = oa.chat.completions.create(model=MODEL, messages=ASK, tools=[tool, TIME], tool_choice=NAMED,
+                                          max_tokens=96, temperature=0)
+        [call] = done.choices[0].message.tool_calls
+        assert done.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), params)
+        city = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 4}}, "required": ["name"],
+                "additionalProperties": False}
+        fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": city, "strict": True}}
+        kw = dict(model=MODEL, messages=ASK, response_format=fmt, max_tokens=64, temperature=0)
+        answer = oa.chat.completions.create(**kw).choices[0]
+        assert answer.finish_reason == "stop" and not (answer.message.model_extra or {}).get("reasoning_content")
+        jsonschema.validate(json.loads(answer.message.content), city)
+        assert reassemble(oa.chat.completions.create(stream=True, **kw))["content"] == answer.message.content
