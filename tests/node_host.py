@@ -44,13 +44,14 @@ def load_node(argv: list[str], failures: list[str]) -> Any:
         from mlxcel.roles.stage import StageProcess
 
         assert config.dist is not None
-        process: Any = StageProcess(config.dist, config.server.model)
+        process: Any = StageProcess(config.dist, config.server.model, config.secret)
         process.load(failures.append, lambda: None)
     elif config.role in ("prefill", "decode"):
         from mlxcel.disagg.worker import WorkerProcess
 
         assert config.disagg is not None
-        process = WorkerProcess(config.server, config.disagg)
+        assert config.secret is not None  # every disaggregated node loads it (fail closed)
+        process = WorkerProcess(config.server, config.disagg, config.secret)
         process.load(failures.append)
     else:
         raise SystemExit(f"a node host serves stage, prefill and decode nodes, not {config.role}")

@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "mlxcel"
 
 #: lowest first; a member is a package or module prefix, "foundation" the small top-level modules
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("foundation",),  # mlxcel, errors, error_codes, config, envs, threads, private_file, strict_json, blas, blas_shim
+    ("foundation",),  # mlxcel, errors, error_codes, flagset, config, envs, threads, private_file, strict_json, blas, blas_shim
     ("mlxcel.cluster",),  # sockets, crypto, frames, transport: no MLX
     ("mlxcel.models",),  # checkpoints, identity, GGUF import, model facts
     ("mlxcel.topology",),  # what every role reads: role names, layer ranges, cluster TOML, Distributed
@@ -30,7 +30,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("mlxcel.cli",),  # argument parsing only
     ("mlxcel.__main__",),  # python -m mlxcel
 )
-FOUNDATION = {"mlxcel", "mlxcel.errors", "mlxcel.error_codes", "mlxcel.config", "mlxcel.envs", "mlxcel.threads", "mlxcel.private_file", "mlxcel.strict_json",
+FOUNDATION = {"mlxcel", "mlxcel.errors", "mlxcel.flagset", "mlxcel.error_codes", "mlxcel.config", "mlxcel.envs", "mlxcel.threads", "mlxcel.private_file", "mlxcel.strict_json",
               "mlxcel.blas", "mlxcel.blas_shim"}
 
 

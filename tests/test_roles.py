@@ -13,7 +13,7 @@ import pytest
 
 from mlxcel.cli import build_parser
 from mlxcel.errors import CLIError
-from mlxcel.commands.serve import cluster_node
+from mlxcel.commands.serve import as_flags, cluster_node
 from mlxcel.roles import ROLES, Role, select_role
 from mlxcel.topology.names import ROLE_NAMES
 from tests.pipeline.cluster import LocalCluster
@@ -31,8 +31,8 @@ def prepared(cluster: LocalCluster, node_id: str | None):
     argv = ["serve", "-m", str(cluster.model)]
     if node_id is not None:
         argv += ["--distributed-config", str(cluster.toml), "--node-id", node_id]
-    args = build_parser().parse_args(argv)
-    return args, cluster_node(args, Path(args.model))
+    args = as_flags(build_parser().parse_args(argv))
+    return args, cluster_node(args, Path(args.server.model))
 
 
 @pytest.mark.parametrize("node_id,role,serves_api", [
@@ -52,15 +52,15 @@ def test_configuration_selects_its_role(cluster, node_id, role, serves_api):
     (["--pp-peer", "--cluster-control-addr", "127.0.0.3:19001"], "pp-peer", False),
 ])
 def test_bringup_flags_select_their_role(cluster, flags, role, serves_api):
-    args = build_parser().parse_args(["serve", "-m", str(cluster.model), *flags])
-    selected = select_role(args, cluster_node(args, Path(args.model)))
+    args = as_flags(build_parser().parse_args(["serve", "-m", str(cluster.model), *flags]))
+    selected = select_role(args, cluster_node(args, Path(args.server.model)))
     assert (selected.name, selected.serves_api) == (role, serves_api)
 
 
 def test_a_peer_with_a_cluster_toml_skips_the_wait(cluster):
     """--pp-peer with --distributed-config and --node-id is that TOML's node: no assignment wait."""
     args, dist = prepared(cluster, "stage-1")
-    args.pp_peer = True
+    args = replace(args, bringup=replace(args.bringup, pp_peer=True))
     assert select_role(args, dist).name == "stage"
 
 
@@ -89,7 +89,7 @@ def test_a_node_no_role_serves_is_one_clear_error(cluster):
     (["--tp-size", "1"], "single", True),
 ])
 def test_tensor_parallel_flags_select_rank_0_or_a_follower(flags, role, serves_api):
-    args = build_parser().parse_args(["serve", *flags])
+    args = as_flags(build_parser().parse_args(["serve", *flags]))
     selected = select_role(args, None)
     assert (selected.name, selected.serves_api) == (role, serves_api)
 

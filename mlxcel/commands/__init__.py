@@ -1,5 +1,8 @@
-"""The CLI's commands, one module each: ``generate``, ``serve``, ``plan``, ``node``, ``report``.
+"""The CLI's commands, one module each: ``generate``, ``plan``, ``convert``, ``models``, ``report``, ``node``,
+``serve`` (with ``support``, ``windows`` and ``standby`` as helpers).
 
-``mlxcel/cli.py`` parses the command line and calls one of them; ``serve`` parses the server's flags
-into a ``ServeConfig`` once and runs the role it names (``mlxcel/roles/``).
+Each command module owns its parser, as vLLM's subcommands do: ``add_parser(subparsers)`` adds the
+command and its flags and sets ``func`` to its ``run(args)``; ``mlxcel/cli.py`` loops over them. Only
+these modules read the parsed ``argparse.Namespace``: ``serve`` turns it into typed flags
+(``ServeFlags``, checked once), then one ``ServeConfig``, and runs the role it names (``mlxcel/roles/``).
 """

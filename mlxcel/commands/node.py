@@ -23,9 +23,9 @@ from mlxcel.node.spec import NodeSpec, NodeSpecError, load_node_spec
 EXIT_FAILED = 1
 
 
-def add_node_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """The ``node`` subcommand and its actions."""
-    n = sub.add_parser("node", help="start, stop or report one node process (pidfile, log, readiness) from a node TOML")
+    n = subparsers.add_parser("node", help="start, stop or report one node process (pidfile, log, readiness) from a node TOML")
     actions = n.add_subparsers(dest="node_command", required=True, metavar="ACTION")
     helps = {
         "start": "start unless running (restart if an input changed since), then wait until ready",
@@ -45,7 +45,7 @@ def add_node_parser(sub: argparse._SubParsersAction) -> None:
                            help="seconds to wait for readiness (default: [ready] timeout_s of the TOML)")
         if action in ("start", "restart"):
             p.add_argument("--no-wait", dest="wait", action="store_false", help="do not wait for readiness")
-        p.set_defaults(func=run_node)
+        p.set_defaults(func=run)
 
 
 def describe(spec: NodeSpec) -> dict:
@@ -57,7 +57,7 @@ def describe(spec: NodeSpec) -> dict:
             "restart": asdict(spec.restart), "fingerprint": supervisor.fingerprint(spec)}
 
 
-def run_node(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     try:
         spec = load_node_spec(Path(args.config))
     except NodeSpecError as exc:

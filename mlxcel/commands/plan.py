@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from mlxcel.config import DEFAULT_MODEL_DIR, non_negative_int, positive_int
 from mlxcel.errors import CLIError
 from mlxcel.topology.partition import (
     PartitionError,
@@ -91,7 +92,26 @@ def given_stages(costs: StageCosts, text: str, n: int, memory: list[int] | None)
     return stages
 
 
-def run_plan(args: argparse.Namespace) -> int:
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """``mlxcel plan``."""
+    pl = subparsers.add_parser("plan", help="show how a checkpoint's layers split into pipeline stages, with bytes "
+                                            "per stage")
+    pl.add_argument("-m", "--model", default=DEFAULT_MODEL_DIR, help=f"checkpoint directory (default {DEFAULT_MODEL_DIR})")
+    pl.add_argument("--pp-size", type=positive_int, required=True, metavar="N", help="number of stages")
+    pl.add_argument("--memory", default=None, metavar="SIZES",
+                    help="usable memory per stage, e.g. 8GiB,16GiB (or one value for all; B, KB/KiB, MB/MiB, GB/GiB)")
+    pl.add_argument("--layers", default=None, metavar="RANGES",
+                    help="check these inclusive ranges (e.g. 0-11,12-29) against the checkpoint and price them")
+    pl.add_argument("--context", type=non_negative_int, default=0, metavar="TOKENS",
+                    help="price every layer's cache for sequences of this many tokens (default 0: weights only)")
+    pl.add_argument("--rows", type=positive_int, default=1, metavar="N",
+                    help="sequences per decode step: how many of an MoE layer's experts a step touches, and "
+                         "how many caches (default 1)")
+    pl.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    pl.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
     try:
         costs = layer_costs(args.model, context=args.context, rows=args.rows)
         memory = parse_memory_list(args.memory, args.pp_size) if args.memory else None

@@ -15,6 +15,14 @@ _MISSING_DEPS = ("mlxcel report needs pandas and matplotlib, which are not insta
                  "pip install 'mlxcel[report]' (missing: {name})")
 
 
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """``mlxcel report``."""
+    p = subparsers.add_parser("report", help="benchmark results -> tidy CSVs and a self-contained HTML report with "
+                                             "charts")
+    add_report_arguments(p)
+    p.set_defaults(func=run)
+
+
 def add_report_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("inputs", nargs="+", metavar="RESULTS",
                    help="result directories (searched for *.jsonl and *.csv) or files")
@@ -30,7 +38,7 @@ def add_report_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--title", default="mlxcel benchmark report", help="page title")
 
 
-def run_report(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     try:
         from mlxcel.report.baseline import DEFAULT_TOLERANCE
         from mlxcel.report.build import ReportError, build_report

@@ -6,7 +6,7 @@ box). A supervisor that keeps a standby pays that while the node serves, so a re
 reading the configuration, binding and loading the weights. A standby is the node's own command
 line with ``MLXCEL_NODE_STANDBY_FDS=<go>,<warm>`` in its environment: it imports, writes one byte to
 ``warm``, then blocks on ``go``. One byte ``g`` and it runs as the node from the start of
-``run_server`` (so it reads the secret, the cluster TOML and the flags as they are then); anything
+``mlxcel.commands.serve.run`` (so it reads the secret, the cluster TOML and the flags as they are then); anything
 else (the supervisor stopped, closing the pipe) and it exits 0 having done nothing.
 """
 

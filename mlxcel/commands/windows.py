@@ -10,9 +10,8 @@ patch that one function.
 
 from __future__ import annotations
 
-import argparse
 import sys
-from typing import Callable
+from typing import Callable, Mapping
 
 from mlxcel.errors import CLIError
 
@@ -47,11 +46,12 @@ SERVER_FLAGS: tuple[Flag, ...] = (
 )
 
 
-def check_native_windows(args: argparse.Namespace, flags: tuple[Flag, ...]) -> None:
-    """On native Windows, a ``CLIError`` naming the first distributed flag given; elsewhere nothing."""
+def check_native_windows(values: Mapping[str, object], flags: tuple[Flag, ...]) -> None:
+    """On native Windows, a ``CLIError`` naming the first distributed flag given (``values``: the flags by their
+    argparse ``dest``); elsewhere nothing."""
     if not native_windows():
         return
     for attr, flag, given in flags:
-        if given(getattr(args, attr, None)):
+        if given(values.get(attr)):
             raise CLIError(f"{flag} is not supported on native Windows: tensor parallelism, pipeline parallelism "
                            "and disaggregated inference do not run there; use Linux, macOS or WSL2")

@@ -21,6 +21,7 @@ from typing import Any
 
 from mlxcel import envs
 from mlxcel.cluster.identity import PeerId
+from mlxcel.cluster.secret import ClusterSecret
 from mlxcel.cluster.messages import Message, decode_error
 from mlxcel.cluster.wire import Kind
 from mlxcel.disagg import messages as m
@@ -67,9 +68,9 @@ class DecodeService(RoleService):
 
     role = "decode"
 
-    def __init__(self, cfg: NodeConfig, model: Any, tokenizer: Any, *, identity: str, context_length: int,
-                 parallel: int, max_batch_size: int, max_queue: int, warmup: bool = True):
-        super().__init__(cfg, identity)
+    def __init__(self, cfg: NodeConfig, model: Any, tokenizer: Any, *, secret: ClusterSecret, identity: str,
+                 context_length: int, parallel: int, max_batch_size: int, max_queue: int, warmup: bool = True):
+        super().__init__(cfg, identity, secret)
         self.layout = probe_layout(model)
         self.staging = None if cfg.handoff_copy else shared_staging(cfg.handoff_staging)
         # tensor buffers: page-locked ones copied into MLX by DMA (CUDA), else MLX memory where numpy can write it

@@ -4,12 +4,13 @@
 (this node's role-transport listener and identity), ``--prefill-peers`` and ``--decode-peers``; or a
 ``[[nodes]]`` entry of role prefill, decode or router in the cluster TOML (``--distributed-config``,
 ``--node-id``), whose address is the serving bind and whose fellow nodes are the peers. Every
-non-hybrid role needs the cluster secret and refuses to start without one, naming every source.
+non-hybrid role needs the cluster secret and refuses to start without one, naming every source (loaded once,
+by ``mlxcel/commands/serve.py``, and handed to ``node_config``). ``DisaggFlags`` adds the flags to the server's
+parser and checks them once per start.
 """
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +24,7 @@ from mlxcel.disagg.wire import (
     PROGRESS_INTERVAL_S,
 )
 from mlxcel.errors import CLIError
+from mlxcel.flagset import FlagSet
 from mlxcel.threads import TRANSPORT_SWITCH_INTERVAL_MS, transport_switch_interval
 from mlxcel.topology.names import DISAGG_ROLES, HYBRID, NODE_ROLE_CHOICES
 
@@ -39,13 +41,13 @@ def _flag(name: str) -> str:
 
 @dataclass(frozen=True)
 class NodeConfig:
-    """What a prefill, decode or router process needs to join its peers."""
+    """What a prefill, decode or router process needs to join its peers (but the cluster secret:
+    ``ServeConfig.secret``, handed to the role's transport)."""
 
     role: str
     serving_bind: PeerId
     prefill_peers: tuple[PeerId, ...]
     decode_peers: tuple[PeerId, ...]
-    secret: ClusterSecret
     handoff_timeout_s: float = DEFAULT_HANDOFF_TIMEOUT_S
     probe_interval_s: float = DEFAULT_PROBE_INTERVAL_S
     node_id: str = ""
@@ -58,13 +60,6 @@ class NodeConfig:
     handoff_copy: bool = False  # decode: receive into numpy buffers copied at import (MLXCEL_HANDOFF_COPY=1)
     handoff_staging: bool | None = None  # prefill, decode: page-locked staging (MLXCEL_HANDOFF_STAGING; None: on CUDA)
     transport: tuple[tuple[str, Any], ...] = ()  # the cluster TOML's [transport] overrides (none with flags alone)
-
-
-def node_role(args: argparse.Namespace, dist: Distributed | None) -> str:
-    """The role this process plays: the TOML node's, else ``--node-role``, else hybrid."""
-    if dist is not None:
-        return dist.node.role
-    return getattr(args, "node_role", None) or HYBRID
 
 
 def parse_address(text: str, flag: str) -> PeerId:
@@ -91,59 +86,89 @@ def parse_peers(text: str | None, flag: str) -> tuple[PeerId, ...]:
     return tuple(peers)
 
 
-def check_disagg_flags(args: argparse.Namespace, dist: Distributed | None) -> str:
-    """Flag combinations of the roles (before anything loads); returns the role."""
-    explicit = getattr(args, "node_role", None)
-    given = [_flag(f) for f in _ROLE_FLAGS if getattr(args, f, None) is not None]
-    if dist is not None:
-        if explicit not in (None, dist.node.role):
-            raise CLIError(f"--node-role {explicit} contradicts node {dist.node.id!r}, whose role in "
-                           f"{dist.cluster.path} is {dist.node.role!r}")
-        toml_given = [f for f in given if f in ("--serving-bind", "--prefill-peers", "--decode-peers")]
-        if dist.node.role in DISAGG_ROLES and toml_given:
-            raise CLIError("--serving-bind, --prefill-peers and --decode-peers come from the cluster TOML when "
-                           "--distributed-config is given")
-    role = node_role(args, dist)
-    if role not in DISAGG_ROLES:
-        if given:
-            raise CLIError(f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} --node-role prefill, decode "
-                           "or router")
+@dataclass(frozen=True)
+class DisaggFlags(FlagSet):
+    """The disaggregated roles' flags as parsed (``add_disagg_arguments``)."""
+
+    node_role: str | None = None
+    serving_bind: str | None = None
+    prefill_peers: str | None = None
+    decode_peers: str | None = None
+    handoff_timeout: float | None = None
+    probe_interval: float | None = None
+
+    @staticmethod
+    def add_arguments(group: Any) -> None:
+        add_disagg_arguments(group)
+
+    def role(self, dist: Distributed | None) -> str:
+        """The role this process plays: the TOML node's, else ``--node-role``, else hybrid."""
+        if dist is not None:
+            return dist.node.role
+        return self.node_role or HYBRID
+
+    def _given(self) -> list[str]:
+        return [_flag(f) for f in _ROLE_FLAGS if getattr(self, f) is not None]
+
+    def wanted(self, dist: Distributed | None) -> bool:
+        """A disaggregated role is configured, or one of its flags is given (then ``check`` says what is missing)."""
+        return self.role(dist) in DISAGG_ROLES or bool(self._given())
+
+    def check(self, dist: Distributed | None, *, pp_auto: int | None = None, pp_peer: bool = False) -> str:
+        """Flag combinations of the roles (before anything loads), once per start; returns the role."""
+        explicit, given = self.node_role, self._given()
+        if dist is not None:
+            if explicit not in (None, dist.node.role):
+                raise CLIError(f"--node-role {explicit} contradicts node {dist.node.id!r}, whose role in "
+                               f"{dist.cluster.path} is {dist.node.role!r}")
+            toml_given = [f for f in given if f in ("--serving-bind", "--prefill-peers", "--decode-peers")]
+            if dist.node.role in DISAGG_ROLES and toml_given:
+                raise CLIError("--serving-bind, --prefill-peers and --decode-peers come from the cluster TOML when "
+                               "--distributed-config is given")
+        role = self.role(dist)
+        if role not in DISAGG_ROLES:
+            if given:
+                raise CLIError(f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} --node-role prefill, "
+                               "decode or router")
+            return role
+        if pp_auto is not None or pp_peer:
+            raise CLIError(f"--node-role {role} cannot be combined with --pp-auto or --pp-peer")
+        timeout = self.handoff_timeout
+        if timeout is not None and timeout < MIN_HANDOFF_TIMEOUT_S:
+            raise CLIError(f"--handoff-timeout must be at least {MIN_HANDOFF_TIMEOUT_S:g} s (nodes report progress "
+                           f"every {PROGRESS_INTERVAL_S:g} s), got {timeout:g}")
+        if dist is None:
+            self._check_cli_role(role)
         return role
-    if getattr(args, "pp_auto", None) is not None or getattr(args, "pp_peer", False):
-        raise CLIError(f"--node-role {role} cannot be combined with --pp-auto or --pp-peer")
-    timeout = getattr(args, "handoff_timeout", None)
-    if timeout is not None and timeout < MIN_HANDOFF_TIMEOUT_S:
-        raise CLIError(f"--handoff-timeout must be at least {MIN_HANDOFF_TIMEOUT_S:g} s (nodes report progress every "
-                       f"{PROGRESS_INTERVAL_S:g} s), got {timeout:g}")
-    if dist is None:
-        _check_cli_role(args, role)
-    return role
+
+    def _check_cli_role(self, role: str) -> None:
+        if self.serving_bind is None:
+            raise CLIError(f"--node-role {role} needs --serving-bind IP:PORT (its cluster listener, the address peers "
+                           "see it connect from)")
+        parse_address(self.serving_bind, "--serving-bind")
+        prefill = parse_peers(self.prefill_peers, "--prefill-peers")
+        decode = parse_peers(self.decode_peers, "--decode-peers")
+        if role == "router" and (not prefill or not decode):
+            raise CLIError("--node-role router needs --prefill-peers and --decode-peers (the nodes it balances)")
+        if role != "router" and prefill:
+            raise CLIError(f"--prefill-peers is a router flag; a {role} node does not use it")
+        if role == "decode" and decode:
+            raise CLIError("--decode-peers is for routers and prefill nodes; a decode node does not use it")
+        if role != "router" and self.probe_interval is not None:
+            raise CLIError("--probe-interval is a router flag")
 
 
-def _check_cli_role(args: argparse.Namespace, role: str) -> None:
-    if getattr(args, "serving_bind", None) is None:
-        raise CLIError(f"--node-role {role} needs --serving-bind IP:PORT (its cluster listener, the address peers "
-                       "see it connect from)")
-    parse_address(args.serving_bind, "--serving-bind")
-    prefill = parse_peers(getattr(args, "prefill_peers", None), "--prefill-peers")
-    decode = parse_peers(getattr(args, "decode_peers", None), "--decode-peers")
-    if role == "router" and (not prefill or not decode):
-        raise CLIError("--node-role router needs --prefill-peers and --decode-peers (the nodes it balances)")
-    if role != "router" and prefill:
-        raise CLIError(f"--prefill-peers is a router flag; a {role} node does not use it")
-    if role == "decode" and decode:
-        raise CLIError("--decode-peers is for routers and prefill nodes; a decode node does not use it")
-    if role != "router" and getattr(args, "probe_interval", None) is not None:
-        raise CLIError("--probe-interval is a router flag")
-
-
-def node_config(args: argparse.Namespace, dist: Distributed | None) -> NodeConfig:
-    """This node's configuration, with the cluster secret (fail closed: ``SecretError`` names every source) and,
-    for a prefill or decode node, the environment variables of its transport: ``MLXCEL_SWITCH_INTERVAL_MS``,
+def node_config(flags: DisaggFlags, dist: Distributed | None, max_resumes: int | None = None,
+                resume_timeout: float | None = None, max_queue: int | None = None) -> NodeConfig:
+    """This node's configuration (its flags checked once already, ``DisaggFlags.check``) and, for a prefill or
+    decode node, the environment variables of its transport: ``MLXCEL_SWITCH_INTERVAL_MS``,
     ``MLXCEL_HANDOFF_STAGING``, ``MLXCEL_HANDOFF_LANES`` (prefill), ``MLXCEL_HANDOFF_INTAKE_WORKERS`` and
-    ``MLXCEL_HANDOFF_COPY`` (decode). A bad value of any variable is a ``CLIError`` naming it (mlxcel/envs.py)."""
+    ``MLXCEL_HANDOFF_COPY`` (decode). A bad value of any variable is a ``CLIError`` naming it (mlxcel/envs.py).
+    ``max_resumes``, ``resume_timeout``: --max-resumes and --resume-timeout (None: the default, the TOML's
+    resume_s); ``max_queue``: --max-queue, a router's hold limit (None: the default)."""
     envs.check()
-    cfg = _addresses_and_secret(args, dist)
+    hold = DEFAULT_MAX_QUEUE if max_queue is None else max_queue
+    cfg = _addresses(flags, dist, (max_resumes, resume_timeout), hold)
     if cfg.role == "router":  # the variables are not the router's
         return cfg
     return replace(cfg, switch_interval_s=transport_switch_interval(), **_handoff_environment(cfg.role))
@@ -161,49 +186,32 @@ def _handoff_environment(role: str) -> dict[str, Any]:
             "handoff_staging": staging}
 
 
-def _addresses_and_secret(args: argparse.Namespace, dist: Distributed | None) -> NodeConfig:
-    from mlxcel.cluster.secret import load_secret
-
-    role = check_disagg_flags(args, dist)
+def _addresses(flags: DisaggFlags, dist: Distributed | None, resume: tuple[int | None, float | None],
+               hold: int) -> NodeConfig:
+    role = flags.role(dist)
     if role not in DISAGG_ROLES:
         raise CLIError(f"{role} is not a disaggregated role")
-    timeout = getattr(args, "handoff_timeout", None) or DEFAULT_HANDOFF_TIMEOUT_S
-    probe = getattr(args, "probe_interval", None)
+    timeout = flags.handoff_timeout or DEFAULT_HANDOFF_TIMEOUT_S
+    probe = flags.probe_interval
     if dist is not None:
         cluster = dist.cluster
-        secret = dist.secret or load_secret(getattr(args, "cluster_secret_file", None),
-                                            toml_secret_file=cluster.secret_file, required=True)
-        assert secret is not None
         peers = {r: tuple(n.address for n in cluster.with_role(r)) for r in ("prefill", "decode")}
         return NodeConfig(role, dist.node.address, peers["prefill"] if role == "router" else (),
-                          peers["decode"] if role != "decode" else (), secret, timeout,
-                          probe or cluster.timeouts.heartbeat_s, dist.node.id, *_resume(args, cluster.timeouts.resume_s),
-                          _hold_limit(args), transport=cluster.transport)
-    secret = load_secret(getattr(args, "cluster_secret_file", None), required=True)
-    assert secret is not None
-    bind = parse_address(args.serving_bind, "--serving-bind")
-    return NodeConfig(role, bind, parse_peers(getattr(args, "prefill_peers", None), "--prefill-peers"),
-                      parse_peers(getattr(args, "decode_peers", None), "--decode-peers"), secret, timeout,
-                      probe or DEFAULT_PROBE_INTERVAL_S, f"{role}@{bind}", *_resume(args, DEFAULT_RESUME_TIMEOUT_S),
-                      _hold_limit(args))
+                          peers["decode"] if role != "decode" else (), timeout,
+                          probe or cluster.timeouts.heartbeat_s, dist.node.id, *_resume(resume, cluster.timeouts.resume_s),
+                          hold, transport=cluster.transport)
+    assert flags.serving_bind is not None  # check refused a role without it
+    bind = parse_address(flags.serving_bind, "--serving-bind")
+    return NodeConfig(role, bind, parse_peers(flags.prefill_peers, "--prefill-peers"),
+                      parse_peers(flags.decode_peers, "--decode-peers"), timeout,
+                      probe or DEFAULT_PROBE_INTERVAL_S, f"{role}@{bind}", *_resume(resume, DEFAULT_RESUME_TIMEOUT_S),
+                      hold)
 
 
-def _resume(args: argparse.Namespace, toml_timeout_s: float) -> tuple[int, float]:
+def _resume(resume: tuple[int | None, float | None], toml_timeout_s: float) -> tuple[int, float]:
     """--max-resumes and --resume-timeout (the TOML's [timeouts] resume_s where the flag is not given)."""
-    count = getattr(args, "max_resumes", None)
-    timeout = getattr(args, "resume_timeout", None)
+    count, timeout = resume
     return (DEFAULT_MAX_RESUMES if count is None else count), (toml_timeout_s if timeout is None else timeout)
-
-
-def _hold_limit(args: argparse.Namespace) -> int:
-    """--max-queue: on a router, the new requests it holds at most while no node of a role is up (§6.2)."""
-    queue = getattr(args, "max_queue", None)
-    return DEFAULT_MAX_QUEUE if queue is None else queue
-
-
-def wants_disagg(args: argparse.Namespace, dist: Distributed | None) -> bool:
-    """A disaggregated role is configured, or one of its flags is given (then its checks say what is missing)."""
-    return node_role(args, dist) in DISAGG_ROLES or any(getattr(args, f, None) is not None for f in _ROLE_FLAGS)
 
 
 def add_disagg_arguments(group: Any) -> None:

@@ -24,6 +24,7 @@ from typing import Any
 
 from mlxcel.cluster.errors import ClusterError
 from mlxcel.cluster.identity import PeerId
+from mlxcel.cluster.secret import ClusterSecret
 from mlxcel.disagg import messages as m
 from mlxcel.disagg.allowlist import Allowlist
 from mlxcel.disagg.flags import NodeConfig
@@ -71,10 +72,10 @@ class PrefillService(RoleService):
 
     role = "prefill"
 
-    def __init__(self, cfg: NodeConfig, model: Any, tokenizer: Any, *, identity: str, context_length: int,
-                 parallel: int, max_batch_size: int, max_queue: int, warmup: bool = True, prefix_cache_bytes: int = 0,
-                 allowlist: Allowlist | None = None):
-        super().__init__(cfg, identity)
+    def __init__(self, cfg: NodeConfig, model: Any, tokenizer: Any, *, secret: ClusterSecret, identity: str,
+                 context_length: int, parallel: int, max_batch_size: int, max_queue: int, warmup: bool = True,
+                 prefix_cache_bytes: int = 0, allowlist: Allowlist | None = None):
+        super().__init__(cfg, identity, secret)
         self.layout = probe_layout(model)
         self.allowlist = allowlist if allowlist is not None else Allowlist.from_env()
         self.context_length = context_length

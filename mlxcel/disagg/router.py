@@ -36,6 +36,7 @@ from typing import Any
 from mlxcel.cluster.exchanges import Exchange, ExchangeTable
 from mlxcel.cluster.health import Answered, PeerMonitor
 from mlxcel.cluster.identity import PeerId
+from mlxcel.cluster.secret import ClusterSecret
 from mlxcel.cluster.messages import Message
 from mlxcel.cluster.ratelimit import WarnClass
 from mlxcel.cluster.wire import Kind
@@ -62,14 +63,14 @@ STARTUP_PROBE_WAIT_S = 3.0  # start() waits this long at most for every node's f
 class RouterEngine(NodeWaits):
     """The ``Engine`` of a router process (``mlxcel.engine.interface``)."""
 
-    def __init__(self, cfg: NodeConfig, tokenizer: Any, *, context_length: int, identity: str,
+    def __init__(self, cfg: NodeConfig, tokenizer: Any, *, secret: ClusterSecret, context_length: int, identity: str,
                  vocab_size: int | None = None):
         self.cfg = cfg
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size  # every token id a decode node streams is below it (None: unchecked)
         self._context_length = context_length
         self.identity = identity
-        self.transport = role_transport(cfg)
+        self.transport = role_transport(cfg, secret)
         self.nodes: dict[PeerId, NodeInfo] = {}
         for role, peers in (("prefill", cfg.prefill_peers), ("decode", cfg.decode_peers)):
             for i, peer in enumerate(peers):

@@ -11,6 +11,7 @@ from typing import Any, Callable
 from mlxcel.cluster.errors import RequestError
 from mlxcel.cluster.identity import PeerId
 from mlxcel.cluster.messages import Message
+from mlxcel.cluster.secret import ClusterSecret
 from mlxcel.cluster.transport import Transport
 from mlxcel.cluster.wire import Kind
 from mlxcel.disagg import messages as m
@@ -22,11 +23,11 @@ from mlxcel.cluster.outbox import Outbox
 log = logging.getLogger("mlxcel.disagg")
 
 
-def role_transport(cfg: NodeConfig) -> Transport:
+def role_transport(cfg: NodeConfig, secret: ClusterSecret) -> Transport:
     """The node's authenticated transport: identity = --serving-bind; a dead peer is known after one quick retry
     (unless the cluster TOML's [transport] sets max_reconnect_attempts; its other keys apply as they are)."""
     options = {"max_reconnect_attempts": DIAL_RETRIES, "reconnect_budget": 0, **dict(cfg.transport)}
-    return Transport(cfg.serving_bind, cfg.secret, **options)
+    return Transport(cfg.serving_bind, secret, **options)
 
 
 class RoleService:
@@ -34,11 +35,11 @@ class RoleService:
 
     role = ""
 
-    def __init__(self, cfg: NodeConfig, identity: str):
+    def __init__(self, cfg: NodeConfig, identity: str, secret: ClusterSecret):
         self.cfg = cfg
         self.identity = identity  # the model identity (routers refuse a node serving another model)
         self.boot_id = os.urandom(8).hex()
-        self.transport = role_transport(cfg)
+        self.transport = role_transport(cfg, secret)
         self.outbox = Outbox(self.transport)
         self.lock = threading.Lock()
         self.started = time.monotonic()

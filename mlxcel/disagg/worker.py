@@ -10,6 +10,7 @@ import logging
 import sys
 from typing import Any, Callable
 
+from mlxcel.cluster.secret import ClusterSecret
 from mlxcel.disagg.flags import NodeConfig
 from mlxcel.loading_process import LoadingProcess, serve_loading
 from mlxcel.process import Endpoint
@@ -21,10 +22,11 @@ log = logging.getLogger("mlxcel.disagg")
 class WorkerProcess(LoadingProcess):
     """Loading -> ready (serving on the role transport) | failed."""
 
-    def __init__(self, server: ServerConfig, cfg: NodeConfig):
+    def __init__(self, server: ServerConfig, cfg: NodeConfig, secret: ClusterSecret):
         super().__init__()
         self.server = server
         self.cfg = cfg
+        self.secret = secret
 
     def load(self, on_fatal: Callable[[str], None]) -> None:
         from mlxcel.models.identity import model_identity
@@ -39,7 +41,7 @@ class WorkerProcess(LoadingProcess):
             kwargs: dict[str, Any] = dict(identity=model_identity(config.model),
                                           context_length=context_length(checkpoint.config), parallel=config.parallel,
                                           max_batch_size=config.max_batch_size, max_queue=config.max_queue,
-                                          warmup=config.warmup)
+                                          warmup=config.warmup, secret=self.secret)
             if self.cfg.role == "prefill":
                 from mlxcel.disagg.prefill import PrefillService
 
@@ -63,10 +65,10 @@ class WorkerProcess(LoadingProcess):
         return body
 
 
-def run_worker(endpoint: Endpoint, server: ServerConfig, cfg: NodeConfig) -> int:
+def run_worker(endpoint: Endpoint, server: ServerConfig, cfg: NodeConfig, secret: ClusterSecret) -> int:
     """Serve a prefill or decode node until SIGINT/SIGTERM; returns the exit code. Its handoff threads share
     the GIL with the step thread, so the GIL changes hands every ``cfg.switch_interval_s`` (mlxcel/threads.py)."""
     sys.setswitchinterval(cfg.switch_interval_s)
-    process = WorkerProcess(server, cfg)
+    process = WorkerProcess(server, cfg, secret)
     return serve_loading(endpoint, process, f"mlxcel {cfg.role}", lambda switch: process.load(switch.fatal),
                          f"mlxcel-{cfg.role}-load", f"mlxcel: {cfg.role} node on cluster address {cfg.serving_bind}")

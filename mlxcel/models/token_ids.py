@@ -56,8 +56,8 @@ def config_vocab_size(config: dict[str, Any]) -> int:
 
 def model_vocab_size(model: Any) -> int:
     """The vocabulary of a loaded mlx-lm model (its ``args``, a VLM's text config)."""
-    args = model.args
-    text = getattr(args, "text_config", None)
+    model_args = model.args
+    text = getattr(model_args, "text_config", None)
     if isinstance(text, dict) and "vocab_size" in text:
         return int(text["vocab_size"])
-    return int(getattr(text, "vocab_size", None) or args.vocab_size)
+    return int(getattr(text, "vocab_size", None) or model_args.vocab_size)

@@ -1,8 +1,8 @@
 """``--tp-*`` flags: definitions and every check that needs no weights (defaults and bounds: ``mlxcel.config``).
 
-``add_tp_arguments`` adds the group to ``mlxcel generate`` and to the server; ``prepare_tp`` checks
-flag combinations, the hostfile and the shard plan (config.json only) and returns ``TPOptions``, or
-None when tensor parallelism is off. Imports no MLX (the backend check imports it only when asked).
+``TPFlags`` (``add_arguments`` = ``add_tp_arguments``) is the group on ``mlxcel generate`` and the server;
+its ``check`` refuses flag combinations once per start; ``prepare_tp`` checks the hostfile and the shard
+plan (config.json only) and returns ``TPOptions``, or None when tensor parallelism is off. Imports no MLX (the backend check imports it only when asked).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from mlxcel.config import (
     positive_int,
     seconds,
 )
+from mlxcel.flagset import FlagSet
 from mlxcel.parallel.errors import TPError
 from mlxcel.parallel.hostfile import PLAINTEXT_FLAG, Hostfile, load_hostfile
 from mlxcel.parallel.plan import FAMILIES, FAMILIES_HELP, ShardPlan, check_shardable
@@ -107,84 +108,95 @@ def add_tp_arguments(parser: argparse.ArgumentParser, *, server: bool) -> None:
                             f"error after S seconds (default {DEFAULT_TP_TIMEOUT_S:g})")
 
 
-def _get(args: argparse.Namespace, name: str, default: Any = None) -> Any:
-    return getattr(args, name, default)
+@dataclass(frozen=True)
+class TPFlags(FlagSet):
+    """The ``--tp-*`` flags as parsed (``add_tp_arguments``); ``check`` refuses bad combinations, reading no file."""
 
+    tp_size: int = DEFAULT_TP_SIZE
+    tp_backend: str = "auto"
+    tp_hostfile: str | None = None
+    tp_rank: int | None = None
+    tp_port: int | None = None
+    tp_allow_plaintext_network: bool = False
+    tp_embedding_mode: str = DEFAULT_TP_VOCAB_MODE
+    tp_lm_head_mode: str = DEFAULT_TP_VOCAB_MODE
+    tp_moe_mode: str | None = None
+    tp_reduce_dtype: str = DEFAULT_TP_REDUCE_DTYPE
+    tp_timeout: float = DEFAULT_TP_TIMEOUT_S
 
-def _check_modes(args: argparse.Namespace) -> None:
-    for flag, name, what in (("--tp-embedding-mode", "tp_embedding_mode", "embedding table"),
-                             ("--tp-lm-head-mode", "tp_lm_head_mode", "LM head")):
-        if _get(args, name, DEFAULT_TP_VOCAB_MODE) != DEFAULT_TP_VOCAB_MODE:
-            raise TPError(f"{flag} {_get(args, name)} is not supported: this runtime keeps the {what} replicated "
-                          f"on every rank (use {flag} replicated, the default)")
+    add_arguments = staticmethod(add_tp_arguments)
 
+    @property
+    def enabled(self) -> bool:
+        return self.tp_size > 1
 
-def check_tp_flags(args: argparse.Namespace) -> None:
-    """Flag combinations only (no files read)."""
-    size = _get(args, "tp_size", DEFAULT_TP_SIZE)
-    _check_modes(args)
-    if size < 2:
-        for flag, name in (("--tp-hostfile", "tp_hostfile"), ("--tp-rank", "tp_rank"), ("--tp-port", "tp_port")):
-            if _get(args, name) is not None:
+    def _check_modes(self) -> None:
+        for flag, value, what in (("--tp-embedding-mode", self.tp_embedding_mode, "embedding table"),
+                                  ("--tp-lm-head-mode", self.tp_lm_head_mode, "LM head")):
+            if value != DEFAULT_TP_VOCAB_MODE:
+                raise TPError(f"{flag} {value} is not supported: this runtime keeps the {what} replicated "
+                              f"on every rank (use {flag} replicated, the default)")
+
+    def _check_off(self) -> None:
+        for flag, value in (("--tp-hostfile", self.tp_hostfile), ("--tp-rank", self.tp_rank),
+                            ("--tp-port", self.tp_port)):
+            if value is not None:
                 raise TPError(f"{flag} needs --tp-size above 1")
-        if _get(args, "tp_allow_plaintext_network", False):
+        if self.tp_allow_plaintext_network:
             raise TPError(f"{PLAINTEXT_FLAG} needs --tp-size above 1 and a --tp-hostfile")
-        if _get(args, "tp_reduce_dtype", DEFAULT_TP_REDUCE_DTYPE) != DEFAULT_TP_REDUCE_DTYPE:
+        if self.tp_reduce_dtype != DEFAULT_TP_REDUCE_DTYPE:
             raise TPError("--tp-reduce-dtype needs --tp-size above 1 (one rank reduces nothing)")
-        return
-    hostfile, rank = _get(args, "tp_hostfile"), _get(args, "tp_rank")
-    if rank is not None and hostfile is None:
-        raise TPError("--tp-rank needs --tp-hostfile (without one, rank 0 starts every rank on this host)")
-    if rank is not None and rank >= size:
-        raise TPError(f"--tp-rank {rank} is out of range for --tp-size {size} (ranks 0 to {size - 1})")
-    if _get(args, "tp_allow_plaintext_network", False) and hostfile is None:
-        raise TPError(f"{PLAINTEXT_FLAG} needs a --tp-hostfile: without one every rank runs on this host over loopback")
-    for flag, name in (("--distributed-config", "distributed_config"), ("--pp-auto", "pp_auto"),
-                       ("--pp-layers", "pp_layers")):
-        if _get(args, name) is not None:
-            raise TPError(f"--tp-size {size} cannot be combined with {flag}: tensor parallelism runs the whole "
-                          "model on every rank (pipeline stages are not sharded)")
-    if _get(args, "node_role") in ("prefill", "decode", "router"):
-        raise TPError(f"--tp-size {size} cannot be combined with --node-role {args.node_role}")
-    if _get(args, "pp_peer", False):
-        raise TPError(f"--tp-size {size} cannot be combined with --pp-peer")
-    if _get(args, "pp_size", 1) > 1:
-        raise TPError(f"--tp-size {size} cannot be combined with --pp-size {args.pp_size}")
+
+    def check(self, *, distributed_config: str | None = None, pp_auto: int | None = None,
+              pp_layers: str | None = None, node_role: str | None = None, pp_peer: bool = False,
+              pp_size: int = 1) -> None:
+        """Flag combinations only (no files read); the keywords are the other features' flags it excludes."""
+        size = self.tp_size
+        self._check_modes()
+        if size < 2:
+            self._check_off()
+            return
+        hostfile, rank = self.tp_hostfile, self.tp_rank
+        if rank is not None and hostfile is None:
+            raise TPError("--tp-rank needs --tp-hostfile (without one, rank 0 starts every rank on this host)")
+        if rank is not None and rank >= size:
+            raise TPError(f"--tp-rank {rank} is out of range for --tp-size {size} (ranks 0 to {size - 1})")
+        if self.tp_allow_plaintext_network and hostfile is None:
+            raise TPError(f"{PLAINTEXT_FLAG} needs a --tp-hostfile: without one every rank runs on this host over "
+                          "loopback")
+        for flag, value in (("--distributed-config", distributed_config), ("--pp-auto", pp_auto),
+                            ("--pp-layers", pp_layers)):
+            if value is not None:
+                raise TPError(f"--tp-size {size} cannot be combined with {flag}: tensor parallelism runs the whole "
+                              "model on every rank (pipeline stages are not sharded)")
+        if node_role in ("prefill", "decode", "router"):
+            raise TPError(f"--tp-size {size} cannot be combined with --node-role {node_role}")
+        if pp_peer:
+            raise TPError(f"--tp-size {size} cannot be combined with --pp-peer")
+        if pp_size > 1:
+            raise TPError(f"--tp-size {size} cannot be combined with --pp-size {pp_size}")
 
 
-def tp_secret(args: argparse.Namespace, tp: TPOptions) -> Any:
-    """The control channel's secret: with a hostfile the cluster secret (fail closed: the channel crosses hosts);
-    without one None, and nothing is read (no flag, no environment): rank 0 makes a fresh secret per launch for
-    the ranks it starts (the reference: tensor parallelism inside one process does not read it)."""
-    if tp.local:
-        return None
-    from mlxcel.cluster.secret import load_secret
-
-    return load_secret(_get(args, "cluster_secret_file"), required=True)
-
-
-def prepare_tp(args: argparse.Namespace, model_dir: Path, config: Mapping[str, Any]) -> TPOptions | None:
-    """All checks before any weight is read; None when --tp-size is 1."""
-    check_tp_flags(args)
-    size = _get(args, "tp_size", DEFAULT_TP_SIZE)
+def prepare_tp(flags: TPFlags, model_dir: Path, config: Mapping[str, Any]) -> TPOptions | None:
+    """Every check that reads config.json (the flags were checked once, ``TPFlags.check``), before any weight is
+    read; None when --tp-size is 1. With a hostfile the caller loads the cluster secret (fail closed)."""
+    size = flags.tp_size
     if size < 2:
         return None
-    plan = check_shardable(config, size, model_dir, moe_mode=_get(args, "tp_moe_mode"))
-    reduce_dtype = _get(args, "tp_reduce_dtype", DEFAULT_TP_REDUCE_DTYPE)
+    plan = check_shardable(config, size, model_dir, moe_mode=flags.tp_moe_mode)
+    reduce_dtype = flags.tp_reduce_dtype
     if reduce_dtype != DEFAULT_TP_REDUCE_DTYPE and (plan.moe_mode or not FAMILIES[plan.family].linear_reduces):
         raise TPError(f"--tp-reduce-dtype {reduce_dtype} does not apply to this {plan.family} checkpoint: some of "
                       "its all-reduces run inside its MoE or linear-attention blocks, in the model's dtype "
                       "(use --tp-reduce-dtype model, the default)")
-    allow = bool(_get(args, "tp_allow_plaintext_network", False))
+    allow = flags.tp_allow_plaintext_network
     hostfile = None
-    port = _get(args, "tp_port")
-    if _get(args, "tp_hostfile") is not None:  # the caller loads the secret (fail closed): the channel crosses hosts
-        hostfile = load_hostfile(args.tp_hostfile, size, allow_plaintext=allow)
+    port = flags.tp_port
+    if flags.tp_hostfile is not None:  # the caller loads the secret (fail closed): the channel crosses hosts
+        hostfile = load_hostfile(flags.tp_hostfile, size, allow_plaintext=allow)
         port = DEFAULT_TP_HOSTFILE_PORT if port is None else port
-    options = TPOptions(size=size, plan=plan, backend=_get(args, "tp_backend", "auto"),
-                        rank=_get(args, "tp_rank") or 0, hostfile=hostfile, port=port, allow_plaintext=allow,
-                        timeout=_get(args, "tp_timeout", DEFAULT_TP_TIMEOUT_S),
-                        reduce_dtype=reduce_dtype)
+    options = TPOptions(size=size, plan=plan, backend=flags.tp_backend, rank=flags.tp_rank or 0, hostfile=hostfile,
+                        port=port, allow_plaintext=allow, timeout=flags.tp_timeout, reduce_dtype=reduce_dtype)
     if allow and hostfile is not None and hostfile.non_loopback():
         log.warning(PLAINTEXT_WARNING)
     return options

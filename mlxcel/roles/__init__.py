@@ -4,8 +4,8 @@ Module map: ``context`` (``ServeConfig``, ``RoleContext``: what a role receives)
 role, named after it: ``single``, ``coordinator``, ``stage``, ``pp_auto``, ``pp_peer``, ``prefill``,
 ``decode``, ``router``, ``tp``, ``tp_rank``. Each defines two hooks:
 
-- ``configure(args, config) -> ServeConfig``: the role's own settings and preflight (the cluster
-  secret, its flags), before any socket is bound; the only place a role reads the command line;
+- ``configure(flags, config) -> ServeConfig``: the role's own settings and preflight from its typed
+  flags (``ServeFlags``, checked once by the command), before any socket is bound;
 - ``run(context: RoleContext) -> int``: serve until stopped; the exit code.
 
 Selection is explicit: every entry says which configurations claim it, and exactly one may (two
@@ -15,7 +15,6 @@ only when its role is chosen, and only ``mlxcel/roles/`` and ``mlxcel/commands/`
 
 from __future__ import annotations
 
-import argparse
 import importlib
 from dataclasses import dataclass
 from types import ModuleType
@@ -25,10 +24,11 @@ from mlxcel.errors import CLIError
 from mlxcel.topology.names import ROLE_NAMES
 
 if TYPE_CHECKING:
+    from mlxcel.roles.flags import ServeFlags
     from mlxcel.roles.context import RoleContext, ServeConfig
     from mlxcel.topology.distributed import Distributed
 
-Claim = Callable[[argparse.Namespace, "Distributed | None"], bool]
+Claim = Callable[["ServeFlags", "Distributed | None"], bool]
 
 
 @dataclass(frozen=True)
@@ -46,8 +46,8 @@ class Role:
     def _hooks(self) -> ModuleType:
         return importlib.import_module(self.module)
 
-    def configure(self, args: argparse.Namespace, config: ServeConfig) -> ServeConfig:
-        return self._hooks().configure(args, config)
+    def configure(self, flags: ServeFlags, config: ServeConfig) -> ServeConfig:
+        return self._hooks().configure(flags, config)
 
     def run(self, context: RoleContext) -> int:
         """Serve as this role: the process is a serving one from here on (``mlxcel.cluster.attribution``)."""
@@ -62,23 +62,23 @@ def _node(role: str) -> Claim:
     return lambda args, dist: dist is not None and dist.node.role == role
 
 
-def _flag(name: str) -> Claim:
-    """A zero-config flag, without a cluster TOML (a --pp-peer with one is that TOML's node)."""
-    return lambda args, dist: dist is None and bool(getattr(args, name, None))
+def _bringup(coordinator: bool) -> Claim:
+    """A zero-config flag (--pp-auto, --pp-peer), without a cluster TOML (a --pp-peer with one is that TOML's node)."""
+    return lambda flags, dist: dist is None and bool(flags.bringup.pp_auto if coordinator else flags.bringup.pp_peer)
 
 
 def _disagg(role: str) -> Claim:
     """A disaggregated role: the TOML node's role, else ``--node-role``."""
-    return lambda args, dist: (dist.node.role if dist is not None else getattr(args, "node_role", None)) == role
+    return lambda flags, dist: (dist.node.role if dist is not None else flags.disagg.node_role) == role
 
 
 def _tensor_parallel(follower: bool) -> Claim:
     """--tp-size above 1 without a cluster TOML: rank 0 serves the API, --tp-rank above 0 follows it."""
-    return lambda args, dist: (dist is None and getattr(args, "tp_size", 1) > 1
-                               and ((getattr(args, "tp_rank", None) or 0) > 0) == follower)
+    return lambda flags, dist: (dist is None and flags.tp.tp_size > 1
+                                and ((flags.tp.tp_rank or 0) > 0) == follower)
 
 
-def _nothing_else(args: argparse.Namespace, dist: Distributed | None) -> bool:
+def _nothing_else(flags: ServeFlags, dist: Distributed | None) -> bool:
     return False  # single is what no other entry claims (--node-role hybrid, the default, included)
 
 
@@ -86,8 +86,8 @@ ROLES: dict[str, Role] = {role.name: role for role in (
     Role("single", _nothing_else),
     Role("coordinator", _node("coordinator")),
     Role("stage", _node("stage"), serves_api=False),
-    Role("pp-auto", _flag("pp_auto")),
-    Role("pp-peer", _flag("pp_peer"), serves_api=False),
+    Role("pp-auto", _bringup(coordinator=True)),
+    Role("pp-peer", _bringup(coordinator=False), serves_api=False),
     Role("prefill", _disagg("prefill"), serves_api=False),
     Role("decode", _disagg("decode"), serves_api=False),
     Role("router", _disagg("router")),
@@ -97,9 +97,9 @@ ROLES: dict[str, Role] = {role.name: role for role in (
 assert tuple(ROLES) == ROLE_NAMES, "mlxcel/topology/names.py lists the roles in the table's order"
 
 
-def select_role(args: argparse.Namespace, dist: Distributed | None, roles: dict[str, Role] = ROLES) -> Role:
+def select_role(flags: ServeFlags, dist: Distributed | None, roles: dict[str, Role] = ROLES) -> Role:
     """The one role this configuration claims, else ``single``; ``CLIError`` when two claim it."""
-    claimed = [role for role in roles.values() if role.claims(args, dist)]
+    claimed = [role for role in roles.values() if role.claims(flags, dist)]
     if len(claimed) > 1:
         raise CLIError(f"this configuration names {len(claimed)} roles ({', '.join(r.name for r in claimed)}); "
                        "a process plays one")

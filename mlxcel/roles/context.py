@@ -1,13 +1,14 @@
 """What a role receives: the serve command's flags parsed once into ``ServeConfig``, and its endpoint.
 
-``mlxcel/commands/serve.py`` builds the configuration: the checks every role shares, then the chosen
-role's own ``configure`` hook (its settings and preflight: the cluster secret, bring-up, disaggregated
-or tensor-parallel settings). A role's ``run`` reads only this, never the command line.
+``mlxcel/commands/serve.py`` builds the configuration from the typed flags (``ServeFlags``, checked once):
+the settings every role shares, then the chosen role's own ``configure`` hook (its bring-up,
+disaggregated or tensor-parallel settings), then the cluster secret, loaded once. A role's ``run`` reads
+only this, never the command line.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from mlxcel.config import DEFAULT_DRAIN_TIMEOUT_S
@@ -34,8 +35,10 @@ class ServeConfig:
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
     threads: int = 1  # threads one matrix product may use (already applied to the BLAS)
     pipeline: PipelineOptions = PipelineOptions()
-    dist: Distributed | None = None  # --distributed-config: this node of the cluster TOML, with the secret
-    secret: ClusterSecret | None = None  # loaded once, by the role's hook (fail closed where it needs one)
+    dist: Distributed | None = None  # --distributed-config: this node of the cluster TOML
+    # the cluster secret: loaded once per process, by the command (fail closed where the role needs one), and held
+    # here alone; never in a repr
+    secret: ClusterSecret | None = field(default=None, repr=False)
     bringup: BringupSettings | None = None  # pp-auto, pp-peer
     disagg: NodeConfig | None = None  # prefill, decode, router
     tp: TPOptions | None = None  # tp, tp-rank

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from mlxcel.cluster.secret import ClusterSecret
 from mlxcel.errors import CLIError
 from mlxcel.models.facts import model_facts
 from mlxcel.roles.context import RoleContext, ServeConfig
@@ -13,15 +13,19 @@ from mlxcel.server.runtime import ServerRuntime
 from mlxcel.server.serve import serve_openai
 from mlxcel.topology.distributed import Distributed
 
+if TYPE_CHECKING:
+    from mlxcel.roles.flags import ServeFlags
 
-def configure(args: argparse.Namespace, config: ServeConfig) -> ServeConfig:
+
+def configure(flags: ServeFlags, config: ServeConfig) -> ServeConfig:
     """The cluster TOML's coordinator node (loaded with the secret before the role was chosen)."""
     if config.dist is None:
         raise CLIError("the coordinator role needs --distributed-config and --node-id")
     return config
 
 
-def coordinator_factory(dist: Distributed, *, stop_stages: bool = False, replacer: Any = None):
+def coordinator_factory(dist: Distributed, secret: ClusterSecret | None, *, stop_stages: bool = False,
+                        replacer: Any = None):
     """The server runtime's engine factory for the coordinator: a Scheduler over a PipelineExecutor."""
 
     def build(model: Any, tokenizer: Any, ctx: int, config: Any) -> Any:
@@ -29,9 +33,9 @@ def coordinator_factory(dist: Distributed, *, stop_stages: bool = False, replace
         from mlxcel.engine.scheduler import Scheduler
         from mlxcel.pipeline.coordinator import PipelineExecutor
 
-        if dist.secret is None:
+        if secret is None:
             raise CLIError("a pipeline needs the cluster secret")
-        executor = PipelineExecutor(dist.cluster, dist.secret, model_facts(config.model),
+        executor = PipelineExecutor(dist.cluster, secret, model_facts(config.model),
                                     max_batch_size=config.max_batch_size, micro_batch_size=dist.micro_batch_size,
                                     return_logits=dist.return_logits, stop_stages_on_close=stop_stages,
                                     replacer=replacer)
@@ -57,7 +61,7 @@ def run(context: RoleContext) -> int:
     dist = context.config.dist
     assert dist is not None  # configure checked it
     server = replace(context.config.server, lazy_weights=True)  # the tokenizer and config only, never the weights
-    runtime = ServerRuntime(server, coordinator_factory(dist, stop_stages=dist.options.stop_stages,
+    runtime = ServerRuntime(server, coordinator_factory(dist, context.config.secret, stop_stages=dist.options.stop_stages,
                                                         replacer=context.config.replacer))
     return serve_openai(context.endpoint, context.access, runtime,
                         described_as=f" as coordinator of {len(dist.cluster.stages)} pipeline stages")

@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from mlxcel.disagg.flags import node_config
 from mlxcel.disagg.worker import run_worker
 from mlxcel.roles.context import RoleContext, ServeConfig
 
+if TYPE_CHECKING:
+    from mlxcel.roles.flags import ServeFlags
 
-def configure(args: argparse.Namespace, config: ServeConfig) -> ServeConfig:
-    """The node's addresses and peers (flags or the cluster TOML) and the cluster secret (fail closed)."""
-    return replace(config, disagg=node_config(args, config.dist))
+
+def configure(flags: ServeFlags, config: ServeConfig) -> ServeConfig:
+    """The node's addresses and peers (flags or the cluster TOML; the secret is the command's, fail closed)."""
+    return replace(config, disagg=node_config(flags.disagg, config.dist, flags.resume.max_resumes,
+                                              flags.resume.resume_timeout, flags.server.max_queue))
 
 
 def run(context: RoleContext) -> int:
     assert context.config.disagg is not None  # configure set it
-    return run_worker(context.endpoint, context.config.server, context.config.disagg)
+    assert context.config.secret is not None  # every disaggregated role needs it (fail closed)
+    return run_worker(context.endpoint, context.config.server, context.config.disagg, context.config.secret)

@@ -8,7 +8,6 @@ file and exits without assigning anything.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import signal
 import socket
@@ -16,11 +15,11 @@ import sys
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from mlxcel import __version__
 from mlxcel.cluster.identity import PeerId
-from mlxcel.cluster.secret import ClusterSecret, load_secret
+from mlxcel.cluster.secret import ClusterSecret
 from mlxcel.cluster.sockets import family
 from mlxcel.errors import CLIError
 from mlxcel.process import STOP_REQUESTED
@@ -35,6 +34,9 @@ from mlxcel.bringup.plan import ClusterPlan, coordinator_header, write_file
 from mlxcel.bringup.push import Push, PushConfig
 from mlxcel.bringup.spares import SparePool
 from mlxcel.bringup.wire import COORDINATOR_NODE_ID, DISCOVERY_SETTLE_S, DISCOVERY_WINDOW_S
+
+if TYPE_CHECKING:
+    from mlxcel.roles.flags import ServeFlags
 
 log = logging.getLogger("mlxcel.roles.pp_auto")
 
@@ -150,9 +152,9 @@ def signals_interrupt() -> Iterator[None]:
         STOP_REQUESTED.clear()  # this run's server has come and gone: nothing later inherits the request
 
 
-def configure(args: argparse.Namespace, config: ServeConfig) -> ServeConfig:
-    """The bring-up flags resolved, and the cluster secret (fail closed)."""
-    return replace(config, bringup=bringup_settings(args), secret=load_secret(args.cluster_secret_file, required=True))
+def configure(flags: ServeFlags, config: ServeConfig) -> ServeConfig:
+    """The bring-up flags resolved (the cluster secret is loaded by the command, fail closed)."""
+    return replace(config, bringup=bringup_settings(flags.bringup, flags.server.host))
 
 
 def run(context: RoleContext) -> int:
@@ -185,7 +187,7 @@ def _run(context: RoleContext, pushed: list[bool]) -> int:
         _say(f"dry run: planned {_describe(plan)}; wrote {path}")
         return 0
     _say(f"assigned {_describe(plan)}; wrote {path}")
-    dist = from_toml(path, COORDINATOR_NODE_ID, secret, config.pipeline)
+    dist = from_toml(path, COORDINATOR_NODE_ID, config.pipeline)
     coordinator = context.as_role("coordinator", dist)
     if pool is not None:  # the coordinator role re-assigns restarted peers and hands stages that stay down to spares
         coordinator = replace(coordinator, config=replace(coordinator.config, replacer=pool))

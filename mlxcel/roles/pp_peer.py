@@ -11,16 +11,14 @@ refused"; SIGINT/SIGTERM while waiting end it with exit 0.
 
 from __future__ import annotations
 
-import argparse
 import signal
 import sys
 import threading
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlxcel import __version__
-from mlxcel.cluster.secret import load_secret
 from mlxcel.errors import CLIError
 from mlxcel.topology.partition import PartitionError, format_range, human_bytes, layer_costs
 from mlxcel.process import Endpoint, ExitSwitch, http_server
@@ -31,6 +29,9 @@ from mlxcel.bringup.agent import Activation, PeerAgent, physical_memory
 from mlxcel.bringup.errors import AssignmentRefused, AssignmentTimeout
 from mlxcel.bringup.flags import BringupSettings, bringup_settings
 from mlxcel.bringup.machine import PeerFacts
+
+if TYPE_CHECKING:
+    from mlxcel.roles.flags import ServeFlags
 
 
 def _say(text: str) -> None:
@@ -114,9 +115,9 @@ class _Signals:
             signal.signal(sig, handler)
 
 
-def configure(args: argparse.Namespace, config: ServeConfig) -> ServeConfig:
-    """The bring-up flags resolved, and the cluster secret (fail closed)."""
-    return replace(config, bringup=bringup_settings(args), secret=load_secret(args.cluster_secret_file, required=True))
+def configure(flags: ServeFlags, config: ServeConfig) -> ServeConfig:
+    """The bring-up flags resolved (the cluster secret is loaded by the command, fail closed)."""
+    return replace(config, bringup=bringup_settings(flags.bringup, flags.server.host))
 
 
 def run(context: RoleContext) -> int:
@@ -146,6 +147,6 @@ def run(context: RoleContext) -> int:
     a = activation.assignment
     _say(f"activated as {a.node_id} (layers {format_range(*a.layers)}) by the coordinator at {a.coordinator}; "
          f"wrote {activation.path}")
-    dist = from_toml(activation.path, a.node_id, secret)  # what a later --distributed-config run reads
+    dist = from_toml(activation.path, a.node_id)  # what a later --distributed-config run reads
     return ROLES["stage"].run(context.as_role("stage", dist))
 

@@ -7,25 +7,28 @@ is 1, true, yes or on.
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from mlxcel import envs
+from mlxcel.cluster.secret import ClusterSecret
 from mlxcel.disagg.flags import NodeConfig, node_config
 from mlxcel.roles.context import RoleContext, ServeConfig
 from mlxcel.server.runtime import ServerRuntime
 from mlxcel.server.serve import serve_openai
+
+if TYPE_CHECKING:
+    from mlxcel.roles.flags import ServeFlags
 
 
 def stats_verbose(env: dict[str, str] | None = None) -> bool:
     return (envs.settings() if env is None else envs.read(env)).router_stats_verbose
 
 
-def router_factory(cfg: NodeConfig):
+def router_factory(cfg: NodeConfig, secret: ClusterSecret):
     """The server runtime's engine factory: a ``RouterEngine`` over the configured nodes."""
 
     def build(model: Any, tokenizer: Any, ctx: int, config: Any) -> Any:
@@ -33,7 +36,7 @@ def router_factory(cfg: NodeConfig):
         from mlxcel.models.facts import model_facts
         from mlxcel.models.identity import model_identity
 
-        engine = RouterEngine(cfg, tokenizer, context_length=ctx, identity=model_identity(config.model),
+        engine = RouterEngine(cfg, tokenizer, secret=secret, context_length=ctx, identity=model_identity(config.model),
                               vocab_size=model_facts(config.model).vocab_size)
         try:
             return engine.start()
@@ -44,9 +47,10 @@ def router_factory(cfg: NodeConfig):
     return build
 
 
-def configure(args: argparse.Namespace, config: ServeConfig) -> ServeConfig:
-    """The prefill and decode nodes it balances (flags or the cluster TOML) and the cluster secret (fail closed)."""
-    return replace(config, disagg=node_config(args, config.dist))
+def configure(flags: ServeFlags, config: ServeConfig) -> ServeConfig:
+    """The prefill and decode nodes it balances (flags or the cluster TOML; the secret is the command's)."""
+    return replace(config, disagg=node_config(flags.disagg, config.dist, flags.resume.max_resumes,
+                                              flags.resume.resume_timeout, flags.server.max_queue))
 
 
 def stats_route(runtime: ServerRuntime, verbose: bool):
@@ -68,7 +72,8 @@ def run(context: RoleContext) -> int:
     cfg = context.config.disagg
     assert cfg is not None  # configure set it
     server = replace(context.config.server, lazy_weights=True)  # the tokenizer and config only
-    runtime = ServerRuntime(server, router_factory(cfg))
+    assert context.config.secret is not None  # every disaggregated role needs it (fail closed)
+    runtime = ServerRuntime(server, router_factory(cfg, context.config.secret))
     return serve_openai(context.endpoint, context.access, runtime, routes=stats_route(runtime, stats_verbose()),
                         described_as=f" as router over {len(cfg.prefill_peers)} prefill and {len(cfg.decode_peers)} "
                                      "decode nodes", details=f"cluster address {cfg.serving_bind}")

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-import argparse
+from typing import TYPE_CHECKING
 
 from mlxcel.roles.context import RoleContext, ServeConfig
 from mlxcel.server.runtime import ServerRuntime
 from mlxcel.server.serve import serve_openai
 
+if TYPE_CHECKING:
+    from mlxcel.roles.flags import ServeFlags
 
-def configure(args: argparse.Namespace, config: ServeConfig) -> ServeConfig:
+
+def configure(flags: ServeFlags, config: ServeConfig) -> ServeConfig:
     """Nothing beyond the flags every role shares."""
     return config
 

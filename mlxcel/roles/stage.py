@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import argparse
 import logging
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from mlxcel import envs
+from mlxcel.cluster.secret import ClusterSecret
 from mlxcel.errors import CLIError
 from mlxcel.loading_process import LoadingProcess, serve_loading
 from mlxcel.models.facts import model_facts
@@ -15,6 +15,9 @@ from mlxcel.pipeline.slice_loading import load_stage_runner
 from mlxcel.pipeline.stage import StageService
 from mlxcel.roles.context import RoleContext, ServeConfig
 from mlxcel.topology.distributed import Distributed
+
+if TYPE_CHECKING:
+    from mlxcel.roles.flags import ServeFlags
 
 log = logging.getLogger("mlxcel.pipeline.stage")
 
@@ -24,21 +27,22 @@ class StageProcess(LoadingProcess):
 
     service: StageService | None
 
-    def __init__(self, dist: Distributed, model_dir: Path):
+    def __init__(self, dist: Distributed, model_dir: Path, secret: ClusterSecret | None):
         super().__init__()
         self.dist = dist
+        self.secret = secret
         self.model_dir = model_dir
 
     def load(self, on_fatal: Callable[[str], None], on_shutdown: Callable[[], None]) -> None:
         node, loaded = self.dist.node, []
 
         def build() -> StageService:
-            if node.layers is None or self.dist.secret is None:
+            if node.layers is None or self.secret is None:
                 raise ValueError("a stage needs its layer range and the cluster secret")
             runner, checkpoint = load_stage_runner(self.model_dir, *node.layers,
                                                    max_rows=self.dist.cluster.max_batch_size)
             loaded.append(checkpoint)
-            return StageService(self.dist.cluster, node.id, runner, self.dist.secret, model_facts(self.model_dir),
+            return StageService(self.dist.cluster, node.id, runner, self.secret, model_facts(self.model_dir),
                                 on_shutdown=on_shutdown,
                                 step_delay_s=envs.settings().test_stage_step_delay_s)  # test only
 
@@ -57,7 +61,7 @@ class StageProcess(LoadingProcess):
         return body
 
 
-def configure(args: argparse.Namespace, config: ServeConfig) -> ServeConfig:
+def configure(flags: ServeFlags, config: ServeConfig) -> ServeConfig:
     """The cluster TOML's stage node (loaded with the secret before the role was chosen)."""
     if config.dist is None:
         raise CLIError("the stage role needs --distributed-config and --node-id")
@@ -69,7 +73,7 @@ def run(context: RoleContext) -> int:
     returns the exit code."""
     dist = context.config.dist
     assert dist is not None  # configure checked it
-    process = StageProcess(dist, context.config.server.model)
+    process = StageProcess(dist, context.config.server.model, context.config.secret)
     layers = dist.node.layers or (0, 0)
     banner = f"mlxcel: stage {dist.node.id} (layers {layers[0]}-{layers[1] - 1}) on cluster address {dist.node.address}"
     return serve_loading(context.endpoint, process, "mlxcel stage", lambda switch: process.load(switch.fatal, switch.stop),

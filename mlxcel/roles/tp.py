@@ -8,32 +8,34 @@ says why, the server drains (``--drain-timeout``) and exits 1; the local followe
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import sys
 import threading
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlxcel.process import error_line
 from mlxcel.roles.context import RoleContext, ServeConfig
 from mlxcel.server.runtime import ServerConfig, ServerRuntime
 from mlxcel.server.serve import serve_openai
 
+if TYPE_CHECKING:
+    from mlxcel.roles.flags import ServeFlags
+
 DECODE_PATH = "decode path: native batched forward"
 
 
-def configure(args: argparse.Namespace, config: ServeConfig) -> ServeConfig:
-    """The shard plan and the group's settings (checked before any weight is read) and, with a
-    hostfile, the cluster secret (fail closed: the control channel crosses hosts; without one none is read)."""
+def configure(flags: ServeFlags, config: ServeConfig) -> ServeConfig:
+    """The shard plan and the group's settings (checked before any weight is read); the command loads the cluster
+    secret with a hostfile (fail closed: the control channel crosses hosts; without one none is read)."""
     from mlxcel.models.loading import check_checkpoint
-    from mlxcel.parallel.options import prepare_tp, tp_secret
+    from mlxcel.parallel.options import prepare_tp
 
-    tp = prepare_tp(args, config.server.model, check_checkpoint(config.server.model))
+    tp = prepare_tp(flags.tp, config.server.model, check_checkpoint(config.server.model))
     assert tp is not None  # the role is chosen by --tp-size above 1
-    return replace(config, tp=tp, secret=tp_secret(args, tp))
+    return replace(config, tp=tp)
 
 
 class TPServer:

@@ -7,22 +7,25 @@ no HTTP: the port ``--host``/``--port`` bound is closed at once (rank 0 serves t
 
 from __future__ import annotations
 
-import argparse
+from typing import TYPE_CHECKING
 from dataclasses import replace
 from pathlib import Path
 
 from mlxcel.roles.context import RoleContext, ServeConfig
 
+if TYPE_CHECKING:
+    from mlxcel.roles.flags import ServeFlags
 
-def configure(args: argparse.Namespace, config: ServeConfig) -> ServeConfig:
-    """The shard plan and the hostfile (checked before any weight is read) and the cluster secret (required)."""
-    from mlxcel.cluster.secret import load_secret
+
+def configure(flags: ServeFlags, config: ServeConfig) -> ServeConfig:
+    """The shard plan and the hostfile (checked before any weight is read); the command loads the cluster secret
+    (required)."""
     from mlxcel.models.loading import check_checkpoint
     from mlxcel.parallel.options import prepare_tp
 
-    tp = prepare_tp(args, config.server.model, check_checkpoint(config.server.model))
+    tp = prepare_tp(flags.tp, config.server.model, check_checkpoint(config.server.model))
     assert tp is not None  # the role is chosen by --tp-size above 1
-    return replace(config, tp=tp, secret=load_secret(args.cluster_secret_file, required=True))
+    return replace(config, tp=tp)
 
 
 def run(context: RoleContext) -> int:

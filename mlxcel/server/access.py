@@ -34,6 +34,7 @@ from typing import Any, Callable, Mapping, NoReturn
 from mlxcel import envs
 from mlxcel.config import ENV_KEY, ENV_KEY_FILE
 from mlxcel.errors import CLIError
+from mlxcel.flagset import FlagSet
 from mlxcel.private_file import read_private_file
 from mlxcel.server.tls import TLSConfig, add_tls_arguments, load_tls
 
@@ -205,19 +206,33 @@ def add_access_arguments(parser: argparse.ArgumentParser) -> None:
     add_tls_arguments(g)
 
 
-def prepare_access(args: argparse.Namespace, env: Mapping[str, str] | None = None, *,
+@dataclass(frozen=True)
+class AccessFlags(FlagSet):
+    """The access-control flags as parsed (``add_access_arguments``): API keys, /metrics, TLS files."""
+
+    api_key_file: str | None = None
+    metrics_public: bool = False
+    allow_unauthenticated: bool = False
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+
+    add_arguments = staticmethod(add_access_arguments)
+
+
+def prepare_access(flags: AccessFlags, host: str, env: Mapping[str, str] | None = None, *,
                    health_only: bool = False) -> AccessConfig:
-    """Load keys and TLS and apply the bind policy; call before binding. Raises AccessError/CLIError.
+    """Load keys and TLS and apply the bind policy to ``host`` (--host); call before binding.
+    Raises AccessError/CLIError.
 
     ``health_only``: the port serves nothing but /health (a pipeline stage), so no key is needed on it.
     """
-    keys = load_api_keys(args.api_key_file, env=env)
+    keys = load_api_keys(flags.api_key_file, env=env)
     if not health_only:
-        check_bind_policy(args.host, keys, args.allow_unauthenticated)
-    access = AccessConfig(keys=keys, metrics_public=args.metrics_public,
-                          allow_unauthenticated=args.allow_unauthenticated,
-                          tls=load_tls(args.ssl_certfile, args.ssl_keyfile))
-    log_access(access, args.host)
+        check_bind_policy(host, keys, flags.allow_unauthenticated)
+    access = AccessConfig(keys=keys, metrics_public=flags.metrics_public,
+                          allow_unauthenticated=flags.allow_unauthenticated,
+                          tls=load_tls(flags.ssl_certfile, flags.ssl_keyfile))
+    log_access(access, host)
     return access
 
 

@@ -29,6 +29,7 @@ from mlxcel.server.serving import SSEResponse
 STORE_SIZE = 256
 #: internal request field -> Responses field, for errors raised after translation
 NAMES = {"max_tokens": "max_output_tokens", "messages": "input", "reasoning_effort": "reasoning.effort",
+         "response_format.json_schema.schema": "text.format.schema",  # before its prefix: the first match wins
          "response_format": "text.format", "tools": "tools", "tool_choice": "tool_choice"}
 
 

@@ -1,9 +1,10 @@
 """A cluster node's place in its cluster, from ``--distributed-config FILE --node-id ID``.
 
-``load_distributed`` checks, before anything listens: the TOML loads, the node exists, the secret is
-there (fail closed from two stages and on every disaggregated node, the error naming every source;
-the reference's scope), ``--pp-layers`` agrees with the TOML, the stage ranges cover the checkpoint (or
-are planned from its parameter bytes). Every cluster role reads the result: stages, coordinator, prefill, decode, router.
+``load_distributed`` checks, before anything listens: the TOML loads, the node exists, ``--pp-layers``
+agrees with the TOML, the stage ranges cover the checkpoint (or are planned from its parameter bytes).
+``cluster_secret`` loads the secret (fail closed from two stages and on every disaggregated node, the
+error naming every source; the reference's scope): once per process, by ``mlxcel/commands/serve.py``,
+which holds it in ``ServeConfig.secret`` alone. Every cluster role reads the result: stages, coordinator, prefill, decode, router.
 """
 
 from __future__ import annotations
@@ -30,11 +31,11 @@ class PipelineOptions:
 
 @dataclass(frozen=True)
 class Distributed:
-    """This process's place in a cluster: the cluster TOML, its own node, the secret, the pipeline flags."""
+    """This process's place in a cluster: the cluster TOML, its own node, the pipeline flags (the secret is
+    ``ServeConfig.secret``)."""
 
     cluster: ClusterConfig
     node: Node
-    secret: ClusterSecret | None
     options: PipelineOptions = PipelineOptions()
 
     @property
@@ -83,13 +84,10 @@ def apply_layers_flag(cluster: ClusterConfig, text: str, num_layers: int) -> Clu
     return cluster.with_layers(ranges)
 
 
-def load_distributed(config_path: str | Path, node_id: str, model_dir: Path, *, secret_file: str | None = None,
+def load_distributed(config_path: str | Path, node_id: str, model_dir: Path, *,
                      options: PipelineOptions = PipelineOptions(), layers: str | None = None) -> Distributed:
-    """Everything a cluster node needs before it binds a socket; ``CLIError``/``SecretError`` on a problem.
-
-    ``layers`` is ``--pp-layers`` (``apply_layers_flag``). The secret is required (fail closed) from two stages
-    and on every disaggregated node; a one-stage pipeline reads a configured one (a bad one is still an error) and
-    starts without one (the reference's scope), but its stage and coordinator cannot connect without it."""
+    """Everything a cluster node needs before it binds a socket but the secret (``cluster_secret``);
+    ``CLIError`` on a problem. ``layers`` is ``--pp-layers`` (``apply_layers_flag``)."""
     from mlxcel.models.facts import model_facts
 
     try:
@@ -102,17 +100,25 @@ def load_distributed(config_path: str | Path, node_id: str, model_dir: Path, *, 
         node = cluster.node(node_id)
     except ClusterConfigError as exc:
         raise CLIError(str(exc)) from None
-    required = cluster.pipeline_parallel_size >= 2 or not cluster.stages
-    secret = load_secret(secret_file, toml_secret_file=cluster.secret_file, required=required)
     cluster = cluster.with_resume(options.max_resumes, options.resume_timeout_s)
-    return Distributed(cluster, node, secret, options)
+    return Distributed(cluster, node, options)
 
 
-def from_toml(path: str | Path, node_id: str, secret: ClusterSecret,
-              options: PipelineOptions = PipelineOptions()) -> Distributed:
+def cluster_secret(dist: Distributed, secret_file: str | None) -> ClusterSecret | None:
+    """The node's cluster secret (``SecretError`` names every source). Required (fail closed) from two stages and
+    on every disaggregated node; a one-stage pipeline reads a configured one (a bad one is still an error) and
+    starts without one (the reference's scope), but its stage and coordinator cannot connect without it."""
+    from mlxcel.topology.names import DISAGG_ROLES
+
+    cluster = dist.cluster
+    required = cluster.pipeline_parallel_size >= 2 or not cluster.stages or dist.node.role in DISAGG_ROLES
+    return load_secret(secret_file, toml_secret_file=cluster.secret_file, required=required)
+
+
+def from_toml(path: str | Path, node_id: str, options: PipelineOptions = PipelineOptions()) -> Distributed:
     """The node ``node_id`` of a TOML that bring-up just wrote (its ranges are already planned)."""
     try:
         cluster = load_cluster_config(path).with_resume(options.max_resumes, options.resume_timeout_s)
-        return Distributed(cluster, cluster.node(node_id), secret, options)
+        return Distributed(cluster, cluster.node(node_id), options)
     except ClusterConfigError as exc:
         raise CLIError(str(exc)) from None

@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from mlxcel.bringup.flags import bringup_settings
+from mlxcel.bringup import flags as bringup_flags
 from mlxcel.bringup.wire import DEFAULT_CONTROL_PORT, DEFAULT_DISCOVERY_PORT, DEFAULT_DISCOVERY_TARGET
 from mlxcel.cli import build_parser, main
 from mlxcel.cluster.identity import PeerId
@@ -14,6 +14,14 @@ from mlxcel.cluster.identity import PeerId
 
 def parsed(*argv: str):
     return build_parser().parse_args(["serve", *argv])
+
+
+def bringup_settings(args):
+    """The resolved bring-up settings of a parsed command line (its typed flags and --host)."""
+    from mlxcel.commands.serve import as_flags
+
+    flags = as_flags(args)
+    return bringup_flags.bringup_settings(flags.bringup, flags.server.host)
 
 
 def error_of(capsys, *argv: str) -> str:

@@ -122,6 +122,7 @@ def test_per_source_pending_limit_from_the_toml_reaches_the_coordinator_listener
 
 def test_a_disaggregated_node_from_the_toml_gets_the_table(tmp_path, tiny_llama):
     from mlxcel.cluster.secret import ClusterSecret
+    from mlxcel.commands.serve import as_flags
     from mlxcel.disagg.flags import node_config
     from mlxcel.disagg.service import role_transport
     from mlxcel.cli import build_parser
@@ -131,10 +132,10 @@ def test_a_disaggregated_node_from_the_toml_gets_the_table(tmp_path, tiny_llama)
         f'[[nodes]]\nid = "{role}-0"\nrole = "{role}"\naddress = "127.0.0.{i}:1900{i}"'
         for i, role in enumerate(("router", "prefill", "decode"), start=2)) + "\n"
     cluster = load_cluster_config(write_toml(tmp_path, text))
-    dist = Distributed(cluster, cluster.node("router-0"), ClusterSecret(b"k" * 32, source="test"))
-    args = build_parser().parse_args(["serve", "-m", str(tiny_llama), "--distributed-config", "x", "--node-id",
-                                      "router-0"])
-    transport = role_transport(node_config(args, dist))
+    dist = Distributed(cluster, cluster.node("router-0"))
+    args = as_flags(build_parser().parse_args(["serve", "-m", str(tiny_llama), "--distributed-config", "x",
+                                               "--node-id", "router-0"]))
+    transport = role_transport(node_config(args.disagg, dist), ClusterSecret(b"k" * 32, source="test"))
     try:
         assert (transport.options.max_pending_handshakes_per_ip, transport.options.handshake_timeout,
                 transport.options.reconnect_budget) == (2, 3.0, 0)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from mlxcel.cli import build_parser, main
-from mlxcel.commands.serve import check_flags, cluster_node
+from mlxcel.commands.serve import check_flags, cluster_node, process_secret
 from tests.pipeline.cluster_toml import COORDINATOR_AND_STAGE_0, write_toml
 
 STAGE_1 = """[[nodes]]
@@ -119,14 +119,12 @@ def test_server_pp_layers_with_a_disaggregated_toml_is_refused(tmp_path, capsys,
 
 def test_peers_is_the_cluster_peers_of_a_pp_auto_coordinator():
     args = parsed("--pp-auto", "2", "--peers", "127.0.0.3:1,127.0.0.4:1")
-    check_flags(args)
-    assert args.cluster_peers == "127.0.0.3:1,127.0.0.4:1"
+    assert check_flags(args).bringup.cluster_peers == "127.0.0.3:1,127.0.0.4:1"
 
 
 def test_peers_is_the_decode_peers_of_a_prefill_node():
     args = parsed("--node-role", "prefill", "--serving-bind", "127.0.0.3:1", "--peers", "127.0.0.4:1")
-    check_flags(args)
-    assert args.decode_peers == "127.0.0.4:1"
+    assert check_flags(args).disagg.decode_peers == "127.0.0.4:1"
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -152,18 +150,18 @@ def test_a_one_stage_cluster_starts_without_a_secret(tmp_path, tiny_llama):
     toml = write_toml(tmp_path, "[cluster]\npipeline_parallel_size = 1\n" + COORDINATOR_AND_STAGE_0)
     args = parsed("-m", str(tiny_llama), "--distributed-config", str(toml), "--node-id", "coordinator")
     dist = cluster_node(args, tiny_llama)
-    assert dist.secret is None and dist.node.id == "coordinator"
+    assert process_secret(args, "coordinator", dist) is None and dist.node.id == "coordinator"
 
 
 def test_a_one_stage_cluster_still_reads_a_configured_secret(tmp_path, tiny_llama, monkeypatch):
     toml = write_toml(tmp_path, "[cluster]\npipeline_parallel_size = 1\n" + COORDINATOR_AND_STAGE_0)
     args = parsed("-m", str(tiny_llama), "--distributed-config", str(toml), "--node-id", "stage-0",
                   "--cluster-secret-file", str(secret_file(tmp_path)))
-    assert cluster_node(args, tiny_llama).secret is not None
+    assert process_secret(args, "stage", cluster_node(args, tiny_llama)) is not None
     monkeypatch.setenv("MLXCEL_CLUSTER_SECRET", "short")  # a bad configured secret is still refused
     args = parsed("-m", str(tiny_llama), "--distributed-config", str(toml), "--node-id", "stage-0")
     with pytest.raises(Exception, match="too short"):
-        cluster_node(args, tiny_llama)
+        process_secret(args, "stage", cluster_node(args, tiny_llama))
 
 
 def test_a_two_stage_cluster_refuses_to_start_without_a_secret(tmp_path, capsys, tiny_llama):

@@ -123,17 +123,17 @@ def role_services(path, staging: bool | None = None) -> Iterator[tuple]:
     sizes = dict(identity=identity, context_length=2048, parallel=2, max_batch_size=2, max_queue=2, warmup=False)
     started: list = []
     try:
-        decode = DecodeService(NodeConfig("decode", decode_at, (), (), SECRET, handoff_staging=staging),
-                               *_loaded(load_checkpoint(path)), **sizes)
+        decode = DecodeService(NodeConfig("decode", decode_at, (), (), handoff_staging=staging),
+                               *_loaded(load_checkpoint(path)), secret=SECRET, **sizes)
         decode.start()
         started.append(decode)
-        prefill = PrefillService(NodeConfig("prefill", prefill_at, (), (decode_at,), SECRET, handoff_staging=staging),
-                                 *_loaded(load_checkpoint(path)), allowlist=Allowlist(None), **sizes)
+        prefill = PrefillService(NodeConfig("prefill", prefill_at, (), (decode_at,), handoff_staging=staging),
+                                 *_loaded(load_checkpoint(path)), allowlist=Allowlist(None), secret=SECRET, **sizes)
         prefill.start()
         started.append(prefill)
-        router = RouterEngine(NodeConfig("router", router_at, (prefill_at,), (decode_at,), SECRET,
-                                         probe_interval_s=0.3), load_checkpoint(path).tokenizer,
-                              context_length=2048, identity=identity).start()
+        router = RouterEngine(NodeConfig("router", router_at, (prefill_at,), (decode_at,), probe_interval_s=0.3),
+                              load_checkpoint(path).tokenizer, secret=SECRET, context_length=2048,
+                              identity=identity).start()
         started.append(router)
         yield router, prefill, decode
     finally:
@@ -196,7 +196,7 @@ def hosted(tmp_path_factory, family_checkpoint):  # noqa: F811
 
 @pytest.mark.parametrize("family", HOSTED)
 def test_prefill_and_decode_processes_continue_exactly_like_one_node(family, hosted, family_checkpoint):  # noqa: F811
-    from mlxcel.commands.serve import server_config
+    from mlxcel.commands.serve import as_flags, process_secret, server_config
     from mlxcel.disagg.flags import node_config
     from mlxcel.models.loading import load_checkpoint
     from mlxcel.roles.router import router_factory
@@ -206,7 +206,8 @@ def test_prefill_and_decode_processes_continue_exactly_like_one_node(family, hos
     bind = f"{HOST_IPS['router']}:{free_port(HOST_IPS['router'])}"
     args = server_args(command_line(path, "router", bind, secret_file, "--prefill-peers", nodes[family]["prefill"],
                                     "--decode-peers", nodes[family]["decode"], "--probe-interval", "0.3"))
-    router = router_factory(node_config(args, None))(None, load_checkpoint(path, lazy=True).tokenizer, 2048,
+    flags = as_flags(args)
+    router = router_factory(node_config(flags.disagg, None), process_secret(flags, "router", None))(None, load_checkpoint(path, lazy=True).tokenizer, 2048,
                                                      server_config(args))
     try:
         # tokens come only from the decode node, which decodes only KV handed to it; the router's own handoff

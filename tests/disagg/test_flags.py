@@ -16,7 +16,8 @@ from mlxcel.cli import build_parser
 from mlxcel.cluster.errors import SecretError
 from mlxcel.cluster.identity import PeerId
 from mlxcel.disagg.allowlist import Allowlist
-from mlxcel.disagg.flags import check_disagg_flags, node_config
+from mlxcel.commands.serve import as_flags, process_secret
+from mlxcel.disagg.flags import node_config
 from mlxcel.roles.router import stats_verbose
 from mlxcel.errors import CLIError
 from mlxcel.topology.cluster_config import ClusterConfigError, load_cluster_config
@@ -28,7 +29,13 @@ NO_SECRET_ENV = {k: v for k, v in os.environ.items() if not k.startswith("MLXCEL
 
 
 def args(*argv: str):
-    return build_parser().parse_args(["serve", *argv])
+    """The server's typed flags (``ServeFlags``) of a command line."""
+    return as_flags(build_parser().parse_args(["serve", *argv]))
+
+
+def check_disagg_flags(flags, dist):
+    """The one check of the disaggregated flags (``mlxcel.commands.serve.serve_config`` runs it once)."""
+    return flags.disagg.check(dist, pp_auto=flags.bringup.pp_auto, pp_peer=flags.bringup.pp_peer)
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -72,7 +79,7 @@ def test_every_role_needs_the_secret_naming_every_source(monkeypatch):
         a = args("--node-role", role, "--serving-bind", "127.0.0.1:9000",
                  *(("--prefill-peers", "127.0.0.2:1", "--decode-peers", "127.0.0.3:2") if role == "router" else ()))
         with pytest.raises(SecretError) as info:
-            node_config(a, None)
+            process_secret(a, role, None)
         for source in ("--cluster-secret-file", "MLXCEL_CLUSTER_SECRET_FILE", "MLXCEL_CLUSTER_SECRET", "secret_file"):
             assert source in str(info.value)
 
@@ -83,19 +90,19 @@ def test_the_switch_interval_is_half_a_millisecond_unless_the_environment_says(m
     secret.chmod(0o600)
     a = args("--node-role", "decode", "--serving-bind", "127.0.0.1:9000", "--cluster-secret-file", str(secret))
     monkeypatch.delenv("MLXCEL_SWITCH_INTERVAL_MS", raising=False)
-    assert node_config(a, None).switch_interval_s == 0.0005
+    assert node_config(a.disagg, None).switch_interval_s == 0.0005
     monkeypatch.setenv("MLXCEL_SWITCH_INTERVAL_MS", "2")
-    assert node_config(a, None).switch_interval_s == 0.002
+    assert node_config(a.disagg, None).switch_interval_s == 0.002
     for bad, words in (("fast", "a number of milliseconds"), ("0", "from 0.01 to 100"), ("500", "from 0.01 to 100")):
         monkeypatch.setenv("MLXCEL_SWITCH_INTERVAL_MS", bad)
         with pytest.raises(CLIError, match=f"MLXCEL_SWITCH_INTERVAL_MS must be .*{words}"):
-            node_config(a, None)
+            node_config(a.disagg, None)
     router = args("--node-role", "router", "--serving-bind", "127.0.0.1:9000", "--prefill-peers", "127.0.0.2:1",
                   "--decode-peers", "127.0.0.3:2", "--cluster-secret-file", str(secret))
     with pytest.raises(CLIError, match="MLXCEL_SWITCH_INTERVAL_MS must be"):  # every role refuses a bad variable
-        node_config(router, None)
+        node_config(router.disagg, None)
     monkeypatch.delenv("MLXCEL_SWITCH_INTERVAL_MS")
-    assert node_config(router, None).role == "router"
+    assert node_config(router.disagg, None).role == "router"
 
 
 def test_the_handoff_environment_is_read_into_the_config_and_a_bad_value_is_named(monkeypatch, tmp_path):
@@ -107,11 +114,11 @@ def test_the_handoff_environment_is_read_into_the_config_and_a_bad_value_is_name
     monkeypatch.setenv("MLXCEL_HANDOFF_LANES", "3")
     monkeypatch.setenv("MLXCEL_HANDOFF_INTAKE_WORKERS", "2")
     monkeypatch.setenv("MLXCEL_HANDOFF_COPY", "1")
-    assert node_config(prefill, None).handoff_lanes == 3
-    assert node_config(prefill, None).handoff_staging is None  # unset: staged where MLX runs on CUDA
+    assert node_config(prefill.disagg, None).handoff_lanes == 3
+    assert node_config(prefill.disagg, None).handoff_staging is None  # unset: staged where MLX runs on CUDA
     monkeypatch.setenv("MLXCEL_HANDOFF_STAGING", "0")
-    assert node_config(decode, None).handoff_staging is False
-    cfg = node_config(decode, None)
+    assert node_config(decode.disagg, None).handoff_staging is False
+    cfg = node_config(decode.disagg, None)
     assert (cfg.intake_workers, cfg.handoff_copy) == (2, True)
     for name, bad, words, a in (("MLXCEL_HANDOFF_LANES", "many", "a whole number", prefill),
                                 ("MLXCEL_HANDOFF_LANES", "17", "from 1 to 16", prefill),
@@ -123,7 +130,7 @@ def test_the_handoff_environment_is_read_into_the_config_and_a_bad_value_is_name
             env.setenv(name, bad)
             envs.reload()  # a fresh process would read the changed environment
             with pytest.raises(CLIError, match=f"{name} must be .*{words}"):
-                node_config(a, None)
+                node_config(a.disagg, None)
         envs.reload()
 
 
@@ -202,10 +209,11 @@ def test_the_cluster_toml_gives_the_roles_their_addresses_and_peers(tmp_path, ti
         a = args("-m", str(tiny_llama), "--distributed-config", str(toml), "--node-id", node_id)
         dist = cluster_node(a, tiny_llama)
         assert select_role(a, dist).name == role
-        cfg = node_config(a, dist)
+        cfg = node_config(a.disagg, dist)
         assert cfg.role == role and cfg.serving_bind == dist.node.address and cfg.probe_interval_s == 0.5
-        assert cfg.secret.source == "secret_file under [cluster]" or cfg.secret.path == (tmp_path / "s.secret").resolve()
-    router = node_config(args("--distributed-config", str(toml), "--node-id", "router"),
+        secret = process_secret(a, role, dist)
+        assert secret.source == "secret_file under [cluster]" or secret.path == (tmp_path / "s.secret").resolve()
+    router = node_config(args("--distributed-config", str(toml), "--node-id", "router").disagg,
                          cluster_node(args("--distributed-config", str(toml), "--node-id", "router"), tiny_llama))
     assert router.prefill_peers == (PeerId.parse("127.0.0.51:19001"),)
     assert router.decode_peers == (PeerId.parse("127.0.0.52:19002"), PeerId.parse("127.0.0.53:19003"))

@@ -56,8 +56,8 @@ def service(path, decode: Transport, allowlist: Allowlist | None = None) -> Pref
     from mlxcel.models.loading import load_checkpoint
 
     loaded = load_checkpoint(path)
-    cfg = NodeConfig("prefill", PeerId.of(PREFILL_IP, free_port(PREFILL_IP)), (), (decode.identity,), SECRET)
-    svc = PrefillService(cfg, loaded.model, loaded.tokenizer, identity="x", context_length=2048, parallel=2,
+    cfg = NodeConfig("prefill", PeerId.of(PREFILL_IP, free_port(PREFILL_IP)), (), (decode.identity,))
+    svc = PrefillService(cfg, loaded.model, loaded.tokenizer, secret=SECRET, identity="x", context_length=2048, parallel=2,
                          max_batch_size=2, max_queue=2, warmup=False, allowlist=allowlist or Allowlist(None))
     svc.start()
     return svc

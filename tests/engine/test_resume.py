@@ -329,8 +329,8 @@ def test_the_flags_override_the_cluster_toml_and_reach_the_coordinator_and_the_r
     options = pipeline_options(args)
     assert cluster.with_resume(options.max_resumes, options.resume_timeout_s).max_resumes == 2
     assert cluster.with_resume(None, None).timeouts.resume_s == 12.0
-    assert _resume(args, 30.0) == (2, 7.0)
-    assert _resume(build_parser().parse_args(["serve"]), 12.0) == (3, 12.0)  # the defaults, the TOML's timeout
+    assert _resume((args.max_resumes, args.resume_timeout), 30.0) == (2, 7.0)
+    assert _resume((None, None), 12.0) == (3, 12.0)  # the defaults, the TOML's timeout
 
 
 @pytest.mark.parametrize("text, message", [

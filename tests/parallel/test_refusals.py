@@ -17,7 +17,7 @@ from mlxcel.cli import build_parser
 from mlxcel.commands.serve import serve_config
 from mlxcel.cluster.errors import SecretError
 from mlxcel.parallel.errors import HostfileError, ShardRefusal, TPError
-from mlxcel.parallel.options import prepare_tp
+from mlxcel.parallel.options import TPFlags, prepare_tp
 from mlxcel.parallel.plan import check_shardable
 
 pytestmark = pytest.mark.proc  # starts processes (tests/proc_marker.py)
@@ -68,7 +68,9 @@ def test_unsupported_families_are_refused():
 def _prepare(model: Path, *flags: str):
     args = build_parser().parse_args(["generate", "-m", str(model), "-p", "x", *flags])
     config = json.loads((model / "config.json").read_text())
-    return prepare_tp(args, model, config)
+    tp = TPFlags.from_cli_args(vars(args))
+    tp.check(pp_layers=args.pp_layers, pp_size=args.pp_size)  # the command's one check, then what needs config.json
+    return prepare_tp(tp, model, config)
 
 
 def secret_file(tmp_path: Path) -> Path:

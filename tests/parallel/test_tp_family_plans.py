@@ -15,7 +15,7 @@ from mlxcel.models.random_checkpoint import _config
 from mlxcel.parallel.errors import ShardRefusal, TPError
 from mlxcel.parallel.experts import LocalExperts
 from mlxcel.parallel.families import FAMILIES
-from mlxcel.parallel.options import prepare_tp
+from mlxcel.parallel.options import TPFlags, prepare_tp
 from mlxcel.parallel.plan import apply_plan, check_shardable
 
 
@@ -106,7 +106,7 @@ def test_reduce_dtype_is_refused_where_blocks_reduce_inside(tmp_path):
     import json
 
     with pytest.raises(TPError, match=r"^--tp-reduce-dtype bfloat16 does not apply to this qwen3_moe checkpoint"):
-        prepare_tp(args, model, json.loads((model / "config.json").read_text()))
+        prepare_tp(TPFlags.from_cli_args(vars(args)), model, json.loads((model / "config.json").read_text()))
 
 
 def test_moe_mode_flag_reaches_the_plan(tmp_path):
@@ -118,7 +118,7 @@ def test_moe_mode_flag_reaches_the_plan(tmp_path):
     config = json.loads((model / "config.json").read_text())
     for flags, mode in (([], "expert_parallel"), (["--tp-moe-mode", "within_expert"], "within_expert")):
         args = build_parser().parse_args(["generate", "-m", str(model), "-p", "x", "--tp-size", "2", *flags])
-        assert prepare_tp(args, model, config).plan.moe_mode == mode
+        assert prepare_tp(TPFlags.from_cli_args(vars(args)), model, config).plan.moe_mode == mode
 
 
 class Group:

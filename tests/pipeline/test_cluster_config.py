@@ -10,7 +10,7 @@ import pytest
 
 from mlxcel.cluster.secret import TOML_FIELD
 from mlxcel.topology.cluster_config import ClusterConfigError, load_cluster_config
-from mlxcel.commands.serve import cluster_node
+from mlxcel.commands.serve import cluster_node, process_secret
 from mlxcel.pipeline.coordinator import fill_micro_batches
 from tests.commands.test_cli import assert_one_line_error, mlxcel
 from tests.pipeline.cluster_toml import COORDINATOR_AND_STAGE_0, write_toml
@@ -138,10 +138,11 @@ def test_a_node_reads_the_cluster_toml_once(tmp_path, tiny_llama, monkeypatch):
     _opened = []
     try:
         dist = cluster_node(args, tiny_llama)
+        secret = process_secret(args, "stage", dist)
         opened = list(_opened)
     finally:
         _opened = None
     assert opened.count(os.path.realpath(path)) == 1
     assert opened.count(os.path.realpath(tmp_path / "s.secret")) == 1
-    assert dist.secret.reveal() == b"t" * 32 and dist.secret.source == TOML_FIELD
+    assert secret.reveal() == b"t" * 32 and secret.source == TOML_FIELD
     assert [n.layers for n in dist.cluster.stages] == [(0, 2), (2, 4)]

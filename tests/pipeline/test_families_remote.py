@@ -104,14 +104,15 @@ def tokens_of(rows: list[Scored]) -> list[list[int]]:
 def remote_tokens(toml: Path, model_dir: Path) -> list[Scored]:
     """Both prompts at once through the engine the coordinator role builds from its command line (a
     Scheduler over a PipelineExecutor): greedy tokens with their log-probabilities."""
-    from mlxcel.commands.serve import cluster_node, server_config
+    from mlxcel.commands.serve import cluster_node, process_secret, server_config
     from mlxcel.models.loading import load_checkpoint
     from mlxcel.roles.coordinator import coordinator_factory
 
     args = server_args(command_line(model_dir, toml, "coordinator", *COORDINATOR_FLAGS))
     server = server_config(args)
     tokenizer = load_checkpoint(model_dir, lazy=True).tokenizer
-    engine = coordinator_factory(cluster_node(args, server.model))(None, tokenizer, 2048, server)
+    dist = cluster_node(args, server.model)
+    engine = coordinator_factory(dist, process_secret(args, "coordinator", dist))(None, tokenizer, 2048, server)
 
     async def both() -> list[Scored]:
         streams = [engine.submit(EngineRequest(p, SamplingParams(max_tokens=N, logprobs=True), ignore_eos=True,

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from mlxcel.cli import build_parser, check_pipeline_flags, main, server_main
+from mlxcel.cli import build_parser, main, server_main
+from mlxcel.commands.generate import check_pipeline_flags
 
 
 def test_generate_pipeline_flags_parse(tmp_path):
@@ -82,6 +83,6 @@ def test_server_cluster_flags_parse():
                                       "--cluster-secret-file", "s", "--pp-micro-batch-size", "4"])
     from mlxcel.commands.serve import check_cluster_flags
 
-    check_cluster_flags(args)
-    assert (args.distributed_config, args.node_id, args.cluster_secret_file, args.pp_micro_batch_size) == (
+    flags = check_cluster_flags(args).cluster
+    assert (flags.distributed_config, flags.node_id, flags.cluster_secret_file, flags.pp_micro_batch_size) == (
         "c.toml", "coordinator", "s", 4)

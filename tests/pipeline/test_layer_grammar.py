@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from mlxcel.cli import build_parser, check_pipeline_flags, main
+from mlxcel.cli import build_parser, main
+from mlxcel.commands.generate import check_pipeline_flags
 from mlxcel.errors import CLIError
 from mlxcel.topology.cluster_config import ClusterConfigError, load_cluster_config
 from mlxcel.pipeline.inprocess import stage_ranges

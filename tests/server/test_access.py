@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import pickle
@@ -372,14 +371,13 @@ def test_allow_unauthenticated_starts_open_and_warns(start_server, tiny_llama, m
 
 
 def test_prepare_access_applies_the_policy_unless_the_port_serves_only_health(tmp_path):
-    args = argparse.Namespace(host="0.0.0.0", api_key_file=None, metrics_public=False, allow_unauthenticated=False,
-                              ssl_certfile=None, ssl_keyfile=None)
+    flags = access.AccessFlags()
     with pytest.raises(AccessError, match="refusing to listen on 0.0.0.0"):
-        access.prepare_access(args, env={})
-    stage = access.prepare_access(args, env={}, health_only=True)
+        access.prepare_access(flags, "0.0.0.0", env={})
+    stage = access.prepare_access(flags, "0.0.0.0", env={}, health_only=True)
     assert stage.keys is None and stage.scheme == "http" and stage.uvicorn_options() == {}
-    args.api_key_file, args.metrics_public = str(key_file(tmp_path, KEY)), True
-    keyed = access.prepare_access(args, env={})
+    flags = access.AccessFlags(api_key_file=str(key_file(tmp_path, KEY)), metrics_public=True)
+    keyed = access.prepare_access(flags, "0.0.0.0", env={})
     assert keyed.keys.matches(KEY.encode()) and keyed.open_paths() == {"/health", "/metrics"}
 
 

@@ -173,7 +173,8 @@ def test_responses_errors_name_the_field(srv):
     message = [item for item in r.json()["output"] if item["type"] == "message"][0]
     assert set(json.loads(message["content"][0]["text"])) == {"city"}
     bad = dict(fmt, schema={"type": "array", "uniqueItems": True})
-    assert "uniqueItems" in responses_bad(srv, "text.format", input="hi", text={"format": bad})["message"]
+    error = responses_bad(srv, "text.format.schema", input="hi", text={"format": bad})
+    assert error["message"].startswith("text.format.schema does not compile") and "uniqueItems" in error["message"]
 
 
 # ------------------------------------------------------------------------------ Anthropic Messages API
