@@ -175,7 +175,7 @@ class Settings:
                                        "comma-separated) a KV cache may go to; unset: any router-chosen one",
                                        "mlxcel/disagg/allowlist.py")
     router_stats_verbose: bool = var("MLXCEL_ROUTER_STATS_VERBOSE", verbose, "router: 1/true/yes/on shows node "
-                                     "addresses in /stats (else redacted)", "mlxcel/roles/router.py", False)
+                                     "addresses in /stats (else redacted)", "mlxcel/entrypoints/router.py", False)
     handoff_copy: bool | None = var("MLXCEL_HANDOFF_COPY", switch, "decode: 1 receives handoffs into numpy "
                                     "buffers copied at import; unset or 0: into MLX memory", "mlxcel/disagg/kv_cache.py")
     handoff_staging: bool | None = var("MLXCEL_HANDOFF_STAGING", switch, "1/0: handoffs through page-locked host "
@@ -190,7 +190,7 @@ class Settings:
         "at most 4", "mlxcel/disagg/lanes.py")
     # test and rehearsal aids
     test_stage_step_delay_s: float = var("MLXCEL_TEST_STAGE_STEP_DELAY_S", delay, "a pipeline stage "
-                                         "sleeps this long before every step", "mlxcel/roles/stage.py", 0.0,
+                                         "sleeps this long before every step", "mlxcel/entrypoints/stage.py", 0.0,
                                          test_only=True)
     test_decode_step_delay_s: float = var("MLXCEL_TEST_DECODE_STEP_DELAY_S", delay, "a decode node "
                                           "sleeps this long before every decode step", "mlxcel/disagg/decode.py",

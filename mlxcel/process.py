@@ -1,6 +1,6 @@
 """Process plumbing shared by every role: the listening socket, the exit switch, the uvicorn server, the exit.
 
-Neutral ground: roles (``mlxcel/roles/`` lists them) and the HTTP library (``mlxcel/server/``) import this
+Neutral ground: roles (``mlxcel/entrypoints/`` lists them) and the HTTP library (``mlxcel/server/``) import this
 module; it imports neither.
 """
 

@@ -83,11 +83,11 @@ compiled=$VENV/.mlxcel-compiled compile_pid=
 if [ ! -f "$compiled" ] || [ "$stamp" -nt "$compiled" ]; then
   (env -u PYTHONDONTWRITEBYTECODE "$VENV/bin/python" -c '
 import importlib, pkgutil
-import mlxcel.roles
+import mlxcel.entrypoints
 names = ["mlxcel.cli", "mlxcel.commands.serve", "mlxcel.server.app", "mlxcel.node.supervisor", "mlxcel.report.build",
          "ansible.cli.playbook", "ansible.executor.task_executor", "ansible.plugins.strategy.linear",
          "ansible.plugins.callback.default", "openai", "httpx"]
-names += [f"mlxcel.roles.{m.name}" for m in pkgutil.iter_modules(mlxcel.roles.__path__)]
+names += [f"mlxcel.entrypoints.{m.name}" for m in pkgutil.iter_modules(mlxcel.entrypoints.__path__)]
 for name in names:
     try:
         importlib.import_module(name)

@@ -3,8 +3,8 @@
 ``SPEC`` is a JSON file holding a list of ``mlxcel-server`` command lines (without the program name),
 one per node. Each goes through what ``mlxcel-server`` does with it up to the socket: the same flag
 parser, ``serve_config`` (the checks, the checkpoint, the cluster TOML and its secret, the role's own
-``configure`` hook), then the role's own loading process (``StageProcess`` of ``mlxcel.roles.stage``,
-``WorkerProcess`` of ``mlxcel.disagg.worker``), which loads the node and starts its service on the
+``configure`` hook), then the role's own loading process (``StageProcess`` of ``mlxcel.entrypoints.stage``,
+``WorkerProcess`` of ``mlxcel.entrypoints.disagg_node``), which loads the node and starts its service on the
 cluster address. What it leaves out is the process plumbing that does not depend on the model: the
 ``/health`` HTTP port, signals and the exit code (``mlxcel.loading_process.serve_loading``). It prints
 ``ready N`` once every node serves (else ``failed: ...`` and exits 1) and serves until its stdin
@@ -41,13 +41,13 @@ def load_node(argv: list[str], failures: list[str]) -> Any:
 
     config = serve_config(server_args(argv))
     if config.role == "stage":
-        from mlxcel.roles.stage import StageProcess
+        from mlxcel.entrypoints.stage import StageProcess
 
         assert config.dist is not None
         process: Any = StageProcess(config.dist, config.server.model, config.secret)
         process.load(failures.append, lambda: None)
     elif config.role in ("prefill", "decode"):
-        from mlxcel.disagg.worker import WorkerProcess
+        from mlxcel.entrypoints.disagg_node import WorkerProcess
 
         assert config.disagg is not None
         assert config.secret is not None  # every disaggregated node loads it (fail closed)

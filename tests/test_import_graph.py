@@ -85,20 +85,20 @@ def describe(graph: Graph, cycle: list[str]) -> str:
 
 def test_mlxcel_imports_have_no_cycle():
     graph = import_graph(PACKAGE)
-    assert {"mlxcel.commands.serve", "mlxcel.process", "mlxcel.roles", "mlxcel.roles.stage"} <= graph.keys()
-    assert "mlxcel.loading_process" in graph["mlxcel.roles.stage"]  # the graph does see imports
+    assert {"mlxcel.commands.serve", "mlxcel.process", "mlxcel.entrypoints", "mlxcel.entrypoints.stage"} <= graph.keys()
+    assert "mlxcel.loading_process" in graph["mlxcel.entrypoints.stage"]  # the graph does see imports
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle in mlxcel:\n" + describe(graph, cycle)
 
 
 def test_process_plumbing_imports_no_role():
     """Roles import mlxcel.process and mlxcel.loading_process; those import none of them (nor the table)."""
-    from mlxcel.roles import ROLES
+    from mlxcel.entrypoints import ROLES
 
     graph = import_graph(PACKAGE)
     for plumbing in ("mlxcel.process", "mlxcel.loading_process"):
         assert not {role.module for role in ROLES.values()} & graph[plumbing].keys(), plumbing
-        assert "mlxcel.roles" not in graph[plumbing], plumbing
+        assert "mlxcel.entrypoints" not in graph[plumbing], plumbing
 
 
 def test_a_cycle_closed_inside_a_function_is_found(tmp_path):

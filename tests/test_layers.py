@@ -25,7 +25,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("mlxcel.server", "mlxcel.loading_process"),  # the HTTP library; a loading node's /health shell
     ("mlxcel.pipeline", "mlxcel.bringup", "mlxcel.disagg", "mlxcel.parallel"),  # the features, side by side
     ("mlxcel.report", "mlxcel.node"),  # benchmark reports; the node supervisor
-    ("mlxcel.roles",),  # one module per process role, and the role table
+    ("mlxcel.entrypoints",),  # one module per process role, and the role table
     ("mlxcel.commands",),  # generate, serve, plan, node, report
     ("mlxcel.cli",),  # argument parsing only
     ("mlxcel.__main__",),  # python -m mlxcel
@@ -76,12 +76,12 @@ def test_no_import_runs_from_a_lower_layer_to_a_higher_one():
 
 
 def test_no_module_outside_roles_and_commands_imports_a_role():
-    from mlxcel.roles import ROLES
+    from mlxcel.entrypoints import ROLES
 
     graph = import_graph(PACKAGE)
-    role_modules = {role.module for role in ROLES.values()} | {"mlxcel.roles", "mlxcel.roles.context"}
+    role_modules = {role.module for role in ROLES.values()} | {"mlxcel.entrypoints", "mlxcel.entrypoints.context"}
     outside = [f"{module} imports {target}" for module, edges in graph.items()
-               if not module.startswith(("mlxcel.roles", "mlxcel.commands")) for target in edges
+               if not module.startswith(("mlxcel.entrypoints", "mlxcel.commands")) for target in edges
                if target in role_modules]
     assert not outside, outside
 

@@ -28,7 +28,7 @@ fi
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site $g/deps/*.whl 2>&1 | grep -v WARNING || true
 export PYTHONPATH=/tmp/site:$PWD
 python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device())"
-python3 -c "import mlxcel.roles.stage, mlxcel.server.app"  # the stage and server imports, before any run
+python3 -c "import mlxcel.entrypoints.stage, mlxcel.server.app"  # the stage and server imports, before any run
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv,noheader || true
 qwen3_06b=(--family qwen3 --layers 28 --hidden 1024 --heads 16 --kv-heads 8 --head-dim 128 --intermediate 3072 --vocab 151936)
 for shape in ${shapes//,/ }; do

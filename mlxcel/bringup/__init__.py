@@ -12,5 +12,5 @@ Module map (the protocol core is sans-I/O, like the cluster handshake):
 - ``flags``        the bring-up flags, checked and resolved
 - ``push``         the coordinator's side: reach, plan, offer, commit, activate, abort
 - ``agent``        the peer's side: assignment listener, sessions, beacons, the wait
-(the roles ``pp-auto`` and ``pp-peer`` are ``mlxcel/roles/pp_auto.py`` and ``pp_peer.py``)
+(the roles ``pp-auto`` and ``pp-peer`` are ``mlxcel/entrypoints/pp_auto.py`` and ``pp_peer.py``)
 """

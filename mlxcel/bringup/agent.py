@@ -46,7 +46,7 @@ from .machine import (
 from .plan import peer_header, publish, stage_file
 from .wire import ASSIGNMENT_WAIT_S
 
-log = logging.getLogger("mlxcel.roles.pp_peer")
+log = logging.getLogger("mlxcel.entrypoints.pp_peer")
 
 
 @dataclass(frozen=True)

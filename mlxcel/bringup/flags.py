@@ -2,7 +2,7 @@
 
 ``BringupFlags`` adds the group to the server's parser; its ``check`` runs first among the server's flag
 checks, before anything is loaded or bound (one ``CLIError`` line each); ``bringup_settings`` resolves the
-defaults for the two roles (``mlxcel/roles/pp_auto.py`` and ``pp_peer.py``).
+defaults for the two roles (``mlxcel/entrypoints/pp_auto.py`` and ``pp_peer.py``).
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from .wire import FRAME_TIMEOUT_S, OFFER_MARGIN_S, PUSH_WINDOW_S, STATIC_RETRY_S
 #: a replacement push: the plan for the peers reached (address -> reported memory); ``PartitionError``
 Planner = Callable[[dict[PeerId, int]], ClusterPlan]
 
-log = logging.getLogger("mlxcel.roles.pp_auto")
+log = logging.getLogger("mlxcel.entrypoints.pp_auto")
 
 
 class _PeerFailed(Exception):

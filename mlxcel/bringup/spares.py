@@ -43,7 +43,7 @@ from .push import Push, PushConfig, version_mismatch
 from .wire import (DEFAULT_SPARE_AFTER_S, FRAME_TIMEOUT_S, REASSIGN_BACKOFF_S, REASSIGN_CHECK_S, SPARE_CHECK_S,
                    SPARE_PUSH_WINDOW_S)
 
-log = logging.getLogger("mlxcel.roles.pp_auto")
+log = logging.getLogger("mlxcel.entrypoints.pp_auto")
 
 
 def replacement_plan(plan: ClusterPlan, node_id: str, spare: PeerId, memory: int, costs: StageCosts) -> ClusterPlan:

@@ -7,7 +7,7 @@ with the cluster secret). The only way in is a token from ``attribution_only()``
 in its own process and passed as the private ``_attribution`` argument of ``StageService`` and
 ``PipelineExecutor``. No flag, environment variable or TOML key leads here, and the two never meet:
 
-- every role's start path (``mlxcel.roles.Role.run``) calls ``enter_role``, which refuses to start a
+- every role's start path (``mlxcel.entrypoints.Role.run``) calls ``enter_role``, which refuses to start a
   role in a process that was handed a token, and marks the process as serving;
 - a serving process refuses ``attribution_only()``, a token passed to a pipeline member, and any
   ``Transport`` whose suite is not AES-256-GCM.

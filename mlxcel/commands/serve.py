@@ -4,7 +4,7 @@
 Order of checks (cheap first, each a one-line error): flag combinations (``ServeFlags.check``), the
 environment, the checkpoint directory, the cluster TOML, the disaggregated roles' flags against it, the
 role's own hook (``configure``: its settings), the cluster secret (loaded once per process, here), the
-thread budget, access control, the listening socket; only then does the role (``mlxcel/roles/``) start
+thread budget, access control, the listening socket; only then does the role (``mlxcel/entrypoints/``) start
 and the model load (in the background, /health answering 503 until it is ready). Socket, exit and
 uvicorn plumbing live in ``mlxcel/process.py``.
 """
@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING
 
 from mlxcel import envs
 from mlxcel.config import DEFAULT_MLX_CACHE_MB
-from mlxcel.roles.flags import ServeFlags
+from mlxcel.entrypoints.flags import ServeFlags
 from mlxcel.errors import CLIError
-from mlxcel.roles.context import RoleContext, ServeConfig
+from mlxcel.entrypoints.context import RoleContext, ServeConfig
 from mlxcel.topology.distributed import Distributed, PipelineOptions, load_distributed
 
 if TYPE_CHECKING:
@@ -128,7 +128,7 @@ def process_secret(args: argparse.Namespace | ServeFlags, role: str, dist: Distr
 
 def serve_config(args: argparse.Namespace | ServeFlags) -> ServeConfig:
     """Every check before anything listens, the chosen role's ``configure`` hook, the secret; the one config."""
-    from mlxcel.roles import select_role
+    from mlxcel.entrypoints import select_role
 
     flags = check_flags(args)
     server = server_config(flags)
@@ -164,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
     from mlxcel.blas import blas_in_use
     from mlxcel.commands.standby import wait_if_standby
     from mlxcel.process import Endpoint, bind_socket, exit_process
-    from mlxcel.roles import ROLES
+    from mlxcel.entrypoints import ROLES
     from mlxcel.server.access import prepare_access
 
     wait_if_standby()  # a supervisor's warm standby waits here until it is to become the node

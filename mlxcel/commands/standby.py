@@ -25,8 +25,8 @@ WARM = b"w"
 WARM_MODULES = ("mlx.core", "mlx_lm.utils", "mlx_lm.models.cache", "transformers", "fastapi", "uvicorn",
                 "mlxcel.loading_process", "mlxcel.server.app", "mlxcel.pipeline.stage", "mlxcel.pipeline.coordinator",
                 "mlxcel.disagg.prefill", "mlxcel.disagg.decode", "mlxcel.disagg.router",
-                "mlxcel.roles.stage", "mlxcel.roles.coordinator", "mlxcel.roles.prefill", "mlxcel.roles.decode",
-                "mlxcel.roles.router", "mlxcel.roles.single")
+                "mlxcel.entrypoints.stage", "mlxcel.entrypoints.coordinator", "mlxcel.entrypoints.prefill", "mlxcel.entrypoints.decode",
+                "mlxcel.entrypoints.router", "mlxcel.entrypoints.single")
 
 
 def wait_if_standby() -> None:

@@ -14,12 +14,12 @@ Module map (the codecs are sans-I/O; the services own sockets and threads):
 - ``service``     what prefill and decode share: the role transport, STATE answers, sends to a router
 - ``prefill``     ``PrefillService``: GENERATE -> checks -> prefill -> KV handoff stream -> HANDED_OFF
 - ``decode``      ``DecodeService``: handoff streams -> ``submit_prefilled`` -> TOKENS/FINISH to the router
-- ``router``      ``RouterEngine``: the OpenAI API's engine, round-robin over healthy nodes, failover, demux
+- ``router_engine``  ``RouterEngine``: the OpenAI API's engine, round-robin over healthy nodes, failover, demux
 - ``routed``      the router's records: ``NodeInfo`` (a configured node) and ``Routed`` (a client request and its attempt)
 - ``waiting``     the router's requests waiting for nodes: new ones held (``holding``: their bookkeeping), failed ones resumed
 - ``late_handoffs``  which prefill node's HANDED_OFF the router still counts after its attempt ended
 - ``policy``      ``RoutePolicy``: the router's pick (round-robin over nodes up) and retry decisions, over plain data
 - ``loop``        an asyncio loop on a thread (the scheduler's event streams need one)
-- ``worker``      a prefill or decode process: the model loads while /health says how it goes; its GIL switch interval
-  (the roles themselves are ``mlxcel/roles/prefill.py``, ``decode.py`` and ``router.py``)
+  (the roles are ``mlxcel/entrypoints/prefill.py``, ``decode.py`` and ``router.py``; a prefill or decode
+  process's shell, the model loading while /health says how it goes, is ``mlxcel/entrypoints/disagg_node.py``)
 """

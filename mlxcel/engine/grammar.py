@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import mlx.core as mx
 import numpy as np
 
-from mlxcel.error_codes import ErrorCode
+from mlxcel.error_codes import CodedError, ErrorCode
 from mlxcel.models.vocab_source import register, source_of  # noqa: F401 - register: the loaders' entry
 
 MAX_GRAMMAR_BYTES = 64 * 1024  # the grammar text's bound, on every wire and at the front
@@ -33,9 +33,9 @@ MAX_GRAMMAR_BYTES = 64 * 1024  # the grammar text's bound, on every wire and at 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
-class GrammarError(ValueError):
+class GrammarError(CodedError, ValueError):
     """A grammar is oversize, does not compile or refuses the tokens replayed into it; the message says why.
-    The request's fault wherever it surfaces (``code``: a node that samples answers BAD_REQUEST)."""
+    Bad input from whoever sent it: ``bad_request`` on the wire, HTTP 400 at the front."""
 
     code = ErrorCode.BAD_REQUEST
 

@@ -20,7 +20,7 @@ from mlx.utils import tree_flatten
 
 from mlxcel.config import RANDOM_FAMILIES
 
-from mlxcel.models.random_templates import PLAIN as CHAT_TEMPLATE, TEMPLATES
+from mlxcel.models.random_templates import PLAIN as CHAT_TEMPLATE, STOPS, TEMPLATES
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
@@ -212,6 +212,8 @@ def make_random_checkpoint(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     config = _config(family, layers, hidden, heads, kv_heads, vocab, intermediate, head_dim)
+    if template in STOPS:  # the template's own end tokens: after the 259 base tokens, in ``specials`` order
+        config["eos_token_id"] = [config["eos_token_id"], *(259 + specials.index(t) for t in STOPS[template])]
     config.update(overrides or {})
     if dtype != "float32":  # float32 checkpoints stay as they always were
         config["torch_dtype"] = dtype

@@ -14,6 +14,6 @@ other ranks replay its steps (``follower``), told over the authenticated cluster
 - ``executor``: ``TPExecutor``, rank 0's executor for the scheduler.
 - ``follower``: a follower rank's replay loop (``python -m mlxcel.parallel.follower``).
 - ``session``: rank 0's side of a group (start, shard, executor, stop); the roles ``tp`` and ``tp-rank``
-  (``mlxcel/roles/tp.py``, ``tp_rank.py``) run it.
+  (``mlxcel/entrypoints/tp.py``, ``tp_rank.py``) run it.
 - ``generate``: ``mlxcel generate --tp-size N``.
 """

@@ -12,5 +12,5 @@ Module map:
 - ``inprocess``      ``InProcessPipeline``: ``mlxcel generate --pp-size N`` in one process
 
 The cluster TOML and the layer split live in ``mlxcel/topology/``; the roles ``stage`` and
-``coordinator`` in ``mlxcel/roles/``.
+``coordinator`` in ``mlxcel/entrypoints/``.
 """

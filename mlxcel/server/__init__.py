@@ -13,5 +13,5 @@ Module map:
 - ``runtime``   ``ServerConfig`` and ``ServerRuntime``: readiness, load thread, the engine once loaded
 - ``serve``     ``serve_openai``: the app on a role's bound socket until stopped
 
-No role lives here (``mlxcel/roles/``), and nothing here imports one.
+No role lives here (``mlxcel/entrypoints/``), and nothing here imports one.
 """

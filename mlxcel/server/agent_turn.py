@@ -49,7 +49,7 @@ Output = Union[Piece, Finish]
 class Serving(Protocol):
     """The part of ``OpenAIServing`` a dialect uses."""
 
-    def submit_chat(self, req: p.ChatCompletionRequest) -> tuple[Any, Turn, EventStream]: ...
+    def submit_chat(self, req: p.ChatCompletionRequest, *, ceiling: bool = False) -> tuple[Any, Turn, EventStream]: ...
 
     def events(self, stream: EventStream) -> AsyncIterator[Any]: ...
 
@@ -75,7 +75,7 @@ class AgentTurn:
     def __init__(self, serving: Serving, req: p.ChatCompletionRequest, names: dict[str, str],
                  stops: tuple[str, ...] = ()):
         try:
-            _, self.turn, self.stream = serving.submit_chat(req)
+            _, self.turn, self.stream = serving.submit_chat(req, ceiling=True)  # max tokens: an upper bound
         except APIError as exc:
             raise remap_error(exc, names) from None
         self._serving = serving

@@ -124,7 +124,7 @@ def internal_request(req: ap._Common, template: str, max_tokens: Optional[int] =
     }
     if isinstance(req, ap.MessagesRequest):
         body.update(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
-                    repetition_penalty=req.repetition_penalty)
+                    repetition_penalty=req.repetition_penalty, ignore_eos=req.ignore_eos)
     return p.ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
 
 

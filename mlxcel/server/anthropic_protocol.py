@@ -123,6 +123,7 @@ class MessagesRequest(_Common):
     # --- mlxcel extensions ---
     min_p: Optional[Number] = None
     repetition_penalty: Optional[Number] = None
+    ignore_eos: Optional[StrictBool] = False  # keep generating past EOS (benchmarks: fixed lengths)
     chat_template_kwargs: Optional[dict[str, Any]] = None
 
     UNSUPPORTED = {"service_tier": ("auto", "standard_only"), "container": (), "mcp_servers": ([],),

@@ -13,7 +13,7 @@ from mlxcel.server.anthropic_api import AnthropicServing
 from mlxcel.server.errors import install_error_handlers
 from mlxcel.server.metrics import ServerMetrics
 from mlxcel.server.responses_api import ResponsesServing
-from mlxcel.server.router import router
+from mlxcel.server.routes import router
 from mlxcel.server.runtime import ServerRuntime
 from mlxcel.server.serving import OpenAIServing
 

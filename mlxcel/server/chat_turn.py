@@ -3,7 +3,8 @@
 ``prepare_turn`` checks the tool fields against the checkpoint, renders the prompt through its chat
 template (tools, ``chat_template_kwargs``, ``reasoning_effort``), and prefills a forced call. The
 ``TurnOutput`` of each answer turns the generated text into OpenAI deltas (content, reasoning, tool
-calls); a whole answer is the same deltas joined, so streamed and non-streamed answers agree.
+calls); a whole answer is the same deltas joined, so streamed and non-streamed answers agree. A Harmony
+(gpt-oss) turn is read by channels (``harmony.HarmonySplitter``) instead of at markers.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from mlxcel.engine.prompts import encode_raw, render_chat
+from mlxcel.server import harmony as hm
 from mlxcel.server import protocol as p
 from mlxcel.server import tool_calls as tc
 from mlxcel.server.errors import InvalidRequest, Unsupported
@@ -36,11 +38,12 @@ class Turn:
     tools: list[dict] = field(default_factory=list)
     forced: Optional[str] = None
     parallel: bool = True
+    harmony: Optional[str] = None  # a Harmony turn: the prompt's open last message (``harmony.opened_tail``)
 
     @property
     def plain(self) -> bool:
         """No markers to split: the text is all content."""
-        return self.markers == Markers() and self.state == "content"
+        return self.harmony is None and self.markers == Markers() and self.state == "content"
 
     def output(self) -> "TurnOutput":
         return TurnOutput(self)
@@ -69,9 +72,15 @@ def prepare_turn(tokenizer: Any, req: p.ChatCompletionRequest) -> Turn:
     turn.state = "reasoning" if opens_in_reasoning(text, think) else "content"
     prefill = ""
     structured = req.response_format is not None and req.response_format.type != "text"
-    if structured and turn.state == "reasoning" and not (calling and choice not in (None, "auto")):
+    forcing = calling and choice not in (None, "auto")
+    if hm.is_harmony(tokenizer):
+        prefill = tc.forced_opening(fmt, forced) if forcing else hm.FINAL if structured else ""
+        turn.harmony = hm.opened_tail(text + prefill)
+        if forcing and forced:
+            turn.state = "tool"  # inside the call's JSON arguments, which a grammar can constrain
+    elif structured and turn.state == "reasoning" and not forcing:
         prefill, turn.state = think[1] + "\n\n", "content"  # a structured answer skips the opened reasoning
-    if calling and choice not in (None, "auto"):
+    if forcing and turn.harmony is None:
         opening = tc.forced_opening(fmt, forced)
         if turn.state == "reasoning":  # a forced call skips the reasoning the template opened
             prefill = think[1] + "\n\n"
@@ -126,7 +135,10 @@ class TurnOutput:
 
     def __init__(self, turn: Turn):
         self._turn = turn
-        self._split = MarkerSplitter(turn.markers, turn.state, turn.call_prefix)
+        if turn.harmony is not None:
+            self._split = hm.HarmonySplitter(turn.harmony, calls=turn.markers.tool is not None)
+        else:
+            self._split = MarkerSplitter(turn.markers, turn.state, turn.call_prefix)
         self._calls = 0
         self._forced = turn.forced
 

@@ -9,7 +9,7 @@ is held back until the next piece decides it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, Optional
+from typing import Any, Iterable, Literal, Optional
 
 Kind = Literal["content", "reasoning", "call"]
 Piece = tuple[Kind, str]  # ("call", text) is one whole tool call's text between its markers
@@ -71,7 +71,7 @@ class MarkerSplitter:
             self._emit(self._held[:at], out)
             self._held = self._held[at + len(marker):]
             self._switch(active[marker], out)
-        keep = _partial_suffix(self._held, self._active())
+        keep = partial_suffix(self._held, self._active())
         self._emit(self._held[:len(self._held) - keep], out)
         self._held = self._held[len(self._held) - keep:]
         return out
@@ -101,7 +101,7 @@ class MarkerSplitter:
         self._state = state
 
 
-def _partial_suffix(text: str, markers: dict[str, str]) -> int:
+def partial_suffix(text: str, markers: Iterable[str]) -> int:
     """Length of the longest suffix of ``text`` that is a proper prefix of a marker."""
     best = 0
     for marker in markers:

@@ -125,6 +125,7 @@ def internal_request(req: rp.ResponsesRequest, history: list[dict]) -> p.ChatCom
         "model": req.model, "messages": messages, "max_tokens": req.max_output_tokens,
         "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "min_p": req.min_p,
         "repetition_penalty": req.repetition_penalty, "chat_template_kwargs": req.chat_template_kwargs,
+        "ignore_eos": req.ignore_eos,
         "tools": tools or None, "tool_choice": choice, "parallel_tool_calls": req.parallel_tool_calls,
         "reasoning_effort": req.reasoning.effort if req.reasoning else None,
     }

@@ -143,6 +143,7 @@ class ResponsesRequest(_Request):
     top_k: Optional[StrictInt] = None
     min_p: Optional[Number] = None
     repetition_penalty: Optional[Number] = None
+    ignore_eos: Optional[StrictBool] = False  # keep generating past EOS (benchmarks: fixed lengths)
     chat_template_kwargs: Optional[dict[str, Any]] = None
 
     UNSUPPORTED = {

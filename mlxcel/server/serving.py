@@ -106,14 +106,20 @@ class OpenAIServing:
     def models(self) -> p.ModelList:
         return p.ModelList(data=[p.ModelCard(id=self.model_name, created=self.runtime.created)])
 
-    def submit_chat(self, req: p.ChatCompletionRequest) -> tuple[Engine, Turn, EventStream]:
-        """Validate, render and submit one chat request (the internal request every dialect builds)."""
+    def submit_chat(self, req: p.ChatCompletionRequest, *,
+                    ceiling: bool = False) -> tuple[Engine, Turn, EventStream]:
+        """Validate, render and submit one chat request (the internal request every dialect builds).
+        ``ceiling``: ``max_tokens`` is an upper bound (the Messages and Responses APIs), so one beyond what the
+        context leaves after the prompt is lowered to it instead of refused."""
         engine = self._prepare(req)
         turn = prepare_turn(engine.tokenizer, req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         top = self._top_logprobs(req.logprobs, req.top_logprobs)
         grammar = request_grammar(engine.tokenizer, req, turn)
+        left = engine.context_length - len(turn.prompt)
+        if ceiling and max_tokens is not None and max_tokens > left:
+            max_tokens = max(1, left)  # a prompt that fills the context is still refused, below
         request = self._engine_request(engine, req, turn.prompt, max_tokens, param, bool(req.logprobs), top,
                                        grammar)
         return engine, turn, engine.submit(request)

@@ -4,7 +4,7 @@ The grammar (``mlxcel.engine.grammar``) travels with the sampling parameters to 
 sampled; here it is built and compiled once against the served vocabulary, so an oversize schema or one
 using a JSON Schema feature the grammar library does not implement is a 400 naming it, before anything is
 queued. A forced call (``tool_choice`` ``required`` or a named function) of a family whose arguments are
-JSON (``json_tools``, ``kimi_k2``) is constrained after the prefilled opening: its arguments match the
+JSON (``json_tools``, ``kimi_k2``, ``harmony``) is constrained after the prefilled opening: its arguments match the
 tool's ``parameters`` schema, then the call closes and the answer ends.
 """
 
@@ -20,7 +20,7 @@ from mlxcel.server.chat_turn import Turn
 from mlxcel.server.errors import InvalidRequest
 
 #: family -> the text that closes a call's arguments (the grammar ends the answer there)
-ARGUMENT_CLOSE = {"json_tools": "}", "kimi_k2": ""}
+ARGUMENT_CLOSE = {"json_tools": "}", "kimi_k2": "", "harmony": ""}  # harmony's <|call|> is an end token
 _ANY_OBJECT = {"type": "object"}
 
 

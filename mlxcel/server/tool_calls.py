@@ -3,7 +3,8 @@
 The format is mlx-lm's: ``TokenizerWrapper`` infers a parser module from the chat template
 (``mlx_lm.tool_parsers.<family>``, with its ``tool_call_start``/``tool_call_end`` markers); we only
 wrap it. A forced call (``tool_choice: "required"`` or a named function) prefills the assistant turn
-with the family's call opening (``FORCED_OPENINGS``), so the model continues inside a call.
+with the family's call opening (``FORCED_OPENINGS``), so the model continues inside a call. gpt-oss's
+Harmony format, which mlx-lm does not read, is ``harmony``'s (family ``harmony``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from mlxcel.server import harmony
 from mlxcel.server.errors import InvalidRequest, Unsupported
 
 log = logging.getLogger("mlxcel.server")
@@ -26,6 +28,7 @@ FORCED_OPENINGS = {
     "glm47": "{name}",
     "kimi_k2": "<|tool_call_begin|>functions.{name}:0<|tool_call_argument_begin|>",
     "minimax_m2": '\n<invoke name="{name}">\n',
+    "harmony": harmony.CALL_HEAD.format(recipient="functions.{name}"),
 }
 
 
@@ -48,15 +51,14 @@ def tool_format(tokenizer: Any) -> Optional[ToolFormat]:
     return ToolFormat(parse.__module__.rsplit(".", 1)[-1], parse, start, end)
 
 
-def is_harmony(tokenizer: Any) -> bool:
-    """gpt-oss's Harmony format (channels), which no mlx-lm tool parser reads."""
-    return "<|channel|>" in str(getattr(tokenizer, "chat_template", "") or "")
+#: gpt-oss's calls: no start marker (a call is a message to ``functions.NAME``), ended by ``<|call|>``
+HARMONY = ToolFormat("harmony", harmony.parse_tool_call, "", "<|call|>")
 
 
 def require_format(tokenizer: Any, param: str) -> ToolFormat:
     """The tool format, or a 400 naming ``param`` that says why this checkpoint takes no tools."""
-    if is_harmony(tokenizer):
-        raise Unsupported(f"'{param}': tool calls in gpt-oss's Harmony format are not supported yet", param=param)
+    if harmony.is_harmony(tokenizer):
+        return HARMONY
     fmt = tool_format(tokenizer)
     if fmt is None:
         raise Unsupported(f"'{param}': this checkpoint's chat template knows no tools (mlx-lm infers no tool-call "
@@ -70,6 +72,8 @@ def forced_opening(fmt: ToolFormat, name: Optional[str]) -> str:
     if opening is None:
         raise Unsupported(f"tool_choice 'required' or a named function is not supported for this checkpoint's "
                           f"tool-call format ({fmt.family}); use 'auto'", param="tool_choice")
+    if fmt is HARMONY:
+        return harmony.forced_prefill(name)
     return fmt.start + (opening.format(name=name) if name else "")
 
 

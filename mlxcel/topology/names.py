@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-#: every process role, in the order docs/server.md's table lists them (``mlxcel/roles/`` has one module each)
+#: every process role, in the order docs/server.md's table lists them (``mlxcel/entrypoints/`` has one module each)
 ROLE_NAMES = ("single", "coordinator", "stage", "pp-auto", "pp-peer", "prefill", "decode", "router", "tp", "tp-rank")
 #: the roles a ``[[nodes]]`` entry of the cluster TOML may name
 PIPELINE_ROLES = ("coordinator", "stage")

@@ -174,7 +174,8 @@ def test_disagg_teardown_leaves_no_process(deployment: Deployment, disagg: str) 
     result = deployment.run("teardown.yml", inventory=disagg)
     assert result.rc == 0, result.output[-4000:]
     stopped = [result.output.find(f"TASK [mlxcel_node : Stopped | {what}") for what in (
-        "stop the coordinator or the routers first", "then the prefill nodes", "then the stages or the decode nodes")]
+        "stop the coordinator or the routers first", "then the prefill nodes",
+        "then the stages, the spares or the decode nodes")]
     assert -1 not in stopped and stopped == sorted(stopped), result.output[-3000:]
     assert deployment.pids() == []
     assert not any((deployment.home(n) / "node.pid").exists() for n in DISAGG_NODES)

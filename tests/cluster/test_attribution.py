@@ -16,7 +16,7 @@ from mlxcel.cluster.attribution import AttributionOnly, AttributionRefused, attr
 from mlxcel.cluster.secret import ClusterSecret
 from mlxcel.cluster.transport import Transport
 from mlxcel.cluster.wire import Kind, Suite
-from mlxcel.roles import ROLES
+from mlxcel.entrypoints import ROLES
 from tests.cluster.conftest import wait_until
 
 REPO = Path(__file__).resolve().parents[2]

@@ -15,7 +15,7 @@ from mlxcel.commands.serve import as_flags, serve_config
 from mlxcel.disagg.flags import DisaggFlags, NodeConfig
 from mlxcel.errors import CLIError
 from mlxcel.parallel.options import TPFlags
-from mlxcel.roles.flags import ServeFlags
+from mlxcel.entrypoints.flags import ServeFlags
 from mlxcel.topology.distributed import Distributed
 from tests.pipeline.cluster_toml import COORDINATOR_AND_STAGE_0, write_toml
 

@@ -113,7 +113,7 @@ def role_services(path, staging: bool | None = None) -> Iterator[tuple]:
     from mlxcel.disagg.decode import DecodeService
     from mlxcel.disagg.flags import NodeConfig
     from mlxcel.disagg.prefill import PrefillService
-    from mlxcel.disagg.router import RouterEngine
+    from mlxcel.disagg.router_engine import RouterEngine
     from mlxcel.models.identity import model_identity
     from mlxcel.models.loading import load_checkpoint
 
@@ -199,7 +199,7 @@ def test_prefill_and_decode_processes_continue_exactly_like_one_node(family, hos
     from mlxcel.commands.serve import as_flags, process_secret, server_config
     from mlxcel.disagg.flags import node_config
     from mlxcel.models.loading import load_checkpoint
-    from mlxcel.roles.router import router_factory
+    from mlxcel.entrypoints.router import router_factory
 
     nodes, secret_file = hosted
     path = family_checkpoint(family)

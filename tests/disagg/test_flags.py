@@ -18,10 +18,10 @@ from mlxcel.cluster.identity import PeerId
 from mlxcel.disagg.allowlist import Allowlist
 from mlxcel.commands.serve import as_flags, process_secret
 from mlxcel.disagg.flags import node_config
-from mlxcel.roles.router import stats_verbose
+from mlxcel.entrypoints.router import stats_verbose
 from mlxcel.errors import CLIError
 from mlxcel.topology.cluster_config import ClusterConfigError, load_cluster_config
-from mlxcel.roles import select_role
+from mlxcel.entrypoints import select_role
 
 pytestmark = pytest.mark.proc  # starts processes (tests/proc_marker.py)
 
@@ -65,9 +65,9 @@ def test_bad_flag_combinations_are_named(argv, words):
 def test_roles_select_their_modules():
     router = args("--node-role", "router", "--serving-bind", "127.0.0.1:9000", "--prefill-peers", "127.0.0.2:1",
                   "--decode-peers", "127.0.0.3:2")
-    assert select_role(router, None).module == "mlxcel.roles.router"
+    assert select_role(router, None).module == "mlxcel.entrypoints.router"
     assert select_role(args("--node-role", "prefill"), None).serves_api is False
-    assert select_role(args("--node-role", "decode"), None).module == "mlxcel.roles.decode"
+    assert select_role(args("--node-role", "decode"), None).module == "mlxcel.entrypoints.decode"
     assert select_role(args("--node-role", "hybrid"), None).name == "single"
     assert select_role(args(), None).name == "single"
 

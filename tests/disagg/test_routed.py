@@ -26,7 +26,7 @@ EXPECTED = {
     **{end: set() for end in ENDS},
 }
 DISAGG = Path(__file__).resolve().parents[2] / "mlxcel" / "disagg"
-ROUTER_MODULES = ("router.py", "routed.py", "waiting.py", "holding.py", "late_handoffs.py", "policy.py")
+ROUTER_MODULES = ("router_engine.py", "routed.py", "waiting.py", "holding.py", "late_handoffs.py", "policy.py")
 
 
 def routed(rid: str = "r1") -> Routed:

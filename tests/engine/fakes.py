@@ -20,7 +20,7 @@ from mlxcel.engine.runner import Sampled
 from mlxcel.engine.sampling import SamplingParams
 
 EOS = 2
-WAIT_S = 3.0
+WAIT_S = 10.0  # a ceiling, not a delay: a passing wait returns at once; a loaded 2-core box needed more than 3 s
 _DEFAULT = object()
 
 

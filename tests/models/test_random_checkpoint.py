@@ -110,12 +110,13 @@ def test_templates_carry_their_markers_as_special_tokens(tmp_path):
     from mlxcel.models.random_checkpoint import make_random_checkpoint
     from mlxcel.models.random_templates import TEMPLATES
 
-    parsers = {"plain": None, "qwen3": "json_tools", "glm47": "glm47", "kimi_k2": "kimi_k2"}
+    parsers = {"plain": None, "qwen3": "json_tools", "glm47": "glm47", "kimi_k2": "kimi_k2",
+               "qwen3_coder": "qwen3_coder", "minimax_m2": "minimax_m2", "gpt_oss": None}
     for name, (_, specials) in TEMPLATES.items():
         tok = load(make_random_checkpoint(tmp_path / name, layers=1, template=name))
         assert all(len(tok.encode(s, add_special_tokens=False)) == 1 for s in specials), name
         parser = tok.tool_parser
         assert (parser.__module__.rsplit(".", 1)[-1] if parser else None) == parsers[name]
-    assert load(tmp_path / "qwen3").think_start == "<think>"
+    assert load(tmp_path / "qwen3").think_start == load(tmp_path / "minimax_m2").think_start == "<think>"
     with pytest.raises(ValueError, match="template must be one of"):
         make_random_checkpoint(tmp_path / "x", template="nope")

@@ -106,7 +106,7 @@ def remote_tokens(toml: Path, model_dir: Path) -> list[Scored]:
     Scheduler over a PipelineExecutor): greedy tokens with their log-probabilities."""
     from mlxcel.commands.serve import cluster_node, process_secret, server_config
     from mlxcel.models.loading import load_checkpoint
-    from mlxcel.roles.coordinator import coordinator_factory
+    from mlxcel.entrypoints.coordinator import coordinator_factory
 
     args = server_args(command_line(model_dir, toml, "coordinator", *COORDINATOR_FLAGS))
     server = server_config(args)

@@ -283,3 +283,22 @@ def test_client_auth_errors(srv):
     with openai.OpenAI(base_url=f"{srv.url}/v1", api_key="wrong", max_retries=0) as bad:
         with pytest.raises(openai.AuthenticationError):
             bad.responses.create(model=MODEL, input="x", max_output_tokens=1)
+
+
+def test_max_tokens_beyond_the_context_is_a_ceiling_in_both_dialects(an, oa):
+    """Claude Code asks for max_tokens 32000 and Codex for large max_output_tokens whatever the model: both are
+    upper bounds in their APIs, so one beyond what the context leaves after the prompt is lowered to it (chat
+    completions keep OpenAI's 400)."""
+    long = [{"role": "user", "content": "x " * 1000}]  # about 2,000 of the model's 2,048 tokens
+    counted = an.messages.count_tokens(model=MODEL, messages=long, thinking={"type": "disabled"}).input_tokens
+    left = 2048 - counted
+    assert 0 < left < 64, counted
+    done = an.with_options(timeout=60).messages.create(model=MODEL, max_tokens=32000, messages=long, extra_body={**GREEDY, "ignore_eos": True},
+                              thinking={"type": "disabled"})
+    assert done.usage.input_tokens == counted and done.usage.output_tokens == left
+    assert done.stop_reason == "max_tokens"
+    reply = oa.responses.create(model=MODEL, input="x " * 1000, max_output_tokens=32000,
+                                extra_body={**GREEDY, "ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False}})
+    assert reply.status == "incomplete" and reply.usage.output_tokens == 2048 - reply.usage.input_tokens
+    with pytest.raises(openai.BadRequestError):
+        oa.chat.completions.create(model=MODEL, messages=long, max_tokens=32000)

@@ -6,7 +6,7 @@ import json
 from types import SimpleNamespace
 
 import pytest
-from mlx_lm.tool_parsers import glm47, json_tools, kimi_k2
+from mlx_lm.tool_parsers import glm47, json_tools, kimi_k2, minimax_m2, qwen3_coder
 
 from mlxcel.server import protocol as p
 from mlxcel.server import tool_calls as tc
@@ -19,6 +19,10 @@ TOOL = ("<tool_call>", "</tool_call>")
 JSON = tc.ToolFormat("json_tools", json_tools.parse_tool_call, *TOOL)
 GLM = tc.ToolFormat("glm47", glm47.parse_tool_call, *TOOL)
 KIMI = tc.ToolFormat("kimi_k2", kimi_k2.parse_tool_call, kimi_k2.tool_call_start, kimi_k2.tool_call_end)
+CODER = tc.ToolFormat("qwen3_coder", qwen3_coder.parse_tool_call, qwen3_coder.tool_call_start,
+                      qwen3_coder.tool_call_end)
+MINIMAX = tc.ToolFormat("minimax_m2", minimax_m2.parse_tool_call, minimax_m2.tool_call_start,
+                        minimax_m2.tool_call_end)
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}]
 TEXT = ('<think>plan it</think>Sure. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
@@ -116,10 +120,9 @@ def test_bad_tool_fields_and_conversations():
         assert e.value.param == "messages[1].tool_call_id"
 
 
-def test_harmony_and_toolless_templates_are_refused_by_name():
+def test_harmony_is_read_by_channels_and_toolless_templates_are_refused_by_name():
     harmony = SimpleNamespace(chat_template="<|start|>{{ m }}<|channel|>final<|message|>", tool_parser=None)
-    with pytest.raises(Unsupported, match="gpt-oss's Harmony"):
-        tc.require_format(harmony, "tools")
+    assert tc.require_format(harmony, "tools") is tc.HARMONY
     with pytest.raises(Unsupported, match="knows no tools") as e:
         tc.require_format(SimpleNamespace(chat_template="{{ m }}", tool_parser=None), "messages[1].tool_calls")
     assert e.value.param == "messages[1].tool_calls"
@@ -128,8 +131,10 @@ def test_harmony_and_toolless_templates_are_refused_by_name():
 def test_forced_openings_match_what_the_parsers_read():
     """A forced call's opening followed by well-formed arguments parses to the forced name."""
     rest = {"json_tools": ' {"city": "Oslo"}}\n', "glm47": "<arg_key>city</arg_key><arg_value>Oslo</arg_value>",
-            "kimi_k2": '{"city": "Oslo"}<|tool_call_end|>'}
-    for fmt in (JSON, GLM, KIMI):
+            "kimi_k2": '{"city": "Oslo"}<|tool_call_end|>', "harmony": '{"city": "Oslo"}',
+            "qwen3_coder": "<parameter=city>\nOslo\n</parameter>\n</function>\n",
+            "minimax_m2": '<parameter name="city">Oslo</parameter>\n</invoke>\n'}
+    for fmt in (JSON, GLM, KIMI, CODER, MINIMAX, tc.HARMONY):
         text = tc.forced_opening(fmt, "get_weather")[len(fmt.start):] + rest[fmt.family]
         [call] = tc.parse_calls(fmt, text, TOOLS, None)
         assert call["function"]["name"] == "get_weather", fmt.family

@@ -1,6 +1,6 @@
-"""Tool calls and reasoning through the pipeline coordinator and the disaggregated router.
+"""Tool calls and reasoning through the pipeline coordinator, the disaggregated router and the TP server.
 
-Both serve through the same HTTP front as the single node, so a greedy forced call and its reasoning
+All serve through the same HTTP front as the single node, so a greedy forced call and its reasoning
 split must equal the single node's (ids aside, which are fresh per answer).
 """
 
@@ -97,3 +97,8 @@ def test_disaggregated_router_equals_single_node(tmp_path_factory, model, single
         assert answers(c.url) == single
     finally:
         c.stop()
+
+
+def test_tensor_parallel_server_equals_single_node(start_server, model, single):
+    """``mlxcel serve --tp-size 2``: rank 0 samples, the shared front shapes the same answers."""
+    assert answers(start_server(model, "--tp-size", "2").url) == single

@@ -13,11 +13,11 @@ from mlxcel.loading_process import LoadingProcess, serve_loading
 from mlxcel.models.facts import model_facts
 from mlxcel.pipeline.slice_loading import load_stage_runner
 from mlxcel.pipeline.stage import StageService
-from mlxcel.roles.context import RoleContext, ServeConfig
+from mlxcel.entrypoints.context import RoleContext, ServeConfig
 from mlxcel.topology.distributed import Distributed
 
 if TYPE_CHECKING:
-    from mlxcel.roles.flags import ServeFlags
+    from mlxcel.entrypoints.flags import ServeFlags
 
 log = logging.getLogger("mlxcel.pipeline.stage")
 

@@ -14,7 +14,7 @@ import pytest
 from mlxcel.cli import build_parser
 from mlxcel.errors import CLIError
 from mlxcel.commands.serve import as_flags, cluster_node
-from mlxcel.roles import ROLES, Role, select_role
+from mlxcel.entrypoints import ROLES, Role, select_role
 from mlxcel.topology.names import ROLE_NAMES
 from tests.pipeline.cluster import LocalCluster
 
@@ -68,7 +68,7 @@ def test_every_role_is_one_module_named_after_it_with_both_hooks():
     assert tuple(ROLES) == ROLE_NAMES
     for name, role in ROLES.items():
         module = importlib.import_module(role.module)
-        assert module.__name__ == f"mlxcel.roles.{name.replace('-', '_')}"
+        assert module.__name__ == f"mlxcel.entrypoints.{name.replace('-', '_')}"
         assert callable(module.configure) and callable(module.run), role.module
 
 
@@ -114,10 +114,10 @@ def test_two_entries_that_claim_one_configuration_are_refused_by_name(cluster):
 
 def test_a_role_module_is_imported_only_when_selected():
     """The table names modules; a stage process never loads the OpenAI app, nor the other roles."""
-    code = ("import sys, importlib, mlxcel.commands.serve, mlxcel.roles as r\n"
+    code = ("import sys, importlib, mlxcel.commands.serve, mlxcel.entrypoints as r\n"
             "print(sorted(x.module for x in r.ROLES.values() if x.module in sys.modules))\n"
             "importlib.import_module(r.ROLES['stage'].module)\n"
-            "print(sorted(m for m in ('mlxcel.server.app', 'mlxcel.server.serve', *(x.module for x in r.ROLES.values()))"
+            "print(sorted(m for m in ('mlxcel.server.app', 'mlxcel.server.openai_process', *(x.module for x in r.ROLES.values()))"
             " if m in sys.modules))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
-    assert out.stdout.splitlines() == ["[]", "['mlxcel.roles.stage']"]
+    assert out.stdout.splitlines() == ["[]", "['mlxcel.entrypoints.stage']"]

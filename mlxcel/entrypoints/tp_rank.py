@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING
 from dataclasses import replace
 from pathlib import Path
 
-from mlxcel.roles.context import RoleContext, ServeConfig
+from mlxcel.entrypoints.context import RoleContext, ServeConfig
 
 if TYPE_CHECKING:
-    from mlxcel.roles.flags import ServeFlags
+    from mlxcel.entrypoints.flags import ServeFlags
 
 
 def configure(flags: ServeFlags, config: ServeConfig) -> ServeConfig:

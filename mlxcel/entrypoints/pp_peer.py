@@ -22,7 +22,7 @@ from mlxcel import __version__
 from mlxcel.errors import CLIError
 from mlxcel.topology.partition import PartitionError, format_range, human_bytes, layer_costs
 from mlxcel.process import Endpoint, ExitSwitch, http_server
-from mlxcel.roles.context import RoleContext, ServeConfig
+from mlxcel.entrypoints.context import RoleContext, ServeConfig
 from mlxcel.topology.distributed import from_toml
 
 from mlxcel.bringup.agent import Activation, PeerAgent, physical_memory
@@ -31,7 +31,7 @@ from mlxcel.bringup.flags import BringupSettings, bringup_settings
 from mlxcel.bringup.machine import PeerFacts
 
 if TYPE_CHECKING:
-    from mlxcel.roles.flags import ServeFlags
+    from mlxcel.entrypoints.flags import ServeFlags
 
 
 def _say(text: str) -> None:
@@ -122,7 +122,7 @@ def configure(flags: ServeFlags, config: ServeConfig) -> ServeConfig:
 
 def run(context: RoleContext) -> int:
     """Role ``pp-peer``: wait for the assignment, then run the ``stage`` role on the TOML received."""
-    from mlxcel.roles import ROLES
+    from mlxcel.entrypoints import ROLES
 
     settings, secret = context.config.bringup, context.config.secret
     assert settings is not None and secret is not None  # configure set them

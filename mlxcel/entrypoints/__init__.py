@@ -1,8 +1,10 @@
-"""The role table: which process a configuration starts, and the module that runs it.
+"""The role table: which process a configuration starts, and the module that runs it (named entrypoints,
+not roles, so it is not read as Ansible's ``roles/`` at the repository root).
 
 Module map: ``context`` (``ServeConfig``, ``RoleContext``: what a role receives), then one module per
 role, named after it: ``single``, ``coordinator``, ``stage``, ``pp_auto``, ``pp_peer``, ``prefill``,
-``decode``, ``router``, ``tp``, ``tp_rank``. Each defines two hooks:
+``decode``, ``router``, ``tp``, ``tp_rank``; ``disagg_node`` is the prefill and decode processes' shell (the
+model loading while /health says how it goes). Each role module defines two hooks:
 
 - ``configure(flags, config) -> ServeConfig``: the role's own settings and preflight from its typed
   flags (``ServeFlags``, checked once by the command), before any socket is bound;
@@ -10,7 +12,7 @@ role, named after it: ``single``, ``coordinator``, ``stage``, ``pp_auto``, ``pp_
 
 Selection is explicit: every entry says which configurations claim it, and exactly one may (two
 that do are refused by name); a configuration no entry claims is ``single``. A module is imported
-only when its role is chosen, and only ``mlxcel/roles/`` and ``mlxcel/commands/`` import a role.
+only when its role is chosen, and only ``mlxcel/entrypoints/`` and ``mlxcel/commands/`` import a role.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ from mlxcel.errors import CLIError
 from mlxcel.topology.names import ROLE_NAMES
 
 if TYPE_CHECKING:
-    from mlxcel.roles.flags import ServeFlags
-    from mlxcel.roles.context import RoleContext, ServeConfig
+    from mlxcel.entrypoints.flags import ServeFlags
+    from mlxcel.entrypoints.context import RoleContext, ServeConfig
     from mlxcel.topology.distributed import Distributed
 
 Claim = Callable[["ServeFlags", "Distributed | None"], bool]
@@ -41,7 +43,7 @@ class Role:
 
     @property
     def module(self) -> str:
-        return f"mlxcel.roles.{self.name.replace('-', '_')}"
+        return f"mlxcel.entrypoints.{self.name.replace('-', '_')}"
 
     def _hooks(self) -> ModuleType:
         return importlib.import_module(self.module)

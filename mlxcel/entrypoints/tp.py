@@ -17,12 +17,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mlxcel.process import error_line
-from mlxcel.roles.context import RoleContext, ServeConfig
+from mlxcel.entrypoints.context import RoleContext, ServeConfig
 from mlxcel.server.runtime import ServerConfig, ServerRuntime
-from mlxcel.server.serve import serve_openai
+from mlxcel.server.openai_process import serve_openai
 
 if TYPE_CHECKING:
-    from mlxcel.roles.flags import ServeFlags
+    from mlxcel.entrypoints.flags import ServeFlags
 
 DECODE_PATH = "decode path: native batched forward"
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from mlxcel.roles.context import RoleContext, ServeConfig
+from mlxcel.entrypoints.context import RoleContext, ServeConfig
 from mlxcel.server.runtime import ServerRuntime
-from mlxcel.server.serve import serve_openai
+from mlxcel.server.openai_process import serve_openai
 
 if TYPE_CHECKING:
-    from mlxcel.roles.flags import ServeFlags
+    from mlxcel.entrypoints.flags import ServeFlags
 
 
 def configure(flags: ServeFlags, config: ServeConfig) -> ServeConfig:

@@ -1,4 +1,4 @@
-"""Role ``prefill``: run prompts and hand their KV caches to decode nodes; /health on --host/--port."""
+"""Role ``decode``: adopt KV handoffs and stream tokens to the router; /health on --host/--port."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from mlxcel.disagg.flags import node_config
-from mlxcel.disagg.worker import run_worker
-from mlxcel.roles.context import RoleContext, ServeConfig
+from mlxcel.entrypoints.disagg_node import run_worker
+from mlxcel.entrypoints.context import RoleContext, ServeConfig
 
 if TYPE_CHECKING:
-    from mlxcel.roles.flags import ServeFlags
+    from mlxcel.entrypoints.flags import ServeFlags
 
 
 def configure(flags: ServeFlags, config: ServeConfig) -> ServeConfig:

@@ -24,7 +24,7 @@ from mlxcel.cluster.sockets import family
 from mlxcel.errors import CLIError
 from mlxcel.process import STOP_REQUESTED
 from mlxcel.topology.partition import PartitionError, format_range, layer_costs
-from mlxcel.roles.context import RoleContext, ServeConfig
+from mlxcel.entrypoints.context import RoleContext, ServeConfig
 from mlxcel.topology.distributed import from_toml
 
 from mlxcel.bringup.beacon import BeaconListener, BeaconVerifier
@@ -36,9 +36,9 @@ from mlxcel.bringup.spares import SparePool
 from mlxcel.bringup.wire import COORDINATOR_NODE_ID, DISCOVERY_SETTLE_S, DISCOVERY_WINDOW_S
 
 if TYPE_CHECKING:
-    from mlxcel.roles.flags import ServeFlags
+    from mlxcel.entrypoints.flags import ServeFlags
 
-log = logging.getLogger("mlxcel.roles.pp_auto")
+log = logging.getLogger("mlxcel.entrypoints.pp_auto")
 
 EXIT_INTERRUPTED = 130  # as the CLI's for SIGINT
 
@@ -175,7 +175,7 @@ def run(context: RoleContext) -> int:
 
 
 def _run(context: RoleContext, pushed: list[bool]) -> int:
-    from mlxcel.roles import ROLES
+    from mlxcel.entrypoints import ROLES
 
     config = context.config
     settings, secret = config.bringup, config.secret

@@ -16,12 +16,12 @@ from fastapi.responses import JSONResponse
 from mlxcel import envs
 from mlxcel.cluster.secret import ClusterSecret
 from mlxcel.disagg.flags import NodeConfig, node_config
-from mlxcel.roles.context import RoleContext, ServeConfig
+from mlxcel.entrypoints.context import RoleContext, ServeConfig
 from mlxcel.server.runtime import ServerRuntime
-from mlxcel.server.serve import serve_openai
+from mlxcel.server.openai_process import serve_openai
 
 if TYPE_CHECKING:
-    from mlxcel.roles.flags import ServeFlags
+    from mlxcel.entrypoints.flags import ServeFlags
 
 
 def stats_verbose(env: dict[str, str] | None = None) -> bool:
@@ -32,7 +32,7 @@ def router_factory(cfg: NodeConfig, secret: ClusterSecret):
     """The server runtime's engine factory: a ``RouterEngine`` over the configured nodes."""
 
     def build(model: Any, tokenizer: Any, ctx: int, config: Any) -> Any:
-        from mlxcel.disagg.router import RouterEngine
+        from mlxcel.disagg.router_engine import RouterEngine
         from mlxcel.models.facts import model_facts
         from mlxcel.models.identity import model_identity
 

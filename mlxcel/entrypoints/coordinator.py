@@ -8,13 +8,13 @@ from typing import TYPE_CHECKING, Any
 from mlxcel.cluster.secret import ClusterSecret
 from mlxcel.errors import CLIError
 from mlxcel.models.facts import model_facts
-from mlxcel.roles.context import RoleContext, ServeConfig
+from mlxcel.entrypoints.context import RoleContext, ServeConfig
 from mlxcel.server.runtime import ServerRuntime
-from mlxcel.server.serve import serve_openai
+from mlxcel.server.openai_process import serve_openai
 from mlxcel.topology.distributed import Distributed
 
 if TYPE_CHECKING:
-    from mlxcel.roles.flags import ServeFlags
+    from mlxcel.entrypoints.flags import ServeFlags
 
 
 def configure(flags: ServeFlags, config: ServeConfig) -> ServeConfig:
