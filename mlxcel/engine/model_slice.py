@@ -36,10 +36,11 @@ from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 from mlx_lm.models.cache import KVCache
 
 from mlxcel.engine.flows import Flow, Gemma4Flow, KimiK3Flow, Ministral3Flow
+# LINEAR: the attention kind of a linear-attention (state-space) layer: an SSM mask, no window
+from mlxcel.engine.slice_rule import LINEAR, cache_attention, rule_family
 from mlxcel.models.errors import ModelError
 
 MLX_LM_MODELS = "mlx_lm.models."
-LINEAR = "linear"  # the attention kind of a linear-attention (state-space) layer: an SSM mask, no window
 
 
 def _embed_tokens(model: Any, inputs: mx.array) -> mx.array:
@@ -152,6 +153,27 @@ def _gemma4_slice_check(model: Any, start: int, end: int) -> None:
                              f"layers {source}-{index} on one stage")
 
 
+def _gemma2_embed(model: Any, inputs: mx.array) -> mx.array:
+    return model.model.embed_tokens(inputs) * (model.args.hidden_size**0.5)  # as GemmaModel: a Python float
+
+
+def _gemma2_head(model: Any, h: mx.array) -> mx.array:
+    cap = model.final_logit_softcapping
+    return mx.tanh(_norm_and_head(model, h) / cap) * cap
+
+
+def _granite_embed(model: Any, inputs: mx.array) -> mx.array:
+    return model.model.embed_tokens(inputs) * model.model.embedding_multiplier
+
+
+def _granite_head(model: Any, h: mx.array) -> mx.array:
+    return _norm_and_head(model, h) / model.logits_scaling
+
+
+def _cohere2_head(model: Any, h: mx.array) -> mx.array:
+    return _norm_and_head(model, h) * model.model.args.logit_scale
+
+
 GENERIC = Family()
 
 # Keyed by the mlx-lm module (mlx_lm.models.<name>) whose Model the checkpoint loads into.
@@ -182,19 +204,30 @@ FAMILIES: dict[str, Family] = {
                           check_slice=_gemma4_slice_check, embed_modules=GEMMA4_PER_LAYER_MODULES),
     # Kimi Delta Attention (linear) and MLA layers by absolute index, MLA's masks as arrays
     "kimi_k3": Family(attention=_linear_or_full, array_masks=True, flow=KimiK3Flow),
+    # plain decoders but for a scaled embedding or scaled / soft-capped logits (the rest as the rule:
+    # mlxcel.engine.slice_rule, each layer's mask kind read from its cache)
+    "gemma2": Family(embed=_gemma2_embed, head=_gemma2_head, array_masks=True),
+    "granitemoe": Family(embed=_granite_embed, head=_granite_head),
+    "granitemoehybrid": Family(embed=_granite_embed, head=_granite_head, attention=cache_attention),
+    "cohere2": Family(head=_cohere2_head, attention=cache_attention),
 }
+
+# mlx-lm families that neither the rule nor a row slices, and why (others the rule refuses by its own reason)
+REFUSED: dict[str, str] = {}
 
 
 def family_of(model: Any) -> Family:
-    """The slicing hooks of ``model``'s family; ModelError naming the family when it is not supported."""
+    """The slicing hooks of ``model``'s family: its ``FAMILIES`` row, else the generic slice by rule
+    (``mlxcel.engine.slice_rule``); ModelError naming the family and why when it is neither."""
     module = type(model).__module__
     name = module[len(MLX_LM_MODELS):] if module.startswith(MLX_LM_MODELS) else None
-    family = FAMILIES.get(name) if name is not None and type(model).__name__ == "Model" else None
-    if family is None:
-        kind = getattr(model, "model_type", None) or name or type(model).__name__
-        raise ModelError(f"model family {kind!r} cannot be sliced into pipeline stages "
-                         f"(supported: {', '.join(sorted(FAMILIES))})")
-    return family
+    kind = getattr(model, "model_type", None) or name or type(model).__name__
+    if name is None or type(model).__name__ != "Model":
+        raise ModelError(f"model family {kind!r} cannot be sliced into pipeline stages: it is not an mlx-lm "
+                         f"Model")
+    if name in REFUSED:
+        raise ModelError(f"model family {kind!r} cannot be sliced into pipeline stages: {REFUSED[name]}")
+    return FAMILIES.get(name) or rule_family(model, kind)
 
 
 def make_mask(h: mx.array, cache: Any, kind: Hashable, array: bool = False) -> Any:
@@ -212,6 +245,7 @@ class ModelSlice:
     start: int
     end: int
     family: Family = field(init=False, repr=False)
+    kinds: list = field(init=False, repr=False)  # each layer's attention kind (Family.attention), read once
 
     def __post_init__(self) -> None:
         self.family = family_of(self.model)
@@ -219,6 +253,7 @@ class ModelSlice:
         if not 0 <= self.start < self.end <= total:
             raise ModelError(f"layer range {self.start}-{self.end - 1} is outside the model's 0-{total - 1}")
         self.family.check_slice(self.model, self.start, self.end)
+        self.kinds = [self.family.attention(self.model, index) for index in range(self.start, self.end)]
 
     @property
     def is_first(self) -> bool:
@@ -253,8 +288,7 @@ class ModelSlice:
         cache = [*(cache or ()), *[None] * (self.end - self.start - len(cache or ()))]  # None: no cache of its own
         flow = self.family.flow(self.model, self.start, h, cache)
         masks: dict[Hashable, Any] = {}
-        for index, layer, layer_cache in zip(range(self.start, self.end), self.layers, cache):
-            kind = self.family.attention(self.model, index)
+        for index, layer, layer_cache, kind in zip(range(self.start, self.end), self.layers, cache, self.kinds):
             if kind not in masks:  # as mlx-lm: one mask per attention kind, from its first layer's cache
                 masks[kind] = make_mask(flow.h, self.family.mask_cache(layer_cache), kind, self.family.array_masks)
             flow.layer(index, layer, masks[kind], layer_cache)

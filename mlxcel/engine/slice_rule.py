@@ -1,0 +1,153 @@
+"""Pipeline slicing by rule: a plain decoder slices without a ``model_slice.FAMILIES`` row.
+
+A family's mlx-lm ``Model`` follows the rule when it has the common shape the generic slice
+re-implements, read from the model object and the source of its two forward passes:
+
+- ``model.model.embed_tokens`` embeds the token ids, unscaled, and nothing else is embedded
+  (no per-layer inputs, no second embedding);
+- ``model.model.layers`` is a list of layers each called ``layer(h, mask, cache)`` that returns
+  only the next hidden state (no state handed to the next layer, no other layer's cache read);
+- the inner forward ends ``return self.<norm>(h)`` (its final norm, whatever its name);
+- the outer forward applies ``lm_head`` or the tied embedding to that and returns it unchanged
+  (no soft-cap, no logit scale);
+- every mask is mlx-lm's ``create_attention_mask`` / ``create_ssm_mask``, one per layer kind, and
+  ``make_cache`` (if any) gives one cache per layer, each a ``KVCache`` (full attention), a
+  ``RotatingKVCache`` (a sliding window of its ``max_size``) or an ``ArraysCache`` (linear attention,
+  an SSM mask): the kind of each layer's mask is read from its cache.
+
+A family that breaks the rule is refused by name with the first reason found (``rule_family``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from typing import Any, Callable, Hashable
+
+import mlx.core as mx
+
+from mlxcel.models.errors import ModelError
+
+LINEAR = "linear"  # as model_slice.LINEAR: an SSM mask, no window
+
+# (pattern in the inner forward's source, why it breaks the rule)
+INNER_BREAKS: tuple[tuple[str, str], ...] = (
+    (r"per_layer", "it feeds each layer a per-layer input beside the hidden state"),
+    (r"embedding_multiplier|embed_scale|hidden_size\s*\*\*\s*0\.5|h\s*=\s*h\s*\*",
+     "it scales its embedding"),
+    (r"^\s*\w+\s*,\s*\w+\s*=\s*layer\(", "its layers return state the next layer reads (e.g. shared KV)"),
+    (r"cache\[\w+\]\[", "each layer holds several caches, each with its own mask"),
+    (r"cache_counter", "some of its layers have no cache"),
+)
+OUTER_BREAKS: tuple[tuple[str, str], ...] = (
+    (r"tanh|softcap", "it soft-caps its logits"),
+    (r"logit_scale|logits_scaling|multiplier", "it scales its logits"),
+)
+_MASK_CALL = re.compile(r"mask\w*\s*=\s*(\w+)\(")
+_STANDARD_MASKS = {"create_attention_mask", "create_ssm_mask"}
+_FINAL_NORM = re.compile(r"return\s+self\.(\w+)\(\s*\w+\s*\)\s*$")
+
+
+def _source(fn: Callable) -> str:
+    try:
+        return inspect.getsource(fn)
+    except (OSError, TypeError):
+        return ""
+
+
+def cache_kind(cache: Any) -> Hashable:
+    """A layer's attention kind from its cache (see ``model_slice.Family.attention``); ValueError for others."""
+    from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+
+    if isinstance(cache, RotatingKVCache):
+        return cache.max_size
+    if isinstance(cache, ArraysCache):
+        return LINEAR
+    if type(cache) is KVCache:
+        return None
+    raise ValueError(f"its layers' {type(cache).__name__} is not a KVCache, RotatingKVCache or ArraysCache")
+
+
+def cache_attention(model: Any, index: int) -> Hashable:
+    """The attention kind of layer ``index``, read from the cache the model makes for it."""
+    make = getattr(model, "make_cache", None)
+    return cache_kind(make()[index]) if make is not None else None
+
+
+def final_norm_name(model: Any) -> str:
+    """The inner model's final norm: the module its forward's last line applies (``norm`` if unread)."""
+    match = _FINAL_NORM.search(_source(type(model.model).__call__).rstrip())
+    return match.group(1) if match else "norm"
+
+
+def norm_and_head(model: Any, h: mx.array) -> mx.array:
+    """The final norm (by its name in the inner forward), then lm_head or the tied embedding."""
+    from mlxcel.engine.model_slice import lm_head
+
+    h = getattr(model.model, final_norm_name(model))(h)
+    head = lm_head(model)
+    return head(h) if head is not None else model.model.embed_tokens.as_linear(h)
+
+
+def _shape_break(model: Any) -> str | None:
+    """Why ``model`` lacks the common module structure, or None."""
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "embed_tokens") or not isinstance(getattr(inner, "layers", None), list):
+        return "its Model has no model.embed_tokens and model.layers (another module structure)"
+    if not inner.layers:
+        return "it has no layers"
+    params = list(inspect.signature(type(inner.layers[0]).__call__).parameters)[1:]
+    if len(params) < 3 or params[1:3] != ["mask", "cache"]:
+        return f"its layers take ({', '.join(params)}), not (hidden, mask, cache)"
+    if not hasattr(inner, final_norm_name(model)):
+        return "its inner forward does not end with a final norm of the hidden state"
+    return None
+
+
+def _source_break(model: Any) -> str | None:
+    """Why the two forward passes' source departs from the rule, or None."""
+    inner = _source(type(model.model).__call__)
+    outer = _source(type(model).__call__)
+    if not inner or not outer:
+        return "its forward pass's source cannot be read"
+    for pattern, why in INNER_BREAKS:
+        if re.search(pattern, inner, re.MULTILINE):
+            return why
+    for pattern, why in OUTER_BREAKS:
+        if re.search(pattern, outer):
+            return why
+    odd = sorted(set(_MASK_CALL.findall(inner)) - _STANDARD_MASKS)
+    if odd:
+        return f"it builds its masks with {', '.join(odd)}, not create_attention_mask / create_ssm_mask"
+    return None
+
+
+def _cache_break(model: Any) -> str | None:
+    make = getattr(model, "make_cache", None)
+    if make is None:
+        return None
+    caches = make()
+    if len(caches) != len(model.model.layers):
+        return f"it makes {len(caches)} caches for {len(model.model.layers)} layers"
+    try:
+        for cache in caches:
+            cache_kind(cache)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def rule_break(model: Any) -> str | None:
+    """Why ``model`` cannot be sliced by rule, or None when it can."""
+    return _shape_break(model) or _source_break(model) or _cache_break(model)
+
+
+def rule_family(model: Any, name: str) -> Any:
+    """The generic slice with per-layer mask kinds read from the caches; ModelError naming why not."""
+    from mlxcel.engine.model_slice import Family
+
+    why = rule_break(model)
+    if why is not None:
+        raise ModelError(f"model family {name!r} cannot be sliced into pipeline stages: {why}")
+    array = "return_array=True" in _source(type(model.model).__call__)
+    return Family(head=norm_and_head, attention=cache_attention, array_masks=array)
