@@ -17,8 +17,11 @@ import mlx.core as mx
 
 
 def hidden_size(model: Any) -> int:
-    """The model's hidden size, read from its final norm (wrapper configs such as kimi_k3's nest it)."""
-    return int(model.model.norm.weight.shape[0])
+    """The model's hidden size, read from its final norm (wrapper configs such as kimi_k3's nest it; jamba
+    and lfm2 name it otherwise: ``slice_rule.final_norm_name``)."""
+    from mlxcel.engine.slice_rule import final_norm_name
+
+    return int(getattr(model.model, final_norm_name(model)).weight.shape[0])
 
 
 class Flow:

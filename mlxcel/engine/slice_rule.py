@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import inspect
 import re
+from functools import lru_cache
 from typing import Any, Callable, Hashable
 
 import mlx.core as mx
@@ -74,10 +75,15 @@ def cache_attention(model: Any, index: int) -> Hashable:
     return cache_kind(make()[index]) if make is not None else None
 
 
+@lru_cache(maxsize=None)
+def _final_norm_of(inner_class: type) -> str:
+    match = _FINAL_NORM.search(_source(inner_class.__call__).rstrip())
+    return match.group(1) if match else "norm"
+
+
 def final_norm_name(model: Any) -> str:
     """The inner model's final norm: the module its forward's last line applies (``norm`` if unread)."""
-    match = _FINAL_NORM.search(_source(type(model.model).__call__).rstrip())
-    return match.group(1) if match else "norm"
+    return _final_norm_of(type(model.model))
 
 
 def norm_and_head(model: Any, h: mx.array) -> mx.array:

@@ -121,6 +121,31 @@ def _family_fields(family: str, hidden: int, head_dim: int, intermediate: int) -
                         "num_kv_shared_layers": 0, "global_head_dim": head_dim, "attention_k_eq_v": True,
                         "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
                         "moe_intermediate_size": moe, "vocab_size_per_layer_input": 0},
+        # plain decoders sliced by rule (mlxcel.engine.slice_rule), or a row for a scaled embedding / logits
+        "gemma2": {"query_pre_attn_scalar": head_dim, "final_logit_softcapping": 5.0,
+                   "attn_logit_softcapping": 50.0},
+        "olmo2": {}, "seed_oss": {}, "smollm3": {"pad_token_id": 0},
+        "olmo3": {"sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"] * 2},
+        "cohere2": {"sliding_window": 4, "sliding_window_pattern": 2, "logit_scale": 0.5},
+        "apertus": {"mlp_bias": False, "attention_bias": False, "post_norm": False, "qk_norm": True},
+        "granitemoe": {"logits_scaling": 2.0, "attention_multiplier": 0.25, "embedding_multiplier": 3.0,
+                       "residual_multiplier": 0.5, "attention_bias": False, "num_local_experts": 4,
+                       "num_experts_per_tok": 2},
+        # short convolutions (an ArraysCache each) in layers 0 and 2, full attention in 1 and 3
+        "lfm2": {"norm_eps": 1e-5, "conv_bias": False, "conv_L_cache": 3, "block_dim": hidden,
+                 "block_multiple_of": 16, "block_ffn_dim_multiplier": 1.0, "block_auto_adjust_ff_dim": False,
+                 "layer_types": ["conv", "full_attention"] * 2},
+        # Mamba in layers 0 and 2, attention in 1 and 3 (MoE there)
+        "jamba": {"attn_layer_offset": 1, "attn_layer_period": 2, "expert_layer_offset": 1,
+                  "expert_layer_period": 2, "mamba_d_conv": 4, "mamba_d_state": 8, "mamba_expand": 2,
+                  "num_experts": 4, "num_experts_per_tok": 2},
+        # Mamba-2 in layers 0 and 2, attention in 1 and 3, MoE with a shared expert
+        "granitemoehybrid": {"attention_bias": False, "embedding_multiplier": 3.0, "attention_multiplier": 0.25,
+                             "logits_scaling": 2.0, "residual_multiplier": 0.5,
+                             "layer_types": ["mamba", "attention"] * 2, "mamba_n_heads": 4, "mamba_d_head": 32, "mamba_expand": 2,
+                             "mamba_proj_bias": False, "mamba_d_state": 8, "mamba_d_conv": 4, "mamba_n_groups": 1,
+                             "mamba_conv_bias": True, "num_local_experts": 4, "num_experts_per_tok": 2,
+                             "shared_intermediate_size": moe},
     }
     if family not in fields:
         raise ValueError(f"family must be one of {', '.join(RANDOM_FAMILIES)}, got {family!r}")
@@ -156,9 +181,11 @@ def _config(family: str, layers: int, hidden: int, heads: int, kv_heads: int, vo
 
 
 def _per_layer(config: dict, layers: int) -> None:
-    """Fields listed per layer follow ``layers``: sliding / full and linear / MLA alternating, as at 4."""
+    """Fields listed per layer follow ``layers``: the family's two kinds (sliding / full, convolution or
+    Mamba / attention, linear / MLA) alternating, as at 4."""
     if "layer_types" in config:
-        config["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+        pair = config["layer_types"][:2]
+        config["layer_types"] = [pair[i % 2] for i in range(layers)]
     linear = config.get("linear_attn_config")
     if linear is not None:
         config["linear_attn_config"] = {**linear, "kda_layers": [i + 1 for i in range(layers) if i % 2 == 0]}
