@@ -210,6 +210,7 @@ FAMILIES: dict[str, Family] = {
     "granitemoe": Family(embed=_granite_embed, head=_granite_head),
     "granitemoehybrid": Family(embed=_granite_embed, head=_granite_head, attention=cache_attention),
     "cohere2": Family(head=_cohere2_head, attention=cache_attention),
+    "mistral4": Family(flow=Ministral3Flow),  # MLA with ministral3's llama 4 query scale, passed to each layer
 }
 
 # mlx-lm families that neither the rule nor a row slices, and why (others the rule refuses by its own reason)

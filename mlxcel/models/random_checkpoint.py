@@ -50,6 +50,14 @@ def _qwen3_5_linear() -> dict:
             "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "full_attention_interval": 2}
 
 
+def _mla(moe: int) -> dict:
+    """deepseek-style MLA with small ranks and MoE (a shared expert) after a dense layer 0."""
+    return {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1, "moe_intermediate_size": moe,
+            "first_k_dense_replace": 1, "kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 16, "v_head_dim": 16, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0,
+            "norm_topk_prob": True}
+
+
 def _family_fields(family: str, hidden: int, head_dim: int, intermediate: int) -> dict:
     """The fields ``family``'s ModelArgs needs beyond the common ones, at a tiny scale."""
     moe = max(intermediate // 2, 8)
@@ -146,6 +154,19 @@ def _family_fields(family: str, hidden: int, head_dim: int, intermediate: int) -
                              "mamba_proj_bias": False, "mamba_d_state": 8, "mamba_d_conv": 4, "mamba_n_groups": 1,
                              "mamba_conv_bias": True, "num_local_experts": 4, "num_experts_per_tok": 2,
                              "shared_intermediate_size": moe},
+        # families mlx-lm pipelines (PipelineMixin), sliced by rule or a row: MLA with small ranks, layer 0 dense
+        "deepseek_v2": {**_mla(moe), "rope_scaling": {"type": "yarn", "factor": 1.0,
+                                                      "original_max_position_embeddings": 2048}},
+        "glm4_moe_lite": _mla(moe),
+        "mistral4": {**_mla(moe), "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                      "llama_4_scaling_beta": 0.1,
+                                                      "original_max_position_embeddings": 4}},
+        # sliding (a window of 4) / full alternating; MoE after the dense layer 0
+        "exaone_moe": {"num_experts": 4, "num_shared_experts": 1, "num_experts_per_tok": 2, "sliding_window": 4,
+                       "moe_intermediate_size": moe, "layer_types": ["sliding_attention", "full_attention"] * 2,
+                       "is_moe_layer": [False, True, True, True]},
+        "step3p5": {"num_attention_groups": 2, "sliding_window": 4, "moe_num_experts": 4, "moe_top_k": 2,
+                    "moe_intermediate_size": moe, "share_expert_dim": moe},
     }
     if family not in fields:
         raise ValueError(f"family must be one of {', '.join(RANDOM_FAMILIES)}, got {family!r}")

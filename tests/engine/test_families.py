@@ -64,6 +64,12 @@ TABLE: dict[str, list[type]] = {
     "lfm2": [SSM, KV, SSM, KV],  # short convolutions / full attention; final norm named embedding_norm
     "jamba": [SSM, KV, SSM, KV],  # Mamba / attention (MoE in the attention layers)
     "granitemoehybrid": [SSM, KV, SSM, KV],  # row: Mamba-2 / attention with the multipliers of granitemoe
+    # families mlx-lm pipelines (PipelineMixin): by rule, or a row
+    "deepseek_v2": [KV] * 4,  # MLA; layer 0 dense, the others MoE
+    "glm4_moe_lite": [KV] * 4,  # MLA, array masks (read from its forward's source)
+    "mistral4": [KV] * 4,  # row: MLA with ministral3's llama 4 query scale passed to each layer
+    "exaone_moe": [ROT, KV, ROT, KV],  # sliding / full alternating; layer 0 dense
+    "step3p5": [ROT, KV, ROT, KV],  # sliding / full alternating; MoE after layer 0 with a shared expert
 }
 PROMPT = [[5, 17, 90, 3, 42, 7], [7, 7, 1, 60, 33, 2]]
 STEPS = 5  # decode steps after the prompt: 11 positions, so the windows of 4 wrap
