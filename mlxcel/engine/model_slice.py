@@ -213,8 +213,23 @@ FAMILIES: dict[str, Family] = {
     "mistral4": Family(flow=Ministral3Flow),  # MLA with ministral3's llama 4 query scale, passed to each layer
 }
 
-# mlx-lm families that neither the rule nor a row slices, and why (others the rule refuses by its own reason)
-REFUSED: dict[str, str] = {}
+# mlx-lm families with pipeline() or shard() hooks that neither the rule nor a row slices, and why (any other
+# family the rule refuses gets the rule's reason; tests/engine/test_slice_rule.py checks every hooked family)
+_WRAPPER = "a multimodal wrapper (its text model is language_model, under a text_config)"
+REFUSED: dict[str, str] = {
+    "kimi_k25": f"{_WRAPPER}; slicing the deepseek_v3 text model inside is not implemented",
+    "minimax_m3_vl": f"{_WRAPPER} whose layers each hold a CacheList (sparse attention's indexer keys)",
+    "llama4": f"{_WRAPPER} with chunked local attention: a ChunkedKVCache and a chunk mask the model builds "
+              "itself",
+    "deepseek_v41": "its text model makes its own layer caches (compressed KV and indexer keys) and mixes "
+                    "several residual streams (hyper-connections) across layers",
+    "longcat_flash": "each layer runs two attention sublayers with a CacheList of two caches and zero experts; "
+                     "no row yet",
+    "longcat_flash_ngram": "it adds n-gram embeddings to the token embedding (a second embedding)",
+    "iquestloopcoder": "it runs its layers twice (a loop), the second pass reading the first pass's KV",
+    "muse_spark": "its text model is model.language_model, and its head casts to lm_head's dtype",
+    "bailing_hybrid": "its embedding is model.word_embeddings, not model.embed_tokens; no row yet",
+}
 
 
 def family_of(model: Any) -> Family:
@@ -228,7 +243,18 @@ def family_of(model: Any) -> Family:
                          f"Model")
     if name in REFUSED:
         raise ModelError(f"model family {kind!r} cannot be sliced into pipeline stages: {REFUSED[name]}")
-    return FAMILIES.get(name) or rule_family(model, kind)
+    return FAMILIES.get(name) or _inherited(model) or rule_family(model, kind)
+
+
+def _inherited(model: Any) -> Family | None:
+    """The row of an mlx-lm Model that ``model``'s class subclasses without its own forward (glm_moe_dsa on
+    deepseek_v32, prism_hadamard_qwen35 on qwen3_5), or None."""
+    for base in type(model).__mro__[1:]:
+        module = base.__module__
+        if base.__name__ == "Model" and module.startswith(MLX_LM_MODELS) and module[len(MLX_LM_MODELS):] in FAMILIES:
+            same = base.__call__ is type(model).__call__
+            return FAMILIES[module[len(MLX_LM_MODELS):]] if same else None
+    return None
 
 
 def make_mask(h: mx.array, cache: Any, kind: Hashable, array: bool = False) -> Any:
