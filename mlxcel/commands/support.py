@@ -4,7 +4,8 @@ disaggregated prefill/decode (DI); ``mlxcel models info`` and the support matrix
 Every answer is read from the code that runs the mode, never from a list kept here:
 
 - **single**: mlx-lm has the family (its ``Model`` class for config.json's ``model_type``);
-- **PP**: ``mlxcel.engine.model_slice.FAMILIES`` has a slice for the family's mlx-lm module;
+- **PP**: ``mlxcel.engine.model_slice.family_of`` slices the family's model (built without weights):
+  a ``FAMILIES`` row, or the rule of ``mlxcel.engine.slice_rule`` ("by rule"); a refusal gives its reason;
 - **TP**: ``mlxcel.parallel.plan.check_shardable`` accepts the config (its family check; ``info`` also
   lists the ``--tp-size`` values whose shapes divide);
 - **DI**: every cache the family's model makes is one the handoff carries
@@ -61,14 +62,36 @@ def single_support(config: Mapping[str, Any]) -> Support:
     return Support(True)
 
 
+def _build(config: Mapping[str, Any]) -> Any:
+    """The family's mlx-lm Model built from config.json without its weights (MLX builds parameters lazily:
+    nothing is allocated or read); None when this mlx-lm cannot build it."""
+    classes = _classes(config)
+    if classes is None:
+        return None
+    model_cls, args_cls = classes
+    try:
+        return model_cls(args_cls.from_dict(dict(config)))
+    except Exception:  # noqa: BLE001 - a config this mlx-lm cannot build: nothing is known
+        return None
+
+
 def pp_support(config: Mapping[str, Any], verbose: bool = False) -> Support:
-    from mlxcel.engine.model_slice import FAMILIES
+    """Whether pipeline stages take the family: its ``FAMILIES`` row, or the rule (``slice_rule``) asked of
+    the model built without weights ("by rule"); ``verbose``: the refusal's reason."""
+    from mlxcel.engine.model_slice import FAMILIES, REFUSED, family_of
+    from mlxcel.models.errors import ModelError
 
     module = module_of(str(config.get("model_type")))
-    if module in FAMILIES:
-        return Support(True)
-    return Support(False, f"no pipeline slice for mlx-lm's {module} (sliced: {', '.join(sorted(FAMILIES))})"
-                   if verbose else "")
+    if module in REFUSED:
+        return Support(False, REFUSED[module] if verbose else "")
+    model = _build(config)
+    if model is None:
+        return Support(True) if module in FAMILIES else Support(None)
+    try:
+        family = family_of(model)
+    except ModelError as exc:
+        return Support(False, str(exc).split(": ", 1)[-1] if verbose else "")
+    return Support(True) if any(family is row for row in FAMILIES.values()) else Support(True, "by rule")
 
 
 def tp_support(config: Mapping[str, Any], verbose: bool = False) -> Support:
@@ -98,13 +121,10 @@ def di_support(config: Mapping[str, Any]) -> Support:
 
     from mlxcel.disagg.kv_cache import unsupported_cache
 
-    classes = _classes(config)
-    if classes is None:
+    if _classes(config) is None:
         return Support(None)
-    model_cls, args_cls = classes
-    try:
-        model = model_cls(args_cls.from_dict(dict(config)))
-    except Exception:  # noqa: BLE001 - a config this mlx-lm cannot build: nothing is known
+    model = _build(config)
+    if model is None:
         return Support(None, "its model could not be built from config.json")
     caches = make_prompt_cache(model)
     for i, cache in enumerate(caches):
@@ -133,21 +153,26 @@ def describe_modes(model_dir: str | Path) -> str:
 
 
 def matrix_families() -> list[str]:
-    """Every family some table names: make-random's, the pipeline slices' (mlx-lm modules) and TP's."""
-    from mlxcel.config import RANDOM_FAMILIES
+    """Every family some table names: make-random's (both lists), the pipeline slices' (mlx-lm modules) and TP's."""
     from mlxcel.engine.model_slice import FAMILIES as PP
     from mlxcel.parallel.plan import FAMILIES as TP
 
-    return sorted(set(RANDOM_FAMILIES) | set(PP) | set(TP))
+    return sorted(set(_random_families()) | set(PP) | set(TP))
+
+
+def _random_families() -> tuple[str, ...]:
+    from mlxcel.config import RANDOM_FAMILIES
+    from mlxcel.models.random_checkpoint import IN_PROCESS_FAMILIES
+
+    return RANDOM_FAMILIES + IN_PROCESS_FAMILIES
 
 
 def family_config(family: str) -> dict[str, Any] | None:
     """A tiny config.json of ``family`` (make-random's; a family it does not build borrows its module's)."""
-    from mlxcel.config import RANDOM_FAMILIES
     from mlxcel.models.random_checkpoint import _config
 
-    base = family if family in RANDOM_FAMILIES else module_of(family)
-    if base not in RANDOM_FAMILIES:
+    base = family if family in _random_families() else module_of(family)
+    if base not in _random_families():
         return None
     return {**_config(base, 4, 64, 4, 2, 320, None, None), "model_type": family}
 
@@ -166,9 +191,14 @@ def matrix_rows() -> list[tuple[str, dict[str, Support]]]:
 
 
 def matrix_markdown() -> str:
-    """The support matrix as docs/models.md holds it, between its two marker lines."""
+    """The support matrix as docs/models.md holds it, between its two marker lines, and the named refusals."""
+    from mlxcel.engine.model_slice import REFUSED
+
     lines = [MATRIX_BEGIN, "", "| family | " + " | ".join(MODES) + " |", "|---" * (len(MODES) + 1) + "|"]
     for family, support in matrix_rows():
         lines.append(f"| `{family}` | " + " | ".join(support[m].cell() for m in MODES) + " |")
+    lines += ["", "Refused for pipeline stages by name (`model_slice.REFUSED`; a family the rule refuses says why "
+              "in `mlxcel models info`):", ""]
+    lines += [f"- `{name}`: {why}" for name, why in sorted(REFUSED.items())]
     lines += ["", MATRIX_END]
     return "\n".join(lines)

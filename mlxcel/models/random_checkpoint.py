@@ -20,6 +20,13 @@ from mlx.utils import tree_flatten
 
 from mlxcel.config import RANDOM_FAMILIES
 
+# families make-random also builds, tested in process only (pipeline slices, the handoff of a sliced cache:
+# tests/engine/test_families.py, test_slice_rule.py), not by the cross-process suites that run every
+# RANDOM_FAMILIES one: plain and hybrid decoders sliced by rule or a small row, and mlx-lm's pipelined ones
+IN_PROCESS_FAMILIES = ("gemma2", "olmo2", "olmo3", "cohere2", "granitemoe", "smollm3", "seed_oss", "apertus",
+                       "lfm2", "jamba", "granitemoehybrid", "deepseek_v2", "glm4_moe_lite", "mistral4",
+                       "exaone_moe", "step3p5")
+
 from mlxcel.models.random_templates import PLAIN as CHAT_TEMPLATE, STOPS, TEMPLATES
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
@@ -169,7 +176,7 @@ def _family_fields(family: str, hidden: int, head_dim: int, intermediate: int) -
                     "moe_intermediate_size": moe, "share_expert_dim": moe},
     }
     if family not in fields:
-        raise ValueError(f"family must be one of {', '.join(RANDOM_FAMILIES)}, got {family!r}")
+        raise ValueError(f"family must be one of {', '.join(RANDOM_FAMILIES + IN_PROCESS_FAMILIES)}, got {family!r}")
     return fields[family]
 
 
@@ -237,7 +244,7 @@ def make_random_checkpoint(
     (float32, bfloat16, float16) is that of every weight, and of a quantized model's scales and
     biases, so a "4-bit bfloat16" model computes in bfloat16 like a real one; ``head_dim``
     defaults to hidden / heads (Qwen3-0.6B: hidden 1024, 16 heads, head_dim 128). ``family`` is
-    one of ``RANDOM_FAMILIES``. ``overrides`` replaces or adds config.json fields after the family's
+    one of ``RANDOM_FAMILIES`` or ``IN_PROCESS_FAMILIES``. ``overrides`` replaces or adds config.json fields after the family's
     tiny defaults (e.g. ``{"num_experts": 128, "num_experts_per_tok": 8}`` for a Qwen3-30B-A3B shape).
     ``template`` picks the chat template and its marker tokens (``random_templates.TEMPLATES``).
     """

@@ -46,17 +46,24 @@ def test_the_docs_matrix_is_the_generated_one():
 def test_every_family_a_table_names_has_a_row(rows):
     from mlxcel.config import RANDOM_FAMILIES
     from mlxcel.engine.model_slice import FAMILIES as PP
+    from mlxcel.models.random_checkpoint import IN_PROCESS_FAMILIES
     from mlxcel.parallel.plan import FAMILIES as TP
 
-    assert set(RANDOM_FAMILIES) | set(PP) | set(TP) == set(rows)
+    assert set(RANDOM_FAMILIES) | set(IN_PROCESS_FAMILIES) | set(PP) | set(TP) == set(rows)
 
 
 def test_each_column_follows_the_table_of_its_mode(rows):
     from mlxcel.engine.model_slice import FAMILIES as PP
     from mlxcel.parallel.plan import FAMILIES as TP
 
+    from mlxcel.config import RANDOM_FAMILIES
+    from mlxcel.models.random_checkpoint import IN_PROCESS_FAMILIES
+
     for family, support in rows.items():
-        assert support["PP"].ok is (module_of(family) in PP), family
+        # a row, or the rule for a make-random family without one (its logits tested in test_families)
+        made = family in RANDOM_FAMILIES + IN_PROCESS_FAMILIES
+        assert support["PP"].ok is (module_of(family) in PP or made), family
+        assert (support["PP"].detail == "by rule") is (module_of(family) not in PP), family
         assert support["single"].ok is True, family
         if family in TP:
             assert support["TP"].ok is True, family
@@ -71,7 +78,7 @@ def test_the_handoff_column_names_the_cache_classes(rows):
 def test_a_family_whose_cache_cannot_travel_says_which_layer():
     support = di_support(LLAMA4)
     assert support.ok is False and support.detail == "layer 0 keeps a ChunkedKVCache"
-    assert pp_support(LLAMA4, verbose=True).detail.startswith("no pipeline slice for mlx-lm's llama4")
+    assert pp_support(LLAMA4, verbose=True).detail.startswith("a multimodal wrapper")
     assert tp_support(LLAMA4).ok is False
 
 
@@ -89,3 +96,16 @@ def test_models_info_prints_the_modes_of_a_checkpoint(tmp_path, capsys):
     llama = make_random_checkpoint(tmp_path / "ll", family="llama")
     assert main(["models", "info", str(llama)]) == 0
     assert "mode TP:     yes (--tp-size 2)" in capsys.readouterr().out.splitlines()
+
+
+def test_pp_by_rule_and_a_refusal_by_the_rule_say_so():
+    """A plain decoder without a row is "by rule"; one that breaks the rule is refused with the rule's reason."""
+    from mlxcel.models.random_checkpoint import _config
+
+    base = _config("llama", 4, 64, 4, 2, 320, None, None)
+    assert pp_support({**base, "model_type": "olmo2"}).cell() == "yes (by rule)"
+    hunyuan = {**base, "model_type": "hunyuan", "attention_bias": False, "moe_topk": 2, "num_experts": 4,
+               "num_shared_expert": 1, "use_mixed_mlp_moe": True, "use_qk_norm": True, "use_cla": True,
+               "cla_share_factor": 2, "rope_scaling": {"alpha": 1000.0, "factor": 1.0, "type": "dynamic"}}
+    support = pp_support(hunyuan, verbose=True)
+    assert support.ok is False and support.detail == "its layers return state the next layer reads (e.g. shared KV)"

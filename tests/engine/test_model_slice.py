@@ -155,14 +155,18 @@ def gemma2():
                                num_key_value_heads=1))
 
 
-def test_gemma2_is_refused_by_name():
-    """gemma2 soft-caps its final logits (and scales its embeddings): no row in FAMILIES, so refused."""
+def test_gemma2_slices_with_its_row_and_the_rule_alone_refuses_it():
+    """gemma2 soft-caps its final logits and scales its embeddings: the rule refuses it by name, its row
+    (scale, soft-cap, array masks) slices it into the whole model's logits."""
+    from mlxcel.engine.slice_rule import rule_family
+
+    model = gemma2()
     with pytest.raises(ModelError) as info:
-        ModelSlice(gemma2(), 0, 2)
-    assert str(info.value) == ("model family 'gemma2' cannot be sliced into pipeline stages (supported: "
-                               "deepseek_v3, deepseek_v32, ernie4_5, ernie4_5_moe, gemma3_text, gemma4_text, "
-                               "glm4_moe, gpt_oss, hunyuan_v1_dense, kimi_k3, llama, minimax, ministral3, mixtral, "
-                               "phi3, qwen2, qwen3, qwen3_5, qwen3_5_moe, qwen3_moe, qwen3_next)")
+        rule_family(model, "gemma2")
+    assert str(info.value) == "model family 'gemma2' cannot be sliced into pipeline stages: it scales its embedding"
+    x = mx.array([[1, 2, 3, 4, 5, 6]])
+    got = ModelSlice(model, 2, 4)(ModelSlice(model, 0, 2)(x))
+    np.testing.assert_allclose(np.array(got), np.array(model(x)), rtol=1e-5, atol=1e-5)
 
 
 def gemma3_text():
@@ -183,7 +187,7 @@ def test_gemma3_needs_its_hooks():
     whole = ModelSlice(model, 0, 4)
     assert whole.family is FAMILIES["gemma3_text"]
     np.testing.assert_allclose(np.array(whole(x)), real, rtol=1e-5, atol=1e-5)
-    whole.family = Family()  # the generic hooks
+    whole.family, whole.kinds = Family(), [None] * 4  # the generic hooks: every layer full attention
     assert not np.allclose(np.array(whole(x)), real, atol=1e-3)
 
 

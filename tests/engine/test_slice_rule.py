@@ -13,11 +13,10 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxcel.config import RANDOM_FAMILIES
 from mlxcel.engine.model_slice import FAMILIES, REFUSED, ModelSlice, family_of
 from mlxcel.engine.slice_rule import rule_break
 from mlxcel.models.errors import ModelError
-from mlxcel.models.random_checkpoint import _config
+from mlxcel.models.random_checkpoint import IN_PROCESS_FAMILIES, RANDOM_FAMILIES, _config
 
 PROMPT = [[5, 17, 90, 3, 42, 7]]
 
@@ -27,7 +26,7 @@ def build(family: str, extra: dict | None = None, layers: int = 4, base: str | N
     ``base``, then ``extra``)."""
     from mlx_lm.utils import _get_classes
 
-    base = base or (family if family in RANDOM_FAMILIES else "llama")
+    base = base or (family if family in RANDOM_FAMILIES + IN_PROCESS_FAMILIES else "llama")
     config = {**_config(base, layers, 64, 4, 2, 320, None, None), "model_type": family, **(extra or {})}
     model_cls, args_cls = _get_classes(config)
     mx.random.seed(0)
@@ -58,7 +57,7 @@ def test_every_family_mlx_lm_distributes_is_sliced_or_refused_by_name():
     make-random row in test_families) or refused with a reason."""
     hooked = hooked_modules()
     assert {"deepseek_v2", "step3p5", "kimi_k25", "mistral4", "llama", "qwen3"} <= hooked  # the scan finds them
-    ruled = {family for family in RANDOM_FAMILIES if family not in FAMILIES}
+    ruled = {family for family in RANDOM_FAMILIES + IN_PROCESS_FAMILIES if family not in FAMILIES}
     inherited = {"glm_moe_dsa", "prism_hadamard_qwen35", "solar_open"}  # subclasses (or aliases) of a row's Model
     unhandled = hooked - set(FAMILIES) - ruled - set(REFUSED) - inherited
     assert not unhandled, f"mlx-lm distributes {sorted(unhandled)}: slice them (row or rule) or refuse by name"
