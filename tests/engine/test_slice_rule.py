@@ -205,3 +205,19 @@ def test_a_handed_off_sliced_cache_continues_exactly_like_one_node(family):
             for piece, cache in zip(slices, chain):
                 got = piece(got, cache)
             assert float(mx.abs(got - expected).max()) <= 1e-4
+
+
+def test_stages_loaded_as_remote_ones_of_a_rule_family_decode_as_the_whole_model(tmp_path):
+    """jamba (Mamba / attention, its final norm named final_layernorm): what ``load_stage_runner`` loads
+    per stage (the last stage that norm and the head, no other layer) decodes as the whole model."""
+    from mlxcel.engine.executor import whole_model_runner
+    from mlxcel.models.loading import load_checkpoint
+    from mlxcel.models.random_checkpoint import make_random_checkpoint
+    from mlxcel.pipeline.slice_loading import load_stage_runner
+    from tests.engine.test_families import stage_tokens
+
+    path = make_random_checkpoint(tmp_path, family="jamba")
+    prompts = {"a": PROMPT[0], "b": PROMPT[0][:4]}
+    whole = stage_tokens([whole_model_runner(load_checkpoint(path).model, max_rows=4)], prompts, 3)
+    runners = [load_stage_runner(path, a, b, max_rows=4)[0] for a, b in ((0, 2), (2, 4))]
+    assert stage_tokens(runners, prompts, 3) == whole
