@@ -70,7 +70,7 @@ def test_the_handoff_column_names_the_cache_classes(rows):
 
 def test_llama4s_chunked_caches_travel_but_it_has_no_slice_nor_cut():
     support = di_support(LLAMA4)
-    assert support.ok is True and support.detail == "ChunkedKVCache, KVCache"  # CHUNKED records (docs/disagg.md)
+    assert support.ok is True and support.detail == "ChunkedKVCache"  # CHUNKED records (docs/disagg.md)
     assert pp_support(LLAMA4, verbose=True).detail.startswith("no pipeline slice for mlx-lm's llama4")
     assert tp_support(LLAMA4).ok is False
 
