@@ -65,6 +65,7 @@ from pathlib import Path
 from typing import Any, Callable, TextIO
 
 from bench.environment import load_1m as host_load, write_jsonl
+from bench.greedy_stream import greedy_tokens_and_gaps
 from bench.stats import percentile
 
 DEFAULT_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
@@ -210,24 +211,8 @@ class RemoteDriver:
         return frames, nbytes
 
     def generate(self, prompt: list[int], tokens: int, logits: bool) -> tuple[list[int], list[float]]:
-        from mlxcel.engine.interface import EngineRequest, TokenEvent
-        from mlxcel.engine.sampling import SamplingParams
-
         self.executor.return_logits = logits
-
-        async def go() -> tuple[list[int], list[float]]:
-            stream = self.engine.submit(EngineRequest(tuple(prompt), SamplingParams(max_tokens=tokens), ignore_eos=True))
-            out, gaps, last = [], [], None
-            async for event in stream:
-                if isinstance(event, TokenEvent):
-                    now = time.perf_counter()
-                    if last is not None:
-                        gaps.append(now - last)
-                    last = now
-                    out.append(event.token)
-            return out, gaps
-
-        return self.loop.run_until_complete(go())
+        return greedy_tokens_and_gaps(self.engine, self.loop, prompt, tokens)
 
     def close(self) -> None:
         self.engine.close()

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.environment import load_1m, write_jsonl
+from bench.greedy_stream import greedy_tokens_and_gaps
 from bench.stats import percentile
 
 BENCH = "pipeline_protection"
@@ -82,22 +83,7 @@ class Pipeline:
 
     def generate(self, prompt: list[int], tokens: int) -> tuple[list[int], list[float]]:
         """Greedy tokens and the seconds between consecutive ones."""
-        from mlxcel.engine.interface import EngineRequest, TokenEvent
-        from mlxcel.engine.sampling import SamplingParams
-
-        async def go() -> tuple[list[int], list[float]]:
-            stream = self.engine.submit(EngineRequest(tuple(prompt), SamplingParams(max_tokens=tokens), ignore_eos=True))
-            out, gaps, last = [], [], None
-            async for event in stream:
-                if isinstance(event, TokenEvent):
-                    now = time.perf_counter()
-                    if last is not None:
-                        gaps.append(now - last)
-                    last = now
-                    out.append(event.token)
-            return out, gaps
-
-        return self.loop.run_until_complete(go())
+        return greedy_tokens_and_gaps(self.engine, self.loop, prompt, tokens)
 
     def close(self) -> None:
         self.engine.close()  # closes the executor too

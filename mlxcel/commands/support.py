@@ -178,12 +178,15 @@ def family_config(family: str) -> dict[str, Any] | None:
 
 
 def matrix_rows() -> list[tuple[str, dict[str, Support]]]:
+    from mlxcel.parallel.families import FAMILIES as TP_FAMILIES
+
     rows = []
     for family in matrix_families():
         config = family_config(family)
         if config is None:
             known = {"model_type": family}
-            rows.append((family, {"single": single_support(known), "PP": pp_support(known), "TP": Support(None),
+            tp = Support(True) if family in TP_FAMILIES else Support(None)  # a TP row needs no tiny config to say yes
+            rows.append((family, {"single": single_support(known), "PP": pp_support(known), "TP": tp,
                                   "DI": Support(None)}))
         else:
             rows.append((family, modes(config)))

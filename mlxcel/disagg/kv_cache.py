@@ -15,9 +15,11 @@ classes can be handed off:
 - ``QuantizedKVCache`` (packed keys and values with their scales and biases);
 - ``ArraysCache`` (linear attention, SSM: qwen3_next's gated delta net, mamba): its arrays as they are,
   whose shapes do not depend on the prompt's length; a recurrent state cannot be cut, so it travels whole;
+- ``ChunkedKVCache`` (llama4's chunked-attention layers): the last min(tokens, chunk size) positions, which
+  is what the next step's ``maybe_trim_front`` keeps; the rebuilt cache starts there (``start_position``);
 - ``CacheList`` (several of the above for one layer, e.g. deepseek_v32's attention and indexer keys).
 
-Any other class (``ChunkedKVCache``, batch caches, a CacheList inside a CacheList, ...) makes the
+Any other class (deepseek_v41's ``LayerCache``, whose ``state`` has no setter nor ``from_state``, batch caches, a CacheList inside a CacheList, ...) makes the
 layout ``unsupported``, and a prefill node refuses such a model's requests before any prefill work.
 
 Run these on the thread that runs the model (they evaluate MLX arrays).
@@ -32,6 +34,7 @@ import numpy as np
 from mlx_lm.models.cache import (
     ArraysCache,
     CacheList,
+    ChunkedKVCache,
     KVCache,
     QuantizedKVCache,
     RotatingKVCache,
@@ -46,7 +49,7 @@ from mlxcel.disagg.wire import CacheKind, DType
 #: the cache classes a handoff carries, by the record kind that describes them
 CLASSES: dict[CacheKind, type] = {CacheKind.KV: KVCache, CacheKind.ROTATING: RotatingKVCache,
                                   CacheKind.QUANTIZED: QuantizedKVCache, CacheKind.ARRAYS: ArraysCache,
-                                  CacheKind.LIST: CacheList}
+                                  CacheKind.LIST: CacheList, CacheKind.CHUNKED: ChunkedKVCache}
 _KINDS = {cls.__name__: kind for kind, cls in CLASSES.items()}
 SUPPORTED = tuple(CLASSES.values())
 _PREFIX = "this model's KV cache cannot be handed off to a decode node: "
@@ -107,6 +110,10 @@ def spec_of(name: str, state: Any) -> LayerSpec:
         keys, values, _, keep, max_size, _ = state
         return LayerSpec(kind, dtype_code(_name(keys.dtype)), keys.shape[1], keys.shape[-1], values.shape[-1],
                          max_size=max_size, keep=keep)
+    if kind is CacheKind.CHUNKED:
+        keys, values, _, chunk, _ = state
+        return LayerSpec(kind, dtype_code(_name(keys.dtype)), keys.shape[1], keys.shape[-1], values.shape[-1],
+                         max_size=chunk)
     if kind is CacheKind.ARRAYS:
         return LayerSpec(kind, arrays=tuple(TensorSpec(dtype_code(_name(a.dtype)), tuple(a.shape))
                                             for a in _arrays(state)))
@@ -175,6 +182,11 @@ def _layer_arrays(name: str, state: Any, spec: LayerSpec, length: int) -> list[m
         return [x[..., :length, :] for x in (*keys, *values)]
     if spec.kind is CacheKind.KV:
         return [keys[..., :length, :], values[..., :length, :]]
+    if spec.kind is CacheKind.CHUNKED:  # positions [start, offset) held; the last ``n`` of them travel
+        held, n = offset - state[4], spec.positions(length)
+        if held < n:
+            raise HandoffError(f"a chunked layer cache holds {held} positions, fewer than the {n} that travel")
+        return [x[..., held - n:held, :] for x in (keys, values)]
     _, _, _, keep, _, write = state  # RotatingKVCache.state; ``write``: the next write index
     n = spec.positions(length)
     return [_window(_temporal(x, write, offset, keep), keep, n) for x in (keys, values)]
@@ -295,6 +307,8 @@ def _state(spec: LayerSpec, arrays: list[mx.array], length: int) -> Any:
         return arrays[0], arrays[1], length
     if spec.kind is CacheKind.ROTATING:
         return arrays[0], arrays[1], length, spec.keep, spec.max_size, arrays[0].shape[2]
+    if spec.kind is CacheKind.CHUNKED:
+        return arrays[0], arrays[1], length, spec.max_size, length - arrays[0].shape[2]
     if spec.kind is CacheKind.ARRAYS:
         return list(arrays), None, None
     out, i = [], 0

@@ -96,7 +96,7 @@ class LayerSpec:
     heads: int = 0
     k_dim: int = 0
     v_dim: int = 0
-    max_size: int = 0  # ROTATING: positions kept
+    max_size: int = 0  # ROTATING: positions kept; CHUNKED: the chunk size
     keep: int = 0  # ROTATING: leading positions never evicted
     group_size: int = 0  # QUANTIZED
     bits: int = 0  # QUANTIZED
@@ -110,10 +110,13 @@ class LayerSpec:
         """Positions the cache holds after ``length`` tokens (0: ARRAYS and LIST hold no positions of their own)."""
         if self.kind in (CacheKind.ARRAYS, CacheKind.LIST):
             return 0
-        return min(length, self.max_size) if self.kind is CacheKind.ROTATING else length
+        return min(length, self.max_size) if self.kind in (CacheKind.ROTATING, CacheKind.CHUNKED) else length
 
     def params(self) -> tuple[int, int]:
-        """The record's (a, b): (keep, max_size), (group_size, bits), (arrays, 0), (caches, 0) or (0, 0)."""
+        """The record's (a, b): (keep, max_size), (group_size, bits), (arrays, 0), (caches, 0), CHUNKED's
+        (0, chunk size) or (0, 0)."""
+        if self.kind is CacheKind.CHUNKED:
+            return 0, self.max_size
         if self.kind is CacheKind.ROTATING:
             return self.keep, self.max_size
         if self.kind is CacheKind.QUANTIZED:

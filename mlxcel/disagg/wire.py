@@ -36,6 +36,7 @@ class CacheKind(enum.IntEnum):
     ARRAYS = 4  # ArraysCache: fixed-shape state arrays (linear attention, SSM); ARRAY records follow
     LIST = 5  # CacheList: several caches for one layer; their records follow
     ARRAY = 6  # not a layer: one array of the ARRAYS record before it (dtype and shape)
+    CHUNKED = 7  # ChunkedKVCache (llama4's chunked attention): the last min(tokens, chunk size) positions
 
 
 #: most arrays in one ARRAYS layer, most caches in one LIST layer, most dimensions of one array

@@ -8,13 +8,18 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Any, Callable
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Callable
 
 from mlxcel.cluster.secret import ClusterSecret
-from mlxcel.disagg.flags import NodeConfig
+from mlxcel.disagg.flags import NodeConfig, node_config
+from mlxcel.entrypoints.context import RoleContext, ServeConfig
 from mlxcel.loading_process import LoadingProcess, serve_loading
 from mlxcel.process import Endpoint
 from mlxcel.server.runtime import ServerConfig
+
+if TYPE_CHECKING:
+    from mlxcel.entrypoints.flags import ServeFlags
 
 log = logging.getLogger("mlxcel.disagg")
 
@@ -72,3 +77,18 @@ def run_worker(endpoint: Endpoint, server: ServerConfig, cfg: NodeConfig, secret
     process = WorkerProcess(server, cfg, secret)
     return serve_loading(endpoint, process, f"mlxcel {cfg.role}", lambda switch: process.load(switch.fatal),
                          f"mlxcel-{cfg.role}-load", f"mlxcel: {cfg.role} node on cluster address {cfg.serving_bind}")
+
+
+# -- the two roles' hooks (``prefill`` and ``decode`` differ only in what their service does once loaded) --
+
+
+def configure(flags: ServeFlags, config: ServeConfig) -> ServeConfig:
+    """The node's addresses and peers (flags or the cluster TOML; the secret is the command's, fail closed)."""
+    return replace(config, disagg=node_config(flags.disagg, config.dist, flags.resume.max_resumes,
+                                              flags.resume.resume_timeout, flags.server.max_queue))
+
+
+def run(context: RoleContext) -> int:
+    assert context.config.disagg is not None  # configure set it
+    assert context.config.secret is not None  # every disaggregated role needs it (fail closed)
+    return run_worker(context.endpoint, context.config.server, context.config.disagg, context.config.secret)

@@ -44,7 +44,9 @@ def moe_switches(model: Any, experts: Experts) -> list[tuple[Any, nn.Module]]:
     """(block, routed experts) of every MoE layer, in layer order (dense layers have none)."""
     found = []
     for layer in model.layers:
-        block = getattr(layer, experts.block, None)
+        block = layer
+        for name in experts.block.split("."):  # "mlp.experts": deepseek_v41 nests its routed experts
+            block = getattr(block, name, None)
         switch = getattr(block, experts.switch, None) if block is not None else None
         if isinstance(switch, nn.Module):
             found.append((block, switch))

@@ -164,11 +164,51 @@ FAMILIES: dict[str, TPFamily] = {
     "minimax": TPFamily("MiniMax M2", "mlx-lm", (HEADS, KV_HEADS),
                         Experts("num_local_experts", "intermediate_size", "block_sparse_moe", "switch_mlp"),
                         linear_reduces=False),
+    # issue 43: the other families whose mlx-lm class has shard()
+    "deepseek_v2": TPFamily("DeepSeek V2 / V2.5 (MLA + MoE)", "mlx-lm", _DEEPSEEK, _DEEPSEEK_EXPERTS, linear_reduces=False),
+    "glm4_moe_lite": TPFamily("GLM-4.7-Flash (MLA + MoE)", "mlx-lm", _DEEPSEEK, _DEEPSEEK_EXPERTS, linear_reduces=False),
+    "mistral4": TPFamily("Mistral 4 (MLA + MoE)", "mlx-lm", _DEEPSEEK, _DEEPSEEK_EXPERTS, linear_reduces=False),
+    "kimi_k25": TPFamily("Kimi K2.5 text (DeepSeek V3 inside)", "mlx-lm", _DEEPSEEK, _DEEPSEEK_EXPERTS,
+                         linear_reduces=False),
+    "deepseek_v41": TPFamily("DeepSeek V4.1 (compressed attention + MoE)", "mlx-lm",
+                             (HEADS, Dim("output groups", "{} output groups", "output groups", key("o_groups")),
+                              shared_dim("n_shared_experts")),
+                             Experts("n_routed_experts", "moe_intermediate_size", "mlp.experts", "switch_mlp"),
+                             linear_reduces=False),
+    "exaone_moe": TPFamily("EXAONE MoE", "mlx-lm", (HEADS, KV_HEADS, INTERMEDIATE, shared_dim("num_shared_experts")),
+                           Experts("num_experts", "moe_intermediate_size", "mlp", "switch_mlp"), linear_reduces=False),
+    "step3p5": TPFamily("Step 3.5 (sliding + full attention, MoE)", "mlx-lm",
+                        (HEADS, Dim("KV heads", "{} KV heads", "KV heads", key("num_attention_groups")),
+                         Dim("sliding attention heads", "{} sliding heads", "sliding heads",
+                             lambda c: _int((c.get("attention_other_setting") or {}).get("num_attention_heads"))),
+                         Dim("sliding KV heads", "{} sliding KV heads", "sliding KV heads",
+                             lambda c: _int((c.get("attention_other_setting") or {}).get("num_attention_groups"))),
+                         INTERMEDIATE, Dim("shared expert width", "shared expert width {}", "shared expert columns",
+                                           key("share_expert_dim"), key("share_expert_dim"))),
+                        Experts("moe_num_experts", "moe_intermediate_size", "mlp", "switch_mlp"), linear_reduces=False),
+    "longcat_flash": TPFamily("LongCat Flash (MLA, dense and zero experts)", "mlx-lm",
+                              (MLA_HEADS, Dim("intermediate size", "intermediate size {}", "MLP columns",
+                                              key("ffn_hidden_size"), key("ffn_hidden_size"))),
+                              Experts("n_routed_experts", "expert_ffn_hidden_size", "mlp", "switch_mlp"),
+                              linear_reduces=False),
+    "minimax_m3_vl": TPFamily("MiniMax M3 text", "mlx-lm", (HEADS, KV_HEADS, Dim(
+                                  "indexer heads", "{} indexer heads", "indexer heads", key("index_n_heads"))),
+                              Experts("num_local_experts", "intermediate_size", "block_sparse_moe", "switch_mlp"),
+                              linear_reduces=False),
     "kimi_k3": TPFamily("Kimi K3 (KDA + MLA + MoE)", "mlx-lm",
                         (MLA_HEADS, _KIMI_LINEAR, *_DEEPSEEK[1:2], shared_dim("num_shared_experts")),
                         Experts("num_experts", "moe_intermediate_size", "mlp", "switch_mlp"), linear_reduces=False),
 }
 FAMILIES_HELP = ", ".join(FAMILIES)
+
+#: families mlx-lm runs whose tensor parallelism is refused, and why (the refusal names the reason)
+REFUSED: dict[str, str] = {
+    "llama4": "its mlx-lm class has no shard(), and its chunked attention with a shared expert beside routed "
+              "experts in every other layer is not the plain q/k/v/o + gate/up/down layout mlxcel's own plan cuts",
+    "longcat_flash_ngram": "its n-gram embedding tables are not cut by any plan here",
+    "iquestloopcoder": "its looped layers share weights across passes, which no plan here cuts",
+    "muse_spark": "not a decoder mlxcel loads",
+}
 
 
 def is_moe(family: TPFamily, config: Config) -> bool:

@@ -21,7 +21,7 @@ from typing import Any, Mapping
 
 from mlxcel.config import DEFAULT_TP_MOE_MODE, TP_MOE_MODES
 from mlxcel.parallel.errors import ShardRefusal
-from mlxcel.parallel.families import FAMILIES, FAMILIES_HELP, Dim, TPFamily, is_moe, key, text_config
+from mlxcel.parallel.families import FAMILIES, FAMILIES_HELP, REFUSED, Dim, TPFamily, is_moe, key, text_config
 
 __all__ = ["FAMILIES", "FAMILIES_HELP", "ShardPlan", "apply_plan", "check_shardable", "working_sizes"]
 
@@ -56,6 +56,8 @@ def working_sizes(*dims: int) -> list[int]:
 
 def _family(config: Mapping[str, Any], where: str) -> tuple[str, TPFamily]:
     name = str(config.get("model_type"))
+    if name in REFUSED:
+        raise ShardRefusal(f"{where}: model family {name!r} is not supported by tensor parallelism: {REFUSED[name]}")
     if name not in FAMILIES:
         raise ShardRefusal(f"{where}: model family {name!r} is not supported by tensor parallelism; "
                            f"supported: {FAMILIES_HELP}")

@@ -10,7 +10,6 @@ dialect shapes into its own objects and stream events.
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Literal, Optional, Protocol, Union
 
@@ -20,7 +19,8 @@ from mlxcel.engine.interface import EventStream, TokenEvent
 from mlxcel.engine.stops import StopMatcher
 from mlxcel.server import protocol as p
 from mlxcel.server.chat_turn import Turn, TurnOutput
-from mlxcel.server.errors import APIError, ClientDisconnected
+from mlxcel.server.errors import APIError
+from mlxcel.server.serving import until_disconnect
 
 
 @dataclass(frozen=True)
@@ -116,17 +116,7 @@ class AgentTurn:
 
     async def collect(self, raw: Request) -> tuple[list[Piece], Finish]:
         """The whole answer, cancelling generation if the client disconnects meanwhile."""
-        task = asyncio.ensure_future(self._gather())
-        watcher = asyncio.ensure_future(_wait_disconnect(raw))
-        try:
-            done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watcher.cancel()
-        if task in done:
-            return task.result()
-        task.cancel()
-        self.stream.cancel()
-        raise ClientDisconnected()
+        return await until_disconnect(self._gather(), self.stream, raw)
 
     async def _gather(self) -> tuple[list[Piece], Finish]:
         out: list[Piece] = []
@@ -165,13 +155,6 @@ def merge(pieces: list[Piece]) -> list[Piece]:
         else:
             out.append(piece)
     return out
-
-
-async def _wait_disconnect(raw: Request) -> None:
-    while True:
-        message = await raw.receive()
-        if message["type"] == "http.disconnect":
-            return
 
 
 async def guarded(body: AsyncIterator[str], stream: EventStream,

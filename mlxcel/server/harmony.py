@@ -18,7 +18,7 @@ import json
 import re
 from typing import Any, Optional
 
-from mlxcel.server.reasoning import Piece, partial_suffix
+from mlxcel.server.reasoning import Piece, PieceSink, partial_suffix
 
 START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
 ENDS = ("<|end|>", "<|call|>", "<|return|>")
@@ -61,7 +61,7 @@ def parse_tool_call(text: str, tools: Optional[list] = None) -> dict:
     return {"name": match.group(1), "arguments": arguments}
 
 
-class HarmonySplitter:
+class HarmonySplitter(PieceSink):
     """Feed text pieces, get ``(kind, text)`` pieces: reasoning, content and whole call messages.
 
     ``opened`` is the prompt's open last message (``opened_tail``): a header being written, or a body
@@ -164,10 +164,3 @@ class HarmonySplitter:
         if stray.strip() and stray.strip() != "assistant":
             out.append(("content", stray))
 
-    def _emit(self, text: str, out: list[Piece]) -> None:
-        if not text:
-            return
-        if self._state == "tool":
-            self._call += text
-        else:
-            out.append(("reasoning" if self._state == "reasoning" else "content", text))

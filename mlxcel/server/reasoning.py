@@ -34,7 +34,23 @@ def opens_in_reasoning(prompt_text: str, think: Optional[tuple[str, str]]) -> bo
     return bool(think) and prompt_text.rfind(think[0]) > prompt_text.rfind(think[1])
 
 
-class MarkerSplitter:
+class PieceSink:
+    """What the splitters share: text in state ``tool`` goes to the call being read, other text out as a
+    reasoning or content piece."""
+
+    _state: str
+    _call: str
+
+    def _emit(self, text: str, out: list[Piece]) -> None:
+        if not text:
+            return
+        if self._state == "tool":
+            self._call += text
+        else:
+            out.append(("reasoning" if self._state == "reasoning" else "content", text))
+
+
+class MarkerSplitter(PieceSink):
     """Feed text pieces, get ``(kind, text)`` pieces: content, reasoning, and whole tool-call texts."""
 
     def __init__(self, markers: Markers, state: str = "content", call_prefix: str = ""):
@@ -85,14 +101,6 @@ class MarkerSplitter:
             out.append(("call", self._call))
         self._call = ""
         return out
-
-    def _emit(self, text: str, out: list[Piece]) -> None:
-        if not text:
-            return
-        if self._state == "tool":
-            self._call += text
-        else:
-            out.append(("reasoning" if self._state == "reasoning" else "content", text))
 
     def _switch(self, state: str, out: list[Piece]) -> None:
         if self._state == "tool":

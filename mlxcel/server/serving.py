@@ -11,7 +11,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Union
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar, Union
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -76,6 +76,7 @@ def sse(payload: p.BaseModel | dict) -> str:
     return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
 
 
+T = TypeVar("T")
 _MARK = "\x00mlxcel-text\x00"
 
 
@@ -262,17 +263,7 @@ class OpenAIServing:
 
     async def _collect(self, stream: EventStream, raw: Request) -> Outcome:
         """Gather a whole answer, cancelling generation if the client disconnects meanwhile."""
-        task = asyncio.ensure_future(self._gather(stream))
-        watcher = asyncio.ensure_future(_wait_disconnect(raw))
-        try:
-            done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watcher.cancel()
-        if task in done:
-            return task.result()
-        task.cancel()
-        stream.cancel()
-        raise ClientDisconnected()
+        return await until_disconnect(self._gather(stream), stream, raw)
 
     async def _gather(self, stream: EventStream) -> Outcome:
         out = Outcome()
@@ -381,6 +372,22 @@ async def _wait_disconnect(raw: Request) -> None:
         message = await raw.receive()
         if message["type"] == "http.disconnect":
             return
+
+
+async def until_disconnect(work: Awaitable[T], stream: EventStream, raw: Request) -> T:
+    """``work``'s result; if the client disconnects first, ``work`` and the engine ``stream`` are cancelled
+    and ``ClientDisconnected`` raised (every dialect's whole, non-streamed answer)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(raw))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    stream.cancel()
+    raise ClientDisconnected()
 
 
 def _completion_prompt(tokenizer: Any, prompt: Union[str, list]) -> list[int]:

@@ -27,6 +27,7 @@ from typing import Any, Mapping
 from mlxcel.models.identity import layer_count
 
 FULL, SLIDING, MLA, LINEAR = "full", "sliding", "mla", "linear"
+MAMBA, CONV, COMPRESSED, NONE = "mamba", "conv", "compressed", "none"  # NONE: an MLP-only layer (nemotron_h)
 EXPERTS_KEYS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts")
 ACTIVE_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_k", "top_k_experts")
 EXPERT_MARKERS = (".switch_mlp.", ".switch_glu.", ".experts.")  # stacked routed-expert tensors (mlx-lm names)
@@ -36,15 +37,24 @@ EXPERT_MARKERS = (".switch_mlp.", ".switch_glu.", ".experts.")  # stacked routed
 class LayerKind:
     """One decoder layer's attention and MLP kind."""
 
-    attention: str  # FULL, SLIDING, MLA or LINEAR
+    attention: str  # FULL, SLIDING, MLA, LINEAR, MAMBA, CONV, COMPRESSED or NONE
     experts: int = 0  # routed experts; 0 for a dense MLP
-    active: int = 0  # routed experts per token
-    window: int | None = None  # SLIDING: the window
+    active: int = 0  # routed experts per token (zero experts among the picks included)
+    window: int | None = None  # SLIDING, COMPRESSED: the window
+    heads: int | None = None  # this layer's own attention heads (step3p5's sliding layers), else the model's
+    kv_heads: int | None = None  # this layer's own KV heads, else the model's
+    zero: int = 0  # zero (identity) experts beside the routed ones: a pick of one reads no weight (longcat_flash)
+    ratio: int = 0  # COMPRESSED: tokens pooled into one compressed row (deepseek_v41's compress_ratios)
 
     @property
     def name(self) -> str:
         """e.g. "mla+moe", "linear+dense"."""
         return f"{self.attention}+{'moe' if self.experts else 'dense'}"
+
+    def touched(self, rows: int) -> float:
+        """Routed experts a step of ``rows`` rows reads: its picks that are real experts, at most all of them."""
+        real = self.active * self.experts / (self.experts + self.zero) if self.zero else self.active
+        return min(float(self.experts), rows * real)
 
 
 def text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -79,7 +89,36 @@ def _is_moe(c: Mapping[str, Any], index: int) -> bool:
     return index % freq == 0
 
 
+_BLOCK_TYPES = {"mamba": MAMBA, "conv": CONV, "attention": FULL, "full_attention": FULL, "mlp": NONE, "moe": NONE,
+                "sliding_attention": SLIDING}
+_PATTERN = {"M": MAMBA, "*": FULL, "-": NONE, "E": NONE}  # nemotron_h's hybrid_override_pattern
+
+
+def _hybrid(c: Mapping[str, Any], index: int) -> str | None:
+    """A hybrid decoder's layer type (Mamba, short convolution, attention, MLP only), None for others."""
+    pattern = c.get("hybrid_override_pattern")
+    if isinstance(pattern, (str, list)) and index < len(pattern):
+        return _PATTERN[pattern[index]]
+    blocks = c.get("layers_block_type")  # jamba, nemotron_h: every layer's type
+    if isinstance(blocks, list) and index < len(blocks):
+        return _BLOCK_TYPES[blocks[index]]
+    types = c.get("layer_types")  # lfm2, granitemoehybrid: "conv" / "mamba" beside attention layers
+    if isinstance(types, list) and index < len(types) and types[index] in ("mamba", "conv"):
+        return _BLOCK_TYPES[types[index]]
+    if isinstance(c.get("full_attn_idxs"), list) and "conv_L_cache" in c:  # lfm2
+        return FULL if index in c["full_attn_idxs"] else CONV
+    if "attn_layer_period" in c:  # jamba: attention every period-th layer from offset, else Mamba
+        return FULL if index % int(c["attn_layer_period"]) == int(c.get("attn_layer_offset") or 0) else MAMBA
+    return None
+
+
 def _attention(c: Mapping[str, Any], index: int) -> tuple[str, int | None]:
+    hybrid = _hybrid(c, index)
+    if hybrid is not None and hybrid != SLIDING:
+        return hybrid, None
+    ratios = c.get("compress_ratios")
+    if isinstance(ratios, list) and index < len(ratios):  # deepseek_v41: a window + compressed rows
+        return COMPRESSED, int(c.get("sliding_window") or 128)
     linear = c.get("linear_attn_config")
     if isinstance(linear, Mapping) and "kda_layers" in linear:  # kimi_k3: KDA where (i + 1) is listed, else MLA
         return (LINEAR, None) if index + 1 in linear["kda_layers"] else (MLA, None)
@@ -97,15 +136,44 @@ def _attention(c: Mapping[str, Any], index: int) -> tuple[str, int | None]:
     return FULL, None
 
 
+def _heads(c: Mapping[str, Any], attention: str) -> tuple[int | None, int | None]:
+    """A sliding layer's own (heads, KV heads) where the model gives them (step3p5, baichuan_m1)."""
+    if attention != SLIDING:
+        return None, None
+    other = c.get("attention_other_setting")
+    if isinstance(other, Mapping):
+        return other.get("num_attention_heads"), other.get("num_attention_groups")
+    return c.get("num_swa_attention_heads"), c.get("num_swa_key_value_heads")
+
+
+def _hybrid_moe(c: Mapping[str, Any], index: int) -> bool | None:
+    """Whether a hybrid's layer ``index`` has routed experts by its own rule (None: the usual fields decide)."""
+    pattern = c.get("hybrid_override_pattern")
+    if isinstance(pattern, (str, list)) and index < len(pattern):
+        return pattern[index] == "E"
+    blocks = c.get("layers_block_type")
+    if isinstance(blocks, list) and index < len(blocks) and "moe" in blocks:  # nemotron_h
+        return blocks[index] == "moe"
+    if "expert_layer_period" in c:  # jamba
+        return index % int(c["expert_layer_period"]) == int(c.get("expert_layer_offset") or 0)
+    return None
+
+
 def layer_kinds(config: Mapping[str, Any]) -> list[LayerKind]:
     """Every layer's kind, from config.json (``text_config`` where nested)."""
     c = text_config(config)
     experts, active = _first(c, EXPERTS_KEYS), _first(c, ACTIVE_KEYS)
+    zero = int(c.get("zero_expert_num") or 0)
+    ratios = c.get("compress_ratios")
     kinds = []
     for index in range(layer_count(c)):
         attention, window = _attention(c, index)
-        moe = _is_moe(c, index)
-        kinds.append(LayerKind(attention, experts if moe else 0, active if moe else 0, window))
+        rule = _hybrid_moe(c, index)
+        moe = bool(experts) and (_is_moe(c, index) if rule is None else rule)
+        heads, kv_heads = _heads(c, attention)
+        ratio = int(ratios[index]) if attention == COMPRESSED else 0
+        kinds.append(LayerKind(attention, experts if moe else 0, active if moe else 0, window, heads, kv_heads,
+                               zero if moe else 0, ratio))
     return kinds
 
 
@@ -119,8 +187,37 @@ def step_bytes(kind: LayerKind, weights: int, expert_weights: int, rows: int = 1
     ``expert_weights`` are routed experts'."""
     if not kind.experts:
         return weights
-    touched = min(kind.experts, rows * kind.active)
-    return weights - expert_weights + expert_weights * touched // kind.experts
+    return weights - expert_weights + int(expert_weights * kind.touched(rows) // kind.experts)
+
+
+def _kv_heads(c: Mapping[str, Any], kind: LayerKind) -> int:
+    return int(kind.kv_heads or c.get("num_key_value_heads") or c.get("num_attention_groups")
+               or c["num_attention_heads"])
+
+
+def mamba_dims(c: Mapping[str, Any]) -> tuple[int, int, int, int, int]:
+    """(inner width, state size, convolution kernel, groups, heads) of a Mamba layer; Mamba-1 (jamba) has
+    neither groups nor heads (0)."""
+    d = int(c["hidden_size"])
+    state = _first(c, ("mamba_d_state", "ssm_state_size", "state_size"))
+    conv = _first(c, ("mamba_d_conv", "conv_kernel", "mamba_conv_kernel")) or 4
+    heads = _first(c, ("mamba_n_heads", "mamba_num_heads"))
+    head_dim = _first(c, ("mamba_d_head", "mamba_head_dim"))
+    inner = heads * head_dim if heads and head_dim else _first(c, ("mamba_d_ssm",)) or d * int(c.get("mamba_expand") or 2)
+    groups = _first(c, ("mamba_n_groups", "n_groups")) or (1 if heads else 0)
+    return inner, state, conv, groups, heads
+
+
+def _state_bytes(c: Mapping[str, Any], kind: LayerKind, itemsize: int) -> int:
+    """One sequence's fixed state: a Mamba layer's convolution window and float32 SSM state, a short
+    convolution layer's window (lfm2: ``conv_L_cache`` - 1 positions of the hidden width); none for an MLP-only
+    layer."""
+    if kind.attention == NONE:
+        return 0
+    if kind.attention == CONV:
+        return (int(c.get("conv_L_cache") or 3) - 1) * int(c["hidden_size"]) * itemsize
+    inner, state, conv, groups, _ = mamba_dims(c)
+    return (conv - 1) * (inner + 2 * groups * state) * itemsize + inner * state * 4
 
 
 def _head_dim(c: Mapping[str, Any]) -> int:
@@ -134,6 +231,13 @@ def cache_bytes(config: Mapping[str, Any], kind: LayerKind, *, context: int, row
     if not context:
         return 0
     c = text_config(config)
+    if kind.attention in (MAMBA, CONV, NONE):
+        return rows * _state_bytes(c, kind, itemsize)
+    if kind.attention == COMPRESSED:  # the window, one row per ``ratio`` tokens, and their index keys
+        compressed = context // kind.ratio if kind.ratio > 1 else 0
+        index = int(c.get("index_head_dim") or 0) if kind.ratio > 1 else 0
+        window = min(context, kind.window or context)
+        return rows * ((window + compressed) * int(c["head_dim"]) + compressed * index) * itemsize
     if kind.attention == LINEAR:
         linear = c.get("linear_attn_config")
         if isinstance(linear, Mapping):  # kimi_k3's KDA: heads x head_dim x head_dim
@@ -145,8 +249,7 @@ def cache_bytes(config: Mapping[str, Any], kind: LayerKind, *, context: int, row
     if kind.attention == MLA:
         per_token = int(c["kv_lora_rank"]) + int(c["qk_rope_head_dim"])
     else:
-        kv_heads = int(c.get("num_key_value_heads") or c["num_attention_heads"])
-        per_token = 2 * kv_heads * _head_dim(c)
+        per_token = 2 * _kv_heads(c, kind) * _head_dim(c)
     return rows * tokens * per_token * itemsize
 
 
@@ -155,7 +258,15 @@ def cache_bytes(config: Mapping[str, Any], kind: LayerKind, *, context: int, row
 
 
 def _attention_params(c: Mapping[str, Any], kind: LayerKind) -> int:
-    d, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
+    d, heads = int(c["hidden_size"]), int(kind.heads or c["num_attention_heads"])
+    if kind.attention in (MAMBA, CONV, NONE):
+        return _mixer_params(c, kind)
+    if kind.attention == COMPRESSED:  # deepseek_v41: low-rank q, one shared KV row, grouped low-rank output
+        hd, q_rank = int(c["head_dim"]), int(c.get("q_lora_rank") or 0)
+        q = d * q_rank + q_rank * heads * hd if q_rank else d * heads * hd
+        groups, o_rank = int(c.get("o_groups") or 1), int(c.get("o_lora_rank") or d)
+        compress = (2 if kind.ratio > 1 else 1) * d * hd if kind.ratio else 0
+        return q + d * hd + heads * hd * o_rank + groups * o_rank * d + compress  # wo_a per group, wo_b
     if kind.attention == MLA:
         nope, rope, v = int(c["qk_nope_head_dim"]), int(c["qk_rope_head_dim"]), int(c["v_head_dim"])
         q_rank, kv_rank = c.get("q_lora_rank"), int(c["kv_lora_rank"])
@@ -170,12 +281,28 @@ def _attention_params(c: Mapping[str, Any], kind: LayerKind) -> int:
         hk, hv = int(c["linear_num_key_heads"]), int(c["linear_num_value_heads"])
         dk, dv = int(c["linear_key_head_dim"]), int(c["linear_value_head_dim"])
         return d * (2 * hk * dk + 2 * hv * dv) + d * 2 * hv + hv * dv * d
-    kv_heads, hd = int(c.get("num_key_value_heads") or heads), _head_dim(c)
+    kv_heads, hd = _kv_heads(c, kind), _head_dim(c)
     return d * heads * hd + 2 * d * kv_heads * hd + heads * hd * d
 
 
+def _mixer_params(c: Mapping[str, Any], kind: LayerKind) -> int:
+    """A Mamba layer's projections (Mamba-2: in to x, z, B, C and dt; Mamba-1: in, x, dt), a short
+    convolution layer's (in to three streams, out), none for an MLP-only layer."""
+    d = int(c["hidden_size"])
+    if kind.attention == NONE:
+        return 0
+    if kind.attention == CONV:
+        return 3 * d * d + d * d
+    inner, state, conv, groups, heads = mamba_dims(c)
+    if heads:
+        return d * (2 * inner + 2 * groups * state + heads) + inner * d + conv * (inner + 2 * groups * state)
+    rank = c.get("mamba_dt_rank")
+    rank = int(rank) if isinstance(rank, int) else math.ceil(d / 16)
+    return d * 2 * inner + inner * (rank + 2 * state) + rank * inner + inner * d + conv * inner + inner * state
+
+
 def _moe_width(c: Mapping[str, Any]) -> int:
-    return int(c.get("moe_intermediate_size") or c["intermediate_size"])
+    return int(c.get("moe_intermediate_size") or c.get("expert_ffn_hidden_size") or c["intermediate_size"])
 
 
 def _shared_params(c: Mapping[str, Any]) -> int:

@@ -1,6 +1,6 @@
 """Chaos on a disaggregated cluster (router + 2 prefill + 2 decode nodes) whose nodes are hosts in
 network namespaces (``tests/chaos/netns.py``; the router runs in this machine's namespace, on the lab's
-gateway address): 4 streams of bounded load for about 60 s while a loop kills, freezes, restarts a
+gateway address): 4 streams of bounded load for about 40 s while a loop kills, freezes, restarts a
 random node or cuts its link for 2.5-3 s (skipped, with the reason, where ``ip netns`` cannot be used;
 ``tests/chaos/scenario.py``). A killed or restarted node is started again at once by the test with the
 same command line (a supervisor's job). At least 99% complete, 0 hung, 0 truncated.

@@ -1,5 +1,5 @@
 """Chaos on a pipeline with a spare (``--pp-auto 2 --pp-spare 1`` over three ``--pp-peer`` processes,
-``tests/chaos/spare_cluster.py``) on loopback addresses: 4 streams of bounded load for about 60 s while a
+``tests/chaos/spare_cluster.py``) on loopback addresses: 4 streams of bounded load for about 40 s while a
 loop kills, freezes or restarts a random node (``tests/chaos/scenario.py``). A killed or restarted node
 is started again at once by the test with the same command line (a supervisor's job; issue 25 item 1),
 except the first stage killed, which the spare takes over. At least 99% complete, 0 hung, 0 truncated

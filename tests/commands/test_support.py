@@ -75,9 +75,9 @@ def test_the_handoff_column_names_the_cache_classes(rows):
     assert rows["deepseek_v3"]["DI"].cell() == "yes (KVCache)"  # MLA's latents
 
 
-def test_a_family_whose_cache_cannot_travel_says_which_layer():
+def test_llama4s_chunked_caches_travel_but_it_has_no_slice_nor_cut():
     support = di_support(LLAMA4)
-    assert support.ok is False and support.detail == "layer 0 keeps a ChunkedKVCache"
+    assert support.ok is True and support.detail == "ChunkedKVCache"  # CHUNKED records (docs/disagg.md)
     assert pp_support(LLAMA4, verbose=True).detail.startswith("a multimodal wrapper")
     assert tp_support(LLAMA4).ok is False
 

@@ -65,15 +65,28 @@ def tiny_mamba(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_llama4(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 1-layer llama4: its chunked-attention layer keeps a ChunkedKVCache, which no handoff carries."""
+    """A 4-layer llama4: layers 0-2 chunked attention (ChunkedKVCache: CHUNKED records), layer 3 global (mlx-lm's
+    llama4 reads cache[3] for its global mask, so fewer layers cannot run with a cache)."""
     text = {"attention_bias": False, "attention_chunk_size": 8, "head_dim": 16, "hidden_size": 32,
             "interleave_moe_layer_step": 4, "intermediate_size": 32, "intermediate_size_mlp": 64,
             "max_position_embeddings": 2048, "model_type": "llama4_text", "num_attention_heads": 2,
-            "num_experts_per_tok": 1, "num_hidden_layers": 1, "num_key_value_heads": 1, "num_local_experts": 2,
+            "num_experts_per_tok": 1, "num_hidden_layers": 4, "num_key_value_heads": 1, "num_local_experts": 2,
             "rms_norm_eps": 1e-5, "rope_scaling": None, "rope_theta": 10000.0, "use_qk_norm": False,
             "vocab_size": 320}
     config = {"model_type": "llama4", "text_config": text, "eos_token_id": 2, "max_position_embeddings": 2048}
     return _model_checkpoint(tmp_path_factory, "tiny-llama4", config, 0)
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek_v41(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer deepseek_v41: each layer keeps a LayerCache (window, compressed rows, index keys) whose state
+    has no setter and whose class no from_state, so no handoff carries it (refused by name)."""
+    config = {"model_type": "deepseek_v41", "vocab_size": 320, "hidden_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "head_dim": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8, "o_groups": 2,
+              "o_lora_rank": 32, "moe_intermediate_size": 32, "n_routed_experts": 4, "num_experts_per_tok": 2,
+              "sliding_window": 8, "compress_ratios": [1, 4], "index_n_heads": 2, "index_head_dim": 16,
+              "index_topk": 4, "eos_token_id": 2, "max_position_embeddings": 2048}
+    return _model_checkpoint(tmp_path_factory, "tiny-deepseek-v41", config, 0)
 
 
 @pytest.fixture(scope="session")

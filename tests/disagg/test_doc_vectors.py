@@ -58,3 +58,16 @@ def test_the_state_and_list_example_matches_the_codec():
     got = dec.result()
     assert got.prompt == (7,) and all(np.array_equal(a, b) for a, b in zip(got.tensors, sent))
     assert [t.shape for t in got.tensors][:2] == [(1, 3), (1, 1, 1, 2)]
+
+
+def test_the_chunked_example_matches_the_codec():
+    layout = KVLayout((LayerSpec(CacheKind.CHUNKED, DType.FLOAT32, 1, 1, 1, max_size=2),))
+    keys = np.array([[[[2.0], [3.0]]]], np.float32)
+    written = [encode_header({"nonce": "0123456789abcdef"}, (7, 8, 9), layout), *encode_chunks([keys, -keys], 24)]
+    parts = example_parts("### 4.6 Worked example")
+    assert parts == written
+    dec = HandoffDecoder(layout, 16)
+    for part in parts:
+        dec.feed(part)
+    got = dec.result()
+    assert got.prompt == (7, 8, 9) and np.array_equal(got.tensors[0], keys) and np.array_equal(got.tensors[1], -keys)

@@ -67,9 +67,9 @@ def generate(nonce: str, target: PeerId | None = None) -> bytes:
     return m.Generate(nonce, (1, 40, 41, 42), SamplingParams(max_tokens=3), decode_target=target).encode()
 
 
-def test_a_model_whose_cache_cannot_travel_is_refused_per_request_and_the_node_keeps_serving(tiny_llama4, nodes):
+def test_a_model_whose_cache_cannot_travel_is_refused_per_request_and_the_node_keeps_serving(tiny_deepseek_v41, nodes):
     router, replies, decode, received = nodes
-    svc = service(tiny_llama4, decode)
+    svc = service(tiny_deepseek_v41, decode)
     try:
         for nonce in ("000000000000000a", "000000000000000b"):
             router.send(svc.transport.identity, Kind.CONTROL, generate(nonce))
@@ -77,7 +77,7 @@ def test_a_model_whose_cache_cannot_travel_is_refused_per_request_and_the_node_k
         for kind, doc in replies:
             assert kind is MsgType.ERROR and doc["code"] == ErrorCode.UNSUPPORTED
             assert "cannot be handed off to a decode node" in doc["message"] and "layer 0" in doc["message"]
-            assert "ChunkedKVCache" in doc["message"]
+            assert "keeps a LayerCache" in doc["message"]
         assert svc.scheduler.counters.prompt_tokens == 0  # no prefill work at all
         state = m.decode(router.request(svc.transport.identity, m.encode(MsgType.STATE, {})))[1]
         assert state["role"] == "prefill" and state["cache_supported"] is False and state["refused"] == 2
