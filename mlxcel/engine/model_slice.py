@@ -37,7 +37,7 @@ from mlx_lm.models.cache import KVCache
 
 from mlxcel.engine.flows import Flow, Gemma4Flow, KimiK3Flow, Ministral3Flow
 # LINEAR: the attention kind of a linear-attention (state-space) layer: an SSM mask, no window
-from mlxcel.engine.slice_rule import LINEAR, cache_attention, rule_family
+from mlxcel.engine.slice_rule import LINEAR, cache_attention, lm_head, rule_parts  # noqa: F401 - lm_head: importers' name
 from mlxcel.models.errors import ModelError
 
 MLX_LM_MODELS = "mlx_lm.models."
@@ -45,14 +45,6 @@ MLX_LM_MODELS = "mlx_lm.models."
 
 def _embed_tokens(model: Any, inputs: mx.array) -> mx.array:
     return model.model.embed_tokens(inputs)
-
-
-def lm_head(model: Any) -> Any:
-    """The model's lm_head, or None where it is tied to the embedding. mlx-lm builds (or, in sanitize,
-    keeps) lm_head only for untied checkpoints; multimodal wrappers (qwen3_5, kimi_k3) hold it in their
-    ``language_model``."""
-    holder = getattr(model, "language_model", model)
-    return getattr(holder, "lm_head", None) if "lm_head" in holder else None
 
 
 def _norm_and_head(model: Any, h: mx.array) -> mx.array:
@@ -243,7 +235,7 @@ def family_of(model: Any) -> Family:
                          f"Model")
     if name in REFUSED:
         raise ModelError(f"model family {kind!r} cannot be sliced into pipeline stages: {REFUSED[name]}")
-    return FAMILIES.get(name) or _inherited(model) or rule_family(model, kind)
+    return FAMILIES.get(name) or _inherited(model) or Family(**rule_parts(model, kind))
 
 
 def _inherited(model: Any) -> Family | None:

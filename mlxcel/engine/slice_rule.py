@@ -15,7 +15,7 @@ re-implements, read from the model object and the source of its two forward pass
   ``RotatingKVCache`` (a sliding window of its ``max_size``) or an ``ArraysCache`` (linear attention,
   an SSM mask): the kind of each layer's mask is read from its cache.
 
-A family that breaks the rule is refused by name with the first reason found (``rule_family``).
+A family that breaks the rule is refused by name with the first reason found (``rule_parts``).
 """
 
 from __future__ import annotations
@@ -86,10 +86,16 @@ def final_norm_name(model: Any) -> str:
     return _final_norm_of(type(model.model))
 
 
+def lm_head(model: Any) -> Any:
+    """The model's lm_head, or None where it is tied to the embedding. mlx-lm builds (or, in sanitize,
+    keeps) lm_head only for untied checkpoints; multimodal wrappers (qwen3_5, kimi_k3) hold it in their
+    ``language_model``."""
+    holder = getattr(model, "language_model", model)
+    return getattr(holder, "lm_head", None) if "lm_head" in holder else None
+
+
 def norm_and_head(model: Any, h: mx.array) -> mx.array:
     """The final norm (by its name in the inner forward), then lm_head or the tied embedding."""
-    from mlxcel.engine.model_slice import lm_head
-
     h = getattr(model.model, final_norm_name(model))(h)
     head = lm_head(model)
     return head(h) if head is not None else model.model.embed_tokens.as_linear(h)
@@ -148,12 +154,11 @@ def rule_break(model: Any) -> str | None:
     return _shape_break(model) or _source_break(model) or _cache_break(model)
 
 
-def rule_family(model: Any, name: str) -> Any:
-    """The generic slice with per-layer mask kinds read from the caches; ModelError naming why not."""
-    from mlxcel.engine.model_slice import Family
-
+def rule_parts(model: Any, name: str) -> dict[str, Any]:
+    """The generic slice's ``model_slice.Family`` fields, with per-layer mask kinds read from the caches;
+    ModelError naming why not."""
     why = rule_break(model)
     if why is not None:
         raise ModelError(f"model family {name!r} cannot be sliced into pipeline stages: {why}")
     array = "return_array=True" in _source(type(model.model).__call__)
-    return Family(head=norm_and_head, attention=cache_attention, array_masks=array)
+    return {"head": norm_and_head, "attention": cache_attention, "array_masks": array}

@@ -158,11 +158,11 @@ def gemma2():
 def test_gemma2_slices_with_its_row_and_the_rule_alone_refuses_it():
     """gemma2 soft-caps its final logits and scales its embeddings: the rule refuses it by name, its row
     (scale, soft-cap, array masks) slices it into the whole model's logits."""
-    from mlxcel.engine.slice_rule import rule_family
+    from mlxcel.engine.slice_rule import rule_parts
 
     model = gemma2()
     with pytest.raises(ModelError) as info:
-        rule_family(model, "gemma2")
+        rule_parts(model, "gemma2")
     assert str(info.value) == "model family 'gemma2' cannot be sliced into pipeline stages: it scales its embedding"
     x = mx.array([[1, 2, 3, 4, 5, 6]])
     got = ModelSlice(model, 2, 4)(ModelSlice(model, 0, 2)(x))
