@@ -10,6 +10,7 @@ import pytest
 from mlxcel.cluster.options import TransportOptions
 from mlxcel.topology.cluster_config import ClusterConfigError, load_cluster_config
 from tests.cluster.conftest import CLIENT_IP, HONEST_IP
+from tests.cluster.test_attacks import _closed_at_accept as closed_at_accept
 from tests.pipeline.cluster_toml import write_toml
 from tests.ports import free_port
 from tests.waiting import wait_until
@@ -80,16 +81,6 @@ def test_a_disaggregated_toml_takes_the_table_too(tmp_path):
     assert load_cluster_config(write_toml(tmp_path, text)).transport_options().max_pending_handshakes_per_ip == 2
 
 
-def _closed_at_accept(s: socket.socket, timeout: float = 2.0) -> bool:
-    s.settimeout(timeout)
-    try:
-        return s.recv(1) == b""
-    except ConnectionResetError:
-        return True
-    except socket.timeout:
-        return False
-
-
 @pytest.mark.timeout(30)
 def test_per_source_pending_limit_from_the_toml_reaches_the_coordinator_listener(tmp_path, tiny_llama):
     """max_pending_handshakes_per_ip = 1: the coordinator's listener keeps one unauthenticated socket from a
@@ -110,10 +101,10 @@ def test_per_source_pending_limit_from_the_toml_reaches_the_coordinator_listener
         opened.append(socket.create_connection(target, source_address=(CLIENT_IP, 0)))
         assert wait_until(lambda: executor.transport.pending_handshakes == 1)
         opened.append(socket.create_connection(target, source_address=(CLIENT_IP, 0)))
-        assert _closed_at_accept(opened[-1])  # the second pending socket from the same source
+        assert closed_at_accept(opened[-1], 2.0)  # the second pending socket from the same source
         opened.append(socket.create_connection(target, source_address=(HONEST_IP, 0)))
         assert wait_until(lambda: executor.transport.pending_handshakes == 2)  # another source's slot
-        assert not _closed_at_accept(opened[0], 0.2)  # the first one still waits for its hello
+        assert not closed_at_accept(opened[0], 0.2)  # the first one still waits for its hello
     finally:
         for s in opened:
             s.close()

@@ -12,6 +12,7 @@ from mlxcel.server import protocol as p
 from mlxcel.server import tool_calls as tc
 from mlxcel.server.chat_turn import Turn, join_deltas, prepare_turn
 from mlxcel.server.errors import InvalidRequest
+from tests.server.test_tool_parsing import merged
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
                                             "parameters": {"type": "object", "required": ["city"],
@@ -33,14 +34,7 @@ ANSWER = ('<|channel|>analysis<|message|>plan it<|end|>'
 def split(text: str, size: int, opened: str = "assistant", calls: bool = True) -> list:
     """Feed ``text`` in ``size``-character slices; merge adjacent pieces of one kind (calls stay whole)."""
     s = hm.HarmonySplitter(opened, calls=calls)
-    out = [piece for i in range(0, len(text), size) for piece in s.feed(text[i:i + size])] + s.finish()
-    merged: list = []
-    for kind, t in out:
-        if merged and merged[-1][0] == kind != "call":
-            merged[-1] = (kind, merged[-1][1] + t)
-        else:
-            merged.append((kind, t))
-    return merged
+    return merged([piece for i in range(0, len(text), size) for piece in s.feed(text[i:i + size])] + s.finish())
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 7, 1000])

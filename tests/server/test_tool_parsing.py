@@ -36,13 +36,18 @@ def split_all(text: str, pieces: int, **kw) -> list:
     for i in range(0, len(text), pieces):
         out += s.feed(text[i:i + pieces])
     out += s.finish()
-    merged: list = []
-    for kind, t in out:
-        if merged and merged[-1][0] == kind != "call":
-            merged[-1] = (kind, merged[-1][1] + t)
+    return merged(out)
+
+
+def merged(pieces: list) -> list:
+    """Adjacent pieces of one kind joined (calls stay whole): what a split is compared by."""
+    out: list = []
+    for kind, t in pieces:
+        if out and out[-1][0] == kind != "call":
+            out[-1] = (kind, out[-1][1] + t)
         else:
-            merged.append((kind, t))
-    return merged
+            out.append((kind, t))
+    return out
 
 
 @pytest.mark.parametrize("pieces", [1, 2, 3, 7, 1000])
