@@ -189,17 +189,18 @@ async def one_turn(client: httpx.AsyncClient, url: str, body: dict[str, Any]) ->
 
 
 async def prefix_counters(client: httpx.AsyncClient, urls: list[str]) -> tuple[float, float] | None:
-    """(hits, reused tokens) summed over ``urls``' /metrics; None where any of them does not answer."""
+    """(hits, reused tokens) summed over ``urls``' /metrics; None where any of them does not answer or lacks the
+    counters (not measured, which is not the same as nothing reused)."""
     hits = tokens = 0.0
     for url in urls:
         try:
             text = (await client.get(f"{url}/metrics", timeout=10)).text
         except httpx.HTTPError:
             return None
-        for line in text.splitlines():
-            name, _, value = line.partition(" ")
-            hits += float(value) if name == PREFIX_HITS else 0.0
-            tokens += float(value) if name == PREFIX_TOKENS else 0.0
+        found = dict(line.partition(" ")[::2] for line in text.splitlines() if line.startswith("mlxcel_prefix_cache"))
+        if PREFIX_HITS not in found or PREFIX_TOKENS not in found:
+            return None
+        hits, tokens = hits + float(found[PREFIX_HITS]), tokens + float(found[PREFIX_TOKENS])
     return hits, tokens
 
 

@@ -121,3 +121,57 @@ def test_a_real_run_reuses_the_prefix_from_turn_two(tmp_path_factory: pytest.Tem
     assert summary["vs_baseline"] == 1.0 and 0 < summary["reuse"] <= 1
     for r in rows:
         validate_row(r)
+
+
+@pytest.fixture
+def metrics_server():
+    """A loopback HTTP server whose /metrics answers the text put in ``pages[port]``."""
+    import http.server
+    import threading
+
+    pages: dict[int, str] = {}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802
+            body = pages[self.server.server_address[1]].encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    servers = []
+
+    def start(text: str) -> str:
+        srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        pages[srv.server_address[1]] = text
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        servers.append(srv)
+        return f"http://127.0.0.1:{srv.server_address[1]}"
+
+    yield start
+    for srv in servers:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_prefix_counters_sum_over_processes_and_say_when_they_were_not_measured(metrics_server) -> None:
+    import asyncio
+
+    import httpx
+
+    from bench.agent_turns import prefix_counters
+
+    a = metrics_server("mlxcel_prefix_cache_hits_total 2.0\nmlxcel_prefix_cache_reused_tokens_total 300.0\n")
+    b = metrics_server("# a comment\nmlxcel_prefix_cache_hits_total 1\nmlxcel_prefix_cache_reused_tokens_total 50\n")
+    bare = metrics_server("mlxcel_requests_total 4\n")  # a process that does not export the counters
+
+    async def read(urls: list[str]):
+        async with httpx.AsyncClient() as client:
+            return await prefix_counters(client, urls)
+
+    assert asyncio.run(read([a, b])) == (3.0, 350.0)
+    assert asyncio.run(read([a, bare])) is None  # not measured, not "nothing reused"
+    assert asyncio.run(read([a, "http://127.0.0.1:9"])) is None  # a process that does not answer
