@@ -86,7 +86,7 @@ class DecodeService(RoleService):
                  context_length: int, parallel: int, max_batch_size: int, max_queue: int, warmup: bool = True):
         super().__init__(cfg, identity, secret)
         self.layout = probe_layout(model)
-        keep_freed_memory()  # each handoff's tensor buffers on pages the last ones faulted in (heap.py)
+        self.heap_kept = keep_freed_memory()  # each handoff's tensor buffers on pages the last ones faulted in
         self.staging = None if cfg.handoff_copy else shared_staging(cfg.handoff_staging)
         # tensor buffers: page-locked ones copied into MLX by DMA (CUDA), else MLX memory where numpy can write it
         self.allocate = (staged_allocator(self.staging) if self.staging is not None
@@ -322,7 +322,7 @@ class DecodeService(RoleService):
         return {"ready": True, "sequences": len(self.running), "running": c.running, "waiting": c.waiting,
                 "kv_sequences": len(self.executor.runners[0]), "incoming": len(arriving),
                 "incoming_bytes": sum(i.decoder.received for i in arriving if i.decoder is not None),
-                "cache_supported": self.layout.unsupported is None,
+                "cache_supported": self.layout.unsupported is None, "heap_kept": self.heap_kept,
                 "connections": self.transport.authenticated_connections, **self.counters}
 
     def close(self) -> None:
