@@ -115,8 +115,15 @@ class Running:
     stop: Callable[[], None]
 
 
-def _stop_popens(procs: list[subprocess.Popen]) -> Callable[[], None]:
-    return lambda: [serve_bench.stop(p) for p in procs[::-1]] and None
+def _stop_all(procs: list[Any]) -> Callable[[], None]:
+    """Stop ``procs`` last first (Popen through serve_bench.stop, disagg_bench.Proc through its own stop)."""
+    def stop() -> None:
+        for p in procs[::-1]:
+            if isinstance(p, disagg_bench.Proc):
+                p.stop()
+            else:
+                serve_bench.stop(p)
+    return stop
 
 
 def launch(v: Variant, model: str, common: list[str], hosts: list[str], work: Path) -> Running:
@@ -125,7 +132,7 @@ def launch(v: Variant, model: str, common: list[str], hosts: list[str], work: Pa
         port = disagg_bench.free_port(hosts[0])
         proc = cluster_abba.server(["-m", model, "--served-model-name", MODEL_NAME, *common, *v.role("server")],
                                    hosts[0], port, work / f"{v.name}.log")
-        run = Running(f"http://{hosts[0]}:{port}", [f"http://{hosts[0]}:{port}"], _stop_popens([proc]))
+        run = Running(f"http://{hosts[0]}:{port}", [f"http://{hosts[0]}:{port}"], _stop_all([proc]))
         _ready(run, proc)
         return run
     if v.topology.startswith("pp"):
@@ -133,7 +140,7 @@ def launch(v: Variant, model: str, common: list[str], hosts: list[str], work: Pa
         ns = argparse.Namespace(model=model, server_args=shlex.join([*common, *v.role("coordinator")]))
         url, procs = cluster_abba.start_cluster(ns, work, v.name, hosts[1:2 + stages], {},
                                                 stage_args=v.role("stage"))
-        run = Running(url, [url], _stop_popens(procs))
+        run = Running(url, [url], _stop_all(procs))
         _ready(run, procs[-1])
         return run
     secret = work / f"{v.name}.secret"
@@ -142,7 +149,7 @@ def launch(v: Variant, model: str, common: list[str], hosts: list[str], work: Pa
     roles = {r: v.role(r) for r in ("prefill", "decode", "router")}
     url, procs = disagg_bench.start_topology(v.topology, model, secret, common, 0, role_args=roles)
     decodes = int(disagg_bench.topology_options(v.topology)[0].split("p")[1].rstrip("d"))
-    return Running(url, [p.url for p in procs[decodes:-1]], lambda: [p.stop() for p in procs[::-1]] and None)
+    return Running(url, [p.url for p in procs[decodes:-1]], _stop_all(procs))
 
 
 def _ready(run: Running, proc: subprocess.Popen) -> None:
