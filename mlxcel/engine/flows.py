@@ -19,9 +19,9 @@ import mlx.core as mx
 def hidden_size(model: Any) -> int:
     """The model's hidden size, read from its final norm (wrapper configs such as kimi_k3's nest it; jamba
     and lfm2 name it otherwise: ``slice_rule.final_norm_name``)."""
-    from mlxcel.engine.slice_rule import final_norm_name
+    from mlxcel.engine.slice_rule import final_norm_name, text_model
 
-    return int(getattr(model.model, final_norm_name(model)).weight.shape[0])
+    return int(getattr(text_model(model), final_norm_name(model)).weight.shape[0])
 
 
 class Flow:
@@ -64,6 +64,37 @@ class Ministral3Flow(Flow):
 
     def layer(self, index: int, layer: Any, mask: Any, cache: Any) -> None:
         self.h = layer(self.h, self.scale, mask, cache=cache)
+
+
+class Llama4Flow(Flow):
+    """llama4 (text): chunked local attention in the layers whose attention uses rope (all but every 4th),
+    global attention in the others. As ``LlamaModel`` does per forward pass, each chunked cache is first
+    trimmed to its chunk, then one chunk mask is built from the first chunked cache's kept start and offset
+    (0 and 0 without caches), and one global mask from the first global layer's cache."""
+
+    def __init__(self, model: Any, start: int, carried: mx.array, cache: list):
+        from mlx_lm.models.base import create_attention_mask
+
+        from mlxcel.engine.slice_rule import text_model
+
+        super().__init__(model, start, carried, cache)
+        inner = text_model(model)
+        self.chunked = [bool(inner.layers[start + i].self_attn.use_rope) for i in range(len(cache))]
+        local = [c for c, chunked in zip(cache, self.chunked) if chunked and c is not None]
+        for c in local:
+            c.maybe_trim_front()
+        begin, offset = (local[0].start_position, local[0].offset) if local else (0, 0)
+        end = offset + carried.shape[1]
+        keys, queries = mx.arange(begin, end), mx.arange(offset, end)[:, None]
+        size = inner.attention_chunk_size
+        self.chunk_mask = (mx.abs(keys // size - queries // size) == 0) & (keys <= queries)
+        glob = next((c for c, chunked in zip(cache, self.chunked) if not chunked), None)
+        self.global_mask = create_attention_mask(carried, glob)
+        self.start = start
+
+    def layer(self, index: int, layer: Any, mask: Any, cache: Any) -> None:
+        own = self.chunk_mask if self.chunked[index - self.start] else self.global_mask
+        self.h = layer(self.h, own, cache=cache)
 
 
 def _per_layer_width(model: Any) -> int:

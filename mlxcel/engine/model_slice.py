@@ -35,9 +35,10 @@ import mlx.core as mx
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 from mlx_lm.models.cache import KVCache
 
-from mlxcel.engine.flows import Flow, Gemma4Flow, KimiK3Flow, Ministral3Flow
+from mlxcel.engine.flows import Flow, Gemma4Flow, KimiK3Flow, Llama4Flow, Ministral3Flow
 # LINEAR: the attention kind of a linear-attention (state-space) layer: an SSM mask, no window
-from mlxcel.engine.slice_rule import LINEAR, cache_attention, lm_head, rule_parts  # noqa: F401 - lm_head: importers' name
+from mlxcel.engine.slice_rule import (  # noqa: F401 - lm_head: importers' name
+    LINEAR, cache_attention, lm_head, norm_and_head, rule_parts, text_model)
 from mlxcel.models.errors import ModelError
 
 MLX_LM_MODELS = "mlx_lm.models."
@@ -166,6 +167,11 @@ def _cohere2_head(model: Any, h: mx.array) -> mx.array:
     return _norm_and_head(model, h) * model.model.args.logit_scale
 
 
+def _text_embed(model: Any, inputs: mx.array) -> mx.array:
+    """A wrapper without a ``model`` alias (llama4): its language model's embedding."""
+    return text_model(model).embed_tokens(inputs)
+
+
 GENERIC = Family()
 
 # Keyed by the mlx-lm module (mlx_lm.models.<name>) whose Model the checkpoint loads into.
@@ -203,16 +209,18 @@ FAMILIES: dict[str, Family] = {
     "granitemoehybrid": Family(embed=_granite_embed, head=_granite_head, attention=cache_attention),
     "cohere2": Family(head=_cohere2_head, attention=cache_attention),
     "mistral4": Family(flow=Ministral3Flow),  # MLA with ministral3's llama 4 query scale, passed to each layer
+    # multimodal wrappers: the text model inside (language_model.model, its lm_head beside it) is sliced
+    "kimi_k25": Family(array_masks=True),  # deepseek_v3's text model
+    # each layer's CacheList holds the attention's KV (then, in sparse layers, the indexer's keys): the
+    # one full-attention mask comes from the first layer's KV, as TextModel builds it
+    "minimax_m3_vl": Family(mask_cache=lambda cache: cache[0] if cache else None),
+    # chunked local / global attention, each with the mask the text model builds per forward pass (Llama4Flow)
+    "llama4": Family(embed=_text_embed, head=norm_and_head, flow=Llama4Flow, mask_cache=lambda cache: None),
 }
 
 # mlx-lm families with pipeline() or shard() hooks that neither the rule nor a row slices, and why (any other
 # family the rule refuses gets the rule's reason; tests/engine/test_slice_rule.py checks every hooked family)
-_WRAPPER = "a multimodal wrapper (its text model is language_model, under a text_config)"
 REFUSED: dict[str, str] = {
-    "kimi_k25": f"{_WRAPPER}; slicing the deepseek_v3 text model inside is not implemented",
-    "minimax_m3_vl": f"{_WRAPPER} whose layers each hold a CacheList (sparse attention's indexer keys)",
-    "llama4": f"{_WRAPPER} with chunked local attention: a ChunkedKVCache and a chunk mask the model builds "
-              "itself",
     "deepseek_v41": "its text model makes its own layer caches (compressed KV and indexer keys) and mixes "
                     "several residual streams (hyper-connections) across layers",
     "longcat_flash": "each layer runs two attention sublayers with a CacheList of two caches and zero experts; "
@@ -268,7 +276,7 @@ class ModelSlice:
 
     def __post_init__(self) -> None:
         self.family = family_of(self.model)
-        total = len(self.model.model.layers)
+        total = len(text_model(self.model).layers)
         if not 0 <= self.start < self.end <= total:
             raise ModelError(f"layer range {self.start}-{self.end - 1} is outside the model's 0-{total - 1}")
         self.family.check_slice(self.model, self.start, self.end)
@@ -280,11 +288,11 @@ class ModelSlice:
 
     @property
     def is_last(self) -> bool:
-        return self.end == len(self.model.model.layers)
+        return self.end == len(text_model(self.model).layers)
 
     @property
     def layers(self) -> list:
-        return self.model.model.layers[self.start:self.end]
+        return text_model(self.model).layers[self.start:self.end]
 
     def make_cache(self) -> list:
         """One KV cache per layer of the slice, of the type the family asks for (none for layers that reuse

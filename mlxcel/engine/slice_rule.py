@@ -75,6 +75,13 @@ def cache_attention(model: Any, index: int) -> Hashable:
     return cache_kind(make()[index]) if make is not None else None
 
 
+def text_model(model: Any) -> Any:
+    """The text model whose layers a slice runs: ``model.model`` (multimodal wrappers such as kimi_k25 alias
+    it to their language model's), else a wrapper's ``language_model.model`` (llama4 has no alias)."""
+    inner = getattr(model, "model", None)
+    return inner if inner is not None else model.language_model.model
+
+
 @lru_cache(maxsize=None)
 def _final_norm_of(inner_class: type) -> str:
     match = _FINAL_NORM.search(_source(inner_class.__call__).rstrip())
@@ -83,7 +90,7 @@ def _final_norm_of(inner_class: type) -> str:
 
 def final_norm_name(model: Any) -> str:
     """The inner model's final norm: the module its forward's last line applies (``norm`` if unread)."""
-    return _final_norm_of(type(model.model))
+    return _final_norm_of(type(text_model(model)))
 
 
 def lm_head(model: Any) -> Any:
@@ -96,9 +103,10 @@ def lm_head(model: Any) -> Any:
 
 def norm_and_head(model: Any, h: mx.array) -> mx.array:
     """The final norm (by its name in the inner forward), then lm_head or the tied embedding."""
-    h = getattr(model.model, final_norm_name(model))(h)
+    inner = text_model(model)
+    h = getattr(inner, final_norm_name(model))(h)
     head = lm_head(model)
-    return head(h) if head is not None else model.model.embed_tokens.as_linear(h)
+    return head(h) if head is not None else inner.embed_tokens.as_linear(h)
 
 
 def _shape_break(model: Any) -> str | None:

@@ -12,13 +12,13 @@ def load_stage_runner(model_dir: Path, start: int, end: int, *, max_rows: int) -
     import mlx.core as mx
 
     from mlxcel.engine.executor import slice_runner
-    from mlxcel.engine.model_slice import family_of, lm_head
+    from mlxcel.engine.model_slice import family_of, lm_head, text_model
     from mlxcel.models.loading import load_checkpoint
 
     loaded = load_checkpoint(model_dir, lazy=True, tokenizer=False)
     model = loaded.model
     runner = slice_runner(model, start, end, max_rows=max_rows)
-    inner = model.model
+    inner = text_model(model)  # a wrapper's language_model.model: weights language_model.model.layers.N...
     keep = [layer.parameters() for layer in inner.layers[start:end]]
     last = end == len(inner.layers)
     head = lm_head(model)
