@@ -97,6 +97,23 @@ class Llama4Flow(Flow):
         self.h = layer(self.h, own, cache=cache)
 
 
+class BailingHybridFlow(Flow):
+    """bailing_hybrid: its linear-attention (GLA) layers rope their queries and keys at the position offset,
+    which the forward reads once from the first MLA layer's KV cache: a stage reads it from its own first
+    MLA layer's (``model_slice`` refuses a stage without one, as mlx-lm's pipeline split does)."""
+
+    def __init__(self, model: Any, start: int, carried: mx.array, cache: list):
+        from mlxcel.engine.slice_rule import text_model
+
+        super().__init__(model, start, carried, cache)
+        layers = text_model(model).layers
+        mla = next((c for i, c in enumerate(cache) if layers[start + i].is_global and c is not None), None)
+        self.offset = mla.offset if mla is not None else 0
+
+    def layer(self, index: int, layer: Any, mask: Any, cache: Any) -> None:
+        self.h = layer(self.h, mask, cache, offset=self.offset)
+
+
 def _per_layer_width(model: Any) -> int:
     """gemma4_text: the width P of each layer's per-layer input (gemma-4 E2B/E4B), 0 without them."""
     return int(model.model.hidden_size_per_layer_input or 0)

@@ -25,7 +25,7 @@ from mlxcel.config import RANDOM_FAMILIES
 # RANDOM_FAMILIES one: plain and hybrid decoders sliced by rule or a small row, and mlx-lm's pipelined ones
 IN_PROCESS_FAMILIES = ("gemma2", "olmo2", "olmo3", "cohere2", "granitemoe", "smollm3", "seed_oss", "apertus",
                        "lfm2", "jamba", "granitemoehybrid", "deepseek_v2", "glm4_moe_lite", "mistral4",
-                       "exaone_moe", "step3p5", "kimi_k25", "minimax_m3_vl", "llama4")
+                       "exaone_moe", "step3p5", "longcat_flash", "kimi_k25", "minimax_m3_vl", "llama4")
 # multimodal wrappers: their text model's fields under text_config (the text model_type given here)
 WRAPPERS = {"kimi_k25": "kimi_k2", "minimax_m3_vl": "minimax_m3", "llama4": "llama4_text"}
 
@@ -174,6 +174,12 @@ def _family_fields(family: str, hidden: int, head_dim: int, intermediate: int) -
         "exaone_moe": {"num_experts": 4, "num_shared_experts": 1, "num_experts_per_tok": 2, "sliding_window": 4,
                        "moe_intermediate_size": moe, "layer_types": ["sliding_attention", "full_attention"] * 2,
                        "is_moe_layer": [False, True, True, True]},
+        # two MLA sublayers per layer (a CacheList of their KV), MoE with 2 zero (identity) experts beside 4
+        "longcat_flash": {"attention_method": "MLA", "zero_expert_type": "identity", "ffn_hidden_size": intermediate,
+                          "moe_topk": 2, "expert_ffn_hidden_size": moe, "n_routed_experts": 4, "zero_expert_num": 2,
+                          "num_layers": 4, "kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8,
+                          "qk_nope_head_dim": 16, "v_head_dim": 16, "routed_scaling_factor": 1.0,
+                          "mla_scale_q_lora": True, "mla_scale_kv_lora": True, "attention_bias": False},
         # wrappers (text_config): deepseek_v3's MLA and MoE under kimi_k25
         "kimi_k25": _mla(moe),
         # sparse attention (an indexer's keys beside the KV in each layer's CacheList) in layers 1 and 3, blocks
@@ -232,6 +238,8 @@ def _per_layer(config: dict, layers: int) -> None:
     if "layer_types" in config:
         pair = config["layer_types"][:2]
         config["layer_types"] = [pair[i % 2] for i in range(layers)]
+    if "num_layers" in config:  # longcat_flash counts its layers so
+        config["num_layers"] = layers
     if "mlp_layer_types" in config:  # minimax_m3_vl: layer 0 dense, MoE after it
         config["mlp_layer_types"] = ["dense"] + ["sparse"] * (layers - 1)
     linear = config.get("linear_attn_config")
