@@ -114,6 +114,67 @@ class BailingHybridFlow(Flow):
         self.h = layer(self.h, mask, cache, offset=self.offset)
 
 
+def _cla_width(model: Any, boundary: int) -> int:
+    """hunyuan: the width of the shared key and value projections crossing a boundary inside a group of
+    ``cla_share_factor`` layers (2 x key/value heads x head dim), 0 at a group's start or without CLA."""
+    from mlxcel.engine.slice_rule import text_model
+
+    args, layers = model.args, text_model(model).layers
+    factor = args.cla_share_factor if args.use_cla else 1
+    if boundary % factor == 0 or boundary >= len(layers):
+        return 0
+    return 2 * int(layers[boundary - boundary % factor].self_attn.k_proj.weight.shape[0])
+
+
+class HunyuanFlow(Flow):
+    """hunyuan with cross-layer attention (``use_cla``): the first layer of each group of ``cla_share_factor``
+    projects keys and values that the group's later layers reuse in the same forward pass. A boundary inside
+    a group carries them beside h: [B, L, D + 2 * KV] (h, keys, values; KV = key/value heads x head dim)."""
+
+    def __init__(self, model: Any, start: int, carried: mx.array, cache: list):
+        super().__init__(model, start, carried, cache)
+        self.shared, self.next = None, start
+        extra = _cla_width(model, start)
+        if extra:
+            d = hidden_size(model)
+            self.h = carried[..., :d]
+            self.shared = (carried[..., d:d + extra // 2], carried[..., d + extra // 2:])
+
+    @staticmethod
+    def width(model: Any, boundary: int) -> int:
+        return hidden_size(model) + _cla_width(model, boundary)
+
+    def layer(self, index: int, layer: Any, mask: Any, cache: Any) -> None:
+        args = self.model.args
+        if not args.use_cla or index % args.cla_share_factor == 0:  # as HunYuanModel: a group's first projects
+            self.shared = None
+        self.h, self.shared = layer(self.h, mask, cache, self.shared)
+        self.next = index + 1
+
+    def leave(self, last: bool) -> mx.array:
+        if last or not _cla_width(self.model, self.next):
+            return self.h
+        return mx.concatenate([self.h, *(kv.astype(self.h.dtype) for kv in self.shared)], axis=-1)
+
+
+class FalconH1Flow(Flow):
+    """falcon_h1: each layer runs Mamba-2 and attention side by side over a CacheList (ArraysCache, KVCache)
+    and takes both masks by keyword; as FalconH1Model, one of each per forward pass from the first layer's
+    caches (the stage's first)."""
+
+    def __init__(self, model: Any, start: int, carried: mx.array, cache: list):
+        from mlx_lm.models.base import create_attention_mask, create_ssm_mask
+
+        super().__init__(model, start, carried, cache)
+        first = cache[0] if cache and cache[0] is not None else (None, None)
+        self.mamba_mask = create_ssm_mask(carried, first[0])
+        self.attn_mask = create_attention_mask(carried, first[1])
+
+    def layer(self, index: int, layer: Any, mask: Any, cache: Any) -> None:
+        self.h = layer(self.h, cache=cache if cache is not None else (None, None), attn_mask=self.attn_mask,
+                       mamba_mask=self.mamba_mask)
+
+
 def _per_layer_width(model: Any) -> int:
     """gemma4_text: the width P of each layer's per-layer input (gemma-4 E2B/E4B), 0 without them."""
     return int(model.model.hidden_size_per_layer_input or 0)

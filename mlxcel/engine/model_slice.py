@@ -35,7 +35,8 @@ import mlx.core as mx
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 from mlx_lm.models.cache import KVCache
 
-from mlxcel.engine.flows import BailingHybridFlow, Flow, Gemma4Flow, KimiK3Flow, Llama4Flow, Ministral3Flow
+from mlxcel.engine.flows import (BailingHybridFlow, FalconH1Flow, Flow, Gemma4Flow, HunyuanFlow, KimiK3Flow,
+                                 Llama4Flow, Ministral3Flow)
 # LINEAR: the attention kind of a linear-attention (state-space) layer: an SSM mask, no window
 from mlxcel.engine.slice_rule import (  # noqa: F401 - lm_head: importers' name
     LINEAR, cache_attention, embedding, lm_head, norm_and_head, rule_parts, text_model)
@@ -182,6 +183,14 @@ def _bailing_slice_check(model: Any, start: int, end: int) -> None:
                          f"from an MLA layer's cache, so each stage must hold one")
 
 
+def _falcon_h1_head(model: Any, h: mx.array) -> mx.array:
+    """As falcon_h1's Model: a tied head scales by lm_head_multiplier / embedding_multiplier (an untied
+    lm_head has them folded in by sanitize)."""
+    out = norm_and_head(model, h)
+    args = model.args
+    return out * (args.lm_head_multiplier / args.embedding_multiplier) if lm_head(model) is None else out
+
+
 GENERIC = Family()
 
 # Keyed by the mlx-lm module (mlx_lm.models.<name>) whose Model the checkpoint loads into.
@@ -222,6 +231,11 @@ FAMILIES: dict[str, Family] = {
     # MLA (array masks) / linear attention (GLA) by each layer's is_global; the embedding is word_embeddings
     "bailing_hybrid": Family(attention=_mla_or_linear, array_masks=True, flow=BailingHybridFlow,
                              check_slice=_bailing_slice_check),
+    # cross-layer attention: a group's later layers reuse its first layer's key / value projections, carried
+    # beside h across a boundary inside a group (HunyuanFlow)
+    "hunyuan": Family(flow=HunyuanFlow),
+    # Mamba-2 beside attention in every layer (a CacheList of both), masks by keyword; a scaled tied head
+    "falcon_h1": Family(head=_falcon_h1_head, flow=FalconH1Flow, mask_cache=lambda cache: None),
     # two MLA sublayers per layer, a CacheList of their two KV caches, the one mask from the first's
     "longcat_flash": Family(array_masks=True, mask_cache=lambda cache: cache[0] if cache else None),
     # multimodal wrappers: the text model inside (language_model.model, its lm_head beside it) is sliced
@@ -236,8 +250,12 @@ FAMILIES: dict[str, Family] = {
 # mlx-lm families with pipeline() or shard() hooks that neither the rule nor a row slices, and why (any other
 # family the rule refuses gets the rule's reason; tests/engine/test_slice_rule.py checks every hooked family)
 REFUSED: dict[str, str] = {
-    "deepseek_v41": "its text model makes its own layer caches (compressed KV and indexer keys) and mixes "
-                    "several residual streams (hyper-connections) across layers",
+    "deepseek_v41": "its text model makes its own layer caches (compressed KV and indexer keys, a LayerCache "
+                    "without from_state) and mixes several residual streams (hyper-connections) across layers; "
+                    "a row carrying the streams beside h is not implemented",
+    "nemotron_h": "its text model is model.backbone, and its MLP and MoE layers own no cache: make_cache gives "
+                  "caches to the Mamba and attention layers only, so a layer's cache is not its index's; no row "
+                  "yet",
     "longcat_flash_ngram": "it adds n-gram embeddings to the token embedding (a second embedding)",
     "iquestloopcoder": "it runs its layers twice (a loop), the second pass reading the first pass's KV",
     "muse_spark": "its text model is model.language_model, and its head casts to lm_head's dtype",

@@ -25,7 +25,7 @@ from mlxcel.config import RANDOM_FAMILIES
 # RANDOM_FAMILIES one: plain and hybrid decoders sliced by rule or a small row, and mlx-lm's pipelined ones
 IN_PROCESS_FAMILIES = ("gemma2", "olmo2", "olmo3", "cohere2", "granitemoe", "smollm3", "seed_oss", "apertus",
                        "lfm2", "jamba", "granitemoehybrid", "deepseek_v2", "glm4_moe_lite", "mistral4",
-                       "exaone_moe", "step3p5", "longcat_flash", "kimi_k25", "minimax_m3_vl", "llama4")
+                       "exaone_moe", "step3p5", "hunyuan", "falcon_h1", "longcat_flash", "kimi_k25", "minimax_m3_vl", "llama4")
 # multimodal wrappers: their text model's fields under text_config (the text model_type given here)
 WRAPPERS = {"kimi_k25": "kimi_k2", "minimax_m3_vl": "minimax_m3", "llama4": "llama4_text"}
 
@@ -174,6 +174,15 @@ def _family_fields(family: str, hidden: int, head_dim: int, intermediate: int) -
         "exaone_moe": {"num_experts": 4, "num_shared_experts": 1, "num_experts_per_tok": 2, "sliding_window": 4,
                        "moe_intermediate_size": moe, "layer_types": ["sliding_attention", "full_attention"] * 2,
                        "is_moe_layer": [False, True, True, True]},
+        # cross-layer attention: layers 1 and 3 reuse the key / value projections of layers 0 and 2; MoE with a
+        # shared MLP
+        "hunyuan": {"attention_bias": False, "moe_topk": 2, "num_experts": 4, "num_shared_expert": 1,
+                    "use_mixed_mlp_moe": True, "use_qk_norm": True, "use_cla": True, "cla_share_factor": 2,
+                    "rope_scaling": {"alpha": 1000.0, "factor": 1.0, "type": "dynamic"}},
+        # Mamba-2 and attention side by side in every layer; tied, so its head scales the logits
+        "falcon_h1": {"mamba_d_ssm": 64, "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 8,
+                      "mamba_d_conv": 4, "mamba_n_groups": 1, "mamba_expand": 2, "mamba_chunk_size": 4,
+                      "tie_word_embeddings": True, "lm_head_multiplier": 0.5, "embedding_multiplier": 2.0},
         # two MLA sublayers per layer (a CacheList of their KV), MoE with 2 zero (identity) experts beside 4
         "longcat_flash": {"attention_method": "MLA", "zero_expert_type": "identity", "ffn_hidden_size": intermediate,
                           "moe_topk": 2, "expert_ffn_hidden_size": moe, "n_routed_experts": 4, "zero_expert_num": 2,

@@ -71,15 +71,18 @@ TABLE: dict[str, list[type]] = {
     "mistral4": [KV] * 4,  # row: MLA with ministral3's llama 4 query scale passed to each layer
     "exaone_moe": [ROT, KV, ROT, KV],  # sliding / full alternating; layer 0 dense
     "step3p5": [ROT, KV, ROT, KV],  # sliding / full alternating; MoE after layer 0 with a shared expert
+    # row: cross-layer attention (layers 1, 3 reuse the K/V projections of 0, 2), carried beside h inside a group
+    "hunyuan": [KV] * 4,
+    "falcon_h1": [CL] * 4,  # row: Mamba-2 beside attention in each layer (a CacheList of both), scaled tied head
     "longcat_flash": [CL] * 4,  # row: two MLA sublayers per layer, a CacheList of their KV; zero experts
     # multimodal wrappers (text_config): the text model inside language_model sliced, the wrapper's head
     "kimi_k25": [KV] * 4,  # deepseek_v3's MLA and MoE
     "minimax_m3_vl": [CL] * 4,  # KV (+ the indexer's keys in the sparse layers 1 and 3), blocks of 2, top 2
     "llama4": [CHUNK, CHUNK, CHUNK, KV],  # chunked local attention (chunks of 4), every 4th layer global
 }
-# rows whose split rule keeps 4 layers from making 3 stages (each stage holds an MLA layer; cross-layer KV
-# groups stay whole): tests/engine/test_slice_rule.py checks them on the splits they allow, and the refusal
-SPLIT_BOUND = {"bailing_hybrid", "hunyuan"}
+# rows whose split rule keeps 4 layers from making 3 stages (each stage holds an MLA layer):
+# tests/engine/test_slice_rule.py checks them on the splits they allow, and the refusal
+SPLIT_BOUND = {"bailing_hybrid"}
 PROMPT = [[5, 17, 90, 3, 42, 7], [7, 7, 1, 60, 33, 2]]
 STEPS = 5  # decode steps after the prompt: 11 positions, so the windows of 4 wrap
 
@@ -337,3 +340,36 @@ def test_wrapper_stages_loaded_as_remote_ones_decode_as_the_whole_model(checkpoi
     runners = [load_stage_runner(path, a, b, max_rows=4)[0] for a, b in ((0, 2), (2, 4))]
     with ThreadPoolExecutor(1) as pool:
         assert pool.submit(stage_tokens, runners, prompts, STEPS).result() == whole
+
+
+def test_hunyuan_stages_carry_the_shared_key_value_projections(checkpoints):
+    """hunyuan breaks the rule (its layers return the K/V projections a group's later layers reuse); its row
+    carries them across a boundary inside a group: without them the later layer computes other logits."""
+    from mlxcel.engine.slice_rule import rule_break
+
+    model = load_checkpoint(checkpoints("hunyuan")).model
+    assert rule_break(model) == "its layers return state the next layer reads (e.g. shared KV)"
+    first, second = ModelSlice(model, 0, 1), ModelSlice(model, 1, 4)
+    assert second.input_width == 64 + 2 * 2 * 16  # h, then layer 0's keys and values (2 KV heads of 16)
+    assert ModelSlice(model, 2, 4).input_width == 64  # a group's start: h alone
+    x = mx.array([PROMPT[0]])
+    carried, whole = first(x), model(x)
+    assert carried.shape == (1, 6, 128)
+    assert float(mx.abs(second(carried) - whole).max()) <= 1e-4
+    blanked = mx.concatenate([carried[..., :64], mx.zeros_like(carried[..., 64:])], axis=-1)
+    assert float(mx.abs(second(blanked) - whole).max()) > 1e-3
+
+
+def test_falcon_h1_needs_its_head_scale_and_both_masks(checkpoints):
+    """falcon_h1 breaks the rule (its layers take both masks by keyword); its row's head scales the tied logits by
+    lm_head_multiplier / embedding_multiplier, without which the last stage's logits differ."""
+    from mlxcel.engine.slice_rule import norm_and_head, rule_break
+
+    model = load_checkpoint(checkpoints("falcon_h1")).model
+    assert rule_break(model).startswith("its layers take (h, cache, attn_mask, mamba_mask)")
+    first, second = ModelSlice(model, 0, 2), ModelSlice(model, 2, 4)
+    x = mx.array([PROMPT[0]])
+    assert float(mx.abs(second(first(x)) - model(x)).max()) <= 1e-4
+    second.family = type(second.family)(head=norm_and_head, flow=second.family.flow,
+                                        mask_cache=second.family.mask_cache)
+    assert float(mx.abs(second(first(x)) - model(x)).max()) > 1e-3
