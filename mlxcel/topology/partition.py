@@ -341,9 +341,18 @@ def config_costs(config: dict, *, bits: float = 16, context: int = 0, rows: int 
     return priced_by_kind(costs, config, [e for _, e in sized], context=context, rows=rows, itemsize=itemsize)
 
 
+# nemotron_h's text model is "backbone", its embedding "embeddings" and final norm "norm_f"
+_BACKBONE = (("backbone.embeddings.", EMBED_PREFIX), ("backbone.norm_f.", NORM_PREFIX), ("backbone.", "model."))
+
+
 def unwrap(name: str) -> str:
     """A tensor name with a multimodal wrapper's prefix removed: "language_model.model.norm.weight" ->
-    "model.norm.weight", "model.language_model.layers.0.x" -> "model.layers.0.x"."""
+    "model.norm.weight", "model.language_model.layers.0.x" -> "model.layers.0.x"; nemotron_h's backbone
+    named as the others: "backbone.layers.0.x" -> "model.layers.0.x", "backbone.norm_f.weight" ->
+    "model.norm.weight"."""
+    for prefix, alias in _BACKBONE:
+        if name.startswith(prefix):
+            return alias + name[len(prefix):]
     match = _WRAPPED.match(name)
     if match is None:
         return name
