@@ -1,0 +1,78 @@
+"""Layers every stage must hold (mlxcel.topology.stage_rules): bailing_hybrid's MLA layers. The planner never
+makes a stage without one, and given ranges that do are refused by ``mlxcel plan --layers`` with the reason,
+before any stage is built."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten
+
+from mlxcel.cli import main
+from mlxcel.engine.model_slice import ModelSlice
+from mlxcel.topology.partition import PartitionError, layer_costs, plan_stages, stages_for_ranges
+from mlxcel.topology.stage_rules import bailing_mla_layers, needed_layers
+from tests.engine.test_slice_rule import BAILING, build, decode_alike
+
+# 6 layers in groups of 4: MLA in layer 3 (the group's 4th) and 4-5 (the tail), GLA in 0-2; a split by cost alone
+# (0-2 | 3-5, or 0-1 | 2-3 | 4-5) leaves the first stage without an MLA layer
+TAIL = {**BAILING, "layer_group_size": 4}
+
+
+def bailing_checkpoint(tmp_path: Path) -> tuple[Path, object]:
+    """A real bailing_hybrid checkpoint (its weights' names and sizes, config.json) of 6 layers, and its model."""
+    model = build("bailing_hybrid", TAIL, layers=6)
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), weights, metadata={"format": "mlx"})
+    config = {**vars(model.args), "model_type": "bailing_hybrid"}
+    (tmp_path / "config.json").write_text(json.dumps(config, default=str))
+    return tmp_path, model
+
+
+def test_the_mla_layers_are_mlx_lm_s():
+    model = build("bailing_hybrid", TAIL, layers=6)
+    assert bailing_mla_layers(vars(model.args)) == [i for i, layer in enumerate(model.model.layers) if layer.is_global]
+    assert bailing_mla_layers(vars(model.args)) == [3, 4, 5]
+    assert needed_layers({"model_type": "llama", "num_hidden_layers": 6}) == (frozenset(), "")
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_mlxcel_plan_gives_stages_that_each_hold_an_mla_layer(tmp_path, capsys, n):
+    """The plan's stages each hold an MLA layer, and they slice: chained, they decode as the whole model."""
+    path, model = bailing_checkpoint(tmp_path)
+    costs = layer_costs(path)
+    assert costs.needs == {3, 4, 5} and "every stage must hold an MLA layer" in costs.needs_why
+    assert main(["plan", "-m", str(path), "--pp-size", str(n), "--json"]) == 0
+    ranges = [(s["start"], s["end"]) for s in json.loads(capsys.readouterr().out)["stages"]]
+    assert len(ranges) == n and ranges[0][0] == 0 and ranges[-1][1] == 6
+    assert all(any(a <= i < b for i in (3, 4, 5)) for a, b in ranges), ranges
+    assert decode_alike(model, [ModelSlice(model, a, b) for a, b in ranges], steps=2) <= 1e-4
+
+
+def test_more_stages_than_mla_layers_is_refused_with_the_reason(tmp_path):
+    path, _ = bailing_checkpoint(tmp_path)
+    with pytest.raises(PartitionError, match=r"cannot split 6 layers into 4 stages: bailing_hybrid's linear-attention "
+                                             r"layers read the position from an MLA layer's cache"):
+        plan_stages(layer_costs(path), 4)
+
+
+def test_an_explicit_split_without_an_mla_layer_is_refused_by_name_at_planning(tmp_path, capsys):
+    path, _ = bailing_checkpoint(tmp_path)
+    assert main(["plan", "-m", str(path), "--pp-size", "2", "--layers", "0-2,3-5"]) == 1
+    err = capsys.readouterr().err
+    assert ("stage 0 (layers 0-2) holds none of the layers every stage needs: bailing_hybrid's linear-attention "
+            "layers read the position from an MLA layer's cache of their stage, so every stage must hold an MLA "
+            "layer (every 4th layer and the tail: layers 3, 4, 5)") in err
+    assert main(["plan", "-m", str(path), "--pp-size", "2", "--layers", "0-3,4-5"]) == 0
+
+
+def test_an_explicit_split_inside_gemma4_s_shared_kv_is_refused_at_planning_too():
+    from mlxcel.topology.partition import StageCosts
+
+    costs = StageCosts(model="m", layers=(1, 1, 1, 1), embed=1, norm=1, head=1, tied=False, joined=frozenset({3}),
+                       joined_why="gemma4_text layers 3-3 reuse ...")
+    with pytest.raises(PartitionError, match=r"stage 1 \(layers 3-3\) starts at layer 3: gemma4_text layers 3-3 reuse"):
+        stages_for_ranges(costs, [(0, 3), (3, 4)])
