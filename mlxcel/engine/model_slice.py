@@ -15,9 +15,10 @@ masks as arrays (deepseek_v3's MLA), the cache a mask is built from (deepseek_v3
 CacheList), a check refusing a layer range that cannot be one slice (gemma4_text's
 KV-shared layers apart from the layer whose KV they read), and a ``Flow``
 (``mlxcel.engine.flows``): what one forward pass carries from layer to layer and
-across a stage boundary (kimi_k3's attention-residual blocks and gemma4_text's
-per-layer inputs cross it beside h, a bounded width each stage checks:
-``ModelSlice.input_width``). MoE blocks, attention
+across a stage boundary (kimi_k3's attention-residual blocks, gemma4_text's
+per-layer inputs and deepseek_v41's residual streams cross it beside or instead of h, a bounded
+width each stage checks: ``ModelSlice.input_width``), and which layers own a cache (nemotron_h's
+MLP and MoE layers own none: a slice holds the caches of its own layers). MoE blocks, attention
 sinks and dense leading layers live inside mlx-lm's layers and need no hook. The rows are
 keyed by the mlx-lm module that implements the family (a checkpoint's
 ``model_type`` may map onto one, e.g. mistral onto llama), each tested against
@@ -35,8 +36,8 @@ import mlx.core as mx
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 from mlx_lm.models.cache import KVCache
 
-from mlxcel.engine.flows import (BailingHybridFlow, FalconH1Flow, Flow, Gemma4Flow, HunyuanFlow, KimiK3Flow,
-                                 Llama4Flow, Ministral3Flow)
+from mlxcel.engine.flows import (BailingHybridFlow, DeepseekV41Flow, FalconH1Flow, Flow, Gemma4Flow, HunyuanFlow,
+                                 KimiK3Flow, Llama4Flow, Ministral3Flow)
 # LINEAR: the attention kind of a linear-attention (state-space) layer: an SSM mask, no window
 from mlxcel.engine.slice_rule import (  # noqa: F401 - lm_head: importers' name
     LINEAR, cache_attention, embedding, lm_head, norm_and_head, rule_parts, text_model)
@@ -198,6 +199,22 @@ def _nemotron_h_attention(model: Any, index: int) -> Hashable:
     return None if text_model(model).layers[index].block_type == "*" else LINEAR
 
 
+def _deepseek_v41_slice_check(model: Any, start: int, end: int) -> None:
+    """deepseek_v41's attention shares state with later layers in the same forward pass (compressed KV and
+    index keys of a source layer, the top-k of an index layer, the candidate blocks); mlx-lm's pipeline
+    sends it beside the streams, in shapes that grow with the position, which a stage boundary here does
+    not carry: no stage may start where a later layer reads such state from an earlier one."""
+    from mlx_lm.models.deepseek_v41 import _crossing
+
+    crossing = _crossing(text_model(model).args, start) if start else {}
+    if crossing:
+        key, source = next(iter(crossing.items()))
+        raise ModelError(f"deepseek_v41 layers from {start} on read the {key} that layer {source} computes in the "
+                         f"same forward pass (compress_ratios, kv_source_layer_ids, index_source_layer_ids, "
+                         f"candidate_source_layer_id), which a stage boundary does not carry: a stage cannot "
+                         f"start at layer {start}")
+
+
 def _falcon_h1_head(model: Any, h: mx.array) -> mx.array:
     """As falcon_h1's Model: a tied head scales by lm_head_multiplier / embedding_multiplier (an untied
     lm_head has them folded in by sanitize)."""
@@ -262,15 +279,16 @@ FAMILIES: dict[str, Family] = {
     "llama4": Family(flow=Llama4Flow, mask_cache=lambda cache: None),
     # text model backbone (embeddings, norm_f); Mamba-2 / attention / MLP / MoE layers by the pattern, caches
     # for the first two only (``owns_cache``)
+    # hyper-connections: hc_mult residual streams and their mix carried beside each other across a boundary
+    # (DeepseekV41Flow); each layer's own LayerCache, made by the text model; boundaries that shared
+    # attention state would cross are refused
+    "deepseek_v41": Family(flow=DeepseekV41Flow, mask_cache=lambda cache: None, check_slice=_deepseek_v41_slice_check),
     "nemotron_h": Family(head=norm_and_head, attention=_nemotron_h_attention, owns_cache=_nemotron_h_owns_cache),
 }
 
 # mlx-lm families with pipeline() or shard() hooks that neither the rule nor a row slices, and why (any other
 # family the rule refuses gets the rule's reason; tests/engine/test_slice_rule.py checks every hooked family)
 REFUSED: dict[str, str] = {
-    "deepseek_v41": "its text model makes its own layer caches (compressed KV and indexer keys, a LayerCache "
-                    "without from_state) and mixes several residual streams (hyper-connections) across layers; "
-                    "a row carrying the streams beside h is not implemented",
     "longcat_flash_ngram": "it adds n-gram embeddings to the token embedding (a second embedding)",
     "iquestloopcoder": "it runs its layers twice (a loop), the second pass reading the first pass's KV",
     "muse_spark": "its text model is model.language_model, and its head casts to lm_head's dtype",

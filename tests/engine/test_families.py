@@ -27,6 +27,8 @@ from mlxcel.models.random_checkpoint import IN_PROCESS_FAMILIES, RANDOM_FAMILIES
 from mlxcel.topology.partition import layer_costs, plan_stages
 from tests.family_checkpoints import family_checkpoint  # noqa: F401  (fixture)
 
+from mlx_lm.models.deepseek_v41 import LayerCache as LAYER  # noqa: E402 - deepseek_v41's own cache
+
 KV, ROT, SSM, CL, CHUNK = KVCache, RotatingKVCache, ArraysCache, CacheList, ChunkedKVCache
 # family (model_type) -> the cache type of each of its 4 layers
 TABLE: dict[str, list[type]] = {
@@ -82,6 +84,9 @@ TABLE: dict[str, list[type]] = {
     # row: text model backbone; Mamba-2, MoE, attention, MLP ("ME*-"): caches for layers 0 and 2 only, so a
     # stage's caches are its own layers' (the model's list from the slice's first), not the list at its indices
     "nemotron_h": [SSM, KV],
+    # row: hyper-connections (4 residual streams and their mix cross each boundary, hc x hidden + hc wide);
+    # its own LayerCache per layer (a window of 4, rows pooled 4 to 1 and their index keys), made by the text model
+    "deepseek_v41": [LAYER] * 4,
 }
 # rows whose split rule keeps 4 layers from making 3 stages (each stage holds an MLA layer):
 # tests/engine/test_slice_rule.py checks them on the splits they allow, and the refusal
@@ -191,9 +196,10 @@ def stage_tokens(runners, prompts: dict[str, list[int]], steps: int) -> dict[str
     return out
 
 
-# families whose rows cannot share a micro-batch on one node either: mlx-lm's ChunkedKVCache has no batched form
-# (no merge), so llama4 decodes one row per step; its stage runners are checked on one row
-ONE_ROW = {"llama4"}
+# families whose rows cannot share a micro-batch on one node either: mlx-lm's ChunkedKVCache (llama4) and
+# deepseek_v41's LayerCache have no batched form (no merge), so they decode one row per step; their stage runners
+# are checked on one row
+ONE_ROW = {"llama4", "deepseek_v41"}
 
 
 @pytest.mark.parametrize("family", sorted(TABLE))
