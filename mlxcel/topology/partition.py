@@ -43,7 +43,7 @@ from mlxcel.topology.layer_cost import (
     step_bytes,
     text_config,
 )
-from mlxcel.topology.stage_rules import needed_layers
+from mlxcel.topology.stage_rules import deepseek_v41_joined, needed_layers
 
 LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
 # multimodal wrappers (qwen3_5, kimi_k3) hold the text model one level down: "language_model.model.layers.3."
@@ -296,10 +296,13 @@ _ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2}
 
 
 def joined_boundaries(config: dict) -> tuple[frozenset[int], str]:
-    """The split points ``config`` forbids, and why. gemma4_text's KV-shared layers (its last
+    """The split points ``config`` forbids, and why (deepseek_v41's: ``stage_rules.deepseek_v41_joined``).
+    gemma4_text's KV-shared layers (its last
     ``num_kv_shared_layers``) attend over the KV that the last earlier layer of their kind computes in
     the same step (mlx-lm's ``Gemma4TextModel.previous_kvs``), so no stage may start between the first
     such source layer and the last layer. Defaults as mlx-lm 0.32's gemma4_text ``ModelArgs``."""
+    if text_config(config).get("model_type", config.get("model_type")) == "deepseek_v41":
+        return deepseek_v41_joined(config)
     if config.get("model_type") != "gemma4_text":
         return frozenset(), ""
     layers, shared = int(config["num_hidden_layers"]), int(config.get("num_kv_shared_layers", 20))

@@ -76,3 +76,45 @@ def test_an_explicit_split_inside_gemma4_s_shared_kv_is_refused_at_planning_too(
                        joined_why="gemma4_text layers 3-3 reuse ...")
     with pytest.raises(PartitionError, match=r"stage 1 \(layers 3-3\) starts at layer 3: gemma4_text layers 3-3 reuse"):
         stages_for_ranges(costs, [(0, 3), (3, 4)])
+
+
+# -- deepseek_v41: split points its shared attention state would cross --------------------------------------------
+
+V41_SHAPES = [
+    {},  # make-random's: every layer its own compressed-KV and index source
+    {"index_source_layer_ids": [0, 2]},  # layers 1 and 3 read the top-k of 0 and 2
+    {"kv_source_layer_ids": [0, 2], "index_source_layer_ids": [0, 1, 2, 3]},  # 1 and 3 read 0's and 2's rows
+    {"compress_ratios": [0, 4, 0, 4], "index_source_layer_ids": [1], "candidate_source_layer_id": 1},
+    {"index_source_layer_ids": [0, 1, 2, 3], "candidate_source_layer_id": 0},  # candidate blocks of layer 0
+]
+
+
+@pytest.mark.parametrize("shape", V41_SHAPES)
+def test_deepseek_v41_split_points_are_mlx_lm_s_crossings(shape):
+    """From config.json alone, the stage starts whose layers read state computed before them: exactly those where
+    mlx-lm's own pipeline sends shared state (``_crossing``), which a boundary here does not carry."""
+    from mlx_lm.models.deepseek_v41 import ModelArgs, _crossing
+
+    from mlxcel.models.random_checkpoint import _config
+    from mlxcel.topology.stage_rules import deepseek_v41_joined
+
+    config = {**_config("deepseek_v41", 4, 64, 4, 2, 320, None, None), **shape}
+    args = ModelArgs.from_dict(config)
+    joined, why = deepseek_v41_joined(config)
+    assert joined == {b for b in range(1, 4) if _crossing(args, b)}
+    assert bool(why) == bool(joined)
+
+
+def test_the_planner_keeps_deepseek_v41_s_shared_state_on_one_stage_and_refuses_a_split_across_it(tmp_path, capsys):
+    from mlxcel.models.random_checkpoint import make_random_checkpoint
+
+    path = make_random_checkpoint(tmp_path, family="deepseek_v41", overrides={"index_source_layer_ids": [0, 2]})
+    costs = layer_costs(path)
+    assert costs.joined == {1, 3}
+    assert [(s.start, s.end) for s in plan_stages(costs, 2)] == [(0, 2), (2, 4)]
+    with pytest.raises(PartitionError, match=r"cannot split 4 layers into 3 stages: deepseek_v41's later layers read "
+                                             r"attention state .* no stage starts at layers 1 \(topk_idx of layer 0\), "
+                                             r"3 \(topk_idx of layer 2\)"):
+        plan_stages(costs, 3)
+    assert main(["plan", "-m", str(path), "--pp-size", "2", "--layers", "0-2,3-3"]) == 1
+    assert "stage 1 (layers 3-3) starts at layer 3: deepseek_v41's later layers read" in capsys.readouterr().err
