@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -48,7 +49,10 @@ class PromptKey:
 
     @classmethod
     def of(cls, tokens: Sequence[int], key: bytes, block: int = BLOCK_TOKENS) -> "PromptKey":
-        data = array("q", tokens).tobytes()
+        ids = array("q", tokens)
+        if sys.byteorder == "big":
+            ids.byteswap()  # the ids hash as 8-byte little-endian everywhere
+        data = ids.tobytes()
         step, prev, out = block * 8, b"", []
         for start in range(0, (len(tokens) // block) * step, step):
             h = hashlib.blake2b(prev, digest_size=_DIGEST, key=key)
