@@ -1,6 +1,7 @@
 """The router: the OpenAI API's engine over prefill and decode nodes (docs/disagg.md §5-6).
 
-Per request it picks a prefill and a decode node round-robin among the nodes the health monitor
+Per request it picks a prefill node (prefix-aware by default: ``mlxcel.disagg.prefix_routes``) and a
+decode node round-robin among the nodes the health monitor
 (``PeerMonitor``: STATE probes every ``--probe-interval``, plus send errors) marks up (the pick and
 retry decisions are ``mlxcel.disagg.policy.RoutePolicy``, over plain data), opens an
 exchange (``ExchangeTable``: nonce, absolute deadline, the two nodes allowed to answer) and sends

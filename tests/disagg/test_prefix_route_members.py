@@ -4,7 +4,8 @@ A real router process over two prefill members and one decode member played by t
 (the real handshake). The liar (prefill-0) claims in its STATE to hold every prefix, forges a HANDED_OFF
 for a request of the other prefill node, fails what it was expected to hold, and sits on requests it was
 given: its claims change no entry of the index, its forgery changes no entry of the other node's, a failure
-drops its entry, and the load bound sends requests past it to the other node.
+drops its entry, and the load bound sends requests past it to the other node. A node that goes down is
+forgotten.
 """
 
 from __future__ import annotations
@@ -158,3 +159,8 @@ def test_a_lying_member_cannot_write_another_s_entries_nor_hold_traffic_it_fails
     assert len(liar.of(MsgType.GENERATE)) == seen[0] + 3
     metrics = stats(node)["metrics"]
     assert (metrics["router_prefix_hits"], metrics["router_prefix_misses"]) == (6, 4)  # the failover is not a pick
+
+    # a node that goes down is forgotten whole (its cache is gone); the other keeps its entries
+    honest.close()
+    wait_for(lambda: blocks(node)["prefill-1"] == 0, what="the down node's entries forgotten")
+    assert blocks(node)["prefill-0"] == BLOCKS
