@@ -2,7 +2,8 @@
 
 No sockets, threads, clocks or locks: ``RoutePolicy`` reads node health through an ``is_up``
 predicate and a failed attempt through its counts, and answers with a decision the router acts on.
-Its only state is one round-robin cursor per role, so the router calls it under its own lock.
+Its state is one round-robin cursor per role and, with prefix routing, the prefix index, so the router
+calls it under its own lock.
 
 - ``pick(is_up, key, load)``: ``Route(prefill, decode)``, or ``NoneUp(role)`` when no node of a role is up
   (the request is refused: 503 + Retry-After). With a prefix index (``--route-policy prefix``) and a
