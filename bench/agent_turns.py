@@ -205,10 +205,25 @@ async def prefix_counters(client: httpx.AsyncClient, urls: list[str]) -> tuple[f
         except httpx.HTTPError:
             return None
         found = dict(line.partition(" ")[::2] for line in text.splitlines() if line.startswith("mlxcel_prefix_cache"))
-        if PREFIX_HITS not in found or PREFIX_TOKENS not in found:
+        if PREFIX_HITS in found and PREFIX_TOKENS in found:
+            hits, tokens = hits + float(found[PREFIX_HITS]), tokens + float(found[PREFIX_TOKENS])
+            continue
+        health = await health_counters(client, url)  # a prefill node reports its cache on /health (docs/disagg.md §8)
+        if health is None:
             return None
-        hits, tokens = hits + float(found[PREFIX_HITS]), tokens + float(found[PREFIX_TOKENS])
+        hits, tokens = hits + health[0], tokens + health[1]
     return hits, tokens
+
+
+async def health_counters(client: httpx.AsyncClient, url: str) -> tuple[float, float] | None:
+    """(prefix_hits, prefix_tokens) from a prefill node's /health, or None where it has no such fields."""
+    try:
+        body = (await client.get(f"{url}/health", timeout=10)).json()
+    except (httpx.HTTPError, ValueError):
+        return None
+    if not isinstance(body, dict) or "prefix_hits" not in body or "prefix_tokens" not in body:
+        return None
+    return float(body["prefix_hits"]), float(body["prefix_tokens"])
 
 
 def prompt_sha256(body: dict[str, Any]) -> str:

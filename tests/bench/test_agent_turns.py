@@ -175,3 +175,7 @@ def test_prefix_counters_sum_over_processes_and_say_when_they_were_not_measured(
     assert asyncio.run(read([a, b])) == (3.0, 350.0)
     assert asyncio.run(read([a, bare])) is None  # not measured, not "nothing reused"
     assert asyncio.run(read([a, "http://127.0.0.1:9"])) is None  # a process that does not answer
+    # a prefill node has no prefix-cache lines on /metrics but reports them on /health (docs/disagg.md §8);
+    # this stand-in serves the same JSON on every path
+    prefill = metrics_server('{"ready": true, "prefix_hits": 4, "prefix_tokens": 256}')
+    assert asyncio.run(read([a, prefill])) == (6.0, 556.0)
