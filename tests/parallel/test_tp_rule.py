@@ -144,3 +144,17 @@ def test_tp_2_logits_equal_tp_1s(checkpoint, tmp_path, family, mode):
     for rank in sharded_logits(model, tmp_path, mode):
         assert rank.shape == single.shape
         np.testing.assert_allclose(rank, single, atol=1e-4, rtol=0)
+
+
+@pytest.mark.proc
+@pytest.mark.timeout(400)
+def test_generate_with_tp_size_2_runs_a_family_by_rule(checkpoint):
+    """The real path: ``mlxcel generate --tp-size 2`` plans by rule (options.py), starts its follower, which
+    plans and cuts the same way, and prints tp 1's greedy text."""
+    from tests.parallel.test_tp_round_two import generate
+
+    model = checkpoint("olmo2")
+    single = generate(model)
+    sharded = generate(model, "--tp-size", "2", "--tp-timeout", "120")
+    assert "olmo2 (by rule) over 2 ranks: 2 of 4 heads, 1 of 2 KV heads, 64 of 128 MLP columns" in sharded.stderr
+    assert sharded.stdout == single.stdout and len(single.stdout) > 1
