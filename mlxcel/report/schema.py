@@ -226,6 +226,7 @@ SCHEMAS: dict[str, Schema] = {s.bench: s for s in (
         _str("run"), _str("shape"), _int("prompt_tokens"), _int("tensor_bytes"), _str("stage"), _int("repeats"),
         _num("p50_ms"), _num("min_ms"), _num("p95_ms"), _num("gib_s"), _str("model_dir", required=False, nullable=True),
         _int("cpus", required=False, nullable=True), _num("load_1m", required=False, nullable=True),
+        _str("heap", required=False, nullable=True),  # keep (the decode node's, mlxcel/disagg/heap.py) or plain
     )),
     Schema("disagg_e2e", "disagg_e2e", (  # bench/handoff_stages.py: a whole KV handoff in one process
         _str("run"), _str("shape"), _int("prompt_tokens"), _int("tensor_bytes"), _str("suite"), _int("repeats"),
@@ -233,6 +234,7 @@ SCHEMAS: dict[str, Schema] = {s.bench: s for s in (
         _num("export_p50_ms"), _num("import_p50_ms"), _int("crypto_workers", required=False, nullable=True),
         _int("intake_workers", required=False, nullable=True), _str("model_dir", required=False, nullable=True),
         _int("cpus", required=False, nullable=True), _num("load_1m", required=False, nullable=True),
+        _str("heap", required=False, nullable=True),
     )),
     Schema("serve_ratio", "serve_ratio", (  # bench/serve_bench.py: a server's aggregate over the baseline's
         _str("run"), _str("server"), _str("baseline"), _int("concurrency"), _num("agg_tps_mean", nullable=True),
