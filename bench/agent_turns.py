@@ -1,7 +1,7 @@
 """Multi-turn agent benchmark: growing tool-call conversations, TTFT per turn, prefix reuse, decode tok/s.
 
     python -m bench.agent_turns --conversations 4 --turns 8 --repeats 2          # today's variants
-    python -m bench.agent_turns --preset full                                     # + prefix routing, --kv-bits 8
+    python -m bench.agent_turns --preset full                                     # each also with --kv-bits 8
     python -m bench.agent_turns --variant single=single --variant rr='2p1d;router:--route-policy round-robin'
     python -m bench.agent_turns --url http://127.0.0.2:8080 --label deployed      # a running server, no launch
 
@@ -44,14 +44,15 @@ from bench.environment import load_1m, write_jsonl
 
 ROLES = ("all", "server", "coordinator", "stage", "prefill", "decode", "router")
 MODEL_NAME = "bench"  # every launched process serves the checkpoint under this name
+_ROUTED = (("single", "single", ""), ("pipeline", "pp2", ""),
+           ("round-robin", "2p1d", ";router:--route-policy round-robin"),
+           ("prefix", "2p1d", ";router:--route-policy prefix"))
 PRESETS = {
-    # what runs today: the round-robin variant is today's router (no policy flag yet)
-    "today": ["single=single", "pipeline=pp2", "round-robin=2p1d"],
-    # after --route-policy and --kv-bits land: both policies, each topology with and without 8-bit KV
+    # each topology once: the single node, the pipeline, the router with either prefill choice (docs/disagg.md §6)
+    "today": [f"{name}={topo}{route}" for name, topo, route in _ROUTED],
+    # and each again with 8-bit KV on every role
     "full": [f"{name}{kv}={topo}{';all:--kv-bits 8' if kv else ''}{route}" for kv in ("", "-kv8")
-             for name, topo, route in (("single", "single", ""), ("pipeline", "pp2", ""),
-                                       ("round-robin", "2p1d", ";router:--route-policy round-robin"),
-                                       ("prefix", "2p1d", ";router:--route-policy prefix"))],
+             for name, topo, route in _ROUTED],
 }
 DEFAULT_PAIRS = [("round-robin", "prefix"), ("round-robin-kv8", "prefix-kv8")]
 PREFIX_TOKENS = "mlxcel_prefix_cache_reused_tokens_total"
