@@ -243,7 +243,7 @@ async def run_conversations(run: Running, shape: conv.Shape, wire: str, max_toke
             bodies = [conv.request_body(shape, c, turn, wire, model, max_tokens)
                       for c in range(shape.conversations)]
             before = await prefix_counters(client, run.metrics_urls)
-            got = await asyncio.gather(*(one_turn(client, run.url, b) for b in bodies))
+            got = await send_wave(client, run.url, bodies, turn)
             after = await prefix_counters(client, run.metrics_urls)
             wave = {"wave_cached_tokens": None if before is None or after is None else int(after[1] - before[1]),
                     "wave_hits": None if before is None or after is None else int(after[0] - before[0]),
@@ -255,6 +255,30 @@ async def run_conversations(run: Running, shape: conv.Shape, wire: str, max_toke
                              "decode_tps": None, "error": "", **res, "load_1m": load_1m()})
                 previous[c] = res.get("prompt_tokens") or 0
     return rows
+
+
+#: seconds between a wave's request starts, so they reach the server in the order send_wave chose
+WAVE_GAP_S = 0.02
+
+
+async def send_wave(client: httpx.AsyncClient, url: str, bodies: list[dict[str, Any]], turn: int,
+                    gap_s: float = WAVE_GAP_S) -> list[dict[str, Any]]:
+    """Every conversation's request of one turn, nearly at once: they leave ``gap_s`` apart in an order that
+    rotates by one each turn (a fixed order would let a round-robin router keep each conversation on one node by
+    the wave's arithmetic: 4 conversations on 2 nodes). The results come back in conversation order."""
+    order = wave_order(len(bodies), turn)
+
+    async def start(position: int, c: int) -> dict[str, Any]:
+        await asyncio.sleep(position * gap_s)
+        return await one_turn(client, url, bodies[c])
+
+    got = await asyncio.gather(*(start(position, c) for position, c in enumerate(order)))
+    return [got[order.index(c)] for c in range(len(bodies))]
+
+
+def wave_order(conversations: int, turn: int) -> list[int]:
+    """The conversations in the order their turn ``turn`` (0-based) requests leave: rotated by ``turn``."""
+    return [(turn + k) % conversations for k in range(conversations)]
 
 
 def probe_wire(url: str, model: str = MODEL_NAME, headers: dict[str, str] | None = None) -> str:
