@@ -82,3 +82,23 @@ def test_stages_loaded_as_remote_ones_decode_as_the_whole_model(family_checkpoin
     whole = stage_tokens([whole_model_runner(load_checkpoint(path).model, max_rows=4)], prompts, 5)
     runners = [load_stage_runner(path, a, b, max_rows=4)[0] for a, b in ((0, 1), (1, 3), (3, 4))]
     assert stage_tokens(runners, prompts, 5) == whole
+
+
+@pytest.mark.proc
+@pytest.mark.timeout(300)
+def test_three_remote_stages_carry_the_streams_across_processes(tmp_path, family_checkpoint):  # noqa: F811
+    """Three stage processes (0 | 1-2 | 3): each boundary carries the 4 streams and their mix ([rows, n, 260] on
+    the wire, the width each stage checks); the text through the coordinator equals the single device's."""
+    from mlxcel.engine.executor import slice_runner
+    from tests.pipeline.cluster import LocalCluster
+    from tests.pipeline.test_remote import PROMPTS as REMOTE_PROMPTS, reference_tokens, remote_tokens
+
+    path = family_checkpoint("deepseek_v41")
+    model = load_checkpoint(path).model
+    assert [slice_runner(model, a, b, max_rows=4).input_width for a, b in ((1, 3), (3, 4))] == [HC * D + HC] * 2
+    cluster = LocalCluster(tmp_path, path, stages=3, layers=["0-0", "1-2", "3-3"]).start()
+    try:
+        for prompt in REMOTE_PROMPTS[:2]:  # one at a time: its LayerCache has no batched form
+            assert remote_tokens(cluster.url, prompt, 6) == reference_tokens(path, prompt, 6)
+    finally:
+        cluster.stop()
