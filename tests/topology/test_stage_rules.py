@@ -52,6 +52,26 @@ def test_mlxcel_plan_gives_stages_that_each_hold_an_mla_layer(tmp_path, capsys, 
     assert decode_alike(model, [ModelSlice(model, a, b) for a, b in ranges], steps=2) <= 1e-4
 
 
+def test_generate_pp_size_splits_automatically_where_each_stage_holds_an_mla_layer(tmp_path, capsys):
+    """``mlxcel generate --pp-size 3`` plans its stages (by cost alone, stage 0 would hold GLA layers only and be
+    refused when built): each holds an MLA layer, and the text is the whole model's."""
+    import shutil
+
+    from mlxcel.models.random_checkpoint import make_random_checkpoint
+
+    path, _ = bailing_checkpoint(tmp_path)
+    tokenizer = make_random_checkpoint(tmp_path / "tokenizer", family="llama", layers=1)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer / name, path / name)
+    args = ["generate", "-m", str(path), "-p", "hello world", "--raw", "-n", "3"]
+    assert main(args) == 0
+    whole = capsys.readouterr().out
+    assert main([*args, "--pp-size", "3"]) == 0
+    piped = capsys.readouterr()
+    assert "pipeline: stage 0 layers 0-3, stage 1 layers 4-4, stage 2 layers 5-5" in piped.err
+    assert piped.out == whole
+
+
 def test_more_stages_than_mla_layers_is_refused_with_the_reason(tmp_path):
     path, _ = bailing_checkpoint(tmp_path)
     with pytest.raises(PartitionError, match=r"cannot split 6 layers into 4 stages: bailing_hybrid's linear-attention "
