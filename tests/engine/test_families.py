@@ -414,7 +414,7 @@ def test_nemotron_h_stages_loaded_as_remote_ones_and_a_handoff_decode_as_the_who
     """What a stage process loads (backbone.layers.N of its layers, the first stage backbone.embeddings, the
     last backbone.norm_f and lm_head) decodes as the whole model; and the stages' caches, handed off as one
     sequence (disaggregated prefill) and split back by each stage's share, go on as the caches never sent."""
-    from mlxcel.engine.executor import whole_model_runner
+    from mlxcel.engine.executor import slice_runner, whole_model_runner
     from mlxcel.pipeline.slice_loading import load_stage_runner
     from tests.engine.test_slice_rule import through_the_wire
 
@@ -424,6 +424,9 @@ def test_nemotron_h_stages_loaded_as_remote_ones_and_a_handoff_decode_as_the_who
     runners = [load_stage_runner(path, a, b, max_rows=4)[0] for a, b in ((0, 2), (2, 4))]
     assert stage_tokens(runners, prompts, 3) == whole
     model = load_checkpoint(path).model
+    # a stage of the MLP layer alone holds no cache at all, and still batches two rows
+    runners = [slice_runner(model, a, b, max_rows=4) for a, b in ((0, 1), (1, 3), (3, 4))]
+    assert stage_tokens(runners, prompts, 3) == whole
     slices = [ModelSlice(model, 0, 2), ModelSlice(model, 2, 4)]
     caches, whole_cache, x = [s.make_cache() for s in slices], make_prompt_cache(model), mx.array([PROMPT[0]])
     expected = model(x, cache=whole_cache)
