@@ -277,12 +277,13 @@ FAMILIES: dict[str, Family] = {
     "minimax_m3_vl": Family(mask_cache=lambda cache: cache[0] if cache else None),
     # chunked local / global attention, each with the mask the text model builds per forward pass (Llama4Flow)
     "llama4": Family(flow=Llama4Flow, mask_cache=lambda cache: None),
-    # text model backbone (embeddings, norm_f); Mamba-2 / attention / MLP / MoE layers by the pattern, caches
-    # for the first two only (``owns_cache``)
     # hyper-connections: hc_mult residual streams and their mix carried beside each other across a boundary
     # (DeepseekV41Flow); each layer's own LayerCache, made by the text model; boundaries that shared
     # attention state would cross are refused
-    "deepseek_v41": Family(flow=DeepseekV41Flow, mask_cache=lambda cache: None, check_slice=_deepseek_v41_slice_check),
+    "deepseek_v41": Family(flow=DeepseekV41Flow, mask_cache=lambda cache: None,
+                           check_slice=_deepseek_v41_slice_check),
+    # text model backbone (embeddings, norm_f); Mamba-2 / attention / MLP / MoE layers by the pattern, caches
+    # for the first two only (``owns_cache``)
     "nemotron_h": Family(head=norm_and_head, attention=_nemotron_h_attention, owns_cache=_nemotron_h_owns_cache),
 }
 
@@ -337,7 +338,7 @@ class ModelSlice:
     family: Family = field(init=False, repr=False)
     kinds: list = field(init=False, repr=False)  # each layer's attention kind (Family.attention), read once
     owners: list = field(init=False, repr=False)  # whether each layer owns a cache (Family.owns_cache)
-    cache_start: int = field(init=False, repr=False)  # the index of the slice's first cache in the model's
+    cache_start: int = field(init=False, repr=False)  # where the slice's caches begin in the model's list
 
     def __post_init__(self) -> None:
         self.family = family_of(self.model)

@@ -25,8 +25,8 @@ from mlxcel.config import RANDOM_FAMILIES
 # RANDOM_FAMILIES one: plain and hybrid decoders sliced by rule or a small row, and mlx-lm's pipelined ones
 IN_PROCESS_FAMILIES = ("gemma2", "olmo2", "olmo3", "cohere2", "granitemoe", "smollm3", "seed_oss", "apertus",
                        "lfm2", "jamba", "granitemoehybrid", "deepseek_v2", "glm4_moe_lite", "mistral4",
-                       "exaone_moe", "step3p5", "hunyuan", "falcon_h1", "longcat_flash", "kimi_k25", "minimax_m3_vl", "llama4",
-                       "nemotron_h", "deepseek_v41")
+                       "exaone_moe", "step3p5", "hunyuan", "falcon_h1", "longcat_flash", "kimi_k25", "minimax_m3_vl",
+                       "llama4", "nemotron_h", "deepseek_v41")
 # multimodal wrappers: their text model's fields under text_config (the text model_type given here)
 WRAPPERS = {"kimi_k25": "kimi_k2", "minimax_m3_vl": "minimax_m3", "llama4": "llama4_text"}
 
