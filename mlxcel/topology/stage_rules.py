@@ -14,14 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
-from mlxcel.topology.layer_cost import text_config
-
-
-def bailing_mla_layers(c: Mapping[str, Any]) -> list[int]:
-    """bailing_hybrid's MLA ("global") layers, as mlx-lm's DecoderLayer.is_global: every
-    layer_group_size-th, and every layer of the tail after the last whole group."""
-    layers, group = int(c["num_hidden_layers"]), int(c["layer_group_size"])
-    return [i for i in range(layers) if (i + 1) % group == 0 or i >= (layers // group) * group]
+from mlxcel.topology.layer_cost import bailing_mla_layers, text_config
 
 
 def _bailing_why(c: Mapping[str, Any], needed: list[int]) -> str:

@@ -39,6 +39,27 @@ def test_the_mla_layers_are_mlx_lm_s():
     assert needed_layers({"model_type": "llama", "num_hidden_layers": 6}) == (frozenset(), "")
 
 
+def test_gla_layers_are_priced_as_linear_attention():
+    """GLA layers hold a fixed float32 state (heads x head_dim x head_dim), not MLA's latent per token; their
+    weights by config arithmetic are the model's (norms aside)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlxcel.topology.layer_cost import cache_bytes, config_layer_bytes, layer_kinds
+
+    model = build("bailing_hybrid", TAIL, layers=6)
+    config = {**vars(model.args), "model_type": "bailing_hybrid"}
+    kinds = layer_kinds(config)
+    assert [k.attention for k in kinds] == ["linear"] * 3 + ["mla"] * 3
+    cache = make_prompt_cache(model)
+    model(mx.array([[5, 17, 90]]), cache=cache)
+    state = cache[0].cache[0]
+    assert cache_bytes(config, kinds[0], context=1000) == cache_bytes(config, kinds[0], context=10) == state.nbytes
+    attention = sum(v.size for _, v in tree_flatten(model.model.layers[0].attention.parameters()))
+    whole, _ = config_layer_bytes(config, kinds[0], bits=8)
+    mlp = sum(v.size for _, v in tree_flatten(model.model.layers[0].mlp.parameters()))
+    assert abs(whole - attention - mlp) <= 256  # norms and gates' small vectors
+
+
 @pytest.mark.parametrize("n", [2, 3])
 def test_mlxcel_plan_gives_stages_that_each_hold_an_mla_layer(tmp_path, capsys, n):
     """The plan's stages each hold an MLA layer, and they slice: chained, they decode as the whole model."""
