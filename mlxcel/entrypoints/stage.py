@@ -27,9 +27,11 @@ class StageProcess(LoadingProcess):
 
     service: StageService | None
 
-    def __init__(self, dist: Distributed, model_dir: Path, secret: ClusterSecret | None):
+    def __init__(self, dist: Distributed, model_dir: Path, secret: ClusterSecret | None,
+                 prepare: Callable[[Any], None] | None = None):
         super().__init__()
         self.dist = dist
+        self.prepare = prepare  # sees the model before its slice is cut (--kv-bits)
         self.secret = secret
         self.model_dir = model_dir
 
@@ -40,7 +42,7 @@ class StageProcess(LoadingProcess):
             if node.layers is None or self.secret is None:
                 raise ValueError("a stage needs its layer range and the cluster secret")
             runner, checkpoint = load_stage_runner(self.model_dir, *node.layers,
-                                                   max_rows=self.dist.cluster.max_batch_size)
+                                                   max_rows=self.dist.cluster.max_batch_size, prepare=self.prepare)
             loaded.append(checkpoint)
             return StageService(self.dist.cluster, node.id, runner, self.secret, model_facts(self.model_dir),
                                 on_shutdown=on_shutdown,
@@ -73,7 +75,8 @@ def run(context: RoleContext) -> int:
     returns the exit code."""
     dist = context.config.dist
     assert dist is not None  # configure checked it
-    process = StageProcess(dist, context.config.server.model, context.config.secret)
+    server = context.config.server
+    process = StageProcess(dist, server.model, context.config.secret, prepare=server.apply_kv_bits)
     layers = dist.node.layers or (0, 0)
     banner = f"mlxcel: stage {dist.node.id} (layers {layers[0]}-{layers[1] - 1}) on cluster address {dist.node.address}"
     return serve_loading(context.endpoint, process, "mlxcel stage", lambda switch: process.load(switch.fatal, switch.stop),

@@ -129,3 +129,38 @@ def test_the_prefix_cache_reuses_a_quantized_prefix(llama_dir):
     assert ex.prefix.nbytes > 0
     assert greedy(ex, [PROMPTS[0] + [70, 71]], 4) == plain
     assert ex.stats()["prefix_tokens"] == len(PROMPTS[0])  # the quantized entry was cut to the shared prefix
+
+
+def test_stages_loaded_with_kv_bits_decode_as_the_whole_model_with_them(llama_dir):
+    """What a remote stage loads (``load_stage_runner``, --kv-bits through ``prepare``) chains to the whole
+    quantized model's tokens exactly, rows batched."""
+    from mlxcel.engine.executor import whole_model_runner
+    from mlxcel.pipeline.slice_loading import load_stage_runner
+    from tests.engine.test_families import stage_tokens
+
+    prompts = {"a": PROMPTS[0], "b": PROMPTS[1]}
+    whole = stage_tokens([whole_model_runner(load(llama_dir, Q8), max_rows=4)], prompts, 4)
+    runners = [load_stage_runner(llama_dir, a, b, max_rows=4, prepare=lambda m: use_kv_bits(m, Q8))[0]
+               for a, b in ((0, 2), (2, 4))]
+    assert all(type(c) is QuantizedKVCache for r in runners for c in r._make_cache())  # noqa: SLF001
+    assert stage_tokens(runners, prompts, 4) == whole
+
+
+def test_a_served_model_holds_quantized_caches_and_a_sliding_family_fails_to_load_by_name(llama_dir, tmp_path):
+    """``mlxcel serve --kv-bits`` (``ServerConfig``) reaches the engine's caches; a refusal is the load's error."""
+    from mlxcel.models.random_checkpoint import make_random_checkpoint
+    from mlxcel.server.runtime import ServerConfig, ServerRuntime
+
+    runtime = ServerRuntime(ServerConfig(model=llama_dir, served_model_name="t", kv_bits=4, kv_group_size=32,
+                                         warmup=False, parallel=2))
+    runtime._load(pytest.fail)  # noqa: SLF001 - the loading thread's body, on this thread
+    try:
+        runner = runtime.engine.executor.runners[0]
+        assert {(type(c), c.bits) for c in runner._make_cache()} == {(QuantizedKVCache, 4)}  # noqa: SLF001
+    finally:
+        runtime.engine.close()
+    gemma = make_random_checkpoint(tmp_path, family="gemma3_text", layers=2, hidden=128, heads=4, kv_heads=2)
+    failed = ServerRuntime(ServerConfig(model=gemma, served_model_name="g", kv_bits=8, warmup=False))
+    errors: list[str] = []
+    failed._load(errors.append)  # noqa: SLF001
+    assert failed.state == "failed" and "gemma3_text's layer 0 keeps a RotatingKVCache" in errors[0]
