@@ -164,3 +164,17 @@ def test_a_served_model_holds_quantized_caches_and_a_sliding_family_fails_to_loa
     errors: list[str] = []
     failed._load(errors.append)  # noqa: SLF001
     assert failed.state == "failed" and "gemma3_text's layer 0 keeps a RotatingKVCache" in errors[0]
+
+
+def test_serve_parses_the_kv_flags_into_every_roles_server_config(tiny_llama):
+    from mlxcel.cli import build_parser
+    from mlxcel.commands.serve import serve_config
+    from mlxcel.errors import CLIError
+
+    def config(*argv: str):
+        return serve_config(build_parser().parse_args(["serve", "--no-warmup", "-m", str(tiny_llama), *argv])).server
+
+    assert (config().kv_bits, config().kv_group_size) == (None, 64)
+    assert (config("--kv-bits", "4").kv_bits, config("--kv-bits", "8", "--kv-group-size", "32").kv_group_size) == (4, 32)
+    with pytest.raises(CLIError, match="--kv-group-size needs --kv-bits"):
+        config("--kv-group-size", "32")

@@ -3,11 +3,15 @@ one-device quantized text exactly (and 4 bits is not full precision on this chec
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
+from mlxcel.topology.cluster_config import ClusterConfigError, load_cluster_config
 from tests.cli_in_process import run_mlxcel as mlxcel
 from tests.commands.test_cli import assert_one_line_error
 from tests.engine.test_kv_bits import make_llama
+from tests.pipeline.cluster_toml import COORDINATOR_AND_STAGE_0, write_toml
 
 Q4 = ("--kv-bits", "4", "--kv-group-size", "32")
 
@@ -41,3 +45,37 @@ def test_kv_flags_are_refused_by_name(llama_dir, tmp_path):
                           "gemma3_text's layer 0 keeps a RotatingKVCache, which mlx-lm cannot quantize")
     bad = mlxcel("generate", "-m", str(llama_dir), "-p", "hi", "--kv-bits", "3")
     assert bad.returncode != 0 and "--kv-bits: invalid choice: 3 (choose from 4, 8)" in bad.stderr
+
+
+TOML = """
+[cluster]
+name = "kv"
+[pipeline]
+{pipeline}
+""" + COORDINATOR_AND_STAGE_0 + 'layers = "0-3"\n'
+
+
+@pytest.mark.parametrize("pipeline,why", [
+    ("kv_bits = 3", "kv_bits under [pipeline] must be one of 4, 8, got 3"),
+    ("kv_bits = true", "kv_bits under [pipeline] must be one of 4, 8, got True"),
+    ("kv_bits = 8\nkv_group_size = 16", "kv_group_size under [pipeline] must be one of 32, 64, 128, got 16"),
+    ("kv_group_size = 32", "kv_group_size under [pipeline] needs kv_bits"),
+])
+def test_the_tomls_kv_keys_are_bounded(tmp_path, pipeline, why):
+    with pytest.raises(ClusterConfigError, match=re.escape(why)):
+        load_cluster_config(write_toml(tmp_path, TOML.format(pipeline=pipeline)))
+
+
+def test_a_stage_takes_the_tomls_kv_bits_or_its_own_flag_and_refuses_both_differing(tmp_path, llama_dir):
+    from mlxcel.entrypoints.stage import stage_kv_bits
+    from mlxcel.errors import CLIError
+    from mlxcel.server.runtime import ServerConfig
+
+    plain = load_cluster_config(write_toml(tmp_path, TOML.format(pipeline="")))
+    toml = load_cluster_config(write_toml(tmp_path, TOML.format(pipeline="kv_bits = 4\nkv_group_size = 32")))
+    flag = ServerConfig(model=llama_dir, served_model_name="t", kv_bits=8, kv_group_size=32)
+    none = ServerConfig(model=llama_dir, served_model_name="t")
+    assert (stage_kv_bits(flag, plain).kv_bits, stage_kv_bits(none, plain).kv_bits) == (8, None)
+    assert (stage_kv_bits(none, toml).kv_bits, stage_kv_bits(none, toml).kv_group_size) == (4, 32)
+    with pytest.raises(CLIError, match="--kv-bits 8 --kv-group-size 32 differs from .*kv_bits = 4, kv_group_size = 32"):
+        stage_kv_bits(flag, toml)
