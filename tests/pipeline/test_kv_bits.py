@@ -79,3 +79,42 @@ def test_a_stage_takes_the_tomls_kv_bits_or_its_own_flag_and_refuses_both_differ
     assert (stage_kv_bits(none, toml).kv_bits, stage_kv_bits(none, toml).kv_group_size) == (4, 32)
     with pytest.raises(CLIError, match="--kv-bits 8 --kv-group-size 32 differs from .*kv_bits = 4, kv_group_size = 32"):
         stage_kv_bits(flag, toml)
+
+
+def quantized_reference(model_dir, prompt: list[int], n: int, bits: int | None) -> str:
+    """One device's greedy text with a ``bits``-bit KV cache (None: full precision), in this process."""
+    from mlxcel.engine.generate import generate_tokens, make_cache
+    from mlxcel.engine.kv_quant import KVQuant, use_kv_bits
+    from mlxcel.engine.sampling import SamplingParams, make_sampler
+    from mlxcel.models.loading import load_checkpoint
+
+    loaded = load_checkpoint(model_dir)
+    use_kv_bits(loaded.model, KVQuant(bits, 32) if bits else None)
+    forward = lambda x, c: loaded.model(x, cache=c)  # noqa: E731
+    detok = loaded.tokenizer.detokenizer
+    for t, _ in generate_tokens(forward, prompt, make_cache(loaded.model), make_sampler(SamplingParams()), n):
+        detok.add_token(t)
+    detok.finalize()
+    return detok.text
+
+
+@pytest.mark.proc
+@pytest.mark.timeout(180)
+def test_a_remote_pipeline_whose_toml_sets_kv_bits_equals_one_device_with_them(tmp_path_factory, llama_dir):
+    """Two stage processes and a coordinator on loopback, [pipeline] kv_bits = 4: concurrent requests (batched on
+    every stage) give one device's 4-bit text, which is not the full-precision text."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.pipeline.cluster import LocalCluster
+    from tests.pipeline.test_remote import remote_tokens
+
+    prompts, n = [[1, 40, 41, 42, 43, 44], [1, 50, 51]], 16
+    cluster = LocalCluster(tmp_path_factory.mktemp("kv-pp"), llama_dir,
+                           pipeline="kv_bits = 4\nkv_group_size = 32").start()
+    try:
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            got = list(pool.map(lambda p: remote_tokens(cluster.url, p, n), prompts))
+    finally:
+        cluster.stop()
+    assert got == [quantized_reference(llama_dir, p, n, 4) for p in prompts]
+    assert got != [quantized_reference(llama_dir, p, n, None) for p in prompts]
