@@ -54,3 +54,27 @@ def test_a_decode_node_refuses_a_handoff_of_another_kv_precision(llama_dir, send
     dec = HandoffDecoder(probe_layout(receiver.model), 2048)
     with pytest.raises(HandoffError, match="layer 0: .* does not match this model's"):
         dec.feed(encode_header({"n": 1}, PROMPT, probe_layout(sender.model)))
+
+
+@pytest.mark.proc
+@pytest.mark.timeout(180)
+def test_a_disaggregated_cluster_with_kv_bits_equals_one_device_with_them(tmp_path_factory, llama_dir):
+    """Router, prefill and decode processes on loopback, both KV roles with --kv-bits 4: the handoff carries the
+    quantized records and the text is one device's 4-bit text (not the full-precision one)."""
+    from tests.disagg.cluster import FAST, DisaggCluster
+    from tests.pipeline.test_kv_bits import quantized_reference
+    from tests.pipeline.test_remote import remote_tokens
+
+    prompt, n = [1, 40, 41, 42, 43, 44], 16
+    cluster = DisaggCluster(tmp_path_factory.mktemp("kv-disagg"), llama_dir,
+                            node_flags=(*FAST, "--kv-bits", "4", "--kv-group-size", "32")).start()
+    try:
+        got = remote_tokens(cluster.url, prompt, n)
+        handoffs = cluster.stats()
+    finally:
+        cluster.stop()
+    assert got == quantized_reference(llama_dir, prompt, n, 4) != quantized_reference(llama_dir, prompt, n, None)
+    sent = handoffs["metrics"]
+    # 6 prompt tokens x 4 layers x K,V x 2 heads: 4-bit is 32 x 4 / 8 B packed + 2 x 4 B scale and bias (24 B) a
+    # head and position, full precision 32 x 4 B (128 B)
+    assert sent["router_handoffs"] == 1 and 6 * 4 * 2 * 2 * 24 <= sent["router_handoff_bytes"] < 6 * 4 * 2 * 2 * 128
