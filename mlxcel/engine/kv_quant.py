@@ -27,14 +27,18 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, _BaseCache, make_prompt_cache
 
 from mlxcel.config import DEFAULT_KV_GROUP_SIZE, KV_BITS, KV_GROUP_SIZES
+from mlxcel.error_codes import CodedError, ErrorCode
 from mlxcel.errors import CLIError
 
 
 Parts = tuple[mx.array, mx.array, mx.array]  # packed values (uint32), scales, biases: [B, H, L, *]
 
 
-class KVBitsError(CLIError, ValueError):
-    """``--kv-bits`` cannot apply: a bad width or group size, or a family whose caches cannot be quantized."""
+class KVBitsError(CLIError, CodedError, ValueError):
+    """``--kv-bits`` cannot apply: a bad width or group size (BAD_REQUEST), or a family whose caches cannot be
+    quantized (UNSUPPORTED). A ``CLIError``: one line at start-up."""
+
+    code = ErrorCode.BAD_REQUEST
 
 
 @dataclass(frozen=True)
@@ -58,15 +62,15 @@ def kv_quant(bits: int | None, group_size: int = DEFAULT_KV_GROUP_SIZE) -> KVQua
 
 
 def _family(model: Any) -> str:
-    args = getattr(model, "args", None)
-    return str(getattr(args, "model_type", None) or type(model).__module__.rsplit(".", 1)[-1])
+    hyper = getattr(model, "args", None)  # mlx-lm's ModelArgs
+    return str(getattr(hyper, "model_type", None) or type(model).__module__.rsplit(".", 1)[-1])
 
 
 def _head_dims(model: Any) -> set[int]:
     """The key/value head widths the model's args give (empty where they do not say)."""
-    args = getattr(model, "args", None)
-    dims = {getattr(args, name, None) for name in ("head_dim", "v_head_dim", "qk_head_dim")}
-    heads, hidden = getattr(args, "num_attention_heads", None), getattr(args, "hidden_size", None)
+    hyper = getattr(model, "args", None)  # mlx-lm's ModelArgs
+    dims = {getattr(hyper, name, None) for name in ("head_dim", "v_head_dim", "qk_head_dim")}
+    heads, hidden = getattr(hyper, "num_attention_heads", None), getattr(hyper, "hidden_size", None)
     if not any(isinstance(d, int) for d in dims) and isinstance(heads, int) and isinstance(hidden, int) and heads:
         dims.add(hidden // heads)
     return {d for d in dims if isinstance(d, int) and d > 0}
@@ -85,7 +89,7 @@ def use_kv_bits(model: Any, quant: KVQuant | None) -> None:
     for i, cache in enumerate(caches):
         if type(cache) is not KVCache:
             raise KVBitsError(f"--kv-bits: {family}'s layer {i} keeps a {type(cache).__name__}, which mlx-lm cannot "
-                              "quantize (only families whose every layer keeps a KVCache can)")
+                              "quantize (only families whose every layer keeps a KVCache can)", ErrorCode.UNSUPPORTED)
     for dim in sorted(_head_dims(model)):
         if dim % quant.group_size:
             raise KVBitsError(f"--kv-group-size {quant.group_size}: {family}'s head width {dim} is not a whole "
