@@ -178,3 +178,30 @@ def test_serve_parses_the_kv_flags_into_every_roles_server_config(tiny_llama):
     assert (config("--kv-bits", "4").kv_bits, config("--kv-bits", "8", "--kv-group-size", "32").kv_group_size) == (4, 32)
     with pytest.raises(CLIError, match="--kv-group-size needs --kv-bits"):
         config("--kv-group-size", "32")
+
+
+def test_rows_joining_and_leaving_a_quantized_batch_mid_decode_keep_their_tokens(llama_dir):
+    """r2 joins a running batch (``extend``), then r0 leaves it (``filter``): every row's tokens are its own."""
+    model = load(llama_dir, Q8)
+    alone = [greedy(LocalExecutor(model, max_batch_size=1), [p], 7)[0] for p in PROMPTS]
+    ex = LocalExecutor(model, max_batch_size=3)
+    out: dict[str, list[int]] = {}
+
+    def start(rid: str, prompt: list[int]) -> None:
+        ex.prepare(rid, SamplingParams(), 0, prompt)
+        out[rid] = [ex.run(Step("prefill", [rid], [list(prompt)]))[0].token]
+
+    def step(rids: list[str]) -> None:
+        for rid, s in zip(rids, ex.run(Step("decode", rids, [[out[r][-1]] for r in rids], slot=0))):
+            out[rid].append(s.token)
+
+    start("r0", PROMPTS[0])
+    start("r1", PROMPTS[1])
+    step(["r0", "r1"])
+    step(["r0", "r1"])
+    start("r2", PROMPTS[2])
+    for _ in range(4):
+        step(["r0", "r1", "r2"])
+    step(["r1", "r2"])  # r0 has its 7 tokens and leaves
+    step(["r1", "r2"])
+    assert [out["r0"], out["r1"][:7], out["r2"][:7]] == alone
