@@ -66,7 +66,19 @@ def test_each_column_follows_the_table_of_its_mode(rows):
             assert (support["PP"].detail == "by rule") is (module_of(family) not in PP), family
         assert support["single"].ok is True, family
         if family in TP:
-            assert support["TP"].ok is True, family
+            assert support["TP"].ok is True and support["TP"].detail == "", family
+        elif support["TP"].ok:  # no row: the plain-layout rule took it
+            assert support["TP"].detail == "by rule", family
+
+
+def test_tp_by_rule_and_the_rules_refusal_say_so(rows):
+    for family in ("olmo2", "smollm3", "granitemoe", "mixtral"):
+        assert rows[family]["TP"].cell() == "yes (by rule)", family
+    assert rows["phi3"]["TP"].ok is False
+    from mlxcel.commands.support import family_config, tp_support
+
+    assert tp_support(family_config("olmo2"), verbose=True).cell() == "yes (by rule; --tp-size 2)"
+    assert "fused QKV projection" in tp_support(family_config("phi3"), verbose=True).detail
 
 
 def test_the_handoff_column_names_the_cache_classes(rows):
