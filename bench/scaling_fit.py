@@ -1,0 +1,219 @@
+"""The scaling benchmark's arithmetic: least-squares fits with their spread, and what they predict.
+
+``fit(xs, ys, degree)`` is ordinary least squares of a polynomial with the standard error of every
+coefficient (from the residual variance, n - degree - 1 degrees of freedom; None where there are
+no degrees of freedom left). ``predict_hosts`` turns the per-unit costs measured on loopback into
+ms/token, bring-up time and bytes, and router load for a cluster of H hosts on a network described
+by ``Network`` (10 GbE by default), and names the first limit (docs/benchmarks.md, "How cost grows").
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Fit:
+    """y = coef[0] + coef[1] x + coef[2] x^2 ...; ``se`` the standard error of each coefficient."""
+
+    coef: tuple[float, ...]
+    se: tuple[float | None, ...]
+    r2: float | None
+    n: int
+
+    @property
+    def intercept(self) -> float:
+        return self.coef[0]
+
+    @property
+    def slope(self) -> float:
+        return self.coef[1]
+
+    @property
+    def slope_se(self) -> float | None:
+        return self.se[1]
+
+    def at(self, x: float) -> float:
+        return sum(c * x ** k for k, c in enumerate(self.coef))
+
+    def row(self, name: str) -> dict[str, Any]:
+        """A flat record: ``name``, ``c0``.., ``c0_se``.., r2, n."""
+        out: dict[str, Any] = {"fit": name, "n": self.n, "r2": self.r2}
+        for k, (c, s) in enumerate(zip(self.coef, self.se)):
+            out[f"c{k}"], out[f"c{k}_se"] = c, s
+        return out
+
+
+def fit(xs: Sequence[float], ys: Sequence[float], degree: int = 1) -> Fit:
+    """Least squares of ``ys`` on a polynomial of ``xs``; raises ValueError with too few distinct xs."""
+    if len(xs) != len(ys):
+        raise ValueError(f"fit needs as many ys as xs, got {len(xs)} and {len(ys)}")
+    if len(set(xs)) < degree + 1:
+        raise ValueError(f"a degree-{degree} fit needs at least {degree + 1} distinct x values, got {len(set(xs))}")
+    x, y = np.asarray(xs, dtype=float), np.asarray(ys, dtype=float)
+    design = np.vander(x, degree + 1, increasing=True)
+    coef, *_ = np.linalg.lstsq(design, y, rcond=None)
+    resid = y - design @ coef
+    dof = len(x) - (degree + 1)
+    total = float(((y - y.mean()) ** 2).sum())
+    r2 = 1 - float((resid ** 2).sum()) / total if total > 0 else None
+    if dof <= 0:
+        return Fit(tuple(map(float, coef)), (None,) * (degree + 1), r2, len(x))
+    sigma2 = float((resid ** 2).sum()) / dof
+    cov = sigma2 * np.linalg.inv(design.T @ design)
+    return Fit(tuple(map(float, coef)), tuple(math.sqrt(max(v, 0.0)) for v in np.diag(cov)), r2, len(x))
+
+
+PUSH_OFFER_WINDOW_S = 50.0  # mlxcel.bringup.wire: PUSH_WINDOW_S - OFFER_MARGIN_S
+
+
+@dataclass(frozen=True)
+class Network:
+    """The network a prediction assumes: one-way latency per hop and bandwidth per link."""
+
+    name: str = "10GbE"
+    latency_ms: float = 0.05  # one-way, host to host through one switch, kernel TCP (a loopback hop has ~0.01)
+    gbit_s: float = 10.0
+
+    def wire_ms(self, nbytes: float) -> float:
+        """One message of ``nbytes`` on this link: latency plus serialization."""
+        return self.latency_ms + nbytes * 8 / (self.gbit_s * 1e9) * 1e3
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Per-unit costs from the fits (milliseconds and seconds as named)."""
+
+    single_ms: float  # ms/token of the whole model at 1 stream (the pipeline fit's intercept + one hop)
+    hop_ms: float  # loopback ms/token per added stage (the pipeline fit's slope)
+    hop_bytes: float  # bytes on the wire per hop per token (hidden x dtype + framing)
+    bringup_s0: float  # bring-up seconds, fixed part
+    bringup_s_per_peer: float
+    bringup_bytes: Fit  # bytes vs peers (degree 2: every offer carries the whole plan)
+    push_s0: float  # the push alone (reach, offer, commit, activate), fixed part
+    push_s_per_peer: float
+    router_cpu_s_per_request: float  # router CPU per request (idle probes subtracted), at the largest topology
+    router_cpu_s_per_node_s: float  # router CPU per second per node (health probes), from the idle rate
+    router_added_ms_p95: float
+    loopback_latency_ms: float = 0.01
+
+
+def predict_hosts(costs: Costs, hosts: int, network: Network = Network(), streams: int = 8,
+                  request_tokens: int = 256) -> dict[str, Any]:
+    """What the loopback costs predict for ``hosts`` hosts on ``network``.
+
+    Pipeline (one stage per host): ms/token at 1 stream = single + hosts x hop, where a hop is the
+    loopback hop cost less loopback latency plus the network's ``wire_ms(hop_bytes)``; at ``streams``
+    streams the pipeline holds at most ``streams`` tokens in flight, so tokens/s is at most
+    streams / (ms/token) while streams < hosts, and the single node's batched rate beyond.
+    Bring-up: the linear time fit and the quadratic bytes fit at ``hosts`` peers (bytes cross one link
+    at the coordinator); the push itself must reach and offer every peer within 50 s. Router (hosts/2 prefill + hosts/2 decode nodes): probes cost
+    ``router_cpu_s_per_node_s`` x hosts of one core; the rest of the core serves requests at
+    ``router_cpu_s_per_request`` each; the cluster's demand is one request per decode node per
+    ``request_tokens`` x single ms. The first limit is whichever of these is reached first.
+    """
+    hop = max(costs.hop_ms - costs.loopback_latency_ms, 0.0) + network.wire_ms(costs.hop_bytes)
+    ms_token = costs.single_ms + hosts * hop
+    tok_s_1 = 1e3 / ms_token
+    tok_s_n = min(streams, hosts) * 1e3 / ms_token
+    bringup_s = costs.bringup_s0 + costs.bringup_s_per_peer * hosts
+    bringup_bytes = costs.bringup_bytes.at(hosts)
+    bringup_wire_s = bringup_bytes * 8 / (network.gbit_s * 1e9)
+    probe_core = costs.router_cpu_s_per_node_s * hosts  # cores the health probes take
+    router_rps = max(1 - probe_core, 0.0) / costs.router_cpu_s_per_request if costs.router_cpu_s_per_request > 0 else math.inf
+    decode_nodes = max(hosts // 2, 1)
+    demand_rps = decode_nodes * 1e3 / (request_tokens * costs.single_ms)
+    limits = {
+        # a pipeline deeper than this spends more time in hops than in compute per token
+        "pipeline hops": ms_token / max(costs.single_ms, 1e-9) - 1,
+        "router CPU": demand_rps / router_rps if router_rps > 0 else math.inf,
+        # reach and offer must end 10 s before the 60 s push window (docs/bringup.md §4)
+        "bring-up fan-out": (costs.push_s0 + costs.push_s_per_peer * hosts) / PUSH_OFFER_WINDOW_S,
+    }
+    first = max(limits, key=lambda k: limits[k])
+    return {"hosts": hosts, "network": network.name, "hop_ms": hop, "ms_per_token_1": ms_token, "tok_s_1": tok_s_1,
+            f"tok_s_{streams}": tok_s_n, "bringup_s": bringup_s, "bringup_bytes": bringup_bytes,
+            "bringup_wire_s": bringup_wire_s, "push_s": costs.push_s0 + costs.push_s_per_peer * hosts, "router_probe_cores": probe_core, "router_max_rps": router_rps,
+            "router_demand_rps": demand_rps, "router_added_ms_p95": costs.router_added_ms_p95,
+            "limit_ratios": limits, "first_limit": first, "assumptions": asdict(network)}
+
+
+# -- from rows to costs ---------------------------------------------------------------------------
+
+
+def _of(rows: list[dict[str, Any]], bench: str, **match: Any) -> list[dict[str, Any]]:
+    return [r for r in rows if r.get("bench") == bench and all(r.get(k) == v for k, v in match.items())]
+
+
+def _xy(rows: list[dict[str, Any]], x: str, y: str) -> tuple[list[float], list[float]]:
+    pairs = [(r[x], r[y]) for r in rows if r.get(x) is not None and r.get(y) is not None]
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def fits_of(rows: list[dict[str, Any]]) -> dict[str, Fit]:
+    """Every fit the rows allow: ``ms_per_token`` vs stages (S >= 2: the single node is the S=1 baseline,
+    not a pipeline), ``ready_s`` / ``push_s`` vs peers (linear), ``wire_bytes`` vs peers (quadratic),
+    router CPU per request and added p95 vs nodes (linear)."""
+    specs = [("pipeline_ms_per_token", [r for r in _of(rows, "scaling_pipeline", streams=1) if r["stages"] >= 2],
+              "stages", "ms_per_token", 1),
+             ("bringup_ready_s", _of(rows, "scaling_bringup"), "peers", "ready_s", 1),
+             ("bringup_push_s", _of(rows, "scaling_bringup"), "peers", "push_s", 1),
+             ("bringup_wire_bytes", _of(rows, "scaling_bringup"), "peers", "wire_bytes", 2),
+             ("router_cpu_s_per_request", _of(rows, "scaling_router"), "nodes", "router_cpu_s_per_request", 1),
+             ("router_added_ms_p95", _of(rows, "scaling_router"), "nodes", "added_ms_p95", 1),
+             ("router_idle_cpu_s_per_s", _of(rows, "scaling_router"), "nodes", "router_idle_cpu_s_per_s", 1)]
+    out = {}
+    for name, subset, x, y, degree in specs:
+        xs, ys = _xy(subset, x, y)
+        if len(set(xs)) > degree:
+            out[name] = fit(xs, ys, degree)
+    return out
+
+
+def _median(values: list[float]) -> float | None:
+    values = sorted(v for v in values if v is not None)
+    return values[len(values) // 2] if values else None
+
+
+def costs_of(rows: list[dict[str, Any]], fits: dict[str, Fit], hop_bytes: float) -> Costs | None:
+    """The per-unit costs a prediction needs, or None until every mode has a fit."""
+    need = ("pipeline_ms_per_token", "bringup_ready_s", "bringup_push_s", "bringup_wire_bytes",
+            "router_cpu_s_per_request", "router_idle_cpu_s_per_s")
+    if any(n not in fits for n in need):
+        return None
+    single = _median([r["ms_per_token"] for r in _of(rows, "scaling_pipeline", streams=1, stages=1)])
+    pipe = fits["pipeline_ms_per_token"]
+    widest = max(r["nodes"] for r in _of(rows, "scaling_router"))
+    return Costs(single_ms=single if single is not None else pipe.at(1), hop_ms=pipe.slope, hop_bytes=hop_bytes,
+                 bringup_s0=fits["bringup_ready_s"].intercept, bringup_s_per_peer=fits["bringup_ready_s"].slope,
+                 bringup_bytes=fits["bringup_wire_bytes"], push_s0=fits["bringup_push_s"].intercept,
+                 push_s_per_peer=fits["bringup_push_s"].slope,
+                 router_cpu_s_per_request=fits["router_cpu_s_per_request"].at(widest),
+                 router_cpu_s_per_node_s=max(fits["router_idle_cpu_s_per_s"].slope, 0.0),
+                 router_added_ms_p95=_median([r["added_ms_p95"] for r in _of(rows, "scaling_router", nodes=widest)]) or 0.0)
+
+
+def activation_bytes(hidden: int, dtype_bytes: int = 2, framing: int = 64) -> float:
+    """Bytes one token's activation puts on a hop: hidden x dtype plus frame header, GCM tag and message header
+    (about 64 bytes, docs/protocol.md)."""
+    return hidden * dtype_bytes + framing
+
+
+def fit_file(path: Path, hidden: int = 3584, dtype_bytes: int = 2, hosts: Sequence[int] = (16, 64)) -> dict[str, Any]:
+    """Fit the rows of ``path``, predict ``hosts`` on 10 GbE for a model of ``hidden`` (Qwen2.5-7B by default),
+    and write ``scaling_fit.json`` beside it; returns what it wrote."""
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    fits = fits_of(rows)
+    costs = costs_of(rows, fits, activation_bytes(hidden, dtype_bytes))
+    out = {"rows": str(path), "fits": {k: f.row(k) for k, f in fits.items()},
+           "assumed_model": {"hidden": hidden, "dtype_bytes": dtype_bytes},
+           "predictions": [predict_hosts(costs, h) for h in hosts] if costs else None,
+           "missing": None if costs else "a prediction needs pipeline, bringup and router rows (2+ sizes each)"}
+    (Path(path).parent / "scaling_fit.json").write_text(json.dumps(out, indent=1, default=str) + "\n")
+    return out
