@@ -101,6 +101,8 @@ class Costs:
     router_cpu_s_per_request: float  # router CPU per request (idle probes subtracted), at the largest topology
     router_cpu_s_per_node_s: float  # router CPU per second per node (health probes), from the idle rate
     router_added_ms_p95: float
+    coord_cpu_s_per_token0: float = 0.0  # the coordinator's CPU per token at --streams streams: fixed part
+    coord_cpu_s_per_token_per_stage: float = 0.0  # ... and per stage
     loopback_latency_ms: float = 0.01
 
 
@@ -116,7 +118,9 @@ def predict_hosts(costs: Costs, hosts: int, network: Network = Network(), stream
     at the coordinator); the push itself must reach and offer every peer within 50 s. Router (hosts/2 prefill + hosts/2 decode nodes): probes cost
     ``router_cpu_s_per_node_s`` x hosts of one core; the rest of the core serves requests at
     ``router_cpu_s_per_request`` each; the cluster's demand is one request per decode node per
-    ``request_tokens`` x single ms. The first limit is whichever of these is reached first.
+    ``request_tokens`` x single ms. The coordinator: its CPU per token (fit over the stages) times the
+    tokens/s, against one core. The first limit is the one that uses the largest share of its budget;
+    ``hop_share`` (hop time over compute time per token) is the latency cost, not a limit.
     """
     hop = max(costs.hop_ms - costs.loopback_latency_ms, 0.0) + network.wire_ms(costs.hop_bytes)
     ms_token = costs.single_ms + hosts * hop
@@ -129,9 +133,9 @@ def predict_hosts(costs: Costs, hosts: int, network: Network = Network(), stream
     router_rps = max(1 - probe_core, 0.0) / costs.router_cpu_s_per_request if costs.router_cpu_s_per_request > 0 else math.inf
     decode_nodes = max(hosts // 2, 1)
     demand_rps = decode_nodes * 1e3 / (request_tokens * costs.single_ms)
-    limits = {
-        # a pipeline deeper than this spends more time in hops than in compute per token
-        "pipeline hops": ms_token / max(costs.single_ms, 1e-9) - 1,
+    coord_cores = (costs.coord_cpu_s_per_token0 + costs.coord_cpu_s_per_token_per_stage * hosts) * tok_s_n
+    limits = {  # each as the share of its budget used at this size: 1.0 is the limit
+        "coordinator CPU": coord_cores,  # one core: the coordinator's event loop and transport share one GIL
         "router CPU": demand_rps / router_rps if router_rps > 0 else math.inf,
         # reach and offer must end 10 s before the 60 s push window (docs/bringup.md §4)
         "bring-up fan-out": (costs.push_s0 + costs.push_s_per_peer * hosts) / PUSH_OFFER_WINDOW_S,
@@ -140,7 +144,8 @@ def predict_hosts(costs: Costs, hosts: int, network: Network = Network(), stream
     return {"hosts": hosts, "network": network.name, "hop_ms": hop, "ms_per_token_1": ms_token, "tok_s_1": tok_s_1,
             f"tok_s_{streams}": tok_s_n, "bringup_s": bringup_s, "bringup_bytes": bringup_bytes,
             "bringup_wire_s": bringup_wire_s, "push_s": costs.push_s0 + costs.push_s_per_peer * hosts, "router_probe_cores": probe_core, "router_max_rps": router_rps,
-            "router_demand_rps": demand_rps, "router_added_ms_p95": costs.router_added_ms_p95,
+            "router_demand_rps": demand_rps, "coordinator_cores": coord_cores,
+            "hop_share": hosts * hop / max(costs.single_ms, 1e-9), "router_added_ms_p95": costs.router_added_ms_p95,
             "limit_ratios": limits, "first_limit": first, "assumptions": asdict(network)}
 
 
@@ -158,10 +163,14 @@ def _xy(rows: list[dict[str, Any]], x: str, y: str) -> tuple[list[float], list[f
 
 def fits_of(rows: list[dict[str, Any]]) -> dict[str, Fit]:
     """Every fit the rows allow: ``ms_per_token`` vs stages (S >= 2: the single node is the S=1 baseline,
-    not a pipeline), ``ready_s`` / ``push_s`` vs peers (linear), ``wire_bytes`` vs peers (quadratic),
+    not a pipeline), the coordinator's CPU per token vs stages (the concurrent level), ``ready_s`` / ``push_s`` vs peers (linear), ``wire_bytes`` vs peers (quadratic),
     router CPU per request and added p95 vs nodes (linear)."""
     specs = [("pipeline_ms_per_token", [r for r in _of(rows, "scaling_pipeline", streams=1) if r["stages"] >= 2],
               "stages", "ms_per_token", 1),
+             ("coordinator_cpu_s_per_token", [{**r, "cpu_per_token": r["cpu_s_coordinator"] / r["tokens"]}
+                                              for r in rows if r.get("bench") == "scaling_pipeline" and r["stages"] >= 2
+                                              and r["streams"] > 1 and r.get("cpu_s_coordinator") is not None
+                                              and r.get("tokens")], "stages", "cpu_per_token", 1),
              ("bringup_ready_s", _of(rows, "scaling_bringup"), "peers", "ready_s", 1),
              ("bringup_push_s", _of(rows, "scaling_bringup"), "peers", "push_s", 1),
              ("bringup_wire_bytes", _of(rows, "scaling_bringup"), "peers", "wire_bytes", 2),
@@ -190,13 +199,16 @@ def costs_of(rows: list[dict[str, Any]], fits: dict[str, Fit], hop_bytes: float)
     single = _median([r["ms_per_token"] for r in _of(rows, "scaling_pipeline", streams=1, stages=1)])
     pipe = fits["pipeline_ms_per_token"]
     widest = max(r["nodes"] for r in _of(rows, "scaling_router"))
+    coord = fits.get("coordinator_cpu_s_per_token")
     return Costs(single_ms=single if single is not None else pipe.at(1), hop_ms=pipe.slope, hop_bytes=hop_bytes,
                  bringup_s0=fits["bringup_ready_s"].intercept, bringup_s_per_peer=fits["bringup_ready_s"].slope,
                  bringup_bytes=fits["bringup_wire_bytes"], push_s0=fits["bringup_push_s"].intercept,
                  push_s_per_peer=fits["bringup_push_s"].slope,
                  router_cpu_s_per_request=fits["router_cpu_s_per_request"].at(widest),
                  router_cpu_s_per_node_s=max(fits["router_idle_cpu_s_per_s"].slope, 0.0),
-                 router_added_ms_p95=_median([r["added_ms_p95"] for r in _of(rows, "scaling_router", nodes=widest)]) or 0.0)
+                 router_added_ms_p95=_median([r["added_ms_p95"] for r in _of(rows, "scaling_router", nodes=widest)]) or 0.0,
+                 coord_cpu_s_per_token0=coord.intercept if coord else 0.0,
+                 coord_cpu_s_per_token_per_stage=coord.slope if coord else 0.0)
 
 
 def activation_bytes(hidden: int, dtype_bytes: int = 2, framing: int = 64) -> float:
