@@ -72,9 +72,21 @@ def sweep(values: list[int], rnd: int) -> list[int]:
 # -- pipeline -------------------------------------------------------------------------------------
 
 
-def _decode_ms(r: serve_bench.RequestResult) -> float | None:
-    """ms per decoded token of one streamed request: (last content - first content) / (tokens - 1)."""
-    return (r.e2e - r.ttft) * 1e3 / (r.tokens - 1) if r.ok and r.tokens > 1 else None
+ITL = "mlxcel_inter_token_latency_seconds"
+
+
+def itl_totals(url: str) -> tuple[float, float]:
+    """The server's inter-token latency histogram: (sum of seconds, count), from /metrics (docs/server.md).
+
+    Measured where tokens leave the engine, so a tokenizer that holds bytes back (a random checkpoint's
+    byte-level one streams whole words late) does not bunch the gaps a client would see."""
+    total = count = 0.0
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(f"{ITL}_sum "):
+            total = float(line.split()[1])
+        elif line.startswith(f"{ITL}_count "):
+            count = float(line.split()[1])
+    return total, count
 
 
 def _level(url: str, streams: int, tokens: int, tag: str) -> tuple[list[serve_bench.RequestResult], float]:
@@ -99,17 +111,17 @@ def pipeline_point(model: Path, stages: int, work: Path, args: argparse.Namespac
         _level(url, args.streams, 4, f"warmb{stages}")
         rows = []
         for streams in (1, args.streams):
-            cpu0 = [proc_cpu_s(p) for p in pids]
+            itl0, cpu0 = itl_totals(url), [proc_cpu_s(p) for p in pids]
             results, wall = _level(url, streams, args.tokens, f"s{stages}-r{rnd}-b{streams}")
-            cpu1 = [proc_cpu_s(p) for p in pids]
+            cpu1, itl1 = [proc_cpu_s(p) for p in pids], itl_totals(url)
+            gaps = itl1[1] - itl0[1]
             ok = [r for r in results if r.ok]
             tokens = sum(r.tokens for r in ok)
-            per_token = [m for m in map(_decode_ms, ok) if m is not None]
             cpu = [None if a is None or b is None else b - a for a, b in zip(cpu0, cpu1)]
             rows.append({"bench": "scaling_pipeline", "stages": stages, "streams": streams, "round": rnd,
                          "tokens": tokens, "errors": len(results) - len(ok), "wall_s": round(wall, 4),
                          "tok_s": tokens / wall if wall > 0 else None,
-                         "ms_per_token": percentile(per_token, 50), "ttft_ms": percentile([r.ttft * 1e3 for r in ok], 50),
+                         "ms_per_token": (itl1[0] - itl0[0]) * 1e3 / gaps if gaps else None, "ttft_ms": percentile([r.ttft * 1e3 for r in ok], 50),
                          "cpu_s_coordinator": cpu[0], "cpu_s_stages": sum(c for c in cpu[1:] if c is not None) if cluster else None,
                          "rss_bytes": sum(x for x in map(rss_bytes, pids) if x), "processes": len(pids),
                          "model": model.name, "load_1m": load_1m()})
