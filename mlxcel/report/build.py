@@ -13,7 +13,7 @@ import pandas as pd
 
 from mlxcel import __version__
 from mlxcel.report import baseline as _baseline
-from mlxcel.report import disagg, html, plots, protection, reference, structured, tables
+from mlxcel.report import disagg, html, plots, protection, reference, scaling, structured, tables
 from mlxcel.report.load import REPORT_MARKER, Loaded, ReportInputError, load
 
 
@@ -51,6 +51,7 @@ def summarize(loaded: Loaded) -> dict[str, pd.DataFrame]:
         "protection": protection.protection_summary(loaded.table("pipeline_protection_summary")),
         "structured": structured.structured_summary(loaded.table("structured_output_summary")),
         "environment": tables.environment_table(loaded.tables),
+        **scaling.summaries(loaded.tables),
     }
 
 
@@ -338,6 +339,7 @@ def build_report(inputs: Sequence[str | Path], out_dir: str | Path, *, baseline:
         "disagg_frames_summary": summaries["disagg_frames"], "disagg_handoff_summary": summaries["disagg_handoff"],
         "disagg_serve_summary": summaries["disagg_serve"], "protection_summary": summaries["protection"],
         "structured_output_summary": summaries["structured"], "metrics": metrics,
+        **{name: summaries[name] for name in scaling.summaries({})},
         "reference_frame": reference.frame_table(), "reference_pipeline": reference.pipeline_table(),
         "baseline_comparison": comparison,
         "rejected": pd.DataFrame({"problem": loaded.problems}) if loaded.problems else None,
@@ -357,6 +359,7 @@ def build_report(inputs: Sequence[str | Path], out_dir: str | Path, *, baseline:
         "pipeline_sections": _pipeline_sections(summaries["pipeline"]) if not summaries["pipeline"].empty else [],
         "serve_sections": _serve_sections(summaries["serve"]) if not summaries["serve"].empty else [],
         "disagg_sections": _disagg_sections(summaries),
+        "scaling": scaling.section({name: summaries[name] for name in scaling.summaries({})}),
         "tp_table": _tp_table(summaries["tp"]) if not summaries["tp"].empty else None, "tp_note": tables.TP_NOTE,
         "protection_table": (protection.protection_table(summaries["protection"])
                              if not summaries["protection"].empty else None),
