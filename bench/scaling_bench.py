@@ -10,8 +10,8 @@ other benchmarks: ``pipeline`` uses bench/pipeline_bench.py's ``StageCluster`` (
 and ``launch_server`` (the coordinator on 127.0.0.2, the single node, S=1, on 127.0.0.1); ``bringup``
 uses bench/bringup_bench.py's ``Proc`` (peers on 127.0.0.20.., the ``--pp-auto`` coordinator on
 127.0.0.2); ``router`` uses bench/disagg_bench.py's ``start_topology`` (router 127.0.0.70, prefill
-.71-.74, decode .75-.78). Without ``-m`` a random llama of 32 layers (hidden 64) is made once under
-the output folder, so that every depth up to 32 has a layer per stage.
+.71-.74, decode .75-.78). Without ``-m`` a random llama of 32 layers (hidden 64) is made once in
+``models/`` (git-ignored), so that every depth up to 32 has a layer per stage.
 
 Rows (``bench: scaling_pipeline | scaling_bringup | scaling_router``, with the environment and the
 host's load) go to ``--out``/scaling_bench.jsonl; ``fit`` reads them back and writes
@@ -36,7 +36,7 @@ import httpx
 
 from bench import serve_bench
 from bench.environment import load_1m, write_jsonl
-from bench.pipeline_bench import COORDINATOR_HOST, StageCluster, launch_server, proc_cpu_s
+from bench.pipeline_bench import COORDINATOR_HOST, REPO, StageCluster, launch_server, proc_cpu_s
 from bench.stats import percentile
 
 PEER_BASE = 20  # bring-up peers on 127.0.0.20, .21, ...
@@ -291,6 +291,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--timeout", type=float, default=600, help="bring-up: seconds to wait for peers / serving")
     p.add_argument("--label", default=None, help="recorded in every row")
+    fit = p.add_argument_group("fit: the model and device the 16/64-host prediction is for")
+    fit.add_argument("--hidden", type=int, default=3584, help="hidden size: activation bytes per hop (Qwen2.5-7B)")
+    fit.add_argument("--dtype-bytes", type=int, default=2, help="bytes per activation element (bfloat16)")
+    fit.add_argument("--single-ms", type=float, default=None, help="replace the measured single-node ms/token")
+    fit.add_argument("--hop-ms", type=float, default=None, help="replace the measured ms per hop")
     p.add_argument("--out", type=Path, default=Path("bench/results") / time.strftime("%Y-%m-%d"))
     args = p.parse_args(argv)
     if args.mode == "fit" and args.rows is None:
@@ -305,7 +310,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every point of ``args.mode`` for ``args.rounds`` rounds; the rows, stamped with label and start."""
     args.out.mkdir(parents=True, exist_ok=True)
-    model = args.model.resolve() if args.model else tiny_model(args.out)
+    model = args.model.resolve() if args.model else tiny_model(REPO / "models")
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix=f"scaling-{args.mode}-") as tmp:
         work = Path(tmp)
@@ -329,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.mode == "fit":
         from bench.scaling_fit import fit_file
 
-        print(json.dumps(fit_file(args.rows), indent=1, default=str))
+        override = {k: v for k, v in (("single_ms", args.single_ms), ("hop_ms", args.hop_ms)) if v is not None}
+        print(json.dumps(fit_file(args.rows, args.hidden, args.dtype_bytes, **override), indent=1, default=str))
         return 0
     rows = run(args)
     path = write_jsonl(args.out / "scaling_bench.jsonl", rows)

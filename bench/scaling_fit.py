@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -65,8 +65,8 @@ def predict_hosts(costs: Costs, hosts: int, network: Network = Network(), stream
     Bring-up: the linear time fit and the quadratic bytes fit at ``hosts`` peers (bytes cross one link
     at the coordinator); the push itself must reach and offer every peer within 50 s. Router (hosts/2 prefill + hosts/2 decode nodes): probes cost
     ``router_cpu_s_per_node_s`` x hosts of one core; the rest of the core serves requests at
-    ``router_cpu_s_per_request`` each; the cluster's demand is one request per decode node per
-    ``request_tokens`` x single ms. The coordinator: its CPU per token (fit over the stages) times the
+    ``router_cpu_s_per_request`` each; the cluster's demand is ``streams`` requests per decode node, each
+    lasting ``request_tokens`` x single ms. The coordinator: its CPU per token (fit over the stages) times the
     tokens/s, against one core. The first limit is the one that uses the largest share of its budget;
     ``hop_share`` (hop time over compute time per token) is the latency cost, not a limit.
     """
@@ -80,7 +80,7 @@ def predict_hosts(costs: Costs, hosts: int, network: Network = Network(), stream
     probe_core = costs.router_cpu_s_per_node_s * hosts  # cores the health probes take
     router_rps = max(1 - probe_core, 0.0) / costs.router_cpu_s_per_request if costs.router_cpu_s_per_request > 0 else math.inf
     decode_nodes = max(hosts // 2, 1)
-    demand_rps = decode_nodes * 1e3 / (request_tokens * costs.single_ms)
+    demand_rps = decode_nodes * streams * 1e3 / (request_tokens * costs.single_ms)
     coord_cores = (costs.coord_cpu_s_per_token0 + costs.coord_cpu_s_per_token_per_stage * hosts) * tok_s_n
     limits = {  # each as the share of its budget used at this size: 1.0 is the limit
         "coordinator CPU": coord_cores,  # one core: the coordinator's event loop and transport share one GIL
@@ -165,14 +165,19 @@ def activation_bytes(hidden: int, dtype_bytes: int = 2, framing: int = 64) -> fl
     return hidden * dtype_bytes + framing
 
 
-def fit_file(path: Path, hidden: int = 3584, dtype_bytes: int = 2, hosts: Sequence[int] = (16, 64)) -> dict[str, Any]:
-    """Fit the rows of ``path``, predict ``hosts`` on 10 GbE for a model of ``hidden`` (Qwen2.5-7B by default),
-    and write ``scaling_fit.json`` beside it; returns what it wrote."""
+def fit_file(path: Path, hidden: int = 3584, dtype_bytes: int = 2, hosts: Sequence[int] = (16, 64),
+             **override: float) -> dict[str, Any]:
+    """Fit the rows of ``path``, predict ``hosts`` on 10 GbE with activations of ``hidden`` x ``dtype_bytes``
+    (Qwen2.5-7B in bfloat16 by default), and write ``scaling_fit.json`` beside it; returns what it wrote.
+    ``override`` replaces measured costs by name (``single_ms=7.2, hop_ms=6.3``: another device's step and hop)."""
     rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
     fits = fits_of(rows)
     costs = costs_of(rows, fits, activation_bytes(hidden, dtype_bytes))
+    if costs is not None and override:
+        costs = replace(costs, **override)
     out = {"rows": str(path), "fits": {k: f.row(k) for k, f in fits.items()},
-           "assumed_model": {"hidden": hidden, "dtype_bytes": dtype_bytes},
+           "assumed_model": {"hidden": hidden, "dtype_bytes": dtype_bytes}, "overrides": override or None,
+           "costs": asdict(costs) if costs else None,
            "predictions": [predict_hosts(costs, h) for h in hosts] if costs else None,
            "missing": None if costs else "a prediction needs pipeline, bringup and router rows (2+ sizes each)"}
     (Path(path).parent / "scaling_fit.json").write_text(json.dumps(out, indent=1, default=str) + "\n")
