@@ -10,6 +10,7 @@ default), and names the first limit (docs/benchmarks.md, "How cost grows").
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 from dataclasses import asdict, dataclass, replace
@@ -170,7 +171,9 @@ def fit_file(path: Path, hidden: int = 3584, dtype_bytes: int = 2, hosts: Sequen
     """Fit the rows of ``path``, predict ``hosts`` on 10 GbE with activations of ``hidden`` x ``dtype_bytes``
     (Qwen2.5-7B in bfloat16 by default), and write ``scaling_fit.json`` beside it; returns what it wrote.
     ``override`` replaces measured costs by name (``single_ms=7.2, hop_ms=6.3``: another device's step and hop)."""
-    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    data = Path(path).read_bytes()
+    text = (gzip.decompress(data) if str(path).endswith(".gz") else data).decode()  # bench.pack_results gzips
+    rows = [json.loads(line) for line in text.splitlines() if line.strip()]
     fits = fits_of(rows)
     costs = costs_of(rows, fits, activation_bytes(hidden, dtype_bytes))
     if costs is not None and override:

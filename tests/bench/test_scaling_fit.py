@@ -124,3 +124,15 @@ def test_bad_arguments_are_refused_with_the_reason(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
         sb.parse_args(argv)
     assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_overrides_replace_measured_costs_and_gzipped_rows_are_read(tmp_path):
+    import gzip
+
+    path = tmp_path / "scaling_bench.jsonl.gz"
+    path.write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in _rows()).encode()))
+    measured = sf.fit_file(path)["predictions"][0]
+    gpu = sf.fit_file(path, single_ms=7.2, hop_ms=6.3)
+    assert gpu["overrides"] == {"single_ms": 7.2, "hop_ms": 6.3} and gpu["costs"]["hop_ms"] == 6.3
+    assert gpu["predictions"][0]["ms_per_token_1"] == pytest.approx(7.2 + 16 * gpu["predictions"][0]["hop_ms"])
+    assert gpu["predictions"][0]["ms_per_token_1"] != measured["ms_per_token_1"]
