@@ -35,7 +35,8 @@ every fragmented message, as before 2026-12-04); options combine (``1p1d-copy-la
 
 ``stages`` and ``e2e`` (``bench/handoff_stages.py``): real mlx-lm caches of ``--shape`` (``qwen3-0.6b``:
 28 layers, 8 KV heads of 128, bfloat16; ``smollm2``), each stage of a handoff timed alone, and the whole
-path (export, AES-256-GCM or unprotected stream, decoder, import) end to end.
+path (export, AES-256-GCM or unprotected stream, decoder, import) end to end; ``--heap plain`` measures
+them on glibc's default heap (each round's tensor buffers on fresh pages) instead of the decode node's.
 
 Rows go to ``--out``/disagg_bench.jsonl (with the environment) and a CSV beside it; each row records
 the host's 1-minute load average when it was measured (``load_1m``: other jobs on a shared box and
@@ -136,8 +137,11 @@ def topology_options(name: str) -> tuple[str, dict[str, str], dict[str, str]]:
     return base, prefill, decode
 
 
-def start_topology(name: str, model: str, secret: Path, common: list[str], offset: int) -> tuple[str, list[Proc]]:
-    """``hybrid`` or ``<p>p<d>d`` with ``topology_options``: returns the serving URL and the processes."""
+def start_topology(name: str, model: str, secret: Path, common: list[str], offset: int,
+                   role_args: dict[str, list[str]] | None = None) -> tuple[str, list[Proc]]:
+    """``hybrid`` or ``<p>p<d>d`` with ``topology_options``: returns the serving URL and the processes (decode
+    nodes, prefill nodes, the router last); ``role_args`` adds arguments per role (prefill, decode, router)."""
+    extra = role_args or {}
     base = ["-m", model, "--served-model-name", "bench", *common]
     name, prefill_env, decode_env = topology_options(name)
     if name == "hybrid":
@@ -152,17 +156,17 @@ def start_topology(name: str, model: str, secret: Path, common: list[str], offse
         dec = [f"{ip(DECODE_IPS, i)}:{free_port(ip(DECODE_IPS, i))}" for i in range(decodes)]
         pre = [f"{ip(PREFILL_IPS, i)}:{free_port(ip(PREFILL_IPS, i))}" for i in range(prefills)]
         for addr in dec:
-            procs.append(Proc([*base, *role, "--node-role", "decode", "--serving-bind", addr], addr.split(":")[0],
-                              decode_env))
+            procs.append(Proc([*base, *role, "--node-role", "decode", "--serving-bind", addr,
+                               *extra.get("decode", ())], addr.split(":")[0], decode_env))
         for addr in pre:
             procs.append(Proc([*base, *role, "--node-role", "prefill", "--serving-bind", addr, "--decode-peers",
-                               dec[0]], addr.split(":")[0], prefill_env))
+                               dec[0], *extra.get("prefill", ())], addr.split(":")[0], prefill_env))
         for p in procs:
             p.wait()
         router_ip = ip((ROUTER_IP,), 0)
         raddr = f"{router_ip}:{free_port(router_ip)}"
         router = Proc([*base, *role, "--node-role", "router", "--serving-bind", raddr, "--prefill-peers",
-                       ",".join(pre), "--decode-peers", ",".join(dec)], router_ip)
+                       ",".join(pre), "--decode-peers", ",".join(dec), *extra.get("router", ())], router_ip)
         procs.append(router)
         router.wait()
     except BaseException:
@@ -410,6 +414,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="frames: the KV dtype of the synthetic layout")
     p.add_argument("--shape", default="qwen3-0.6b", help="stages, e2e: qwen3-0.6b or smollm2")
     p.add_argument("--suites", default="aes,unprotected", help="e2e: comma list of aes, unprotected, each with -staged (page-locked staging) and -p0 (helpers at every message size)")
+    p.add_argument("--heap", choices=["keep", "plain"], default="keep",
+                   help="stages, e2e: keep freed heap memory resident as a decode node does, or glibc's defaults")
     p.add_argument("--crypto-workers", type=int, default=None, help="e2e: helper threads per transport (default: auto)")
     p.add_argument("--out", type=Path, default=Path("bench/results"))
     return p.parse_args(argv)
@@ -426,8 +432,8 @@ def main(argv: list[str] | None = None) -> int:
             from bench import handoff_stages as hs
 
             rows = [r for n in args.prompt_tokens for r in (
-                hs.stages(args.shape, n, args.repeats) if args.mode == "stages" else
-                hs.e2e(args.shape, n, args.repeats, args.suites.split(","), args.crypto_workers))]
+                hs.stages(args.shape, n, args.repeats, args.heap) if args.mode == "stages" else
+                hs.e2e(args.shape, n, args.repeats, args.suites.split(","), args.crypto_workers, args.heap))]
             for r in rows:
                 print("disagg_bench:", r, file=sys.stderr, flush=True)
         elif args.mode == "frames":

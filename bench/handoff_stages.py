@@ -14,6 +14,9 @@ to a receiver that only counts), ``decode`` (``HandoffDecoder.feed`` over parts 
 ``result``) and ``import`` (``import_cache``). ``e2e`` times the whole path in one process: export,
 header, chunks through an AES-256-GCM transport stream, the receiver's decoder, ``result`` and
 ``import_cache``, reporting the stream alone (first write to ``result``) and the total.
+
+Both modes keep freed heap memory resident first, as a decode node does (``mlxcel/disagg/heap.py``;
+``heap="plain"``: glibc's defaults, each round's tensor buffers on fresh pages); rows record which (``heap``).
 """
 
 from __future__ import annotations
@@ -116,13 +119,25 @@ class _Pair:
         self.rx.close()
 
 
-def stages(shape: str, tokens: int, repeats: int) -> list[dict[str, Any]]:
+def _heap(heap: str) -> str:
+    """Apply the ``heap`` mode (``keep``: as a decode node, ``plain``: glibc's defaults); the mode in effect."""
+    if heap not in ("keep", "plain"):
+        raise SystemExit(f"handoff_stages: heap must be keep or plain, not {heap}")
+    if heap == "keep":
+        from mlxcel.disagg.heap import keep_freed_memory
+
+        return "keep" if keep_freed_memory() else "plain"
+    return heap
+
+
+def stages(shape: str, tokens: int, repeats: int, heap: str = "keep") -> list[dict[str, Any]]:
     """One row per stage: its p50 over ``repeats`` and its GiB/s over the handoff's tensor bytes."""
     from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
     from mlxcel.disagg.kv_cache import export_cache, import_cache
     from mlxcel.disagg.kv_codec import HandoffDecoder
 
+    heap = _heap(heap)
     layout = layout_of(shape)
     caches = make_caches(shape, tokens)
     nbytes = layout.nbytes(tokens)
@@ -162,10 +177,11 @@ def stages(shape: str, tokens: int, repeats: int) -> list[dict[str, Any]]:
             times.setdefault("import", []).append(t)
     finally:
         pair.close()
-    return [_row("disagg_stage", shape, tokens, nbytes, stage=name, samples=s) for name, s in times.items()]
+    return [_row("disagg_stage", shape, tokens, nbytes, stage=name, samples=s, heap=heap) for name, s in times.items()]
 
 
-def e2e(shape: str, tokens: int, repeats: int, suites: list[str], crypto_workers: int | None) -> list[dict[str, Any]]:
+def e2e(shape: str, tokens: int, repeats: int, suites: list[str], crypto_workers: int | None,
+        heap: str = "keep") -> list[dict[str, Any]]:
     """The whole handoff path per suite, rounds alternating: export, stream, decoder, import. A suite named
     ``aes-staged`` or ``unprotected-staged`` goes through page-locked staging (docs/disagg.md §4.3) on both
     sides, as the nodes do on CUDA: a contiguous export copied to the host, received into the pool. A ``-p0`` in a
@@ -174,6 +190,7 @@ def e2e(shape: str, tokens: int, repeats: int, suites: list[str], crypto_workers
     from mlxcel.disagg.kv_cache import export_cache, import_cache, staged_allocator
     from mlxcel.disagg.kv_codec import HandoffDecoder
 
+    heap = _heap(heap)
     layout = layout_of(shape)
     caches = make_caches(shape, tokens)
     nbytes = layout.nbytes(tokens)
@@ -230,7 +247,8 @@ def e2e(shape: str, tokens: int, repeats: int, suites: list[str], crypto_workers
     rows = []
     for name, s in samples.items():
         row = _row("disagg_e2e", shape, tokens, nbytes, samples=s["total"], suite=name,
-                   crypto_workers=crypto_workers, intake_workers=intake.workers if intake is not None else None)
+                   crypto_workers=crypto_workers, intake_workers=intake.workers if intake is not None else None,
+                   heap=heap)
         for key in ("export", "stream", "import"):
             row[f"{key}_p50_ms"] = round(_p50(s[key]) * 1000, 3)
         row["stream_gib_s"] = round(nbytes / _p50(s["stream"]) / 2**30, 3)

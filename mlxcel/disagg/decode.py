@@ -26,6 +26,7 @@ from mlxcel.cluster.messages import Message, decode_error
 from mlxcel.cluster.wire import Kind
 from mlxcel.disagg import messages as m
 from mlxcel.disagg.flags import NodeConfig
+from mlxcel.disagg.heap import keep_freed_memory
 from mlxcel.disagg.intake import Intake
 from mlxcel.disagg.host_staging import shared_staging
 from mlxcel.disagg.kv_cache import handoff_allocator, import_cache, probe_layout, staged_allocator
@@ -85,6 +86,7 @@ class DecodeService(RoleService):
                  context_length: int, parallel: int, max_batch_size: int, max_queue: int, warmup: bool = True):
         super().__init__(cfg, identity, secret)
         self.layout = probe_layout(model)
+        self.heap_kept = keep_freed_memory()  # each handoff's tensor buffers on pages the last ones faulted in
         self.staging = None if cfg.handoff_copy else shared_staging(cfg.handoff_staging)
         # tensor buffers: page-locked ones copied into MLX by DMA (CUDA), else MLX memory where numpy can write it
         self.allocate = (staged_allocator(self.staging) if self.staging is not None
@@ -320,7 +322,7 @@ class DecodeService(RoleService):
         return {"ready": True, "sequences": len(self.running), "running": c.running, "waiting": c.waiting,
                 "kv_sequences": len(self.executor.runners[0]), "incoming": len(arriving),
                 "incoming_bytes": sum(i.decoder.received for i in arriving if i.decoder is not None),
-                "cache_supported": self.layout.unsupported is None,
+                "cache_supported": self.layout.unsupported is None, "heap_kept": self.heap_kept,
                 "connections": self.transport.authenticated_connections, **self.counters}
 
     def close(self) -> None:

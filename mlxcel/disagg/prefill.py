@@ -290,7 +290,9 @@ class PrefillService(RoleService):
         c = self.scheduler.counters
         return {"ready": True, "jobs": len(self.jobs), "sequences": c.running + c.waiting,
                 "kv_sequences": len(self.executor.runners[0]),
-                "cache_supported": self.layout.unsupported is None, "handoff_lanes": list(self.lanes.taken()), **self.counters}
+                "cache_supported": self.layout.unsupported is None, "handoff_lanes": list(self.lanes.taken()),
+                "prefix_hits": self.executor.prefix.hits, "prefix_tokens": self.executor.prefix.reused_tokens,
+                **self.counters}
 
     def close(self) -> None:
         super().close()

@@ -37,6 +37,7 @@ class CacheKind(enum.IntEnum):
     LIST = 5  # CacheList: several caches for one layer; their records follow
     ARRAY = 6  # not a layer: one array of the ARRAYS record before it (dtype and shape)
     CHUNKED = 7  # ChunkedKVCache (llama4's chunked attention): the last min(tokens, chunk size) positions
+    STATE = 8  # an allow-listed cache class by mlx-lm's state contract (kv_records_generic); ARRAY records follow
 
 
 #: most arrays in one ARRAYS layer, most caches in one LIST layer, most dimensions of one array

@@ -7,6 +7,7 @@ router, so it sees every ERROR, TOKENS and FINISH the decode node answers. The d
 
 from __future__ import annotations
 
+import sys
 import time
 
 import numpy as np
@@ -219,3 +220,9 @@ def test_a_cancel_racing_an_arriving_multi_part_handoff_drops_it_cleanly(decode)
     finishes = wait_for(lambda: len(honest.of(MsgType.FINISH)) >= SLOTS // 2 and honest.of(MsgType.FINISH),
                         what="the honest FINISHes")
     assert {d["nonce"] for d in finishes} >= {f"00000000000002{i:02x}" for i in range(SLOTS // 2)}
+
+
+def test_the_decode_node_keeps_freed_heap_memory_for_its_handoff_buffers(decode):
+    """The decode node raised glibc's thresholds at start (mlxcel/disagg/heap.py; docs/disagg.md §4.3)."""
+    node, _, _ = decode
+    assert node.state()["heap_kept"] is sys.platform.startswith("linux")
