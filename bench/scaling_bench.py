@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -93,62 +94,69 @@ def _level(url: str, streams: int, tokens: int, tag: str) -> tuple[list[serve_be
     return asyncio.run(serve_bench.run_level(url, "bench", streams, 1, tokens, ignore_eos=True, tag=tag))
 
 
+def pipeline_level(url: str, pids: list[int], stages: int, streams: int, tokens: int, rnd: int) -> dict[str, Any]:
+    """One level: ``streams`` concurrent requests of ``tokens`` tokens; ms/token from the server's histogram,
+    CPU-seconds of the serving process (first PID) and of the stages over the level."""
+    itl0, cpu0 = itl_totals(url), [proc_cpu_s(p) for p in pids]
+    results, wall = _level(url, streams, tokens, f"s{stages}-r{rnd}-b{streams}")
+    cpu1, itl1 = [proc_cpu_s(p) for p in pids], itl_totals(url)
+    gaps = itl1[1] - itl0[1]
+    ok = [r for r in results if r.ok]
+    n = sum(r.tokens for r in ok)
+    cpu = [None if a is None or b is None else b - a for a, b in zip(cpu0, cpu1)]
+    stage_cpu = [c for c in cpu[1:] if c is not None]
+    return {"bench": "scaling_pipeline", "stages": stages, "streams": streams, "round": rnd, "tokens": n,
+            "errors": len(results) - len(ok), "wall_s": round(wall, 4), "tok_s": n / wall if wall > 0 else None,
+            "ms_per_token": (itl1[0] - itl0[0]) * 1e3 / gaps if gaps else None,
+            "ttft_ms": percentile([r.ttft * 1e3 for r in ok], 50), "cpu_s_coordinator": cpu[0],
+            "cpu_s_stages": sum(stage_cpu) if len(pids) > 1 else None,
+            "rss_bytes": sum(x for x in map(rss_bytes, pids) if x), "processes": len(pids), "load_1m": load_1m()}
+
+
 def pipeline_point(model: Path, stages: int, work: Path, args: argparse.Namespace, rnd: int) -> list[dict[str, Any]]:
     """Start S stages and a coordinator (or the single node for S=1), measure 1 and --streams streams."""
-    cluster = None
-    if stages == 1:
-        proc, url = launch_server(["-m", str(model), "--parallel", "8", "--prefix-cache-mb", "0"], SINGLE_HOST)
-    else:
-        (work / f"s{stages}-r{rnd}").mkdir(parents=True)
-        cluster = StageCluster(model, stages, work / f"s{stages}-r{rnd}")
-        cluster.start()
+    cluster, proc = None, None
     try:
-        if cluster is not None:
-            proc, url = launch_server(["-m", str(model), "--parallel", "8", "--distributed-config", str(cluster.toml),
-                                       "--node-id", "coordinator"], COORDINATOR_HOST)
+        if stages == 1:
+            proc, url = launch_server(["-m", str(model), "--parallel", "8", "--prefix-cache-mb", "0"], SINGLE_HOST)
+        else:
+            (work / f"s{stages}-r{rnd}").mkdir(parents=True)
+            cluster = StageCluster(model, stages, work / f"s{stages}-r{rnd}")
+            cluster.start()
+            proc, url = launch_server(["-m", str(model), "--parallel", "8", "--distributed-config",
+                                       str(cluster.toml), "--node-id", "coordinator"], COORDINATOR_HOST)
         pids = [proc.pid, *(cluster.pids if cluster else [])]
         _level(url, 1, 4, f"warm{stages}")
         _level(url, args.streams, 4, f"warmb{stages}")
         rows = []
         for streams in (1, args.streams):
-            itl0, cpu0 = itl_totals(url), [proc_cpu_s(p) for p in pids]
-            results, wall = _level(url, streams, args.tokens, f"s{stages}-r{rnd}-b{streams}")
-            cpu1, itl1 = [proc_cpu_s(p) for p in pids], itl_totals(url)
-            gaps = itl1[1] - itl0[1]
-            ok = [r for r in results if r.ok]
-            tokens = sum(r.tokens for r in ok)
-            cpu = [None if a is None or b is None else b - a for a, b in zip(cpu0, cpu1)]
-            rows.append({"bench": "scaling_pipeline", "stages": stages, "streams": streams, "round": rnd,
-                         "tokens": tokens, "errors": len(results) - len(ok), "wall_s": round(wall, 4),
-                         "tok_s": tokens / wall if wall > 0 else None,
-                         "ms_per_token": (itl1[0] - itl0[0]) * 1e3 / gaps if gaps else None, "ttft_ms": percentile([r.ttft * 1e3 for r in ok], 50),
-                         "cpu_s_coordinator": cpu[0], "cpu_s_stages": sum(c for c in cpu[1:] if c is not None) if cluster else None,
-                         "rss_bytes": sum(x for x in map(rss_bytes, pids) if x), "processes": len(pids),
-                         "model": model.name, "load_1m": load_1m()})
+            rows.append({**pipeline_level(url, pids, stages, streams, args.tokens, rnd), "model": model.name})
             print(f"pipeline S={stages} streams={streams}: {rows[-1]['ms_per_token'] or 0:.2f} ms/token, "
                   f"{rows[-1]['tok_s'] or 0:.1f} tok/s", file=sys.stderr, flush=True)
         return rows
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        if proc is not None:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
         if cluster is not None:
             cluster.stop()
 
 
 # -- bring-up -------------------------------------------------------------------------------------
 
-PUSH_LINE = ("push over (?P<peers>\\d+) peers took (?P<push_s>[\\d.]+)s; assignment channel: sent (?P<sent_frames>\\d+) "
-             "frames (?P<sent_bytes>\\d+) bytes, received (?P<received_frames>\\d+) frames (?P<received_bytes>\\d+) bytes")
+PUSH_LINE = re.compile(
+    r"push over (?P<peers>\d+) peers took (?P<push_s>[\d.]+)s; assignment channel: "
+    r"sent (?P<sent_frames>\d+) frames (?P<sent_bytes>\d+) bytes, "
+    r"received (?P<received_frames>\d+) frames (?P<received_bytes>\d+) bytes")
 
 
 def parse_push_line(text: str) -> dict[str, float] | None:
     """The coordinator's push summary (docs/bringup.md §4) as numbers, or None if it did not print one."""
-    import re
-
-    m = re.search(PUSH_LINE, text)
+    m = PUSH_LINE.search(text)
     return {k: (float(v) if k == "push_s" else int(v)) for k, v in m.groupdict().items()} if m else None
 
 
@@ -160,52 +168,65 @@ def _health(url: str) -> int:
 
 
 def _wait(cond: Callable[[], bool], procs: list[Any], timeout: float, what: str) -> None:
+    """Poll ``cond`` every 50 ms; raise naming ``what`` (and a dead process's stderr tail) on a death or timeout."""
     deadline = time.monotonic() + timeout
     while not cond():
         dead = [p for p in procs if p.proc.poll() is not None]
         if dead or time.monotonic() > deadline:
             tail = "".join(dead[0].lines[-20:]) if dead else ""
-            raise RuntimeError(f"scaling_bench: {what} not reached within {timeout:g}s{tail and ':' + chr(10) + tail}")
+            more = f":\n{tail}" if tail else ""
+            raise RuntimeError(f"scaling_bench: {what} not reached within {timeout:g}s{more}")
         time.sleep(0.05)
 
 
-def bringup_point(model: Path, peers: int, work: Path, secret: Path, args: argparse.Namespace, rnd: int) -> dict[str, Any]:
+def _start_peers(n: int, work: Path, common: list[str], procs: list[Any]) -> tuple[list[str], list[str]]:
+    """``n`` --pp-peer processes on 127.0.0.20.. (appended to ``procs``); their control addresses and URLs."""
+    from bench.bringup_bench import Proc, free_port
+
+    controls, urls = [], []
+    for i in range(n):
+        host = f"127.0.0.{PEER_BASE + i}"
+        control, port = f"{host}:{free_port(host)}", free_port(host)
+        controls.append(control)
+        urls.append(f"http://{host}:{port}")
+        procs.append(Proc(work / f"peer-{i}", [*common, "--pp-peer", "--host", host, "--port", str(port),
+                                                "--cluster-control-addr", control]))
+    return controls, urls
+
+
+def _push_fields(text: str) -> dict[str, Any]:
+    push = parse_push_line(text) or {}
+    return {"push_s": push.get("push_s"), **{k: push.get(k) for k in ("sent_bytes", "received_bytes", "sent_frames",
+                                                                      "received_frames")},
+            "wire_bytes": (push["sent_bytes"] + push["received_bytes"]) if push else None}
+
+
+def bringup_point(model: Path, peers: int, work: Path, secret: Path, args: argparse.Namespace,
+                  rnd: int) -> dict[str, Any]:
     """N waiting peers first (each answers /health 503 "waiting"), then t0: the coordinator starts;
     time to /health 200 and to the first token, the push line's bytes, RSS of everything."""
     from bench.bringup_bench import Proc, first_token, free_port
 
     common = ["-m", str(model), "--cluster-secret-file", str(secret), "--log-level", "warning", "--threads", "1",
               "--served-model-name", "bench"]
-    hosts = [f"127.0.0.{PEER_BASE + i}" for i in range(peers)]
-    controls = [f"{h}:{free_port(h)}" for h in hosts]
-    urls = []
+    work = work / f"n{peers}-r{rnd}"
     procs: list[Any] = []
     try:
-        for i, (h, c) in enumerate(zip(hosts, controls)):
-            port = free_port(h)
-            urls.append(f"http://{h}:{port}")
-            procs.append(Proc(work / f"n{peers}-r{rnd}" / f"peer-{i}", [*common, "--pp-peer", "--host", h, "--port",
-                                                                         str(port), "--cluster-control-addr", c]))
+        controls, urls = _start_peers(peers, work, common, procs)
         _wait(lambda: all(_health(u) == 503 for u in urls), procs, args.timeout, f"{peers} waiting peers")
         peer_rss = sum(x for x in (rss_bytes(p.proc.pid) for p in procs) if x)
         port = free_port(COORDINATOR_HOST)
-        t0 = time.perf_counter()
-        coord = Proc(work / f"n{peers}-r{rnd}" / "coordinator",
-                     [*common, "--pp-auto", str(peers), "--host", COORDINATOR_HOST, "--port", str(port),
-                      "--cluster-control-addr", f"{COORDINATOR_HOST}:{free_port(COORDINATOR_HOST)}",
-                      "--cluster-peers", ",".join(controls)])
-        procs.append(coord)
         url = f"http://{COORDINATOR_HOST}:{port}"
+        t0 = time.perf_counter()
+        procs.append(Proc(work / "coordinator", [
+            *common, "--pp-auto", str(peers), "--host", COORDINATOR_HOST, "--port", str(port), "--cluster-peers",
+            ",".join(controls), "--cluster-control-addr", f"{COORDINATOR_HOST}:{free_port(COORDINATOR_HOST)}"]))
         _wait(lambda: _health(url) == 200, procs, args.timeout, f"the {peers}-stage coordinator serving")
         ready = time.perf_counter() - t0
         token = first_token(url)
-        push = parse_push_line("".join(coord.lines)) or {}
         rss = [rss_bytes(p.proc.pid) for p in procs]
         row = {"bench": "scaling_bringup", "peers": peers, "round": rnd, "ready_s": round(ready, 3),
-               "first_token_s": round(ready + token, 3), "push_s": push.get("push_s"),
-               "sent_bytes": push.get("sent_bytes"), "received_bytes": push.get("received_bytes"),
-               "sent_frames": push.get("sent_frames"), "received_frames": push.get("received_frames"),
-               "wire_bytes": (push["sent_bytes"] + push["received_bytes"]) if push else None,
+               "first_token_s": round(ready + token, 3), **_push_fields("".join(procs[-1].lines)),
                "peer_rss_waiting_bytes": peer_rss, "peer_rss_bytes": sum(x for x in rss[:-1] if x),
                "coordinator_rss_bytes": rss[-1], "model": model.name, "load_1m": load_1m()}
         print(f"bringup N={peers}: serving after {ready:.2f}s, push {row['push_s']}s, {row['wire_bytes']} bytes, "
@@ -219,7 +240,8 @@ def bringup_point(model: Path, peers: int, work: Path, secret: Path, args: argpa
 # -- router ---------------------------------------------------------------------------------------
 
 
-def router_point(model: Path, prefill: int, decode: int, secret: Path, args: argparse.Namespace, rnd: int) -> dict[str, Any]:
+def router_point(model: Path, prefill: int, decode: int, secret: Path, args: argparse.Namespace,
+                 rnd: int) -> dict[str, Any]:
     """``<p>p<d>d`` behind a router; sequential requests: per request TTFT less the prefill node's own
     prefill seconds (the router's ``prefill_seconds`` delta), and the router's CPU less its idle rate."""
     from bench.disagg_bench import router_metrics, start_topology, stream_once

@@ -55,47 +55,47 @@ class Costs:
     loopback_latency_ms: float = 0.01
 
 
+def _router_load(costs: Costs, hosts: int, streams: int, request_tokens: int) -> dict[str, float]:
+    """hosts/2 decode nodes of ``streams`` streams, each request ``request_tokens`` x single ms long, against one
+    router core less what its health probes take."""
+    probe_cores = costs.router_cpu_s_per_node_s * hosts
+    per_request = costs.router_cpu_s_per_request
+    capacity = max(1 - probe_cores, 0.0) / per_request if per_request > 0 else math.inf
+    demand = max(hosts // 2, 1) * streams * 1e3 / (request_tokens * costs.single_ms)
+    return {"router_probe_cores": probe_cores, "router_max_rps": capacity, "router_demand_rps": demand}
+
+
 def predict_hosts(costs: Costs, hosts: int, network: Network = Network(), streams: int = 8,
                   request_tokens: int = 256) -> dict[str, Any]:
     """What the loopback costs predict for ``hosts`` hosts on ``network``.
 
-    Pipeline (one stage per host): ms/token at 1 stream = single + hosts x hop, where a hop is the
-    loopback hop cost less loopback latency plus the network's ``wire_ms(hop_bytes)``; at ``streams``
-    streams the pipeline holds at most ``streams`` tokens in flight, so tokens/s is at most
-    streams / (ms/token) while streams < hosts, and the single node's batched rate beyond.
-    Bring-up: the linear time fit and the quadratic bytes fit at ``hosts`` peers (bytes cross one link
-    at the coordinator); the push itself must reach and offer every peer within 50 s. Router (hosts/2 prefill + hosts/2 decode nodes): probes cost
-    ``router_cpu_s_per_node_s`` x hosts of one core; the rest of the core serves requests at
-    ``router_cpu_s_per_request`` each; the cluster's demand is ``streams`` requests per decode node, each
-    lasting ``request_tokens`` x single ms. The coordinator: its CPU per token (fit over the stages) times the
-    tokens/s, against one core. The first limit is the one that uses the largest share of its budget;
-    ``hop_share`` (hop time over compute time per token) is the latency cost, not a limit.
+    Pipeline (one stage per host): ms/token at 1 stream = single + hosts x hop, a hop being the loopback
+    hop less loopback latency plus ``network.wire_ms(hop_bytes)``; ``streams`` streams keep at most
+    ``streams`` tokens in flight, so tok/s = min(streams, hosts) / (ms/token). Bring-up: the linear time
+    and push fits and the quadratic bytes fit at ``hosts`` peers. Router: ``_router_load``. Coordinator:
+    its CPU per token (fit over the stages) x tok/s, in cores. Each limit is the share of its budget used
+    (1.0: the limit): the coordinator's one core (one GIL), the router's one core, the 50 s in which the
+    push must reach and offer every peer; the first limit is the largest share. ``hop_share`` (hop time
+    over compute time per token) is the latency cost, not a limit.
     """
     hop = max(costs.hop_ms - costs.loopback_latency_ms, 0.0) + network.wire_ms(costs.hop_bytes)
     ms_token = costs.single_ms + hosts * hop
-    tok_s_1 = 1e3 / ms_token
     tok_s_n = min(streams, hosts) * 1e3 / ms_token
-    bringup_s = costs.bringup_s0 + costs.bringup_s_per_peer * hosts
+    push_s = costs.push_s0 + costs.push_s_per_peer * hosts
     bringup_bytes = costs.bringup_bytes.at(hosts)
-    bringup_wire_s = bringup_bytes * 8 / (network.gbit_s * 1e9)
-    probe_core = costs.router_cpu_s_per_node_s * hosts  # cores the health probes take
-    router_rps = max(1 - probe_core, 0.0) / costs.router_cpu_s_per_request if costs.router_cpu_s_per_request > 0 else math.inf
-    decode_nodes = max(hosts // 2, 1)
-    demand_rps = decode_nodes * streams * 1e3 / (request_tokens * costs.single_ms)
+    router = _router_load(costs, hosts, streams, request_tokens)
     coord_cores = (costs.coord_cpu_s_per_token0 + costs.coord_cpu_s_per_token_per_stage * hosts) * tok_s_n
-    limits = {  # each as the share of its budget used at this size: 1.0 is the limit
-        "coordinator CPU": coord_cores,  # one core: the coordinator's event loop and transport share one GIL
-        "router CPU": demand_rps / router_rps if router_rps > 0 else math.inf,
-        # reach and offer must end 10 s before the 60 s push window (docs/bringup.md §4)
-        "bring-up fan-out": (costs.push_s0 + costs.push_s_per_peer * hosts) / PUSH_OFFER_WINDOW_S,
-    }
-    first = max(limits, key=lambda k: limits[k])
-    return {"hosts": hosts, "network": network.name, "hop_ms": hop, "ms_per_token_1": ms_token, "tok_s_1": tok_s_1,
-            f"tok_s_{streams}": tok_s_n, "bringup_s": bringup_s, "bringup_bytes": bringup_bytes,
-            "bringup_wire_s": bringup_wire_s, "push_s": costs.push_s0 + costs.push_s_per_peer * hosts, "router_probe_cores": probe_core, "router_max_rps": router_rps,
-            "router_demand_rps": demand_rps, "coordinator_cores": coord_cores,
-            "hop_share": hosts * hop / max(costs.single_ms, 1e-9), "router_added_ms_p95": costs.router_added_ms_p95,
-            "limit_ratios": limits, "first_limit": first, "assumptions": asdict(network)}
+    capacity = router["router_max_rps"]
+    limits = {"coordinator CPU": coord_cores,
+              "router CPU": router["router_demand_rps"] / capacity if capacity else math.inf,
+              "bring-up fan-out": push_s / PUSH_OFFER_WINDOW_S}
+    return {"hosts": hosts, "network": network.name, "hop_ms": hop, "ms_per_token_1": ms_token,
+            "tok_s_1": 1e3 / ms_token, f"tok_s_{streams}": tok_s_n,
+            "bringup_s": costs.bringup_s0 + costs.bringup_s_per_peer * hosts, "bringup_bytes": bringup_bytes,
+            "bringup_wire_s": bringup_bytes * 8 / (network.gbit_s * 1e9), "push_s": push_s, **router,
+            "coordinator_cores": coord_cores, "hop_share": hosts * hop / max(costs.single_ms, 1e-9),
+            "router_added_ms_p95": costs.router_added_ms_p95, "limit_ratios": limits,
+            "first_limit": max(limits, key=lambda k: limits[k]), "assumptions": asdict(network)}
 
 
 # -- from rows to costs ---------------------------------------------------------------------------
@@ -112,8 +112,9 @@ def _xy(rows: list[dict[str, Any]], x: str, y: str) -> tuple[list[float], list[f
 
 def fits_of(rows: list[dict[str, Any]]) -> dict[str, Fit]:
     """Every fit the rows allow: ``ms_per_token`` vs stages (S >= 2: the single node is the S=1 baseline,
-    not a pipeline), the coordinator's CPU per token vs stages (the concurrent level), ``ready_s`` / ``push_s`` vs peers (linear), ``wire_bytes`` vs peers (quadratic),
-    router CPU per request and added p95 vs nodes (linear)."""
+    not a pipeline), the coordinator's CPU per token vs stages (the concurrent level), ``ready_s`` and
+    ``push_s`` vs peers (linear), ``wire_bytes`` vs peers (quadratic), router CPU per request and added
+    p95 vs nodes (linear)."""
     specs = [("pipeline_ms_per_token", [r for r in _of(rows, "scaling_pipeline", streams=1) if r["stages"] >= 2],
               "stages", "ms_per_token", 1),
              ("coordinator_cpu_s_per_token", [{**r, "cpu_per_token": r["cpu_s_coordinator"] / r["tokens"]}
@@ -155,7 +156,8 @@ def costs_of(rows: list[dict[str, Any]], fits: dict[str, Fit], hop_bytes: float)
                  push_s_per_peer=fits["bringup_push_s"].slope,
                  router_cpu_s_per_request=fits["router_cpu_s_per_request"].at(widest),
                  router_cpu_s_per_node_s=max(fits["router_idle_cpu_s_per_s"].slope, 0.0),
-                 router_added_ms_p95=_median([r["added_ms_p95"] for r in _of(rows, "scaling_router", nodes=widest)]) or 0.0,
+                 router_added_ms_p95=_median([r["added_ms_p95"] for r in _of(rows, "scaling_router",
+                                                                               nodes=widest)]) or 0.0,
                  coord_cpu_s_per_token0=coord.intercept if coord else 0.0,
                  coord_cpu_s_per_token_per_stage=coord.slope if coord else 0.0)
 
