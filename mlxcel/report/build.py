@@ -13,7 +13,7 @@ import pandas as pd
 
 from mlxcel import __version__
 from mlxcel.report import baseline as _baseline
-from mlxcel.report import agent, disagg, html, plots, protection, reference, structured, tables
+from mlxcel.report import agent, disagg, html, plots, protection, reference, scaling, structured, tables
 from mlxcel.report.load import REPORT_MARKER, Loaded, ReportInputError, load
 
 
@@ -53,6 +53,7 @@ def summarize(loaded: Loaded) -> dict[str, pd.DataFrame]:
         "agent_turns": agent.turn_summary(loaded.table("agent_turns")),
         "agent_summary": agent.variant_summary(loaded.table("agent_summary"), loaded.table("agent_ratio")),
         "environment": tables.environment_table(loaded.tables),
+        **scaling.summaries(loaded.tables),
     }
 
 
@@ -355,6 +356,7 @@ def build_report(inputs: Sequence[str | Path], out_dir: str | Path, *, baseline:
         "disagg_serve_summary": summaries["disagg_serve"], "protection_summary": summaries["protection"],
         "structured_output_summary": summaries["structured"], "agent_turn_summary": summaries["agent_turns"],
         "agent_variant_summary": summaries["agent_summary"], "metrics": metrics,
+        **{name: summaries[name] for name in scaling.summaries({})},
         "reference_frame": reference.frame_table(), "reference_pipeline": reference.pipeline_table(),
         "baseline_comparison": comparison,
         "rejected": pd.DataFrame({"problem": loaded.problems}) if loaded.problems else None,
@@ -374,6 +376,7 @@ def build_report(inputs: Sequence[str | Path], out_dir: str | Path, *, baseline:
         "pipeline_sections": _pipeline_sections(summaries["pipeline"]) if not summaries["pipeline"].empty else [],
         "serve_sections": _serve_sections(summaries["serve"]) if not summaries["serve"].empty else [],
         "disagg_sections": _disagg_sections(summaries),
+        "scaling": scaling.section({name: summaries[name] for name in scaling.summaries({})}),
         "tp_table": _tp_table(summaries["tp"]) if not summaries["tp"].empty else None, "tp_note": tables.TP_NOTE,
         "protection_table": (protection.protection_table(summaries["protection"])
                              if not summaries["protection"].empty else None),
