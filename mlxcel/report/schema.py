@@ -169,6 +169,15 @@ SCHEMAS: dict[str, Schema] = {s.bench: s for s in (
         "turn": ("agent_turns", _AGENT_TURN), "summary": ("agent_summary", _AGENT_SUMMARY),
         "ratio": ("agent_ratio", _AGENT_RATIO),
     }),
+    # bench/kv_bits_quality.py: --kv-bits against full precision, one row per prompt and bits, then a summary
+    Schema("kv_bits_quality", "kv_bits_quality", (
+        _str("kind", choices=("prompt", "summary")), _str("model"), _int("bits"), _int("group_size"), _int("tokens"),
+        _num("agree"), _num("top1_agree"), _num("max_logit_err"), _num("mean_logit_err"),
+    ), variant_field="kind", variants={
+        "prompt": ("kv_bits_quality", (_int("prompt"), _int("agree_prefix"), _num("logit_range"))),
+        "summary": ("kv_bits_quality_summary", (_int("prompts"), _int("identical_texts"), _num("kv_bytes_per_token"),
+                                                 _num("kv_bytes_per_token_full"))),
+    }),
     # bench/tp_bench.py: one fresh-process decode measurement; "shape" (the config's dims) is kept as it is
     Schema("tp_bench", "tp", (
         _str("impl", choices=("mlxcel", "mlx-lm")), _str("model"), _str("model_name"), _str("backend"), _int("tp"),
