@@ -5,7 +5,8 @@ into a compressed row, index keys, a layer with the window alone) prefilled to P
 decoded and imported into a fresh model instance with the same weights; its next decode steps' float32 logits equal
 the original's within 1e-4, for P below, at and above the window and P not a multiple of the ratio. Headers an
 attacker could write (other counts, widths, windows, ratios, dtypes; a DSV41 record where the model keeps a KVCache;
-a record cut short) are refused before a tensor byte is kept, and tensors of the wrong size never close.
+a record cut short) are refused before a tensor byte is kept, and tensors of the wrong size never close. Then
+router -> prefill -> decode on real transports gives one node's tokens.
 """
 
 from __future__ import annotations
@@ -191,3 +192,38 @@ def test_the_dsv41_example_matches_the_codec():
         dec.feed(part)
     got = dec.result()
     assert got.prompt == (7, 8, 9) and all(np.array_equal(a, b) for a, b in zip(got.tensors, sent))
+
+
+
+async def one_at_a_time(engine, prompts) -> list[list[int]]:
+    from tests.disagg.test_families import greedy
+    from tests.engine.fakes import collect_tokens
+
+    return [await collect_tokens(engine.submit(greedy(p, f"r{i}"))) for i, p in enumerate(prompts)]
+
+
+@pytest.mark.proc  # loading a checkpoint runs ldconfig (tests/proc_marker.py)
+def test_router_prefill_decode_continue_exactly_like_one_node(tiny_deepseek_v41):
+    """Real transports over loopback (handshake, AES-GCM): greedy requests of 5, 8 and 13-token prompts handed
+    off as DSV41 records give a single node's tokens. One at a time: mlx-lm's LayerCache has no ``merge``, so
+    the engine cannot batch two deepseek_v41 sequences on any node."""
+    import asyncio
+
+    from mlxcel.engine.executor import LocalExecutor
+    from mlxcel.engine.scheduler import Scheduler
+    from mlxcel.models.loading import load_checkpoint
+    from tests.disagg.test_families import role_services
+
+    prompts = [tuple(range(40, 40 + n)) for n in (5, 8, 13)]
+    loaded = load_checkpoint(tiny_deepseek_v41)
+    single = Scheduler(LocalExecutor(loaded.model, max_batch_size=1), loaded.tokenizer, context_length=2048,
+                       parallel=1, warmup=False).start()
+    try:
+        reference = asyncio.run(one_at_a_time(single, prompts))
+    finally:
+        single.close()
+    with role_services(tiny_deepseek_v41) as (router, prefill, decode):
+        assert [spec.kind for spec in decode.layout.layers] == [CacheKind.DSV41] * 3
+        assert prefill.layout == decode.layout and decode.layout.unsupported is None
+        assert asyncio.run(one_at_a_time(router, prompts)) == reference
+        assert decode.counters["handoffs"] == 3
