@@ -138,15 +138,18 @@ def test_a_dsv41_record_cut_short_or_with_a_record_missing_is_refused(pair):
     _refused(layout, KVLayout(layout.layers[:2]), "the handoff names 2 layers; this model has 3")
 
 
-def test_tensors_of_another_size_for_the_prompt_never_close(pair):
-    """The tensor bytes are the ones the receiver computes from P: a sender's P + 1 rows overflow the END."""
+@pytest.mark.parametrize("sent,match", [(6, "the chunks carry more than the header's 3008 tensor bytes"),
+                                         (4, "the handoff ended after 24 chunks and 2240 of 3008 tensor bytes")])
+def test_tensors_for_another_prompt_length_are_refused(pair, sent, match):
+    """The tensor bytes are the ones the receiver computes from P: a sender's tensors of P + 1 tokens overflow,
+    those of P - 1 (a window row, a compressed row and the open group's row fewer) end short."""
     source = pair[0]
     layout = probe_layout(source)
-    longer = export_cache(prefill(source, tuple(range(3, 9))), layout, 6)  # 6 tokens' tensors, a 5-token header
+    tensors = export_cache(prefill(source, tuple(range(3, 3 + sent))), layout, sent)
     dec = HandoffDecoder(layout, 256)
     dec.feed(encode_header({}, (1, 2, 3, 4, 5), layout))
-    with pytest.raises(HandoffError, match="the chunks carry more than the header's"):
-        for part in encode_chunks(longer, 97):
+    with pytest.raises(HandoffError, match=match):
+        for part in encode_chunks(tensors, 97):
             dec.feed(part)
     assert dec.state == "error" and dec.held == 0
 
