@@ -1,7 +1,7 @@
 """Multi-turn agent benchmark: growing tool-call conversations, TTFT per turn, prefix reuse, decode tok/s.
 
     python -m bench.agent_turns --conversations 4 --turns 8 --repeats 2          # today's variants
-    python -m bench.agent_turns --preset full                                     # + prefix routing, --kv-bits 8
+    python -m bench.agent_turns --preset full                                     # each also with --kv-bits 8
     python -m bench.agent_turns --variant single=single --variant rr='2p1d;router:--route-policy round-robin'
     python -m bench.agent_turns --url http://127.0.0.2:8080 --label deployed      # a running server, no launch
 
@@ -44,14 +44,15 @@ from bench.environment import load_1m, write_jsonl
 
 ROLES = ("all", "server", "coordinator", "stage", "prefill", "decode", "router")
 MODEL_NAME = "bench"  # every launched process serves the checkpoint under this name
+_ROUTED = (("single", "single", ""), ("pipeline", "pp2", ""),
+           ("round-robin", "2p1d", ";router:--route-policy round-robin"),
+           ("prefix", "2p1d", ";router:--route-policy prefix"))
 PRESETS = {
-    # what runs today: the round-robin variant is today's router (no policy flag yet)
-    "today": ["single=single", "pipeline=pp2", "round-robin=2p1d"],
-    # after --route-policy and --kv-bits land: both policies, each topology with and without 8-bit KV
+    # each topology once: the single node, the pipeline, the router with either prefill choice (docs/disagg.md §6)
+    "today": [f"{name}={topo}{route}" for name, topo, route in _ROUTED],
+    # and each again with 8-bit KV on every role
     "full": [f"{name}{kv}={topo}{';all:--kv-bits 8' if kv else ''}{route}" for kv in ("", "-kv8")
-             for name, topo, route in (("single", "single", ""), ("pipeline", "pp2", ""),
-                                       ("round-robin", "2p1d", ";router:--route-policy round-robin"),
-                                       ("prefix", "2p1d", ";router:--route-policy prefix"))],
+             for name, topo, route in _ROUTED],
 }
 DEFAULT_PAIRS = [("round-robin", "prefix"), ("round-robin-kv8", "prefix-kv8")]
 PREFIX_TOKENS = "mlxcel_prefix_cache_reused_tokens_total"
@@ -242,7 +243,7 @@ async def run_conversations(run: Running, shape: conv.Shape, wire: str, max_toke
             bodies = [conv.request_body(shape, c, turn, wire, model, max_tokens)
                       for c in range(shape.conversations)]
             before = await prefix_counters(client, run.metrics_urls)
-            got = await asyncio.gather(*(one_turn(client, run.url, b) for b in bodies))
+            got = await send_wave(client, run.url, bodies, turn)
             after = await prefix_counters(client, run.metrics_urls)
             wave = {"wave_cached_tokens": None if before is None or after is None else int(after[1] - before[1]),
                     "wave_hits": None if before is None or after is None else int(after[0] - before[0]),
@@ -254,6 +255,30 @@ async def run_conversations(run: Running, shape: conv.Shape, wire: str, max_toke
                              "decode_tps": None, "error": "", **res, "load_1m": load_1m()})
                 previous[c] = res.get("prompt_tokens") or 0
     return rows
+
+
+#: seconds between a wave's request starts, so they reach the server in the order send_wave chose
+WAVE_GAP_S = 0.02
+
+
+async def send_wave(client: httpx.AsyncClient, url: str, bodies: list[dict[str, Any]], turn: int,
+                    gap_s: float = WAVE_GAP_S) -> list[dict[str, Any]]:
+    """Every conversation's request of one turn, nearly at once: they leave ``gap_s`` apart in an order that
+    rotates by one each turn (a fixed order would let a round-robin router keep each conversation on one node by
+    the wave's arithmetic: 4 conversations on 2 nodes). The results come back in conversation order."""
+    order = wave_order(len(bodies), turn)
+
+    async def start(position: int, c: int) -> dict[str, Any]:
+        await asyncio.sleep(position * gap_s)
+        return await one_turn(client, url, bodies[c])
+
+    got = await asyncio.gather(*(start(position, c) for position, c in enumerate(order)))
+    return [got[order.index(c)] for c in range(len(bodies))]
+
+
+def wave_order(conversations: int, turn: int) -> list[int]:
+    """The conversations in the order their turn ``turn`` (0-based) requests leave: rotated by ``turn``."""
+    return [(turn + k) % conversations for k in range(conversations)]
 
 
 def probe_wire(url: str, model: str = MODEL_NAME, headers: dict[str, str] | None = None) -> str:

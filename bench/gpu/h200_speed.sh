@@ -32,7 +32,7 @@
 #   agent-bf16 agent-q4   issue 44 item 3: bench/agent_turns.py, 4 growing tool-call conversations (AGENT_TURNS, 16
 #                     turns; AGENT_WORDS, 270 words a tool result: ~31k prompt tokens with the random checkpoints'
 #                     byte-level tokenizer, refused above 32768; the server's context limit permitting) on
-#                     q06-bf16 / q06-q4, AGENT_PRESET (today: single, pipeline, round-robin; full: + prefix routing and
+#                     q06-bf16 / q06-q4, AGENT_PRESET (today: single, pipeline, round-robin and prefix routing; full: each also with
 #                     --kv-bits 8), 2 ABBA repeats (rows in agent/agent_turns.jsonl); agent-tiny: a smoke test
 #   probe-bf16        removed with the compiled step (issue 41): bench/gpu/step_probe.py measured it
 #   serve             issue 24 item 2: the single-node server (mlxcel serve, asynchronous scheduling) and
@@ -103,7 +103,9 @@ install() {
 make_model() {  # name -> /tmp/models/name (built here, on the GPU)
   local dir=/tmp/models/$1
   [ -e "$dir/config.json" ] && return 0
-  local q06=(--family qwen3 --layers 28 --hidden 1024 --heads 16 --kv-heads 8 --head-dim 128 --intermediate 3072 --vocab 151936)
+  # a 40k context (make-random writes 2048): the agent suites send prompts up to 32k tokens
+  local q06=(--family qwen3 --layers 28 --hidden 1024 --heads 16 --kv-heads 8 --head-dim 128 --intermediate 3072 --vocab 151936
+             --set max_position_embeddings=40960)
   local q4=(--dtype bfloat16 --bits 4 --group-size 64)
   local args
   case $1 in

@@ -179,3 +179,15 @@ def test_prefix_counters_sum_over_processes_and_say_when_they_were_not_measured(
     # this stand-in serves the same JSON on every path
     prefill = metrics_server('{"ready": true, "prefix_hits": 4, "prefix_tokens": 256}')
     assert asyncio.run(read([a, prefill])) == (6.0, 556.0)
+
+
+def test_a_waves_order_rotates_so_round_robin_cannot_pin_a_conversation_to_a_node() -> None:
+    from bench.agent_turns import wave_order
+
+    # a round-robin router over 2 nodes gives the k-th request of a wave node k % 2 (its cursor starts even)
+    nodes = {c: [] for c in range(4)}
+    for turn in range(4):
+        for position, c in enumerate(wave_order(4, turn)):
+            nodes[c].append(position % 2)
+    assert all(sorted(wave_order(4, t)) == [0, 1, 2, 3] for t in range(4))  # each conversation once a wave
+    assert all(len(set(n)) == 2 for n in nodes.values()), nodes  # every conversation meets both nodes
