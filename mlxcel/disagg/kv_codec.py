@@ -120,7 +120,7 @@ class LayerSpec:
 
     def params(self) -> tuple[int, int]:
         """The record's (a, b): (keep, max_size), (group_size, bits), (arrays, 0), (caches, 0), CHUNKED's
-        (0, chunk size) or (0, 0)."""
+        (0, chunk size), DSV41's (window, ratio) or (0, 0)."""
         if self.kind is CacheKind.CHUNKED:
             return 0, self.max_size
         if self.kind is CacheKind.DSV41:
@@ -147,7 +147,7 @@ class LayerSpec:
         if self.kind is CacheKind.LIST:
             return [t for part in self.parts for t in part.tensors(length)]
         if self.kind is CacheKind.DSV41:
-            return _dsv41_tensors(self, length)
+            return [TensorSpec(dtype, (1, n, width)) for _, dtype, n, width in dsv41_rows(self, length)]
         n, h = self.positions(length), self.heads
         assert self.dtype is not None
         if self.kind is not CacheKind.QUANTIZED:
@@ -173,16 +173,18 @@ class LayerSpec:
         return own
 
 
-def _dsv41_tensors(spec: LayerSpec, length: int) -> list[TensorSpec]:
-    """A DSV41 layer's tensors after ``length`` tokens (docs/disagg.md §4.1): the window, the compressed rows,
-    the index keys, the open group's rows and gates (float32); one with no rows is not sent."""
+def dsv41_rows(spec: LayerSpec, length: int) -> list[tuple[str, DType, int, int]]:
+    """A DSV41 layer's tensors after ``length`` tokens as (LayerCache field, dtype, rows, width), in wire order
+    (docs/disagg.md §4.1): the window, the compressed rows, the index keys, the open group's rows and gates
+    (float32); one with no rows is not sent."""
     assert spec.dtype is not None
-    rows, d = [(spec.dtype, spec.positions(length), spec.k_dim)], spec.ratio
+    rows, d = [("window", spec.dtype, spec.positions(length), spec.k_dim)], spec.ratio
     if d:
-        rows += [(spec.dtype, length // d, spec.k_dim), (spec.dtype, length // d if spec.v_dim else 0, spec.v_dim)]
+        rows += [("compress_kv", spec.dtype, length // d, spec.k_dim),
+                 ("index_k", spec.dtype, length // d if spec.v_dim else 0, spec.v_dim)]
     if d > 1:
-        rows += [(DType.FLOAT32, length % d, spec.k_dim)] * 2
-    return [TensorSpec(dtype, (1, n, width)) for dtype, n, width in rows if n]
+        rows += [(name, DType.FLOAT32, length % d, spec.k_dim) for name in ("pending_kv", "pending_gate")]
+    return [row for row in rows if row[2]]
 
 
 def array_record(spec: TensorSpec) -> bytes:

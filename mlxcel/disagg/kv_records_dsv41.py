@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mlxcel.disagg.kv_codec import HandoffError, LayerSpec, dtype_code
+from mlxcel.disagg.kv_codec import HandoffError, LayerSpec, dsv41_rows, dtype_code
 from mlxcel.disagg.wire import CacheKind
 
 
@@ -49,26 +49,15 @@ def spec_of(model: Any, index: int, cache: Any) -> LayerSpec:
     window = cache.window
     if window is None or window.ndim != 3 or window.shape[:2] != (1, 1) or cache.offset != 1:
         raise ValueError(f"layer {index}'s LayerCache does not hold one window row after a token")
-    if ratio > 1 and (cache.pending_kv is None or cache.pending_kv.dtype != _mx().float32):
+    if ratio > 1 and (cache.pending_kv is None or _name(cache.pending_kv) != "float32"):
         raise ValueError(f"layer {index}'s LayerCache keeps its open group's rows in other than float32")
     return LayerSpec(CacheKind.DSV41, dtype_code(_name(window)), 1, window.shape[-1], index_width,
                      max_size=int(cache.window_size), ratio=ratio)
 
 
-def _mx() -> Any:
-    import mlx.core as mx
-
-    return mx
-
-
 def _fields(spec: LayerSpec, length: int) -> list[str]:
-    """The LayerCache fields of the tensors sent after ``length`` tokens, in wire order (kv_codec's rule)."""
-    names, d = ["window"], spec.ratio
-    if d and length // d:
-        names += ["compress_kv"] + (["index_k"] if spec.v_dim else [])
-    if d > 1 and length % d:
-        names += ["pending_kv", "pending_gate"]
-    return names
+    """The LayerCache fields of the tensors sent after ``length`` tokens, in wire order."""
+    return [name for name, *_ in dsv41_rows(spec, length)]
 
 
 def export_arrays(cache: Any, spec: LayerSpec, length: int) -> list:
