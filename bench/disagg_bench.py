@@ -61,8 +61,8 @@ import httpx
 from bench.environment import load_1m, write_jsonl
 
 ROUTER_IP, HYBRID_IP = "127.0.0.70", "127.0.0.69"
-PREFILL_IPS = ("127.0.0.71", "127.0.0.72")
-DECODE_IPS = ("127.0.0.73", "127.0.0.74", "127.0.0.75")
+PREFILL_IPS = ("127.0.0.71", "127.0.0.72", "127.0.0.73", "127.0.0.74")  # a topology spans .69-.78 (offsets of 10)
+DECODE_IPS = ("127.0.0.75", "127.0.0.76", "127.0.0.77", "127.0.0.78")
 FILLER = ("The quick brown fox jumps over the lazy dog while the river runs past old stone bridges "
           "and the wind carries leaves across quiet fields. ")
 

@@ -38,6 +38,7 @@ class CacheKind(enum.IntEnum):
     ARRAY = 6  # not a layer: one array of the ARRAYS record before it (dtype and shape)
     CHUNKED = 7  # ChunkedKVCache (llama4's chunked attention): the last min(tokens, chunk size) positions
     STATE = 8  # an allow-listed cache class by mlx-lm's state contract (kv_records_generic); ARRAY records follow
+    DSV41 = 9  # deepseek_v41's LayerCache: window, compressed rows, index keys, open group (kv_records_dsv41)
 
 
 #: most arrays in one ARRAYS layer, most caches in one LIST layer, most dimensions of one array
