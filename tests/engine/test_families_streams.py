@@ -102,3 +102,24 @@ def test_three_remote_stages_carry_the_streams_across_processes(tmp_path, family
             assert remote_tokens(cluster.url, prompt, 6) == reference_tokens(path, prompt, 6)
     finally:
         cluster.stop()
+
+
+def test_a_handed_off_cache_of_the_stages_continues_as_on_one_node(family_checkpoint):  # noqa: F811
+    """Prefill through stages 0-1 | 2-3, hand their LayerCaches off as one sequence (disaggregated prefill: the
+    DSV41 records), split them back by each stage's share: decoding on them gives the whole model's logits, as on
+    the caches never sent."""
+    from tests.engine.test_slice_rule import through_the_wire
+
+    model = load_checkpoint(family_checkpoint("deepseek_v41")).model
+    slices = [ModelSlice(model, 0, 2), ModelSlice(model, 2, 4)]
+    caches, whole_cache, x = [s.make_cache() for s in slices], make_prompt_cache(model), mx.array([PROMPT[0] * 2])
+    expected = model(x, cache=whole_cache)
+    assert float(mx.abs(run_slices(slices, caches, x) - expected).max()) <= 1e-4
+    back = through_the_wire(model, [c for cache in caches for c in cache], x.shape[1])
+    received = [back[:slices[0].cache_count], back[slices[0].cache_count:]]
+    assert received[1][0].compress_kv.shape == caches[1][0].compress_kv.shape == (1, 3, 16)  # 12 rows pooled 4 to 1
+    for _ in range(5):
+        x = mx.argmax(expected[:, -1], axis=-1)[:, None]
+        expected = model(x, cache=whole_cache)
+        for chain in (caches, received):
+            assert float(mx.abs(run_slices(slices, chain, x) - expected).max()) <= 1e-4
