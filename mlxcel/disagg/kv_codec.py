@@ -38,10 +38,12 @@ from mlxcel.disagg.wire import (
     MAX_KV_LIST,
     MAX_KV_META_LEN,
     MAX_KV_NDIM,
+    MAX_KV_SPLIT,
     CacheKind,
     DType,
     Part,
 )
+from mlxcel.disagg.kv_split import SPLIT, SplitAssembly
 from mlxcel.error_codes import CodedError, ErrorCode
 from mlxcel.models.token_ids import TokenIdError, check_token_ids
 
@@ -344,7 +346,8 @@ class HandoffDecoder:
         self._owner: Any = None
         self._have = 0
         self._chunks = 0
-        self.allocated = 0  # bytes of tensor buffers made so far (closed and open)
+        self._allocated = 0  # bytes of tensor buffers made so far (closed and open)
+        self.split: SplitAssembly | None = None  # a split handoff's tensors (docs/disagg.md §4.7)
 
     def feed(self, part: Any) -> None:
         """One STREAM_DATA body of the handoff stream."""
@@ -361,8 +364,45 @@ class HandoffDecoder:
                 self._chunk(view)
             elif kind == Part.END and self.state == "chunks":
                 self._end(view)
+            elif kind == Part.SPLIT and self.state == "chunks" and self._chunks == 0:
+                self._split(view)
             else:
                 raise HandoffError(f"handoff part 0x{kind:02x} is not expected in state {self.state}", ErrorCode.BAD_REQUEST)
+        except HandoffError:
+            self._fail()
+            raise
+
+    def feed_part(self, index: int, part: Any) -> None:
+        """A STREAM_DATA body of part stream ``index`` of a split handoff, after its PART record (which
+        ``start_part`` took): CHUNK parts, then END."""
+        view = memoryview(part).cast("B")
+        try:
+            if self.state == "error":
+                raise HandoffError("the handoff was already refused")
+            if self.split is None or self.state not in ("split", "done"):
+                raise HandoffError("a part stream's data before its header stream's SPLIT", ErrorCode.BAD_REQUEST)
+            kind = view[0] if len(view) else None
+            if kind == Part.CHUNK:
+                self.split.chunk(index, view)
+                self.received = self.split.received
+            elif kind == Part.END:
+                if self.split.end(index, view):
+                    self.state = "done"
+            else:
+                raise HandoffError(f"part {index}: a part stream carries CHUNK and END parts, not "
+                                   f"{'nothing' if kind is None else f'0x{kind:02x}'}", ErrorCode.BAD_REQUEST)
+        except HandoffError:
+            self._fail()
+            raise
+
+    def start_part(self, index: int, count: int) -> None:
+        """Part stream ``index`` of ``count`` opened (its PART record, parsed by ``kv_split.parse_part``)."""
+        try:
+            if self.state == "error":
+                raise HandoffError("the handoff was already refused")
+            if self.split is None:
+                raise HandoffError("a part stream for a handoff that is not split", ErrorCode.BAD_REQUEST)
+            self.split.start(index, count)
         except HandoffError:
             self._fail()
             raise
@@ -373,16 +413,28 @@ class HandoffDecoder:
             got = f"{self.received} of {self.expected} tensor bytes" if self.state == "chunks" else f"state {self.state}"
             self._fail()
             raise HandoffError(f"the handoff stream ended before its END record ({got})")
+        if self.split is not None:
+            tensors, owners = self.split.tensors()
+            return Handoff(self.meta, self.prompt, self.layout, tensors, owners)
         return Handoff(self.meta, self.prompt, self.layout, self._done, self._owners)
 
     @property
     def held(self) -> int:
         """Tensor bytes this decoder keeps now: closed tensors, the open one's buffer or received views."""
+        if self.split is not None:
+            return self.split.held
         open_ = self._arr.nbytes if self._arr is not None else self._have
         return sum(t.nbytes for t in self._done) + open_
 
+    @property
+    def allocated(self) -> int:
+        """Bytes of tensor buffers made so far (closed and open)."""
+        return self.split.allocated if self.split is not None else self._allocated
+
     def _fail(self) -> None:
         self.state = "error"
+        if self.split is not None:
+            self.split.drop()
         self._done, self._owners, self._pieces, self._have, self._specs = [], [], [], 0, []
         self._arr = self._owner = None
 
@@ -479,7 +531,7 @@ class HandoffDecoder:
             flat[off:off + len(piece)] = np.frombuffer(piece, np.uint8)
             off += len(piece)
         self._pieces, self._arr, self._owner = [], arr, owner
-        self.allocated += arr.nbytes
+        self._allocated += arr.nbytes
 
     def _advance(self) -> None:
         """Close every tensor whose bytes are all here (zero-size tensors at once)."""
@@ -493,6 +545,15 @@ class HandoffDecoder:
                 self._done.append(np.frombuffer(raw, dtype=NUMPY_DTYPES[spec.dtype]).reshape(spec.shape))
                 self._owners.append(None)
             self._pieces, self._have, self._arr, self._owner = [], 0, None, None
+
+    def _split(self, view: memoryview) -> None:
+        if len(view) != SPLIT.size:
+            raise HandoffError("the SPLIT record has the wrong length", ErrorCode.BAD_REQUEST)
+        count = view[1]
+        if not 2 <= count <= MAX_KV_SPLIT:
+            raise HandoffError(f"a split over {count} part streams is outside 2..{MAX_KV_SPLIT}", ErrorCode.BAD_REQUEST)
+        self.split = SplitAssembly(self.layout.tensors(len(self.prompt)), count, self._allocate, NUMPY_DTYPES, HandoffError)
+        self.state = "split"
 
     def _end(self, view: memoryview) -> None:
         if len(view) != _END.size:
