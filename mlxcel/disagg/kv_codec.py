@@ -426,6 +426,10 @@ class HandoffDecoder:
         open_ = self._arr.nbytes if self._arr is not None else self._have
         return sum(t.nbytes for t in self._done) + open_
 
+    def abandon(self) -> None:
+        """Drop every tensor byte now (a refused handoff); every later part raises."""
+        self._fail()
+
     @property
     def allocated(self) -> int:
         """Bytes of tensor buffers made so far (closed and open)."""

@@ -66,28 +66,26 @@ def total_bytes(tensors: Iterable[Any]) -> int:
                for t in tensors)
 
 
-def range_parts(tensors: Iterable[Any], lo: int, hi: int, chunk_len: int = KV_CHUNK_LEN
+def range_parts(runs: Iterable[memoryview], lo: int, hi: int, chunk_len: int = KV_CHUNK_LEN
                 ) -> Iterator[tuple[Any, ...]]:
-    """The CHUNK parts of bytes ``[lo, hi)`` of ``tensors`` (views, as ``chunk_parts``), then END."""
-    from mlxcel.disagg.kv_codec import contiguous_runs  # kv_codec imports this module
-
+    """The CHUNK parts of bytes ``[lo, hi)`` of the concatenated byte views ``runs`` (``kv_codec``'s
+    ``contiguous_runs`` of each tensor; the parts are views of them, as ``chunk_parts``), then END."""
     index = size = pos = 0
     pending: list[memoryview] = []
-    for tensor in tensors:
-        for view in contiguous_runs(tensor):
-            if pos + len(view) <= lo or pos >= hi:
-                pos += len(view)
-                continue
-            view, pos = view[max(0, lo - pos):min(len(view), hi - pos)], max(pos, lo)
-            while len(view):
-                take = min(len(view), chunk_len - size)
-                pending.append(view[:take])
-                view, size, pos = view[take:], size + take, pos + take
-                if size == chunk_len:
-                    yield (_CHUNK.pack(Part.CHUNK, index), *pending)
-                    index, pending, size = index + 1, [], 0
+    for view in runs:
+        if pos + len(view) <= lo:
+            pos += len(view)
+            continue
         if pos >= hi:
             break
+        view, pos = view[max(0, lo - pos):min(len(view), hi - pos)], max(pos, lo)
+        while len(view):
+            take = min(len(view), chunk_len - size)
+            pending.append(view[:take])
+            view, size, pos = view[take:], size + take, pos + take
+            if size == chunk_len:
+                yield (_CHUNK.pack(Part.CHUNK, index), *pending)
+                index, pending, size = index + 1, [], 0
     if size:
         yield (_CHUNK.pack(Part.CHUNK, index), *pending)
         index += 1

@@ -16,7 +16,12 @@ from typing import Iterator
 
 from mlxcel.cluster.aead_pipeline import usable_cores
 from mlxcel import envs
+from mlxcel.disagg.wire import DEFAULT_SPLIT_MIN_BYTES
 
+def split_min_bytes() -> int:
+    """Tensor bytes from which a handoff is split over every lane (MLXCEL_HANDOFF_SPLIT_MIN_BYTES; 16 MiB)."""
+    value = envs.settings().handoff_split_min_bytes
+    return DEFAULT_SPLIT_MIN_BYTES if value is None else int(value)
 
 
 def default_lanes(cores: int | None = None) -> int:

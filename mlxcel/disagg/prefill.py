@@ -15,6 +15,7 @@ sequence wherever it is, and aborts a stream in progress so the decode node free
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -30,7 +31,8 @@ from mlxcel.disagg.allowlist import Allowlist
 from mlxcel.disagg.flags import NodeConfig
 from mlxcel.disagg.host_staging import shared_staging
 from mlxcel.disagg.kv_cache import export_cache, probe_layout
-from mlxcel.disagg.kv_codec import chunk_parts, encode_header
+from mlxcel.disagg.kv_codec import chunk_parts, contiguous_runs, encode_header
+from mlxcel.disagg.kv_split import encode_part, encode_split, range_parts, ranges, total_bytes
 from mlxcel.disagg.lanes import LanePicker
 from mlxcel.disagg.loop import LoopThread
 from mlxcel.disagg.service import RoleService
@@ -92,6 +94,9 @@ class PrefillService(RoleService):
         self.loop = LoopThread("mlxcel-prefill-loop")
         self.workers = ThreadPoolExecutor(max_workers=parallel + 1, thread_name_prefix="mlxcel-handoff")
         self.lanes = LanePicker(cfg.handoff_lanes)  # concurrent handoffs to one decode node on their own connections
+        # a large handoff's part streams, one per lane, each sealed on its own thread (docs/disagg.md §4.7)
+        self.part_workers = ThreadPoolExecutor(max_workers=(parallel + 1) * cfg.handoff_lanes,
+                                               thread_name_prefix="mlxcel-handoff-part")
         self.jobs: dict[str, Job] = {}
         self.counters = {"requests": 0, "handoffs": 0, "handoff_bytes": 0, "handoff_seconds": 0.0,
                          "refused": 0, "failed": 0, "cancelled": 0}
@@ -271,7 +276,11 @@ class PrefillService(RoleService):
         self.send(job.router, m.HandedOff(job.nonce, sent, seconds, str(job.target), prefill_s))
 
     def _stream(self, job: Job, header: bytes, tensors: Any, lane: int) -> int | None:
-        """One handoff stream on ``lane``: the bytes sent, or None when the request was cancelled on the way."""
+        """One handoff stream on ``lane`` (split over every lane when large): the bytes sent, or None when the
+        request was cancelled on the way."""
+        count = self.cfg.handoff_lanes
+        if count > 1 and total_bytes(tensors) >= self.cfg.split_min_bytes:
+            return self._stream_split(job, header, tensors, lane, count)
         writer = self.transport.open_stream(job.target, lane)
         writer.write(header)
         sent = len(header)
@@ -283,6 +292,50 @@ class PrefillService(RoleService):
             sent += sum(len(p) for p in part)
         writer.close()
         return sent
+
+    def _stream_split(self, job: Job, header: bytes, tensors: Any, lane: int, count: int) -> int | None:
+        """A handoff split over ``count`` part streams, part i on lane ``lane + i`` (docs/disagg.md §4.7); the
+        header stream stays open until every part stream ended, and is aborted if any of them failed."""
+        writer = self.transport.open_stream(job.target, lane)
+        writer.write(header)
+        writer.write(encode_split(count))
+        parts = ranges(total_bytes(tensors), count)
+        failed: list[BaseException] = []
+        futures = [self.part_workers.submit(self._send_part, job, writer.id, i, count, tensors, span,
+                                            (lane + i) % count, failed) for i, span in enumerate(parts)]
+        sent = [f.result() for f in futures]
+        if failed or any(n is None for n in sent):
+            why = failed[0] if failed else None
+            with contextlib.suppress(ClusterError):  # the decode node drops the whole handoff
+                writer.abort(ErrorCode.CANCELLED if why is None else ErrorCode.UNREACHABLE,
+                             "the request was cancelled" if why is None else "a part stream of the handoff failed")
+            if why is not None:
+                raise why
+            return None
+        writer.close()
+        return len(header) + 2 + sum(n for n in sent if n is not None)
+
+    def _send_part(self, job: Job, header_stream: int, index: int, count: int, tensors: Any,
+                   span: tuple[int, int], lane: int, failed: list[BaseException]) -> int | None:
+        """Part stream ``index`` on ``lane`` (its own thread): the bytes sent, None when it stopped early
+        (the request was cancelled or another part stream failed)."""
+        try:
+            writer = self.transport.open_stream(job.target, lane)
+            head = encode_part(header_stream, index, count)
+            writer.write(head)
+            sent = len(head)
+            for part in range_parts((v for t in tensors for v in contiguous_runs(t)), *span):
+                if job.cancelled or failed:
+                    with contextlib.suppress(ClusterError):
+                        writer.abort(ErrorCode.CANCELLED, "the handoff stopped")
+                    return None
+                writer.write(part)
+                sent += sum(len(p) for p in part)
+            writer.close()
+            return sent
+        except ClusterError as exc:
+            failed.append(exc)
+            return None
 
     # -- state ------------------------------------------------------------------------------------
 
@@ -296,4 +349,5 @@ class PrefillService(RoleService):
         super().close()
         self.scheduler.close()
         self.workers.shutdown(wait=False, cancel_futures=True)
+        self.part_workers.shutdown(wait=False, cancel_futures=True)
         self.loop.close()

@@ -9,7 +9,8 @@ import threading
 import numpy as np
 import pytest
 
-from mlxcel.disagg.kv_codec import HandoffDecoder, HandoffError, KVLayout, LayerSpec, encode_chunks, encode_header
+from mlxcel.disagg.kv_codec import (HandoffDecoder, HandoffError, KVLayout, LayerSpec, contiguous_runs, encode_chunks,
+                                    encode_header)
 from mlxcel.disagg.kv_split import encode_part, encode_split, parse_part, range_parts, ranges, total_bytes
 from mlxcel.disagg.wire import MAX_KV_CHUNK_LEN, CacheKind, DType
 from tests.disagg.test_kv_codec import CONTEXT, LAYOUT, META, PROMPT, tensors_for
@@ -30,9 +31,13 @@ def split_streams(count: int, chunk_len=300, layout=LAYOUT, prompt=PROMPT, seed=
     total = total_bytes(tensors)
     head = [encode_header(META, prompt, layout), encode_split(count)]
     lanes = [[encode_part(HEADER_ID, i, count),
-              *(b"".join(p) for p in range_parts(tensors, lo, hi, chunk_len))]
+              *(b"".join(p) for p in range_parts(runs(tensors), lo, hi, chunk_len))]
              for i, (lo, hi) in enumerate(ranges(total, count))]
     return head, lanes
+
+
+def runs(tensors):
+    return (v for t in tensors for v in contiguous_runs(t))
 
 
 def feed_lane(dec: HandoffDecoder, lane: list[bytes]) -> None:
