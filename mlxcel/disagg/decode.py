@@ -348,6 +348,8 @@ class DecodeService(SplitIntake, RoleService):
         return {"ready": True, "sequences": len(self.running), "running": c.running, "waiting": c.waiting,
                 "kv_sequences": len(self.executor.runners[0]), "incoming": len(arriving),
                 "incoming_bytes": sum(i.decoder.received for i in arriving if i.decoder is not None),
+                "early_part_streams": sum(len(w.streams) for w in self.waiting_parts.values()),
+                "early_part_bytes": sum(w.bytes for w in self.waiting_parts.values()),
                 "cache_supported": self.layout.unsupported is None, "heap_kept": self.heap_kept,
                 "connections": self.transport.authenticated_connections, **self.counters}
 

@@ -40,6 +40,7 @@ class PartStream:
     early_bytes: int = 0
     closed: bool = False  # its STREAM_END (status 0) came before it joined
     refused: bool = False
+    waiting: "Waiting | None" = None  # the handoff's part streams waiting with it, until it joined
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -109,7 +110,7 @@ class SplitIntake:
             if inc is None or not inc.split:  # its header stream's SPLIT is not read yet: wait for it
                 waiting = self.waiting_parts.setdefault(ps.handoff, Waiting())
                 waiting.streams.append(ps)
-                ps.refused = waiting.refused
+                ps.refused, ps.waiting = waiting.refused, waiting
                 return
             decoder = inc.decoder
         self._join(ps, inc, decoder)
@@ -118,12 +119,12 @@ class SplitIntake:
         """A part of a stream not joined yet (under ``ps.lock``): kept, within the handoff's bound."""
         size = memoryview(payload).nbytes
         with self.lock:
-            waiting = self.waiting_parts.get(ps.handoff)
+            waiting = ps.waiting
             if waiting is None or waiting.refused or waiting.bytes + size > MAX_KV_EARLY_BYTES:
                 if waiting is not None and not waiting.refused:
                     log.warning("decode: part streams from %s hold more than %d bytes before their header stream; "
                                 "dropped", ps.handoff[0], MAX_KV_EARLY_BYTES)
-                    waiting.refused = True
+                    waiting.refused, waiting.bytes = True, 0
                     for other in waiting.streams:
                         other.early, other.early_bytes = [], 0
                 ps.refused, ps.early = True, []
@@ -162,7 +163,7 @@ class SplitIntake:
             except HandoffError as exc:
                 self._refuse(inc, exc.code, f"decode node refused the KV handoff from {ps.handoff[0]}: {exc}", decoder)
                 return
-            ps.early, ps.early_bytes, ps.decoder = [], 0, decoder
+            ps.early, ps.early_bytes, ps.decoder, ps.waiting = [], 0, decoder, None
             closed = ps.closed
         if closed:
             self._part_closed(ps, decoder)
