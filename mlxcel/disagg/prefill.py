@@ -99,7 +99,7 @@ class PrefillService(RoleService):
                                                thread_name_prefix="mlxcel-handoff-part")
         self.jobs: dict[str, Job] = {}
         self.counters = {"requests": 0, "handoffs": 0, "handoff_bytes": 0, "handoff_seconds": 0.0,
-                         "refused": 0, "failed": 0, "cancelled": 0}
+                         "refused": 0, "failed": 0, "cancelled": 0, "split_handoffs": 0}
         if self.layout.unsupported:
             log.warning("prefill: %s; every request will be refused", self.layout.unsupported)
 
@@ -313,6 +313,7 @@ class PrefillService(RoleService):
                 raise why
             return None
         writer.close()
+        self.counters["split_handoffs"] += 1
         return len(header) + 2 + sum(n for n in sent if n is not None)
 
     def _send_part(self, job: Job, header_stream: int, index: int, count: int, tensors: Any,
