@@ -15,7 +15,6 @@ sequence wherever it is, and aborts a stream in progress so the decode node free
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import time
@@ -31,8 +30,9 @@ from mlxcel.disagg.allowlist import Allowlist
 from mlxcel.disagg.flags import NodeConfig
 from mlxcel.disagg.host_staging import shared_staging
 from mlxcel.disagg.kv_cache import export_cache, probe_layout
-from mlxcel.disagg.kv_codec import chunk_parts, contiguous_runs, encode_header
-from mlxcel.disagg.kv_split import encode_part, encode_split, range_parts, ranges, total_bytes
+from mlxcel.disagg.kv_codec import chunk_parts, encode_header
+from mlxcel.disagg.kv_split import total_bytes
+from mlxcel.disagg.split_send import send_split
 from mlxcel.disagg.lanes import LanePicker
 from mlxcel.disagg.loop import LoopThread
 from mlxcel.disagg.service import RoleService
@@ -294,49 +294,12 @@ class PrefillService(RoleService):
         return sent
 
     def _stream_split(self, job: Job, header: bytes, tensors: Any, lane: int, count: int) -> int | None:
-        """A handoff split over ``count`` part streams, part i on lane ``lane + i`` (docs/disagg.md §4.7); the
-        header stream stays open until every part stream ended, and is aborted if any of them failed."""
-        writer = self.transport.open_stream(job.target, lane)
-        writer.write(header)
-        writer.write(encode_split(count))
-        parts = ranges(total_bytes(tensors), count)
-        failed: list[BaseException] = []
-        futures = [self.part_workers.submit(self._send_part, job, writer.id, i, count, tensors, span,
-                                            (lane + i) % count, failed) for i, span in enumerate(parts)]
-        sent = [f.result() for f in futures]
-        if failed or any(n is None for n in sent):
-            why = failed[0] if failed else None
-            with contextlib.suppress(ClusterError):  # the decode node drops the whole handoff
-                writer.abort(ErrorCode.CANCELLED if why is None else ErrorCode.UNREACHABLE,
-                             "the request was cancelled" if why is None else "a part stream of the handoff failed")
-            if why is not None:
-                raise why
-            return None
-        writer.close()
-        self.counters["split_handoffs"] += 1
-        return len(header) + 2 + sum(n for n in sent if n is not None)
-
-    def _send_part(self, job: Job, header_stream: int, index: int, count: int, tensors: Any,
-                   span: tuple[int, int], lane: int, failed: list[BaseException]) -> int | None:
-        """Part stream ``index`` on ``lane`` (its own thread): the bytes sent, None when it stopped early
-        (the request was cancelled or another part stream failed)."""
-        try:
-            writer = self.transport.open_stream(job.target, lane)
-            head = encode_part(header_stream, index, count)
-            writer.write(head)
-            sent = len(head)
-            for part in range_parts((v for t in tensors for v in contiguous_runs(t)), *span):
-                if job.cancelled or failed:
-                    with contextlib.suppress(ClusterError):
-                        writer.abort(ErrorCode.CANCELLED, "the handoff stopped")
-                    return None
-                writer.write(part)
-                sent += sum(len(p) for p in part)
-            writer.close()
-            return sent
-        except ClusterError as exc:
-            failed.append(exc)
-            return None
+        """A handoff split over ``count`` part streams (docs/disagg.md §4.7; ``split_send``)."""
+        sent = send_split(self.transport, job.target, header, tensors, lane, count, self.part_workers,
+                          lambda: job.cancelled)
+        if sent is not None:
+            self.counters["split_handoffs"] += 1
+        return sent
 
     # -- state ------------------------------------------------------------------------------------
 
