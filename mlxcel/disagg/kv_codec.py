@@ -12,10 +12,9 @@ are *parts*:
   every tensor, layer by layer, concatenated, cut anywhere;
 * ``END``: the number of chunks and of tensor bytes.
 
-The receiver (``HandoffDecoder``) knows the model's ``KVLayout`` and its context length and refuses,
+A large handoff may instead carry ``SPLIT`` after its header and its bytes on part streams (``kv_split``). The receiver (``HandoffDecoder``) knows the model's ``KVLayout`` and its context length and refuses,
 before it keeps a single tensor byte, a header whose layer count, kinds, dtypes, shapes or lengths
-differ from them. Tensor buffers grow only as their bytes arrive, so a header can never make it
-allocate what it claims. No MLX here: ``kv_cache`` converts between these arrays and mlx-lm caches.
+differ from them; tensor buffers grow only as their bytes arrive. No MLX here (``kv_cache`` converts).
 """
 
 from __future__ import annotations
@@ -372,37 +371,31 @@ class HandoffDecoder:
             self._fail()
             raise
 
-    def feed_part(self, index: int, part: Any) -> None:
-        """A STREAM_DATA body of part stream ``index`` of a split handoff, after its PART record (which
-        ``start_part`` took): CHUNK parts, then END."""
-        view = memoryview(part).cast("B")
-        try:
-            if self.state == "error":
-                raise HandoffError("the handoff was already refused")
-            if self.split is None or self.state not in ("split", "done"):
-                raise HandoffError("a part stream's data before its header stream's SPLIT", ErrorCode.BAD_REQUEST)
-            kind = view[0] if len(view) else None
-            if kind == Part.CHUNK:
-                self.split.chunk(index, view)
-                self.received = self.split.received
-            elif kind == Part.END:
-                if self.split.end(index, view):
-                    self.state = "done"
-            else:
-                raise HandoffError(f"part {index}: a part stream carries CHUNK and END parts, not "
-                                   f"{'nothing' if kind is None else f'0x{kind:02x}'}", ErrorCode.BAD_REQUEST)
-        except HandoffError:
-            self._fail()
-            raise
-
     def start_part(self, index: int, count: int) -> None:
-        """Part stream ``index`` of ``count`` opened (its PART record, parsed by ``kv_split.parse_part``)."""
+        """Part stream ``index`` of ``count`` of a split handoff opened (its PART record, ``kv_split.parse_part``)."""
+        self._on_part(index, None, count)
+
+    def feed_part(self, index: int, part: Any) -> None:
+        """A STREAM_DATA body of part stream ``index``, after its PART record: CHUNK parts, then END."""
+        self._on_part(index, memoryview(part).cast("B"))
+
+    def _on_part(self, index: int, view: memoryview | None, count: int = 0) -> None:
         try:
             if self.state == "error":
                 raise HandoffError("the handoff was already refused")
             if self.split is None:
                 raise HandoffError("a part stream for a handoff that is not split", ErrorCode.BAD_REQUEST)
-            self.split.start(index, count)
+            kind = None if view is None or not len(view) else view[0]
+            if view is None:
+                self.split.start(index, count)
+            elif kind == Part.CHUNK:
+                self.split.chunk(index, view)
+                self.received = self.split.received
+            elif kind == Part.END:
+                self.state = "done" if self.split.end(index, view) else self.state
+            else:
+                raise HandoffError(f"part {index}: a part stream carries CHUNK and END parts, not "
+                                   f"{'nothing' if kind is None else f'0x{kind:02x}'}", ErrorCode.BAD_REQUEST)
         except HandoffError:
             self._fail()
             raise
@@ -429,7 +422,6 @@ class HandoffDecoder:
     def abandon(self) -> None:
         """Drop every tensor byte now (a refused handoff); every later part raises."""
         self._fail()
-
     @property
     def allocated(self) -> int:
         """Bytes of tensor buffers made so far (closed and open)."""
