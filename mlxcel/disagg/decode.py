@@ -4,7 +4,8 @@ A handoff stream (any authenticated member may send one) is decoded part by part
 ``KVLayout`` and context length (``HandoffDecoder``); a stream that breaks a bound is refused at that
 part, its bytes dropped, and the router named in its header (if its nonce and router read) receives an
 ERROR. Arriving handoffs count against admission, at most half the slots per sender IP; a stream with no
-part for twice ``--handoff-timeout`` is forgotten.
+part for twice ``--handoff-timeout`` is forgotten. A handoff split over several streams (docs/disagg.md §4.7)
+is joined by ``SplitIntake``: its part streams feed the header stream's one decoder, each from its own thread.
 A complete handoff enters the scheduler through ``submit_prefilled``: it waits for a slot like any
 request, the executor installs its cache, the prefill's first token is emitted, and decoding goes on.
 Every event goes to the router as TOKENS, the end as FINISH. A CANCEL frees the sequence (running,
