@@ -20,7 +20,7 @@ from mlxcel.cluster.identity import PeerId
 from mlxcel.cluster.messages import Message, decode_error
 from mlxcel.disagg.kv_codec import HandoffDecoder, HandoffError
 from mlxcel.disagg.kv_split import parse_part
-from mlxcel.disagg.wire import MAX_KV_EARLY_BYTES, Part
+from mlxcel.disagg.wire import MAX_KV_EARLY_BYTES, MAX_KV_SPLIT, Part
 from mlxcel.error_codes import ErrorCode
 
 log = logging.getLogger("mlxcel.disagg.decode")
@@ -51,7 +51,13 @@ class Waiting:
     streams: list[PartStream] = field(default_factory=list)
     since: float = field(default_factory=time.monotonic)
     bytes: int = 0
-    refused: bool = False
+    refused: str = ""  # why its parts were dropped (the handoff is refused when its header comes)
+
+    def drop(self, why: str) -> None:
+        """Drop every kept part (under the service's lock)."""
+        self.refused, self.bytes = why, 0
+        for ps in self.streams:
+            ps.early, ps.early_bytes, ps.refused = [], 0, True
 
 
 class SplitIntake:
@@ -110,7 +116,9 @@ class SplitIntake:
             if inc is None or not inc.split:  # its header stream's SPLIT is not read yet: wait for it
                 waiting = self.waiting_parts.setdefault(ps.handoff, Waiting())
                 waiting.streams.append(ps)
-                ps.refused, ps.waiting = waiting.refused, waiting
+                ps.refused, ps.waiting = bool(waiting.refused), waiting
+                if len(waiting.streams) > MAX_KV_SPLIT and not waiting.refused:
+                    waiting.drop(f"more than {MAX_KV_SPLIT} part streams")
                 return
             decoder = inc.decoder
         self._join(ps, inc, decoder)
@@ -122,11 +130,7 @@ class SplitIntake:
             waiting = ps.waiting
             if waiting is None or waiting.refused or waiting.bytes + size > MAX_KV_EARLY_BYTES:
                 if waiting is not None and not waiting.refused:
-                    log.warning("decode: part streams from %s hold more than %d bytes before their header stream; "
-                                "dropped", ps.handoff[0], MAX_KV_EARLY_BYTES)
-                    waiting.refused, waiting.bytes = True, 0
-                    for other in waiting.streams:
-                        other.early, other.early_bytes = [], 0
+                    waiting.drop(f"more than {MAX_KV_EARLY_BYTES} bytes")
                 ps.refused, ps.early = True, []
                 return
             waiting.bytes += size
@@ -141,8 +145,9 @@ class SplitIntake:
         if waiting is None:
             return
         if waiting.refused:
+            log.warning("decode: part streams from %s sent %s before their header stream", key[0], waiting.refused)
             self._refuse(inc, ErrorCode.BAD_REQUEST, f"decode node refused the KV handoff from {key[0]}: its part "
-                         f"streams sent more than {MAX_KV_EARLY_BYTES} bytes before its header stream", decoder)
+                         f"streams sent {waiting.refused} before its header stream", decoder)
             return
         for ps in waiting.streams:
             self._join(ps, inc, decoder)

@@ -156,6 +156,22 @@ def test_part_streams_before_their_header_are_bounded_and_refuse_it(decode):
     wait_for(lambda: node.state()["early_part_streams"] == 0, what="nothing early left")
 
 
+def test_more_part_streams_than_a_split_can_have_refuse_the_handoff(decode):
+    node, target, members = decode
+    honest = members[HONEST_IP]
+    nonce = "00000000000004b1"
+    head = honest.transport.open_stream(target, 0)
+    for i in range(17):  # PART records alone, before the header stream: at most 16 wait
+        send_part(honest, target, head.id, i % 2, 2, [], lane=i % 2, close=False)
+    wait_for(lambda: node.state()["early_part_streams"] == 17, what="the early part streams")
+    head.write(encode_header(honest.doc(nonce), PROMPT, LAYOUT))
+    head.write(encode_split(2))
+    [error] = wait_for(lambda: honest.of(MsgType.ERROR, nonce), what="the refusal")
+    assert error["code"] == ErrorCode.BAD_REQUEST and "more than 16 part streams" in error["message"], error
+    head.close()
+    wait_for(lambda: node.state()["early_part_streams"] == 0, what="nothing early left")
+
+
 def test_part_streams_whose_header_never_comes_are_forgotten(decode):
     node, target, members = decode
     honest = members[HONEST_IP]
