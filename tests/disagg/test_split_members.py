@@ -202,3 +202,29 @@ def test_a_lane_dying_mid_handoff_drops_the_whole_handoff(decode):
     assert after["aborted"] > before["aborted"] and after["handoffs"] == before["handoffs"]
     time.sleep(0.3)
     assert not honest.of(MsgType.FINISH, nonce) and not honest.of(MsgType.ERROR, nonce)
+
+
+def test_with_intake_workers_a_split_handoff_decodes_the_same_tokens(tmp_path, tiny_llama):
+    """Part streams fed on intake workers (each stream on its worker, several at once) and AES on helpers."""
+    secret_file = write_secret(tmp_path)
+    ip = "127.0.0.63"
+    bind = f"{ip}:{free_port(ip)}"
+    node = RoleNode(tiny_llama, "decode", ip, bind, secret_file, *FAST,
+                    env={"MLXCEL_HANDOFF_INTAKE_WORKERS": "3", "MLXCEL_CRYPTO_WORKERS": "2"})
+    member = Member(HONEST_IP, load_secret(secret_file))
+    target = PeerId.parse(bind)
+    try:
+        node.wait_ready()
+        with member.transport.open_stream(target) as s:
+            s.write(encode_header(member.doc("00000000000006a1"), PROMPT, LAYOUT))
+            for part in encode_chunks([KV]):
+                s.write(part)
+        head = header_stream(member, target, "00000000000006a2", 4)
+        for i, parts in enumerate(part_streams(4, chunk_len=16)):
+            send_part(member, target, head.id, i, 4, parts, lane=i)
+        head.close()
+        assert tokens(member, "00000000000006a2") == tokens(member, "00000000000006a1")
+        wait_for(lambda: node.state()["incoming"] == 0, what="no stream left")
+    finally:
+        node.stop()
+        member.close()
