@@ -20,6 +20,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Sequence
 
 from bench import serve_bench
 from bench.disagg_bench import free_port
@@ -33,16 +34,18 @@ def server(args: list[str], host: str, port: int, log: Path, env: dict[str, str]
 
 
 def start_cluster(args: argparse.Namespace, work: Path, name: str, hosts: list[str],
-                  env: dict[str, str]) -> tuple[str, list[subprocess.Popen]]:
+                  env: dict[str, str], stage_args: Sequence[str] = ()) -> tuple[str, list[subprocess.Popen]]:
     """A coordinator on ``hosts[0]`` and a stage on each further host, as the deployment starts them;
-    ``env`` goes to the coordinator. Returns its URL and the processes, coordinator last."""
+    ``env`` goes to the coordinator, ``stage_args`` to every stage. Returns its URL and the processes,
+    coordinator last."""
     coord_h, *stage_h = hosts
     secret = work / f"{name}.secret"
     secret.write_text(os.urandom(32).hex() + "\n")
     secret.chmod(0o600)
     control = [f"{h}:{free_port(h)}" for h in stage_h]
     procs = [server(["-m", args.model, "--pp-peer", "--cluster-control-addr", c, "--cluster-config-out",
-                     str(work / f"{name}-stage-{i}.toml"), "--cluster-secret-file", str(secret), "--threads", "1"],
+                     str(work / f"{name}-stage-{i}.toml"), "--cluster-secret-file", str(secret), "--threads", "1",
+                     *stage_args],
                     h, free_port(h), work / f"{name}-stage-{i}.log") for i, (h, c) in enumerate(zip(stage_h, control))]
     port = free_port(coord_h)
     procs.append(server(["-m", args.model, "--pp-auto", str(len(stage_h)), "--cluster-peers", ",".join(control),

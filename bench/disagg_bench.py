@@ -137,8 +137,11 @@ def topology_options(name: str) -> tuple[str, dict[str, str], dict[str, str]]:
     return base, prefill, decode
 
 
-def start_topology(name: str, model: str, secret: Path, common: list[str], offset: int) -> tuple[str, list[Proc]]:
-    """``hybrid`` or ``<p>p<d>d`` with ``topology_options``: returns the serving URL and the processes."""
+def start_topology(name: str, model: str, secret: Path, common: list[str], offset: int,
+                   role_args: dict[str, list[str]] | None = None) -> tuple[str, list[Proc]]:
+    """``hybrid`` or ``<p>p<d>d`` with ``topology_options``: returns the serving URL and the processes (decode
+    nodes, prefill nodes, the router last); ``role_args`` adds arguments per role (prefill, decode, router)."""
+    extra = role_args or {}
     base = ["-m", model, "--served-model-name", "bench", *common]
     name, prefill_env, decode_env = topology_options(name)
     if name == "hybrid":
@@ -153,17 +156,17 @@ def start_topology(name: str, model: str, secret: Path, common: list[str], offse
         dec = [f"{ip(DECODE_IPS, i)}:{free_port(ip(DECODE_IPS, i))}" for i in range(decodes)]
         pre = [f"{ip(PREFILL_IPS, i)}:{free_port(ip(PREFILL_IPS, i))}" for i in range(prefills)]
         for addr in dec:
-            procs.append(Proc([*base, *role, "--node-role", "decode", "--serving-bind", addr], addr.split(":")[0],
-                              decode_env))
+            procs.append(Proc([*base, *role, "--node-role", "decode", "--serving-bind", addr,
+                               *extra.get("decode", ())], addr.split(":")[0], decode_env))
         for addr in pre:
             procs.append(Proc([*base, *role, "--node-role", "prefill", "--serving-bind", addr, "--decode-peers",
-                               dec[0]], addr.split(":")[0], prefill_env))
+                               dec[0], *extra.get("prefill", ())], addr.split(":")[0], prefill_env))
         for p in procs:
             p.wait()
         router_ip = ip((ROUTER_IP,), 0)
         raddr = f"{router_ip}:{free_port(router_ip)}"
         router = Proc([*base, *role, "--node-role", "router", "--serving-bind", raddr, "--prefill-peers",
-                       ",".join(pre), "--decode-peers", ",".join(dec)], router_ip)
+                       ",".join(pre), "--decode-peers", ",".join(dec), *extra.get("router", ())], router_ip)
         procs.append(router)
         router.wait()
     except BaseException:
@@ -414,7 +417,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--heap", choices=["keep", "plain"], default="keep",
                    help="stages, e2e: keep freed heap memory resident as a decode node does, or glibc's defaults")
     p.add_argument("--lanes", type=int, default=1,
-                   help="e2e: split each handoff over this many connections (docs/disagg.md §4.7; rows record it)")
+                   help="e2e: split each handoff over this many connections (docs/disagg.md §4.8; rows record it)")
     p.add_argument("--crypto-workers", type=int, default=None, help="e2e: helper threads per transport (default: auto)")
     p.add_argument("--out", type=Path, default=Path("bench/results"))
     return p.parse_args(argv)

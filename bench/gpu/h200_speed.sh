@@ -29,6 +29,11 @@
 #                     (response_format json_schema: the grammar's token mask) at 1 and 32 streams (STRUCTURED_STREAMS),
 #                     identical prompts, STRUCTURED_ROUNDS (4) ABBA rounds, TOKENS tokens a request, on q06-bf16 / q06-q4
 #                     (bench/structured_bench.py; rows in structured/structured_output.jsonl); structured-tiny: a smoke test
+#   agent-bf16 agent-q4   issue 44 item 3: bench/agent_turns.py, 4 growing tool-call conversations (AGENT_TURNS, 16
+#                     turns; AGENT_WORDS, 270 words a tool result: ~31k prompt tokens with the random checkpoints'
+#                     byte-level tokenizer, refused above 32768; the server's context limit permitting) on
+#                     q06-bf16 / q06-q4, AGENT_PRESET (today: single, pipeline, round-robin and prefix routing; full: each also with
+#                     --kv-bits 8), 2 ABBA repeats (rows in agent/agent_turns.jsonl); agent-tiny: a smoke test
 #   probe-bf16        removed with the compiled step (issue 41): bench/gpu/step_probe.py measured it
 #   serve             issue 24 item 2: the single-node server (mlxcel serve, asynchronous scheduling) and
 #                     mlx_lm.server, as users start them (SERVE_KINDS, default mlxcel,mlx_lm; add mlxcel-sync,
@@ -99,7 +104,9 @@ install() {
 make_model() {  # name -> /tmp/models/name (built here, on the GPU)
   local dir=/tmp/models/$1
   [ -e "$dir/config.json" ] && return 0
-  local q06=(--family qwen3 --layers 28 --hidden 1024 --heads 16 --kv-heads 8 --head-dim 128 --intermediate 3072 --vocab 151936)
+  # a 40k context (make-random writes 2048): the agent suites send prompts up to 32k tokens
+  local q06=(--family qwen3 --layers 28 --hidden 1024 --heads 16 --kv-heads 8 --head-dim 128 --intermediate 3072 --vocab 151936
+             --set max_position_embeddings=40960)
   local q4=(--dtype bfloat16 --bits 4 --group-size 64)
   local args
   case $1 in
@@ -171,7 +178,7 @@ handoff_suite() {  # issue 24 item 3; each step bounded so the suite fits in abo
     MLXCEL_HANDOFF_INTAKE_WORKERS=${c##*:} timeout 40 python3 -m bench.disagg_bench e2e --shape qwen3-0.6b \
       --prompt-tokens 1500 --repeats 8 --crypto-workers "$w" --suites "${HANDOFF_SUITES:-aes,unprotected}" --out "$out"
   done
-  for c in ${HANDOFF_LANE_RUNS:-2:0:0 4:0:0 4:0:4 8:0:4}; do  # lanes : crypto workers : intake workers (docs/disagg.md §4.7)
+  for c in ${HANDOFF_LANE_RUNS:-2:0:0 4:0:0 4:0:4 8:0:4}; do  # lanes : crypto workers : intake workers (docs/disagg.md §4.8)
     echo "== handoff e2e lanes=${c%%:*} crypto_workers=$(echo "$c" | cut -d: -f2) intake_workers=${c##*:} ($(left) s left)"
     MLXCEL_HANDOFF_INTAKE_WORKERS=${c##*:} timeout 40 python3 -m bench.disagg_bench e2e --shape qwen3-0.6b \
       --prompt-tokens 1500 --repeats 8 --lanes "${c%%:*}" --crypto-workers "$(echo "$c" | cut -d: -f2)" \
@@ -315,6 +322,11 @@ main() {
         make_model "$m" && python3 -m bench.structured_bench --model-dir "/tmp/models/$m" \
           --concurrency "${STRUCTURED_STREAMS:-1,32}" --rounds "${STRUCTURED_ROUNDS:-4}" --max-tokens "$TOKENS" \
           --label "${LABEL:-h200}-$m" --out "$RES/structured" ;;
+      agent-bf16|agent-q4|agent-tiny)  # bench/agent_turns.py: TTFT per turn of growing agent conversations
+        m=${s#agent-}; [ "$m" = tiny ] || m=q06-$m
+        make_model "$m" && python3 -m bench.agent_turns -m "/tmp/models/$m" --preset "${AGENT_PRESET:-today}" \
+          --conversations 4 --turns "${AGENT_TURNS:-16}" --result-words "${AGENT_WORDS:-270}" --max-tokens 16 \
+          --max-prompt-tokens 32768 --repeats 2 --label "${LABEL:-h200}-$m" --out "$RES/agent" ;;
       probe-bf16) echo "suite probe-bf16 removed (issue 41: bench/gpu/step_probe.py went with the compiled step)" ;;
       q06-bf16) suite q06-bf16 150 ;;
       q06-q4) suite q06-q4 300 ;;

@@ -6,8 +6,8 @@ Every answer is read from the code that runs the mode, never from a list kept he
 - **single**: mlx-lm has the family (its ``Model`` class for config.json's ``model_type``);
 - **PP**: ``mlxcel.engine.model_slice.family_of`` slices the family's model (built without weights):
   a ``FAMILIES`` row, or the rule of ``mlxcel.engine.slice_rule`` ("by rule"); a refusal gives its reason;
-- **TP**: ``mlxcel.parallel.plan.check_shardable`` accepts the config (its family check; ``info`` also
-  lists the ``--tp-size`` values whose shapes divide);
+- **TP**: ``mlxcel.parallel.plan.check_shardable`` accepts the config (a ``FAMILIES`` row, or the plain-layout
+  rule of ``mlxcel.parallel.rule``: "by rule"; ``info`` also lists the ``--tp-size`` values whose shapes divide);
 - **DI**: every cache the family's model makes is one the handoff carries
   (``mlxcel.disagg.kv_cache.unsupported_cache``), asked of the model built from config.json
   without its weights (MLX builds parameters lazily: nothing is allocated or read).
@@ -100,11 +100,12 @@ def tp_support(config: Mapping[str, Any], verbose: bool = False) -> Support:
     from mlxcel.parallel.plan import check_shardable
 
     try:
-        check_shardable(config, 1, "this checkpoint")
+        plan = check_shardable(config, 1, "this checkpoint")
     except ShardRefusal as exc:
         return Support(False, str(exc).removeprefix("this checkpoint: ") if verbose else "")
+    rule = "by rule" if plan.tp_family.shard == "rule" else ""
     if not verbose:
-        return Support(True)
+        return Support(True, rule)
     works = []
     for n in range(2, MAX_TP_SIZE + 1):
         try:
@@ -112,7 +113,8 @@ def tp_support(config: Mapping[str, Any], verbose: bool = False) -> Support:
             works.append(str(n))
         except ShardRefusal:
             pass
-    return Support(True, f"--tp-size {', '.join(works)}" if works else "no --tp-size above 1 divides its shapes")
+    sizes = f"--tp-size {', '.join(works)}" if works else "no --tp-size above 1 divides its shapes"
+    return Support(True, f"{rule}; {sizes}" if rule else sizes)
 
 
 def di_support(config: Mapping[str, Any]) -> Support:

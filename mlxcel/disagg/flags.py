@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from mlxcel.cluster.identity import PeerId
 from mlxcel import envs
 from mlxcel.config import DEFAULT_MAX_QUEUE, DEFAULT_MAX_RESUMES, DEFAULT_RESUME_TIMEOUT_S
+from mlxcel.disagg.prefix_routing import DEFAULT_INDEX_BLOCKS
 from mlxcel.disagg.wire import (
     DEFAULT_HANDOFF_TIMEOUT_S,
     DEFAULT_SPLIT_MIN_BYTES,
@@ -33,7 +34,10 @@ if TYPE_CHECKING:
     from mlxcel.cluster.secret import ClusterSecret
     from mlxcel.topology.distributed import Distributed
 
-_ROLE_FLAGS = ("serving_bind", "prefill_peers", "decode_peers", "handoff_timeout", "probe_interval")
+_ROLE_FLAGS = ("serving_bind", "prefill_peers", "decode_peers", "handoff_timeout", "probe_interval", "route_policy",
+               "route_index_blocks")
+_ROUTER_FLAGS = ("probe_interval", "route_policy", "route_index_blocks")
+ROUTE_POLICIES = ("prefix", "round-robin")
 
 
 def _flag(name: str) -> str:
@@ -62,6 +66,8 @@ class NodeConfig:
     handoff_copy: bool = False  # decode: receive into numpy buffers copied at import (MLXCEL_HANDOFF_COPY=1)
     handoff_staging: bool | None = None  # prefill, decode: page-locked staging (MLXCEL_HANDOFF_STAGING; None: on CUDA)
     transport: tuple[tuple[str, Any], ...] = ()  # the cluster TOML's [transport] overrides (none with flags alone)
+    route_policy: str = "prefix"  # router: how it picks a prefill node (--route-policy; docs/disagg.md §6)
+    route_index_blocks: int = DEFAULT_INDEX_BLOCKS  # router: prompt block hashes kept per prefill node
 
 
 def parse_address(text: str, flag: str) -> PeerId:
@@ -98,6 +104,8 @@ class DisaggFlags(FlagSet):
     decode_peers: str | None = None
     handoff_timeout: float | None = None
     probe_interval: float | None = None
+    route_policy: str | None = None
+    route_index_blocks: int | None = None
 
     @staticmethod
     def add_arguments(group: Any) -> None:
@@ -141,6 +149,8 @@ class DisaggFlags(FlagSet):
                            f"every {PROGRESS_INTERVAL_S:g} s), got {timeout:g}")
         if dist is None:
             self._check_cli_role(role)
+        if role != "router":
+            self._check_router_only()
         return role
 
     def _check_cli_role(self, role: str) -> None:
@@ -156,8 +166,11 @@ class DisaggFlags(FlagSet):
             raise CLIError(f"--prefill-peers is a router flag; a {role} node does not use it")
         if role == "decode" and decode:
             raise CLIError("--decode-peers is for routers and prefill nodes; a decode node does not use it")
-        if role != "router" and self.probe_interval is not None:
-            raise CLIError("--probe-interval is a router flag")
+
+    def _check_router_only(self) -> None:
+        for name in _ROUTER_FLAGS:
+            if getattr(self, name) is not None:
+                raise CLIError(f"{_flag(name)} is a router flag")
 
 
 def node_config(flags: DisaggFlags, dist: Distributed | None, max_resumes: int | None = None,
@@ -172,7 +185,8 @@ def node_config(flags: DisaggFlags, dist: Distributed | None, max_resumes: int |
     hold = DEFAULT_MAX_QUEUE if max_queue is None else max_queue
     cfg = _addresses(flags, dist, (max_resumes, resume_timeout), hold)
     if cfg.role == "router":  # the variables are not the router's
-        return cfg
+        return replace(cfg, route_policy=flags.route_policy or "prefix",
+                       route_index_blocks=flags.route_index_blocks or DEFAULT_INDEX_BLOCKS)
     return replace(cfg, switch_interval_s=transport_switch_interval(), **_handoff_environment(cfg.role))
 
 
@@ -216,6 +230,19 @@ def _resume(resume: tuple[int | None, float | None], toml_timeout_s: float) -> t
     return (DEFAULT_MAX_RESUMES if count is None else count), (toml_timeout_s if timeout is None else timeout)
 
 
+def _blocks(text: str) -> int:
+    """--route-index-blocks: a positive integer."""
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def add_disagg_arguments(group: Any) -> None:
     """The flags, on the argument group ``mlxcel/commands/serve.py`` gives them."""
     from mlxcel.config import seconds
@@ -234,6 +261,12 @@ def add_disagg_arguments(group: Any) -> None:
     group.add_argument("--handoff-timeout", type=seconds, default=None, metavar="S",
                        help=f"router: a request fails when no result arrives this long after dispatch or between "
                             f"two results (default {DEFAULT_HANDOFF_TIMEOUT_S:g})")
+    group.add_argument("--route-policy", choices=ROUTE_POLICIES, default=None,
+                       help="router: how a request's prefill node is picked: prefix (default: the node that most "
+                            "likely holds the prompt's longest prefix, within a load bound) or round-robin")
+    group.add_argument("--route-index-blocks", type=_blocks, default=None, metavar="N",
+                       help="router, --route-policy prefix: prompt block hashes (64 tokens each) kept per prefill node "
+                            f"at most, the least recent go first (default {DEFAULT_INDEX_BLOCKS})")
     group.add_argument("--probe-interval", type=seconds, default=None, metavar="S",
                        help=f"router: liveness probe period of every node (default {DEFAULT_PROBE_INTERVAL_S:g}, "
                             "or the TOML's heartbeat_s)")

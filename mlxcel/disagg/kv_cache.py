@@ -17,10 +17,13 @@ classes can be handed off:
   whose shapes do not depend on the prompt's length; a recurrent state cannot be cut, so it travels whole;
 - ``ChunkedKVCache`` (llama4's chunked-attention layers): the last min(tokens, chunk size) positions, which
   is what the next step's ``maybe_trim_front`` keeps; the rebuilt cache starts there (``start_position``);
-- ``CacheList`` (several of the above for one layer, e.g. deepseek_v32's attention and indexer keys).
+- ``CacheList`` (several of the above for one layer, e.g. deepseek_v32's attention and indexer keys);
+- any class on ``kv_records_generic.ALLOWED`` (``ConcatenateKVCache``), by the state contract alone
+  (record kind STATE).
 
-Any other class (deepseek_v41's ``LayerCache``, whose ``state`` has no setter nor ``from_state``, batch caches, a CacheList inside a CacheList, ...) makes the
-layout ``unsupported``, and a prefill node refuses such a model's requests before any prefill work.
+Any other class (deepseek_v41's ``LayerCache``, whose ``state`` has no setter nor ``from_state``, batch caches,
+a CacheList inside a CacheList, ...) makes the layout ``unsupported`` (the refusal names the class and why),
+and a prefill node refuses such a model's requests before any prefill work.
 
 Run these on the thread that runs the model (they evaluate MLX arrays).
 """
@@ -42,6 +45,7 @@ from mlx_lm.models.cache import (
 )
 
 from mlxcel import envs
+from mlxcel.disagg import kv_records_generic as generic
 from mlxcel.disagg.kv_codec import NUMPY_DTYPES, Handoff, HandoffError, KVLayout, LayerSpec, TensorSpec, dtype_code
 from mlxcel.disagg.host_staging import HostBuffer, Staging
 from mlxcel.disagg.wire import CacheKind, DType
@@ -58,7 +62,9 @@ _PREFIX = "this model's KV cache cannot be handed off to a decode node: "
 def unsupported_cache(cache: Any, depth: int = 0) -> str | None:
     """Why ``cache`` (one layer's, fresh from ``make_prompt_cache``) cannot travel; None if it can."""
     if type(cache) not in SUPPORTED:
-        return f"keeps a {type(cache).__name__}"
+        if generic.allowed(type(cache)) is None:
+            return generic.contract_refusal(type(cache))
+        return f"keeps a {type(cache).__name__} inside a CacheList" if depth else None
     if isinstance(cache, CacheList):
         if depth:
             return "keeps a CacheList inside a CacheList"
@@ -75,8 +81,8 @@ def cache_classes_supported(model: Any) -> str | None:
     for i, c in enumerate(make_prompt_cache(model)):
         why = unsupported_cache(c)
         if why:
-            return (f"{_PREFIX}layer {i} {why} (supported: {', '.join(t.__name__ for t in SUPPORTED)}; "
-                    "a CacheList of the others)")
+            names = [t.__name__ for t in SUPPORTED] + [c.name for c in generic.ALLOWED]
+            return f"{_PREFIX}layer {i} {why} (supported: {', '.join(names)}; a CacheList of the first six)"
     return None
 
 
@@ -90,10 +96,15 @@ def probe_layout(model: Any) -> KVLayout:
     # not stay lazy on this thread's stream, which the scheduler's thread does not have
     mx.eval(model(mx.array([[0]], dtype=mx.uint32), cache=caches), [c.state for c in caches])
     try:
-        layers = tuple(spec_of(type(c).__name__, c.state) for c in caches)
+        layers = tuple(_spec_of_cache(c) for c in caches)
     except ValueError as exc:
         return KVLayout(unsupported=f"{_PREFIX}{exc}")
     return KVLayout(layers)
+
+
+def _spec_of_cache(cache: Any) -> LayerSpec:
+    entry = generic.allowed(type(cache))
+    return generic.spec_of(entry, cache.state) if entry is not None else spec_of(type(cache).__name__, cache.state)
 
 
 def spec_of(name: str, state: Any) -> LayerSpec:
@@ -149,6 +160,12 @@ def export_cache(cache: list, layout: KVLayout, length: int, contiguous: bool = 
         raise HandoffError(f"the cache has {len(cache)} layers; the model has {len(layout.layers)}", )
     arrays: list[mx.array] = []
     for c, spec in zip(cache, layout.layers):
+        if spec.kind is CacheKind.STATE:
+            if getattr(generic.allowed(type(c)), "code", None) != spec.state_class:
+                raise HandoffError(f"a layer cache is a {type(c).__name__}; the model's layout says state class "
+                                   f"{spec.state_class}")
+            arrays += generic.export_arrays(type(c).__name__, c.state, spec, length)
+            continue
         arrays += _layer_arrays(type(c).__name__, c.state, spec, length)
     wanted = layout.tensors(length)
     for a, t in zip(arrays, wanted):
@@ -274,7 +291,10 @@ def import_cache(handoff: Handoff) -> list:
     for spec, tensors in handoff.layer_tensors():
         arrays = [_as_dtype(a, ts.dtype) for a, ts in zip(wire[i:i + len(tensors)], spec.tensors(length))]
         i += len(tensors)
-        out.append(CLASSES[spec.kind].from_state(_state(spec, arrays, length)))
+        if spec.kind is CacheKind.STATE:
+            out.append(generic.rebuild(spec, arrays))
+        else:
+            out.append(CLASSES[spec.kind].from_state(_state(spec, arrays, length)))
     mx.eval([c.state for c in out])  # no lazy op left to tie the arrays to this thread's stream
     return out
 

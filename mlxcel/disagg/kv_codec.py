@@ -101,14 +101,18 @@ class LayerSpec:
     keep: int = 0  # ROTATING: leading positions never evicted
     group_size: int = 0  # QUANTIZED
     bits: int = 0  # QUANTIZED
-    arrays: tuple[TensorSpec, ...] = ()  # ARRAYS: each array's dtype and shape, in the cache's order
+    arrays: tuple[TensorSpec, ...] = ()  # ARRAYS, STATE: each array's dtype and shape (STATE: after 1 token)
     parts: tuple["LayerSpec", ...] = ()  # LIST: the caches, in the CacheList's order
+    state_class: int = 0  # STATE: the class's code on kv_records_generic's allow-list
+    grows: int = -1  # STATE: the axis of every array that holds one position per token (-1: fixed shapes)
 
     def __post_init__(self) -> None:
         check_spec(self)
 
     def positions(self, length: int) -> int:
         """Positions the cache holds after ``length`` tokens (0: ARRAYS and LIST hold no positions of their own)."""
+        if self.kind is CacheKind.STATE:
+            return length if self.grows >= 0 else 0
         if self.kind in (CacheKind.ARRAYS, CacheKind.LIST):
             return 0
         return min(length, self.max_size) if self.kind in (CacheKind.ROTATING, CacheKind.CHUNKED) else length
@@ -124,6 +128,8 @@ class LayerSpec:
             return self.group_size, self.bits
         if self.kind is CacheKind.ARRAYS:
             return len(self.arrays), 0
+        if self.kind is CacheKind.STATE:
+            return len(self.arrays), self.state_class
         if self.kind is CacheKind.LIST:
             return len(self.parts), 0
         return 0, 0
@@ -132,6 +138,9 @@ class LayerSpec:
         """The tensors of this layer after ``length`` tokens, in wire order."""
         if self.kind is CacheKind.ARRAYS:
             return list(self.arrays)
+        if self.kind is CacheKind.STATE:
+            return [TensorSpec(t.dtype, tuple(length if i == self.grows else d for i, d in enumerate(t.shape)))
+                    for t in self.arrays]
         if self.kind is CacheKind.LIST:
             return [t for part in self.parts for t in part.tensors(length)]
         n, h = self.positions(length), self.heads
@@ -152,6 +161,8 @@ class LayerSpec:
                                 self.positions(length), length, a, b)
         if self.kind is CacheKind.ARRAYS:
             return own + b"".join(array_record(t) for t in self.arrays)
+        if self.kind is CacheKind.STATE:
+            return own + b"".join(array_record(t) for t in self.tensors(length))
         if self.kind is CacheKind.LIST:
             return own + b"".join(part.record(length) for part in self.parts)
         return own
@@ -167,17 +178,21 @@ _U16, _U32 = 0xFFFF, 0xFFFFFFFF
 
 def check_spec(spec: LayerSpec) -> None:
     """ValueError unless ``spec`` fits its records' fields and bounds (a model this codec cannot describe)."""
-    if spec.kind in (CacheKind.ARRAYS, CacheKind.LIST):
-        items = spec.arrays if spec.kind is CacheKind.ARRAYS else spec.parts
-        most = MAX_KV_ARRAYS if spec.kind is CacheKind.ARRAYS else MAX_KV_LIST
+    if spec.kind is CacheKind.STATE and (not 0 < spec.state_class <= _U32
+                                         or any(spec.grows >= len(t.shape) for t in spec.arrays)):
+        raise ValueError(f"a STATE layer of class code {spec.state_class} growing along axis {spec.grows} "
+                         "cannot travel (a class code 1..2^32-1; an axis every array has)")
+    if spec.kind in (CacheKind.ARRAYS, CacheKind.LIST, CacheKind.STATE):
+        items = spec.parts if spec.kind is CacheKind.LIST else spec.arrays
+        most = MAX_KV_LIST if spec.kind is CacheKind.LIST else MAX_KV_ARRAYS
         if not 1 <= len(items) <= most:
             raise ValueError(f"a {spec.kind.name} layer holds {len(items)} items (1..{most} can travel)")
         for t in spec.arrays:
             if not 1 <= len(t.shape) <= MAX_KV_NDIM or not all(0 < d <= _U32 for d in t.shape):
                 raise ValueError(f"an array of {len(t.shape)} dimensions {list(t.shape)} cannot travel "
                                  f"(1..{MAX_KV_NDIM} dimensions, each 1..2^32-1)")
-        if any(p.kind in (CacheKind.LIST, CacheKind.ARRAY) for p in spec.parts):
-            raise ValueError("a CacheList inside a CacheList cannot travel")
+        if any(p.kind in (CacheKind.LIST, CacheKind.ARRAY, CacheKind.STATE) for p in spec.parts):
+            raise ValueError("a CacheList inside a CacheList (or holding a STATE cache) cannot travel")
         return
     if spec.kind is CacheKind.ARRAY or spec.dtype is None:
         raise ValueError(f"a {spec.kind.name} layer needs a dtype")
@@ -346,7 +361,7 @@ class HandoffDecoder:
         self._have = 0
         self._chunks = 0
         self._allocated = 0  # bytes of tensor buffers made so far (closed and open)
-        self.split: SplitAssembly | None = None  # a split handoff's tensors (docs/disagg.md §4.7)
+        self.split: SplitAssembly | None = None  # a split handoff's tensors (docs/disagg.md §4.8)
 
     def feed(self, part: Any) -> None:
         """One STREAM_DATA body of the handoff stream."""
@@ -592,6 +607,8 @@ def _describe_one(record: bytes) -> str:
     kind_name = CacheKind(kind).name.lower() if kind in CacheKind._value2member_map_ else f"kind {kind}"
     if kind in (CacheKind.ARRAYS, CacheKind.LIST):
         return f"{kind_name} of {a} after {offset} tokens"
+    if kind == CacheKind.STATE:
+        return f"state of class {b} with {a} arrays after {offset} tokens"
     return (f"{kind_name} {_dtype_name(dtype)} [{heads} heads, k {k_dim}, v {v_dim}] {positions} positions of "
             f"{offset} tokens ({a}, {b})")
 

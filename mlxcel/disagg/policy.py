@@ -2,10 +2,12 @@
 
 No sockets, threads, clocks or locks: ``RoutePolicy`` reads node health through an ``is_up``
 predicate and a failed attempt through its counts, and answers with a decision the router acts on.
-Its only state is one round-robin cursor per role, so the router calls it under its own lock.
+Its state is one round-robin cursor per role and, with prefix routing, the prefix index, so the router
+calls it under its own lock.
 
-- ``pick(is_up)``: ``Route(prefill, decode)``, or ``NoneUp(role)`` when no node of a role is up
-  (the request is refused: 503 + Retry-After).
+- ``pick(is_up, key, load)``: ``Route(prefill, decode)``, or ``NoneUp(role)`` when no node of a role is up
+  (the request is refused: 503 + Retry-After). With a prefix index (``--route-policy prefix``) and a
+  prompt's ``key``, the prefill node is ``mlxcel.disagg.prefix_routing.choose``'s; else round-robin.
 - ``after_failure(code, ...)``: ``Route`` (fail over to those nodes), ``NoneUp`` (fail over wanted,
   nobody to take it: the request fails UNAVAILABLE) or ``GiveUp(code)`` (the request fails with it).
 - ``depends_on(peer, ...)``: whether an attempt is lost when ``peer`` goes down or restarts.
@@ -25,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Generic, Hashable, Sequence, TypeVar, Union
 
+from mlxcel.disagg.prefix_routing import DEFAULT_LOAD_SLACK, PrefixIndex, PromptKey, choose
 from mlxcel.disagg.wire import MAX_DISPATCH_ATTEMPTS
 from mlxcel.engine.resume_policy import ResumePolicy
 from mlxcel.error_codes import CodedError, ErrorClass, ErrorCode
@@ -40,6 +43,7 @@ class Route(Generic[Node]):
 
     prefill: Node
     decode: Node
+    matched: int = 0  # prefix blocks of the prompt ``prefill`` is expected to hold (prefix-aware picks)
 
 
 @dataclass(frozen=True)
@@ -119,18 +123,34 @@ class RoutePolicy(Generic[Node]):
     """Which nodes an attempt goes to, and what a failed attempt leads to."""
 
     def __init__(self, prefill: Sequence[Node], decode: Sequence[Node], *,
-                 max_attempts: int = MAX_DISPATCH_ATTEMPTS):
+                 max_attempts: int = MAX_DISPATCH_ATTEMPTS, prefix: PrefixIndex[Node] | None = None,
+                 slack: int = DEFAULT_LOAD_SLACK):
         self.rings = {"prefill": RoundRobin(prefill), "decode": RoundRobin(decode)}
         self.max_attempts = max_attempts
+        self.prefix = prefix  # None: round-robin (--route-policy round-robin)
+        self.slack = slack
 
-    def pick(self, is_up: Callable[[Node], bool]) -> Pick[Node]:
-        """A prefill and a decode node, each the next one up; both cursors move even if the other has none."""
-        prefill, decode = (self.rings[role].next(is_up) for role in ROLES)
+    def pick(self, is_up: Callable[[Node], bool], key: PromptKey | None = None,
+             load: Callable[[Node], int] = lambda node: 0) -> Pick[Node]:
+        """A prefill and a decode node; both cursors move even if the other role has none. The prefill node is
+        the prefix-aware choice given a prefix index and ``key`` (``load``: a node's attempts not handed off),
+        else the next one up; the decode node the next one up."""
+        prefill, matched = self._prefill(is_up, key, load)
+        decode = self.rings["decode"].next(is_up)
         if prefill is None:
             return NoneUp("prefill")
         if decode is None:
             return NoneUp("decode")
-        return Route(prefill, decode)
+        return Route(prefill, decode, matched)
+
+    def _prefill(self, is_up: Callable[[Node], bool], key: PromptKey | None,
+                 load: Callable[[Node], int]) -> tuple[Node | None, int]:
+        ring = self.rings["prefill"]
+        if self.prefix is None or key is None:
+            return ring.next(is_up), 0
+        choice = choose([n for n in ring.nodes if is_up(n)], self.prefix, key, load,
+                        lambda eligible: ring.next(lambda n: is_up(n) and eligible(n)), self.slack)
+        return (None, 0) if choice is None else (choice.node, choice.matched)
 
     def after_failure(self, code: ErrorCode, *, attempts: int, emitted: int, closing: bool,
                       is_up: Callable[[Node], bool]) -> Decision[Node]:

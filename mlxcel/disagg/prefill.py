@@ -94,7 +94,7 @@ class PrefillService(RoleService):
         self.loop = LoopThread("mlxcel-prefill-loop")
         self.workers = ThreadPoolExecutor(max_workers=parallel + 1, thread_name_prefix="mlxcel-handoff")
         self.lanes = LanePicker(cfg.handoff_lanes)  # concurrent handoffs to one decode node on their own connections
-        # a large handoff's part streams, one per lane, each sealed on its own thread (docs/disagg.md §4.7)
+        # a large handoff's part streams, one per lane, each sealed on its own thread (docs/disagg.md §4.8)
         self.part_workers = ThreadPoolExecutor(max_workers=(parallel + 1) * cfg.handoff_lanes,
                                                thread_name_prefix="mlxcel-handoff-part")
         self.jobs: dict[str, Job] = {}
@@ -294,7 +294,7 @@ class PrefillService(RoleService):
         return sent
 
     def _stream_split(self, job: Job, header: bytes, tensors: Any, lane: int, count: int) -> int | None:
-        """A handoff split over ``count`` part streams (docs/disagg.md §4.7; ``split_send``)."""
+        """A handoff split over ``count`` part streams (docs/disagg.md §4.8; ``split_send``)."""
         sent = send_split(self.transport, job.target, header, tensors, lane, count, self.part_workers,
                           lambda: job.cancelled)
         if sent is not None:
@@ -307,7 +307,9 @@ class PrefillService(RoleService):
         c = self.scheduler.counters
         return {"ready": True, "jobs": len(self.jobs), "sequences": c.running + c.waiting,
                 "kv_sequences": len(self.executor.runners[0]),
-                "cache_supported": self.layout.unsupported is None, "handoff_lanes": list(self.lanes.taken()), **self.counters}
+                "cache_supported": self.layout.unsupported is None, "handoff_lanes": list(self.lanes.taken()),
+                "prefix_hits": self.executor.prefix.hits, "prefix_tokens": self.executor.prefix.reused_tokens,
+                **self.counters}
 
     def close(self) -> None:
         super().close()

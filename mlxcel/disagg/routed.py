@@ -28,6 +28,7 @@ from typing import Any, ClassVar, Mapping
 
 from mlxcel.cluster.exchanges import Exchange
 from mlxcel.cluster.identity import PeerId
+from mlxcel.disagg.prefix_routing import PromptKey
 from mlxcel.engine.interface import EngineRequest, FinishEvent
 from mlxcel.engine.requests import Lifecycle, Stateful, transition_table
 from mlxcel.engine.sampling import SamplingParams
@@ -106,6 +107,7 @@ class Routed(Stateful):
     resume_deadline: float = 0.0  # while RESUMING: give up at this time (monotonic; ``ResumePolicy.begin``)
     resume_next: float = 0.0  # while RESUMING: the next try
     resume_error: tuple[ErrorCode, str] = (ErrorCode.UNAVAILABLE, "")  # the failure being resumed
+    key: PromptKey | None = None  # the current attempt's prompt block hashes (--route-policy prefix; else None)
 
     @property
     def rid(self) -> str:

@@ -1,6 +1,7 @@
 """The router: the OpenAI API's engine over prefill and decode nodes (docs/disagg.md §5-6).
 
-Per request it picks a prefill and a decode node round-robin among the nodes the health monitor
+Per request it picks a prefill node (prefix-aware by default: ``mlxcel.disagg.prefix_routes``) and a
+decode node round-robin among the nodes the health monitor
 (``PeerMonitor``: STATE probes every ``--probe-interval``, plus send errors) marks up (the pick and
 retry decisions are ``mlxcel.disagg.policy.RoutePolicy``, over plain data), opens an
 exchange (``ExchangeTable``: nonce, absolute deadline, the two nodes allowed to answer) and sends
@@ -46,6 +47,8 @@ from mlxcel.disagg.holding import HeldRequests
 from mlxcel.disagg.late_handoffs import Late, LateHandoffs
 from mlxcel.disagg.routed import ATTEMPT_OUT, NodeInfo, Routed, RouteState, finished_state
 from mlxcel.disagg.policy import GiveUp, NoneUp, Route, RoutePolicy, depends_on, node_failure
+from mlxcel.disagg.prefix_routes import PrefixRoutes
+from mlxcel.disagg.prefix_routing import PrefixIndex
 from mlxcel.disagg.service import role_transport
 from mlxcel.disagg.waiting import NodeWaits
 from mlxcel.disagg.wire import PROBE_TIMEOUT_S, MsgType
@@ -60,7 +63,7 @@ log = logging.getLogger("mlxcel.disagg.router")
 STARTUP_PROBE_WAIT_S = 3.0  # start() waits this long at most for every node's first probe answer
 
 
-class RouterEngine(NodeWaits):
+class RouterEngine(NodeWaits, PrefixRoutes):
     """The ``Engine`` of a router process (``mlxcel.engine.interface``)."""
 
     def __init__(self, cfg: NodeConfig, tokenizer: Any, *, secret: ClusterSecret, context_length: int, identity: str,
@@ -78,7 +81,8 @@ class RouterEngine(NodeWaits):
                     raise ValueError(f"{peer} is listed as both a prefill and a decode node")
                 self.nodes[peer] = NodeInfo(f"{role}-{i}", role, peer)
         self._peers = {"prefill": list(cfg.prefill_peers), "decode": list(cfg.decode_peers)}
-        self.policy: RoutePolicy[PeerId] = RoutePolicy(cfg.prefill_peers, cfg.decode_peers)
+        prefix = PrefixIndex(cfg.route_index_blocks) if cfg.route_policy == "prefix" else None
+        self.policy: RoutePolicy[PeerId] = RoutePolicy(cfg.prefill_peers, cfg.decode_peers, prefix=prefix)
         self._lock = threading.RLock()
         self._probed: set[PeerId] = set()
         self._probed_all = threading.Event()
@@ -101,6 +105,7 @@ class RouterEngine(NodeWaits):
             "dropped_frames": 0, "handoffs": 0, "handoff_bytes": 0, "handoff_seconds": 0.0,
             "handoff_bytes_last": 0, "handoff_seconds_last": 0.0, "handoff_seconds_max": 0.0, "prefill_seconds": 0.0,
             "resumed": 0, "resume_failed": 0, "early_first": 0}
+        self._init_prefix()
 
     # -- lifecycle ------------------------------------------------------------------------------------
 
@@ -135,11 +140,12 @@ class RouterEngine(NodeWaits):
 
     def submit(self, request: EngineRequest) -> EventStream:
         """Pick the nodes and dispatch; ``EngineUnavailable`` (503 + Retry-After) when no node can take it."""
+        key = self._key_of(request.prompt)  # hashed outside the lock
         with self._lock:
             self.counters["requests"] += 1
             routed = Routed(request, EventStream(request, self._cancel),
-                            params=replayable(request.params, self.resume_policy))
-            route = self.policy.pick(self._usable) if not len(self.held) else None  # None: behind the held ones
+                            params=replayable(request.params, self.resume_policy), key=key)
+            route = self._pick(routed, self._usable) if not len(self.held) else None  # None: behind the held ones
             if isinstance(route, Route):
                 self._by_rid[request.request_id] = routed
                 self._dispatch(routed, route.prefill, route.decode)
@@ -182,6 +188,8 @@ class RouterEngine(NodeWaits):
                 entry: dict[str, Any] = {"id": info.id, "role": info.role, "status": shown,
                                          "dispatched": info.dispatched, "completed": info.completed,
                                          "failures": info.failures, "in_flight": in_flight.get(peer, 0)}
+                if info.role == "prefill":
+                    entry.update(self._prefix_blocks(peer))
                 if verbose:
                     entry["address"] = str(peer)
                     if not status.up and info.down_reason:
@@ -247,6 +255,7 @@ class RouterEngine(NodeWaits):
                 self._finish(routed, ex.reply)
                 return
             code, message = code_of(ex.error), str(ex.error)
+            self._failed_prefix(routed)
             self._cancel_on_nodes(routed, ex.nonce)
             for peer in (routed.prefill, routed.decode):
                 if peer is not None:
@@ -291,6 +300,7 @@ class RouterEngine(NodeWaits):
         routed.move(finished_state(event))
         self._by_rid.pop(routed.request.request_id, None)
         if event.error is None:
+            self._learn_prefix(routed)
             self.counters["completed"] += 1
             for peer in (routed.prefill, routed.decode):
                 if peer is not None:
@@ -406,6 +416,7 @@ class RouterEngine(NodeWaits):
                 live = routed.state in ATTEMPT_OUT and routed.exchange is ex
                 if live and routed.state is RouteState.PREFILLING:
                     routed.move(RouteState.DECODING)
+                    self._learn_prefix(routed)
             if live or self._late_handoffs.claim(ex.nonce, sender) is Late.COUNT:  # the attempt ended meanwhile
                 self._count_handoff(done)
         elif kind is MsgType.ERROR:
@@ -553,11 +564,15 @@ class RouterEngine(NodeWaits):
         info = self.nodes[peer]
         info.down_reason = why
         log.warning("router: %s (%s node) is down: %s", info.id, info.role, why)
+        with self._lock:
+            self._forget_prefix(peer)
         self._fail_assigned(peer, f"{info.role} node {info.id} went down")
 
     def _on_restart(self, peer: PeerId) -> None:
         info = self.nodes[peer]
         log.warning("router: %s restarted; its requests in flight are lost", info.id)
+        with self._lock:
+            self._forget_prefix(peer)
         self._fail_assigned(peer, f"{info.role} node {info.id} restarted")
 
     def _fail_assigned(self, peer: PeerId, why: str) -> None:

@@ -48,6 +48,8 @@ class NodeWaits:
     _by_rid: dict[str, Any]
     _tokenizer: Any
     _context_length: int
+    _pick: Any  # PrefixRoutes'
+    _key_of: Any
 
     def _none_up(self, none: NoneUp) -> str:
         ids = ", ".join(self.nodes[p].id for p in self._peers[none.role])
@@ -72,7 +74,7 @@ class NodeWaits:
             why: list[NoneUp] = []
 
             def start(routed: Routed) -> bool:
-                route = self.policy.pick(self._usable)
+                route = self._pick(routed, self._usable)
                 if isinstance(route, NoneUp):
                     why.append(route)
                     return False
@@ -110,6 +112,7 @@ class NodeWaits:
         routed.move(RouteState.RESUMING)
         self.resume_policy.begin(routed, time.monotonic())
         routed.resume_error = (code, message)
+        routed.key = self._key_of(routed.request.prompt + tuple(routed.tokens))  # the resumed attempt's prompt
         if routed.text is None and routed.tokens:
             routed.text = SequenceText(self._tokenizer, routed.request.params.stop)
             for token in routed.tokens:  # the state the node's text had: the client has all it released
@@ -123,7 +126,7 @@ class NodeWaits:
         with self._lock:
             if routed.state is not RouteState.RESUMING:  # cancelled (or shut down) meanwhile
                 return
-            route = self.policy.pick(self.monitor.is_up)
+            route = self._pick(routed, self.monitor.is_up)
             if isinstance(route, Route):
                 self.counters["resumed"] += 1
                 self._dispatch(routed, route.prefill, route.decode)

@@ -19,9 +19,9 @@ import mlx.core as mx
 def hidden_size(model: Any) -> int:
     """The model's hidden size, read from its final norm (wrapper configs such as kimi_k3's nest it; jamba
     and lfm2 name it otherwise: ``slice_rule.final_norm_name``)."""
-    from mlxcel.engine.slice_rule import final_norm_name
+    from mlxcel.engine.slice_rule import final_norm_name, text_model
 
-    return int(getattr(model.model, final_norm_name(model)).weight.shape[0])
+    return int(getattr(text_model(model), final_norm_name(model)).weight.shape[0])
 
 
 class Flow:
@@ -64,6 +64,115 @@ class Ministral3Flow(Flow):
 
     def layer(self, index: int, layer: Any, mask: Any, cache: Any) -> None:
         self.h = layer(self.h, self.scale, mask, cache=cache)
+
+
+class Llama4Flow(Flow):
+    """llama4 (text): chunked local attention in the layers whose attention uses rope (all but every 4th),
+    global attention in the others. As ``LlamaModel`` does per forward pass, each chunked cache is first
+    trimmed to its chunk, then one chunk mask is built from the first chunked cache's kept start and offset
+    (0 and 0 without caches), and one global mask from the first global layer's cache."""
+
+    def __init__(self, model: Any, start: int, carried: mx.array, cache: list):
+        from mlx_lm.models.base import create_attention_mask
+
+        from mlxcel.engine.slice_rule import text_model
+
+        super().__init__(model, start, carried, cache)
+        inner = text_model(model)
+        self.chunked = [bool(inner.layers[start + i].self_attn.use_rope) for i in range(len(cache))]
+        local = [c for c, chunked in zip(cache, self.chunked) if chunked and c is not None]
+        for c in local:
+            c.maybe_trim_front()
+        begin, offset = (local[0].start_position, local[0].offset) if local else (0, 0)
+        end = offset + carried.shape[1]
+        keys, queries = mx.arange(begin, end), mx.arange(offset, end)[:, None]
+        size = inner.attention_chunk_size
+        self.chunk_mask = (mx.abs(keys // size - queries // size) == 0) & (keys <= queries)
+        glob = next((c for c, chunked in zip(cache, self.chunked) if not chunked), None)
+        self.global_mask = create_attention_mask(carried, glob)
+        self.start = start
+
+    def layer(self, index: int, layer: Any, mask: Any, cache: Any) -> None:
+        own = self.chunk_mask if self.chunked[index - self.start] else self.global_mask
+        self.h = layer(self.h, own, cache=cache)
+
+
+class BailingHybridFlow(Flow):
+    """bailing_hybrid: its linear-attention (GLA) layers rope their queries and keys at the position offset,
+    which the forward reads once from the first MLA layer's KV cache: a stage reads it from its own first
+    MLA layer's (``model_slice`` refuses a stage without one, as mlx-lm's pipeline split does)."""
+
+    def __init__(self, model: Any, start: int, carried: mx.array, cache: list):
+        from mlxcel.engine.slice_rule import text_model
+
+        super().__init__(model, start, carried, cache)
+        layers = text_model(model).layers
+        mla = next((c for i, c in enumerate(cache) if layers[start + i].is_global and c is not None), None)
+        self.offset = mla.offset if mla is not None else 0
+
+    def layer(self, index: int, layer: Any, mask: Any, cache: Any) -> None:
+        self.h = layer(self.h, mask, cache, offset=self.offset)
+
+
+def _cla_width(model: Any, boundary: int) -> int:
+    """hunyuan: the width of the shared key and value projections crossing a boundary inside a group of
+    ``cla_share_factor`` layers (2 x key/value heads x head dim), 0 at a group's start or without CLA."""
+    from mlxcel.engine.slice_rule import text_model
+
+    args, layers = model.args, text_model(model).layers
+    factor = args.cla_share_factor if args.use_cla else 1
+    if boundary % factor == 0 or boundary >= len(layers):
+        return 0
+    return 2 * int(layers[boundary - boundary % factor].self_attn.k_proj.weight.shape[0])
+
+
+class HunyuanFlow(Flow):
+    """hunyuan with cross-layer attention (``use_cla``): the first layer of each group of ``cla_share_factor``
+    projects keys and values that the group's later layers reuse in the same forward pass. A boundary inside
+    a group carries them beside h: [B, L, D + 2 * KV] (h, keys, values; KV = key/value heads x head dim)."""
+
+    def __init__(self, model: Any, start: int, carried: mx.array, cache: list):
+        super().__init__(model, start, carried, cache)
+        self.shared, self.next = None, start
+        extra = _cla_width(model, start)
+        if extra:
+            d = hidden_size(model)
+            self.h = carried[..., :d]
+            self.shared = (carried[..., d:d + extra // 2], carried[..., d + extra // 2:])
+
+    @staticmethod
+    def width(model: Any, boundary: int) -> int:
+        return hidden_size(model) + _cla_width(model, boundary)
+
+    def layer(self, index: int, layer: Any, mask: Any, cache: Any) -> None:
+        args = self.model.args
+        if not args.use_cla or index % args.cla_share_factor == 0:  # as HunYuanModel: a group's first projects
+            self.shared = None
+        self.h, self.shared = layer(self.h, mask, cache, self.shared)
+        self.next = index + 1
+
+    def leave(self, last: bool) -> mx.array:
+        if last or not _cla_width(self.model, self.next):
+            return self.h
+        return mx.concatenate([self.h, *(kv.astype(self.h.dtype) for kv in self.shared)], axis=-1)
+
+
+class FalconH1Flow(Flow):
+    """falcon_h1: each layer runs Mamba-2 and attention side by side over a CacheList (ArraysCache, KVCache)
+    and takes both masks by keyword; as FalconH1Model, one of each per forward pass from the first layer's
+    caches (the stage's first)."""
+
+    def __init__(self, model: Any, start: int, carried: mx.array, cache: list):
+        from mlx_lm.models.base import create_attention_mask, create_ssm_mask
+
+        super().__init__(model, start, carried, cache)
+        first = cache[0] if cache and cache[0] is not None else (None, None)
+        self.mamba_mask = create_ssm_mask(carried, first[0])
+        self.attn_mask = create_attention_mask(carried, first[1])
+
+    def layer(self, index: int, layer: Any, mask: Any, cache: Any) -> None:
+        self.h = layer(self.h, cache=cache if cache is not None else (None, None), attn_mask=self.attn_mask,
+                       mamba_mask=self.mamba_mask)
 
 
 def _per_layer_width(model: Any) -> int:

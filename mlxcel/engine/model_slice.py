@@ -35,23 +35,27 @@ import mlx.core as mx
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 from mlx_lm.models.cache import KVCache
 
-from mlxcel.engine.flows import Flow, Gemma4Flow, KimiK3Flow, Ministral3Flow
+from mlxcel.engine.flows import (BailingHybridFlow, FalconH1Flow, Flow, Gemma4Flow, HunyuanFlow, KimiK3Flow,
+                                 Llama4Flow, Ministral3Flow)
 # LINEAR: the attention kind of a linear-attention (state-space) layer: an SSM mask, no window
-from mlxcel.engine.slice_rule import LINEAR, cache_attention, lm_head, rule_parts  # noqa: F401 - lm_head: importers' name
+from mlxcel.engine.slice_rule import (  # noqa: F401 - lm_head: importers' name
+    LINEAR, cache_attention, embedding, lm_head, norm_and_head, rule_parts, text_model)
 from mlxcel.models.errors import ModelError
 
 MLX_LM_MODELS = "mlx_lm.models."
 
 
 def _embed_tokens(model: Any, inputs: mx.array) -> mx.array:
-    return model.model.embed_tokens(inputs)
+    """The text model's token embedding (``slice_rule.embedding``: embed_tokens, or bailing_hybrid's
+    word_embeddings; a wrapper's inside its language_model)."""
+    return embedding(model)(inputs)
 
 
 def _norm_and_head(model: Any, h: mx.array) -> mx.array:
     """Final norm, then lm_head, or the embedding as the head where the model has no lm_head (tied)."""
-    h = model.model.norm(h)
+    h = text_model(model).norm(h)
     head = lm_head(model)
-    return head(h) if head is not None else model.model.embed_tokens.as_linear(h)
+    return head(h) if head is not None else embedding(model).as_linear(h)
 
 
 def _full_attention(model: Any, index: int) -> Hashable:
@@ -166,6 +170,27 @@ def _cohere2_head(model: Any, h: mx.array) -> mx.array:
     return _norm_and_head(model, h) * model.model.args.logit_scale
 
 
+def _mla_or_linear(model: Any, index: int) -> Hashable:
+    """bailing_hybrid: MLA in its global layers (every layer_group_size-th, and the tail), GLA in the others."""
+    return None if text_model(model).layers[index].is_global else LINEAR
+
+
+def _bailing_slice_check(model: Any, start: int, end: int) -> None:
+    """bailing_hybrid's linear-attention layers read the position from an MLA layer's cache of their stage."""
+    if not any(layer.is_global for layer in text_model(model).layers[start:end]):
+        raise ModelError(f"bailing_hybrid layers {start}-{end - 1} hold no MLA layer (every "
+                         f"{model.args.layer_group_size}th layer): its linear-attention layers read the position "
+                         f"from an MLA layer's cache, so each stage must hold one")
+
+
+def _falcon_h1_head(model: Any, h: mx.array) -> mx.array:
+    """As falcon_h1's Model: a tied head scales by lm_head_multiplier / embedding_multiplier (an untied
+    lm_head has them folded in by sanitize)."""
+    out = norm_and_head(model, h)
+    args = model.args
+    return out * (args.lm_head_multiplier / args.embedding_multiplier) if lm_head(model) is None else out
+
+
 GENERIC = Family()
 
 # Keyed by the mlx-lm module (mlx_lm.models.<name>) whose Model the checkpoint loads into.
@@ -203,24 +228,37 @@ FAMILIES: dict[str, Family] = {
     "granitemoehybrid": Family(embed=_granite_embed, head=_granite_head, attention=cache_attention),
     "cohere2": Family(head=_cohere2_head, attention=cache_attention),
     "mistral4": Family(flow=Ministral3Flow),  # MLA with ministral3's llama 4 query scale, passed to each layer
+    # MLA (array masks) / linear attention (GLA) by each layer's is_global; the embedding is word_embeddings
+    "bailing_hybrid": Family(attention=_mla_or_linear, array_masks=True, flow=BailingHybridFlow,
+                             check_slice=_bailing_slice_check),
+    # cross-layer attention: a group's later layers reuse its first layer's key / value projections, carried
+    # beside h across a boundary inside a group (HunyuanFlow)
+    "hunyuan": Family(flow=HunyuanFlow),
+    # Mamba-2 beside attention in every layer (a CacheList of both), masks by keyword; a scaled tied head
+    "falcon_h1": Family(head=_falcon_h1_head, flow=FalconH1Flow, mask_cache=lambda cache: None),
+    # two MLA sublayers per layer, a CacheList of their two KV caches, the one mask from the first's
+    "longcat_flash": Family(array_masks=True, mask_cache=lambda cache: cache[0] if cache else None),
+    # multimodal wrappers: the text model inside (language_model.model, its lm_head beside it) is sliced
+    "kimi_k25": Family(array_masks=True),  # deepseek_v3's text model
+    # each layer's CacheList holds the attention's KV (then, in sparse layers, the indexer's keys): the
+    # one full-attention mask comes from the first layer's KV, as TextModel builds it
+    "minimax_m3_vl": Family(mask_cache=lambda cache: cache[0] if cache else None),
+    # chunked local / global attention, each with the mask the text model builds per forward pass (Llama4Flow)
+    "llama4": Family(flow=Llama4Flow, mask_cache=lambda cache: None),
 }
 
 # mlx-lm families with pipeline() or shard() hooks that neither the rule nor a row slices, and why (any other
 # family the rule refuses gets the rule's reason; tests/engine/test_slice_rule.py checks every hooked family)
-_WRAPPER = "a multimodal wrapper (its text model is language_model, under a text_config)"
 REFUSED: dict[str, str] = {
-    "kimi_k25": f"{_WRAPPER}; slicing the deepseek_v3 text model inside is not implemented",
-    "minimax_m3_vl": f"{_WRAPPER} whose layers each hold a CacheList (sparse attention's indexer keys)",
-    "llama4": f"{_WRAPPER} with chunked local attention: a ChunkedKVCache and a chunk mask the model builds "
-              "itself",
-    "deepseek_v41": "its text model makes its own layer caches (compressed KV and indexer keys) and mixes "
-                    "several residual streams (hyper-connections) across layers",
-    "longcat_flash": "each layer runs two attention sublayers with a CacheList of two caches and zero experts; "
-                     "no row yet",
+    "deepseek_v41": "its text model makes its own layer caches (compressed KV and indexer keys, a LayerCache "
+                    "without from_state) and mixes several residual streams (hyper-connections) across layers; "
+                    "a row carrying the streams beside h is not implemented",
+    "nemotron_h": "its text model is model.backbone, and its MLP and MoE layers own no cache: make_cache gives "
+                  "caches to the Mamba and attention layers only, so a layer's cache is not its index's; no row "
+                  "yet",
     "longcat_flash_ngram": "it adds n-gram embeddings to the token embedding (a second embedding)",
     "iquestloopcoder": "it runs its layers twice (a loop), the second pass reading the first pass's KV",
     "muse_spark": "its text model is model.language_model, and its head casts to lm_head's dtype",
-    "bailing_hybrid": "its embedding is model.word_embeddings, not model.embed_tokens; no row yet",
 }
 
 
@@ -268,7 +306,7 @@ class ModelSlice:
 
     def __post_init__(self) -> None:
         self.family = family_of(self.model)
-        total = len(self.model.model.layers)
+        total = len(text_model(self.model).layers)
         if not 0 <= self.start < self.end <= total:
             raise ModelError(f"layer range {self.start}-{self.end - 1} is outside the model's 0-{total - 1}")
         self.family.check_slice(self.model, self.start, self.end)
@@ -280,11 +318,11 @@ class ModelSlice:
 
     @property
     def is_last(self) -> bool:
-        return self.end == len(self.model.model.layers)
+        return self.end == len(text_model(self.model).layers)
 
     @property
     def layers(self) -> list:
-        return self.model.model.layers[self.start:self.end]
+        return text_model(self.model).layers[self.start:self.end]
 
     def make_cache(self) -> list:
         """One KV cache per layer of the slice, of the type the family asks for (none for layers that reuse

@@ -3,10 +3,11 @@
 A family's mlx-lm ``Model`` follows the rule when it has the common shape the generic slice
 re-implements, read from the model object and the source of its two forward passes:
 
-- ``model.model.embed_tokens`` embeds the token ids, unscaled, and nothing else is embedded
+- the text model's token embedding (``model.model.embed_tokens``, else its one ``Embedding``:
+  bailing_hybrid's ``word_embeddings``) embeds the token ids, unscaled, and nothing else is embedded
   (no per-layer inputs, no second embedding);
-- ``model.model.layers`` is a list of layers each called ``layer(h, mask, cache)`` that returns
-  only the next hidden state (no state handed to the next layer, no other layer's cache read);
+- ``model.model.layers`` is a list of layers each called ``layer(h, mask, cache)`` (nothing more, such
+  as a position offset) that returns only the next hidden state (no state handed to the next layer, no other layer's cache read);
 - the inner forward ends ``return self.<norm>(h)`` (its final norm, whatever its name);
 - the outer forward applies ``lm_head`` or the tied embedding to that and returns it unchanged
   (no soft-cap, no logit scale);
@@ -26,6 +27,7 @@ from functools import lru_cache
 from typing import Any, Callable, Hashable
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from mlxcel.models.errors import ModelError
 
@@ -39,6 +41,8 @@ INNER_BREAKS: tuple[tuple[str, str], ...] = (
     (r"^\s*\w+\s*,\s*\w+\s*=\s*layer\(", "its layers return state the next layer reads (e.g. shared KV)"),
     (r"cache\[\w+\]\[", "each layer holds several caches, each with its own mask"),
     (r"cache_counter", "some of its layers have no cache"),
+    (r"=\s*layer\((?:[^(),]+,){3}", "its forward hands each layer more than (hidden, mask, cache) (e.g. a position "
+                                   "offset)"),
 )
 OUTER_BREAKS: tuple[tuple[str, str], ...] = (
     (r"tanh|softcap", "it soft-caps its logits"),
@@ -75,6 +79,29 @@ def cache_attention(model: Any, index: int) -> Hashable:
     return cache_kind(make()[index]) if make is not None else None
 
 
+def text_model(model: Any) -> Any:
+    """The text model whose layers a slice runs: ``model.model`` (multimodal wrappers such as kimi_k25 alias
+    it to their language model's), else a wrapper's ``language_model.model`` (llama4 has no alias)."""
+    inner = getattr(model, "model", None)
+    return inner if inner is not None else model.language_model.model
+
+
+def embedding_name(model: Any) -> str | None:
+    """The text model's token embedding, read from its attributes: ``embed_tokens``, else its one
+    ``Embedding`` (quantized or not) child (bailing_hybrid's ``word_embeddings``); None if neither."""
+    inner = text_model(model)
+    if "embed_tokens" in inner:
+        return "embed_tokens"
+    found = [name for name, child in inner.children().items()
+             if isinstance(child, (nn.Embedding, nn.QuantizedEmbedding))]
+    return found[0] if len(found) == 1 else None
+
+
+def embedding(model: Any) -> Any:
+    """The text model's token embedding module (``embedding_name``)."""
+    return getattr(text_model(model), embedding_name(model) or "embed_tokens")
+
+
 @lru_cache(maxsize=None)
 def _final_norm_of(inner_class: type) -> str:
     match = _FINAL_NORM.search(_source(inner_class.__call__).rstrip())
@@ -83,7 +110,7 @@ def _final_norm_of(inner_class: type) -> str:
 
 def final_norm_name(model: Any) -> str:
     """The inner model's final norm: the module its forward's last line applies (``norm`` if unread)."""
-    return _final_norm_of(type(model.model))
+    return _final_norm_of(type(text_model(model)))
 
 
 def lm_head(model: Any) -> Any:
@@ -96,16 +123,17 @@ def lm_head(model: Any) -> Any:
 
 def norm_and_head(model: Any, h: mx.array) -> mx.array:
     """The final norm (by its name in the inner forward), then lm_head or the tied embedding."""
-    h = getattr(model.model, final_norm_name(model))(h)
+    inner = text_model(model)
+    h = getattr(inner, final_norm_name(model))(h)
     head = lm_head(model)
-    return head(h) if head is not None else model.model.embed_tokens.as_linear(h)
+    return head(h) if head is not None else embedding(model).as_linear(h)
 
 
 def _shape_break(model: Any) -> str | None:
     """Why ``model`` lacks the common module structure, or None."""
     inner = getattr(model, "model", None)
-    if inner is None or not hasattr(inner, "embed_tokens") or not isinstance(getattr(inner, "layers", None), list):
-        return "its Model has no model.embed_tokens and model.layers (another module structure)"
+    if inner is None or not isinstance(getattr(inner, "layers", None), list) or embedding_name(model) is None:
+        return "its Model has no model.layers and one token embedding in model (another module structure)"
     if not inner.layers:
         return "it has no layers"
     params = list(inspect.signature(type(inner.layers[0]).__call__).parameters)[1:]

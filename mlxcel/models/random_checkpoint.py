@@ -25,7 +25,9 @@ from mlxcel.config import RANDOM_FAMILIES
 # RANDOM_FAMILIES one: plain and hybrid decoders sliced by rule or a small row, and mlx-lm's pipelined ones
 IN_PROCESS_FAMILIES = ("gemma2", "olmo2", "olmo3", "cohere2", "granitemoe", "smollm3", "seed_oss", "apertus",
                        "lfm2", "jamba", "granitemoehybrid", "deepseek_v2", "glm4_moe_lite", "mistral4",
-                       "exaone_moe", "step3p5")
+                       "exaone_moe", "step3p5", "hunyuan", "falcon_h1", "longcat_flash", "kimi_k25", "minimax_m3_vl", "llama4")
+# multimodal wrappers: their text model's fields under text_config (the text model_type given here)
+WRAPPERS = {"kimi_k25": "kimi_k2", "minimax_m3_vl": "minimax_m3", "llama4": "llama4_text"}
 
 from mlxcel.models.random_templates import PLAIN as CHAT_TEMPLATE, STOPS, TEMPLATES
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -172,6 +174,33 @@ def _family_fields(family: str, hidden: int, head_dim: int, intermediate: int) -
         "exaone_moe": {"num_experts": 4, "num_shared_experts": 1, "num_experts_per_tok": 2, "sliding_window": 4,
                        "moe_intermediate_size": moe, "layer_types": ["sliding_attention", "full_attention"] * 2,
                        "is_moe_layer": [False, True, True, True]},
+        # cross-layer attention: layers 1 and 3 reuse the key / value projections of layers 0 and 2; MoE with a
+        # shared MLP
+        "hunyuan": {"attention_bias": False, "moe_topk": 2, "num_experts": 4, "num_shared_expert": 1,
+                    "use_mixed_mlp_moe": True, "use_qk_norm": True, "use_cla": True, "cla_share_factor": 2,
+                    "rope_scaling": {"alpha": 1000.0, "factor": 1.0, "type": "dynamic"}},
+        # Mamba-2 and attention side by side in every layer; tied, so its head scales the logits
+        "falcon_h1": {"mamba_d_ssm": 64, "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 8,
+                      "mamba_d_conv": 4, "mamba_n_groups": 1, "mamba_expand": 2, "mamba_chunk_size": 4,
+                      "tie_word_embeddings": True, "lm_head_multiplier": 0.5, "embedding_multiplier": 2.0},
+        # two MLA sublayers per layer (a CacheList of their KV), MoE with 2 zero (identity) experts beside 4
+        "longcat_flash": {"attention_method": "MLA", "zero_expert_type": "identity", "ffn_hidden_size": intermediate,
+                          "moe_topk": 2, "expert_ffn_hidden_size": moe, "n_routed_experts": 4, "zero_expert_num": 2,
+                          "num_layers": 4, "kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8,
+                          "qk_nope_head_dim": 16, "v_head_dim": 16, "routed_scaling_factor": 1.0,
+                          "mla_scale_q_lora": True, "mla_scale_kv_lora": True, "attention_bias": False},
+        # wrappers (text_config): deepseek_v3's MLA and MoE under kimi_k25
+        "kimi_k25": _mla(moe),
+        # sparse attention (an indexer's keys beside the KV in each layer's CacheList) in layers 1 and 3, blocks
+        # of 2 keys, the top 2 blocks kept, so the sparse path runs within a few positions; MoE (a shared expert) in 1-3
+        "minimax_m3_vl": {"num_local_experts": 4, "num_experts_per_tok": 2, "dense_intermediate_size": intermediate,
+                          "shared_intermediate_size": moe, "layer_types": ["full_attention", "minimax_m3_sparse"] * 2,
+                          "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"], "index_n_heads": 2,
+                          "index_head_dim": 16, "index_block_size": 2, "index_topk_blocks": 2},
+        # chunked local attention (chunks of 4) in layers 0-2, global in 3 (every 4th); MoE every 2nd layer
+        "llama4": {"attention_chunk_size": 4, "interleave_moe_layer_step": 2, "intermediate_size_mlp": intermediate,
+                   "num_local_experts": 4, "num_experts_per_tok": 1, "use_qk_norm": True, "rope_scaling": None,
+                   "attention_bias": False},
         "step3p5": {"num_attention_groups": 2, "sliding_window": 4, "moe_num_experts": 4, "moe_top_k": 2,
                     "moe_intermediate_size": moe, "share_expert_dim": moe},
     }
@@ -205,6 +234,10 @@ def _config(family: str, layers: int, hidden: int, heads: int, kv_heads: int, vo
     }
     config.update(_family_fields(family, hidden, head_dim, intermediate))
     _per_layer(config, layers)
+    if family in WRAPPERS:  # the text model's fields nest under text_config, as in a real wrapper's config
+        text = {**config, "model_type": WRAPPERS[family]}
+        return {"model_type": family, "text_config": text, "tie_word_embeddings": config["tie_word_embeddings"],
+                "eos_token_id": config["eos_token_id"], "bos_token_id": None}
     return config
 
 
@@ -214,6 +247,10 @@ def _per_layer(config: dict, layers: int) -> None:
     if "layer_types" in config:
         pair = config["layer_types"][:2]
         config["layer_types"] = [pair[i % 2] for i in range(layers)]
+    if "num_layers" in config:  # longcat_flash counts its layers so
+        config["num_layers"] = layers
+    if "mlp_layer_types" in config:  # minimax_m3_vl: layer 0 dense, MoE after it
+        config["mlp_layer_types"] = ["dense"] + ["sparse"] * (layers - 1)
     linear = config.get("linear_attn_config")
     if linear is not None:
         config["linear_attn_config"] = {**linear, "kda_layers": [i + 1 for i in range(layers) if i % 2 == 0]}

@@ -1,7 +1,7 @@
 """The one way a model is cut for tensor parallelism: its family's row (``mlxcel.parallel.families``).
 
 ``shard`` "mlx-lm" runs the class's own ``Model.shard(group)``; "mlxcel" runs
-``mlxcel.parallel.megatron.shard``. Around it: an LM head that mlx-lm splits by vocabulary is put
+``mlxcel.parallel.megatron.shard``; "rule" runs ``mlxcel.parallel.rule.shard`` (a family without a row). Around it: an LM head that mlx-lm splits by vocabulary is put
 back whole (``--tp-lm-head-mode replicated``, the only mode), and under ``--tp-moe-mode
 expert_parallel`` the routed experts are placed whole, E/N per rank (``mlxcel.parallel.experts``).
 """
@@ -13,7 +13,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlxcel.parallel import experts as ep
-from mlxcel.parallel import megatron
+from mlxcel.parallel import megatron, rule
 from mlxcel.parallel.errors import ShardRefusal
 from mlxcel.parallel.families import TPFamily
 
@@ -35,6 +35,8 @@ def cut(model: Any, family: TPFamily, moe_mode: str | None, group: Any) -> None:
         head = (parent, getattr(parent, family.head[1], None))
     if family.shard == "mlx-lm":
         model.shard(group)
+    elif family.shard == "rule":
+        rule.shard(model, group, moe_mode)
     else:
         megatron.shard(model, group, family.experts if moe_mode else None, moe_mode == "within_expert")
     if head is not None and head[1] is not None:
@@ -43,7 +45,7 @@ def cut(model: Any, family: TPFamily, moe_mode: str | None, group: Any) -> None:
     if moe_mode == "expert_parallel":
         assert family.experts is not None
         ep.place(model, family.experts, group.rank(), group.size(), whole)
-    if moe_mode is not None and family.shard == "mlxcel":
+    if moe_mode is not None and family.shard in ("mlxcel", "rule"):
         assert family.experts is not None
         megatron.reduce_experts(model, family.experts, group)
     mx.eval(private_arrays(model))

@@ -185,7 +185,7 @@ def prepare_tp(flags: TPFlags, model_dir: Path, config: Mapping[str, Any]) -> TP
         return None
     plan = check_shardable(config, size, model_dir, moe_mode=flags.tp_moe_mode)
     reduce_dtype = flags.tp_reduce_dtype
-    if reduce_dtype != DEFAULT_TP_REDUCE_DTYPE and (plan.moe_mode or not FAMILIES[plan.family].linear_reduces):
+    if reduce_dtype != DEFAULT_TP_REDUCE_DTYPE and (plan.moe_mode or not plan.tp_family.linear_reduces):
         raise TPError(f"--tp-reduce-dtype {reduce_dtype} does not apply to this {plan.family} checkpoint: some of "
                       "its all-reduces run inside its MoE or linear-attention blocks, in the model's dtype "
                       "(use --tp-reduce-dtype model, the default)")

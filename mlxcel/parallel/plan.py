@@ -8,13 +8,16 @@ quantized checkpoint, each rank's share of every reduced input must be whole qua
 A mixture-of-experts checkpoint also splits its routed experts by ``--tp-moe-mode``: whole experts
 per rank (``expert_parallel``: N must divide the experts) or every expert's width
 (``within_expert``: N must divide the expert width). Embedding and LM head stay replicated.
-``apply_plan`` then cuts the loaded model: the row's ``shard`` (mlx-lm's ``Model.shard(group)`` or
-mlxcel's own plan), with the experts placed by ``mlxcel.parallel.experts``.
+A family with no row shards by rule (``mlxcel.parallel.rule``) when its model, built from config.json
+without weights, has the plain attention + MLP (+ experts) layout; the dimensions are then read from
+the model, and a layout the rule does not cut is refused with the reason.
+``apply_plan`` then cuts the loaded model: the row's ``shard`` (mlx-lm's ``Model.shard(group)``,
+mlxcel's own plan, or the rule), with the experts placed by ``mlxcel.parallel.experts``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from math import gcd
 from pathlib import Path
 from typing import Any, Mapping
@@ -35,6 +38,11 @@ class ShardPlan:
     dims: tuple[tuple[str, int], ...]
     moe_mode: str | None = None  # None: no routed experts
     experts: int = 0
+    row: TPFamily | None = field(default=None, compare=False)  # how it is cut (None: ``FAMILIES[family]``)
+
+    @property
+    def tp_family(self) -> TPFamily:
+        return self.row if self.row is not None else FAMILIES[self.family]
 
     def describe(self) -> str:
         n = self.size
@@ -43,7 +51,8 @@ class ShardPlan:
             parts.append(f"{self.experts // n} of {self.experts} experts")
         elif self.moe_mode == "within_expert":
             parts.append(f"all {self.experts} experts")
-        return f"{self.family} over {n} ranks: {', '.join(parts)} per rank"
+        rule = " (by rule)" if self.tp_family.shard == "rule" else ""
+        return f"{self.family}{rule} over {n} ranks: {', '.join(parts)} per rank"
 
 
 def working_sizes(*dims: int) -> list[int]:
@@ -54,14 +63,21 @@ def working_sizes(*dims: int) -> list[int]:
     return [n for n in range(1, g + 1) if g % n == 0]
 
 
-def _family(config: Mapping[str, Any], where: str) -> tuple[str, TPFamily]:
+def _family(config: Mapping[str, Any], where: str) -> tuple[str, TPFamily, Mapping[str, Any]]:
+    """(model_type, its row, the mapping the row's dimensions read): the table's, else the rule's."""
     name = str(config.get("model_type"))
     if name in REFUSED:
         raise ShardRefusal(f"{where}: model family {name!r} is not supported by tensor parallelism: {REFUSED[name]}")
-    if name not in FAMILIES:
-        raise ShardRefusal(f"{where}: model family {name!r} is not supported by tensor parallelism; "
-                           f"supported: {FAMILIES_HELP}")
-    return name, FAMILIES[name]
+    if name in FAMILIES:
+        return name, FAMILIES[name], config
+    from mlxcel.parallel.rule import layout_from_config
+
+    try:
+        layout = layout_from_config(text_config(config))
+    except ShardRefusal as exc:
+        raise ShardRefusal(f"{where}: model family {name!r} is not supported by tensor parallelism: it has no "
+                           f"row and the plain-layout rule refuses it: {exc}") from None
+    return name, layout.family(), layout.facts()
 
 
 def _values(dims: tuple[Dim, ...], text: Mapping[str, Any], where: str) -> list[tuple[Dim, int]]:
@@ -140,9 +156,9 @@ def check_shardable(config: Mapping[str, Any], size: int, where: str | Path = "t
     ``moe_mode``: ``--tp-moe-mode`` as given (None: not given; MoE checkpoints then take the default).
     """
     where = str(where)
-    name, family = _family(config, where)
-    text = text_config(config)
-    mode = _moe_mode(name, family, config, moe_mode, where)
+    name, family, read = _family(config, where)
+    text = text_config(read)
+    mode = _moe_mode(name, family, read, moe_mode, where)
     dims = family.dims + ((_expert_dim(family, mode),) if mode else ())
     found = _values(dims, text, where)
     _check_divides(found, size, where, mode)
@@ -151,7 +167,7 @@ def check_shardable(config: Mapping[str, Any], size: int, where: str | Path = "t
     shown = tuple((d.unit, v) for d, v in found if d.unit not in ("experts", "expert columns"))
     if mode == "within_expert":
         shown += tuple((d.unit, v) for d, v in found if d.unit == "expert columns")
-    return ShardPlan(name, size, shown, mode, experts or 0)
+    return ShardPlan(name, size, shown, mode, experts or 0, None if family.shard != "rule" else family)
 
 
 def apply_plan(model: Any, plan: ShardPlan, group: Any) -> None:
@@ -160,4 +176,4 @@ def apply_plan(model: Any, plan: ShardPlan, group: Any) -> None:
 
     if group.size() != plan.size:
         raise ShardRefusal(f"the distributed group has {group.size()} ranks, the plan {plan.size}")
-    cut(model, FAMILIES[plan.family], plan.moe_mode, group)
+    cut(model, plan.tp_family, plan.moe_mode, group)

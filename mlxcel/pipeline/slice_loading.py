@@ -12,24 +12,25 @@ def load_stage_runner(model_dir: Path, start: int, end: int, *, max_rows: int) -
     import mlx.core as mx
 
     from mlxcel.engine.executor import slice_runner
-    from mlxcel.engine.model_slice import family_of, lm_head
+    from mlxcel.engine.model_slice import family_of, lm_head, text_model
+    from mlxcel.engine.slice_rule import embedding, embedding_name
     from mlxcel.models.loading import load_checkpoint
 
     loaded = load_checkpoint(model_dir, lazy=True, tokenizer=False)
     model = loaded.model
     runner = slice_runner(model, start, end, max_rows=max_rows)
-    inner = model.model
+    inner = text_model(model)  # a wrapper's language_model.model: weights language_model.model.layers.N...
     keep = [layer.parameters() for layer in inner.layers[start:end]]
     last = end == len(inner.layers)
     head = lm_head(model)
-    embedding = ("embed_tokens", *family_of(model).embed_modules)  # what the first stage's embedding reads
+    embedded = (embedding_name(model), *family_of(model).embed_modules)  # what the first stage's embedding reads
     if start == 0:
-        keep.extend(params for name, params in inner.parameters().items() if name in embedding)
+        keep.extend(params for name, params in inner.parameters().items() if name in embedded)
     elif last and head is None:  # a tied head reuses the embedding
-        keep.append(inner.embed_tokens.parameters())
+        keep.append(embedding(model).parameters())
     if last:  # the final norm, and whatever else the text model applies after its layers (kimi_k3's output
         # attention-residual mix): every part of it but the layers and the embedding
-        keep.extend(params for name, params in inner.parameters().items() if name not in ("layers", *embedding))
+        keep.extend(params for name, params in inner.parameters().items() if name not in ("layers", *embedded))
         if head is not None:
             keep.append(head.parameters())
     mx.eval(keep)  # on this thread: a lazily loaded array evaluated first on another thread has no stream there

@@ -13,7 +13,7 @@ import pandas as pd
 
 from mlxcel import __version__
 from mlxcel.report import baseline as _baseline
-from mlxcel.report import disagg, html, plots, protection, reference, structured, tables
+from mlxcel.report import agent, disagg, html, plots, protection, reference, structured, tables
 from mlxcel.report.load import REPORT_MARKER, Loaded, ReportInputError, load
 
 
@@ -50,6 +50,8 @@ def summarize(loaded: Loaded) -> dict[str, pd.DataFrame]:
         "disagg_serve": disagg.serve_summary(loaded.table("disagg_serve")),
         "protection": protection.protection_summary(loaded.table("pipeline_protection_summary")),
         "structured": structured.structured_summary(loaded.table("structured_output_summary")),
+        "agent_turns": agent.turn_summary(loaded.table("agent_turns")),
+        "agent_summary": agent.variant_summary(loaded.table("agent_summary"), loaded.table("agent_ratio")),
         "environment": tables.environment_table(loaded.tables),
     }
 
@@ -222,6 +224,20 @@ def _disagg_serve_sections(df: pd.DataFrame) -> list[dict[str, Any]]:
     return out
 
 
+def _agent_sections(turns: pd.DataFrame, summary: pd.DataFrame) -> list[dict[str, Any]]:
+    """Per session, machine and conversation count: TTFT per turn (plot and table) and the variants' summary."""
+    out = []
+    if turns.empty:
+        return out
+    for (session, machine, n), g in turns.groupby(["session", "machine", "conversations"], sort=False):
+        s = summary[(summary["session"] == session) & (summary["machine"] == machine)
+                    & (summary["conversations"] == n)] if not summary.empty else summary
+        title = f"{n} conversations at once, {machine} — {session}"
+        out.append({"title": title, "plot": plots.agent_plot(g, title), "table": agent.turn_table(g),
+                    "summary": agent.summary_table(s) if not s.empty else None})
+    return out
+
+
 def _tp_table(df: pd.DataFrame) -> html.Table:
     """tp 1 against tp N (or two tp N configurations) per model, path and batch; B / A only where fair."""
     return html.table(df, [
@@ -337,7 +353,8 @@ def build_report(inputs: Sequence[str | Path], out_dir: str | Path, *, baseline:
         "pipeline_summary": summaries["pipeline"], "serve_summary": summaries["serve"], "tp_summary": summaries["tp"],
         "disagg_frames_summary": summaries["disagg_frames"], "disagg_handoff_summary": summaries["disagg_handoff"],
         "disagg_serve_summary": summaries["disagg_serve"], "protection_summary": summaries["protection"],
-        "structured_output_summary": summaries["structured"], "metrics": metrics,
+        "structured_output_summary": summaries["structured"], "agent_turn_summary": summaries["agent_turns"],
+        "agent_variant_summary": summaries["agent_summary"], "metrics": metrics,
         "reference_frame": reference.frame_table(), "reference_pipeline": reference.pipeline_table(),
         "baseline_comparison": comparison,
         "rejected": pd.DataFrame({"problem": loaded.problems}) if loaded.problems else None,
@@ -362,6 +379,7 @@ def build_report(inputs: Sequence[str | Path], out_dir: str | Path, *, baseline:
                              if not summaries["protection"].empty else None),
         "structured_table": (structured.structured_table(summaries["structured"])
                              if not summaries["structured"].empty else None),
+        "agent_sections": _agent_sections(summaries["agent_turns"], summaries["agent_summary"]),
         "baseline": str(baseline) if baseline is not None else None,
         "comparison": _comparison_table(comparison) if comparison is not None else None,
         "regressions": regressions, "tolerance_pct": f"{tolerance:.0%}",

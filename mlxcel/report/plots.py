@@ -255,3 +255,29 @@ def handoff_frames_plot(df: pd.DataFrame, title: str) -> Plot:
     _overhead_axis(ax_ov, "protected p50 / unprotected p50 (x)")
     fig.suptitle(title, fontsize=11)
     return _render(fig, title, f"KV handoff throughput and protection overhead against size: {title}")
+
+
+def agent_plot(df: pd.DataFrame, title: str) -> Plot:
+    """TTFT against turn per variant (median over conversations and repeats, min-max bars, log scale) and the
+    share of the previous turns' tokens the prefix cache gave back, from ``agent.turn_summary``."""
+    fig = Figure(figsize=(12, 3.9), layout="constrained")
+    ax_t, ax_r = fig.subplots(1, 2)
+    for i, (variant, g) in enumerate(df.sort_values("turn").groupby("variant", sort=False)):
+        _errorbar(ax_t, g["turn"], g["ttft_ms_median"] / 1000, g["ttft_ms_min"] / 1000, g["ttft_ms_max"] / 1000,
+                  color=color(variant, i), label=variant)
+        later = g[g["turn"] >= 2]
+        ax_r.plot(later["turn"], later["reuse"] * 100, marker="o", color=color(variant, i), label=variant)
+    ax_t.set_yscale("log")
+    ax_t.set_ylabel("time to first token (s, log scale)")
+    ax_t.set_title("TTFT per turn (median; bars: min-max)")
+    ax_r.set_ylabel("prefix tokens reused (% of the previous turn's)")
+    ax_r.set_ylim(0, 105)
+    ax_r.set_title("prefix reuse per turn")
+    for ax in (ax_t, ax_r):
+        ax.set_xlabel("turn")
+        ax.xaxis.set_major_locator(FixedLocator(sorted(set(df["turn"]))))
+        ax.grid(True, alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=11)
+    return _render(fig, title, f"Agent conversations: TTFT and prefix reuse per turn by variant: {title}")

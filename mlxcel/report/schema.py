@@ -87,6 +87,29 @@ _STRUCTURED_SUMMARY = (
     _num("load_1m_max", nullable=True),
 )
 
+# bench/agent_turns.py: growing multi-turn agent conversations per topology variant (ABBA over repeats); a row per
+# request, a summary per variant, a ratio per pair of variants (mlxcel/report/agent.py)
+_AGENT_TURN = (
+    _str("variant"), _str("topology"), _str("args", nullable=True), _int("repeat"), _int("order"), _int("conversation"),
+    _int("turn"), _int("seed"), _int("system_words"), _int("result_words"), _str("prompt_sha256"),
+    _int("reusable_tokens"), _int("wave_reusable_tokens"), _int("wave_cached_tokens", nullable=True),
+    _int("wave_hits", nullable=True), _num("ttft_ms", nullable=True), _num("e2e_ms", nullable=True),
+    _int("prompt_tokens", nullable=True), _int("completion_tokens", nullable=True),
+    _int("cached_tokens", required=False, nullable=True), _num("decode_tps", nullable=True),
+    _str("error", required=False, nullable=True), _num("load_1m", required=False, nullable=True),
+    _str("run"), _str("model_dir", required=False, nullable=True),
+)
+_AGENT_SPREADS = tuple(_num(f"{m}{s}", nullable=True) for m in ("ttft_turn1_ms", "ttft_later_ms", "decode_tps", "reuse",
+                                                                  "vs_baseline") for s in ("", "_min", "_max"))
+_AGENT_SUMMARY = (
+    _str("variant"), _str("topology"), _str("args", nullable=True), _int("repeats"), _int("requests"), _int("errors"),
+    _int("prompt_tokens_max"), _str("baseline"), *_AGENT_SPREADS, _str("run"),
+)
+_AGENT_RATIO = (
+    _str("variant"), _str("denominator"), _str("metric"), _int("repeats"), _num("ratio", nullable=True),
+    _num("ratio_min", nullable=True), _num("ratio_max", nullable=True), _str("run"),
+)
+
 SCHEMAS: dict[str, Schema] = {s.bench: s for s in (
     Schema("decode", "decode", (_str("impl"), _str("model")), variant_field="impl", variants={
         "mlxcel": ("decode", _DECODE_RUN),
@@ -138,6 +161,13 @@ SCHEMAS: dict[str, Schema] = {s.bench: s for s in (
         "plain": ("structured_output", _STRUCTURED_LEVEL),
         "json_schema": ("structured_output", _STRUCTURED_LEVEL),
         "summary": ("structured_output_summary", _STRUCTURED_SUMMARY),
+    }),
+    Schema("agent_turns", "agent_turns", (
+        _str("mode"), _str("label", required=False, nullable=True), _str("model"), _int("conversations"), _int("turns"),
+        _int("max_tokens"), _str("wire", choices=("native", "text")),
+    ), variant_field="mode", variants={
+        "turn": ("agent_turns", _AGENT_TURN), "summary": ("agent_summary", _AGENT_SUMMARY),
+        "ratio": ("agent_ratio", _AGENT_RATIO),
     }),
     # bench/tp_bench.py: one fresh-process decode measurement; "shape" (the config's dims) is kept as it is
     Schema("tp_bench", "tp", (

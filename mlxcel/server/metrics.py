@@ -70,6 +70,11 @@ _ROUTER_GAUGES = {
     "router_held": "New requests held now: no prefill or no decode node is up (at most --resume-timeout each)",
     "router_holds": "New requests ever held because no prefill or no decode node was up",
     "router_hold_failed": "Held requests that failed (503): no node of a role up within --resume-timeout",
+    "router_prefix_hits": "Requests sent to a prefill node expected to hold a prefix of their prompt (--route-policy "
+                          "prefix)",
+    "router_prefix_misses": "Requests whose prompt no prefill node up was expected to hold a prefix of (--route-policy "
+                            "prefix)",
+    "router_prefix_tokens": "Prompt tokens the prefill nodes picked were expected to hold (prefix blocks matched x 64)",
     "router_prefill_up": "Prefill nodes up now",
     "router_decode_up": "Decode nodes up now",
     "router_in_flight": "Requests in flight now",

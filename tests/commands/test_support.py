@@ -66,7 +66,19 @@ def test_each_column_follows_the_table_of_its_mode(rows):
             assert (support["PP"].detail == "by rule") is (module_of(family) not in PP), family
         assert support["single"].ok is True, family
         if family in TP:
-            assert support["TP"].ok is True, family
+            assert support["TP"].ok is True and support["TP"].detail == "", family
+        elif support["TP"].ok:  # no row: the plain-layout rule took it
+            assert support["TP"].detail == "by rule", family
+
+
+def test_tp_by_rule_and_the_rules_refusal_say_so(rows):
+    for family in ("olmo2", "smollm3", "granitemoe", "mixtral"):
+        assert rows[family]["TP"].cell() == "yes (by rule)", family
+    assert rows["phi3"]["TP"].ok is False
+    from mlxcel.commands.support import family_config, tp_support
+
+    assert tp_support(family_config("olmo2"), verbose=True).cell() == "yes (by rule; --tp-size 2)"
+    assert "fused QKV projection" in tp_support(family_config("phi3"), verbose=True).detail
 
 
 def test_the_handoff_column_names_the_cache_classes(rows):
@@ -75,10 +87,10 @@ def test_the_handoff_column_names_the_cache_classes(rows):
     assert rows["deepseek_v3"]["DI"].cell() == "yes (KVCache)"  # MLA's latents
 
 
-def test_llama4s_chunked_caches_travel_but_it_has_no_slice_nor_cut():
+def test_llama4s_chunked_caches_travel_and_it_slices_but_has_no_cut():
     support = di_support(LLAMA4)
     assert support.ok is True and support.detail == "ChunkedKVCache"  # CHUNKED records (docs/disagg.md)
-    assert pp_support(LLAMA4, verbose=True).detail.startswith("a multimodal wrapper")
+    assert pp_support(LLAMA4).ok is True  # its text model, inside the wrapper (tests/engine/test_families.py)
     assert tp_support(LLAMA4).ok is False
 
 
@@ -104,8 +116,5 @@ def test_pp_by_rule_and_a_refusal_by_the_rule_say_so():
 
     base = _config("llama", 4, 64, 4, 2, 320, None, None)
     assert pp_support({**base, "model_type": "olmo2"}).cell() == "yes (by rule)"
-    hunyuan = {**base, "model_type": "hunyuan", "attention_bias": False, "moe_topk": 2, "num_experts": 4,
-               "num_shared_expert": 1, "use_mixed_mlp_moe": True, "use_qk_norm": True, "use_cla": True,
-               "cla_share_factor": 2, "rope_scaling": {"alpha": 1000.0, "factor": 1.0, "type": "dynamic"}}
-    support = pp_support(hunyuan, verbose=True)
-    assert support.ok is False and support.detail == "its layers return state the next layer reads (e.g. shared KV)"
+    support = pp_support({**base, "model_type": "gemma"}, verbose=True)  # gemma (1): no row, a scaled embedding
+    assert support.ok is False and support.detail == "it scales its embedding"

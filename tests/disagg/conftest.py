@@ -77,16 +77,19 @@ def tiny_llama4(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _model_checkpoint(tmp_path_factory, "tiny-llama4", config, 0)
 
 
+#: a 2-layer deepseek_v41 (tests/disagg/test_kv_records_generic.py builds it without weights too)
+DEEPSEEK_V41 = {"model_type": "deepseek_v41", "vocab_size": 320, "hidden_size": 64, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "head_dim": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8, "o_groups": 2,
+                "o_lora_rank": 32, "moe_intermediate_size": 32, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                "sliding_window": 8, "compress_ratios": [1, 4], "index_n_heads": 2, "index_head_dim": 16,
+                "index_topk": 4, "eos_token_id": 2, "max_position_embeddings": 2048}
+
+
 @pytest.fixture(scope="session")
 def tiny_deepseek_v41(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-layer deepseek_v41: each layer keeps a LayerCache (window, compressed rows, index keys) whose state
     has no setter and whose class no from_state, so no handoff carries it (refused by name)."""
-    config = {"model_type": "deepseek_v41", "vocab_size": 320, "hidden_size": 64, "num_hidden_layers": 2,
-              "num_attention_heads": 4, "head_dim": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8, "o_groups": 2,
-              "o_lora_rank": 32, "moe_intermediate_size": 32, "n_routed_experts": 4, "num_experts_per_tok": 2,
-              "sliding_window": 8, "compress_ratios": [1, 4], "index_n_heads": 2, "index_head_dim": 16,
-              "index_topk": 4, "eos_token_id": 2, "max_position_embeddings": 2048}
-    return _model_checkpoint(tmp_path_factory, "tiny-deepseek-v41", config, 0)
+    return _model_checkpoint(tmp_path_factory, "tiny-deepseek-v41", DEEPSEEK_V41, 0)
 
 
 @pytest.fixture(scope="session")

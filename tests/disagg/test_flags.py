@@ -56,10 +56,38 @@ def check_disagg_flags(flags, dist):
       "--decode-peers", "127.0.0.3:9002"), "not an address a node can be reached at"),
     (("--node-role", "prefill", "--serving-bind", "127.0.0.1:9000", "--probe-interval", "1"), "is a router flag"),
     (("--node-role", "prefill", "--serving-bind", "127.0.0.1:9000", "--pp-peer"), "cannot be combined"),
+    (("--node-role", "prefill", "--serving-bind", "127.0.0.1:9000", "--route-policy", "prefix"),
+     "--route-policy is a router flag"),
+    (("--node-role", "decode", "--serving-bind", "127.0.0.1:9000", "--route-index-blocks", "8"),
+     "--route-index-blocks is a router flag"),
+    (("--route-policy", "round-robin",), "needs --node-role prefill, decode or router"),
 ])
 def test_bad_flag_combinations_are_named(argv, words):
     with pytest.raises(CLIError, match=re.escape(words)):
         check_disagg_flags(args(*argv), None)
+
+
+ROUTER = ("--node-role", "router", "--serving-bind", "127.0.0.1:9000", "--prefill-peers", "127.0.0.2:1",
+          "--decode-peers", "127.0.0.3:2")
+
+
+@pytest.mark.parametrize("extra, policy, blocks", [
+    ((), "prefix", 32768), (("--route-policy", "round-robin"), "round-robin", 32768),
+    (("--route-policy", "prefix", "--route-index-blocks", "500"), "prefix", 500),
+])
+def test_the_route_policy_and_index_bound_reach_the_router_config(extra, policy, blocks):
+    flags = args(*ROUTER, *extra)
+    check_disagg_flags(flags, None)
+    cfg = node_config(flags.disagg, None)
+    assert (cfg.route_policy, cfg.route_index_blocks) == (policy, blocks)
+
+
+@pytest.mark.parametrize("argv", [("--route-policy", "random"), ("--route-index-blocks", "0"),
+                                  ("--route-index-blocks", "many")])
+def test_a_bad_route_flag_is_refused_by_the_parser(argv, capsys):
+    with pytest.raises(SystemExit):
+        args(*ROUTER, *argv)
+    assert argv[0] in capsys.readouterr().err
 
 
 def test_roles_select_their_modules():

@@ -94,6 +94,7 @@ def test_a_cache_class_without_from_state_is_refused_by_name():
             return [LayerCache()]
 
     assert cache_classes_supported(Model()) == (
-        "this model's KV cache cannot be handed off to a decode node: layer 0 keeps a LayerCache (supported: "
-        "KVCache, RotatingKVCache, QuantizedKVCache, ArraysCache, CacheList, ChunkedKVCache; a CacheList of the "
-        "others)")
+        "this model's KV cache cannot be handed off to a decode node: layer 0 keeps a LayerCache, whose class has "
+        "neither from_state nor a state setter (mlx-lm's cache state contract), so a decode node cannot rebuild "
+        "it (supported: KVCache, RotatingKVCache, QuantizedKVCache, ArraysCache, CacheList, ChunkedKVCache, "
+        "ConcatenateKVCache; a CacheList of the first six)")

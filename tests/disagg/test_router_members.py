@@ -73,7 +73,7 @@ def documented_metrics() -> list[str]:
 def test_every_router_metric_the_docs_list_is_a_gauge_on_metrics(setup):
     node, *_ = setup
     names = documented_metrics()
-    assert len(names) == 23
+    assert len(names) == 26
     assert sorted(stats(node)["metrics"]) == names  # the docs list exactly what /router/stats reports
     body = httpx.get(f"{node.url}/metrics", timeout=5).text
     missing = [n for n in names if not re.search(rf"^# TYPE {n} gauge$", body, re.M)]

@@ -58,11 +58,17 @@ def test_quantized_shares_must_be_whole_groups():
 
 
 def test_unsupported_families_are_refused():
-    with pytest.raises(ShardRefusal, match=r"^m: model family 'gpt2' is not supported by tensor parallelism; "
-                                           r"supported: llama, mistral, qwen2, qwen3, ministral3, gemma3_text, "):
+    from mlxcel.commands.support import family_config
+
+    with pytest.raises(ShardRefusal, match=r"^m: model family 'gpt2' is not supported by tensor parallelism: it has "
+                                           r"no row and the plain-layout rule refuses it: mlx-lm cannot build it"):
         check_shardable({**SMOLLM2, "model_type": "gpt2"}, 3, "m")
-    with pytest.raises(ShardRefusal, match=r"^m: model family 'mixtral' is not supported by tensor parallelism"):
-        check_shardable({**SMOLLM2, "model_type": "mixtral", "num_local_experts": 8}, 3, "m")  # no shard() in mlx-lm
+    with pytest.raises(ShardRefusal, match=r"^m: model family 'phi3' is not supported by tensor parallelism: .* "
+                                           r"fused QKV projection"):
+        check_shardable({**family_config("phi3"), "model_type": "phi3"}, 2, "m")
+    # no shard() in mlx-lm, but the plain layout: by rule (tests/parallel/test_tp_rule.py)
+    plan = check_shardable({**SMOLLM2, "model_type": "mixtral", "num_local_experts": 3}, 3, "m")
+    assert plan.describe() == "mixtral (by rule) over 3 ranks: 3 of 9 heads, 1 of 3 KV heads, 1 of 3 experts per rank"
 
 
 def _prepare(model: Path, *flags: str):
