@@ -4,6 +4,7 @@ Module map (the codecs are sans-I/O; the services own sockets and threads):
 
 - ``wire``        constants: message types, KV handoff parts, bounds, defaults, environment variables
 - ``kv_codec``    the KV handoff wire format: header, raw tensor chunks, end; ``HandoffDecoder`` with its bounds
+- ``kv_send``     the sender's CHUNK and END parts: views of the tensors' memory (``kv_codec`` re-exports them)
 - ``kv_split``    a handoff split over several part streams: SPLIT and PART records, byte ranges, ``SplitAssembly``
 - ``kv_cache``    mlx-lm caches <-> handoff tensors; ``probe_layout`` (which caches a model keeps)
 - ``messages``    control messages (GENERATE, CANCEL, TOKENS, FINISH, ERROR, HANDED_OFF, STATE), strictly checked

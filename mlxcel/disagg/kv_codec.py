@@ -22,14 +22,13 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
 from mlxcel.disagg.wire import (
     DTYPE_NAMES,
     DTYPE_SIZES,
-    KV_CHUNK_LEN,
     KV_MAGIC,
     KV_VERSION,
     MAX_KV_ARRAYS,
@@ -42,6 +41,7 @@ from mlxcel.disagg.wire import (
     DType,
     Part,
 )
+from mlxcel.disagg.kv_send import chunk_parts, contiguous_runs, encode_chunks  # noqa: F401 - the sender's side
 from mlxcel.disagg.kv_split import SPLIT, SplitAssembly
 from mlxcel.error_codes import CodedError, ErrorCode
 from mlxcel.models.token_ids import TokenIdError, check_token_ids
@@ -237,56 +237,6 @@ def encode_header(meta: dict[str, Any], prompt: Sequence[int], layout: KVLayout)
     records = b"".join(layer.record(len(prompt)) for layer in layout.layers)
     return b"".join((_HEAD.pack(Part.HEADER, KV_MAGIC, KV_VERSION, len(doc)), doc, _COUNT.pack(len(prompt)), ids,
                      _LAYERS.pack(len(layout.layers)), records))
-
-
-def encode_chunks(tensors: Iterable[Any], chunk_len: int = KV_CHUNK_LEN) -> Iterator[bytes]:
-    """CHUNK parts carrying the bytes of ``tensors`` (arrays or buffers) in order, then END, each part
-    as one bytes object (``chunk_parts`` gives the same parts without joining them)."""
-    for part in chunk_parts(tensors, chunk_len):
-        yield part[0] if len(part) == 1 else b"".join(part)
-
-
-def chunk_parts(tensors: Iterable[Any], chunk_len: int = KV_CHUNK_LEN) -> Iterator[tuple[Any, ...]]:
-    """The CHUNK parts of ``tensors``, then END, each part a tuple of buffers whose concatenation is
-    the part: its 5-byte head, then views of the tensors' own memory (no copy, no dtype change; a
-    strided array, such as a cache buffer cut to its positions, travels as its contiguous runs)."""
-    if not 0 < chunk_len <= MAX_KV_CHUNK_LEN:
-        raise ValueError(f"chunk_len must be 1..{MAX_KV_CHUNK_LEN}")
-    index = total = 0
-    pending: list[memoryview] = []
-    size = 0
-    for tensor in tensors:
-        for view in contiguous_runs(tensor):
-            while len(view):
-                take = min(len(view), chunk_len - size)
-                pending.append(view[:take])
-                view, size = view[take:], size + take
-                if size == chunk_len:
-                    yield (_CHUNK.pack(Part.CHUNK, index), *pending)
-                    index, total, pending, size = index + 1, total + size, [], 0
-    if size:
-        yield (_CHUNK.pack(Part.CHUNK, index), *pending)
-        index, total = index + 1, total + size
-    yield (_END.pack(Part.END, index, total),)
-
-
-def contiguous_runs(tensor: Any) -> Iterator[memoryview]:
-    """Byte views of ``tensor``'s elements in C order, each over memory it already holds: one view of a
-    C-contiguous array, else one per contiguous sub-array along the leading axes (a [1, H, N, D] slice of
-    a [1, H, capacity, D] buffer: one per head). Only an array whose last axis is strided is copied."""
-    if isinstance(tensor, (bytes, bytearray, memoryview)):
-        yield memoryview(tensor).cast("B")
-        return
-    a = np.asarray(tensor)
-    if a.flags.c_contiguous or a.size == 0:
-        if a.size:
-            yield memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
-        return
-    if a.ndim <= 1:
-        yield memoryview(np.ascontiguousarray(a).view(np.uint8))
-        return
-    for sub in a:
-        yield from contiguous_runs(sub)
 
 
 # -- decoding ------------------------------------------------------------------------------------
