@@ -61,8 +61,8 @@ import httpx
 from bench.environment import load_1m, write_jsonl
 
 ROUTER_IP, HYBRID_IP = "127.0.0.70", "127.0.0.69"
-PREFILL_IPS = ("127.0.0.71", "127.0.0.72")
-DECODE_IPS = ("127.0.0.73", "127.0.0.74", "127.0.0.75")
+PREFILL_IPS = ("127.0.0.71", "127.0.0.72", "127.0.0.73", "127.0.0.74")  # a topology spans .69-.78 (offsets of 10)
+DECODE_IPS = ("127.0.0.75", "127.0.0.76", "127.0.0.77", "127.0.0.78")
 FILLER = ("The quick brown fox jumps over the lazy dog while the river runs past old stone bridges "
           "and the wind carries leaves across quiet fields. ")
 
@@ -417,7 +417,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--heap", choices=["keep", "plain"], default="keep",
                    help="stages, e2e: keep freed heap memory resident as a decode node does, or glibc's defaults")
     p.add_argument("--lanes", type=int, default=1,
-                   help="e2e: split each handoff over this many connections (docs/disagg.md §4.8; rows record it)")
+                   help="e2e: split each handoff over this many connections (docs/disagg.md §4.9; rows record it)")
     p.add_argument("--crypto-workers", type=int, default=None, help="e2e: helper threads per transport (default: auto)")
     p.add_argument("--out", type=Path, default=Path("bench/results"))
     return p.parse_args(argv)

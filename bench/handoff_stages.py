@@ -121,7 +121,7 @@ class _Pair:
                 s.write(p)
 
     def stream_split(self, head: bytes, tensors: list) -> None:
-        """The handoff split over every lane as a prefill node sends it (docs/disagg.md §4.8): HEADER and
+        """The handoff split over every lane as a prefill node sends it (docs/disagg.md §4.9): HEADER and
         SPLIT on lane 0, then part i on lane i from its own thread; the part streams start once the receiver
         read SPLIT (so no part waits for its header here)."""
         from mlxcel.disagg.kv_codec import contiguous_runs

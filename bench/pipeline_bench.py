@@ -69,7 +69,7 @@ from bench.greedy_stream import greedy_tokens_and_gaps
 from bench.stats import percentile
 
 DEFAULT_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
-STAGE_HOSTS = ["127.0.0.3", "127.0.0.4", "127.0.0.5", "127.0.0.6"]
+STAGE_HOSTS = [f"127.0.0.{3 + i}" for i in range(16)]  # stage i on 127.0.0.(3+i) (bench/scaling_bench.py: up to 16)
 COORDINATOR_HOST = "127.0.0.2"
 REPO = Path(__file__).resolve().parent.parent  # where ``python -m bench.pipeline_bench`` finds this module
 MODES = ("single", "inproc_pp", "remote_pp", "remote_pp_logits")

@@ -18,6 +18,11 @@ DEFAULT_PORT = 8080
 DEFAULT_PARALLEL = 4  # concurrent sequences holding a KV cache
 DEFAULT_MAX_QUEUE = 64  # requests waiting beyond --parallel before 503
 DEFAULT_PREFIX_CACHE_MB = 256  # MiB of KV cache kept for shared prompt prefixes (0 = off)
+#: --kv-bits: the widths mlx-lm's QuantizedKVCache packs exactly (32 // bits values per uint32); --kv-group-size:
+#: the group sizes mx.quantize accepts (mlxcel.engine.kv_quant, docs/models.md)
+KV_BITS = (4, 8)
+KV_GROUP_SIZES = (32, 64, 128)
+DEFAULT_KV_GROUP_SIZE = 64
 # MiB of freed device buffers MLX may keep for reuse (or MLX's own bound where lower): unbounded, the server at 32
 # streams on an H200 grew to the whole GPU and failed allocations; bounded, it served faster (docs/benchmarks.md)
 DEFAULT_MLX_CACHE_MB = 4096

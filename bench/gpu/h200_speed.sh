@@ -178,7 +178,7 @@ handoff_suite() {  # issue 24 item 3; each step bounded so the suite fits in abo
     MLXCEL_HANDOFF_INTAKE_WORKERS=${c##*:} timeout 40 python3 -m bench.disagg_bench e2e --shape qwen3-0.6b \
       --prompt-tokens 1500 --repeats 8 --crypto-workers "$w" --suites "${HANDOFF_SUITES:-aes,unprotected}" --out "$out"
   done
-  for c in ${HANDOFF_LANE_RUNS:-2:0:0 4:0:0 4:0:4 8:0:4}; do  # lanes : crypto workers : intake workers (docs/disagg.md §4.8)
+  for c in ${HANDOFF_LANE_RUNS:-2:0:0 4:0:0 4:0:4 8:0:4}; do  # lanes : crypto workers : intake workers (docs/disagg.md §4.9)
     echo "== handoff e2e lanes=${c%%:*} crypto_workers=$(echo "$c" | cut -d: -f2) intake_workers=${c##*:} ($(left) s left)"
     MLXCEL_HANDOFF_INTAKE_WORKERS=${c##*:} timeout 40 python3 -m bench.disagg_bench e2e --shape qwen3-0.6b \
       --prompt-tokens 1500 --repeats 8 --lanes "${c%%:*}" --crypto-workers "$(echo "$c" | cut -d: -f2)" \

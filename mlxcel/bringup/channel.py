@@ -3,7 +3,8 @@
 The handshake is the cluster's (``mlxcel.cluster.handshake``, channel ``assignment``, so the frame
 keys use the HKDF info ``mlxcel-cluster-frame-v1/assignment/...``); frames are the cluster's
 AES-256-GCM frames with a 64 KiB cap. Every read has a deadline: a frame that does not arrive in
-time raises ``AssignmentTimeout``.
+time raises ``AssignmentTimeout``. Each channel counts what it put on and took off the wire
+(``WireCount``: handshake and frames, headers and tags included) for the bring-up's summary line.
 """
 
 from __future__ import annotations
@@ -23,11 +24,44 @@ from .errors import AssignmentProtocolError, AssignmentTimeout, ChannelClosed
 from .wire import FRAME_TIMEOUT_S, HANDSHAKE_TIMEOUT_S, MAX_ASSIGNMENT_MESSAGE
 
 
+class WireCount:
+    """Bytes and frames one side of an assignment connection sent and received (handshake included)."""
+
+    def __init__(self) -> None:
+        self.sent_bytes = self.received_bytes = self.sent_frames = self.received_frames = 0
+
+    def add(self, other: "WireCount") -> None:
+        self.sent_bytes += other.sent_bytes
+        self.received_bytes += other.received_bytes
+        self.sent_frames += other.sent_frames
+        self.received_frames += other.received_frames
+
+
+class _CountingSocket:
+    """A socket whose ``sendall`` and ``recv`` add to a ``WireCount``; everything else is the socket's."""
+
+    def __init__(self, sock: socket.socket, count: WireCount) -> None:
+        self._sock, self._count = sock, count
+
+    def sendall(self, data: bytes) -> None:
+        self._sock.sendall(data)
+        self._count.sent_bytes += len(data)
+
+    def recv(self, n: int) -> bytes:
+        data = self._sock.recv(n)
+        self._count.received_bytes += len(data)
+        return data
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._sock, name)
+
+
 class FrameChannel:
     """One established assignment connection: ``send(payload)`` and ``recv(timeout)``."""
 
-    def __init__(self, sock: socket.socket, peer: PeerId, est: Established) -> None:
-        self.sock = sock
+    def __init__(self, sock: socket.socket, peer: PeerId, est: Established, count: WireCount | None = None) -> None:
+        self.count = count or WireCount()
+        self.sock = sock if isinstance(sock, _CountingSocket) else _CountingSocket(sock, self.count)
         self.peer = peer  # the other side's identity as the handshake bound it
         self._sealer = FrameSealer(est.suite, est.send_key, max_frame_len=MAX_ASSIGNMENT_MESSAGE)
         self._opener = FrameOpener(est.suite, est.recv_key, max_frame_len=MAX_ASSIGNMENT_MESSAGE)
@@ -47,6 +81,7 @@ class FrameChannel:
         self.sock.settimeout(timeout)
         try:
             self.sock.sendall(frame)
+            self.count.sent_frames += 1
         except socket.timeout:
             raise AssignmentTimeout(f"sending to {self.peer} did not complete within {timeout:g}s") from None
         except OSError as exc:
@@ -60,6 +95,7 @@ class FrameChannel:
         kind, n = self._opener.parse_header(header)
         body = self._read(n + self._opener.tag_len, deadline, timeout)
         payload = self._opener.open(header, body)
+        self.count.received_frames += 1
         if kind != Kind.CONTROL:
             raise AssignmentProtocolError(f"assignment frame of kind 0x{kind:02x}, expected CONTROL")
         return payload
@@ -98,7 +134,9 @@ def dial(peer: PeerId, identity: PeerId, secret: ClusterSecret, *,
          handshake_timeout: float = HANDSHAKE_TIMEOUT_S) -> FrameChannel:
     """Connect to a peer's assignment listener as ``identity`` (the coordinator's control address)
     and run the handshake on the assignment channel; raises ``OSError`` or ``HandshakeError``."""
-    sock = socket.socket(family(peer.host), socket.SOCK_STREAM)
+    raw = socket.socket(family(peer.host), socket.SOCK_STREAM)
+    count = WireCount()
+    sock = _CountingSocket(raw, count)  # the handshake's bytes count too
     try:
         if not identity.ip.is_unspecified and family(identity.host) == family(peer.host):
             sock.bind((identity.host, 0))  # the source IP peers see is the advertised one
@@ -106,9 +144,9 @@ def dial(peer: PeerId, identity: PeerId, secret: ClusterSecret, *,
         sock.settimeout(handshake_timeout)
         sock.connect(peer.address)
         hs = ClientHandshake(secret, identity, suite=Suite.AES_256_GCM, channel=Channel.ASSIGNMENT)
-        est = client_handshake(sock, hs, handshake_timeout)
+        est = client_handshake(sock, hs, handshake_timeout)  # type: ignore[arg-type]
     except BaseException:
-        sock.close()
+        raw.close()
         raise
-    return FrameChannel(sock, peer, est)
+    return FrameChannel(sock, peer, est, count)  # type: ignore[arg-type]
 

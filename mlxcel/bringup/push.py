@@ -25,7 +25,7 @@ from mlxcel.cluster.identity import PeerId
 from mlxcel.cluster.secret import ClusterSecret
 from mlxcel.topology.partition import PartitionError, StageCosts
 
-from .channel import FrameChannel, dial
+from .channel import FrameChannel, WireCount, dial
 from .errors import BringupError, BringupFailed, ChannelClosed
 from .machine import CoordinatorSession, Informed, PeerAccepted, PeerCommitFailed, PeerCommitted, PeerRefused
 from .plan import ClusterPlan, offer_fields, order_peers, plan_cluster
@@ -124,6 +124,15 @@ class Push:
         for peer in self.spare_peers:
             self._standby(peer, len(plan.stages))
         return plan
+
+    def wire(self) -> WireCount:
+        """What the coordinator's assignment connections of this push sent and received, summed over the
+        peers (handshakes and frames; connections whose handshake failed are not counted)."""
+        total = WireCount()
+        for peer in self.peers:
+            if peer.channel is not None:
+                total.add(peer.channel.count)
+        return total
 
     @property
     def absent(self) -> bool:

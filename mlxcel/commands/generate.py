@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mlxcel import envs
-from mlxcel.config import (DEFAULT_MAX_TOKENS, DEFAULT_MODEL_DIR, DEFAULT_PP_MICRO_BATCH_SIZE, DEFAULT_PP_SIZE,
+from mlxcel.config import (DEFAULT_KV_GROUP_SIZE, DEFAULT_MAX_TOKENS, DEFAULT_MODEL_DIR, DEFAULT_PP_MICRO_BATCH_SIZE, DEFAULT_PP_SIZE,
                            MAX_PP_MICRO_BATCH_SIZE, check_micro_batch_size, positive_int)
+from mlxcel.entrypoints.flags import add_kv_arguments, check_kv_flags
 from mlxcel.errors import CLIError
 from mlxcel.parallel.options import TPFlags
 
@@ -64,6 +65,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     g.add_argument("--system", default=None, help="system message for the chat template")
     _add_sampling_arguments(g)
+    add_kv_arguments(g)
     _add_pipeline_arguments(g)
     TPFlags.add_arguments(g, server=False)
     g.set_defaults(func=run)
@@ -106,7 +108,15 @@ def run(args: argparse.Namespace) -> int:
     tp = TPFlags.from_cli_args(vars(args))
     tp.check(pp_layers=args.pp_layers, pp_size=args.pp_size)
     check_pipeline_flags(args)
+    check_kv_flags(args.kv_bits, args.kv_group_size)
     return run_generate(args, tp)
+
+
+def _kv(args: argparse.Namespace) -> Any:
+    """--kv-bits / --kv-group-size as a ``KVQuant`` (None: full precision)."""
+    from mlxcel.engine.kv_quant import kv_quant
+
+    return kv_quant(args.kv_bits, args.kv_group_size or DEFAULT_KV_GROUP_SIZE)
 
 
 def _prompt_text(args: argparse.Namespace) -> str:
@@ -175,7 +185,7 @@ def _run_tensor_parallel(args: argparse.Namespace, tp: Any, params: SamplingPara
     from mlxcel.engine.generate import GenerationStats
     from mlxcel.parallel.generate import TPGeneration, timed
 
-    with TPGeneration(tp, Path(args.model), secret) as gen:
+    with TPGeneration(tp, Path(args.model), secret, kv=_kv(args)) as gen:
         print(describe_model(gen.loaded), file=sys.stderr)
         print(f"tensor parallel: {tp.plan.describe()}, {gen.backend} backend", file=sys.stderr)
         prompt = encode_prompt(args, gen.loaded.tokenizer, text)
@@ -194,6 +204,7 @@ def run_generate(args: argparse.Namespace, tp_flags: TPFlags) -> int:
     """Generate, the flags checked (``run``)."""
     from mlxcel.cluster.secret import load_secret
     from mlxcel.engine.generate import GenerationStats, stream_generate
+    from mlxcel.engine.kv_quant import use_kv_bits
     from mlxcel.engine.sampling import SamplingParams
     from mlxcel.models.loading import check_checkpoint, load_checkpoint
     from mlxcel.parallel.options import prepare_tp
@@ -214,6 +225,7 @@ def run_generate(args: argparse.Namespace, tp_flags: TPFlags) -> int:
         secret = None if tp.local else load_secret(args.cluster_secret_file, required=True)
         return _run_tensor_parallel(args, tp, params, text, secret)
     loaded = load_checkpoint(args.model)
+    use_kv_bits(loaded.model, _kv(args))
     print(describe_model(loaded), file=sys.stderr)
     prompt = encode_prompt(args, loaded.tokenizer, text)
     model = _pipeline(args, loaded)

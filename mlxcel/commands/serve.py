@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mlxcel import envs
-from mlxcel.config import DEFAULT_MLX_CACHE_MB
+from mlxcel.config import DEFAULT_KV_GROUP_SIZE, DEFAULT_MLX_CACHE_MB
 from mlxcel.entrypoints.flags import ServeFlags
 from mlxcel.errors import CLIError
 from mlxcel.entrypoints.context import RoleContext, ServeConfig
@@ -82,7 +82,8 @@ def server_config(args: argparse.Namespace | ServeFlags) -> ServerConfig:
     return ServerConfig(model=model, served_model_name=name, parallel=flags.parallel,
                         max_batch_size=flags.max_batch_size or flags.parallel, max_queue=flags.max_queue,
                         request_timeout=flags.request_timeout, warmup=flags.warmup,
-                        prefix_cache_mb=flags.prefix_cache_mb)
+                        prefix_cache_mb=flags.prefix_cache_mb, kv_bits=flags.kv_bits,
+                        kv_group_size=flags.kv_group_size or DEFAULT_KV_GROUP_SIZE)
 
 
 def apply_threads(flags: ServeFlags) -> int:

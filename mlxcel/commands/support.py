@@ -169,10 +169,25 @@ def _random_families() -> tuple[str, ...]:
     return RANDOM_FAMILIES + IN_PROCESS_FAMILIES
 
 
+#: tiny config.json fields of families that make-random does not build and whose module none of its families
+#: shares, so their rows are asked of a model rather than left '?' (deepseek_v41: compressed attention, whose
+#: LayerCache the handoff carries as record kind DSV41)
+TINY_CONFIGS: dict[str, dict[str, Any]] = {
+    "deepseek_v41": {"vocab_size": 320, "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
+                     "head_dim": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8, "o_groups": 2, "o_lora_rank": 32,
+                     "moe_intermediate_size": 32, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                     "sliding_window": 8, "compress_ratios": [1, 4, 4], "kv_source_layer_ids": [0, 1],
+                     "index_source_layer_ids": [1, 2], "index_n_heads": 2, "index_head_dim": 16, "index_topk": 2},
+}
+
+
 def family_config(family: str) -> dict[str, Any] | None:
-    """A tiny config.json of ``family`` (make-random's; a family it does not build borrows its module's)."""
+    """A tiny config.json of ``family`` (make-random's; a family it does not build borrows its module's, or
+    takes ``TINY_CONFIGS``')."""
     from mlxcel.models.random_checkpoint import _config
 
+    if family in TINY_CONFIGS:
+        return {**TINY_CONFIGS[family], "model_type": family}
     base = family if family in _random_families() else module_of(family)
     if base not in _random_families():
         return None

@@ -7,6 +7,8 @@ Module map (the codecs are sans-I/O; the services own sockets and threads):
 - ``kv_send``     the sender's CHUNK and END parts: views of the tensors' memory (``kv_codec`` re-exports them)
 - ``kv_split``    a handoff split over several part streams: SPLIT and PART records, byte ranges, ``SplitAssembly``
 - ``kv_cache``    mlx-lm caches <-> handoff tensors; ``probe_layout`` (which caches a model keeps)
+- ``kv_records_generic``  record kind STATE: allow-listed mlx-lm cache classes by the state contract
+- ``kv_records_dsv41``    record kind DSV41: deepseek_v41's ``LayerCache``, rebuilt with the decode node's window
 - ``messages``    control messages (GENERATE, CANCEL, TOKENS, FINISH, ERROR, HANDED_OFF, STATE), strictly checked
 - ``allowlist``   ``MLXCEL_DECODE_ALLOWLIST``: where a prefill node may send a KV cache
 - ``lanes``       which of a prefill node's connections to a decode node the next handoff takes (``MLXCEL_HANDOFF_LANES``), when to split one

@@ -4,7 +4,7 @@ A handoff stream (any authenticated member may send one) is decoded part by part
 ``KVLayout`` and context length (``HandoffDecoder``); a stream that breaks a bound is refused at that
 part, its bytes dropped, and the router named in its header (if its nonce and router read) receives an
 ERROR. Arriving handoffs count against admission, at most half the slots per sender IP; a stream with no
-part for twice ``--handoff-timeout`` is forgotten. A handoff split over several streams (docs/disagg.md §4.8)
+part for twice ``--handoff-timeout`` is forgotten. A handoff split over several streams (docs/disagg.md §4.9)
 is joined by ``SplitIntake``: its part streams feed the header stream's one decoder, each from its own thread.
 A complete handoff enters the scheduler through ``submit_prefilled``: it waits for a slot like any
 request, the executor installs its cache, the prefill's first token is emitted, and decoding goes on.
@@ -69,7 +69,7 @@ class Incoming:
     last: float = field(default_factory=time.monotonic)  # when its last part arrived
     meta: m.HandoffMeta | None = None
     refused: bool = False
-    split: bool = False  # its SPLIT was read: part streams carry its tensor bytes (docs/disagg.md §4.8)
+    split: bool = False  # its SPLIT was read: part streams carry its tensor bytes (docs/disagg.md §4.9)
     parts: list[Any] = field(default_factory=list)  # those part streams, once joined
 
     def reply_to(self, decoder: HandoffDecoder | None = None) -> tuple[str, PeerId] | None:

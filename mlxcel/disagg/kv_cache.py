@@ -19,9 +19,11 @@ classes can be handed off:
   is what the next step's ``maybe_trim_front`` keeps; the rebuilt cache starts there (``start_position``);
 - ``CacheList`` (several of the above for one layer, e.g. deepseek_v32's attention and indexer keys);
 - any class on ``kv_records_generic.ALLOWED`` (``ConcatenateKVCache``), by the state contract alone
-  (record kind STATE).
+  (record kind STATE);
+- deepseek_v41's ``LayerCache`` (record kind DSV41, ``kv_records_dsv41``: its ``state`` has no setter nor
+  ``from_state``, so it is rebuilt with the decode node's own window from its public fields).
 
-Any other class (deepseek_v41's ``LayerCache``, whose ``state`` has no setter nor ``from_state``, batch caches,
+Any other class (batch caches,
 a CacheList inside a CacheList, ...) makes the layout ``unsupported`` (the refusal names the class and why),
 and a prefill node refuses such a model's requests before any prefill work.
 
@@ -45,6 +47,7 @@ from mlx_lm.models.cache import (
 )
 
 from mlxcel import envs
+from mlxcel.disagg import kv_records_dsv41 as dsv41
 from mlxcel.disagg import kv_records_generic as generic
 from mlxcel.disagg.kv_codec import NUMPY_DTYPES, Handoff, HandoffError, KVLayout, LayerSpec, TensorSpec, dtype_code
 from mlxcel.disagg.host_staging import HostBuffer, Staging
@@ -62,6 +65,8 @@ _PREFIX = "this model's KV cache cannot be handed off to a decode node: "
 def unsupported_cache(cache: Any, depth: int = 0) -> str | None:
     """Why ``cache`` (one layer's, fresh from ``make_prompt_cache``) cannot travel; None if it can."""
     if type(cache) not in SUPPORTED:
+        if dsv41.is_layer_cache(cache):
+            return "keeps a LayerCache inside a CacheList" if depth else None
         if generic.allowed(type(cache)) is None:
             return generic.contract_refusal(type(cache))
         return f"keeps a {type(cache).__name__} inside a CacheList" if depth else None
@@ -81,7 +86,7 @@ def cache_classes_supported(model: Any) -> str | None:
     for i, c in enumerate(make_prompt_cache(model)):
         why = unsupported_cache(c)
         if why:
-            names = [t.__name__ for t in SUPPORTED] + [c.name for c in generic.ALLOWED]
+            names = [t.__name__ for t in SUPPORTED] + [c.name for c in generic.ALLOWED] + ["deepseek_v41's LayerCache"]
             return f"{_PREFIX}layer {i} {why} (supported: {', '.join(names)}; a CacheList of the first six)"
     return None
 
@@ -96,7 +101,8 @@ def probe_layout(model: Any) -> KVLayout:
     # not stay lazy on this thread's stream, which the scheduler's thread does not have
     mx.eval(model(mx.array([[0]], dtype=mx.uint32), cache=caches), [c.state for c in caches])
     try:
-        layers = tuple(_spec_of_cache(c) for c in caches)
+        layers = tuple(dsv41.spec_of(model, i, c) if dsv41.is_layer_cache(c) else _spec_of_cache(c)
+                       for i, c in enumerate(caches))
     except ValueError as exc:
         return KVLayout(unsupported=f"{_PREFIX}{exc}")
     return KVLayout(layers)
@@ -166,8 +172,13 @@ def export_cache(cache: list, layout: KVLayout, length: int, contiguous: bool = 
                                    f"{spec.state_class}")
             arrays += generic.export_arrays(type(c).__name__, c.state, spec, length)
             continue
+        if spec.kind is CacheKind.DSV41:
+            arrays += dsv41.export_arrays(c, spec, length)
+            continue
         arrays += _layer_arrays(type(c).__name__, c.state, spec, length)
     wanted = layout.tensors(length)
+    if len(arrays) != len(wanted):
+        raise HandoffError(f"the caches give {len(arrays)} tensors; the model's layout says {len(wanted)}")
     for a, t in zip(arrays, wanted):
         if tuple(a.shape) != t.shape or dtype_code(_name(a.dtype)) is not t.dtype:
             raise HandoffError(f"a cache tensor is {_name(a.dtype)} {list(a.shape)}; the model's layout says "
@@ -293,6 +304,8 @@ def import_cache(handoff: Handoff) -> list:
         i += len(tensors)
         if spec.kind is CacheKind.STATE:
             out.append(generic.rebuild(spec, arrays))
+        elif spec.kind is CacheKind.DSV41:
+            out.append(dsv41.rebuild(spec, arrays, length))
         else:
             out.append(CLASSES[spec.kind].from_state(_state(spec, arrays, length)))
     mx.eval([c.state for c in out])  # no lazy op left to tie the arrays to this thread's stream

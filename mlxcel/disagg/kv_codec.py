@@ -105,6 +105,7 @@ class LayerSpec:
     parts: tuple["LayerSpec", ...] = ()  # LIST: the caches, in the CacheList's order
     state_class: int = 0  # STATE: the class's code on kv_records_generic's allow-list
     grows: int = -1  # STATE: the axis of every array that holds one position per token (-1: fixed shapes)
+    ratio: int = 0  # DSV41: tokens pooled into one compressed row (0: the layer keeps none); max_size: its window
 
     def __post_init__(self) -> None:
         check_spec(self)
@@ -115,13 +116,16 @@ class LayerSpec:
             return length if self.grows >= 0 else 0
         if self.kind in (CacheKind.ARRAYS, CacheKind.LIST):
             return 0
-        return min(length, self.max_size) if self.kind in (CacheKind.ROTATING, CacheKind.CHUNKED) else length
+        windowed = (CacheKind.ROTATING, CacheKind.CHUNKED, CacheKind.DSV41)
+        return min(length, self.max_size) if self.kind in windowed else length
 
     def params(self) -> tuple[int, int]:
         """The record's (a, b): (keep, max_size), (group_size, bits), (arrays, 0), (caches, 0), CHUNKED's
-        (0, chunk size) or (0, 0)."""
+        (0, chunk size), DSV41's (window, ratio) or (0, 0)."""
         if self.kind is CacheKind.CHUNKED:
             return 0, self.max_size
+        if self.kind is CacheKind.DSV41:
+            return self.max_size, self.ratio
         if self.kind is CacheKind.ROTATING:
             return self.keep, self.max_size
         if self.kind is CacheKind.QUANTIZED:
@@ -143,6 +147,8 @@ class LayerSpec:
                     for t in self.arrays]
         if self.kind is CacheKind.LIST:
             return [t for part in self.parts for t in part.tensors(length)]
+        if self.kind is CacheKind.DSV41:
+            return [TensorSpec(dtype, (1, n, width)) for _, dtype, n, width in dsv41_rows(self, length)]
         n, h = self.positions(length), self.heads
         assert self.dtype is not None
         if self.kind is not CacheKind.QUANTIZED:
@@ -166,6 +172,20 @@ class LayerSpec:
         if self.kind is CacheKind.LIST:
             return own + b"".join(part.record(length) for part in self.parts)
         return own
+
+
+def dsv41_rows(spec: LayerSpec, length: int) -> list[tuple[str, DType, int, int]]:
+    """A DSV41 layer's tensors after ``length`` tokens as (LayerCache field, dtype, rows, width), in wire order
+    (docs/disagg.md §4.1): the window, the compressed rows, the index keys, the open group's rows and gates
+    (float32); one with no rows is not sent."""
+    assert spec.dtype is not None
+    rows, d = [("window", spec.dtype, spec.positions(length), spec.k_dim)], spec.ratio
+    if d:
+        rows += [("compress_kv", spec.dtype, length // d, spec.k_dim),
+                 ("index_k", spec.dtype, length // d if spec.v_dim else 0, spec.v_dim)]
+    if d > 1:
+        rows += [(name, DType.FLOAT32, length % d, spec.k_dim) for name in ("pending_kv", "pending_gate")]
+    return [row for row in rows if row[2]]
 
 
 def array_record(spec: TensorSpec) -> bytes:
@@ -196,6 +216,11 @@ def check_spec(spec: LayerSpec) -> None:
         return
     if spec.kind is CacheKind.ARRAY or spec.dtype is None:
         raise ValueError(f"a {spec.kind.name} layer needs a dtype")
+    if spec.kind is CacheKind.DSV41 and (spec.heads != 1 or not spec.k_dim or not 0 < spec.max_size <= _U32
+                                         or not 0 <= spec.ratio <= _U32 or (spec.v_dim and not spec.ratio)):
+        raise ValueError(f"a DSV41 layer of {spec.heads} heads, width {spec.k_dim}, window {spec.max_size}, ratio "
+                         f"{spec.ratio}, index width {spec.v_dim} cannot travel (one head, a window, index keys "
+                         "only beside compressed rows)")
     if max(spec.heads, spec.k_dim, spec.v_dim) > _U16 or max(spec.max_size, spec.keep, spec.group_size,
                                                              spec.bits) > _U32:
         raise ValueError(f"a {spec.kind.name.lower()} layer of {spec.heads} heads, widths {spec.k_dim}/{spec.v_dim} "
@@ -311,7 +336,7 @@ class HandoffDecoder:
         self._have = 0
         self._chunks = 0
         self._allocated = 0  # bytes of tensor buffers made so far (closed and open)
-        self.split: SplitAssembly | None = None  # a split handoff's tensors (docs/disagg.md §4.8)
+        self.split: SplitAssembly | None = None  # a split handoff's tensors (docs/disagg.md §4.9)
 
     def feed(self, part: Any) -> None:
         """One STREAM_DATA body of the handoff stream."""
@@ -559,6 +584,9 @@ def _describe_one(record: bytes) -> str:
         return f"{kind_name} of {a} after {offset} tokens"
     if kind == CacheKind.STATE:
         return f"state of class {b} with {a} arrays after {offset} tokens"
+    if kind == CacheKind.DSV41:
+        return (f"dsv41 {_dtype_name(dtype)} [{heads} heads, k {k_dim}, index {v_dim}] {positions} window rows of "
+                f"{offset} tokens (window {a}, ratio {b})")
     return (f"{kind_name} {_dtype_name(dtype)} [{heads} heads, k {k_dim}, v {v_dim}] {positions} positions of "
             f"{offset} tokens ({a}, {b})")
 

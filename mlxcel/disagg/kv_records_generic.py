@@ -7,9 +7,9 @@ instance made without ``__init__``) rebuilds it. Each array either keeps its sha
 (a fixed-size state) or holds one position per token along the class's ``grows`` axis, so the decode
 node computes every shape from the prompt's length and compares the sender's records with its own.
 
-A class with neither ``from_state`` nor a ``state`` setter cannot be rebuilt (deepseek_v41's
-``LayerCache``: its sliding window, compressed rows and index keys are public, but its ``state`` is
-read-only and its window size is not in it) and is refused by name (``contract_refusal``).
+A class with neither ``from_state`` nor a ``state`` setter cannot be rebuilt and is refused by name
+(``contract_refusal``); deepseek_v41's ``LayerCache`` is one, carried by its own record kind instead
+(``kv_records_dsv41``).
 """
 
 from __future__ import annotations

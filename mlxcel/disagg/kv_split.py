@@ -1,4 +1,4 @@
-"""A KV handoff split over several streams (docs/disagg.md §4.8), sans-I/O.
+"""A KV handoff split over several streams (docs/disagg.md §4.9), sans-I/O.
 
 The header stream carries HEADER and ``SPLIT`` (N, 2..16); each of N *part streams* starts with a
 ``PART`` record (the header stream's id, its index i, N) and carries the tensor bytes

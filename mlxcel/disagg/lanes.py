@@ -5,7 +5,7 @@ node queue behind each other: one socket, one reader thread and one AEAD context
 prefill node spreads them over a few *lanes* (pooled connections of the transport, ``pool.py``),
 each handoff whole on the least busy lane, so their copies and crypto run side by side on hosts with
 the cores for it; a handoff of ``split_min_bytes()`` or more (16 MiB) is split over every lane instead
-(docs/disagg.md §4.8), so one large handoff's crypto runs on several cores too. The decode node sees more
+(docs/disagg.md §4.9), so one large handoff's crypto runs on several cores too. The decode node sees more
 authenticated connections from the same identity, and keys streams by (sender, stream id) as before.
 """
 

@@ -94,7 +94,7 @@ class PrefillService(RoleService):
         self.loop = LoopThread("mlxcel-prefill-loop")
         self.workers = ThreadPoolExecutor(max_workers=parallel + 1, thread_name_prefix="mlxcel-handoff")
         self.lanes = LanePicker(cfg.handoff_lanes)  # concurrent handoffs to one decode node on their own connections
-        # a large handoff's part streams, one per lane, each sealed on its own thread (docs/disagg.md §4.8)
+        # a large handoff's part streams, one per lane, each sealed on its own thread (docs/disagg.md §4.9)
         self.part_workers = ThreadPoolExecutor(max_workers=(parallel + 1) * cfg.handoff_lanes,
                                                thread_name_prefix="mlxcel-handoff-part")
         self.jobs: dict[str, Job] = {}
@@ -294,7 +294,7 @@ class PrefillService(RoleService):
         return sent
 
     def _stream_split(self, job: Job, header: bytes, tensors: Any, lane: int, count: int) -> int | None:
-        """A handoff split over ``count`` part streams (docs/disagg.md §4.8; ``split_send``)."""
+        """A handoff split over ``count`` part streams (docs/disagg.md §4.9; ``split_send``)."""
         sent = send_split(self.transport, job.target, header, tensors, lane, count, self.part_workers,
                           lambda: job.cancelled)
         if sent is not None:

@@ -1,4 +1,4 @@
-"""The decode node's side of a split handoff (docs/disagg.md §4.8): part streams joined to their header stream.
+"""The decode node's side of a split handoff (docs/disagg.md §4.9): part streams joined to their header stream.
 
 A part stream opens with a PART record naming the id of its header stream; it joins the handoff keyed by
 (its own sender, that id), so it can only ever join a handoff whose header stream came from the same

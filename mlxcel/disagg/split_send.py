@@ -1,4 +1,4 @@
-"""The prefill node's side of a split handoff (docs/disagg.md §4.8): a header stream and N part streams.
+"""The prefill node's side of a split handoff (docs/disagg.md §4.9): a header stream and N part streams.
 
 HEADER and SPLIT go on the handoff's lane; part stream i goes on lane (lane + i) mod N from its own worker
 thread, so each part is sealed on its own core. The header stream stays open until every part stream ended;

@@ -17,7 +17,7 @@ MAX_KV_META_LEN = 16 * 1024 + 6 * 64 * 1024
 #: largest tensor-byte payload of one CHUNK part (the sender uses KV_CHUNK_LEN)
 MAX_KV_CHUNK_LEN = 4 * 1024 * 1024
 KV_CHUNK_LEN = 1024 * 1024
-#: a split handoff (docs/disagg.md §4.8) has 2..MAX_KV_SPLIT part streams
+#: a split handoff (docs/disagg.md §4.9) has 2..MAX_KV_SPLIT part streams
 MAX_KV_SPLIT = 16
 #: a prefill node splits a handoff of at least this many tensor bytes over its lanes
 #: (MLXCEL_HANDOFF_SPLIT_MIN_BYTES overrides)
@@ -47,6 +47,7 @@ class CacheKind(enum.IntEnum):
     ARRAY = 6  # not a layer: one array of the ARRAYS record before it (dtype and shape)
     CHUNKED = 7  # ChunkedKVCache (llama4's chunked attention): the last min(tokens, chunk size) positions
     STATE = 8  # an allow-listed cache class by mlx-lm's state contract (kv_records_generic); ARRAY records follow
+    DSV41 = 9  # deepseek_v41's LayerCache: window, compressed rows, index keys, open group (kv_records_dsv41)
 
 
 #: most arrays in one ARRAYS layer, most caches in one LIST layer, most dimensions of one array

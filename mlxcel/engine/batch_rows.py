@@ -9,8 +9,8 @@ H200 profile of the server at 32 streams put about 11% of the scheduler thread i
 The runner knows every row's padding on the host: a merged row is padded to the longest row
 (``merged_pads``), an extension pads both sides to the larger write index (``extended_pads``).
 ``filter_rows`` and ``extract_row`` do what mlx-lm's methods do, from those host values, lazily.
-A layer whose cache is anything else (rotating windows, linear attention) has no host padding
-(``None``) and goes through mlx-lm's own methods.
+A layer whose cache is anything else (rotating windows, linear attention, quantized) has no host padding
+(``None``) and goes through its own methods (quantized rows: ``kv_quant.BatchQuantizedKVCache``).
 
 Rows join through mlx-lm's ``merge`` and one ``extend`` (``join_layer``). A shape-stable join by gathers
 (``MLXCEL_STABLE_JOIN=1``) was tried and removed (issue 41): 0.96x on the CPU at 4 streams and no clear gain
@@ -22,7 +22,9 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache
+
+from mlxcel.engine.kv_quant import BatchQuantizedKVCache
 
 Pads = list[int] | None  # each row's left padding in one layer's batched cache, or None: not tracked
 
@@ -87,13 +89,20 @@ def join_layer(current: Any | None, pads: Pads, rows: Sequence[Any], *, batched:
     (None when empty; one row's own cache unless ``batched``). Returns the layer's batched cache and padding:
     the joining rows go through mlx-lm's ``merge`` and one ``extend``."""
     if current is not None and not batched:  # one row's own cache: it heads the batch
-        current, pads = current.merge([current]), merged_pads([current])
+        current, pads = _merge([current]), merged_pads([current])
     return _merge_into(current, pads, rows)
+
+
+def _merge(rows: Sequence[Any]) -> Any:
+    """One batch of one-row caches: mlx-lm's ``merge``, or ours for quantized rows (mlx-lm has none)."""
+    if type(rows[0]) is QuantizedKVCache:
+        return BatchQuantizedKVCache.merge(list(rows))
+    return rows[0].merge(list(rows))
 
 
 def _merge_into(current: Any | None, pads: Pads, rows: Sequence[Any]) -> tuple[Any, Pads]:
     """mlx-lm's way: one ``merge`` of ``rows``, then ``current.extend`` with it (None: the merge alone)."""
-    merged, merged_padding = rows[0].merge(list(rows)), merged_pads(rows)
+    merged, merged_padding = _merge(rows), merged_pads(rows)
     if current is None:
         return merged, merged_padding
     pads = extended_pads(current, pads, merged, merged_padding)

@@ -5,7 +5,7 @@ from a copy of the longest matching prefix and only its remaining tokens are pre
 
 What can be reused depends on the layers' caches (mlx-lm's classes):
 
-- ``KVCache`` layers (and ``CacheList`` of them) can be cut at any length: an entry serves every
+- ``KVCache`` and ``QuantizedKVCache`` (``--kv-bits``) layers (and ``CacheList`` of them) can be cut at any length: an entry serves every
   prompt that shares at least ``MIN_PREFIX`` tokens with it.
 - ``ArraysCache`` (linear attention, SSM state: qwen3_next, mamba) summarises every token it has seen
   in fixed-shape arrays; it cannot be cut back to fewer tokens, and ``RotatingKVCache`` (sliding
@@ -13,7 +13,7 @@ What can be reused depends on the layers' caches (mlx-lm's classes):
   **whole**: by a prompt that starts with every token the entry holds (a chat's next turn, which
   repeats the whole earlier conversation), never by one that diverges inside it, and never cut to
   a pipeline's shorter agreed prefix (``limit``).
-- Anything else (quantized, chunked caches) is not stored.
+- Anything else (chunked caches) is not stored.
 
 Entries are kept per ``scope`` (a pipeline stage: the identity that released them), and a lookup
 sees only its own scope's, so nobody starts from KV that another identity stored. A stored entry is
@@ -27,7 +27,7 @@ import os
 from collections import OrderedDict
 from typing import Any, Hashable, Sequence
 
-from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, QuantizedKVCache, RotatingKVCache
 
 MIN_PREFIX = 4  # shorter matches are not worth a copy
 CUT, WHOLE = "cut", "whole"  # how an entry can be reused: at any length, or only at its own
@@ -35,7 +35,7 @@ CUT, WHOLE = "cut", "whole"  # how an entry can be reused: at any length, or onl
 
 def _layer_reuse(c: Any) -> str | None:
     """CUT, WHOLE, or None (not reusable) for one layer's cache."""
-    if type(c) is KVCache:
+    if type(c) in (KVCache, QuantizedKVCache):
         return CUT if c.keys is not None else None
     if type(c) is ArraysCache:
         arrays, left_padding, lengths = c.state
@@ -77,6 +77,10 @@ def _copy(c: Any, n: int) -> Any:
     if type(c) is KVCache:
         keys, values, _ = c.state
         return KVCache.from_state((keys[..., :n, :], values[..., :n, :], n))
+    if type(c) is QuantizedKVCache:
+        keys, values, _, group_size, bits = c.state
+        return QuantizedKVCache.from_state((tuple(k[..., :n, :] for k in keys), tuple(v[..., :n, :] for v in values),
+                                            n, group_size, bits))
     if type(c) is RotatingKVCache:
         keys, values, offset, keep, max_size, write = c.state
         return RotatingKVCache.from_state((keys[...], values[...], offset, keep, max_size, write))

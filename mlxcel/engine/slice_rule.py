@@ -62,13 +62,13 @@ def _source(fn: Callable) -> str:
 
 def cache_kind(cache: Any) -> Hashable:
     """A layer's attention kind from its cache (see ``model_slice.Family.attention``); ValueError for others."""
-    from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+    from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
 
     if isinstance(cache, RotatingKVCache):
         return cache.max_size
     if isinstance(cache, ArraysCache):
         return LINEAR
-    if type(cache) is KVCache:
+    if type(cache) in (KVCache, QuantizedKVCache):  # full attention (--kv-bits: mlxcel.engine.kv_quant)
         return None
     raise ValueError(f"its layers' {type(cache).__name__} is not a KVCache, RotatingKVCache or ArraysCache")
 

@@ -42,6 +42,7 @@ class WorkerProcess(LoadingProcess):
 
         def build() -> Any:
             checkpoint = load_checkpoint(config.model)
+            config.apply_kv_bits(checkpoint.model)  # before the services probe the KV layout they hand off
             loaded.append(checkpoint)
             kwargs: dict[str, Any] = dict(identity=model_identity(config.model),
                                           context_length=context_length(checkpoint.config), parallel=config.parallel,

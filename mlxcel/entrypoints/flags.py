@@ -27,6 +27,9 @@ from mlxcel.config import (
     DEFAULT_PARALLEL,
     DEFAULT_PORT,
     DEFAULT_PREFIX_CACHE_MB,
+    DEFAULT_KV_GROUP_SIZE,
+    KV_BITS,
+    KV_GROUP_SIZES,
     DEFAULT_RESUME_TIMEOUT_S,
     MAX_PP_MICRO_BATCH_SIZE,
     MAX_RESUME_TIMEOUT_S,
@@ -72,6 +75,7 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix-cache-mb", type=non_negative_int, default=DEFAULT_PREFIX_CACHE_MB,
                         help=("MiB of KV cache kept to reuse shared prompt prefixes "
                               f"(default {DEFAULT_PREFIX_CACHE_MB}; 0 = off)"))
+    add_kv_arguments(parser)
     parser.add_argument("--threads", type=thread_count, default=None, metavar="N",
                         help=f"threads one matrix product may use; nodes sharing a host split its cores "
                              f"(default: ${THREADS_ENV}, else every core but one, at least one)")
@@ -126,6 +130,21 @@ def add_resume_arguments(parser: argparse.ArgumentParser) -> None:
                             "resume_s)")
 
 
+def add_kv_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """--kv-bits and --kv-group-size (every role that holds KV; ``mlxcel generate`` too)."""
+    parser.add_argument("--kv-bits", type=int, choices=KV_BITS, default=None,
+                        help="quantize the KV cache to this many bits from the first token (default: full "
+                             "precision; families whose every layer keeps a KVCache; docs/models.md)")
+    parser.add_argument("--kv-group-size", type=int, choices=KV_GROUP_SIZES, default=None,
+                        help=f"values per quantization scale and bias of --kv-bits (default {DEFAULT_KV_GROUP_SIZE})")
+
+
+def check_kv_flags(kv_bits: int | None, kv_group_size: int | None) -> None:
+    """--kv-group-size needs --kv-bits."""
+    if kv_group_size is not None and kv_bits is None:
+        raise CLIError("--kv-group-size needs --kv-bits (it sizes the KV cache's quantization groups)")
+
+
 @dataclass(frozen=True)
 class ServerFlags(FlagSet):
     """The HTTP server and its batching."""
@@ -139,6 +158,8 @@ class ServerFlags(FlagSet):
     request_timeout: float | None = None
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S
     prefix_cache_mb: int = DEFAULT_PREFIX_CACHE_MB
+    kv_bits: int | None = None
+    kv_group_size: int | None = None
     threads: int | None = None
     mlx_cache_mb: int | None = None
     warmup: bool = True
@@ -148,6 +169,7 @@ class ServerFlags(FlagSet):
     add_arguments = staticmethod(add_server_arguments)
 
     def check(self) -> None:
+        check_kv_flags(self.kv_bits, self.kv_group_size)
         if (self.max_batch_size or self.parallel) > self.parallel:
             raise CLIError(f"--max-batch-size ({self.max_batch_size}) cannot exceed --parallel ({self.parallel}): "
                            "a decode step batches only sequences that hold a slot")

@@ -12,6 +12,7 @@ import logging
 import signal
 import socket
 import sys
+import time
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -119,10 +120,15 @@ def push(model: Path, settings: BringupSettings, secret: ClusterSecret) -> tuple
     _say(f"{what} {settings.stages} stages{spares} of cluster {settings.cluster!r} over "
          f"{', '.join(map(str, peers))} from control address {settings.control}")
     attempt = Push(config, secret, peers, write_plan=write_plan, stages=settings.stages)
+    started = time.monotonic()
     try:
         plan = attempt.run()
     except BringupError as exc:
         raise CLIError(str(exc)) from None
+    wire = attempt.wire()
+    _say(f"push over {len(peers)} peers took {time.monotonic() - started:.3f}s; assignment channel: sent "
+         f"{wire.sent_frames} frames {wire.sent_bytes} bytes, received {wire.received_frames} frames "
+         f"{wire.received_bytes} bytes")
     if settings.dry_run:
         return plan, None
     pool = SparePool(config, secret, plan, attempt.spares, write_plan=write_plan, after_s=settings.spare_after_s)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -18,6 +19,8 @@ from mlxcel.topology.distributed import Distributed
 
 if TYPE_CHECKING:
     from mlxcel.entrypoints.flags import ServeFlags
+    from mlxcel.server.runtime import ServerConfig
+    from mlxcel.topology.cluster_config import ClusterConfig
 
 log = logging.getLogger("mlxcel.pipeline.stage")
 
@@ -27,9 +30,11 @@ class StageProcess(LoadingProcess):
 
     service: StageService | None
 
-    def __init__(self, dist: Distributed, model_dir: Path, secret: ClusterSecret | None):
+    def __init__(self, dist: Distributed, model_dir: Path, secret: ClusterSecret | None,
+                 prepare: Callable[[Any], None] | None = None):
         super().__init__()
         self.dist = dist
+        self.prepare = prepare  # sees the model before its slice is cut (--kv-bits)
         self.secret = secret
         self.model_dir = model_dir
 
@@ -40,7 +45,7 @@ class StageProcess(LoadingProcess):
             if node.layers is None or self.secret is None:
                 raise ValueError("a stage needs its layer range and the cluster secret")
             runner, checkpoint = load_stage_runner(self.model_dir, *node.layers,
-                                                   max_rows=self.dist.cluster.max_batch_size)
+                                                   max_rows=self.dist.cluster.max_batch_size, prepare=self.prepare)
             loaded.append(checkpoint)
             return StageService(self.dist.cluster, node.id, runner, self.secret, model_facts(self.model_dir),
                                 on_shutdown=on_shutdown,
@@ -62,10 +67,22 @@ class StageProcess(LoadingProcess):
 
 
 def configure(flags: ServeFlags, config: ServeConfig) -> ServeConfig:
-    """The cluster TOML's stage node (loaded with the secret before the role was chosen)."""
+    """The cluster TOML's stage node (loaded with the secret before the role was chosen), and its --kv-bits."""
     if config.dist is None:
         raise CLIError("the stage role needs --distributed-config and --node-id")
-    return config
+    return replace(config, server=stage_kv_bits(config.server, config.dist.cluster))
+
+
+def stage_kv_bits(server: ServerConfig, cluster: ClusterConfig) -> ServerConfig:
+    """The stage's KV quantization: the TOML's [pipeline] kv_bits / kv_group_size where it gives them, else the
+    stage's own --kv-bits / --kv-group-size; both given and different: refused by name."""
+    if cluster.kv_bits is None:
+        return server
+    toml = (cluster.kv_bits, cluster.kv_group_size)
+    if server.kv_bits is not None and (server.kv_bits, server.kv_group_size) != toml:
+        raise CLIError(f"--kv-bits {server.kv_bits} --kv-group-size {server.kv_group_size} differs from {cluster.path}'s "
+                       f"[pipeline] kv_bits = {toml[0]}, kv_group_size = {toml[1]}; give one of them")
+    return replace(server, kv_bits=toml[0], kv_group_size=toml[1])
 
 
 def run(context: RoleContext) -> int:
@@ -73,7 +90,8 @@ def run(context: RoleContext) -> int:
     returns the exit code."""
     dist = context.config.dist
     assert dist is not None  # configure checked it
-    process = StageProcess(dist, context.config.server.model, context.config.secret)
+    server = context.config.server
+    process = StageProcess(dist, server.model, context.config.secret, prepare=server.apply_kv_bits)
     layers = dist.node.layers or (0, 0)
     banner = f"mlxcel: stage {dist.node.id} (layers {layers[0]}-{layers[1] - 1}) on cluster address {dist.node.address}"
     return serve_loading(context.endpoint, process, "mlxcel stage", lambda switch: process.load(switch.fatal, switch.stop),

@@ -49,7 +49,8 @@ class TPServer:
         assert tp is not None  # configure set it
         self.tp = tp
         self.rank0 = RankZero(tp, Path(config.model), context.config.secret, max_batch_size=config.max_batch_size,
-                              prefix_cache_bytes=config.prefix_cache_mb << 20)
+                              prefix_cache_bytes=config.prefix_cache_mb << 20, kv_bits=config.kv_bits,
+                              kv_group_size=config.kv_group_size)
         self.error: str | None = None
         self._once = threading.Lock()
 

@@ -26,7 +26,7 @@ from mlxcel.cluster.identity import PeerId, as_peer
 from mlxcel.cluster.messages import Message
 from mlxcel.cluster.secret import ClusterSecret
 from mlxcel.cluster.transport import Transport
-from mlxcel.config import DEFAULT_TP_REDUCE_DTYPE
+from mlxcel.config import DEFAULT_KV_GROUP_SIZE, DEFAULT_TP_REDUCE_DTYPE
 from mlxcel.parallel.control import ControlError, decode, encode, read_reply, reply
 from mlxcel.parallel.errors import TPError
 from mlxcel.parallel.launch import GroupSpec, init_group
@@ -132,6 +132,7 @@ def watch(control: FollowerControl, parent: int | None) -> None:
 def _load(model_dir: Path, size: int, group: Any, settings: dict) -> Any:
     import mlx.core as mx
 
+    from mlxcel.engine.kv_quant import kv_quant, use_kv_bits
     from mlxcel.models.loading import load_checkpoint
     from mlxcel.parallel.plan import apply_plan, check_shardable
     from mlxcel.parallel.reduce import set_reduce_dtype
@@ -142,6 +143,7 @@ def _load(model_dir: Path, size: int, group: Any, settings: dict) -> Any:
     apply_plan(loaded.model, check_shardable(loaded.config, size, model_dir,
                                              moe_mode=moe_mode if isinstance(moe_mode, str) else None), group)
     set_reduce_dtype(loaded.model, str(settings.get("reduce_dtype", DEFAULT_TP_REDUCE_DTYPE)))  # rank 0's choice
+    use_kv_bits(loaded.model, kv_quant(settings.get("kv_bits"), settings.get("kv_group_size", DEFAULT_KV_GROUP_SIZE)))
     mx.eval(loaded.model.parameters())
     return ShardRunner(loaded.model, head=False, max_rows=int(settings["max_batch_size"]),
                        prefix_cache_bytes=int(settings["prefix_cache_bytes"]))

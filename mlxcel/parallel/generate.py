@@ -26,15 +26,18 @@ from mlxcel.process import error_line
 class TPGeneration:
     """Rank 0 of a generate run: ``with TPGeneration(...) as gen: gen.stream(prompt, params)``."""
 
-    def __init__(self, tp: TPOptions, model_dir: Path, secret: ClusterSecret | None):
+    def __init__(self, tp: TPOptions, model_dir: Path, secret: ClusterSecret | None, kv: Any = None):
         self.tp = tp
         self.model_dir = model_dir
-        self.rank0 = RankZero(tp, model_dir, secret, max_batch_size=1, prefix_cache_bytes=0)
+        self.kv = kv  # --kv-bits: a KVQuant, the same on every rank (None: full precision)
+        self.rank0 = RankZero(tp, model_dir, secret, max_batch_size=1, prefix_cache_bytes=0,
+                              **({"kv_bits": kv.bits, "kv_group_size": kv.group_size} if kv is not None else {}))
         self.loaded: Any = None
         self.scheduler: Any = None
         self.backend = ""
 
     def __enter__(self) -> "TPGeneration":
+        from mlxcel.engine.kv_quant import use_kv_bits
         from mlxcel.engine.scheduler import Scheduler
         from mlxcel.models.loading import load_checkpoint
         from mlxcel.models.facts import context_length
@@ -44,6 +47,7 @@ class TPGeneration:
             assert self.rank0.spec is not None
             self.backend = self.rank0.spec.backend
             self.loaded = load_checkpoint(self.model_dir, lazy=True)
+            use_kv_bits(self.loaded.model, self.kv)
             self.rank0.shard(self.loaded.model)
             executor = self.rank0.executor(self.loaded.model, self._fatal)
             self.scheduler = Scheduler(executor, self.loaded.tokenizer, context_length=context_length(self.loaded.config),

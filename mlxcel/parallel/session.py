@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from mlxcel.cluster.secret import ClusterSecret
+from mlxcel.config import DEFAULT_KV_GROUP_SIZE
 from mlxcel.parallel.control import RankZeroControl, encode
 from mlxcel.parallel.errors import TPError
 from mlxcel.parallel.executor import TPExecutor
@@ -40,7 +41,7 @@ class RankZero:
     """Rank 0 of a group: control channel, followers, MLX group, executor."""
 
     def __init__(self, tp: TPOptions, model_dir: Path, secret: ClusterSecret | None, *, max_batch_size: int,
-                 prefix_cache_bytes: int):
+                 prefix_cache_bytes: int, kv_bits: int | None = None, kv_group_size: int = DEFAULT_KV_GROUP_SIZE):
         from mlxcel.models.identity import model_identity
 
         if not tp.local and secret is None:
@@ -50,7 +51,9 @@ class RankZero:
         self.secret = secret if secret is not None else ClusterSecret(launch_secret(None), source="this launch")
         self.settings = {"identity": model_identity(model_dir), "max_batch_size": max_batch_size,
                          "prefix_cache_bytes": prefix_cache_bytes, "reduce_dtype": tp.reduce_dtype,
-                         "moe_mode": tp.plan.moe_mode}
+                         "moe_mode": tp.plan.moe_mode,
+                         # --kv-bits: every rank quantizes its share of the KV cache alike (rank 0's choice)
+                         "kv_bits": kv_bits, "kv_group_size": kv_group_size}
         self.local = LocalRanks() if tp.local else None
         self.control: RankZeroControl | None = None
         self.spec: GroupSpec | None = None

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 
-def load_stage_runner(model_dir: Path, start: int, end: int, *, max_rows: int) -> tuple[Any, Any]:
+def load_stage_runner(model_dir: Path, start: int, end: int, *, max_rows: int,
+                      prepare: Callable[[Any], None] | None = None) -> tuple[Any, Any]:
     """The stage's layers only: the checkpoint loads lazily and only this slice's weights are evaluated,
-    so the other layers are never read from disk (MLX loads an array's data when it is first evaluated)."""
+    so the other layers are never read from disk (MLX loads an array's data when it is first evaluated).
+    ``prepare`` sees the model before its slice is cut (--kv-bits: ``ServerConfig.apply_kv_bits``)."""
     import mlx.core as mx
 
     from mlxcel.engine.executor import slice_runner
@@ -18,6 +20,8 @@ def load_stage_runner(model_dir: Path, start: int, end: int, *, max_rows: int) -
 
     loaded = load_checkpoint(model_dir, lazy=True, tokenizer=False)
     model = loaded.model
+    if prepare is not None:
+        prepare(model)
     runner = slice_runner(model, start, end, max_rows=max_rows)
     inner = text_model(model)  # a wrapper's language_model.model: weights language_model.model.layers.N...
     keep = [layer.parameters() for layer in inner.layers[start:end]]

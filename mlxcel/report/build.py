@@ -13,7 +13,7 @@ import pandas as pd
 
 from mlxcel import __version__
 from mlxcel.report import baseline as _baseline
-from mlxcel.report import agent, disagg, html, plots, protection, reference, structured, tables
+from mlxcel.report import agent, disagg, html, kv_quality, plots, protection, reference, scaling, structured, tables
 from mlxcel.report.load import REPORT_MARKER, Loaded, ReportInputError, load
 
 
@@ -50,9 +50,11 @@ def summarize(loaded: Loaded) -> dict[str, pd.DataFrame]:
         "disagg_serve": disagg.serve_summary(loaded.table("disagg_serve")),
         "protection": protection.protection_summary(loaded.table("pipeline_protection_summary")),
         "structured": structured.structured_summary(loaded.table("structured_output_summary")),
+        "kv_quality": kv_quality.quality_summary(loaded.table("kv_bits_quality_summary")),
         "agent_turns": agent.turn_summary(loaded.table("agent_turns")),
         "agent_summary": agent.variant_summary(loaded.table("agent_summary"), loaded.table("agent_ratio")),
         "environment": tables.environment_table(loaded.tables),
+        **scaling.summaries(loaded.tables),
     }
 
 
@@ -354,7 +356,9 @@ def build_report(inputs: Sequence[str | Path], out_dir: str | Path, *, baseline:
         "disagg_frames_summary": summaries["disagg_frames"], "disagg_handoff_summary": summaries["disagg_handoff"],
         "disagg_serve_summary": summaries["disagg_serve"], "protection_summary": summaries["protection"],
         "structured_output_summary": summaries["structured"], "agent_turn_summary": summaries["agent_turns"],
-        "agent_variant_summary": summaries["agent_summary"], "metrics": metrics,
+        "agent_variant_summary": summaries["agent_summary"], "kv_bits_quality_summary": summaries["kv_quality"],
+        "metrics": metrics,
+        **{name: summaries[name] for name in scaling.summaries({})},
         "reference_frame": reference.frame_table(), "reference_pipeline": reference.pipeline_table(),
         "baseline_comparison": comparison,
         "rejected": pd.DataFrame({"problem": loaded.problems}) if loaded.problems else None,
@@ -374,11 +378,14 @@ def build_report(inputs: Sequence[str | Path], out_dir: str | Path, *, baseline:
         "pipeline_sections": _pipeline_sections(summaries["pipeline"]) if not summaries["pipeline"].empty else [],
         "serve_sections": _serve_sections(summaries["serve"]) if not summaries["serve"].empty else [],
         "disagg_sections": _disagg_sections(summaries),
+        "scaling": scaling.section({name: summaries[name] for name in scaling.summaries({})}),
         "tp_table": _tp_table(summaries["tp"]) if not summaries["tp"].empty else None, "tp_note": tables.TP_NOTE,
         "protection_table": (protection.protection_table(summaries["protection"])
                              if not summaries["protection"].empty else None),
         "structured_table": (structured.structured_table(summaries["structured"])
                              if not summaries["structured"].empty else None),
+        "kv_quality_table": (kv_quality.quality_table(summaries["kv_quality"])
+                             if not summaries["kv_quality"].empty else None),
         "agent_sections": _agent_sections(summaries["agent_turns"], summaries["agent_summary"]),
         "baseline": str(baseline) if baseline is not None else None,
         "comparison": _comparison_table(comparison) if comparison is not None else None,

@@ -169,6 +169,15 @@ SCHEMAS: dict[str, Schema] = {s.bench: s for s in (
         "turn": ("agent_turns", _AGENT_TURN), "summary": ("agent_summary", _AGENT_SUMMARY),
         "ratio": ("agent_ratio", _AGENT_RATIO),
     }),
+    # bench/kv_bits_quality.py: --kv-bits against full precision, one row per prompt and bits, then a summary
+    Schema("kv_bits_quality", "kv_bits_quality", (
+        _str("kind", choices=("prompt", "summary")), _str("model"), _int("bits"), _int("group_size"), _int("tokens"),
+        _num("agree"), _num("top1_agree"), _num("max_logit_err"), _num("mean_logit_err"),
+    ), variant_field="kind", variants={
+        "prompt": ("kv_bits_quality", (_int("prompt"), _int("agree_prefix"), _num("logit_range"))),
+        "summary": ("kv_bits_quality_summary", (_int("prompts"), _int("identical_texts"), _num("kv_bytes_per_token"),
+                                                 _num("kv_bytes_per_token_full"))),
+    }),
     # bench/tp_bench.py: one fresh-process decode measurement; "shape" (the config's dims) is kept as it is
     Schema("tp_bench", "tp", (
         _str("impl", choices=("mlxcel", "mlx-lm")), _str("model"), _str("model_name"), _str("backend"), _int("tp"),
@@ -271,6 +280,28 @@ SCHEMAS: dict[str, Schema] = {s.bench: s for s in (
         _num("ratio_mean", nullable=True), _num("ratio_min", nullable=True), _num("ratio_max", nullable=True),
         _num("gpu_util_mean", required=False, nullable=True),
         _num("gpu_mem_max_mib", required=False, nullable=True),
+    )),
+    # bench/scaling_bench.py (the report's "How cost grows" section, mlxcel/report/scaling.py)
+    Schema("scaling_pipeline", "scaling_pipeline", (
+        _int("stages"), _int("streams"), _int("round"), _int("tokens"), _int("errors"), _num("wall_s"),
+        _num("tok_s", nullable=True), _num("ms_per_token", nullable=True), _num("ttft_ms", nullable=True),
+        _num("cpu_s_coordinator", nullable=True), _num("cpu_s_stages", nullable=True), _int("rss_bytes"),
+        _int("processes"), _str("model"), _num("load_1m", nullable=True), _str("label", required=False, nullable=True),
+    )),
+    Schema("scaling_bringup", "scaling_bringup", (
+        _int("peers"), _int("round"), _num("ready_s"), _num("first_token_s"), _num("push_s", nullable=True),
+        *(_int(n, nullable=True) for n in ("sent_bytes", "received_bytes", "sent_frames", "received_frames",
+                                          "wire_bytes", "coordinator_rss_bytes")),
+        _int("peer_rss_bytes"), _int("peer_rss_waiting_bytes"), _str("model"), _num("load_1m", nullable=True),
+        _str("label", required=False, nullable=True),
+    )),
+    Schema("scaling_router", "scaling_router", (
+        _int("prefill_nodes"), _int("decode_nodes"), _int("nodes"), _int("round"), _int("requests"), _int("max_tokens"),
+        _num("wall_s"), _num("router_cpu_s"), _num("router_idle_cpu_s_per_s"),
+        _num("router_cpu_s_per_request", signed=True),  # idle probes subtracted: noise can take it below 0
+        _num("router_cpu_s_per_request_raw"), _num("ttft_ms_p50", nullable=True),
+        _num("added_ms_p50", nullable=True, signed=True), _num("added_ms_p95", nullable=True, signed=True),
+        _str("model"), _num("load_1m", nullable=True), _str("label", required=False, nullable=True),
     )),
     Schema("disagg_serve", "disagg_serve", (
         _str("run"), _str("topology"), _str("server"), _int("round"), _int("order"), _int("concurrency"),

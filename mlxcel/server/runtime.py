@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from mlxcel import envs
-from mlxcel.config import DEFAULT_MAX_QUEUE, DEFAULT_PARALLEL, DEFAULT_PREFIX_CACHE_MB
+from mlxcel.config import DEFAULT_KV_GROUP_SIZE, DEFAULT_MAX_QUEUE, DEFAULT_PARALLEL, DEFAULT_PREFIX_CACHE_MB
 from mlxcel.engine.interface import Engine, EngineUnavailable
 from mlxcel.models.facts import context_length
 
@@ -34,6 +34,14 @@ class ServerConfig:
     warmup: bool = True
     prefix_cache_mb: int = DEFAULT_PREFIX_CACHE_MB
     lazy_weights: bool = False  # a pipeline coordinator holds no layers: never read the weights
+    kv_bits: int | None = None  # --kv-bits: quantized KV cache (mlxcel.engine.kv_quant); None = full precision
+    kv_group_size: int = DEFAULT_KV_GROUP_SIZE
+
+    def apply_kv_bits(self, model: Any) -> None:
+        """Make ``model`` build quantized KV caches where --kv-bits asks (``KVBitsError``, a CLIError: refused)."""
+        from mlxcel.engine.kv_quant import kv_quant, use_kv_bits
+
+        use_kv_bits(model, kv_quant(self.kv_bits, self.kv_group_size))
 
 
 
@@ -88,6 +96,7 @@ class ServerRuntime:
         start = time.perf_counter()
         try:
             loaded = load_checkpoint(self.config.model, lazy=self.config.lazy_weights)
+            self.config.apply_kv_bits(loaded.model)
             self.sampling_defaults = loaded.sampling_defaults()
             self._describe(loaded)
             self.state = "warming" if self.config.warmup else "starting"

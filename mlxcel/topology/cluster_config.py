@@ -3,7 +3,8 @@
 Schema (docs/pipeline.md has the commented example, ``examples/cluster-loopback.toml`` a file):
 
     [cluster]   name, pipeline_parallel_size, secret_file (a path; never the value)
-    [pipeline]  micro_batch_size, max_batch_size, prefix_cache_mb, max_resumes, micro_batch_fill
+    [pipeline]  micro_batch_size, max_batch_size, prefix_cache_mb, max_resumes, micro_batch_fill, kv_bits,
+                kv_group_size
     [timeouts]  startup_s, exchange_s, heartbeat_s, resume_s
     [transport] max_connections, max_pending_handshakes, max_pending_handshakes_per_ip, handshake_timeout_s,
                 max_reconnect_attempts, reconnect_base_delay_s (``transport_table``)
@@ -37,7 +38,8 @@ if TYPE_CHECKING:
 
 _TOP_KEYS = {"cluster", "pipeline", "timeouts", "transport", "nodes"}
 _CLUSTER_KEYS = {"name", "pipeline_parallel_size", "secret_file"}
-_PIPELINE_KEYS = {"micro_batch_size", "max_batch_size", "prefix_cache_mb", "max_resumes", "micro_batch_fill"}
+_PIPELINE_KEYS = {"micro_batch_size", "max_batch_size", "prefix_cache_mb", "max_resumes", "micro_batch_fill",
+                  "kv_bits", "kv_group_size"}
 _TIMEOUT_KEYS = {"startup_s", "exchange_s", "heartbeat_s", "resume_s"}
 _NODE_KEYS = {"id", "role", "address", "layers"}
 
@@ -83,6 +85,8 @@ class ClusterConfig:
     max_resumes: int = defaults.DEFAULT_MAX_RESUMES  # per request, after a stage failure (docs/pipeline.md §5.6)
     micro_batch_fill: bool | None = None  # decode rows fill one micro-batch before the next; None: by device (§3.9)
     transport: Overrides = ()  # [transport]: TransportOptions fields the TOML sets (every node's transport)
+    kv_bits: int | None = None  # every stage's quantized KV cache (--kv-bits; docs/pipeline.md §3.12); None: its flag's
+    kv_group_size: int = defaults.DEFAULT_KV_GROUP_SIZE
 
     @property
     def nodes(self) -> tuple[Node, ...]:
@@ -202,6 +206,7 @@ def parse_cluster_config(doc: dict[str, Any], path: Path) -> ClusterConfig:
         max_resumes=_max_resumes(pipeline, path),
         micro_batch_fill=_flag(pipeline, "micro_batch_fill", path),
         transport=transport,
+        **_kv_bits(pipeline, path),
     )
 
 
@@ -315,6 +320,20 @@ def _micro_batch_size(table: dict[str, Any], path: Path) -> int | None:
     except ValueError:
         raise ClusterConfigError(f"{path}: micro_batch_size under [pipeline] must be an integer from 1 to "
                                  f"{defaults.MAX_PP_MICRO_BATCH_SIZE}, got {value!r}") from None
+
+
+def _kv_bits(table: dict[str, Any], path: Path) -> dict[str, Any]:
+    """[pipeline] kv_bits and kv_group_size (--kv-bits and --kv-group-size for every stage), bounded alike."""
+    bits, group = table.get("kv_bits"), table.get("kv_group_size")
+    if bits is not None and (not _is_int(bits) or bits not in defaults.KV_BITS):
+        raise ClusterConfigError(f"{path}: kv_bits under [pipeline] must be one of "
+                                 f"{', '.join(map(str, defaults.KV_BITS))}, got {bits!r}")
+    if group is not None and (not _is_int(group) or group not in defaults.KV_GROUP_SIZES):
+        raise ClusterConfigError(f"{path}: kv_group_size under [pipeline] must be one of "
+                                 f"{', '.join(map(str, defaults.KV_GROUP_SIZES))}, got {group!r}")
+    if group is not None and bits is None:
+        raise ClusterConfigError(f"{path}: kv_group_size under [pipeline] needs kv_bits")
+    return {"kv_bits": bits, "kv_group_size": group or defaults.DEFAULT_KV_GROUP_SIZE}
 
 
 def _mebibytes(table: dict[str, Any], key: str, path: Path, default: int) -> int:

@@ -290,3 +290,16 @@ def test_pp_auto_spares_preflight_refuses_with_the_reason(deployment: Deployment
     result = deployment.run("deploy.yml", "--tags", "install", inventory=inventory, **more)
     assert result.rc != 0
     assert want in " ".join(result.output.split()), result.output[-3000:]
+
+
+def test_kv_bits_are_rendered_for_every_stage_only_when_set_and_bounded(deployment: Deployment) -> None:
+    homes = [deployment.home(n) for n in HOSTS]
+    result = deployment.run("deploy.yml", "--tags", "install,config", mlxcel_config_kv_bits=4,
+                            mlxcel_config_kv_group_size=32)
+    assert result.rc == 0, result.output[-4000:]
+    assert {(c.kv_bits, c.kv_group_size) for c in (load_cluster_config(h / "cluster.toml") for h in homes)} == {(4, 32)}
+    result = deployment.run("deploy.yml", "--tags", "install,config", mlxcel_config_kv_bits=3)
+    assert result.rc != 0 and "mlxcel_config_kv_bits 4 or 8 (got '3')" in " ".join(result.output.split())
+    result = deployment.run("deploy.yml", "--tags", "install,config")
+    assert result.rc == 0, result.output[-4000:]
+    assert not any("kv_bits" in (h / "cluster.toml").read_text() for h in homes)  # full precision: nothing rendered

@@ -161,3 +161,31 @@ def test_a_stage_listener_is_not_a_waiting_peer(tmp_path):
         assert time.monotonic() - started < 3
     finally:
         stage.close()
+
+
+def _pushed(tmp: Path, hosts: list[str]) -> Push:
+    peers = [agent(tmp / str(len(hosts)), h) for h in hosts]
+    try:
+        waits = [waiting(p) for p in peers]
+        attempt = push(tmp / str(len(hosts)), peers)
+        (tmp / str(len(hosts))).mkdir(exist_ok=True)
+        attempt.run()
+        for t, _ in waits:
+            t.join(10)
+        return attempt
+    finally:
+        for p in peers:
+            p.close()
+
+
+def test_a_push_counts_its_assignment_bytes_per_peer(tmp_path):
+    """Every peer costs the coordinator one handshake and query/offer/commit/activate out, info/accept/commit
+    back (the scaling bench reads these counts). Replies grow linearly with the peers; each offer carries the
+    whole plan (every stage's line), so what the coordinator sends grows faster than linearly."""
+    one = _pushed(tmp_path, ["127.0.0.3"]).wire()
+    two = _pushed(tmp_path, ["127.0.0.3", "127.0.0.4"]).wire()
+    assert (one.sent_frames, one.received_frames) == (4, 3)
+    assert (two.sent_frames, two.received_frames) == (8, 6)
+    assert one.sent_bytes > 0 and one.received_bytes > 0
+    assert two.sent_bytes > 2 * one.sent_bytes + 100  # two offers, each naming both stages
+    assert abs(two.received_bytes - 2 * one.received_bytes) < 0.1 * one.received_bytes

@@ -85,6 +85,7 @@ def test_the_handoff_column_names_the_cache_classes(rows):
     assert rows["qwen3_next"]["DI"].cell() == "yes (ArraysCache, KVCache)"
     assert rows["gemma3_text"]["DI"].cell() == "yes (KVCache, RotatingKVCache)"
     assert rows["deepseek_v3"]["DI"].cell() == "yes (KVCache)"  # MLA's latents
+    assert rows["deepseek_v41"]["DI"].cell() == "yes (LayerCache)"  # record kind DSV41
 
 
 def test_llama4s_chunked_caches_travel_and_it_slices_but_has_no_cut():

@@ -77,18 +77,21 @@ def tiny_llama4(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _model_checkpoint(tmp_path_factory, "tiny-llama4", config, 0)
 
 
-#: a 2-layer deepseek_v41 (tests/disagg/test_kv_records_generic.py builds it without weights too)
-DEEPSEEK_V41 = {"model_type": "deepseek_v41", "vocab_size": 320, "hidden_size": 64, "num_hidden_layers": 2,
+#: a 3-layer deepseek_v41 with a window of 8 rows: layer 0 pools 1 token into a compressed row, layer 1 pools 4
+#: (compressed rows, index keys, an open group), layer 2 reads layer 1's (its LayerCache keeps the window alone)
+DEEPSEEK_V41 = {"model_type": "deepseek_v41", "vocab_size": 320, "hidden_size": 64, "num_hidden_layers": 3,
                 "num_attention_heads": 4, "head_dim": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8, "o_groups": 2,
                 "o_lora_rank": 32, "moe_intermediate_size": 32, "n_routed_experts": 4, "num_experts_per_tok": 2,
-                "sliding_window": 8, "compress_ratios": [1, 4], "index_n_heads": 2, "index_head_dim": 16,
-                "index_topk": 4, "eos_token_id": 2, "max_position_embeddings": 2048}
+                "sliding_window": 8, "compress_ratios": [1, 4, 4], "kv_source_layer_ids": [0, 1],
+                "index_source_layer_ids": [1, 2], "candidate_source_layer_id": 1, "candidate_topk_blocks": 1,
+                "candidate_block_size": 2, "index_n_heads": 2, "index_head_dim": 16, "index_topk": 2,
+                "eos_token_id": 2, "max_position_embeddings": 2048}
 
 
 @pytest.fixture(scope="session")
 def tiny_deepseek_v41(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 2-layer deepseek_v41: each layer keeps a LayerCache (window, compressed rows, index keys) whose state
-    has no setter and whose class no from_state, so no handoff carries it (refused by name)."""
+    """A 3-layer deepseek_v41 (``DEEPSEEK_V41``): each layer keeps a LayerCache (window, compressed rows, index
+    keys, open group), which a handoff carries as record kind DSV41."""
     return _model_checkpoint(tmp_path_factory, "tiny-deepseek-v41", DEEPSEEK_V41, 0)
 
 

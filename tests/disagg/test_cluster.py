@@ -169,7 +169,7 @@ def test_concurrent_handoffs_over_two_lanes_give_a_single_node_s_text(cluster, s
     for b, a in zip(before, after):  # every handoff counted on one lane
         assert sum(a["handoff_lanes"]) - sum(b["handoff_lanes"]) == a["handoffs"] - b["handoffs"]
     assert sum(a["handoffs"] - b["handoffs"] for b, a in zip(before, after)) == len(texts)
-    # MLXCEL_HANDOFF_SPLIT_MIN_BYTES=1: each handoff split over both lanes (docs/disagg.md §4.8)
+    # MLXCEL_HANDOFF_SPLIT_MIN_BYTES=1: each handoff split over both lanes (docs/disagg.md §4.9)
     assert sum(a["split_handoffs"] - b["split_handoffs"] for b, a in zip(before, after)) == len(texts)
     assert all(d.state()["connections"] >= 1 for d in cluster.decodes)
     # the GIL changes hands every 0.5 ms in both roles (mlxcel/threads.py), so handoff threads are not starved

@@ -74,9 +74,9 @@ def test_the_chunked_example_matches_the_codec():
 
 
 def split_example() -> dict[str, list[bytes]]:
-    """docs/disagg.md §4.9: each stream's parts ("header stream", "part stream 0", ...), hex joined per part."""
+    """docs/disagg.md §4.10: each stream's parts ("header stream", "part stream 0", ...), hex joined per part."""
     text = DOC.read_text()
-    block = text[text.index("### 4.9 Worked example"):]
+    block = text[text.index("### 4.10 Worked example"):]
     block = block[block.index("```") + 3:]
     block = block[:block.index("```")]
     streams: dict[str, list[str]] = {}

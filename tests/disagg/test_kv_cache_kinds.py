@@ -1,6 +1,6 @@
 """The cache kinds of issue 43's round two through the handoff: llama4's ChunkedKVCache (a chunked layer
 sends the last min(tokens, chunk size) positions, record kind CHUNKED), and a cache class with no
-``from_state`` (deepseek_v41's LayerCache) refused by name. In process: a tiny model of the family built
+``from_state`` refused by name (one named like deepseek_v41's LayerCache, which record kind DSV41 carries, but not it). In process: a tiny model of the family built
 from mlx-lm's classes, its own ``make_cache``, a prefill, the wire both ways, then decode steps whose
 logits equal the original cache's (float32, within 1e-4)."""
 
@@ -83,7 +83,7 @@ def test_a_chunked_header_with_another_chunk_size_is_refused(llama4):
 
 
 def test_a_cache_class_without_from_state_is_refused_by_name():
-    """deepseek_v41 keeps a LayerCache (a window, compressed rows and index keys whose state cannot be set)."""
+    """A class named like deepseek_v41's LayerCache (which kv_records_dsv41 carries) is not it: by class, not name."""
     class LayerCache:  # the shape of deepseek_v41's: a state property, no setter, no from_state
         state = ()
 
@@ -97,4 +97,4 @@ def test_a_cache_class_without_from_state_is_refused_by_name():
         "this model's KV cache cannot be handed off to a decode node: layer 0 keeps a LayerCache, whose class has "
         "neither from_state nor a state setter (mlx-lm's cache state contract), so a decode node cannot rebuild "
         "it (supported: KVCache, RotatingKVCache, QuantizedKVCache, ArraysCache, CacheList, ChunkedKVCache, "
-        "ConcatenateKVCache; a CacheList of the first six)")
+        "ConcatenateKVCache, deepseek_v41's LayerCache; a CacheList of the first six)")

@@ -106,21 +106,6 @@ def test_the_allow_list_is_by_class_not_by_name():
     assert "layer 0 keeps a ConcatenateKVCache, which is not on the allow-list" in cache_classes_supported(Model())
 
 
-def test_deepseek_v41s_layer_cache_is_refused_by_name_and_reason():
-    """Its state is read-only and the class has no from_state: the contract cannot rebuild it."""
-    from mlx_lm.models import deepseek_v41
-
-    from tests.disagg.conftest import DEEPSEEK_V41
-
-    model = deepseek_v41.Model(deepseek_v41.ModelArgs.from_dict(DEEPSEEK_V41))
-    assert cache_classes_supported(model) == (
-        "this model's KV cache cannot be handed off to a decode node: layer 0 keeps a LayerCache, whose class has "
-        "neither from_state nor a state setter (mlx-lm's cache state contract), so a decode node cannot rebuild "
-        "it (supported: KVCache, RotatingKVCache, QuantizedKVCache, ArraysCache, CacheList, ChunkedKVCache, "
-        "ConcatenateKVCache; a CacheList of the first six)")
-    assert probe_layout(model).unsupported is not None
-
-
 def test_the_state_example_matches_the_codec():
     from tests.disagg.test_doc_vectors import example_parts
     from mlxcel.disagg.kv_codec import encode_chunks

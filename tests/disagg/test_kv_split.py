@@ -1,4 +1,4 @@
-"""A KV handoff split over several part streams (docs/disagg.md §4.8), sans-I/O: the same tensors as one
+"""A KV handoff split over several part streams (docs/disagg.md §4.9), sans-I/O: the same tensors as one
 stream, whatever the interleaving, and every way a part stream can break the split's rules."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Split handoffs (docs/disagg.md §4.8) sent to a real decode process by members on real sockets: the
-same tokens as one stream, and every attack on the part streams refused (docs/disagg.md §4.3, §4.8)."""
+"""Split handoffs (docs/disagg.md §4.9) sent to a real decode process by members on real sockets: the
+same tokens as one stream, and every attack on the part streams refused (docs/disagg.md §4.3, §4.9)."""
 
 from __future__ import annotations
 
