@@ -102,9 +102,7 @@ class SplitIntake:
         try:
             stream, index, count = parse_part(memoryview(msg.payload).cast("B"), HandoffError)
         except HandoffError as exc:
-            log.warning("decode: refusing a part stream from %s: %s", msg.peer, exc)
-            with self.lock:
-                self.part_streams[key] = PartStream((msg.peer, -1), 0, 0, refused=True)
+            self._bad_part(key, msg, exc)
             return
         ps = PartStream((msg.peer, stream), index, count)
         with self.lock:
@@ -122,6 +120,22 @@ class SplitIntake:
                 return
             decoder = inc.decoder
         self._join(ps, inc, decoder)
+
+    def _bad_part(self, key: Key, msg: Message, exc: HandoffError) -> None:
+        """A PART record that breaks the bounds: the part stream is ignored, and the handoff it names (by its
+        sender's header stream id, when the record holds one) is refused, or will be when its header comes."""
+        log.warning("decode: refusing a part stream from %s: %s", msg.peer, exc)
+        view = memoryview(msg.payload).cast("B")
+        handoff = (msg.peer, int.from_bytes(view[1:9], "big")) if len(view) >= 9 else None
+        with self.lock:
+            self.part_streams[key] = PartStream((msg.peer, -1), 0, 0, refused=True)
+            inc = self.incoming.get(handoff) if handoff is not None else None
+            if handoff is not None and inc is None:
+                waiting = self.waiting_parts.setdefault(handoff, Waiting())
+                if not waiting.refused:
+                    waiting.drop(f"a bad PART record ({exc})")
+        if inc is not None:
+            self._refuse(inc, exc.code, f"decode node refused the KV handoff from {msg.peer}: {exc}", inc.decoder)
 
     def _keep_early(self, ps: PartStream, payload: Any) -> None:
         """A part of a stream not joined yet (under ``ps.lock``): kept, within the handoff's bound."""

@@ -106,6 +106,7 @@ def test_a_part_stream_from_another_identity_never_joins(decode):
     ("00000000000003a2", "count", "names a split of 3; the header stream's SPLIT says 2"),
     ("00000000000003a3", "overrun", "part 0 carries more than its"),
     ("00000000000003a4", "truncated", "part 1 ended before its END record"),
+    ("00000000000003a5", "extra", "part 2 of 2 is outside a split of 2..16 part streams"),
 ])
 def test_bad_part_streams_refuse_the_handoff_to_its_router(decode, nonce, attack, words):
     node, target, members = decode
@@ -119,6 +120,8 @@ def test_bad_part_streams_refuse_the_handoff_to_its_router(decode, nonce, attack
         send_part(honest, target, head.id, 0, 2, parts[0][:1], lane=1, close=False)
     elif attack == "count":
         send_part(honest, target, head.id, 1, 3, parts[1], lane=1)
+    elif attack == "extra":  # one part stream more than the SPLIT declared
+        send_part(honest, target, head.id, 2, 2, parts[1], lane=1)
     elif attack == "overrun":
         send_part(honest, target, head.id, 0, 2, [*parts[0][:-1], (b"\x02" + (len(parts[0]) - 1).to_bytes(4, "big"),
                                                                     b"x")], lane=0)
