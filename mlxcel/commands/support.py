@@ -155,11 +155,12 @@ def describe_modes(model_dir: str | Path) -> str:
 
 
 def matrix_families() -> list[str]:
-    """Every family some table names: make-random's (both lists), the pipeline slices' (mlx-lm modules) and TP's."""
-    from mlxcel.engine.model_slice import FAMILIES as PP
+    """Every family some table names: make-random's (both lists), the pipeline slices' (mlx-lm modules), those
+    refused by name for them (families mlx-lm distributes, their TP and DI cells still asked) and TP's."""
+    from mlxcel.engine.model_slice import FAMILIES as PP, REFUSED
     from mlxcel.parallel.plan import FAMILIES as TP
 
-    return sorted(set(_random_families()) | set(PP) | set(TP))
+    return sorted(set(_random_families()) | set(PP) | set(REFUSED) | set(TP))
 
 
 def _random_families() -> tuple[str, ...]:
@@ -171,21 +172,33 @@ def _random_families() -> tuple[str, ...]:
 
 #: tiny config.json fields of families that make-random does not build and whose module none of its families
 #: shares, so their rows are asked of a model rather than left '?' (deepseek_v41: compressed attention, whose
-#: LayerCache the handoff carries as record kind DSV41)
+#: LayerCache the handoff carries as record kind DSV41; muse_spark, whose layers run mlx-lm's Metal kernels:
+#: built, not run, here)
 TINY_CONFIGS: dict[str, dict[str, Any]] = {
     "deepseek_v41": {"vocab_size": 320, "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
                      "head_dim": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8, "o_groups": 2, "o_lora_rank": 32,
                      "moe_intermediate_size": 32, "n_routed_experts": 4, "num_experts_per_tok": 2,
                      "sliding_window": 8, "compress_ratios": [1, 4, 4], "kv_source_layer_ids": [0, 1],
                      "index_source_layer_ids": [1, 2], "index_n_heads": 2, "index_head_dim": 16, "index_topk": 2},
+    # a wrapper (language_model inside model); sliding / full layers alternating, NoPE in the full ones; MoE
+    "muse_spark": {"text_config": {
+        "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_hidden_layers": 4,
+        "vocab_size": 320, "rms_norm_eps": 1e-5, "post_norm_eps": 1e-5, "sliding_window": 4,
+        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}, "layer_rope_theta": [10000.0, 0.0] * 2,
+        "layer_types": ["sliding_attention", "full_attention"] * 2, "final_logit_softcapping": 30.0,
+        "output_multiplier": 0.5, "num_local_experts": 4, "num_experts_per_tok": 2, "moe_hidden_size": 32,
+        "moe_intermediate_size": 32}, "eos_token_id": 2},
 }
 
-#: families built on make-random's llama fields plus their own (bailing_hybrid: GLA layers 0, 2, ..., MLA 1, 3, ...)
+#: families built on make-random's llama fields plus their own (bailing_hybrid: GLA layers 0, 2, ..., MLA 1, 3, ...;
+#: iquestloopcoder: its loop)
 TINY_ON_LLAMA: dict[str, dict[str, Any]] = {
     "bailing_hybrid": {"moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2, "num_shared_experts": 1,
                        "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1, "layer_group_size": 2,
                        "group_norm_size": 1, "routed_scaling_factor": 1.0, "kv_lora_rank": 32, "q_lora_rank": 32,
                        "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16, "head_dim": 16},
+    # llama's layers run twice, the second pass over a window of 4 of its own KV beside the first pass's
+    "iquestloopcoder": {"loop_num": 2, "loop_window_size": 4},
 }
 
 

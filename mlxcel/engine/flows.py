@@ -114,6 +114,30 @@ class BailingHybridFlow(Flow):
         self.h = layer(self.h, mask, cache, offset=self.offset)
 
 
+class MuseSparkFlow(Flow):
+    """muse_spark: each layer returns the fp32 stream and the next layer's normed attention input (its norm
+    fused with the layer's last add); a stage after the first makes its first layer's from the stream it
+    receives with ``pre_norm`` (equal to the fused norm), as mlx-lm's own pipeline does, so only the stream
+    crosses a boundary."""
+
+    def __init__(self, model: Any, start: int, carried: mx.array, cache: list):
+        from mlx_lm.models import muse_spark
+
+        from mlxcel.engine.slice_rule import text_model
+
+        super().__init__(model, start, carried, cache)
+        self.layers = text_model(model).layers
+        self.attn_input = None
+        if start:
+            norm = self.layers[start].input_layernorm
+            self.attn_input = muse_spark.pre_norm(carried, norm, dtype=norm.weight.dtype)
+
+    def layer(self, index: int, layer: Any, mask: Any, cache: Any) -> None:
+        following = self.layers[index + 1].input_layernorm if index + 1 < len(self.layers) else None
+        self.h, self.attn_input = layer(self.h, mask=mask, cache=cache, attn_input=self.attn_input,
+                                        next_norm=following)
+
+
 def _cla_width(model: Any, boundary: int) -> int:
     """hunyuan: the width of the shared key and value projections crossing a boundary inside a group of
     ``cla_share_factor`` layers (2 x key/value heads x head dim), 0 at a group's start or without CLA."""

@@ -37,7 +37,7 @@ from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 from mlx_lm.models.cache import KVCache
 
 from mlxcel.engine.flows import (BailingHybridFlow, DeepseekV41Flow, FalconH1Flow, Flow, Gemma4Flow, HunyuanFlow,
-                                 KimiK3Flow, Llama4Flow, Ministral3Flow)
+                                 KimiK3Flow, Llama4Flow, Ministral3Flow, MuseSparkFlow)
 # LINEAR: the attention kind of a linear-attention (state-space) layer: an SSM mask, no window
 from mlxcel.engine.slice_rule import (  # noqa: F401 - lm_head: importers' name
     LINEAR, cache_attention, embedding, lm_head, norm_and_head, rule_parts, text_model)
@@ -82,6 +82,10 @@ class Family:
     # (nemotron_h's MLP and MoE layers), a slice holds the caches of its own layers, in order, and its
     # layers without one run with neither cache nor mask
     owns_cache: Callable[[Any, int], bool] = lambda model, index: True
+    # whether make_cache's first cache is the embedding's, not a layer's (longcat_flash_ngram keeps the last
+    # ids its n-grams read): the first slice holds it before its layers' caches, and ``embed`` takes it as a
+    # third argument (model, token ids, that cache or None)
+    embed_cache: bool = False
 
 
 def _llama_attention(model: Any, index: int) -> Hashable:
@@ -223,6 +227,31 @@ def _falcon_h1_head(model: Any, h: mx.array) -> mx.array:
     return out * (args.lm_head_multiplier / args.embedding_multiplier) if lm_head(model) is None else out
 
 
+def _ngram_embed(model: Any, inputs: mx.array, cache: Any) -> mx.array:
+    """longcat_flash_ngram: the token embedding plus its n-gram tables, reading (and keeping in ``cache``, an
+    ArraysCache of one) the previous emb_neighbor_num - 1 ids of each row, as LongcatFlashNgramModel."""
+    return text_model(model).ngram_embeddings(inputs, cache=cache)
+
+
+def _muse_spark_embed(model: Any, inputs: mx.array) -> mx.array:
+    """muse_spark: the normed token embedding, as the fp32 stream its layers carry."""
+    return text_model(model).embed(inputs).astype(mx.float32)
+
+
+def _muse_spark_head(model: Any, h: mx.array) -> mx.array:
+    """As muse_spark's forward: the final norm in bfloat16, cast to lm_head's dtype, scaled by
+    output_multiplier in float32 and soft-capped."""
+    text = model.args.text
+    out = model.lm_head(text_model(model).norm(h).astype(mx.bfloat16).astype(model.lm_head.weight.dtype))
+    out = out.astype(mx.float32) * text.output_multiplier
+    return mx.tanh(out / text.final_logit_softcapping) * text.final_logit_softcapping
+
+
+def _muse_spark_attention(model: Any, index: int) -> Hashable:
+    inner = text_model(model)
+    return inner.sliding_window if inner.layers[index].use_sliding else None
+
+
 GENERIC = Family()
 
 # Keyed by the mlx-lm module (mlx_lm.models.<name>) whose Model the checkpoint loads into.
@@ -270,11 +299,18 @@ FAMILIES: dict[str, Family] = {
     "falcon_h1": Family(head=_falcon_h1_head, flow=FalconH1Flow, mask_cache=lambda cache: None),
     # two MLA sublayers per layer, a CacheList of their two KV caches, the one mask from the first's
     "longcat_flash": Family(array_masks=True, mask_cache=lambda cache: cache[0] if cache else None),
+    # longcat_flash's layers (its row) under an embedding that adds n-gram tables of the ids and owns a cache
+    "longcat_flash_ngram": Family(embed=_ngram_embed, embed_cache=True, embed_modules=("ngram_embeddings",),
+                                  array_masks=True, mask_cache=lambda cache: cache[0] if cache else None),
     # multimodal wrappers: the text model inside (language_model.model, its lm_head beside it) is sliced
     "kimi_k25": Family(array_masks=True),  # deepseek_v3's text model
     # each layer's CacheList holds the attention's KV (then, in sparse layers, the indexer's keys): the
     # one full-attention mask comes from the first layer's KV, as TextModel builds it
     "minimax_m3_vl": Family(mask_cache=lambda cache: cache[0] if cache else None),
+    # a wrapper (model.model.language_model); each layer hands the next its normed input, remade at a boundary
+    # (MuseSparkFlow); sliding / full layers; a normed embedding, a cast, scaled and soft-capped head
+    "muse_spark": Family(embed=_muse_spark_embed, head=_muse_spark_head, attention=_muse_spark_attention,
+                         flow=MuseSparkFlow),
     # chunked local / global attention, each with the mask the text model builds per forward pass (Llama4Flow)
     "llama4": Family(flow=Llama4Flow, mask_cache=lambda cache: None),
     # hyper-connections: hc_mult residual streams and their mix carried beside each other across a boundary
@@ -290,9 +326,10 @@ FAMILIES: dict[str, Family] = {
 # mlx-lm families with pipeline() or shard() hooks that neither the rule nor a row slices, and why (any other
 # family the rule refuses gets the rule's reason; tests/engine/test_slice_rule.py checks every hooked family)
 REFUSED: dict[str, str] = {
-    "longcat_flash_ngram": "it adds n-gram embeddings to the token embedding (a second embedding)",
-    "iquestloopcoder": "it runs its layers twice (a loop), the second pass reading the first pass's KV",
-    "muse_spark": "its text model is model.language_model, and its head casts to lm_head's dtype",
+    "iquestloopcoder": "it runs all its layers twice per forward pass (loop_num 2): the second pass starts from "
+                       "the first pass's last hidden state and reads every layer's first-pass keys and values, so "
+                       "the activation would go round the stages a second time, which a pipeline of contiguous "
+                       "layer ranges does not do",
 }
 
 
@@ -348,7 +385,8 @@ class ModelSlice:
         self.family.check_slice(self.model, self.start, self.end)
         self.kinds = [self.family.attention(self.model, index) for index in range(self.start, self.end)]
         self.owners = [self.family.owns_cache(self.model, index) for index in range(self.start, self.end)]
-        self.cache_start = sum(self.family.owns_cache(self.model, index) for index in range(self.start))
+        lead = int(self.family.embed_cache and self.start > 0)  # the embedding's cache, held by the first slice
+        self.cache_start = lead + sum(self.family.owns_cache(self.model, index) for index in range(self.start))
 
     @property
     def is_first(self) -> bool:
@@ -364,8 +402,9 @@ class ModelSlice:
 
     @property
     def cache_count(self) -> int:
-        """How many caches the slice's layers own: its share of the model's cache list."""
-        return sum(self.owners)
+        """How many caches the slice owns, its layers' (and the first slice the embedding's, where the family's
+        embedding has one): its share of the model's cache list."""
+        return sum(self.owners) + int(self.family.embed_cache and self.is_first)
 
     def make_cache(self) -> list:
         """The caches of the slice's layers, of the types the family asks for: the model's make_cache from
@@ -376,6 +415,13 @@ class ModelSlice:
         if make is not None:
             return make()[self.cache_start:self.cache_start + self.cache_count]
         return [KVCache() for _ in self.layers]
+
+    def _embed(self, inputs: mx.array, cache: list | None) -> tuple[mx.array, list | None]:
+        """The first slice's embedding of the token ids, and the caches left for its layers (a family whose
+        embedding owns a cache takes it off the front: ``Family.embed_cache``)."""
+        if not self.family.embed_cache:
+            return self.family.embed(self.model, inputs), cache
+        return self.family.embed(self.model, inputs, cache[0] if cache else None), (cache[1:] if cache else cache)
 
     def _layer_caches(self, cache: list | None) -> list:
         """The slice's caches (``make_cache``'s list) laid out one per layer: None for a layer without one."""
@@ -391,7 +437,7 @@ class ModelSlice:
     def __call__(self, inputs: mx.array, cache: list | None = None) -> mx.array:
         """Token ids [B, L] (first slice) or hidden states [B, L, input_width] -> hidden states
         [B, L, Flow.width at end] or logits."""
-        h = self.family.embed(self.model, inputs) if self.is_first else inputs
+        h, cache = self._embed(inputs, cache) if self.is_first else (inputs, cache)
         cache = self._layer_caches(cache)  # None: no cache of its own
         flow = self.family.flow(self.model, self.start, h, cache)
         masks: dict[Hashable, Any] = {}

@@ -81,9 +81,11 @@ def cache_attention(model: Any, index: int) -> Hashable:
 
 def text_model(model: Any) -> Any:
     """The text model whose layers a slice runs: ``model.model`` (multimodal wrappers such as kimi_k25 alias
-    it to their language model's), else a wrapper's ``language_model.model`` (llama4 has no alias), else the
+    it to their language model's; muse_spark's holds it as ``model.model.language_model``), else a wrapper's ``language_model.model`` (llama4 has no alias), else the
     model's one child holding a ``layers`` list (nemotron_h's ``backbone``)."""
     inner = getattr(model, "model", None)
+    if inner is not None and "language_model" in inner and "layers" not in inner:
+        return inner.language_model  # muse_spark: its model holds the text model (layers a property of it)
     if inner is not None:
         return inner
     if "language_model" in model:

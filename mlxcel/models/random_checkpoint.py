@@ -26,7 +26,7 @@ from mlxcel.config import RANDOM_FAMILIES
 IN_PROCESS_FAMILIES = ("gemma2", "olmo2", "olmo3", "cohere2", "granitemoe", "smollm3", "seed_oss", "apertus",
                        "lfm2", "jamba", "granitemoehybrid", "deepseek_v2", "glm4_moe_lite", "mistral4",
                        "exaone_moe", "step3p5", "hunyuan", "falcon_h1", "longcat_flash", "kimi_k25", "minimax_m3_vl",
-                       "llama4", "nemotron_h", "deepseek_v41")
+                       "llama4", "nemotron_h", "deepseek_v41", "longcat_flash_ngram")
 # multimodal wrappers: their text model's fields under text_config (the text model_type given here)
 WRAPPERS = {"kimi_k25": "kimi_k2", "minimax_m3_vl": "minimax_m3", "llama4": "llama4_text"}
 
@@ -71,6 +71,11 @@ def _mla(moe: int) -> dict:
 def _family_fields(family: str, hidden: int, head_dim: int, intermediate: int) -> dict:
     """The fields ``family``'s ModelArgs needs beyond the common ones, at a tiny scale."""
     moe = max(intermediate // 2, 8)
+    longcat = {"attention_method": "MLA", "zero_expert_type": "identity", "ffn_hidden_size": intermediate,
+               "moe_topk": 2, "expert_ffn_hidden_size": moe, "n_routed_experts": 4, "zero_expert_num": 2,
+               "num_layers": 4, "kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16,
+               "v_head_dim": 16, "routed_scaling_factor": 1.0, "mla_scale_q_lora": True, "mla_scale_kv_lora": True,
+               "attention_bias": False}
     fields: dict[str, dict] = {
         "llama": {}, "qwen2": {}, "qwen3": {},
         "phi3": {"pad_token_id": 0},  # transformers' Phi3Config would default it to 32000, outside the vocabulary
@@ -185,11 +190,10 @@ def _family_fields(family: str, hidden: int, head_dim: int, intermediate: int) -
                       "mamba_d_conv": 4, "mamba_n_groups": 1, "mamba_expand": 2, "mamba_chunk_size": 4,
                       "tie_word_embeddings": True, "lm_head_multiplier": 0.5, "embedding_multiplier": 2.0},
         # two MLA sublayers per layer (a CacheList of their KV), MoE with 2 zero (identity) experts beside 4
-        "longcat_flash": {"attention_method": "MLA", "zero_expert_type": "identity", "ffn_hidden_size": intermediate,
-                          "moe_topk": 2, "expert_ffn_hidden_size": moe, "n_routed_experts": 4, "zero_expert_num": 2,
-                          "num_layers": 4, "kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8,
-                          "qk_nope_head_dim": 16, "v_head_dim": 16, "routed_scaling_factor": 1.0,
-                          "mla_scale_q_lora": True, "mla_scale_kv_lora": True, "attention_bias": False},
+        "longcat_flash": longcat,
+        # longcat_flash's layers under an embedding that adds 2 x 2 n-gram tables (2- and 3-grams of the ids)
+        "longcat_flash_ngram": {**longcat,
+                                "ngram_vocab_size_ratio": 2, "emb_neighbor_num": 3, "emb_split_num": 2},
         # wrappers (text_config): deepseek_v3's MLA and MoE under kimi_k25
         "kimi_k25": _mla(moe),
         # sparse attention (an indexer's keys beside the KV in each layer's CacheList) in layers 1 and 3, blocks
@@ -341,6 +345,8 @@ def make_random_checkpoint(
     weights = dict(tree_flatten(model.parameters()))
     if family in ("gemma3_text", "gemma4_text") and "lm_head.weight" in weights:  # tied as real gemma checkpoints: no lm_head, which mlx-lm's sanitize then drops
         weights.pop("lm_head.weight")
+    if family == "longcat_flash_ngram":  # named as in real checkpoints (mlx-lm's sanitize moves it back)
+        weights["model.embed_tokens.weight"] = weights.pop("model.ngram_embeddings.word_embeddings.weight")
     mx.eval(weights)
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     (out / "config.json").write_text(json.dumps(config, indent=2))

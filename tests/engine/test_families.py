@@ -77,6 +77,9 @@ TABLE: dict[str, list[type]] = {
     "hunyuan": [KV] * 4,
     "falcon_h1": [CL] * 4,  # row: Mamba-2 beside attention in each layer (a CacheList of both), scaled tied head
     "longcat_flash": [CL] * 4,  # row: two MLA sublayers per layer, a CacheList of their KV; zero experts
+    # row: longcat_flash's layers; the embedding adds n-gram tables of the ids, the last 2 ids kept in the
+    # embedding's own cache (make_cache's first), which the first stage holds before its layers'
+    "longcat_flash_ngram": [SSM] + [CL] * 4,
     # multimodal wrappers (text_config): the text model inside language_model sliced, the wrapper's head
     "kimi_k25": [KV] * 4,  # deepseek_v3's MLA and MoE
     "minimax_m3_vl": [CL] * 4,  # KV (+ the indexer's keys in the sparse layers 1 and 3), blocks of 2, top 2
@@ -438,3 +441,33 @@ def test_nemotron_h_stages_loaded_as_remote_ones_and_a_handoff_decode_as_the_who
         expected = model(x, cache=whole_cache)
         for chain in (caches, received):
             assert float(mx.abs(run_slices(slices, chain, x) - expected).max()) <= 1e-4
+
+
+def test_longcat_flash_ngram_first_stage_keeps_the_ids_its_n_grams_read(checkpoints):
+    """The n-gram embedding reads each row's previous ids (its own cache, the model's first): the first stage
+    holds it, so decode steps embed as the whole model does; embedding each step without it (no previous ids)
+    gives other logits. Stages loaded as remote ones (the first loads the n-gram tables) decode alike."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from mlxcel.engine.executor import whole_model_runner
+    from mlxcel.pipeline.slice_loading import load_stage_runner
+
+    path = checkpoints("longcat_flash_ngram")
+    model = load_checkpoint(path).model
+    first, second = ModelSlice(model, 0, 2), ModelSlice(model, 2, 4)
+    assert (first.cache_count, second.cache_count, second.cache_start) == (3, 2, 3)
+    x, caches, whole_cache = mx.array([PROMPT[0]]), [first.make_cache(), second.make_cache()], make_prompt_cache(model)
+    blind = [first.make_cache(), second.make_cache()]
+    worst_blind = 0.0
+    for _ in range(STEPS + 1):
+        expected, got = model(x, cache=whole_cache), run_slices([first, second], caches, x)
+        assert float(mx.abs(got - expected).max()) <= 1e-4
+        blind[0][0] = type(blind[0][0])(1)  # the previous ids forgotten before every step
+        worst_blind = max(worst_blind, float(mx.abs(run_slices([first, second], blind, x) - expected).max()))
+        x = mx.argmax(got[:, -1], axis=-1)[:, None]
+    assert worst_blind > 1e-3
+    prompts = {"a": PROMPT[0]}
+    whole = stage_tokens([whole_model_runner(model, max_rows=4)], prompts, STEPS)
+    runners = [load_stage_runner(path, a, b, max_rows=4)[0] for a, b in ((0, 2), (2, 4))]
+    with ThreadPoolExecutor(1) as pool:
+        assert pool.submit(stage_tokens, runners, prompts, STEPS).result() == whole

@@ -252,3 +252,42 @@ def test_bailing_hybrid_stages_need_the_mla_offset_and_one_mla_layer_each():
     with pytest.raises(ModelError, match=r"bailing_hybrid layers 2-2 hold no MLA layer \(every 2th layer\): its "
                                          "linear-attention layers read the position from an MLA layer's cache"):
         ModelSlice(model, 2, 3)
+
+
+# -- muse_spark: a wrapper whose layers run mlx-lm's Metal kernels (CPU stand-ins here: tests/engine/muse_spark_cpu.py)
+
+
+@pytest.mark.parametrize("ranges", [[(0, 2), (2, 4)], [(0, 1), (1, 3), (3, 4)], [(0, 3), (3, 4)]])
+def test_muse_spark_slices_its_language_model_as_the_whole_model(ranges):
+    """Its text model is model.model.language_model; each layer hands the next its normed input, which a
+    stage after the first remakes from the stream (pre_norm); the head casts the bfloat16 norm to lm_head's
+    dtype, scales and soft-caps: 2 and 3 stages give the whole model's logits over a prompt and decode steps."""
+    from mlxcel.engine.slice_rule import text_model
+    from tests.engine.muse_spark_cpu import build_muse_spark, cpu_kernels
+
+    with cpu_kernels():
+        model = build_muse_spark()
+        assert text_model(model) is model.model.language_model
+        slices = [ModelSlice(model, a, b) for a, b in ranges]
+        assert [type(c).__name__ for piece in slices for c in piece.make_cache()] == ["RotatingKVCache",
+                                                                                     "KVCache"] * 2
+        assert decode_alike(model, slices) <= 1e-4
+
+
+def test_muse_spark_needs_its_head_and_its_flow():
+    """Without its head (a plain norm and lm_head: no scale, no cap) or its flow (layers called as the generic
+    ones, no normed input handed on) the slices are wrong or fail."""
+    from mlxcel.engine.model_slice import norm_and_head
+    from tests.engine.muse_spark_cpu import build_muse_spark, cpu_kernels
+
+    with cpu_kernels():
+        model = build_muse_spark()
+        slices = [ModelSlice(model, 0, 2), ModelSlice(model, 2, 4)]
+        for piece in slices:
+            piece.family = type(piece.family)(embed=piece.family.embed, head=norm_and_head,
+                                              attention=piece.family.attention, flow=piece.family.flow)
+        assert decode_alike(model, slices, steps=1) > 1e-3
+        for piece in slices:
+            piece.family = type(piece.family)(embed=piece.family.embed, attention=piece.family.attention)
+        with pytest.raises(TypeError):
+            decode_alike(model, slices, steps=1)
