@@ -8,7 +8,8 @@ Every answer is read from the code that runs the mode, never from a list kept he
   a ``FAMILIES`` row, or the rule of ``mlxcel.engine.slice_rule`` ("by rule"); a refusal gives its reason;
 - **TP**: ``mlxcel.parallel.plan.check_shardable`` accepts the config (a ``FAMILIES`` row, or the plain-layout
   rule of ``mlxcel.parallel.rule``: "by rule"; ``info`` also lists the ``--tp-size`` values whose shapes divide);
-- **DI**: every cache the family's model makes is one the handoff carries
+- **DI**: every cache the family's model makes is one the handoff carries (the matrix's tiny configs: also by
+  the handoff's own layout probe, ``di_support``'s ``probe``)
   (``mlxcel.disagg.kv_cache.unsupported_cache``), asked of the model built from config.json
   without its weights (MLX builds parameters lazily: nothing is allocated or read).
 
@@ -117,8 +118,11 @@ def tp_support(config: Mapping[str, Any], verbose: bool = False) -> Support:
     return Support(True, f"{rule}; {sizes}" if rule else sizes)
 
 
-def di_support(config: Mapping[str, Any]) -> Support:
-    """Whether the family's caches travel in a handoff, from the model built without weights."""
+def di_support(config: Mapping[str, Any], probe: bool = False) -> Support:
+    """Whether the family's caches travel in a handoff, from the model built without weights: their classes;
+    ``probe`` (a tiny config only: it runs a one-token forward pass) also the layout the handoff itself probes,
+    so a cache whose arrays' dtype cannot travel says no (longcat_flash_ngram's int64 n-gram ids); a model that
+    cannot run here (muse_spark's Metal kernels on a CPU build) keeps the classes' answer."""
     from mlx_lm.models.cache import make_prompt_cache
 
     from mlxcel.disagg.kv_cache import unsupported_cache
@@ -133,13 +137,29 @@ def di_support(config: Mapping[str, Any]) -> Support:
         why = unsupported_cache(cache)
         if why:
             return Support(False, f"layer {i} {why}")
+    probed = _probed_refusal(model) if probe else None
+    if probed:
+        return Support(False, probed)
     return Support(True, ", ".join(sorted({type(c).__name__ for c in caches})))
 
 
-def modes(config: Mapping[str, Any], verbose: bool = False) -> dict[str, Support]:
-    """Every mode's support for a checkpoint's config.json; ``verbose``: refusals and TP sizes spelled out."""
+def _probed_refusal(model: Any) -> str | None:
+    """Why the handoff's own layout probe (``kv_cache.probe_layout``) refuses ``model``'s caches, or None (also
+    where the model cannot run here)."""
+    from mlxcel.disagg.kv_cache import probe_layout
+
+    try:
+        why = probe_layout(model).unsupported
+    except Exception:  # noqa: BLE001 - a forward this build cannot run (Metal kernels): the classes answer
+        return None
+    return why.split(": ", 1)[-1].split(" (supported", 1)[0] if why else None
+
+
+def modes(config: Mapping[str, Any], verbose: bool = False, probe: bool = False) -> dict[str, Support]:
+    """Every mode's support for a checkpoint's config.json; ``verbose``: refusals and TP sizes spelled out;
+    ``probe``: DI also by the handoff's layout probe (tiny configs: ``di_support``)."""
     return {"single": single_support(config), "PP": pp_support(config, verbose), "TP": tp_support(config, verbose),
-            "DI": di_support(config)}
+            "DI": di_support(config, probe)}
 
 
 def describe_modes(model_dir: str | Path) -> str:
@@ -229,7 +249,7 @@ def matrix_rows() -> list[tuple[str, dict[str, Support]]]:
             rows.append((family, {"single": single_support(known), "PP": pp_support(known), "TP": tp,
                                   "DI": Support(None)}))
         else:
-            rows.append((family, modes(config)))
+            rows.append((family, modes(config, probe=True)))  # tiny configs: DI by the handoff's own probe
     return rows
 
 

@@ -71,3 +71,53 @@ def test_a_hybrid_cache_continues_like_one_nodes(family, length):
         want, got = model(token, cache=original), model(token, cache=copy)
         assert mx.allclose(want, got, atol=1e-4).item(), (family, length, step)
         token = mx.argmax(want[:, -1:], axis=-1)
+
+
+# -- the last families mlx-lm distributes (issue 43): iquestloopcoder's two passes (a KVCache per layer, then a
+# RotatingKVCache of loop_window_size per layer), muse_spark (sliding / full; its Metal kernels as CPU stand-ins)
+LAST = {
+    "iquestloopcoder": [KV] * 4 + [CacheKind.ROTATING] * 4,
+    "muse_spark": [CacheKind.ROTATING, KV] * 2,
+}
+
+
+@pytest.mark.parametrize("family", list(LAST))
+@pytest.mark.parametrize("length", [3, 11])
+def test_the_last_families_handoff_continues_like_one_node(family, length):
+    """Past the windows of 4 at 11 (iquestloopcoder's second pass, muse_spark's sliding layers): the imported
+    caches decode as the originals."""
+    from contextlib import nullcontext
+
+    from tests.engine.muse_spark_cpu import cpu_kernels
+
+    with cpu_kernels() if family == "muse_spark" else nullcontext():
+        model = build(_config(family))
+        model.set_dtype(mx.float32)
+        layout = probe_layout(model)
+        assert layout.unsupported is None, layout.unsupported
+        assert [s.kind for s in layout.layers] == LAST[family]
+        prompt = tuple(int(t) for t in (mx.arange(1, length + 1) * 7 % 128).tolist())
+        original = make_prompt_cache(model)
+        mx.eval(model(mx.array([prompt]), cache=original))
+        copy = through_the_wire(original, layout, prompt)
+        assert [type(c).__name__ for c in copy] == [type(c).__name__ for c in original]
+        token = mx.array([[5]])
+        for step in range(3):
+            want, got = model(token, cache=original), model(token, cache=copy)
+            assert mx.allclose(want, got, atol=1e-4).item(), (family, length, step)
+            token = mx.argmax(want[:, -1:], axis=-1)
+
+
+def test_longcat_flash_ngram_is_refused_by_the_dtype_of_its_n_gram_ids():
+    """Its embedding's cache keeps the last ids as int64, which no ARRAY record carries (float32, float16,
+    bfloat16, uint32): the layout probe a prefill or decode node starts with refuses it by name, and the
+    support matrix (which asks that probe of its tiny config) says no with the reason."""
+    from mlxcel.commands.support import di_support
+
+    model = build(_config("longcat_flash_ngram"))
+    assert probe_layout(model).unsupported == ("this model's KV cache cannot be handed off to a decode node: dtype "
+                                               "int64 cannot travel in a KV handoff (supported: float32, float16, "
+                                               "bfloat16, uint32)")
+    config = _config("longcat_flash_ngram")
+    assert di_support(config).ok is True  # its cache classes alone travel
+    assert di_support(config, probe=True).cell() == "no (dtype int64 cannot travel in a KV handoff)"
