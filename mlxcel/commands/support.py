@@ -8,10 +8,10 @@ Every answer is read from the code that runs the mode, never from a list kept he
   a ``FAMILIES`` row, or the rule of ``mlxcel.engine.slice_rule`` ("by rule"); a refusal gives its reason;
 - **TP**: ``mlxcel.parallel.plan.check_shardable`` accepts the config (a ``FAMILIES`` row, or the plain-layout
   rule of ``mlxcel.parallel.rule``: "by rule"; ``info`` also lists the ``--tp-size`` values whose shapes divide);
-- **DI**: every cache the family's model makes is one the handoff carries (the matrix's tiny configs: also by
-  the handoff's own layout probe, ``di_support``'s ``probe``)
+- **DI**: every cache the family's model makes is one the handoff carries
   (``mlxcel.disagg.kv_cache.unsupported_cache``), asked of the model built from config.json
-  without its weights (MLX builds parameters lazily: nothing is allocated or read).
+  without its weights (MLX builds parameters lazily: nothing is allocated or read); the matrix's tiny
+  configs also by the handoff's own layout probe (``di_support``'s ``probe``).
 
 So a family added to any of those tables shows up here, in ``models info`` and in the matrix (which
 ``tests/commands/test_support.py`` checks against docs/models.md), with no change to this module.
