@@ -191,6 +191,14 @@ FAMILIES: dict[str, TPFamily] = {
                                               key("ffn_hidden_size"), key("ffn_hidden_size"))),
                               Experts("n_routed_experts", "expert_ffn_hidden_size", "mlp", "switch_mlp"),
                               linear_reduces=False),
+    # longcat_flash's shard() (its n-gram embedding tables stay whole on every rank, as in mlx-lm)
+    "longcat_flash_ngram": TPFamily("LongCat Flash N-gram (MLA, dense and zero experts)", "mlx-lm",
+                                    (MLA_HEADS, Dim("intermediate size", "intermediate size {}", "MLP columns",
+                                                    key("ffn_hidden_size"), key("ffn_hidden_size"))),
+                                    Experts("n_routed_experts", "expert_ffn_hidden_size", "mlp", "switch_mlp"),
+                                    linear_reduces=False),
+    # both passes run the same sharded layers; each layer's loop gate keeps its ranks' heads
+    "iquestloopcoder": TPFamily("IQuest Loop Coder (layers run twice)", "mlx-lm", (HEADS, KV_HEADS, INTERMEDIATE)),
     "minimax_m3_vl": TPFamily("MiniMax M3 text", "mlx-lm", (HEADS, KV_HEADS, Dim(
                                   "indexer heads", "{} indexer heads", "indexer heads", key("index_n_heads"))),
                               Experts("num_local_experts", "intermediate_size", "block_sparse_moe", "switch_mlp"),
@@ -205,8 +213,6 @@ FAMILIES_HELP = ", ".join(FAMILIES)
 REFUSED: dict[str, str] = {
     "llama4": "its mlx-lm class has no shard(), and its chunked attention with a shared expert beside routed "
               "experts in every other layer is not the plain q/k/v/o + gate/up/down layout mlxcel's own plan cuts",
-    "longcat_flash_ngram": "its n-gram embedding tables are not cut by any plan here",
-    "iquestloopcoder": "its looped layers share weights across passes, which no plan here cuts",
     "muse_spark": "not a decoder mlxcel loads",
 }
 

@@ -61,6 +61,7 @@ def test_the_last_families_mlx_lm_distributes_have_rows_with_every_cell_known(ro
     # the n-gram ids' cache holds int64, which no handoff record carries (the probe of its tiny config says so)
     assert rows["longcat_flash_ngram"]["DI"].cell() == "no (dtype int64 cannot travel in a KV handoff)"
     assert rows["muse_spark"]["DI"].cell() == "yes (KVCache, RotatingKVCache)"
+    assert rows["iquestloopcoder"]["TP"].cell() == rows["longcat_flash_ngram"]["TP"].cell() == "yes"  # shard()
     for family in ("iquestloopcoder", "longcat_flash_ngram", "muse_spark"):
         assert all(support.ok is not None for support in rows[family].values()), family
 

@@ -21,7 +21,7 @@ from mlxcel.parallel.plan import check_shardable
 
 #: the rows this round added (tests/parallel/test_tp_families.py runs the others from make-random checkpoints)
 ROUND_TWO = ("deepseek_v2", "glm4_moe_lite", "mistral4", "kimi_k25", "deepseek_v41", "exaone_moe", "step3p5",
-             "longcat_flash", "minimax_m3_vl")
+             "longcat_flash", "minimax_m3_vl", "iquestloopcoder", "longcat_flash_ngram")
 MLA = {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1, "moe_intermediate_size": 32,
        "first_k_dense_replace": 1, "kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8,
        "qk_nope_head_dim": 16, "v_head_dim": 16, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0,
@@ -128,5 +128,50 @@ def test_tp_2_prints_tp_1s_greedy_text(tmp_path, family, mode):
     model = tiny_checkpoint(tmp_path, family)
     single = generate(model)
     sharded = generate(model, "--tp-size", "2", "--tp-timeout", "120", "--tp-moe-mode", mode)
+    assert f"{family} over 2 ranks: 2 of 4 heads" in sharded.stderr and "ring backend" in sharded.stderr
+    assert sharded.stdout == single.stdout and len(single.stdout) > 1
+
+
+def loop_checkpoint(out: Path) -> Path:
+    """A 2-layer iquestloopcoder checkpoint (llama's fields and its loop, a window of 4) from mlx-lm's class,
+    with the tokenizer files of a make-random llama checkpoint."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes
+
+    from mlxcel.commands.support import family_config
+    from mlxcel.models.random_checkpoint import make_random_checkpoint
+
+    base = make_random_checkpoint(out / "base", layers=2)
+    config = {**family_config("iquestloopcoder"), "num_hidden_layers": 2}
+    model_cls, args_cls = _get_classes(config)
+    mx.random.seed(1)
+    model = model_cls(args_cls.from_dict(config))
+    path = out / "iquestloopcoder"
+    path.mkdir()
+    weights = dict(tree_flatten(model.parameters()))
+    mx.eval(weights)
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (path / "config.json").write_text(json.dumps(config))
+    for f in base.iterdir():
+        if f.name.startswith("tokenizer") or f.name.endswith(".jinja"):
+            shutil.copy(f, path / f.name)
+    return path
+
+
+@pytest.mark.proc
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("family", ["iquestloopcoder", "longcat_flash_ngram"])
+def test_tp_2_of_the_last_families_prints_tp_1s_greedy_text(tmp_path, family):
+    """mlx-lm's shard(): iquestloopcoder's layers (both passes) and each layer's loop gate by heads;
+    longcat_flash_ngram as longcat_flash, its n-gram tables whole on each rank. The prompt (11 byte tokens)
+    runs past the loop window of 4."""
+    from mlxcel.models.random_checkpoint import make_random_checkpoint
+
+    model = (loop_checkpoint(tmp_path) if family == "iquestloopcoder"
+             else make_random_checkpoint(tmp_path / family, family=family, layers=2))
+    single = generate(model)
+    sharded = generate(model, "--tp-size", "2", "--tp-timeout", "120", *(
+        ["--tp-moe-mode", "within_expert"] if family == "longcat_flash_ngram" else []))
     assert f"{family} over 2 ranks: 2 of 4 heads" in sharded.stderr and "ring backend" in sharded.stderr
     assert sharded.stdout == single.stdout and len(single.stdout) > 1
