@@ -30,7 +30,7 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import KVCache
 
 from mlxcel import envs
-from mlxcel.engine.batch_rows import OneRow, one_row
+from mlxcel.engine.batch_rows import OneRow, one_row, unmergeable
 from mlxcel.engine.model_slice import ModelSlice
 from mlxcel.engine.prefix_cache import PrefixCache
 from mlxcel.engine.resume_policy import ResumePolicy
@@ -438,8 +438,11 @@ def whole_model_runner(model: Any, *, max_rows: int) -> SliceRunner:
 
 
 def slice_runner(model: Any, start: int, end: int, *, max_rows: int) -> SliceRunner:
-    """Layers [start, end) of ``model`` as a runner (a pipeline stage)."""
+    """Layers [start, end) of ``model`` as a runner (a pipeline stage); one row per decode step where the slice's
+    caches cannot merge (the coordinator sends no more: ``PipelineExecutor``'s ``one_row``)."""
     piece = ModelSlice(model, start, end)
+    if unmergeable(piece.make_cache()) is not None:
+        max_rows = 1
     return SliceRunner(lambda x, c: piece(x, c), piece.make_cache, is_first=piece.is_first,
                        is_last=piece.is_last, max_rows=max_rows,
                        input_width=None if piece.is_first else piece.input_width)
