@@ -416,6 +416,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--suites", default="aes,unprotected", help="e2e: comma list of aes, unprotected, each with -staged (page-locked staging) and -p0 (helpers at every message size)")
     p.add_argument("--heap", choices=["keep", "plain"], default="keep",
                    help="stages, e2e: keep freed heap memory resident as a decode node does, or glibc's defaults")
+    p.add_argument("--lanes", type=int, default=1,
+                   help="e2e: split each handoff over this many connections (docs/disagg.md §4.9; rows record it)")
     p.add_argument("--crypto-workers", type=int, default=None, help="e2e: helper threads per transport (default: auto)")
     p.add_argument("--out", type=Path, default=Path("bench/results"))
     return p.parse_args(argv)
@@ -433,7 +435,8 @@ def main(argv: list[str] | None = None) -> int:
 
             rows = [r for n in args.prompt_tokens for r in (
                 hs.stages(args.shape, n, args.repeats, args.heap) if args.mode == "stages" else
-                hs.e2e(args.shape, n, args.repeats, args.suites.split(","), args.crypto_workers, args.heap))]
+                hs.e2e(args.shape, n, args.repeats, args.suites.split(","), args.crypto_workers, args.heap,
+                       args.lanes))]
             for r in rows:
                 print("disagg_bench:", r, file=sys.stderr, flush=True)
         elif args.mode == "frames":

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 import time
 from typing import Any, Callable
 
@@ -86,8 +87,8 @@ def _size(part: Any) -> int:
 class _Pair:
     """Two transports in this process (127.0.0.76 -> .77); the receiver runs ``on_stream(msg)``."""
 
-    def __init__(self, suite_name: str, on_data: Callable[[Any], None], on_end: Callable[[], None],
-                 crypto_workers: int | None = None):
+    def __init__(self, suite_name: str, on_data: Callable[[Any], None], on_end: Callable[[Any], None],
+                 crypto_workers: int | None = None, lanes: int = 1):
         from mlxcel.cluster.secret import ClusterSecret
         from mlxcel.cluster.transport import Transport
         from mlxcel.cluster.wire import Kind, Suite
@@ -101,20 +102,51 @@ class _Pair:
         def on_message(msg: Any) -> None:
             if msg.kind is Kind.STREAM_DATA:
                 on_data(msg)
-            elif msg.kind is Kind.STREAM_END:
-                on_end()
+            elif msg.kind is Kind.STREAM_END and lanes == 1:  # a split handoff ends at its last part's END
+                on_end(msg)
 
         self.rx = Transport("127.0.0.77:0", secret, suite=suite, **extra)
         self.rx.serve(on_message=on_message)
         self.tx = Transport("127.0.0.76:0", secret, suite=suite, **extra)
         self.tx.connect(self.rx.identity)
+        self.lanes = lanes
+        for lane in range(1, lanes):  # dialled once, as a prefill node's lanes stay up
+            self.tx._acquire(self.rx.identity, lane)
+        self.split_read = threading.Event()
+        self._workers = ThreadPoolExecutor(lanes) if lanes > 1 else None
 
     def stream(self, parts: list) -> None:
         with self.tx.open_stream(self.rx.identity) as s:
             for p in parts:
                 s.write(p)
 
+    def stream_split(self, head: bytes, tensors: list) -> None:
+        """The handoff split over every lane as a prefill node sends it (docs/disagg.md §4.9): HEADER and
+        SPLIT on lane 0, then part i on lane i from its own thread; the part streams start once the receiver
+        read SPLIT (so no part waits for its header here)."""
+        from mlxcel.disagg.kv_codec import contiguous_runs
+        from mlxcel.disagg.kv_split import encode_part, encode_split, range_parts, ranges, total_bytes
+
+        self.split_read.clear()
+        header = self.tx.open_stream(self.rx.identity, 0)
+        header.write(head)
+        header.write(encode_split(self.lanes))
+        self.split_read.wait(30)
+
+        def part(i: int, span: tuple[int, int]) -> None:
+            with self.tx.open_stream(self.rx.identity, i) as s:
+                s.write(encode_part(header.id, i, self.lanes))
+                for p in range_parts((v for t in tensors for v in contiguous_runs(t)), *span):
+                    s.write(p)
+
+        assert self._workers is not None
+        for f in [self._workers.submit(part, i, span) for i, span in enumerate(ranges(total_bytes(tensors), self.lanes))]:
+            f.result()
+        header.close()
+
     def close(self) -> None:
+        if self._workers is not None:
+            self._workers.shutdown()
         self.tx.close()
         self.rx.close()
 
@@ -181,11 +213,12 @@ def stages(shape: str, tokens: int, repeats: int, heap: str = "keep") -> list[di
 
 
 def e2e(shape: str, tokens: int, repeats: int, suites: list[str], crypto_workers: int | None,
-        heap: str = "keep") -> list[dict[str, Any]]:
+        heap: str = "keep", lanes: int = 1) -> list[dict[str, Any]]:
     """The whole handoff path per suite, rounds alternating: export, stream, decoder, import. A suite named
     ``aes-staged`` or ``unprotected-staged`` goes through page-locked staging (docs/disagg.md §4.3) on both
     sides, as the nodes do on CUDA: a contiguous export copied to the host, received into the pool. A ``-p0`` in a
-    suite's name gives both transports ``crypto_pipeline_min_len=0`` (helpers on the 1 MiB chunks too)."""
+    suite's name gives both transports ``crypto_pipeline_min_len=0`` (helpers on the 1 MiB chunks too). ``lanes`` > 1
+    splits each handoff over that many connections, each part stream sent and received on its own thread."""
     from mlxcel.disagg.host_staging import shared_staging
     from mlxcel.disagg.kv_cache import export_cache, import_cache, staged_allocator
     from mlxcel.disagg.kv_codec import HandoffDecoder
@@ -204,6 +237,9 @@ def e2e(shape: str, tokens: int, repeats: int, suites: list[str], crypto_workers
             if "dec" not in state:
                 state["dec"] = (HandoffDecoder(layout, 1 << 20, None, staged_allocator(staging)) if staging is not None
                                 else _decoder(HandoffDecoder, layout))
+                state["parts"] = {}
+            if lanes > 1 and _split_part(state, msg, pairs[name][0]):
+                return
             state["dec"].feed(msg.payload)
 
         def end(state: dict = state) -> None:
@@ -211,13 +247,14 @@ def e2e(shape: str, tokens: int, repeats: int, suites: list[str], crypto_workers
             state["at"] = time.perf_counter()
             state["done"].set()
 
-        def on_data(msg: Any, feed: Callable = feed, name: str = name) -> None:  # as the decode node does
-            intake.put(name, feed, msg) if intake is not None else feed(msg)
+        def on_end(msg: Any, end: Callable = end, name: str = name) -> None:
+            intake.put((name, msg.id), end) if intake is not None else end()
 
-        def on_end(end: Callable = end, name: str = name) -> None:
-            intake.put(name, end) if intake is not None else end()
+        def on_data(msg: Any, feed: Callable = feed, name: str = name) -> None:  # as the decode node: by stream
+            intake.put((name, msg.id), feed, msg) if intake is not None else feed(msg)
 
-        pairs[name] = (_Pair(name, on_data, on_end, crypto_workers), state)
+        state["end"] = end
+        pairs[name] = (_Pair(name, on_data, on_end, crypto_workers, lanes), state)
     samples: dict[str, dict[str, list[float]]] = {n: {"export": [], "stream": [], "import": [], "total": []} for n in suites}
     try:
         for rnd in range(repeats):
@@ -229,7 +266,11 @@ def e2e(shape: str, tokens: int, repeats: int, suites: list[str], crypto_workers
                 tensors = export_cache(caches, layout, tokens, contiguous=staging is not None)
                 staged = staging.to_host(tensors) if staging is not None else None
                 t1 = time.perf_counter()
-                pair.stream(_parts(staged[0] if staged is not None else tensors, layout, tokens))
+                sent = staged[0] if staged is not None else tensors
+                if lanes > 1:
+                    pair.stream_split(_parts(sent, layout, tokens)[0], sent)
+                else:
+                    pair.stream(_parts(sent, layout, tokens))
                 if staged is not None:
                     staged[1].release()
                 if not state["done"].wait(60):
@@ -248,12 +289,37 @@ def e2e(shape: str, tokens: int, repeats: int, suites: list[str], crypto_workers
     for name, s in samples.items():
         row = _row("disagg_e2e", shape, tokens, nbytes, samples=s["total"], suite=name,
                    crypto_workers=crypto_workers, intake_workers=intake.workers if intake is not None else None,
-                   heap=heap)
+                   heap=heap, lanes=lanes)
         for key in ("export", "stream", "import"):
             row[f"{key}_p50_ms"] = round(_p50(s[key]) * 1000, 3)
         row["stream_gib_s"] = round(nbytes / _p50(s["stream"]) / 2**30, 3)
         rows.append(row)
     return rows
+
+
+def _split_part(state: dict, msg: Any, pair: Any) -> bool:
+    """A split handoff's part as the decode node takes it: True when ``msg`` was a part stream's (its PART,
+    CHUNK or END; the last END ends the handoff); False for the header stream's (SPLIT wakes the sender)."""
+    from mlxcel.disagg.kv_split import parse_part
+    from mlxcel.disagg.wire import Part
+
+    dec, view = state["dec"], memoryview(msg.payload).cast("B")
+    index = state["parts"].get(msg.id)
+    if index is None and view[0] == Part.PART:
+        _, index, count = parse_part(view, ValueError)
+        state["parts"][msg.id] = index
+        dec.start_part(index, count)
+        return True
+    if index is None:
+        if view[0] == Part.SPLIT:
+            dec.feed(msg.payload)
+            pair.split_read.set()
+            return True
+        return False
+    dec.feed_part(index, msg.payload)
+    if dec.state == "done":
+        state["end"]()
+    return True
 
 
 def _intake() -> Any:

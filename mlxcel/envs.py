@@ -32,6 +32,7 @@ MAX_CRYPTO_WORKERS = 64
 MAX_CRYPTO_PIPELINE_MIN_LEN = 1 << 40
 MAX_INTAKE_WORKERS = 64
 MAX_HANDOFF_LANES = 16
+MAX_HANDOFF_SPLIT_MIN_BYTES = 1 << 40
 MAX_SWITCH_INTERVAL_MS = 100.0
 MAX_TEST_DELAY_S = 3600.0
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
@@ -188,6 +189,10 @@ class Settings:
         "MLXCEL_HANDOFF_LANES", number(int, 1, MAX_HANDOFF_LANES, "a whole number"),
         "prefill: connections to one decode node handoffs spread over (1 to 16); unset: a quarter of 4+ cores, "
         "at most 4", "mlxcel/disagg/lanes.py")
+    handoff_split_min_bytes: int | None = var(
+        "MLXCEL_HANDOFF_SPLIT_MIN_BYTES", number(int, 1, MAX_HANDOFF_SPLIT_MIN_BYTES, "a whole number"),
+        "prefill: a handoff of at least this many tensor bytes is split over every lane (1 to 2^40); unset: "
+        "16777216 (16 MiB)", "mlxcel/disagg/lanes.py")
     # test and rehearsal aids
     test_stage_step_delay_s: float = var("MLXCEL_TEST_STAGE_STEP_DELAY_S", delay, "a pipeline stage "
                                          "sleeps this long before every step", "mlxcel/entrypoints/stage.py", 0.0,

@@ -45,9 +45,10 @@
 #   STAGE_DEVICES=0,1   one GPU per stage process (CUDA_VISIBLE_DEVICES; the nvidia-h200-x2 machine); LABEL (h200)
 #               prefixes the rows' label
 #   STREAMS=8   also part 2 of pipeline_bench: the single-node server against coordinator + stages at those streams
-#   handoff           issue 24 item 3, the KV handoff (~4 min): disagg_bench stages and e2e on the Qwen3-0.6B KV
+#   handoff           issue 24 item 3, the KV handoff (~6 min): disagg_bench stages and e2e on the Qwen3-0.6B KV
 #                     shape (172 MB bf16 at 1,500 tokens; e2e per "crypto:intake" workers in HANDOFF_WORKERS,
-#                     default "0:0 2:0 2:4 4:4 8:4 4:1"), then disagg_bench handoff (hybrid vs router -> prefill -> decode) on the q06-bf16
+#                     default "0:0 2:0 2:4 4:4 8:4 4:1"; then split over lanes per "lanes:crypto:intake" in
+#                     HANDOFF_LANE_RUNS, default "2:0:0 4:0:0 4:0:4 8:0:4"), then disagg_bench handoff (hybrid vs router -> prefill -> decode) on the q06-bf16
 #                     checkpoint, 1,500-token prompts, HANDOFF_REPEATS (default 4) ABBA requests: rows in
 #                     handoff/disagg_bench.jsonl (environment included)
 #   managed-probe     bench/gpu/managed_probe.py: the host reading and writing 172 MB of KV in MLX's CUDA (managed)
@@ -177,12 +178,18 @@ handoff_suite() {  # issue 24 item 3; each step bounded so the suite fits in abo
     MLXCEL_HANDOFF_INTAKE_WORKERS=${c##*:} timeout 40 python3 -m bench.disagg_bench e2e --shape qwen3-0.6b \
       --prompt-tokens 1500 --repeats 8 --crypto-workers "$w" --suites "${HANDOFF_SUITES:-aes,unprotected}" --out "$out"
   done
+  for c in ${HANDOFF_LANE_RUNS:-2:0:0 4:0:0 4:0:4 8:0:4}; do  # lanes : crypto workers : intake workers (docs/disagg.md §4.9)
+    echo "== handoff e2e lanes=${c%%:*} crypto_workers=$(echo "$c" | cut -d: -f2) intake_workers=${c##*:} ($(left) s left)"
+    MLXCEL_HANDOFF_INTAKE_WORKERS=${c##*:} timeout 40 python3 -m bench.disagg_bench e2e --shape qwen3-0.6b \
+      --prompt-tokens 1500 --repeats 8 --lanes "${c%%:*}" --crypto-workers "$(echo "$c" | cut -d: -f2)" \
+      --suites "${HANDOFF_SUITES:-aes,unprotected}" --out "$out"
+  done
   make_model q06-bf16 || return 0
   one_stream_handoffs "$out"
   grep -h '"bench": "disagg_\(e2e\|handoff\)"' "$out/disagg_bench.jsonl" | python3 -c '
 import json, sys
 for r in map(json.loads, sys.stdin):
-    keys = ("suite", "crypto_workers", "topology", "prompt_tokens", "p50_ms", "stream_p50_ms", "stream_gib_s",
+    keys = ("suite", "lanes", "crypto_workers", "topology", "prompt_tokens", "p50_ms", "stream_p50_ms", "stream_gib_s",
             "ttft_ms", "handoff_ms", "handoff_gib_s")
     print({k: r[k] for k in keys if k in r})'
 }

@@ -4,12 +4,15 @@ Module map (the codecs are sans-I/O; the services own sockets and threads):
 
 - ``wire``        constants: message types, KV handoff parts, bounds, defaults, environment variables
 - ``kv_codec``    the KV handoff wire format: header, raw tensor chunks, end; ``HandoffDecoder`` with its bounds
+- ``kv_send``     the sender's CHUNK and END parts: views of the tensors' memory (``kv_codec`` re-exports them)
+- ``kv_split``    a handoff split over several part streams: SPLIT and PART records, byte ranges, ``SplitAssembly``
 - ``kv_cache``    mlx-lm caches <-> handoff tensors; ``probe_layout`` (which caches a model keeps)
 - ``kv_records_generic``  record kind STATE: allow-listed mlx-lm cache classes by the state contract
 - ``kv_records_dsv41``    record kind DSV41: deepseek_v41's ``LayerCache``, rebuilt with the decode node's window
 - ``messages``    control messages (GENERATE, CANCEL, TOKENS, FINISH, ERROR, HANDED_OFF, STATE), strictly checked
 - ``allowlist``   ``MLXCEL_DECODE_ALLOWLIST``: where a prefill node may send a KV cache
-- ``lanes``       which of a prefill node's connections to a decode node the next handoff takes (``MLXCEL_HANDOFF_LANES``)
+- ``lanes``       which of a prefill node's connections to a decode node the next handoff takes (``MLXCEL_HANDOFF_LANES``), when to split one
+- ``split_intake``  the decode node joining part streams to their header stream (``DecodeService`` mixes it in)
 - ``intake``      handoff parts fed to their decoders beside the reader threads (``MLXCEL_HANDOFF_INTAKE_WORKERS``)
 - ``host_staging``  page-locked host buffers a handoff is copied through by DMA on CUDA (``MLXCEL_HANDOFF_STAGING``)
 - ``flags``       ``--node-role``, ``--serving-bind``, ``--prefill-peers``, ``--decode-peers``, TOML roles -> ``NodeConfig``

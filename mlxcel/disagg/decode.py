@@ -4,7 +4,8 @@ A handoff stream (any authenticated member may send one) is decoded part by part
 ``KVLayout`` and context length (``HandoffDecoder``); a stream that breaks a bound is refused at that
 part, its bytes dropped, and the router named in its header (if its nonce and router read) receives an
 ERROR. Arriving handoffs count against admission, at most half the slots per sender IP; a stream with no
-part for twice ``--handoff-timeout`` is forgotten.
+part for twice ``--handoff-timeout`` is forgotten. A handoff split over several streams (docs/disagg.md §4.9)
+is joined by ``SplitIntake``: its part streams feed the header stream's one decoder, each from its own thread.
 A complete handoff enters the scheduler through ``submit_prefilled``: it waits for a slot like any
 request, the executor installs its cache, the prefill's first token is emitted, and decoding goes on.
 Every event goes to the router as TOKENS, the end as FINISH. A CANCEL frees the sequence (running,
@@ -33,6 +34,7 @@ from mlxcel.disagg.kv_cache import handoff_allocator, import_cache, probe_layout
 from mlxcel.disagg.kv_codec import Handoff, HandoffDecoder, HandoffError
 from mlxcel.disagg.loop import LoopThread
 from mlxcel.disagg.service import RoleService
+from mlxcel.disagg.split_intake import SplitIntake
 from mlxcel.disagg.wire import CANCEL_MEMORY_S, PROGRESS_INTERVAL_S, MsgType
 from mlxcel.engine.grammar import GrammarError, check_replay
 from mlxcel.engine.executor import KVImport, LocalExecutor
@@ -67,6 +69,8 @@ class Incoming:
     last: float = field(default_factory=time.monotonic)  # when its last part arrived
     meta: m.HandoffMeta | None = None
     refused: bool = False
+    split: bool = False  # its SPLIT was read: part streams carry its tensor bytes (docs/disagg.md §4.9)
+    parts: list[Any] = field(default_factory=list)  # those part streams, once joined
 
     def reply_to(self, decoder: HandoffDecoder | None = None) -> tuple[str, PeerId] | None:
         """(nonce, router) of its request document once that is readable (from ``meta``, else from ``decoder``
@@ -77,7 +81,7 @@ class Incoming:
         return m.reply_to(decoder.meta) if decoder is not None else None
 
 
-class DecodeService(RoleService):
+class DecodeService(SplitIntake, RoleService):
     """A decode node: handoff streams in, tokens out to the router that dispatched each request."""
 
     role = "decode"
@@ -108,6 +112,7 @@ class DecodeService(RoleService):
         self.cancelled: dict[str, float] = {}  # nonce -> when forgotten
         self.last_sent: dict[str, tuple[PeerId, float]] = {}  # nonce -> (router, when it last heard of it)
         self.counters = {"handoffs": 0, "handoff_bytes": 0, "refused": 0, "aborted": 0, "cancelled": 0, "finished": 0}
+        self._split_init()
 
     def start(self) -> None:
         self.scheduler.start().wait_ready()
@@ -140,6 +145,9 @@ class DecodeService(RoleService):
             super().on_stream(msg)
 
     def _data(self, key: tuple[PeerId, int], msg: Message) -> None:
+        if self._is_part_stream(key, msg.payload):
+            self._part_data(key, msg)
+            return
         stale: list[Incoming] = []
         with self.lock:
             inc = self.incoming.get(key)
@@ -163,6 +171,8 @@ class DecodeService(RoleService):
             return
         if inc.meta is None:
             self._header(inc, decoder, msg.peer)
+        elif decoder.state == "split" and not inc.split:
+            self._split_started(key, inc, decoder)
         elif decoder.state == "done":  # END checked every byte: decode now, not at STREAM_END
             self._complete(inc, decoder, msg.peer)
             with self.lock:
@@ -194,7 +204,18 @@ class DecodeService(RoleService):
 
     def _end(self, key: tuple[PeerId, int], msg: Message) -> None:
         with self.lock:
-            inc = self.incoming.pop(key, None)
+            part = key in self.part_streams
+            inc = self.incoming.get(key)
+            if not part and not (inc is not None and inc.split and not msg.status):  # a split's parts finish it
+                inc = self.incoming.pop(key, None)
+        if part:
+            self._part_end(key, msg)
+            return
+        if inc is not None and inc.split:
+            if msg.status and not inc.refused:  # the sender gave up: every part stream's bytes go
+                self.counters["aborted"] += 1
+                self._refuse(inc, ErrorCode.CANCELLED, "", quiet=True)
+            return
         decoder = inc.decoder if inc is not None else None
         if inc is None or inc.refused or decoder is None:
             return
@@ -227,7 +248,12 @@ class DecodeService(RoleService):
             if inc.refused:  # refused already (a CANCEL and a bad part, or the purge, on two threads)
                 return
             reply = inc.reply_to(decoder)
+            split = inc.decoder if inc.split else None
             inc.refused, inc.decoder = True, None
+            for ps in inc.parts:
+                ps.refused = True
+        if split is not None:  # its part streams' threads hold it too
+            split.abandon()
         self.counters["refused"] += 1
         if quiet:
             return
@@ -241,6 +267,7 @@ class DecodeService(RoleService):
         now = time.monotonic()
         stale = [k for k, i in self.incoming.items() if now - i.last > self.cfg.handoff_timeout_s * 2]
         live = [inc for inc in (self.incoming.pop(k) for k in stale) if not inc.refused]
+        self._purge_parts(now)
         for nonce in [n for n, until in self.cancelled.items() if until < now]:
             del self.cancelled[nonce]
         return live
@@ -322,6 +349,8 @@ class DecodeService(RoleService):
         return {"ready": True, "sequences": len(self.running), "running": c.running, "waiting": c.waiting,
                 "kv_sequences": len(self.executor.runners[0]), "incoming": len(arriving),
                 "incoming_bytes": sum(i.decoder.received for i in arriving if i.decoder is not None),
+                "early_part_streams": sum(len(w.streams) for w in self.waiting_parts.values()),
+                "early_part_bytes": sum(w.bytes for w in self.waiting_parts.values()),
                 "cache_supported": self.layout.unsupported is None, "heap_kept": self.heap_kept,
                 "connections": self.transport.authenticated_connections, **self.counters}
 

@@ -20,6 +20,7 @@ from mlxcel.config import DEFAULT_MAX_QUEUE, DEFAULT_MAX_RESUMES, DEFAULT_RESUME
 from mlxcel.disagg.prefix_routing import DEFAULT_INDEX_BLOCKS
 from mlxcel.disagg.wire import (
     DEFAULT_HANDOFF_TIMEOUT_S,
+    DEFAULT_SPLIT_MIN_BYTES,
     DEFAULT_PROBE_INTERVAL_S,
     MIN_HANDOFF_TIMEOUT_S,
     PROGRESS_INTERVAL_S,
@@ -60,6 +61,7 @@ class NodeConfig:
     hold_limit: int = DEFAULT_MAX_QUEUE  # router: new requests held at most at once while no node of a role is up
     switch_interval_s: float = TRANSPORT_SWITCH_INTERVAL_MS / 1000  # prefill, decode: the GIL's (mlxcel/threads.py)
     handoff_lanes: int = 1  # prefill: connections to one decode node handoffs spread over (MLXCEL_HANDOFF_LANES)
+    split_min_bytes: int = DEFAULT_SPLIT_MIN_BYTES  # prefill: a handoff this large is split over every lane
     intake_workers: int = 0  # decode: threads feeding handoff parts to their decoders (MLXCEL_HANDOFF_INTAKE_WORKERS)
     handoff_copy: bool = False  # decode: receive into numpy buffers copied at import (MLXCEL_HANDOFF_COPY=1)
     handoff_staging: bool | None = None  # prefill, decode: page-locked staging (MLXCEL_HANDOFF_STAGING; None: on CUDA)
@@ -175,7 +177,7 @@ def node_config(flags: DisaggFlags, dist: Distributed | None, max_resumes: int |
                 resume_timeout: float | None = None, max_queue: int | None = None) -> NodeConfig:
     """This node's configuration (its flags checked once already, ``DisaggFlags.check``) and, for a prefill or
     decode node, the environment variables of its transport: ``MLXCEL_SWITCH_INTERVAL_MS``,
-    ``MLXCEL_HANDOFF_STAGING``, ``MLXCEL_HANDOFF_LANES`` (prefill), ``MLXCEL_HANDOFF_INTAKE_WORKERS`` and
+    ``MLXCEL_HANDOFF_STAGING``, ``MLXCEL_HANDOFF_LANES`` and ``MLXCEL_HANDOFF_SPLIT_MIN_BYTES`` (prefill), ``MLXCEL_HANDOFF_INTAKE_WORKERS`` and
     ``MLXCEL_HANDOFF_COPY`` (decode). A bad value of any variable is a ``CLIError`` naming it (mlxcel/envs.py).
     ``max_resumes``, ``resume_timeout``: --max-resumes and --resume-timeout (None: the default, the TOML's
     resume_s); ``max_queue``: --max-queue, a router's hold limit (None: the default)."""
@@ -191,11 +193,11 @@ def node_config(flags: DisaggFlags, dist: Distributed | None, max_resumes: int |
 def _handoff_environment(role: str) -> dict[str, Any]:
     """The handoff settings of a prefill or decode node, from the parsed environment (mlxcel/envs.py)."""
     from mlxcel.disagg.intake import default_workers
-    from mlxcel.disagg.lanes import default_lanes
+    from mlxcel.disagg.lanes import default_lanes, split_min_bytes
 
     staging = envs.settings().handoff_staging
     if role == "prefill":
-        return {"handoff_lanes": default_lanes(), "handoff_staging": staging}
+        return {"handoff_lanes": default_lanes(), "split_min_bytes": split_min_bytes(), "handoff_staging": staging}
     return {"intake_workers": default_workers(), "handoff_copy": envs.settings().handoff_copy is True,
             "handoff_staging": staging}
 

@@ -12,10 +12,9 @@ are *parts*:
   every tensor, layer by layer, concatenated, cut anywhere;
 * ``END``: the number of chunks and of tensor bytes.
 
-The receiver (``HandoffDecoder``) knows the model's ``KVLayout`` and its context length and refuses,
+A large handoff may instead carry ``SPLIT`` after its header and its bytes on part streams (``kv_split``). The receiver (``HandoffDecoder``) knows the model's ``KVLayout`` and its context length and refuses,
 before it keeps a single tensor byte, a header whose layer count, kinds, dtypes, shapes or lengths
-differ from them. Tensor buffers grow only as their bytes arrive, so a header can never make it
-allocate what it claims. No MLX here: ``kv_cache`` converts between these arrays and mlx-lm caches.
+differ from them; tensor buffers grow only as their bytes arrive. No MLX here (``kv_cache`` converts).
 """
 
 from __future__ import annotations
@@ -23,14 +22,13 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
 from mlxcel.disagg.wire import (
     DTYPE_NAMES,
     DTYPE_SIZES,
-    KV_CHUNK_LEN,
     KV_MAGIC,
     KV_VERSION,
     MAX_KV_ARRAYS,
@@ -38,10 +36,13 @@ from mlxcel.disagg.wire import (
     MAX_KV_LIST,
     MAX_KV_META_LEN,
     MAX_KV_NDIM,
+    MAX_KV_SPLIT,
     CacheKind,
     DType,
     Part,
 )
+from mlxcel.disagg.kv_send import chunk_parts, contiguous_runs, encode_chunks  # noqa: F401 - the sender's side
+from mlxcel.disagg.kv_split import SPLIT, SplitAssembly
 from mlxcel.error_codes import CodedError, ErrorCode
 from mlxcel.models.token_ids import TokenIdError, check_token_ids
 
@@ -263,56 +264,6 @@ def encode_header(meta: dict[str, Any], prompt: Sequence[int], layout: KVLayout)
                      _LAYERS.pack(len(layout.layers)), records))
 
 
-def encode_chunks(tensors: Iterable[Any], chunk_len: int = KV_CHUNK_LEN) -> Iterator[bytes]:
-    """CHUNK parts carrying the bytes of ``tensors`` (arrays or buffers) in order, then END, each part
-    as one bytes object (``chunk_parts`` gives the same parts without joining them)."""
-    for part in chunk_parts(tensors, chunk_len):
-        yield part[0] if len(part) == 1 else b"".join(part)
-
-
-def chunk_parts(tensors: Iterable[Any], chunk_len: int = KV_CHUNK_LEN) -> Iterator[tuple[Any, ...]]:
-    """The CHUNK parts of ``tensors``, then END, each part a tuple of buffers whose concatenation is
-    the part: its 5-byte head, then views of the tensors' own memory (no copy, no dtype change; a
-    strided array, such as a cache buffer cut to its positions, travels as its contiguous runs)."""
-    if not 0 < chunk_len <= MAX_KV_CHUNK_LEN:
-        raise ValueError(f"chunk_len must be 1..{MAX_KV_CHUNK_LEN}")
-    index = total = 0
-    pending: list[memoryview] = []
-    size = 0
-    for tensor in tensors:
-        for view in contiguous_runs(tensor):
-            while len(view):
-                take = min(len(view), chunk_len - size)
-                pending.append(view[:take])
-                view, size = view[take:], size + take
-                if size == chunk_len:
-                    yield (_CHUNK.pack(Part.CHUNK, index), *pending)
-                    index, total, pending, size = index + 1, total + size, [], 0
-    if size:
-        yield (_CHUNK.pack(Part.CHUNK, index), *pending)
-        index, total = index + 1, total + size
-    yield (_END.pack(Part.END, index, total),)
-
-
-def contiguous_runs(tensor: Any) -> Iterator[memoryview]:
-    """Byte views of ``tensor``'s elements in C order, each over memory it already holds: one view of a
-    C-contiguous array, else one per contiguous sub-array along the leading axes (a [1, H, N, D] slice of
-    a [1, H, capacity, D] buffer: one per head). Only an array whose last axis is strided is copied."""
-    if isinstance(tensor, (bytes, bytearray, memoryview)):
-        yield memoryview(tensor).cast("B")
-        return
-    a = np.asarray(tensor)
-    if a.flags.c_contiguous or a.size == 0:
-        if a.size:
-            yield memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
-        return
-    if a.ndim <= 1:
-        yield memoryview(np.ascontiguousarray(a).view(np.uint8))
-        return
-    for sub in a:
-        yield from contiguous_runs(sub)
-
-
 # -- decoding ------------------------------------------------------------------------------------
 
 
@@ -384,7 +335,8 @@ class HandoffDecoder:
         self._owner: Any = None
         self._have = 0
         self._chunks = 0
-        self.allocated = 0  # bytes of tensor buffers made so far (closed and open)
+        self._allocated = 0  # bytes of tensor buffers made so far (closed and open)
+        self.split: SplitAssembly | None = None  # a split handoff's tensors (docs/disagg.md §4.9)
 
     def feed(self, part: Any) -> None:
         """One STREAM_DATA body of the handoff stream."""
@@ -401,8 +353,39 @@ class HandoffDecoder:
                 self._chunk(view)
             elif kind == Part.END and self.state == "chunks":
                 self._end(view)
+            elif kind == Part.SPLIT and self.state == "chunks" and self._chunks == 0:
+                self._split(view)
             else:
                 raise HandoffError(f"handoff part 0x{kind:02x} is not expected in state {self.state}", ErrorCode.BAD_REQUEST)
+        except HandoffError:
+            self._fail()
+            raise
+
+    def start_part(self, index: int, count: int) -> None:
+        """Part stream ``index`` of ``count`` of a split handoff opened (its PART record, ``kv_split.parse_part``)."""
+        self._on_part(index, None, count)
+
+    def feed_part(self, index: int, part: Any) -> None:
+        """A STREAM_DATA body of part stream ``index``, after its PART record: CHUNK parts, then END."""
+        self._on_part(index, memoryview(part).cast("B"))
+
+    def _on_part(self, index: int, view: memoryview | None, count: int = 0) -> None:
+        try:
+            if self.state == "error":
+                raise HandoffError("the handoff was already refused")
+            if self.split is None:
+                raise HandoffError("a part stream for a handoff that is not split", ErrorCode.BAD_REQUEST)
+            kind = None if view is None or not len(view) else view[0]
+            if view is None:
+                self.split.start(index, count)
+            elif kind == Part.CHUNK:
+                self.split.chunk(index, view)
+                self.received = self.split.received
+            elif kind == Part.END:
+                self.state = "done" if self.split.end(index, view) else self.state
+            else:
+                raise HandoffError(f"part {index}: a part stream carries CHUNK and END parts, not "
+                                   f"{'nothing' if kind is None else f'0x{kind:02x}'}", ErrorCode.BAD_REQUEST)
         except HandoffError:
             self._fail()
             raise
@@ -413,16 +396,31 @@ class HandoffDecoder:
             got = f"{self.received} of {self.expected} tensor bytes" if self.state == "chunks" else f"state {self.state}"
             self._fail()
             raise HandoffError(f"the handoff stream ended before its END record ({got})")
+        if self.split is not None:
+            tensors, owners = self.split.tensors()
+            return Handoff(self.meta, self.prompt, self.layout, tensors, owners)
         return Handoff(self.meta, self.prompt, self.layout, self._done, self._owners)
 
     @property
     def held(self) -> int:
         """Tensor bytes this decoder keeps now: closed tensors, the open one's buffer or received views."""
+        if self.split is not None:
+            return self.split.held
         open_ = self._arr.nbytes if self._arr is not None else self._have
         return sum(t.nbytes for t in self._done) + open_
 
+    def abandon(self) -> None:
+        """Drop every tensor byte now (a refused handoff); every later part raises."""
+        self._fail()
+    @property
+    def allocated(self) -> int:
+        """Bytes of tensor buffers made so far (closed and open)."""
+        return self.split.allocated if self.split is not None else self._allocated
+
     def _fail(self) -> None:
         self.state = "error"
+        if self.split is not None:
+            self.split.drop()
         self._done, self._owners, self._pieces, self._have, self._specs = [], [], [], 0, []
         self._arr = self._owner = None
 
@@ -519,7 +517,7 @@ class HandoffDecoder:
             flat[off:off + len(piece)] = np.frombuffer(piece, np.uint8)
             off += len(piece)
         self._pieces, self._arr, self._owner = [], arr, owner
-        self.allocated += arr.nbytes
+        self._allocated += arr.nbytes
 
     def _advance(self) -> None:
         """Close every tensor whose bytes are all here (zero-size tensors at once)."""
@@ -533,6 +531,15 @@ class HandoffDecoder:
                 self._done.append(np.frombuffer(raw, dtype=NUMPY_DTYPES[spec.dtype]).reshape(spec.shape))
                 self._owners.append(None)
             self._pieces, self._have, self._arr, self._owner = [], 0, None, None
+
+    def _split(self, view: memoryview) -> None:
+        if len(view) != SPLIT.size:
+            raise HandoffError("the SPLIT record has the wrong length", ErrorCode.BAD_REQUEST)
+        count = view[1]
+        if not 2 <= count <= MAX_KV_SPLIT:
+            raise HandoffError(f"a split over {count} part streams is outside 2..{MAX_KV_SPLIT}", ErrorCode.BAD_REQUEST)
+        self.split = SplitAssembly(self.layout.tensors(len(self.prompt)), count, self._allocate, NUMPY_DTYPES, HandoffError)
+        self.state = "split"
 
     def _end(self, view: memoryview) -> None:
         if len(view) != _END.size:

@@ -4,8 +4,9 @@ A handoff is one large stream. On one connection, the handoffs of concurrent req
 node queue behind each other: one socket, one reader thread and one AEAD context per direction. The
 prefill node spreads them over a few *lanes* (pooled connections of the transport, ``pool.py``),
 each handoff whole on the least busy lane, so their copies and crypto run side by side on hosts with
-the cores for it. Nothing on the wire changes: the decode node sees more authenticated connections
-from the same identity, and keys streams by (sender, stream id) as before.
+the cores for it; a handoff of ``split_min_bytes()`` or more (16 MiB) is split over every lane instead
+(docs/disagg.md §4.9), so one large handoff's crypto runs on several cores too. The decode node sees more
+authenticated connections from the same identity, and keys streams by (sender, stream id) as before.
 """
 
 from __future__ import annotations
@@ -16,7 +17,12 @@ from typing import Iterator
 
 from mlxcel.cluster.aead_pipeline import usable_cores
 from mlxcel import envs
+from mlxcel.disagg.wire import DEFAULT_SPLIT_MIN_BYTES
 
+def split_min_bytes() -> int:
+    """Tensor bytes from which a handoff is split over every lane (MLXCEL_HANDOFF_SPLIT_MIN_BYTES; 16 MiB)."""
+    value = envs.settings().handoff_split_min_bytes
+    return DEFAULT_SPLIT_MIN_BYTES if value is None else int(value)
 
 
 def default_lanes(cores: int | None = None) -> int:

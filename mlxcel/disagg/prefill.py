@@ -31,6 +31,8 @@ from mlxcel.disagg.flags import NodeConfig
 from mlxcel.disagg.host_staging import shared_staging
 from mlxcel.disagg.kv_cache import export_cache, probe_layout
 from mlxcel.disagg.kv_codec import chunk_parts, encode_header
+from mlxcel.disagg.kv_split import total_bytes
+from mlxcel.disagg.split_send import send_split
 from mlxcel.disagg.lanes import LanePicker
 from mlxcel.disagg.loop import LoopThread
 from mlxcel.disagg.service import RoleService
@@ -92,9 +94,12 @@ class PrefillService(RoleService):
         self.loop = LoopThread("mlxcel-prefill-loop")
         self.workers = ThreadPoolExecutor(max_workers=parallel + 1, thread_name_prefix="mlxcel-handoff")
         self.lanes = LanePicker(cfg.handoff_lanes)  # concurrent handoffs to one decode node on their own connections
+        # a large handoff's part streams, one per lane, each sealed on its own thread (docs/disagg.md §4.9)
+        self.part_workers = ThreadPoolExecutor(max_workers=(parallel + 1) * cfg.handoff_lanes,
+                                               thread_name_prefix="mlxcel-handoff-part")
         self.jobs: dict[str, Job] = {}
         self.counters = {"requests": 0, "handoffs": 0, "handoff_bytes": 0, "handoff_seconds": 0.0,
-                         "refused": 0, "failed": 0, "cancelled": 0}
+                         "refused": 0, "failed": 0, "cancelled": 0, "split_handoffs": 0}
         if self.layout.unsupported:
             log.warning("prefill: %s; every request will be refused", self.layout.unsupported)
 
@@ -271,7 +276,11 @@ class PrefillService(RoleService):
         self.send(job.router, m.HandedOff(job.nonce, sent, seconds, str(job.target), prefill_s))
 
     def _stream(self, job: Job, header: bytes, tensors: Any, lane: int) -> int | None:
-        """One handoff stream on ``lane``: the bytes sent, or None when the request was cancelled on the way."""
+        """One handoff stream on ``lane`` (split over every lane when large): the bytes sent, or None when the
+        request was cancelled on the way."""
+        count = self.cfg.handoff_lanes
+        if count > 1 and total_bytes(tensors) >= self.cfg.split_min_bytes:
+            return self._stream_split(job, header, tensors, lane, count)
         writer = self.transport.open_stream(job.target, lane)
         writer.write(header)
         sent = len(header)
@@ -282,6 +291,14 @@ class PrefillService(RoleService):
             writer.write(part)
             sent += sum(len(p) for p in part)
         writer.close()
+        return sent
+
+    def _stream_split(self, job: Job, header: bytes, tensors: Any, lane: int, count: int) -> int | None:
+        """A handoff split over ``count`` part streams (docs/disagg.md §4.9; ``split_send``)."""
+        sent = send_split(self.transport, job.target, header, tensors, lane, count, self.part_workers,
+                          lambda: job.cancelled)
+        if sent is not None:
+            self.counters["split_handoffs"] += 1
         return sent
 
     # -- state ------------------------------------------------------------------------------------
@@ -298,4 +315,5 @@ class PrefillService(RoleService):
         super().close()
         self.scheduler.close()
         self.workers.shutdown(wait=False, cancel_futures=True)
+        self.part_workers.shutdown(wait=False, cancel_futures=True)
         self.loop.close()

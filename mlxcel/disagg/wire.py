@@ -17,6 +17,13 @@ MAX_KV_META_LEN = 16 * 1024 + 6 * 64 * 1024
 #: largest tensor-byte payload of one CHUNK part (the sender uses KV_CHUNK_LEN)
 MAX_KV_CHUNK_LEN = 4 * 1024 * 1024
 KV_CHUNK_LEN = 1024 * 1024
+#: a split handoff (docs/disagg.md §4.9) has 2..MAX_KV_SPLIT part streams
+MAX_KV_SPLIT = 16
+#: a prefill node splits a handoff of at least this many tensor bytes over its lanes
+#: (MLXCEL_HANDOFF_SPLIT_MIN_BYTES overrides)
+DEFAULT_SPLIT_MIN_BYTES = 16 * 1024 * 1024
+#: tensor bytes a decode node keeps of part streams whose header stream has not arrived yet, per handoff
+MAX_KV_EARLY_BYTES = 16 * 1024 * 1024
 
 
 class Part(enum.IntEnum):
@@ -25,6 +32,8 @@ class Part(enum.IntEnum):
     HEADER = 0x01
     CHUNK = 0x02
     END = 0x03
+    SPLIT = 0x04  # header stream of a split handoff: its tensor bytes come on N part streams
+    PART = 0x05  # first part of a part stream: the header stream it belongs to, its index and N
 
 
 class CacheKind(enum.IntEnum):

@@ -41,7 +41,7 @@ def cluster(tmp_path_factory, tiny_llama):
     c = DisaggCluster(tmp_path_factory.mktemp("disagg"), tiny_llama, prefills=2, decodes=2,
                       prefill_flags=("--log-level", "debug"), decode_env={"MLXCEL_TEST_DECODE_STEP_DELAY_S": STEP_DELAY})
     c.prefill_env = {"MLXCEL_DECODE_ALLOWLIST": f"{c.decode_addrs[0]}, decode.lan:1,{c.decode_addrs[1]}",
-                     "MLXCEL_HANDOFF_LANES": "2"}
+                     "MLXCEL_HANDOFF_LANES": "2", "MLXCEL_HANDOFF_SPLIT_MIN_BYTES": "1"}  # every handoff split
     c.start()
     yield c
     c.stop()
@@ -169,6 +169,8 @@ def test_concurrent_handoffs_over_two_lanes_give_a_single_node_s_text(cluster, s
     for b, a in zip(before, after):  # every handoff counted on one lane
         assert sum(a["handoff_lanes"]) - sum(b["handoff_lanes"]) == a["handoffs"] - b["handoffs"]
     assert sum(a["handoffs"] - b["handoffs"] for b, a in zip(before, after)) == len(texts)
+    # MLXCEL_HANDOFF_SPLIT_MIN_BYTES=1: each handoff split over both lanes (docs/disagg.md §4.9)
+    assert sum(a["split_handoffs"] - b["split_handoffs"] for b, a in zip(before, after)) == len(texts)
     assert all(d.state()["connections"] >= 1 for d in cluster.decodes)
     # the GIL changes hands every 0.5 ms in both roles (mlxcel/threads.py), so handoff threads are not starved
     assert {n.state()["switch_interval_ms"] for n in [*cluster.prefills, *cluster.decodes]} == {0.5}

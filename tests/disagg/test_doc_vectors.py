@@ -71,3 +71,49 @@ def test_the_chunked_example_matches_the_codec():
         dec.feed(part)
     got = dec.result()
     assert got.prompt == (7, 8, 9) and np.array_equal(got.tensors[0], keys) and np.array_equal(got.tensors[1], -keys)
+
+
+def split_example() -> dict[str, list[bytes]]:
+    """docs/disagg.md §4.10: each stream's parts ("header stream", "part stream 0", ...), hex joined per part."""
+    text = DOC.read_text()
+    block = text[text.index("### 4.10 Worked example"):]
+    block = block[block.index("```") + 3:]
+    block = block[:block.index("```")]
+    streams: dict[str, list[str]] = {}
+    name = ""
+    for line in block.strip().splitlines():
+        label = re.match(r"(header stream|part stream \d)\s+", line)
+        if label:
+            name = label.group(1)
+            streams[name] = []
+            line = line[label.end():]
+        else:
+            line = line.strip()
+        streams[name].append(line)
+    return {k: [bytes.fromhex(p) for p in v if not p.startswith("(")] for k, v in streams.items()}
+
+
+def test_the_split_example_matches_the_codec_and_decodes_as_the_single_stream():
+    from mlxcel.disagg.kv_codec import contiguous_runs
+    from mlxcel.disagg.kv_split import encode_part, encode_split, parse_part, range_parts, ranges
+
+    layout = KVLayout((LayerSpec(CacheKind.KV, DType.FLOAT32, 1, 2, 2),))
+    keys = np.array([[[[1.0, 2.0], [3.0, 4.0]]]], np.float32)
+    example = split_example()
+    assert example["header stream"] == [encode_split(3)]
+    assert ranges(32, 3) == [(0, 10), (10, 21), (21, 32)]
+    for i, (lo, hi) in enumerate(ranges(32, 3)):
+        runs = (v for t in (keys, -keys) for v in contiguous_runs(t))
+        written = [encode_part(5, i, 3), *(b"".join(bytes(b) for b in p) for p in range_parts(runs, lo, hi, 24))]
+        assert example[f"part stream {i}"] == written
+    dec = HandoffDecoder(layout, 16)
+    dec.feed(example_parts()[0])  # the header of §4.4
+    dec.feed(encode_split(3))
+    for i in (2, 0, 1):  # any order of the part streams
+        stream, index, count = parse_part(memoryview(example[f"part stream {i}"][0]), ValueError)
+        assert (stream, index, count) == (5, i, 3)
+        dec.start_part(index, count)
+        for part in example[f"part stream {i}"][1:]:
+            dec.feed_part(index, part)
+    got = dec.result()
+    assert np.array_equal(got.tensors[0], keys) and np.array_equal(got.tensors[1], -keys)
