@@ -85,10 +85,9 @@ class PipelineExecutor(ExecutorBase):
         self.cluster = cluster
         self.model = model
         self.depth = len(cluster.stages)
-        self.micro_batch_size = min(micro_batch_size or cluster.micro_batch(max_batch_size), cluster.max_batch_size)
         self.one_row = one_row  # the model's caches cannot merge (executor.cap_rows): one row per micro-batch
-        if one_row is not None:
-            self.micro_batch_size = 1
+        self.micro_batch_size = 1 if one_row is not None else \
+            min(micro_batch_size or cluster.micro_batch(max_batch_size), cluster.max_batch_size)
         self.fill_micro_batches = fill_micro_batches(cluster)
         self.return_logits = return_logits
         self.resume_policy = ResumePolicy(cluster.max_resumes, cluster.timeouts.resume_s)
@@ -345,8 +344,7 @@ class PipelineExecutor(ExecutorBase):
         stages = [{"id": nodes[p].id, "address": str(p), "up": s.up, "layers": s.state.get("layers")}
                   for p, s in self.monitor.status.items() if p in nodes]
         body: dict[str, Any] = {"status": "ok" if all(s["up"] for s in stages) else "degraded", "stages": stages}
-        if self.one_row is not None:
-            body["batching"] = self.one_row.batching
+        body.update({"batching": self.one_row.batching} if self.one_row is not None else {})
         if self.replacer is not None:
             body["spares"] = self.replacer.status()
             body["reassigned"] = dict(self.replacer.reassigned)
