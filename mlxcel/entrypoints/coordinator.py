@@ -38,7 +38,8 @@ def coordinator_factory(dist: Distributed, secret: ClusterSecret | None, *, stop
         executor = PipelineExecutor(dist.cluster, secret, model_facts(config.model),
                                     max_batch_size=config.max_batch_size, micro_batch_size=dist.micro_batch_size,
                                     return_logits=dist.return_logits, stop_stages_on_close=stop_stages,
-                                    replacer=replacer, one_row=cap_rows(model))
+                                    replacer=replacer,
+                                    one_row=None if model is None else cap_rows(model))
         try:
             executor.start()
         except OSError as exc:
