@@ -64,3 +64,38 @@ def test_llama4_stages_decode_one_row_per_micro_batch(tmp_path):
             sched.close()
         for s in stages:
             s.close()
+
+
+def test_the_coordinator_role_reads_the_cap_from_the_model_it_loads_without_weights(tmp_path, monkeypatch):
+    """``coordinator_factory`` (the coordinator role's engine) hands the lazily built model's cap to its executor."""
+    from types import SimpleNamespace
+
+    import mlxcel.pipeline.coordinator as coordinator
+    from mlxcel.entrypoints.coordinator import coordinator_factory
+    from mlxcel.models.loading import load_checkpoint
+    from mlxcel.models.random_checkpoint import make_random_checkpoint
+
+    class Stop(Exception):
+        pass
+
+    seen = {}
+
+    class Executor:
+        def __init__(self, *args, **kwargs):
+            seen.update(kwargs)
+
+        def start(self):
+            raise Stop
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(coordinator, "PipelineExecutor", Executor)
+    dist = SimpleNamespace(cluster=None, micro_batch_size=None, return_logits=False)
+    for family, batching in (("llama4", "one row at a time (ChunkedKVCache has no merge)"), ("llama", None)):
+        path = make_random_checkpoint(tmp_path / family, family=family, layers=4)
+        loaded = load_checkpoint(path, lazy=True)
+        with pytest.raises(Stop):
+            coordinator_factory(dist, object())(loaded.model, loaded.tokenizer, 512,
+                                                SimpleNamespace(model=path, max_batch_size=4))
+        assert (seen["one_row"] and seen["one_row"].batching) == batching
