@@ -194,6 +194,14 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
                      "index_source_layer_ids": [1, 2], "index_n_heads": 2, "index_head_dim": 16, "index_topk": 2},
 }
 
+#: families built on make-random's llama fields plus their own (bailing_hybrid: GLA layers 0, 2, ..., MLA 1, 3, ...)
+TINY_ON_LLAMA: dict[str, dict[str, Any]] = {
+    "bailing_hybrid": {"moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2, "num_shared_experts": 1,
+                       "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1, "layer_group_size": 2,
+                       "group_norm_size": 1, "routed_scaling_factor": 1.0, "kv_lora_rank": 32, "q_lora_rank": 32,
+                       "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16, "head_dim": 16},
+}
+
 
 def family_config(family: str) -> dict[str, Any] | None:
     """A tiny config.json of ``family`` (make-random's; a family it does not build borrows its module's, or
@@ -202,6 +210,8 @@ def family_config(family: str) -> dict[str, Any] | None:
 
     if family in TINY_CONFIGS:
         return {**TINY_CONFIGS[family], "model_type": family}
+    if family in TINY_ON_LLAMA:
+        return {**_config("llama", 4, 64, 4, 2, 320, None, None), **TINY_ON_LLAMA[family], "model_type": family}
     base = family if family in _random_families() else module_of(family)
     if base not in _random_families():
         return None

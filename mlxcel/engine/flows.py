@@ -268,3 +268,71 @@ class KimiK3Flow(Flow):
         raw = self.blocks.raw.transpose(1, 2, 0, 3)  # [B, L, blocks, D]
         packed = mx.concatenate([raw, self.h[..., None, :]], axis=2).astype(self.dtype)
         return packed.reshape(*self.h.shape[:2], -1)
+
+
+def _streams(model: Any) -> int:
+    """deepseek_v41: the residual streams its hyper-connections mix (hc_mult)."""
+    from mlxcel.engine.slice_rule import text_model
+
+    return int(text_model(model).args.hc_mult)
+
+
+def _activation_itemsize(model: Any) -> int:
+    """The bytes of one element of the hidden state: the token embedding's output dtype (its scales' where
+    quantized)."""
+    from mlxcel.engine.slice_rule import embedding
+
+    table = embedding(model)
+    return int(getattr(table, "scales", table.weight).dtype.size)
+
+
+class DeepseekV41Flow(Flow):
+    """deepseek_v41: hyper-connections carry ``hc_mult`` residual streams [B, L, hc, D] from layer to layer,
+    with the float32 mix [B, L, hc] that the next layer collapses them by (``pre_mix``); each layer also
+    takes the position, the window rows it attends to, and the state its attention shares with later
+    layers (compressed KV, index keys, top-k, candidates: ``model_slice`` refuses a boundary any of it
+    would cross). A boundary carries the streams and the mix packed along the last axis, the mix's float32
+    bits as activation-dtype lanes: [B, L, hc * D + hc * 4 / itemsize], as mlx-lm's own pipeline sends
+    both; the last slice collapses them by the mix for the final norm."""
+
+    def __init__(self, model: Any, start: int, carried: mx.array, cache: list):
+        from mlx_lm.models.deepseek_v41 import LayerCache, _window_indices
+
+        from mlxcel.engine.slice_rule import text_model
+
+        super().__init__(model, start, carried, cache)
+        self.args = args = text_model(model).args
+        self.fresh = lambda: LayerCache(args.sliding_window)  # a layer run without a cache of its own
+        first = cache[0] if cache and cache[0] is not None else self.fresh()
+        batch, length = carried.shape[:2]
+        self.start_pos = first.offset
+        previous = 0 if first.window is None else first.window.shape[1]  # every layer's window holds the same rows
+        window = _window_indices(previous=previous, length=length, window=args.sliding_window)
+        self.window_idx = mx.broadcast_to(window, (batch, *window.shape))
+        hc, d = args.hc_mult, args.hidden_size
+        if start == 0:  # the embedding, as TextModel: every stream a copy of it, the first one collapsed
+            self.streams = mx.broadcast_to(carried[:, :, None, :], (batch, length, hc, d))
+            self.pre_mix = mx.zeros((batch, length, hc), dtype=mx.float32)
+            self.pre_mix[..., 0] = 1.0
+        else:
+            self.streams = carried[..., :hc * d].reshape(batch, length, hc, d)
+            self.pre_mix = carried[..., hc * d:].view(mx.float32)
+        self.shared: dict[str, Any] = {}
+
+    @staticmethod
+    def width(model: Any, boundary: int) -> int:
+        return _streams(model) * hidden_size(model) + _streams(model) * 4 // _activation_itemsize(model)
+
+    def layer(self, index: int, layer: Any, mask: Any, cache: Any) -> None:
+        self.streams, self.pre_mix = layer(self.streams, self.pre_mix, start_pos=self.start_pos,
+                                           window_idx=self.window_idx, cache=cache if cache is not None else
+                                           self.fresh(), shared=self.shared)
+
+    def leave(self, last: bool) -> mx.array:
+        from mlx_lm.models.deepseek_v41 import _collapse
+
+        if last:
+            return _collapse(self.streams, self.pre_mix)
+        batch, length = self.streams.shape[:2]
+        flat = self.streams.reshape(batch, length, -1)
+        return mx.concatenate([flat, self.pre_mix.view(flat.dtype)], axis=-1)

@@ -15,9 +15,10 @@ masks as arrays (deepseek_v3's MLA), the cache a mask is built from (deepseek_v3
 CacheList), a check refusing a layer range that cannot be one slice (gemma4_text's
 KV-shared layers apart from the layer whose KV they read), and a ``Flow``
 (``mlxcel.engine.flows``): what one forward pass carries from layer to layer and
-across a stage boundary (kimi_k3's attention-residual blocks and gemma4_text's
-per-layer inputs cross it beside h, a bounded width each stage checks:
-``ModelSlice.input_width``). MoE blocks, attention
+across a stage boundary (kimi_k3's attention-residual blocks, gemma4_text's
+per-layer inputs and deepseek_v41's residual streams cross it beside or instead of h, a bounded
+width each stage checks: ``ModelSlice.input_width``), and which layers own a cache (nemotron_h's
+MLP and MoE layers own none: a slice holds the caches of its own layers). MoE blocks, attention
 sinks and dense leading layers live inside mlx-lm's layers and need no hook. The rows are
 keyed by the mlx-lm module that implements the family (a checkpoint's
 ``model_type`` may map onto one, e.g. mistral onto llama), each tested against
@@ -35,8 +36,8 @@ import mlx.core as mx
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 from mlx_lm.models.cache import KVCache
 
-from mlxcel.engine.flows import (BailingHybridFlow, FalconH1Flow, Flow, Gemma4Flow, HunyuanFlow, KimiK3Flow,
-                                 Llama4Flow, Ministral3Flow)
+from mlxcel.engine.flows import (BailingHybridFlow, DeepseekV41Flow, FalconH1Flow, Flow, Gemma4Flow, HunyuanFlow,
+                                 KimiK3Flow, Llama4Flow, Ministral3Flow)
 # LINEAR: the attention kind of a linear-attention (state-space) layer: an SSM mask, no window
 from mlxcel.engine.slice_rule import (  # noqa: F401 - lm_head: importers' name
     LINEAR, cache_attention, embedding, lm_head, norm_and_head, rule_parts, text_model)
@@ -77,6 +78,10 @@ class Family:
     embed_modules: tuple[str, ...] = ()
     # (model, start, end) -> None, or ModelError naming why layers [start, end) cannot be one slice
     check_slice: Callable[[Any, int, int], None] = lambda model, start, end: None
+    # (model, absolute layer index) -> whether make_cache gives the layer a cache: where some layers own none
+    # (nemotron_h's MLP and MoE layers), a slice holds the caches of its own layers, in order, and its
+    # layers without one run with neither cache nor mask
+    owns_cache: Callable[[Any, int], bool] = lambda model, index: True
 
 
 def _llama_attention(model: Any, index: int) -> Hashable:
@@ -183,6 +188,33 @@ def _bailing_slice_check(model: Any, start: int, end: int) -> None:
                          f"from an MLA layer's cache, so each stage must hold one")
 
 
+def _nemotron_h_owns_cache(model: Any, index: int) -> bool:
+    """nemotron_h: make_cache gives its Mamba ("M") and attention ("*") layers a cache, not its MLP ("-") and
+    MoE ("E") ones (its forward's cache_counter)."""
+    return text_model(model).layers[index].block_type in ("M", "*")
+
+
+def _nemotron_h_attention(model: Any, index: int) -> Hashable:
+    """nemotron_h: attention ("*") layers full, Mamba ("M") layers an SSM mask (the MLP / MoE ones none)."""
+    return None if text_model(model).layers[index].block_type == "*" else LINEAR
+
+
+def _deepseek_v41_slice_check(model: Any, start: int, end: int) -> None:
+    """deepseek_v41's attention shares state with later layers in the same forward pass (compressed KV and
+    index keys of a source layer, the top-k of an index layer, the candidate blocks); mlx-lm's pipeline
+    sends it beside the streams, in shapes that grow with the position, which a stage boundary here does
+    not carry: no stage may start where a later layer reads such state from an earlier one."""
+    from mlx_lm.models.deepseek_v41 import _crossing
+
+    crossing = _crossing(text_model(model).args, start) if start else {}
+    if crossing:
+        key, source = next(iter(crossing.items()))
+        raise ModelError(f"deepseek_v41 layers from {start} on read the {key} that layer {source} computes in the "
+                         f"same forward pass (compress_ratios, kv_source_layer_ids, index_source_layer_ids, "
+                         f"candidate_source_layer_id), which a stage boundary does not carry: a stage cannot "
+                         f"start at layer {start}")
+
+
 def _falcon_h1_head(model: Any, h: mx.array) -> mx.array:
     """As falcon_h1's Model: a tied head scales by lm_head_multiplier / embedding_multiplier (an untied
     lm_head has them folded in by sanitize)."""
@@ -245,17 +277,19 @@ FAMILIES: dict[str, Family] = {
     "minimax_m3_vl": Family(mask_cache=lambda cache: cache[0] if cache else None),
     # chunked local / global attention, each with the mask the text model builds per forward pass (Llama4Flow)
     "llama4": Family(flow=Llama4Flow, mask_cache=lambda cache: None),
+    # hyper-connections: hc_mult residual streams and their mix carried beside each other across a boundary
+    # (DeepseekV41Flow); each layer's own LayerCache, made by the text model; boundaries that shared
+    # attention state would cross are refused
+    "deepseek_v41": Family(flow=DeepseekV41Flow, mask_cache=lambda cache: None,
+                           check_slice=_deepseek_v41_slice_check),
+    # text model backbone (embeddings, norm_f); Mamba-2 / attention / MLP / MoE layers by the pattern, caches
+    # for the first two only (``owns_cache``)
+    "nemotron_h": Family(head=norm_and_head, attention=_nemotron_h_attention, owns_cache=_nemotron_h_owns_cache),
 }
 
 # mlx-lm families with pipeline() or shard() hooks that neither the rule nor a row slices, and why (any other
 # family the rule refuses gets the rule's reason; tests/engine/test_slice_rule.py checks every hooked family)
 REFUSED: dict[str, str] = {
-    "deepseek_v41": "its text model makes its own layer caches (compressed KV and indexer keys, a LayerCache "
-                    "without from_state) and mixes several residual streams (hyper-connections) across layers; "
-                    "a row carrying the streams beside h is not implemented",
-    "nemotron_h": "its text model is model.backbone, and its MLP and MoE layers own no cache: make_cache gives "
-                  "caches to the Mamba and attention layers only, so a layer's cache is not its index's; no row "
-                  "yet",
     "longcat_flash_ngram": "it adds n-gram embeddings to the token embedding (a second embedding)",
     "iquestloopcoder": "it runs its layers twice (a loop), the second pass reading the first pass's KV",
     "muse_spark": "its text model is model.language_model, and its head casts to lm_head's dtype",
@@ -303,6 +337,8 @@ class ModelSlice:
     end: int
     family: Family = field(init=False, repr=False)
     kinds: list = field(init=False, repr=False)  # each layer's attention kind (Family.attention), read once
+    owners: list = field(init=False, repr=False)  # whether each layer owns a cache (Family.owns_cache)
+    cache_start: int = field(init=False, repr=False)  # where the slice's caches begin in the model's list
 
     def __post_init__(self) -> None:
         self.family = family_of(self.model)
@@ -311,6 +347,8 @@ class ModelSlice:
             raise ModelError(f"layer range {self.start}-{self.end - 1} is outside the model's 0-{total - 1}")
         self.family.check_slice(self.model, self.start, self.end)
         self.kinds = [self.family.attention(self.model, index) for index in range(self.start, self.end)]
+        self.owners = [self.family.owns_cache(self.model, index) for index in range(self.start, self.end)]
+        self.cache_start = sum(self.family.owns_cache(self.model, index) for index in range(self.start))
 
     @property
     def is_first(self) -> bool:
@@ -324,13 +362,25 @@ class ModelSlice:
     def layers(self) -> list:
         return text_model(self.model).layers[self.start:self.end]
 
+    @property
+    def cache_count(self) -> int:
+        """How many caches the slice's layers own: its share of the model's cache list."""
+        return sum(self.owners)
+
     def make_cache(self) -> list:
-        """One KV cache per layer of the slice, of the type the family asks for (none for layers that reuse
-        another's: gemma4_text's KV-shared layers, the model's last)."""
+        """The caches of the slice's layers, of the types the family asks for: the model's make_cache from
+        the slice's first (``cache_start``), one per layer that owns one (none for gemma4_text's KV-shared
+        layers, the model's last, nor nemotron_h's MLP / MoE layers). The stages' lists, joined, are the
+        model's."""
         make = getattr(self.model, "make_cache", None)
         if make is not None:
-            return make()[self.start:self.end]
+            return make()[self.cache_start:self.cache_start + self.cache_count]
         return [KVCache() for _ in self.layers]
+
+    def _layer_caches(self, cache: list | None) -> list:
+        """The slice's caches (``make_cache``'s list) laid out one per layer: None for a layer without one."""
+        owned = iter(cache or ())
+        return [next(owned, None) if owns else None for owns in self.owners]
 
     @property
     def input_width(self) -> int:
@@ -342,10 +392,14 @@ class ModelSlice:
         """Token ids [B, L] (first slice) or hidden states [B, L, input_width] -> hidden states
         [B, L, Flow.width at end] or logits."""
         h = self.family.embed(self.model, inputs) if self.is_first else inputs
-        cache = [*(cache or ()), *[None] * (self.end - self.start - len(cache or ()))]  # None: no cache of its own
+        cache = self._layer_caches(cache)  # None: no cache of its own
         flow = self.family.flow(self.model, self.start, h, cache)
         masks: dict[Hashable, Any] = {}
-        for index, layer, layer_cache, kind in zip(range(self.start, self.end), self.layers, cache, self.kinds):
+        for index, layer, layer_cache, kind, owns in zip(range(self.start, self.end), self.layers, cache,
+                                                         self.kinds, self.owners):
+            if not owns:  # a layer without a cache (nemotron_h's MLP / MoE) takes no mask either
+                flow.layer(index, layer, None, None)
+                continue
             if kind not in masks:  # as mlx-lm: one mask per attention kind, from its first layer's cache
                 masks[kind] = make_mask(flow.h, self.family.mask_cache(layer_cache), kind, self.family.array_masks)
             flow.layer(index, layer, masks[kind], layer_cache)

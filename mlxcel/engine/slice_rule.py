@@ -81,9 +81,18 @@ def cache_attention(model: Any, index: int) -> Hashable:
 
 def text_model(model: Any) -> Any:
     """The text model whose layers a slice runs: ``model.model`` (multimodal wrappers such as kimi_k25 alias
-    it to their language model's), else a wrapper's ``language_model.model`` (llama4 has no alias)."""
+    it to their language model's), else a wrapper's ``language_model.model`` (llama4 has no alias), else the
+    model's one child holding a ``layers`` list (nemotron_h's ``backbone``)."""
     inner = getattr(model, "model", None)
-    return inner if inner is not None else model.language_model.model
+    if inner is not None:
+        return inner
+    if "language_model" in model:
+        return model.language_model.model
+    found = [child for child in model.children().values() if isinstance(getattr(child, "layers", None), list)]
+    if len(found) != 1:
+        raise ModelError(f"{type(model).__module__}.Model has no model, language_model.model or one child "
+                         f"holding its layers")
+    return found[0]
 
 
 def embedding_name(model: Any) -> str | None:

@@ -25,7 +25,8 @@ from mlxcel.config import RANDOM_FAMILIES
 # RANDOM_FAMILIES one: plain and hybrid decoders sliced by rule or a small row, and mlx-lm's pipelined ones
 IN_PROCESS_FAMILIES = ("gemma2", "olmo2", "olmo3", "cohere2", "granitemoe", "smollm3", "seed_oss", "apertus",
                        "lfm2", "jamba", "granitemoehybrid", "deepseek_v2", "glm4_moe_lite", "mistral4",
-                       "exaone_moe", "step3p5", "hunyuan", "falcon_h1", "longcat_flash", "kimi_k25", "minimax_m3_vl", "llama4")
+                       "exaone_moe", "step3p5", "hunyuan", "falcon_h1", "longcat_flash", "kimi_k25", "minimax_m3_vl",
+                       "llama4", "nemotron_h", "deepseek_v41")
 # multimodal wrappers: their text model's fields under text_config (the text model_type given here)
 WRAPPERS = {"kimi_k25": "kimi_k2", "minimax_m3_vl": "minimax_m3", "llama4": "llama4_text"}
 
@@ -201,6 +202,21 @@ def _family_fields(family: str, hidden: int, head_dim: int, intermediate: int) -
         "llama4": {"attention_chunk_size": 4, "interleave_moe_layer_step": 2, "intermediate_size_mlp": intermediate,
                    "num_local_experts": 4, "num_experts_per_tok": 1, "use_qk_norm": True, "rope_scaling": None,
                    "attention_bias": False},
+        # text model backbone: Mamba-2, attention, MLP, MoE layers by the pattern (caches in the first two only)
+        "nemotron_h": {"hybrid_override_pattern": "ME*-", "attention_bias": False, "mamba_num_heads": 4,
+                       "mamba_head_dim": 16, "mamba_proj_bias": False, "ssm_state_size": 8, "conv_kernel": 4,
+                       "n_groups": 1, "mlp_bias": False, "layer_norm_epsilon": 1e-5, "use_bias": False,
+                       "use_conv_bias": True, "moe_intermediate_size": moe,
+                       "moe_shared_expert_intermediate_size": moe, "n_group": 1, "n_routed_experts": 4,
+                       "n_shared_experts": 1, "topk_group": 1, "num_experts_per_tok": 2, "norm_topk_prob": True,
+                       "routed_scaling_factor": 1.0},
+        # hyper-connections (4 residual streams); a window of 4 beside rows pooled 4 to 1 in every layer, each
+        # layer its own compressed-KV and index source (so no state crosses a stage boundary), top 2 of them
+        "deepseek_v41": {"q_lora_rank": 32, "qk_rope_head_dim": 8, "o_groups": 2, "o_lora_rank": 32,
+                         "moe_intermediate_size": moe, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                         "sliding_window": 4, "compress_ratios": [4] * 4, "kv_source_layer_ids": list(range(4)),
+                         "index_source_layer_ids": list(range(4)), "index_n_heads": 2, "index_head_dim": 16,
+                         "index_topk": 2, "hc_sinkhorn_iters": 4},
         "step3p5": {"num_attention_groups": 2, "sliding_window": 4, "moe_num_experts": 4, "moe_top_k": 2,
                     "moe_intermediate_size": moe, "share_expert_dim": moe},
     }
@@ -247,6 +263,12 @@ def _per_layer(config: dict, layers: int) -> None:
     if "layer_types" in config:
         pair = config["layer_types"][:2]
         config["layer_types"] = [pair[i % 2] for i in range(layers)]
+    if "hybrid_override_pattern" in config:  # nemotron_h: the pattern repeated to ``layers``
+        pattern = config["hybrid_override_pattern"]
+        config["hybrid_override_pattern"] = (pattern * layers)[:layers]
+    if "kv_source_layer_ids" in config:  # deepseek_v41: every layer compresses and indexes its own rows
+        config.update(compress_ratios=[4] * layers, kv_source_layer_ids=list(range(layers)),
+                      index_source_layer_ids=list(range(layers)))
     if "num_layers" in config:  # longcat_flash counts its layers so
         config["num_layers"] = layers
     if "mlp_layer_types" in config:  # minimax_m3_vl: layer 0 dense, MoE after it

@@ -36,7 +36,7 @@ class InProcessPipeline:
     def __init__(self, model: Any, ranges: Sequence[tuple[int, int]],
                  micro_batches: int = DEFAULT_PP_MICRO_BATCH_SIZE):
         self.slices = [ModelSlice(model, start, end) for start, end in ranges]
-        self._sizes = [end - start for start, end in ranges]
+        self._sizes = [piece.cache_count for piece in self.slices]  # each stage's share of the cache list
         self.micro_batches = micro_batches
         self._streams: list[Any] = []
 

@@ -112,7 +112,16 @@ def _hybrid(c: Mapping[str, Any], index: int) -> str | None:
     return None
 
 
+def bailing_mla_layers(c: Mapping[str, Any]) -> list[int]:
+    """bailing_hybrid's MLA ("global") layers, as mlx-lm's DecoderLayer.is_global: every
+    layer_group_size-th, and every layer of the tail after the last whole group; GLA in the others."""
+    layers, group = int(c["num_hidden_layers"]), int(c["layer_group_size"])
+    return [i for i in range(layers) if (i + 1) % group == 0 or i >= (layers // group) * group]
+
+
 def _attention(c: Mapping[str, Any], index: int) -> tuple[str, int | None]:
+    if c.get("model_type") == "bailing_hybrid" and "layer_group_size" in c:  # GLA (linear) beside MLA
+        return (MLA, None) if index in bailing_mla_layers(c) else (LINEAR, None)
     hybrid = _hybrid(c, index)
     if hybrid is not None and hybrid != SLIDING:
         return hybrid, None
@@ -242,6 +251,8 @@ def cache_bytes(config: Mapping[str, Any], kind: LayerKind, *, context: int, row
         linear = c.get("linear_attn_config")
         if isinstance(linear, Mapping):  # kimi_k3's KDA: heads x head_dim x head_dim
             state = int(linear["num_heads"]) * int(linear["head_dim"]) ** 2
+        elif "layer_group_size" in c:  # bailing_hybrid's GLA: heads x head_dim x head_dim
+            state = int(c["num_attention_heads"]) * _head_dim(c) ** 2
         else:  # gated delta net: value heads x key dim x value dim
             state = int(c["linear_num_value_heads"]) * int(c["linear_key_head_dim"]) * int(c["linear_value_head_dim"])
         return rows * state * 4
@@ -278,6 +289,8 @@ def _attention_params(c: Mapping[str, Any], kind: LayerKind) -> int:
             h, hd = int(linear["num_heads"]), int(linear["head_dim"])
             p = h * hd
             return 3 * d * p + 2 * (d * hd + hd * p) + d * h + p * d
+        if "layer_group_size" in c:  # bailing_hybrid's GLA: fused q/k/v, gate and output projections
+            return 5 * d * heads * _head_dim(c)
         hk, hv = int(c["linear_num_key_heads"]), int(c["linear_num_value_heads"])
         dk, dv = int(c["linear_key_head_dim"]), int(c["linear_value_head_dim"])
         return d * (2 * hk * dk + 2 * hv * dv) + d * 2 * hv + hv * dv * d

@@ -43,6 +43,7 @@ from mlxcel.topology.layer_cost import (
     step_bytes,
     text_config,
 )
+from mlxcel.topology.stage_rules import deepseek_v41_joined, needed_layers
 
 LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
 # multimodal wrappers (qwen3_5, kimi_k3) hold the text model one level down: "language_model.model.layers.3."
@@ -154,6 +155,9 @@ class StageCosts:
     # split points b (a stage starting at layer b) that the model forbids, and why (``joined_boundaries``)
     joined: frozenset[int] = frozenset()
     joined_why: str = ""
+    # layers of which every stage must hold at least one, and why (``stage_rules.needed_layers``)
+    needs: frozenset[int] = frozenset()
+    needs_why: str = ""
 
     @property
     def num_layers(self) -> int:
@@ -171,6 +175,10 @@ class StageCosts:
             if not (self.tied and start == 0):
                 cost += self.head
         return cost
+
+    def holds_needed(self, start: int, end: int) -> bool:
+        """Whether a stage of layers [start, end) holds one of the layers every stage needs (``needs``)."""
+        return not self.needs or any(start <= i < end for i in self.needs)
 
     def stage_step(self, start: int, end: int) -> int:
         """What one decode step of the stage holding layers [start, end) reads: its layers' active
@@ -288,10 +296,13 @@ _ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2}
 
 
 def joined_boundaries(config: dict) -> tuple[frozenset[int], str]:
-    """The split points ``config`` forbids, and why. gemma4_text's KV-shared layers (its last
+    """The split points ``config`` forbids, and why (deepseek_v41's: ``stage_rules.deepseek_v41_joined``).
+    gemma4_text's KV-shared layers (its last
     ``num_kv_shared_layers``) attend over the KV that the last earlier layer of their kind computes in
     the same step (mlx-lm's ``Gemma4TextModel.previous_kvs``), so no stage may start between the first
     such source layer and the last layer. Defaults as mlx-lm 0.32's gemma4_text ``ModelArgs``."""
+    if text_config(config).get("model_type", config.get("model_type")) == "deepseek_v41":
+        return deepseek_v41_joined(config)
     if config.get("model_type") != "gemma4_text":
         return frozenset(), ""
     layers, shared = int(config["num_hidden_layers"]), int(config.get("num_kv_shared_layers", 20))
@@ -312,7 +323,11 @@ def priced_by_kind(costs: StageCosts, config: dict, expert_bytes: Sequence[int],
     """``costs`` with each layer's step bytes and cache from its kind (``layer_kinds(config)``), given
     the bytes of its routed-expert tensors, and the split points the model forbids (``joined_boundaries``)."""
     joined, why = joined_boundaries(config)
-    costs = replace(costs, joined=joined, joined_why=why)
+    try:
+        needs, needs_why = needed_layers(config)
+    except ValueError as exc:
+        raise PartitionError(f"{costs.model}: {exc}") from None
+    costs = replace(costs, joined=joined, joined_why=why, needs=needs, needs_why=needs_why)
     try:
         kinds = layer_kinds(config)
     except (KeyError, TypeError, ValueError) as exc:
@@ -341,9 +356,20 @@ def config_costs(config: dict, *, bits: float = 16, context: int = 0, rows: int 
     return priced_by_kind(costs, config, [e for _, e in sized], context=context, rows=rows, itemsize=itemsize)
 
 
+# nemotron_h's text model is "backbone", its embedding "embeddings" and final norm "norm_f"
+# (and bailing_hybrid's embedding "word_embeddings")
+_BACKBONE = (("backbone.embeddings.", EMBED_PREFIX), ("backbone.norm_f.", NORM_PREFIX), ("backbone.", "model."),
+             ("model.word_embeddings.", EMBED_PREFIX))
+
+
 def unwrap(name: str) -> str:
     """A tensor name with a multimodal wrapper's prefix removed: "language_model.model.norm.weight" ->
-    "model.norm.weight", "model.language_model.layers.0.x" -> "model.layers.0.x"."""
+    "model.norm.weight", "model.language_model.layers.0.x" -> "model.layers.0.x"; nemotron_h's backbone
+    named as the others: "backbone.layers.0.x" -> "model.layers.0.x", "backbone.norm_f.weight" ->
+    "model.norm.weight"."""
+    for prefix, alias in _BACKBONE:
+        if name.startswith(prefix):
+            return alias + name[len(prefix):]
     match = _WRAPPED.match(name)
     if match is None:
         return name
@@ -391,8 +417,15 @@ class Stage:
 
 
 def stages_for_ranges(costs: StageCosts, ranges: Sequence[tuple[int, int]]) -> list[Stage]:
-    """Price given ranges (e.g. from --pp-layers) as stages."""
+    """Price given ranges (e.g. from --pp-layers) as stages; PartitionError naming the first stage that
+    starts at a split point the model forbids (``joined``) or holds none of the layers it needs (``needs``)."""
     check_coverage(ranges, costs.num_layers, "layer ranges")
+    for index, (a, b) in enumerate(ranges):
+        if a in costs.joined:
+            raise PartitionError(f"stage {index} (layers {format_range(a, b)}) starts at layer {a}: {costs.joined_why}")
+        if not costs.holds_needed(a, b):
+            raise PartitionError(f"stage {index} (layers {format_range(a, b)}) holds none of the layers every stage "
+                                 f"needs: {costs.needs_why}")
     return [_stage(costs, i, a, b) for i, (a, b) in enumerate(ranges)]
 
 
@@ -412,13 +445,16 @@ def plan_stages(costs: StageCosts, n: int, memory: Sequence[int] | None = None) 
     the fewer layers), so the result is deterministic.
     ``memory``: each stage's usable bytes (one value per stage); a stage never
     gets more than its memory, and an impossible fit names the stage. No stage starts
-    at a split point the model forbids (``StageCosts.joined``).
+    at a split point the model forbids (``StageCosts.joined``), and every stage holds one of the layers
+    the model says each needs (``StageCosts.needs``: bailing_hybrid's MLA layers).
     """
     num_layers = costs.num_layers
     if not 1 <= n <= num_layers:
         raise PartitionError(f"cannot split {num_layers} layers into {n} stages (1 to {num_layers})")
     if n - 1 > num_layers - 1 - len(costs.joined):
         raise PartitionError(f"cannot split {num_layers} layers into {n} stages: {costs.joined_why}")
+    if costs.needs and n > len(costs.needs):
+        raise PartitionError(f"cannot split {num_layers} layers into {n} stages: {costs.needs_why}")
     limits = _limits(memory, n)
     _check_total(costs, limits)
     # best[k][j]: (heaviest step, sum of squared steps, sum of squared resident bytes, previous split) for
@@ -460,7 +496,7 @@ def _best_split(costs: StageCosts, previous: list, stage: int, j: int,
                 limit: int | None) -> tuple[int, int, int, int] | None:
     best = None
     for i in range(stage, j):
-        if previous[i] is None:
+        if previous[i] is None or not costs.holds_needed(i, j):
             continue
         resident = costs.stage_bytes(i, j)
         if limit is not None and resident > limit:

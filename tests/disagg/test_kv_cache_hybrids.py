@@ -1,5 +1,5 @@
 """The handoff of every Mamba / short-convolution family's caches (issue 43): jamba (Mamba), lfm2 (short
-convolution), granitemoehybrid, nemotron_h and falcon_h1 (Mamba-2) keep their recurrent and convolution
+convolution), granitemoehybrid, nemotron_h and falcon_h1 (Mamba-2), and bailing_hybrid (linear attention) keep their recurrent and convolution
 state in ``ArraysCache`` beside attention's ``KVCache``. In process, per family: a tiny model from
 mlx-lm's own classes, its ``make_prompt_cache``, a prefill, then export, encode, decode and import; the
 decode steps after it give the logits the original cache gives (float32, within 1e-4)."""
@@ -46,6 +46,7 @@ TABLE = {
     "granitemoehybrid": None,
     "nemotron_h": [ARR, KV, ARR],  # the MLP layer ("-") keeps no cache
     "falcon_h1": [CacheKind.LIST] * 2,  # each layer: Mamba-2 state and attention KV side by side
+    "bailing_hybrid": [ARR, KV, ARR, KV],  # GLA (linear attention) state, then MLA's KV, in turn
 }
 
 

@@ -27,6 +27,8 @@ from mlxcel.models.random_checkpoint import IN_PROCESS_FAMILIES, RANDOM_FAMILIES
 from mlxcel.topology.partition import layer_costs, plan_stages
 from tests.family_checkpoints import family_checkpoint  # noqa: F401  (fixture)
 
+from mlx_lm.models.deepseek_v41 import LayerCache as LAYER  # noqa: E402 - deepseek_v41's own cache
+
 KV, ROT, SSM, CL, CHUNK = KVCache, RotatingKVCache, ArraysCache, CacheList, ChunkedKVCache
 # family (model_type) -> the cache type of each of its 4 layers
 TABLE: dict[str, list[type]] = {
@@ -79,6 +81,12 @@ TABLE: dict[str, list[type]] = {
     "kimi_k25": [KV] * 4,  # deepseek_v3's MLA and MoE
     "minimax_m3_vl": [CL] * 4,  # KV (+ the indexer's keys in the sparse layers 1 and 3), blocks of 2, top 2
     "llama4": [CHUNK, CHUNK, CHUNK, KV],  # chunked local attention (chunks of 4), every 4th layer global
+    # row: text model backbone; Mamba-2, MoE, attention, MLP ("ME*-"): caches for layers 0 and 2 only, so a
+    # stage's caches are its own layers' (the model's list from the slice's first), not the list at its indices
+    "nemotron_h": [SSM, KV],
+    # row: hyper-connections (4 residual streams and their mix cross each boundary, hc x hidden + hc wide);
+    # its own LayerCache per layer (a window of 4, rows pooled 4 to 1 and their index keys), made by the text model
+    "deepseek_v41": [LAYER] * 4,
 }
 # rows whose split rule keeps 4 layers from making 3 stages (each stage holds an MLA layer):
 # tests/engine/test_slice_rule.py checks them on the splits they allow, and the refusal
@@ -188,9 +196,10 @@ def stage_tokens(runners, prompts: dict[str, list[int]], steps: int) -> dict[str
     return out
 
 
-# families whose rows cannot share a micro-batch on one node either: mlx-lm's ChunkedKVCache has no batched form
-# (no merge), so llama4 decodes one row per step; its stage runners are checked on one row
-ONE_ROW = {"llama4"}
+# families whose rows cannot share a micro-batch on one node either: mlx-lm's ChunkedKVCache (llama4) and
+# deepseek_v41's LayerCache have no batched form (no merge), so they decode one row per step; their stage runners
+# are checked on one row
+ONE_ROW = {"llama4", "deepseek_v41"}
 
 
 @pytest.mark.parametrize("family", sorted(TABLE))
@@ -373,3 +382,59 @@ def test_falcon_h1_needs_its_head_scale_and_both_masks(checkpoints):
     second.family = type(second.family)(head=norm_and_head, flow=second.family.flow,
                                         mask_cache=second.family.mask_cache)
     assert float(mx.abs(second(first(x)) - model(x)).max()) > 1e-3
+
+
+def test_nemotron_h_stages_hold_the_caches_of_their_own_layers(checkpoints):
+    """nemotron_h's MLP / MoE layers own no cache: a stage of layers 1-3 holds the attention layer's KV (the
+    model's cache 1), and one of layers 2-3 too, not the caches at its layer indices (none: the model makes
+    2). Indexed so, the attention layer runs without a cache and the logits differ from the first decode step."""
+    model = load_checkpoint(checkpoints("nemotron_h")).model
+    assert [layer.block_type for layer in model.backbone.layers] == ["M", "E", "*", "-"]
+    slices = [ModelSlice(model, 0, 1), ModelSlice(model, 1, 3), ModelSlice(model, 3, 4)]
+    assert [[type(c) for c in s.make_cache()] for s in slices] == [[SSM], [KV], []]
+    assert [s.cache_start for s in slices] == [0, 1, 2]
+
+    def worst(pieces) -> float:
+        caches, whole_cache, x, out = [s.make_cache() for s in pieces], make_prompt_cache(model), mx.array(PROMPT), 0.0
+        for _ in range(3):
+            expected, got = model(x, cache=whole_cache), run_slices(pieces, caches, x)
+            out = max(out, float(mx.abs(got - expected).max()))
+            x = mx.argmax(expected[:, -1], axis=-1)[:, None]
+        return out
+
+    assert worst(slices) <= 1e-4
+    halves = [ModelSlice(model, 0, 2), ModelSlice(model, 2, 4)]
+    assert worst(halves) <= 1e-4
+    # every layer owning a cache: the model's caches at the slice's layer indices, none for layers 2-3
+    halves[1].owners, halves[1].cache_start = [True, True], 2
+    assert halves[1].make_cache() == [] and worst(halves) > 1e-3
+
+
+def test_nemotron_h_stages_loaded_as_remote_ones_and_a_handoff_decode_as_the_whole_model(checkpoints):
+    """What a stage process loads (backbone.layers.N of its layers, the first stage backbone.embeddings, the
+    last backbone.norm_f and lm_head) decodes as the whole model; and the stages' caches, handed off as one
+    sequence (disaggregated prefill) and split back by each stage's share, go on as the caches never sent."""
+    from mlxcel.engine.executor import slice_runner, whole_model_runner
+    from mlxcel.pipeline.slice_loading import load_stage_runner
+    from tests.engine.test_slice_rule import through_the_wire
+
+    path = checkpoints("nemotron_h")
+    prompts = {"a": PROMPT[0], "b": PROMPT[1][:4]}
+    whole = stage_tokens([whole_model_runner(load_checkpoint(path).model, max_rows=4)], prompts, 3)
+    runners = [load_stage_runner(path, a, b, max_rows=4)[0] for a, b in ((0, 2), (2, 4))]
+    assert stage_tokens(runners, prompts, 3) == whole
+    model = load_checkpoint(path).model
+    # a stage of the MLP layer alone holds no cache at all, and still batches two rows
+    runners = [slice_runner(model, a, b, max_rows=4) for a, b in ((0, 1), (1, 3), (3, 4))]
+    assert stage_tokens(runners, prompts, 3) == whole
+    slices = [ModelSlice(model, 0, 2), ModelSlice(model, 2, 4)]
+    caches, whole_cache, x = [s.make_cache() for s in slices], make_prompt_cache(model), mx.array([PROMPT[0]])
+    expected = model(x, cache=whole_cache)
+    assert float(mx.abs(run_slices(slices, caches, x) - expected).max()) <= 1e-4
+    back = through_the_wire(model, [c for cache in caches for c in cache], x.shape[1])
+    received = [back[:slices[0].cache_count], back[slices[0].cache_count:]]
+    for _ in range(3):
+        x = mx.argmax(expected[:, -1], axis=-1)[:, None]
+        expected = model(x, cache=whole_cache)
+        for chain in (caches, received):
+            assert float(mx.abs(run_slices(slices, chain, x) - expected).max()) <= 1e-4
