@@ -34,6 +34,10 @@
 #                     byte-level tokenizer, refused above 32768; the server's context limit permitting) on
 #                     q06-bf16 / q06-q4, AGENT_PRESET (today: single, pipeline, round-robin and prefix routing; full: each also with
 #                     --kv-bits 8), 2 ABBA repeats (rows in agent/agent_turns.jsonl); agent-tiny: a smoke test
+#   kvbits-bf16       issue 44 item 2: bench/decode_bench.py on q06-bf16, full-precision KV (0) against --kv-bits 8 and 4
+#                     (group 64) at KV_CONTEXTS (default "2048 8192 16384") prompt tokens, KV_RUNS (3) ABBA runs of
+#                     TOKENS tokens, mlxcel and mlx-lm (its kv_bits) in one process: decode tok/s and the KV cache's
+#                     bytes (rows in kvbits/decode_bench.jsonl)
 #   probe-bf16        removed with the compiled step (issue 41): bench/gpu/step_probe.py measured it
 #   serve             issue 24 item 2: the single-node server (mlxcel serve, asynchronous scheduling) and
 #                     mlx_lm.server, as users start them (SERVE_KINDS, default mlxcel,mlx_lm; add mlxcel-sync,
@@ -327,6 +331,11 @@ main() {
         make_model "$m" && python3 -m bench.agent_turns -m "/tmp/models/$m" --preset "${AGENT_PRESET:-today}" \
           --conversations 4 --turns "${AGENT_TURNS:-16}" --result-words "${AGENT_WORDS:-270}" --max-tokens 16 \
           --max-prompt-tokens 32768 --repeats 2 --label "${LABEL:-h200}-$m" --out "$RES/agent" ;;
+      kvbits-bf16)  # bench/decode_bench.py: decode tok/s and KV bytes at 0/8/4 KV bits, long prompts
+        make_model q06-bf16 && timeout $(( $(left) > 60 ? $(left) - 30 : 30 )) python3 -m bench.decode_bench \
+          -m /tmp/models/q06-bf16 --prompt-tokens ${KV_CONTEXTS:-2048 8192 16384} --kv-bits 0 8 4 --kv-group-size 64 \
+          --tokens "$TOKENS" --runs "${KV_RUNS:-3}" --label "${LABEL:-h200}-q06-bf16" \
+          --out "$RES/kvbits/decode_bench.jsonl" ;;
       probe-bf16) echo "suite probe-bf16 removed (issue 41: bench/gpu/step_probe.py went with the compiled step)" ;;
       q06-bf16) suite q06-bf16 150 ;;
       q06-q4) suite q06-q4 300 ;;

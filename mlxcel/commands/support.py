@@ -168,7 +168,21 @@ def describe_modes(model_dir: str | Path) -> str:
 
     _, config = read_config(Path(model_dir))
     lines = [f"{'mode ' + name + ':':<13}{support.cell()}" for name, support in modes(config, verbose=True).items()]
-    return "\n".join(lines)
+    return "\n".join(lines + [f"{'batching:':<13}{batching(config)}"])
+
+
+def batching(config: Mapping[str, Any]) -> str:
+    """How decode steps take the family's sequences: batched, or one row at a time where a cache class cannot
+    merge (``mlxcel.engine.batch_rows.one_row``, asked of the model built without weights)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlxcel.engine.batch_rows import one_row
+
+    model = _build(config)
+    if model is None:
+        return "? (its model could not be built from config.json)"
+    cap = one_row(model, make_prompt_cache(model))
+    return cap.batching if cap is not None else "rows of many sequences in one decode step"
 
 
 # -- the support matrix of docs/models.md ------------------------------------------------------------------

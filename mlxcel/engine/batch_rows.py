@@ -15,14 +15,19 @@ A layer whose cache is anything else (rotating windows, linear attention, quanti
 Rows join through mlx-lm's ``merge`` and one ``extend`` (``join_layer``). A shape-stable join by gathers
 (``MLXCEL_STABLE_JOIN=1``) was tried and removed (issue 41): 0.96x on the CPU at 4 streams and no clear gain
 on the H200 (docs/benchmarks.md keeps the measurements).
+
+A family whose cache class has no ``merge`` (llama4's ``ChunkedKVCache``, deepseek_v41's ``LayerCache``) cannot
+join a batch at all: ``one_row`` reads that from the model's own caches at load time, and the executor caps its
+decode batch at one row (docs/models.md).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache
+from mlx_lm.models.cache import BatchKVCache, CacheList, KVCache, QuantizedKVCache
 
 from mlxcel.engine.kv_quant import BatchQuantizedKVCache
 
@@ -108,3 +113,55 @@ def _merge_into(current: Any | None, pads: Pads, rows: Sequence[Any]) -> tuple[A
     pads = extended_pads(current, pads, merged, merged_padding)
     current.extend(merged)
     return current, pads
+
+
+def unmergeable(caches: Sequence[Any]) -> tuple[int, str] | None:
+    """The first layer whose cache cannot join a batch and the class that cannot (one with no ``merge``, also
+    inside a ``CacheList``); None when every layer's cache merges."""
+    for i, cache in enumerate(caches):
+        name = _unmergeable_class(cache)
+        if name is not None:
+            return i, name
+    return None
+
+
+def _unmergeable_class(cache: Any) -> str | None:
+    if type(cache) is QuantizedKVCache:  # ours: kv_quant.BatchQuantizedKVCache
+        return None
+    if isinstance(cache, CacheList):
+        return next((n for n in map(_unmergeable_class, cache.caches) if n is not None), None)
+    return None if callable(getattr(type(cache), "merge", None)) else type(cache).__name__
+
+
+@dataclass(frozen=True)
+class OneRow:
+    """Why a model decodes one sequence at a time: ``family``'s layer ``layer`` keeps a ``cls`` with no merge."""
+
+    family: str
+    layer: int
+    cls: str
+
+    @property
+    def reason(self) -> str:
+        """The start-up log line."""
+        return (f"{self.family}'s layer {self.layer} keeps a {self.cls}, which mlx-lm cannot merge into a batch: "
+                "one sequence decodes at a time")
+
+    @property
+    def batching(self) -> str:
+        """/health's ``batching`` and ``mlxcel models info``'s line."""
+        return f"one row at a time ({self.cls} has no merge)"
+
+
+def one_row(model: Any, caches: Sequence[Any]) -> OneRow | None:
+    """A ``OneRow`` where ``caches`` (what ``model`` makes for one sequence) cannot join a batch, else None."""
+    found = unmergeable(caches)
+    if found is None:
+        return None
+    return OneRow(model_family(model), *found)
+
+
+def model_family(model: Any) -> str:
+    """The model's ``model_type`` (mlx-lm's ``Model`` keeps it, or its ``args`` do); else its module's name."""
+    family = getattr(model, "model_type", None) or getattr(getattr(model, "args", None), "model_type", None)
+    return str(family or type(model).__module__.rsplit(".", 1)[-1])

@@ -18,6 +18,7 @@ it; the receiving side installs what arrived with ``adopt``.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from collections import deque
@@ -29,6 +30,7 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import KVCache
 
 from mlxcel import envs
+from mlxcel.engine.batch_rows import OneRow, one_row, unmergeable
 from mlxcel.engine.model_slice import ModelSlice
 from mlxcel.engine.prefix_cache import PrefixCache
 from mlxcel.engine.resume_policy import ResumePolicy
@@ -38,6 +40,7 @@ from mlxcel.engine.sampling import SamplingParams
 from mlxcel.error_codes import CodedError, ErrorCode
 
 _steps = itertools.count(1)
+log = logging.getLogger("mlxcel.engine")
 
 
 @dataclass(eq=False)
@@ -188,6 +191,10 @@ class LocalExecutor(ExecutorBase):
     position more than its tokens, which the prefix cache cuts off. A row that reaches ``max_tokens`` at
     step N is known in advance: step N+1 leaves it out, and it keeps its own cache until released. Layers whose cache cannot be cut
     (sliding windows, linear attention) keep ``lookahead`` 0, so their caches never see such a position.
+
+    A model whose caches cannot join a batch (``batch_rows.one_row``: a cache class with no ``merge``) decodes
+    one row per step whatever ``max_batch_size`` asks: the scheduler's ``max_batch_size`` follows, the other
+    sequences wait their turn, start-up logs why once and ``health`` says it (``batching``).
     """
 
     depth = 1
@@ -196,6 +203,8 @@ class LocalExecutor(ExecutorBase):
     def __init__(self, model: Any, *, max_batch_size: int, prefix_cache_bytes: int = 0,
                  exporter: Exporter | None = None, importer: Importer | None = None, step_delay_s: float = 0.0,
                  lookahead: int | None = None):
+        self.one_row = cap_rows(model)
+        max_batch_size = 1 if self.one_row is not None else max_batch_size
         self.micro_batch_size = max_batch_size
         self.runners = [whole_model_runner(model, max_rows=max_batch_size)]
         # what asynchronous scheduling may use here; in effect (``lookahead``) once a driver that polls asks
@@ -378,7 +387,7 @@ class LocalExecutor(ExecutorBase):
                 "prefix_bytes": self.prefix.nbytes}
 
     def health(self) -> dict[str, Any]:
-        return {"status": "ok"}
+        return batching_health(self.one_row)
 
     def close(self) -> None:
         self._queued.clear()
@@ -388,6 +397,21 @@ class LocalExecutor(ExecutorBase):
         with self._lock:
             self._exports.clear()
         mx.synchronize(generation_stream)
+
+
+def cap_rows(model: Any) -> OneRow | None:
+    """Whether ``model``'s caches keep its decode steps to one row (``batch_rows.one_row``); logs why once."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cap = one_row(model, make_prompt_cache(model))
+    if cap is not None:
+        log.warning(cap.reason)
+    return cap
+
+
+def batching_health(cap: OneRow | None) -> dict[str, Any]:
+    """An executor's ``health``: ok, with ``batching`` where its model decodes one row at a time."""
+    return {"status": "ok"} if cap is None else {"status": "ok", "batching": cap.batching}
 
 
 def default_lookahead(runner: SliceRunner) -> int:
@@ -414,8 +438,11 @@ def whole_model_runner(model: Any, *, max_rows: int) -> SliceRunner:
 
 
 def slice_runner(model: Any, start: int, end: int, *, max_rows: int) -> SliceRunner:
-    """Layers [start, end) of ``model`` as a runner (a pipeline stage)."""
+    """Layers [start, end) of ``model`` as a runner (a pipeline stage); one row per decode step where the slice's
+    caches cannot merge (the coordinator sends no more: ``PipelineExecutor``'s ``one_row``)."""
     piece = ModelSlice(model, start, end)
+    if unmergeable(piece.make_cache()) is not None:
+        max_rows = 1
     return SliceRunner(lambda x, c: piece(x, c), piece.make_cache, is_first=piece.is_first,
                        is_last=piece.is_last, max_rows=max_rows,
                        input_width=None if piece.is_first else piece.input_width)

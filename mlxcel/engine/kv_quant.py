@@ -267,3 +267,32 @@ class BatchQuantizedKVCache(_BaseCache):
         batch.offset = batch.offset + longest
         batch._idx = longest
         return batch
+
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def kv_bytes_per_token(config: dict, bits: int | None = None, group_size: int = DEFAULT_KV_GROUP_SIZE,
+                       dtype_bytes: int | None = None) -> int:
+    """Bytes one token of context takes in every layer's keys and values (config.json's shape): full precision
+    ``layers x 2 x kv_heads x head_dim x dtype bytes``; quantized, ``head_dim x bits / 8`` packed bytes plus one
+    scale and one bias (dtype bytes each) per ``group_size`` values. ``dtype_bytes`` defaults to torch_dtype's."""
+    if bits is not None:
+        KVQuant(bits, group_size)  # KVBitsError on a bad width or group size
+    layers, heads = int(config["num_hidden_layers"]), int(config["num_attention_heads"])
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+    width = dtype_bytes or _DTYPE_BYTES.get(str(config.get("torch_dtype", "bfloat16")), 2)
+    if bits is None:
+        per_head = head_dim * width
+    else:
+        if head_dim % group_size:
+            raise KVBitsError(f"--kv-group-size {group_size}: head width {head_dim} is not a whole number of groups")
+        per_head = head_dim * bits // 8 + 2 * (head_dim // group_size) * width
+    return layers * 2 * kv_heads * per_head
+
+
+def max_kv_tokens(config: dict, budget_bytes: int, bits: int | None = None, group_size: int = DEFAULT_KV_GROUP_SIZE,
+                  dtype_bytes: int | None = None) -> int:
+    """How many tokens of KV cache fit in ``budget_bytes`` (one sequence; weights and activations not counted)."""
+    return budget_bytes // kv_bytes_per_token(config, bits, group_size, dtype_bytes)

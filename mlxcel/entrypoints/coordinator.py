@@ -29,7 +29,7 @@ def coordinator_factory(dist: Distributed, secret: ClusterSecret | None, *, stop
     """The server runtime's engine factory for the coordinator: a Scheduler over a PipelineExecutor."""
 
     def build(model: Any, tokenizer: Any, ctx: int, config: Any) -> Any:
-        from mlxcel.engine.executor import ExecutorError
+        from mlxcel.engine.executor import ExecutorError, cap_rows
         from mlxcel.engine.scheduler import Scheduler
         from mlxcel.pipeline.coordinator import PipelineExecutor
 
@@ -38,7 +38,8 @@ def coordinator_factory(dist: Distributed, secret: ClusterSecret | None, *, stop
         executor = PipelineExecutor(dist.cluster, secret, model_facts(config.model),
                                     max_batch_size=config.max_batch_size, micro_batch_size=dist.micro_batch_size,
                                     return_logits=dist.return_logits, stop_stages_on_close=stop_stages,
-                                    replacer=replacer)
+                                    replacer=replacer,
+                                    one_row=None if model is None else cap_rows(model))
         try:
             executor.start()
         except OSError as exc:

@@ -21,7 +21,7 @@ import time
 from concurrent.futures import Future
 from typing import Any, Callable, Sequence
 
-from mlxcel.engine.executor import Done, ExecutorBase, ExecutorError, Step
+from mlxcel.engine.executor import Done, ExecutorBase, ExecutorError, Step, batching_health, cap_rows
 from mlxcel.engine.runner import RowSampler, RunnerError
 from mlxcel.engine.sampling import SamplingParams
 from mlxcel.error_codes import ErrorCode
@@ -40,6 +40,8 @@ class TPExecutor(ExecutorBase):
 
     def __init__(self, model: Any, control: RankZeroControl, *, max_batch_size: int, prefix_cache_bytes: int,
                  step_timeout: float, on_fatal: Callable[[str], None]):
+        self.one_row = cap_rows(model)  # caches that cannot merge: one row per decode step (docs/models.md)
+        max_batch_size = 1 if self.one_row is not None else max_batch_size
         self.micro_batch_size = max_batch_size
         self.control = control
         self.shard = ShardRunner(model, head=True, max_rows=max_batch_size, prefix_cache_bytes=prefix_cache_bytes)
@@ -82,7 +84,7 @@ class TPExecutor(ExecutorBase):
     def health(self) -> dict[str, Any]:
         if self.error is not None:
             return {"status": "failed", "error": self.error, "tp_size": self.control.size}
-        return {"status": "ok", "tp_size": self.control.size}
+        return {**batching_health(self.one_row), "tp_size": self.control.size}
 
     def close(self) -> None:
         """Tell the followers to stop (after the work queued before), then stop the worker."""

@@ -40,6 +40,7 @@ from mlxcel.cluster.secret import ClusterSecret
 from mlxcel.cluster.transport import Transport
 from mlxcel.cluster.wire import FRAME_OVERHEAD, Kind
 from mlxcel.config import MAX_PREFIX_TOKENS, MAX_TOKENS_LIMIT
+from mlxcel.engine.batch_rows import OneRow
 from mlxcel.engine.executor import Done, ExecutorBase, ExecutorError, Step
 from mlxcel.engine.resume_policy import ResumePolicy
 from mlxcel.engine.logits import replayed
@@ -80,11 +81,13 @@ class PipelineExecutor(ExecutorBase):
     def __init__(self, cluster: ClusterConfig, secret: ClusterSecret, model: ModelFacts, *,
                  max_batch_size: int, micro_batch_size: int | None = None, return_logits: bool = False,
                  stop_stages_on_close: bool = False, replacer: StageReplacer | None = None,
-                 _attribution: AttributionOnly | None = None):
+                 one_row: OneRow | None = None, _attribution: AttributionOnly | None = None):
         self.cluster = cluster
         self.model = model
         self.depth = len(cluster.stages)
-        self.micro_batch_size = min(micro_batch_size or cluster.micro_batch(max_batch_size), cluster.max_batch_size)
+        self.one_row = one_row  # the model's caches cannot merge (executor.cap_rows): one row per micro-batch
+        self.micro_batch_size = 1 if one_row is not None else \
+            min(micro_batch_size or cluster.micro_batch(max_batch_size), cluster.max_batch_size)
         self.fill_micro_batches = fill_micro_batches(cluster)
         self.return_logits = return_logits
         self.resume_policy = ResumePolicy(cluster.max_resumes, cluster.timeouts.resume_s)
@@ -341,6 +344,7 @@ class PipelineExecutor(ExecutorBase):
         stages = [{"id": nodes[p].id, "address": str(p), "up": s.up, "layers": s.state.get("layers")}
                   for p, s in self.monitor.status.items() if p in nodes]
         body: dict[str, Any] = {"status": "ok" if all(s["up"] for s in stages) else "degraded", "stages": stages}
+        body.update({"batching": self.one_row.batching} if self.one_row is not None else {})
         if self.replacer is not None:
             body["spares"] = self.replacer.status()
             body["reassigned"] = dict(self.replacer.reassigned)

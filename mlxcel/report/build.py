@@ -259,15 +259,19 @@ def _ratio_range(lo: Any, hi: Any) -> str:
 
 
 def _decode_table(cmp: pd.DataFrame) -> html.Table:
+    cmp = cmp.assign(**{f"{impl}_kv_mib": pd.to_numeric(cmp[f"{impl}_kv_cache_bytes_median"]) / 2**20
+                        for impl in ("mlxcel", "mlx_lm")})
     return html.table(cmp, [
         ("session", "session", html.text), ("machine", "machine", html.text), ("model", "model", html.text),
-        ("weights", "weights", html.text), ("runs", "runs", html.num(0)),
+        ("weights", "weights", html.text), ("KV cache", "kv", html.text), ("context", "context", html.num(0)),
+        ("runs", "runs", html.num(0)),
         ("mlxcel decode tok/s", "mlxcel_decode_tps_median", html.num(2)),
         ("mlxcel range", ("mlxcel_decode_tps_min", "mlxcel_decode_tps_max"), html.spread(2)),
         ("mlx-lm decode tok/s", "mlx_lm_decode_tps_median", html.num(2)),
         ("mlx-lm range", ("mlx_lm_decode_tps_min", "mlx_lm_decode_tps_max"), html.spread(2)),
         ("ratio (medians)", "decode_ratio", html.num(3)), ("median per-run ratio", "median_run_ratio", html.num(3)),
         ("prompt ratio", "prompt_ratio", html.num(3)),
+        ("mlxcel KV MiB", "mlxcel_kv_mib", html.num(2)), ("mlx-lm KV MiB", "mlx_lm_kv_mib", html.num(2)),
     ])
 
 

@@ -109,7 +109,8 @@ def decode_plot(cmp: pd.DataFrame) -> Plot:
             ax.bar(x + off, med, width=0.36, color=color(impl), label=label, alpha=0.85)
             ax.errorbar(x + off, med, yerr=[(med - lo).clip(lower=0), (hi - med).clip(lower=0)], fmt="none",
                         ecolor="black", capsize=3, linewidth=1)
-        labels = [f"{r.model}, {r.weights}\n{str(r.session).split('@')[-1].strip()[:16]}" for r in part.itertuples()]
+        labels = [f"{r.model}, {r.weights}\nkv {r.kv}, ctx {r.context}\n{str(r.session).split('@')[-1].strip()[:16]}"
+                  for r in part.itertuples()]
         ax.set_xticks(list(x), labels, fontsize=7)
         ax.set_xlim(-0.7, len(part) - 0.3)
         ax.set_title(machine, fontsize=10)

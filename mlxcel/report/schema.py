@@ -51,14 +51,23 @@ def _str(name: str, **kw: Any) -> Field:
 
 TP_VARIANTS = ("tp1", "model", "bfloat16", "float32", "one-reduce", "no-reduce")  # bench/tp_bench.py --variants
 
+# bench/decode_bench.py --kv-bits / --prompt-tokens: the KV variant (null: full precision, as every older row) and a label
+_DECODE_KV = (
+    _int("kv_bits", required=False, nullable=True), _int("kv_group_size", required=False, nullable=True),
+    _str("label", required=False, nullable=True),
+)
 _DECODE_RUN = (
     _int("run"), _str("weights", required=False, nullable=True), _int("prompt_tokens"), _int("generated_tokens"),
     _num("prompt_tps"), _num("decode_tps"), _num("token_latency_p50_ms", nullable=True),
-    _num("token_latency_p95_ms", nullable=True), _num("peak_memory_gb"),
+    _num("token_latency_p95_ms", nullable=True), _num("peak_memory_gb"), *_DECODE_KV,
+    _int("order", required=False, nullable=True), _int("kv_cache_bytes", required=False, nullable=True),
+    _int("kv_cache_alloc_bytes", required=False, nullable=True), _int("kv_cache_positions", required=False, nullable=True),
+    _num("load_1m", required=False, nullable=True),
 )
 _DECODE_SUMMARY = (
     _num("mlxcel_decode_tps"), _num("mlx_lm_decode_tps"), _num("decode_ratio"),
-    _num("median_run_ratio"), _num("prompt_ratio"),
+    _num("median_run_ratio"), _num("prompt_ratio"), *_DECODE_KV, _int("prompt_tokens", required=False, nullable=True),
+    _num("mlxcel_kv_cache_bytes", required=False, nullable=True), _num("mlx_lm_kv_cache_bytes", required=False, nullable=True),
 )
 
 # bench/protection_bench.py: protected (AES-256-GCM) against attribution-only unprotected decode, a row per run

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 
@@ -84,25 +85,40 @@ def commit_warnings(tables: dict[str, pd.DataFrame]) -> list[str]:
             for src, g in bad.groupby("source_file")]
 
 
+def _kv_label(bits: Any, group: Any) -> str:
+    return "full" if pd.isna(bits) or not bits else f"{int(bits)}-bit g{int(group) if not pd.isna(group) else '?'}"
+
+
+def _decode_rows(df: pd.DataFrame) -> pd.DataFrame:
+    """decode rows with ``weights`` filled, ``kv`` (full, or "8-bit g64": --kv-bits, null in older rows) and
+    ``context`` (the prompt's tokens), the keys a session's rows split by."""
+    bits = df["kv_bits"] if "kv_bits" in df else pd.Series(None, index=df.index, dtype=float)
+    group = df["kv_group_size"] if "kv_group_size" in df else pd.Series(None, index=df.index, dtype=float)
+    return df.assign(weights=df["weights"].fillna("?"), kv=[_kv_label(b, g) for b, g in zip(bits, group)],
+                     context=df["prompt_tokens"])
+
+
 def decode_summary(df: pd.DataFrame) -> pd.DataFrame:
-    """Per session and implementation: decode tok/s median and range, prompt tok/s, latency, memory."""
+    """Per session, implementation, KV variant and context: decode tok/s median and range, prompt tok/s, latency,
+    memory, KV cache bytes."""
     if df.empty:
         return pd.DataFrame()
-    keys = ["session", "machine", "model", "weights", "impl"]
-    df = df.assign(weights=df["weights"].fillna("?"))
+    keys = ["session", "machine", "model", "weights", "impl", "kv", "context"]
+    df = _decode_rows(df)
     out = spread(df, keys, "decode_tps")
-    for col in ("prompt_tps", "token_latency_p50_ms", "token_latency_p95_ms", "peak_memory_gb"):
+    cols = ["prompt_tps", "token_latency_p50_ms", "token_latency_p95_ms", "peak_memory_gb", "kv_cache_bytes"]
+    for col in (c for c in cols if c in df):
         out[f"{col}_median"] = df.groupby(keys, sort=False)[col].median().values
     return out
 
 
 def decode_comparison(df: pd.DataFrame) -> pd.DataFrame:
-    """Per session: mlxcel against mlx-lm, ratio of medians and median of per-run ratios."""
+    """Per session, KV variant and context: mlxcel against mlx-lm, ratio of medians and median of per-run ratios."""
     if df.empty:
         return pd.DataFrame()
     out = []
-    keys = ["session", "machine", "model", "weights"]
-    for key, g in df.assign(weights=df["weights"].fillna("?")).groupby(keys, sort=False):
+    keys = ["session", "machine", "model", "weights", "kv", "context"]
+    for key, g in _decode_rows(df).groupby(keys, sort=False):
         ours, theirs = g[g["impl"] == "mlxcel"], g[g["impl"] == "mlx-lm"]
         rec = dict(zip(keys, key))
         rec["runs"] = min(len(ours), len(theirs))
@@ -111,6 +127,7 @@ def decode_comparison(df: pd.DataFrame) -> pd.DataFrame:
             rec[f"{name}_decode_tps_min"] = part["decode_tps"].min()
             rec[f"{name}_decode_tps_max"] = part["decode_tps"].max()
             rec[f"{name}_prompt_tps_median"] = part["prompt_tps"].median()
+            rec[f"{name}_kv_cache_bytes_median"] = part["kv_cache_bytes"].median() if "kv_cache_bytes" in g else None
         rec["decode_ratio"] = rec["mlxcel_decode_tps_median"] / rec["mlx_lm_decode_tps_median"]
         paired = ours.set_index("run")["decode_tps"] / theirs.set_index("run")["decode_tps"]
         rec["median_run_ratio"] = paired.dropna().median()
@@ -329,7 +346,7 @@ def tp_summary(df: pd.DataFrame) -> pd.DataFrame:
 
 _METRICS = {
     # table: (key columns, [(metric, value column prefix, unit, better)])
-    "decode": (["machine", "model", "weights", "impl"],
+    "decode": (["machine", "model", "weights", "impl", "kv", "context"],
                [("decode tok/s", "decode_tps", "tok/s", "higher")]),
     "pipeline": (["machine", "model", "mode", "stages", "streams", "return"],
                  [("tok/s", "tok_s", "tok/s", "higher")]),

@@ -66,8 +66,8 @@ async def health(request: Request) -> JSONResponse:
         health = runtime.engine.health()  # a pipeline: "degraded" while a stage does not answer
         if health.get("status") != "ok":
             body = {**health, "status": health.get("status", "degraded")}
-        else:  # a pipeline's stages and spares (docs/bringup.md §5.6)
-            body.update({k: health[k] for k in ("stages", "spares", "reassigned") if k in health})
+        else:  # a pipeline's stages and spares (docs/bringup.md §5.6); one row per decode step and why (models.md)
+            body.update({k: health[k] for k in ("stages", "spares", "reassigned", "batching") if k in health})
     ok = body["status"] == "ready"
     return JSONResponse(body, status_code=200 if ok else 503, headers={} if ok else {"Retry-After": "1"})
 
