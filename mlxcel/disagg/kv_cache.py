@@ -103,9 +103,38 @@ def probe_layout(model: Any) -> KVLayout:
     try:
         layers = tuple(dsv41.spec_of(model, i, c) if dsv41.is_layer_cache(c) else _spec_of_cache(c)
                        for i, c in enumerate(caches))
+        layers = _with_id_windows(model, layers)
     except ValueError as exc:
         return KVLayout(unsupported=f"{_PREFIX}{exc}")
     return KVLayout(layers)
+
+
+#: most tokens the probe feeds to find how many ids an ARRAYS layer's int64 arrays keep
+MAX_ID_WINDOW = 64
+
+
+def _with_id_windows(model: Any, layers: tuple[LayerSpec, ...]) -> tuple[LayerSpec, ...]:
+    """``layers`` with each ARRAYS layer of int64 arrays (token ids: longcat_flash_ngram's n-gram context)
+    given the window W its arrays' last axis keeps: fed one token at a time, the axis grows by one per
+    token up to W, then stays (ValueError: it does not)."""
+    ids = [i for i, s in enumerate(layers) if s.kind is CacheKind.ARRAYS and any(t.dtype is DType.INT64 for t in s.arrays)]
+    if not ids:
+        return layers
+    caches, sizes = make_prompt_cache(model), []
+    for _ in range(MAX_ID_WINDOW + 1):
+        mx.eval(model(mx.array([[0]], dtype=mx.uint32), cache=caches))
+        sizes.append([[a.shape[-1] for a in caches[i].state[0]] for i in ids])
+        if len(sizes) > 1 and sizes[-1] == sizes[-2]:
+            break
+    out = list(layers)
+    for k, i in enumerate(ids):
+        widths = {w for w in sizes[-1][k]}
+        if len(sizes) > MAX_ID_WINDOW or len(widths) != 1 or [s[k] for s in sizes] != [
+                [min(n + 1, *widths)] * len(widths) for n in range(len(sizes))]:
+            raise ValueError(f"layer {i} keeps int64 arrays that do not hold the last W (1..{MAX_ID_WINDOW}) token "
+                             "ids along their last axis")
+        out[i] = LayerSpec(CacheKind.ARRAYS, arrays=layers[i].arrays, max_size=widths.pop())
+    return tuple(out)
 
 
 def _spec_of_cache(cache: Any) -> LayerSpec:
@@ -243,7 +272,8 @@ def _to_numpy(a: mx.array) -> np.ndarray:
     return np.array(a, copy=False)
 
 
-_WIRE_MX = {DType.FLOAT32: mx.float32, DType.FLOAT16: mx.float16, DType.BFLOAT16: mx.uint16, DType.UINT32: mx.uint32}
+_WIRE_MX = {DType.FLOAT32: mx.float32, DType.FLOAT16: mx.float16, DType.BFLOAT16: mx.uint16, DType.UINT32: mx.uint32,
+            DType.INT64: mx.int64}
 _MX_OF_NUMPY = {np.dtype(v): _WIRE_MX[k] for k, v in NUMPY_DTYPES.items()}
 _ALIASES: bool | None = None
 

@@ -59,7 +59,7 @@ _CHUNK = struct.Struct(">BI")
 _END = struct.Struct(">BIQ")
 #: the numpy dtype of each wire dtype (bfloat16 travels as its uint16 bits)
 NUMPY_DTYPES = {DType.FLOAT32: np.float32, DType.FLOAT16: np.float16, DType.BFLOAT16: np.uint16,
-                DType.UINT32: np.uint32}
+                DType.UINT32: np.uint32, DType.INT64: np.int64}
 _BY_NAME = {name: code for code, name in DTYPE_NAMES.items()}
 
 
@@ -88,8 +88,9 @@ class TensorSpec:
 class LayerSpec:
     """What one layer's cache holds for this model: kind, dtype, heads and widths, kind parameters.
 
-    An ARRAYS layer (``ArraysCache``) holds ``arrays`` of fixed shapes whatever the prompt's length; a
-    LIST layer (``CacheList``) holds ``parts``, one spec per cache (none of them a LIST).
+    An ARRAYS layer (``ArraysCache``) holds ``arrays`` of fixed shapes whatever the prompt's length, or with
+    ``max_size`` W > 0 the last min(P, W) token ids along their last axis; a LIST layer (``CacheList``) holds
+    ``parts``, one spec per cache (none of them a LIST).
     """
 
     kind: CacheKind
@@ -97,7 +98,7 @@ class LayerSpec:
     heads: int = 0
     k_dim: int = 0
     v_dim: int = 0
-    max_size: int = 0  # ROTATING: positions kept; CHUNKED: the chunk size
+    max_size: int = 0  # ROTATING: positions kept; CHUNKED: the chunk size; ARRAYS: token ids kept (0: fixed)
     keep: int = 0  # ROTATING: leading positions never evicted
     group_size: int = 0  # QUANTIZED
     bits: int = 0  # QUANTIZED
@@ -114,9 +115,9 @@ class LayerSpec:
         """Positions the cache holds after ``length`` tokens (0: ARRAYS and LIST hold no positions of their own)."""
         if self.kind is CacheKind.STATE:
             return length if self.grows >= 0 else 0
-        if self.kind in (CacheKind.ARRAYS, CacheKind.LIST):
+        if self.kind is CacheKind.LIST or self.kind is CacheKind.ARRAYS and not self.max_size:
             return 0
-        windowed = (CacheKind.ROTATING, CacheKind.CHUNKED, CacheKind.DSV41)
+        windowed = (CacheKind.ROTATING, CacheKind.CHUNKED, CacheKind.DSV41, CacheKind.ARRAYS)
         return min(length, self.max_size) if self.kind in windowed else length
 
     def params(self) -> tuple[int, int]:
@@ -131,7 +132,7 @@ class LayerSpec:
         if self.kind is CacheKind.QUANTIZED:
             return self.group_size, self.bits
         if self.kind is CacheKind.ARRAYS:
-            return len(self.arrays), 0
+            return len(self.arrays), self.max_size
         if self.kind is CacheKind.STATE:
             return len(self.arrays), self.state_class
         if self.kind is CacheKind.LIST:
@@ -141,7 +142,8 @@ class LayerSpec:
     def tensors(self, length: int) -> list[TensorSpec]:
         """The tensors of this layer after ``length`` tokens, in wire order."""
         if self.kind is CacheKind.ARRAYS:
-            return list(self.arrays)
+            n = self.positions(length)
+            return [TensorSpec(t.dtype, (*t.shape[:-1], n)) if n else t for t in self.arrays]
         if self.kind is CacheKind.STATE:
             return [TensorSpec(t.dtype, tuple(length if i == self.grows else d for i, d in enumerate(t.shape)))
                     for t in self.arrays]
@@ -165,9 +167,7 @@ class LayerSpec:
         a, b = self.params()
         own = LAYER_RECORD.pack(self.kind, self.dtype or 0, self.heads, self.k_dim, self.v_dim,
                                 self.positions(length), length, a, b)
-        if self.kind is CacheKind.ARRAYS:
-            return own + b"".join(array_record(t) for t in self.arrays)
-        if self.kind is CacheKind.STATE:
+        if self.kind in (CacheKind.ARRAYS, CacheKind.STATE):
             return own + b"".join(array_record(t) for t in self.tensors(length))
         if self.kind is CacheKind.LIST:
             return own + b"".join(part.record(length) for part in self.parts)
@@ -205,8 +205,8 @@ def check_spec(spec: LayerSpec) -> None:
     if spec.kind in (CacheKind.ARRAYS, CacheKind.LIST, CacheKind.STATE):
         items = spec.parts if spec.kind is CacheKind.LIST else spec.arrays
         most = MAX_KV_LIST if spec.kind is CacheKind.LIST else MAX_KV_ARRAYS
-        if not 1 <= len(items) <= most:
-            raise ValueError(f"a {spec.kind.name} layer holds {len(items)} items (1..{most} can travel)")
+        if not 1 <= len(items) <= most or spec.max_size > _U32:
+            raise ValueError(f"a {spec.kind.name} of {len(items)} items, {spec.max_size} ids (1..{most}, <2^32)")
         for t in spec.arrays:
             if not 1 <= len(t.shape) <= MAX_KV_NDIM or not all(0 < d <= _U32 for d in t.shape):
                 raise ValueError(f"an array of {len(t.shape)} dimensions {list(t.shape)} cannot travel "

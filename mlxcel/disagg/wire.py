@@ -63,10 +63,12 @@ class DType(enum.IntEnum):
     FLOAT16 = 2
     BFLOAT16 = 3
     UINT32 = 4
+    INT64 = 5  # an ARRAY's only (longcat_flash_ngram's n-gram token ids): never a layer record's dtype
 
 
-DTYPE_NAMES = {DType.FLOAT32: "float32", DType.FLOAT16: "float16", DType.BFLOAT16: "bfloat16", DType.UINT32: "uint32"}
-DTYPE_SIZES = {DType.FLOAT32: 4, DType.FLOAT16: 2, DType.BFLOAT16: 2, DType.UINT32: 4}
+DTYPE_NAMES = {DType.FLOAT32: "float32", DType.FLOAT16: "float16", DType.BFLOAT16: "bfloat16", DType.UINT32: "uint32",
+               DType.INT64: "int64"}
+DTYPE_SIZES = {DType.FLOAT32: 4, DType.FLOAT16: 2, DType.BFLOAT16: 2, DType.UINT32: 4, DType.INT64: 8}
 
 # --- control messages (router <-> prefill/decode; docs/disagg.md §3) ----------------------
 

@@ -108,16 +108,30 @@ def test_the_last_families_handoff_continues_like_one_node(family, length):
             token = mx.argmax(want[:, -1:], axis=-1)
 
 
-def test_longcat_flash_ngram_is_refused_by_the_dtype_of_its_n_gram_ids():
-    """Its embedding's cache keeps the last ids as int64, which no ARRAY record carries (float32, float16,
-    bfloat16, uint32): the layout probe a prefill or decode node starts with refuses it by name, and the
-    support matrix (which asks that probe of its tiny config) says no with the reason."""
+@pytest.mark.parametrize("length", [1, 2, 7])
+def test_longcat_flash_ngram_carries_its_n_gram_ids_and_continues_like_one_node(length):
+    """Its embedding's cache keeps the last W = emb_neighbor_num - 1 ids as int64 (an ARRAY of dtype 5, the
+    ARRAYS record's b = W): prompts shorter than, as long as and longer than the window travel and decode
+    as the original (float32, within 1e-4); the support matrix says yes."""
     from mlxcel.commands.support import di_support
+    from mlxcel.disagg.wire import DType
 
-    model = build(_config("longcat_flash_ngram"))
-    assert probe_layout(model).unsupported == ("this model's KV cache cannot be handed off to a decode node: dtype "
-                                               "int64 cannot travel in a KV handoff (supported: float32, float16, "
-                                               "bfloat16, uint32)")
     config = _config("longcat_flash_ngram")
-    assert di_support(config).ok is True  # its cache classes alone travel
-    assert di_support(config, probe=True).cell() == "no (dtype int64 cannot travel in a KV handoff)"
+    model = build(config)
+    model.set_dtype(mx.float32)
+    layout = probe_layout(model)
+    assert layout.unsupported is None, layout.unsupported
+    window = config["emb_neighbor_num"] - 1
+    assert layout.layers[0].max_size == window and layout.layers[0].arrays[0].dtype is DType.INT64
+    prompt = tuple(int(t) for t in (mx.arange(1, length + 1) * 7 % 128).tolist())
+    assert [t.shape for t in layout.layers[0].tensors(length)] == [(1, min(length, window))]
+    original = make_prompt_cache(model)
+    mx.eval(model(mx.array([prompt]), cache=original))
+    copy = through_the_wire(original, layout, prompt)
+    assert copy[0].state[0][0].dtype == mx.int64 and copy[0].state[0][0].tolist() == [list(prompt[-window:])]
+    token = mx.array([[5]])
+    for step in range(3):
+        want, got = model(token, cache=original), model(token, cache=copy)
+        assert mx.allclose(want, got, atol=1e-4).item(), (length, step)
+        token = mx.argmax(want[:, -1:], axis=-1)
+    assert di_support(config, probe=True).cell() == "yes (ArraysCache, CacheList)"
