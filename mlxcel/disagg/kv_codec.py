@@ -26,22 +26,10 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from mlxcel.disagg.wire import (
-    DTYPE_NAMES,
-    DTYPE_SIZES,
-    KV_MAGIC,
-    KV_VERSION,
-    MAX_KV_ARRAYS,
-    MAX_KV_CHUNK_LEN,
-    MAX_KV_LIST,
-    MAX_KV_META_LEN,
-    MAX_KV_NDIM,
-    MAX_KV_SPLIT,
-    CacheKind,
-    DType,
-    Part,
-)
+from mlxcel.disagg.wire import DTYPE_NAMES, DTYPE_SIZES, KV_MAGIC, KV_VERSION, MAX_KV_ARRAYS, MAX_KV_CHUNK_LEN
+from mlxcel.disagg.wire import MAX_KV_LIST, MAX_KV_META_LEN, MAX_KV_NDIM, MAX_KV_SPLIT, CacheKind, DType, Part
 from mlxcel.disagg.kv_send import chunk_parts, contiguous_runs, encode_chunks  # noqa: F401 - the sender's side
+from mlxcel.disagg.kv_ids import id_window_mismatch
 from mlxcel.disagg.kv_split import SPLIT, SplitAssembly
 from mlxcel.error_codes import CodedError, ErrorCode
 from mlxcel.models.token_ids import TokenIdError, check_token_ids
@@ -216,6 +204,8 @@ def check_spec(spec: LayerSpec) -> None:
         return
     if spec.kind is CacheKind.ARRAY or spec.dtype is None:
         raise ValueError(f"a {spec.kind.name} layer needs a dtype")
+    if spec.dtype is DType.INT64:
+        raise ValueError(f"a {spec.kind.name} layer of int64 keys cannot travel (int64 is an ARRAY's dtype only)")
     if spec.kind is CacheKind.DSV41 and (spec.heads != 1 or not spec.k_dim or not 0 < spec.max_size <= _U32
                                          or not 0 <= spec.ratio <= _U32 or (spec.v_dim and not spec.ratio)):
         raise ValueError(f"a DSV41 layer of {spec.heads} heads, width {spec.k_dim}, window {spec.max_size}, ratio "
@@ -396,10 +386,12 @@ class HandoffDecoder:
             got = f"{self.received} of {self.expected} tensor bytes" if self.state == "chunks" else f"state {self.state}"
             self._fail()
             raise HandoffError(f"the handoff stream ended before its END record ({got})")
-        if self.split is not None:
-            tensors, owners = self.split.tensors()
-            return Handoff(self.meta, self.prompt, self.layout, tensors, owners)
-        return Handoff(self.meta, self.prompt, self.layout, self._done, self._owners)
+        tensors, owners = self.split.tensors() if self.split is not None else (self._done, self._owners)
+        why = id_window_mismatch(self.layout.layers, self.prompt, tensors)
+        if why:
+            self._fail()
+            raise HandoffError(why)
+        return Handoff(self.meta, self.prompt, self.layout, tensors, owners)
 
     @property
     def held(self) -> int:

@@ -60,6 +60,20 @@ def test_the_state_and_list_example_matches_the_codec():
     assert [t.shape for t in got.tensors][:2] == [(1, 3), (1, 1, 1, 2)]
 
 
+def test_the_int64_window_example_matches_the_codec():
+    """§4.5's second block: an ARRAYS layer keeping a window of W = 2 int64 token ids (dtype 5, 8 bytes each)."""
+    layout = KVLayout((LayerSpec(CacheKind.ARRAYS, arrays=(TensorSpec(DType.INT64, (1, 1)),), max_size=2),))
+    ids = np.array([[8, 9]], np.int64)
+    written = [encode_header({"nonce": "0123456789abcdef"}, (7, 8, 9), layout), *encode_chunks([ids], 24)]
+    parts = example_parts("With a window of int64 token ids")
+    assert parts == written
+    dec = HandoffDecoder(layout, 16)
+    for part in parts:
+        dec.feed(part)
+    got = dec.result()
+    assert got.prompt == (7, 8, 9) and got.tensors[0].dtype == np.int64 and got.tensors[0].tolist() == [[8, 9]]
+
+
 def test_the_chunked_example_matches_the_codec():
     layout = KVLayout((LayerSpec(CacheKind.CHUNKED, DType.FLOAT32, 1, 1, 1, max_size=2),))
     keys = np.array([[[[2.0], [3.0]]]], np.float32)
