@@ -58,8 +58,8 @@ def test_the_last_families_mlx_lm_distributes_have_rows_with_every_cell_known(ro
     assert rows["iquestloopcoder"]["PP"].ok is False
     assert rows["iquestloopcoder"]["DI"].cell() == "yes (KVCache, RotatingKVCache)"  # the two passes' caches
     assert rows["longcat_flash_ngram"]["PP"].cell() == rows["muse_spark"]["PP"].cell() == "yes"
-    # the n-gram ids' cache holds int64, which no handoff record carries (the probe of its tiny config says so)
-    assert rows["longcat_flash_ngram"]["DI"].cell() == "no (dtype int64 cannot travel in a KV handoff)"
+    # the n-gram ids' cache holds int64, an ARRAY of dtype 5 in a window of ids (the probe of its tiny config)
+    assert rows["longcat_flash_ngram"]["DI"].cell() == "yes (ArraysCache, CacheList)"
     assert rows["muse_spark"]["DI"].cell() == "yes (KVCache, RotatingKVCache)"
     assert rows["iquestloopcoder"]["TP"].cell() == rows["longcat_flash_ngram"]["TP"].cell() == "yes"  # shard()
     for family in ("iquestloopcoder", "longcat_flash_ngram", "muse_spark"):
