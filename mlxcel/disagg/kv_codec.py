@@ -193,8 +193,10 @@ def check_spec(spec: LayerSpec) -> None:
     if spec.kind in (CacheKind.ARRAYS, CacheKind.LIST, CacheKind.STATE):
         items = spec.parts if spec.kind is CacheKind.LIST else spec.arrays
         most = MAX_KV_LIST if spec.kind is CacheKind.LIST else MAX_KV_ARRAYS
-        if not 1 <= len(items) <= most or spec.max_size > _U32:
-            raise ValueError(f"a {spec.kind.name} of {len(items)} items, {spec.max_size} ids (1..{most}, <2^32)")
+        if not 1 <= len(items) <= most:
+            raise ValueError(f"a {spec.kind.name} layer holds {len(items)} items (1..{most} can travel)")
+        if spec.max_size > _U32:
+            raise ValueError(f"an ARRAYS layer keeping a window of {spec.max_size} ids cannot travel (1..2^32-1)")
         for t in spec.arrays:
             if not 1 <= len(t.shape) <= MAX_KV_NDIM or not all(0 < d <= _U32 for d in t.shape):
                 raise ValueError(f"an array of {len(t.shape)} dimensions {list(t.shape)} cannot travel "

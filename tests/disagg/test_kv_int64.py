@@ -88,3 +88,8 @@ def test_ids_that_are_not_the_prompts_last_are_refused(ids):
 def test_int64_is_never_a_layer_records_dtype():
     with pytest.raises(ValueError, match="int64 is an ARRAY's dtype only"):
         LayerSpec(CacheKind.KV, DType.INT64, 1, 2, 2)
+
+
+def test_a_window_beyond_its_record_field_cannot_be_made():
+    with pytest.raises(ValueError, match="window of 4294967296 ids cannot travel"):
+        ngram(2**32)
