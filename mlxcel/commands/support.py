@@ -121,7 +121,8 @@ def tp_support(config: Mapping[str, Any], verbose: bool = False) -> Support:
 def di_support(config: Mapping[str, Any], probe: bool = False) -> Support:
     """Whether the family's caches travel in a handoff, from the model built without weights: their classes;
     ``probe`` (a tiny config only: it runs a one-token forward pass) also the layout the handoff itself probes,
-    so a cache whose arrays' dtype cannot travel says no (longcat_flash_ngram's int64 n-gram ids); a model that
+    so a cache whose arrays cannot travel says no (by dtype or shape; longcat_flash_ngram's int64 ids travel as an
+    id window); a model that
     cannot run here (muse_spark's Metal kernels on a CPU build) keeps the classes' answer."""
     from mlx_lm.models.cache import make_prompt_cache
 
