@@ -94,14 +94,22 @@ def test_preflight_accepts_a_layer_range_exactly_when_the_engine_does(
                "engine: --layers: stage 1: '7-' is not a layer range" in text, result.output[-4000:]
 
 
-def test_prefix_cache_mb_is_rendered_only_when_set(deployment: Deployment) -> None:
+def test_prefix_cache_mb_and_kv_bits_are_rendered_only_when_set_and_bounded(deployment: Deployment) -> None:
+    """Optional [pipeline] keys: rendered for every stage when set (0 = prefix cache off, still rendered), absent
+    when unset (the engine's defaults), out-of-range kv bits refused by the preflight."""
     homes = [deployment.home(n) for n in HOSTS]
-    result = deployment.run("deploy.yml", "--tags", "install,config", mlxcel_config_prefix_cache_mb=0)
+    result = deployment.run("deploy.yml", "--tags", "install,config", mlxcel_config_prefix_cache_mb=0,
+                            mlxcel_config_kv_bits=4, mlxcel_config_kv_group_size=32)
     assert result.rc == 0, result.output[-4000:]
-    assert all(load_cluster_config(h / "cluster.toml").prefix_cache_mb == 0 for h in homes)  # 0 = off, still rendered
+    configs = [load_cluster_config(h / "cluster.toml") for h in homes]
+    assert all(c.prefix_cache_mb == 0 for c in configs)
+    assert {(c.kv_bits, c.kv_group_size) for c in configs} == {(4, 32)}
+    result = deployment.run("deploy.yml", "--tags", "install,config", mlxcel_config_kv_bits=3)
+    assert result.rc != 0 and "mlxcel_config_kv_bits 4 or 8 (got '3')" in " ".join(result.output.split())
     result = deployment.run("deploy.yml", "--tags", "install,config")
     assert result.rc == 0, result.output[-4000:]
-    assert not any("prefix_cache_mb" in (h / "cluster.toml").read_text() for h in homes)  # the engine's default
+    texts = [(h / "cluster.toml").read_text() for h in homes]
+    assert not any("prefix_cache_mb" in t or "kv_bits" in t for t in texts)  # the engine's defaults
     assert load_cluster_config(homes[1] / "cluster.toml").prefix_cache_mb == DEFAULT_PREFIX_CACHE_MB
 
 
@@ -290,16 +298,3 @@ def test_pp_auto_spares_preflight_refuses_with_the_reason(deployment: Deployment
     result = deployment.run("deploy.yml", "--tags", "install", inventory=inventory, **more)
     assert result.rc != 0
     assert want in " ".join(result.output.split()), result.output[-3000:]
-
-
-def test_kv_bits_are_rendered_for_every_stage_only_when_set_and_bounded(deployment: Deployment) -> None:
-    homes = [deployment.home(n) for n in HOSTS]
-    result = deployment.run("deploy.yml", "--tags", "install,config", mlxcel_config_kv_bits=4,
-                            mlxcel_config_kv_group_size=32)
-    assert result.rc == 0, result.output[-4000:]
-    assert {(c.kv_bits, c.kv_group_size) for c in (load_cluster_config(h / "cluster.toml") for h in homes)} == {(4, 32)}
-    result = deployment.run("deploy.yml", "--tags", "install,config", mlxcel_config_kv_bits=3)
-    assert result.rc != 0 and "mlxcel_config_kv_bits 4 or 8 (got '3')" in " ".join(result.output.split())
-    result = deployment.run("deploy.yml", "--tags", "install,config")
-    assert result.rc == 0, result.output[-4000:]
-    assert not any("kv_bits" in (h / "cluster.toml").read_text() for h in homes)  # full precision: nothing rendered
