@@ -86,8 +86,7 @@ class PipelineExecutor(ExecutorBase):
         self.model = model
         self.depth = len(cluster.stages)
         self.one_row = one_row  # the model's caches cannot merge (executor.cap_rows): one row per micro-batch
-        self.micro_batch_size = 1 if one_row is not None else \
-            min(micro_batch_size or cluster.micro_batch(max_batch_size), cluster.max_batch_size)
+        self.micro_batch_size = 1 if one_row else min(micro_batch_size or cluster.micro_batch(max_batch_size), cluster.max_batch_size)
         self.fill_micro_batches = fill_micro_batches(cluster)
         self.return_logits = return_logits
         self.resume_policy = ResumePolicy(cluster.max_resumes, cluster.timeouts.resume_s)

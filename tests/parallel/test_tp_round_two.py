@@ -88,20 +88,24 @@ def test_a_new_rows_plan_describes_its_share():
 def tiny_checkpoint(out: Path, family: str) -> Path:
     """A 2-layer MLA + MoE checkpoint of ``family`` (layer 0 dense, layer 1 MoE) from mlx-lm's class, with
     the tokenizer files of a make-random deepseek_v3 checkpoint."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-    from mlx_lm.utils import _get_classes
-
     from mlxcel.models.random_checkpoint import make_random_checkpoint
 
     base = make_random_checkpoint(out / "base", family="deepseek_v3", layers=2)
     config = {**json.loads((base / "config.json").read_text()), **MLA, "model_type": family}
     if family == "mistral4":  # its rope and llama-4 attention scaling come in rope_parameters
         config["rope_parameters"] = {**MLA["rope_scaling"], "rope_theta": 10000.0, "llama_4_scaling_beta": 0.1}
+    return write_checkpoint(config, out / family, base)
+
+
+def write_checkpoint(config: dict, path: Path, base: Path) -> Path:
+    """mlx-lm's model of ``config`` with random weights (seed 1) at ``path``, with ``base``'s tokenizer files."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes
+
     model_cls, args_cls = _get_classes(config)
     mx.random.seed(1)
     model = model_cls(args_cls.from_dict(config))
-    path = out / family
     path.mkdir()
     weights = dict(tree_flatten(model.parameters()))
     mx.eval(weights)
@@ -135,28 +139,12 @@ def test_tp_2_prints_tp_1s_greedy_text(tmp_path, family, mode):
 def loop_checkpoint(out: Path) -> Path:
     """A 2-layer iquestloopcoder checkpoint (llama's fields and its loop, a window of 4) from mlx-lm's class,
     with the tokenizer files of a make-random llama checkpoint."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-    from mlx_lm.utils import _get_classes
-
     from mlxcel.commands.support import family_config
     from mlxcel.models.random_checkpoint import make_random_checkpoint
 
     base = make_random_checkpoint(out / "base", layers=2)
     config = {**family_config("iquestloopcoder"), "num_hidden_layers": 2}
-    model_cls, args_cls = _get_classes(config)
-    mx.random.seed(1)
-    model = model_cls(args_cls.from_dict(config))
-    path = out / "iquestloopcoder"
-    path.mkdir()
-    weights = dict(tree_flatten(model.parameters()))
-    mx.eval(weights)
-    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
-    (path / "config.json").write_text(json.dumps(config))
-    for f in base.iterdir():
-        if f.name.startswith("tokenizer") or f.name.endswith(".jinja"):
-            shutil.copy(f, path / f.name)
-    return path
+    return write_checkpoint(config, out / "iquestloopcoder", base)
 
 
 @pytest.mark.proc
