@@ -56,11 +56,17 @@ class Member:
 
 @pytest.fixture(scope="module")
 def decode(tmp_path_factory, tiny_llama):
-    tmp = tmp_path_factory.mktemp("decode-members")
+    yield from decode_node_with_members(tmp_path_factory.mktemp("decode-members"), tiny_llama, DECODE_IP,
+                                        (IDLER_IP, HONEST_IP, PROBER_IP))
+
+
+def decode_node_with_members(tmp, model, decode_ip: str, member_ips: tuple[str, ...]):
+    """A real decode node on ``decode_ip`` and a cluster member on each of ``member_ips``, all holding one
+    secret: yields (node, its PeerId, {ip: Member}), then stops the node and closes the members."""
     secret_file = write_secret(tmp)
-    bind = f"{DECODE_IP}:{free_port(DECODE_IP)}"
-    node = RoleNode(tiny_llama, "decode", DECODE_IP, bind, secret_file, *FAST, "--handoff-timeout", "5")
-    members = {ip: Member(ip, load_secret(secret_file)) for ip in (IDLER_IP, HONEST_IP, PROBER_IP)}
+    bind = f"{decode_ip}:{free_port(decode_ip)}"
+    node = RoleNode(model, "decode", decode_ip, bind, secret_file, *FAST, "--handoff-timeout", "5")
+    members = {ip: Member(ip, load_secret(secret_file)) for ip in member_ips}
     try:
         node.wait_ready()
         yield node, PeerId.parse(bind), members

@@ -15,7 +15,7 @@ from mlxcel.disagg.kv_split import encode_part, encode_split, range_parts, range
 from mlxcel.disagg.wire import MAX_KV_EARLY_BYTES, MsgType
 from mlxcel.error_codes import ErrorCode
 from tests.disagg.cluster import FAST, RoleNode, wait_for
-from tests.disagg.test_decode_members import LAYOUT, PROMPT, Member
+from tests.disagg.test_decode_members import LAYOUT, PROMPT, Member, decode_node_with_members
 from tests.pipeline.cluster import free_port, write_secret
 
 pytestmark = pytest.mark.proc  # starts processes (tests/proc_marker.py)
@@ -26,18 +26,8 @@ KV = np.random.default_rng(3).standard_normal(LAYOUT.nbytes(len(PROMPT)) // 4).a
 
 @pytest.fixture(scope="module")
 def decode(tmp_path_factory, tiny_llama):
-    tmp = tmp_path_factory.mktemp("decode-split")
-    secret_file = write_secret(tmp)
-    bind = f"{DECODE_IP}:{free_port(DECODE_IP)}"
-    node = RoleNode(tiny_llama, "decode", DECODE_IP, bind, secret_file, *FAST, "--handoff-timeout", "5")
-    members = {ip: Member(ip, load_secret(secret_file)) for ip in (HONEST_IP, OTHER_IP)}
-    try:
-        node.wait_ready()
-        yield node, PeerId.parse(bind), members
-    finally:
-        node.stop()
-        for member in members.values():
-            member.close()
+    yield from decode_node_with_members(tmp_path_factory.mktemp("decode-split"), tiny_llama, DECODE_IP,
+                                        (HONEST_IP, OTHER_IP))
 
 
 def part_streams(count: int, chunk_len: int = 64) -> list[list]:
