@@ -92,6 +92,17 @@ def parse_variant(text: str) -> Variant:
     return Variant(name.strip(), topology, args)
 
 
+CACHE_ROLES = ("server", "coordinator", "prefill")  # the roles that keep a prefix cache
+
+
+def with_cache_size(v: Variant, mib: int | None) -> Variant:
+    """``v`` with ``--prefix-cache-mb mib`` given to every role that keeps a prefix cache (unchanged for None)."""
+    if mib is None:
+        return v
+    extra = {role: [*v.args.get(role, []), "--prefix-cache-mb", str(mib)] for role in CACHE_ROLES}
+    return Variant(v.name, v.topology, {**v.args, **extra})
+
+
 def check_topology(topology: str) -> None:
     if topology == "single" or (topology.startswith("pp") and topology[2:].isdigit() and int(topology[2:]) >= 1):
         return
@@ -377,12 +388,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--metrics-url", action="append", default=[], help="with --url: more /metrics to sum (prefill nodes)")
     p.add_argument("--model-name", default=None, help="with --url: the model id (default: from /v1/models)")
     p.add_argument("--api-key-file", default=None, help="with --url: send its first key (serve_bench's format)")
+    p.add_argument("--prefix-cache-mb", type=int, default=None,
+                   help="given to the roles that keep a prefix cache (server, coordinator, prefill); the default "
+                        "256 MiB holds ~2k tokens of a Qwen3-0.6B shape, too few for long conversations")
     p.add_argument("--label", default="", help="recorded in every row")
     p.add_argument("--out", type=Path, default=Path("bench/results") / time.strftime("%Y-%m-%d"))
     args = p.parse_args(argv)
     try:
         args.shape = conv.Shape(args.conversations, args.turns, args.system_words, args.result_words, args.seed)
-        args.variants = [parse_variant(t) for t in args.variant or PRESETS[args.preset]]
+        args.variants = [with_cache_size(parse_variant(t), args.prefix_cache_mb)
+                         for t in args.variant or PRESETS[args.preset]]
     except ValueError as exc:
         p.error(str(exc))
     names = [v.name for v in args.variants]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from bench import agent_conv as conv
-from bench.agent_turns import main, parse_variant, prompt_sha256
+from bench.agent_turns import main, parse_variant, prompt_sha256, with_cache_size
 from mlxcel.models.random_checkpoint import make_random_checkpoint
 from mlxcel.report.schema import validate_row
 
@@ -67,6 +67,14 @@ def test_variants_name_topologies_and_role_arguments() -> None:
                        ("x=2p1d-warp", "option")):
         with pytest.raises(ValueError, match=words):
             parse_variant(bad)
+
+
+def test_a_prefix_cache_size_reaches_the_roles_that_keep_one_and_no_other() -> None:
+    sized = with_cache_size(parse_variant("p=2p1d;prefill:--kv-bits 8;router:--route-policy prefix"), 16000)
+    assert sized.role("prefill") == ["--kv-bits", "8", "--prefix-cache-mb", "16000"]
+    assert sized.role("server") == sized.role("coordinator") == ["--prefix-cache-mb", "16000"]
+    assert sized.role("router") == ["--route-policy", "prefix"] and sized.role("decode") == sized.role("stage") == []
+    assert with_cache_size(parse_variant("s=single"), None).role("server") == []
 
 
 def turn(variant: str, rep: int, c: int, t: int, ttft: float, cached: int | None = 0, reusable: int = 0) -> dict:
