@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from tests.cli_in_process import run_mlxcel
+
 CLI = [sys.executable, "-m", "mlxcel"]
 PROMPT = "The quick brown fox"
 
@@ -14,8 +16,13 @@ pytestmark = [pytest.mark.timeout(180), pytest.mark.proc]
 
 
 def generate(model, *flags: str, n: int = 16) -> subprocess.CompletedProcess:
-    out = subprocess.run([*CLI, "generate", "-m", str(model), "-p", PROMPT, "-n", str(n), "--temp", "0", *flags],
-                         capture_output=True, text=True, timeout=150)
+    """``mlxcel generate``: a process of its own with ``--tp-size`` (rank 0, which starts its followers), else
+    in this process (one device's reference text, without a fresh interpreter's imports)."""
+    argv = ["generate", "-m", str(model), "-p", PROMPT, "-n", str(n), "--temp", "0", *flags]
+    if "--tp-size" in flags:
+        out = subprocess.run([*CLI, *argv], capture_output=True, text=True, timeout=150)
+    else:
+        out = run_mlxcel(*argv)
     assert out.returncode == 0, out.stderr
     return out
 
