@@ -1,10 +1,16 @@
-"""Every family tensor parallelism shards, one row each: ``--tp-size 2`` prints tp 1's greedy text.
+"""Every family tensor parallelism shards, one row each: tp 2 gives tp 1's greedy tokens.
 
 Each row is a tiny ``mlxcel models make-random`` checkpoint (mlx-lm's own classes, the real tokenizer
 files) and the ``--tp-moe-mode`` values that apply to it: none for a dense family, both for a
-mixture-of-experts one (whole experts per rank, and every expert's width split). Every run is the
-real path: ``mlxcel generate`` as rank 0, its follower a second process, the ring backend on
-loopback. Adding a family is one row here and one in ``mlxcel.parallel.families.FAMILIES``.
+mixture-of-experts one (whole experts per rank, and every expert's width split). Adding a family is one
+row here and one in ``mlxcel.parallel.families.FAMILIES``.
+
+- Every row runs in one group of two rank processes (``tests/parallel/tp_greedy.py``: the ring backend on
+  loopback, joined once; each checkpoint cut by ``apply_plan`` as a follower cuts it): its plan line, and
+  its greedy tokens equal the whole model's in this process.
+- One row per way of cutting (``REAL``: mlx-lm's ``shard()``, mlxcel's own plan, the gated delta net with
+  its head kept whole, and each MoE mode) also runs the whole real path: ``mlxcel generate`` as rank 0,
+  its follower a second process, printing tp 1's greedy text.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from mlxcel.config import RANDOM_FAMILIES, TP_MOE_MODES
 from mlxcel.parallel.families import FAMILIES
 from tests.family_checkpoints import family_checkpoint  # noqa: F401
 from tests.cli_in_process import run_mlxcel
+from tests.parallel.tp_greedy import greedy, run_group
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.proc]
 
@@ -35,6 +42,10 @@ TABLE: dict[str, tuple[str | None, ...]] = {
     "gpt_oss": MOE, "minimax": MOE, "kimi_k3": MOE,
 }
 N = 6  # tokens
+ROWS = [(f, m) for f, modes in sorted(TABLE.items()) for m in modes]
+#: one row per way of cutting, run through ``mlxcel generate --tp-size 2`` as well
+REAL = [("llama", None), ("gemma3_text", None), ("qwen3_5", None), ("qwen3_moe", "within_expert"),
+        ("gemma4_text", "expert_parallel")]
 
 
 def test_table_is_every_tp_family():
@@ -75,18 +86,46 @@ def generate(model: Path, *flags: str) -> subprocess.CompletedProcess:
     return out
 
 
-@pytest.mark.parametrize("family,mode", [(f, m) for f, modes in sorted(TABLE.items()) for m in modes])
+def test_real_rows_cover_each_way_of_cutting():
+    """A real-process row for mlx-lm's shard() and mlxcel's own plan, each dense and with experts, the gated
+    delta net with its head kept whole, and each MoE mode."""
+    assert set(REAL) <= set(ROWS)
+    kinds = {(FAMILIES[f].shard, m is not None) for f, m in ROWS}
+    assert {(FAMILIES[f].shard, m is not None) for f, m in REAL} == kinds
+    assert {m for _, m in REAL} == {None, *MOE} and any(FAMILIES[f].head for f, _ in REAL)
+
+
+def expect_plan(line: str, family: str, mode: str | None) -> None:
+    assert f"{family} over 2 ranks" in line, line
+    if mode == "expert_parallel":
+        assert "2 of 4 experts per rank" in line, line
+    elif mode == "within_expert":
+        assert "all 4 experts" in line, line
+
+
+@pytest.fixture(scope="module")
+def grouped(checkpoint, tmp_path_factory) -> dict[tuple[str, str | None], dict]:
+    """Every row's plan line and tp 2 greedy tokens, from one group of two rank processes."""
+    rows = run_group([(checkpoint(f), m) for f, m in ROWS], tmp_path_factory.mktemp("tp-group"))
+    return dict(zip(ROWS, rows))
+
+
+@pytest.mark.parametrize("family,mode", ROWS)
+def test_tp_2_gives_tp_1s_greedy_tokens(checkpoint, grouped, family, mode):
+    got = grouped[(family, mode)]
+    expect_plan(got["plan"], family, mode)
+    assert got["tokens"] == greedy(checkpoint(family)) and len(got["tokens"]) == N
+
+
+@pytest.mark.parametrize("family,mode", REAL)
 def test_tp_2_prints_tp_1s_greedy_text(checkpoint, family, mode):
     model = checkpoint(family)
     if family not in _single:
         _single[family] = generate(model).stdout
     flags = ["--tp-size", "2", "--tp-timeout", "120"] + (["--tp-moe-mode", mode] if mode else [])
     sharded = generate(model, *flags)
-    assert f"{family} over 2 ranks" in sharded.stderr and "ring backend" in sharded.stderr
-    if mode == "expert_parallel":
-        assert "2 of 4 experts per rank" in sharded.stderr
-    elif mode == "within_expert":
-        assert "all 4 experts" in sharded.stderr
+    assert "ring backend" in sharded.stderr
+    expect_plan(sharded.stderr, family, mode)
     assert sharded.stdout == _single[family] and len(sharded.stdout) > 1
 
 
