@@ -27,7 +27,7 @@ from tests.server.util import metrics
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.proc]
 PROMPT = [1, 50, 51, 52]
-N = 80
+N = 40  # with 20 ms per stage step, about 2 s of answer: the stage breaks after 5 tokens, mid-answer
 
 
 def body(**kw) -> dict:
@@ -56,7 +56,7 @@ def stream_text(url: str, started: threading.Event, **kw) -> tuple[str, list[str
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, tiny_llama):
-    # 20 ms per stage step: an 80-token answer takes a few seconds, long enough to break it midway
+    # 20 ms per stage step: an answer of N tokens takes seconds, long enough to break it midway
     c = LocalCluster(tmp_path_factory.mktemp("resume"), tiny_llama, stage_delay=0.02).start()
     yield c
     c.stop()
@@ -114,8 +114,12 @@ def test_a_frozen_stage_thawed_mid_request_the_answer_is_whole_non_streamed(clus
     result: dict = {}
     t = threading.Thread(target=lambda: result.update(
         r=httpx.post(f"{cluster.url}/v1/completions", json=body(), timeout=120)))
+    steps = metrics(cluster.url).get("mlxcel_decode_steps_total", 0)
     t.start()
-    time.sleep(1.0)
+    deadline = time.monotonic() + 60
+    while metrics(cluster.url).get("mlxcel_decode_steps_total", 0) < steps + 3:  # decoding, mid-answer
+        assert time.monotonic() < deadline and t.is_alive(), "the request never started decoding"
+        time.sleep(0.05)
     os.kill(pid, signal.SIGSTOP)
     time.sleep(3.0)  # past two heartbeats: the coordinator marks it down and fails the step
     os.kill(pid, signal.SIGCONT)
