@@ -1,4 +1,9 @@
-"""The CLI: one clear line on stderr and a non-zero exit for bad input; stats after generation."""
+"""The CLI: one clear line on stderr and a non-zero exit for bad input; stats after generation.
+
+The happy paths and one refusal run ``python -m mlxcel`` as a process of its own (the entry point's exit
+status and streams); the other refusals run the same ``mlxcel.cli.main`` in this process
+(``tests/cli_in_process.py``), without a fresh interpreter's imports each.
+"""
 
 import json
 import shutil
@@ -6,6 +11,8 @@ import subprocess
 import sys
 
 import pytest
+
+from tests.cli_in_process import run_mlxcel
 
 pytestmark = pytest.mark.proc  # starts processes (tests/proc_marker.py)
 
@@ -42,7 +49,7 @@ def test_missing_model_dir(tmp_path):
 
 
 def test_not_a_checkpoint(tmp_path):
-    assert_one_line_error(mlxcel("generate", "-m", str(tmp_path), "-p", "hi"), "not a checkpoint (no config.json)")
+    assert_one_line_error(run_mlxcel("generate", "-m", str(tmp_path), "-p", "hi"), "not a checkpoint (no config.json)")
 
 
 def test_unknown_architecture(tmp_path, tiny_llama):
@@ -51,26 +58,26 @@ def test_unknown_architecture(tmp_path, tiny_llama):
     config = json.loads((bad / "config.json").read_text())
     config["model_type"] = "transmogrifier"
     (bad / "config.json").write_text(json.dumps(config))
-    assert_one_line_error(mlxcel("generate", "-m", str(bad), "-p", "hi"), "unknown architecture 'transmogrifier'")
+    assert_one_line_error(run_mlxcel("generate", "-m", str(bad), "-p", "hi"), "unknown architecture 'transmogrifier'")
 
 
 def test_empty_prompt(tiny_llama):
-    assert_one_line_error(mlxcel("generate", "-m", str(tiny_llama), "-p", "  "), "prompt must not be empty")
+    assert_one_line_error(run_mlxcel("generate", "-m", str(tiny_llama), "-p", "  "), "prompt must not be empty")
 
 
 @pytest.mark.parametrize("n", ["0", "-3", "many"])
 def test_bad_token_count(tiny_llama, n):
-    assert_one_line_error(mlxcel("generate", "-m", str(tiny_llama), "-p", "hi", "-n", n), "--max-tokens")
+    assert_one_line_error(run_mlxcel("generate", "-m", str(tiny_llama), "-p", "hi", "-n", n), "--max-tokens")
 
 
 def test_bad_temperature(tiny_llama):
-    assert_one_line_error(mlxcel("generate", "-m", str(tiny_llama), "-p", "hi", "--temp", "9"), "temperature")
+    assert_one_line_error(run_mlxcel("generate", "-m", str(tiny_llama), "-p", "hi", "--temp", "9"), "temperature")
 
 
 def test_models_info_shows_identity(tiny_llama):
     from mlxcel.models.identity import model_identity
 
-    result = mlxcel("models", "info", str(tiny_llama))
+    result = run_mlxcel("models", "info", str(tiny_llama))
     assert result.returncode == 0, result.stderr
     assert f"identity:    {model_identity(tiny_llama)}" in result.stdout
     assert "layers:      4" in result.stdout
