@@ -1,7 +1,9 @@
 """Tensor parallelism for the families of issue 43's round two: the table follows mlx-lm's ``shard()``
 hooks, each new row's dimensions are named when they do not divide, families without a cut are refused
-by name, and ``--tp-size 2`` prints tp 1's greedy text for deepseek_v2 and mistral4 (MLA + MoE; tiny
-checkpoints built here from mlx-lm's own classes, the tokenizer of a ``make-random`` checkpoint).
+by name, and tp 2 gives tp 1's greedy tokens for deepseek_v2 and mistral4 (MLA + MoE; tiny checkpoints
+built here from mlx-lm's own classes, the tokenizer of a ``make-random`` checkpoint), iquestloopcoder and
+longcat_flash_ngram: all four in one group of two ring rank processes (``tests/parallel/tp_greedy.py``), and
+deepseek_v2 also through ``mlxcel generate --tp-size 2`` with its follower process.
 """
 
 from __future__ import annotations
@@ -118,21 +120,26 @@ def write_checkpoint(config: dict, path: Path, base: Path) -> Path:
 
 
 def generate(model: Path, *flags: str) -> subprocess.CompletedProcess:
-    argv = [sys.executable, "-m", "mlxcel", "generate", "-m", str(model), "-p", "hello world", "-n", "5",
-            "--temp", "0", "--raw", *flags]
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=240)
+    """``mlxcel generate``: a process of its own with ``--tp-size`` (rank 0, which starts its follower), else in
+    this process (tp 1's reference text)."""
+    from tests.cli_in_process import run_mlxcel
+
+    argv = ["generate", "-m", str(model), "-p", "hello world", "-n", "5", "--temp", "0", "--raw", *flags]
+    if "--tp-size" in flags:
+        out = subprocess.run([sys.executable, "-m", "mlxcel", *argv], capture_output=True, text=True, timeout=240)
+    else:
+        out = run_mlxcel(*argv)
     assert out.returncode == 0, out.stderr[-2000:]
     return out
 
 
 @pytest.mark.proc
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("family,mode", [("deepseek_v2", "expert_parallel"), ("mistral4", "within_expert")])
-def test_tp_2_prints_tp_1s_greedy_text(tmp_path, family, mode):
-    model = tiny_checkpoint(tmp_path, family)
+def test_tp_2_prints_tp_1s_greedy_text(tmp_path):
+    model = tiny_checkpoint(tmp_path, "deepseek_v2")
     single = generate(model)
-    sharded = generate(model, "--tp-size", "2", "--tp-timeout", "120", "--tp-moe-mode", mode)
-    assert f"{family} over 2 ranks: 2 of 4 heads" in sharded.stderr and "ring backend" in sharded.stderr
+    sharded = generate(model, "--tp-size", "2", "--tp-timeout", "120", "--tp-moe-mode", "expert_parallel")
+    assert "deepseek_v2 over 2 ranks: 2 of 4 heads" in sharded.stderr and "ring backend" in sharded.stderr
     assert sharded.stdout == single.stdout and len(single.stdout) > 1
 
 
@@ -147,19 +154,36 @@ def loop_checkpoint(out: Path) -> Path:
     return write_checkpoint(config, out / "iquestloopcoder", base)
 
 
+#: (family, --tp-moe-mode) of the rows run at tp 2 in one group of rank processes
+GROUPED = [("deepseek_v2", "expert_parallel"), ("mistral4", "within_expert"), ("iquestloopcoder", None),
+           ("longcat_flash_ngram", "within_expert")]
+
+
+@pytest.fixture(scope="module")
+def grouped(tmp_path_factory) -> dict[str, tuple[Path, dict]]:
+    """family -> (its tiny checkpoint, the plan line and tp 2 greedy tokens from one group of two ranks)."""
+    from mlxcel.models.random_checkpoint import make_random_checkpoint
+    from tests.parallel.tp_greedy import run_group
+
+    made = {}
+    for family, _ in GROUPED:
+        out = tmp_path_factory.mktemp(family)
+        made[family] = (loop_checkpoint(out) if family == "iquestloopcoder" else
+                        make_random_checkpoint(out / family, family=family, layers=2)
+                        if family == "longcat_flash_ngram" else tiny_checkpoint(out, family))
+    rows = run_group([(made[f], m) for f, m in GROUPED], tmp_path_factory.mktemp("tp-group"))
+    return {f: (made[f], row) for (f, _), row in zip(GROUPED, rows)}
+
+
 @pytest.mark.proc
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("family", ["iquestloopcoder", "longcat_flash_ngram"])
-def test_tp_2_of_the_last_families_prints_tp_1s_greedy_text(tmp_path, family):
-    """mlx-lm's shard(): iquestloopcoder's layers (both passes) and each layer's loop gate by heads;
-    longcat_flash_ngram as longcat_flash, its n-gram tables whole on each rank. The prompt (11 byte tokens)
-    runs past the loop window of 4."""
-    from mlxcel.models.random_checkpoint import make_random_checkpoint
+@pytest.mark.parametrize("family", [f for f, _ in GROUPED])
+def test_tp_2_gives_tp_1s_greedy_tokens(grouped, family):
+    """mlx-lm's shard() on MLA + MoE; iquestloopcoder's layers (both passes) and each layer's loop gate by
+    heads; longcat_flash_ngram as longcat_flash, its n-gram tables whole on each rank. The prompt and answer
+    (11 tokens) run past iquestloopcoder's loop window of 4."""
+    from tests.parallel.tp_greedy import N, PROMPT, greedy
 
-    model = (loop_checkpoint(tmp_path) if family == "iquestloopcoder"
-             else make_random_checkpoint(tmp_path / family, family=family, layers=2))
-    single = generate(model)
-    sharded = generate(model, "--tp-size", "2", "--tp-timeout", "120", *(
-        ["--tp-moe-mode", "within_expert"] if family == "longcat_flash_ngram" else []))
-    assert f"{family} over 2 ranks: 2 of 4 heads" in sharded.stderr and "ring backend" in sharded.stderr
-    assert sharded.stdout == single.stdout and len(single.stdout) > 1
+    model, got = grouped[family]
+    assert f"{family} over 2 ranks: 2 of 4 heads" in got["plan"], got["plan"]
+    assert got["tokens"] == greedy(model) and len(got["tokens"]) == N and len(PROMPT) + N > 4
