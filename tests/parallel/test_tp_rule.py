@@ -2,7 +2,8 @@
 layers have the plain attention + MLP (+ experts) layout, and is refused with the reason otherwise.
 
 TP 2 equals TP 1 to 1e-4 in float32 logits (a 4-token prefill, then 2 decode steps): two real rank
-processes on the ring backend over loopback, each cut by ``apply_plan`` as a follower is.
+processes on the ring backend over loopback (one group for every case), each cut by ``apply_plan`` as a
+follower is.
 """
 
 from __future__ import annotations
@@ -115,33 +116,41 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory):
     _models.clear()
 
 
-def sharded_logits(model: Path, out: Path, mode: str | None, size: int = 2) -> list[np.ndarray]:
-    """Each rank's logits, from ``size`` rank processes joined by the ring backend on 127.0.0.1."""
-    hostfile = out / "ring.json"
+def sharded_logits(cases: list[tuple[Path, str | None]], out: Path, size: int = 2) -> list[list[np.ndarray]]:
+    """Each case's logits on each rank, from ``size`` rank processes joined once by the ring backend on
+    127.0.0.1 (``tests/parallel/tp_logits.py --jobs``)."""
+    hostfile, jobs = out / "ring.json", out / "jobs.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(size)]))
+    jobs.write_text(json.dumps([[str(model), mode] for model, mode in cases]))
     procs = []
     for rank in range(size):
         env = {**os.environ, "MLX_RANK": str(rank), "MLX_WORLD_SIZE": str(size), "MLX_HOSTFILE": str(hostfile)}
-        argv = [sys.executable, "-m", "tests.parallel.tp_logits", str(model), str(out / f"rank{rank}.npy")]
-        procs.append(subprocess.Popen(argv + ([mode] if mode else []), env=env, stderr=subprocess.PIPE, text=True))
+        argv = [sys.executable, "-m", "tests.parallel.tp_logits", "--jobs", str(jobs), str(out)]
+        procs.append(subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True))
     try:
-        errors = [p.communicate(timeout=180)[1] for p in procs]
+        errors = [p.communicate(timeout=360)[1] for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
     assert all(p.returncode == 0 for p in procs), "\n".join(e[-2000:] for e in errors)
-    return [np.load(out / f"rank{rank}.npy") for rank in range(size)]
+    return [[np.load(out / f"rank{rank}-{i}.npy") for rank in range(size)] for i in range(len(cases))]
+
+
+@pytest.fixture(scope="module")
+def grouped(checkpoint, tmp_path_factory) -> dict[tuple[str, str | None], list[np.ndarray]]:
+    """Every RULE_CASES row's logits on each rank, from one group of two rank processes."""
+    found = sharded_logits([(checkpoint(f), m) for f, m in RULE_CASES], tmp_path_factory.mktemp("tp-rule"))
+    return dict(zip(RULE_CASES, found))
 
 
 @pytest.mark.proc
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("family,mode", RULE_CASES)
-def test_tp_2_logits_equal_tp_1s(checkpoint, tmp_path, family, mode):
-    model = checkpoint(family)
-    single = logits(model)
-    for rank in sharded_logits(model, tmp_path, mode):
+def test_tp_2_logits_equal_tp_1s(checkpoint, grouped, family, mode):
+    single = logits(checkpoint(family))
+    for rank in grouped[(family, mode)]:
         assert rank.shape == single.shape
         np.testing.assert_allclose(rank, single, atol=1e-4, rtol=0)
 
