@@ -25,8 +25,8 @@ from tests.pipeline.test_resume import PROMPT, stream_text
 from tests.server.util import metrics
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.proc]
-N = 60
-SLOW = {"MLXCEL_TEST_STAGE_STEP_DELAY_S": "0.03"}  # a 60-token answer lasts long enough to break it midway
+N = 30
+SLOW = {"MLXCEL_TEST_STAGE_STEP_DELAY_S": "0.03"}  # an answer of N tokens lasts long enough to break it after 5
 
 
 def _health(url: str) -> httpx.Response:

@@ -21,7 +21,7 @@ def test_default_model_router_prefill_decode_equal_a_single_node(tmp_path, defau
         single.wait_ready(180)
         cluster.start()
         for text in PROMPTS:
-            kw = dict(model="tiny", messages=[{"role": "user", "content": text}], max_tokens=24, temperature=0)
+            kw = dict(model="tiny", messages=[{"role": "user", "content": text}], max_tokens=12, temperature=0)
             ref = openai.OpenAI(base_url=f"{single.url}/v1", api_key="x", max_retries=0).chat.completions.create(**kw)
             api = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="x", max_retries=0, timeout=120)
             got = api.chat.completions.create(**kw)
