@@ -1,4 +1,4 @@
-"""Many checkpoints' tensor-parallel greedy tokens from one group of rank processes (``tests/parallel/test_tp_families.py``).
+"""Many checkpoints' tensor-parallel greedy tokens from one group of rank processes (test_tp_families.py).
 
 ``python -m tests.parallel.tp_greedy JOBS OUT``, one process per rank under ``MLX_RANK`` / ``MLX_HOSTFILE``
 (the ring on loopback): the group is joined once, then for every job of JOBS (a JSON list of ``[model dir,
