@@ -180,6 +180,16 @@ def test_a_request_held_past_the_resume_timeout_gets_503_with_retry_after(tmp_pa
     c = LocalCluster(tmp_path, tiny_llama, stages=1, coordinator_flags=("--resume-timeout", "2")).start()
     try:
         kill_and_wait_degraded(c, 0)  # never started again
+
+        def sse_events() -> list[dict]:
+            with httpx.stream("POST", f"{c.url}/v1/completions", json=body(max_tokens=4, stream=True),
+                              timeout=60) as s:
+                return [json.loads(line[6:]) for line in s.iter_lines()
+                        if line.startswith("data: ") and line != "data: [DONE]"]
+
+        streamed: dict = {}  # the streamed request is held at the same time, on its own connection
+        sse = threading.Thread(target=lambda: streamed.update(events=sse_events()))
+        sse.start()
         start = time.monotonic()
         r = httpx.post(f"{c.url}/v1/completions", json=body(max_tokens=4), timeout=60)
         waited = time.monotonic() - start
@@ -187,9 +197,8 @@ def test_a_request_held_past_the_resume_timeout_gets_503_with_retry_after(tmp_pa
         message = r.json()["error"]["message"]
         assert "stage-0" in message and 2.0 <= held_of(message) < 3 and "--resume-timeout" in message, message
         assert 2.0 <= waited < 10, waited  # held for the bound, not refused at once, not hung
-        with httpx.stream("POST", f"{c.url}/v1/completions", json=body(max_tokens=4, stream=True), timeout=60) as s:
-            events = [json.loads(line[6:]) for line in s.iter_lines()
-                      if line.startswith("data: ") and line != "data: [DONE]"]
+        sse.join(60)
+        events = streamed["events"]
         assert len(events) == 1 and 2.0 <= held_of(events[0]["error"]["message"]) < 3, events  # the SSE error event
         m = metrics(c.url)
         assert (m["mlxcel_requests_held_total"], m["mlxcel_hold_failed_requests_total"]) == (2, 2)
