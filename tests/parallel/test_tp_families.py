@@ -8,6 +8,7 @@ row here and one in ``mlxcel.parallel.families.FAMILIES``.
 - Every row runs in one group of two rank processes (``tests/parallel/tp_greedy.py``: the ring backend on
   loopback, joined once; each checkpoint cut by ``apply_plan`` as a follower cuts it): its plan line, and
   its greedy tokens equal the whole model's in this process.
+- gemma-4 E2B's shape (per-layer inputs, a KV-shared layer) runs in that group too.
 - One row per way of cutting (``REAL``: mlx-lm's ``shard()``, mlxcel's own plan, the gated delta net with
   its head kept whole, and each MoE mode) also runs the whole real path: ``mlxcel generate`` as rank 0,
   its follower a second process, printing tp 1's greedy text.
@@ -104,10 +105,12 @@ def expect_plan(line: str, family: str, mode: str | None) -> None:
 
 
 @pytest.fixture(scope="module")
-def grouped(checkpoint, tmp_path_factory) -> dict[tuple[str, str | None], dict]:
-    """Every row's plan line and tp 2 greedy tokens, from one group of two rank processes."""
-    rows = run_group([(checkpoint(f), m) for f, m in ROWS], tmp_path_factory.mktemp("tp-group"))
-    return dict(zip(ROWS, rows))
+def grouped(checkpoint, family_checkpoint, tmp_path_factory) -> dict[tuple[str, str | None], dict]:  # noqa: F811
+    """Every row's (and gemma-4 E2B's, as ``("gemma4_text_e2b", None)``) plan line and tp 2 greedy tokens,
+    from one group of two rank processes."""
+    jobs = [(checkpoint(f), m) for f, m in ROWS] + [(family_checkpoint("gemma4_text_e2b"), None)]
+    rows = run_group(jobs, tmp_path_factory.mktemp("tp-group"))
+    return dict(zip([*ROWS, ("gemma4_text_e2b", None)], rows))
 
 
 @pytest.mark.parametrize("family,mode", ROWS)
@@ -129,11 +132,10 @@ def test_tp_2_prints_tp_1s_greedy_text(checkpoint, family, mode):
     assert sharded.stdout == _single[family] and len(sharded.stdout) > 1
 
 
-def test_gemma4_with_per_layer_inputs_and_kv_shared_layers(family_checkpoint):  # noqa: F811
+def test_gemma4_with_per_layer_inputs_and_kv_shared_layers(grouped, family_checkpoint):  # noqa: F811
     """gemma-4 E2B/E4B's shape (``VARIANTS["gemma4_text_e2b"]``, the pipeline and handoff tables' row too):
     per-layer inputs stay replicated, the KV-shared last layer has no k/v projection to cut and reads
-    layer 2's (sharded) sliding KV."""
-    model = family_checkpoint("gemma4_text_e2b")
-    sharded = generate(model, "--tp-size", "2", "--tp-timeout", "120")
-    assert "gemma4_text over 2 ranks: 2 of 4 heads, 1 of 2 KV heads, 64 of 128 MLP columns per rank" in sharded.stderr
-    assert sharded.stdout == generate(model).stdout and len(sharded.stdout) > 1
+    layer 2's (sharded) sliding KV. (mlxcel's own plan through ``mlxcel generate``: the gemma3_text row.)"""
+    got = grouped[("gemma4_text_e2b", None)]
+    assert got["plan"] == "gemma4_text over 2 ranks: 2 of 4 heads, 1 of 2 KV heads, 64 of 128 MLP columns per rank"
+    assert got["tokens"] == greedy(family_checkpoint("gemma4_text_e2b")) and len(got["tokens"]) == N
