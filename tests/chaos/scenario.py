@@ -1,5 +1,6 @@
-"""The chaos run both chaos modules share: 4 streams of bounded load for about 40 s while a loop kills,
-freezes or restarts a random node (``test_chaos_pipeline.py``, ``test_chaos_disagg.py``).
+"""The chaos run both chaos modules share: 4 streams of bounded load for about 40 s (or one round of the
+actions) while a loop kills, freezes or restarts a random node (``test_chaos_pipeline.py``,
+``test_chaos_disagg.py``).
 
 Counted (``tests/chaos/harness.py``): requests started, completed (whole, and equal to the undisturbed
 run, greedy, token for token), resumed and held (/metrics), failed with a clean error, hung (must be 0)
@@ -53,12 +54,16 @@ def reroutes(url: str) -> tuple[int, int, int]:
 
 
 def run_chaos(name: str, url: str, targets: list[Target], healthy, tmp_path: Path,
-              actions: tuple[str, ...] = ACTIONS, seed: int = 25) -> Counts:
+              actions: tuple[str, ...] = ACTIONS, seed: int = 25, *, one_round: bool = False) -> Counts:
+    """``one_round``: exactly one round of ``actions``, 2.5 s (+-50%) apart, unless MLXCEL_CHAOS_SECONDS is set
+    (a benchmark run: that long at least, 5 s apart, as without it)."""
     expected = undisturbed(url)
     before = reroutes(url)
     load = Load(url, PROMPTS, expected, max_tokens=MAX_TOKENS, pause_s=0.5).start()
+    short = one_round and "MLXCEL_CHAOS_SECONDS" not in os.environ
     try:
-        Chaos(targets, healthy, load.counts, duration=DURATION_S, actions=actions, seed=seed).run()
+        Chaos(targets, healthy, load.counts, duration=0.0 if short else DURATION_S, interval=2.5 if short else 5.0,
+              actions=actions, seed=seed).run()
     finally:
         counts = load.stop()
     counts.resumed, counts.failovers, counts.held = (a - b for a, b in zip(reroutes(url), before))
