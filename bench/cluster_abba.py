@@ -36,8 +36,8 @@ def server(args: list[str], host: str, port: int, log: Path, env: dict[str, str]
 def start_cluster(args: argparse.Namespace, work: Path, name: str, hosts: list[str],
                   env: dict[str, str], stage_args: Sequence[str] = ()) -> tuple[str, list[subprocess.Popen]]:
     """A coordinator on ``hosts[0]`` and a stage on each further host, as the deployment starts them;
-    ``env`` goes to the coordinator, ``stage_args`` to every stage. Returns its URL and the processes,
-    coordinator last."""
+    ``env`` goes to every process of the cluster, ``stage_args`` to every stage. Returns its URL and the
+    processes, coordinator last."""
     coord_h, *stage_h = hosts
     secret = work / f"{name}.secret"
     secret.write_text(os.urandom(32).hex() + "\n")
@@ -46,7 +46,8 @@ def start_cluster(args: argparse.Namespace, work: Path, name: str, hosts: list[s
     procs = [server(["-m", args.model, "--pp-peer", "--cluster-control-addr", c, "--cluster-config-out",
                      str(work / f"{name}-stage-{i}.toml"), "--cluster-secret-file", str(secret), "--threads", "1",
                      *stage_args],
-                    h, free_port(h), work / f"{name}-stage-{i}.log") for i, (h, c) in enumerate(zip(stage_h, control))]
+                    h, free_port(h), work / f"{name}-stage-{i}.log", env)
+             for i, (h, c) in enumerate(zip(stage_h, control))]
     port = free_port(coord_h)
     procs.append(server(["-m", args.model, "--pp-auto", str(len(stage_h)), "--cluster-peers", ",".join(control),
                          "--cluster-control-addr", f"{coord_h}:{free_port(coord_h)}", "--cluster-config-out",
@@ -94,7 +95,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                             "127.0.0.97"],
                    help="the single node, then coordinator, stage, stage for each cluster")
     p.add_argument("--clusters", type=_clusters, default=[("cluster", {})],
-                   help="comma-separated NAME[=ENV=VALUE;...]: clusters to start, the env given to their coordinator")
+                   help="comma-separated NAME[=ENV=VALUE;...]: clusters to start, the env given to each of their processes")
     p.add_argument("--server-args", default="--parallel 8 --max-batch-size 8")
     p.add_argument("--concurrency", default="1,4")
     p.add_argument("--requests", type=int, default=2)

@@ -169,6 +169,8 @@ class Settings:
                                    "where scheduling is asynchronous", "mlxcel/engine/scheduler.py")
     async_sched: bool | None = var("MLXCEL_ASYNC_SCHED", switch, "1/0: plan step N+1 while step N runs; unset: on "
                                    "a GPU", "mlxcel/engine/executor.py")
+    layer_overlap: bool | None = var("MLXCEL_LAYER_OVERLAP", switch, "1/0: a pipeline stage queues each layer of "
+                                     "a decode step as it is built; unset: on a CPU", "mlxcel/engine/executor.py")
     step_trace: str | None = var("MLXCEL_STEP_TRACE", stripped, "JSONL file the scheduler thread's per-pass "
                                  "timeline is appended to; unset: off", "mlxcel/engine/steptrace.py")
     # disaggregated prefill/decode

@@ -429,6 +429,13 @@ def default_lookahead(runner: SliceRunner) -> int:
     return 1 if caches and all(type(c) is KVCache for c in caches) else 0
 
 
+def layer_overlap() -> bool:
+    """Whether a stage queues each layer of a decode step as it is built (``MLXCEL_LAYER_OVERLAP``; unset: on a
+    CPU, where MLX computes on its own thread while Python builds the next layer's graph)."""
+    switch = envs.settings().layer_overlap
+    return mx.default_device() == mx.cpu if switch is None else switch
+
+
 def whole_model_runner(model: Any, *, max_rows: int) -> SliceRunner:
     """The whole model as one runner: mlx-lm's own forward, so every family it supports works."""
     from mlx_lm.models.cache import make_prompt_cache
@@ -443,6 +450,8 @@ def slice_runner(model: Any, start: int, end: int, *, max_rows: int) -> SliceRun
     piece = ModelSlice(model, start, end)
     if unmergeable(piece.make_cache()) is not None:
         max_rows = 1
-    return SliceRunner(lambda x, c: piece(x, c), piece.make_cache, is_first=piece.is_first,
+    overlap = layer_overlap()
+    return SliceRunner(lambda x, c: piece(x, c, overlap=overlap and x.shape[1] == 1), piece.make_cache,
+                       is_first=piece.is_first,
                        is_last=piece.is_last, max_rows=max_rows,
                        input_width=None if piece.is_first else piece.input_width)

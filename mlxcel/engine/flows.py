@@ -46,6 +46,10 @@ class Flow:
     def layer(self, index: int, layer: Any, mask: Any, cache: Any) -> None:
         self.h = layer(self.h, mask, cache=cache)
 
+    def pending(self) -> list[mx.array]:
+        """What the layers so far computed (queued early by ``ModelSlice``'s ``overlap``)."""
+        return [self.h]
+
     def leave(self, last: bool) -> mx.array:
         return self.h
 
@@ -351,6 +355,9 @@ class DeepseekV41Flow(Flow):
         self.streams, self.pre_mix = layer(self.streams, self.pre_mix, start_pos=self.start_pos,
                                            window_idx=self.window_idx, cache=cache if cache is not None else
                                            self.fresh(), shared=self.shared)
+
+    def pending(self) -> list[mx.array]:
+        return [self.streams]
 
     def leave(self, last: bool) -> mx.array:
         from mlx_lm.models.deepseek_v41 import _collapse

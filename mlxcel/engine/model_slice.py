@@ -434,9 +434,10 @@ class ModelSlice:
         hidden size, or more where the family carries more across a boundary (``Flow.width``)."""
         return self.family.flow.width(self.model, self.start)
 
-    def __call__(self, inputs: mx.array, cache: list | None = None) -> mx.array:
+    def __call__(self, inputs: mx.array, cache: list | None = None, *, overlap: bool = False) -> mx.array:
         """Token ids [B, L] (first slice) or hidden states [B, L, input_width] -> hidden states
-        [B, L, Flow.width at end] or logits."""
+        [B, L, Flow.width at end] or logits. With ``overlap`` each layer's output is queued
+        (``mx.async_eval``) as soon as it is built, so the device computes it while Python builds the next."""
         h, cache = self._embed(inputs, cache) if self.is_first else (inputs, cache)
         cache = self._layer_caches(cache)  # None: no cache of its own
         flow = self.family.flow(self.model, self.start, h, cache)
@@ -449,5 +450,7 @@ class ModelSlice:
             if kind not in masks:  # as mlx-lm: one mask per attention kind, from its first layer's cache
                 masks[kind] = make_mask(flow.h, self.family.mask_cache(layer_cache), kind, self.family.array_masks)
             flow.layer(index, layer, masks[kind], layer_cache)
+            if overlap:
+                mx.async_eval(flow.pending())
         out = flow.leave(self.is_last)
         return self.family.head(self.model, out) if self.is_last else out

@@ -197,3 +197,37 @@ def test_models_outside_mlx_lm_are_refused():
 
     with pytest.raises(ModelError, match="model family 'homebrew' cannot be sliced"):
         ModelSlice(Model(), 0, 1)
+
+
+@pytest.mark.parametrize("switch, queued", [(None, True), ("1", True), ("0", False)])
+def test_a_stage_queues_each_decode_layer_as_built_on_a_cpu(monkeypatch, switch, queued):
+    """``MLXCEL_LAYER_OVERLAP`` (unset: on a CPU): a stage's decode step queues every layer's output with
+    ``mx.async_eval`` as it is built, a prompt chunk none; the tokens are the whole model's either way."""
+    from mlxcel import envs
+    from mlxcel.engine.executor import slice_runner
+
+    if switch is None:
+        monkeypatch.delenv("MLXCEL_LAYER_OVERLAP", raising=False)
+    else:
+        monkeypatch.setenv("MLXCEL_LAYER_OVERLAP", switch)
+    envs.reload()
+    model = tiny_model("llama")
+    ranges = planned(model, 2)
+    runners = [slice_runner(model, a, b, max_rows=2) for a, b in ranges]
+    queued_now: list[int] = []
+    real = mx.async_eval
+    monkeypatch.setattr(mx, "async_eval", lambda *a: (queued_now.append(1), real(*a))[1])
+    caches = [r._make_cache() for r in runners]
+    whole = make_prompt_cache(model)
+    x = mx.array([[5, 17, 90, 3, 42]])
+    for step in range(4):
+        queued_now.clear()
+        got = x
+        for r, c in zip(runners, caches):
+            got = r.forward(got, c)
+        expected = model(x, cache=whole)
+        np.testing.assert_allclose(np.array(got), np.array(expected), rtol=1e-5, atol=1e-5)
+        layers = len(model.layers) if queued and step > 0 else 0  # the prompt (step 0) is never split
+        assert len(queued_now) == layers
+        x = mx.argmax(got[:, -1], axis=-1)[:, None]
+    envs.reload()
