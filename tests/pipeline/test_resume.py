@@ -16,6 +16,7 @@ import os
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -131,20 +132,6 @@ def test_a_frozen_stage_thawed_mid_request_the_answer_is_whole_non_streamed(clus
     assert r.json()["choices"][0]["text"] == reference_tokens(tiny_llama, PROMPT, N)
 
 
-def test_a_seeded_sampled_stream_resumed_continues_its_random_sequence(cluster):
-    wait_healthy(cluster)
-    seeded = {"temperature": 1.0, "seed": 4242}
-    undisturbed = httpx.post(f"{cluster.url}/v1/completions", json=body(**seeded), timeout=120).json()
-    expected = undisturbed["choices"][0]["text"]
-
-    def kill_and_restart() -> None:
-        cluster.stages[1].stop(signal.SIGKILL)
-        cluster.start_stage(1)
-
-    assert disturbed(cluster, kill_and_restart, **seeded) == expected
-    wait_healthy(cluster)
-
-
 def test_requests_sent_while_a_stage_is_down_are_held_then_answered_whole_streamed_or_not(cluster, tiny_llama):
     wait_healthy(cluster)
     before = metrics(cluster.url)
@@ -206,42 +193,54 @@ def test_a_request_held_past_the_resume_timeout_gets_503_with_retry_after(tmp_pa
         c.stop()
 
 
-def test_a_penalized_request_resumed_equals_the_uninterrupted_one_and_mlx_lm(cluster, tiny_llama):
-    """Penalties depend on the tokens so far: the resume rebuilds their window from prompt + generated."""
+SEEDED = {"temperature": 1.0, "seed": 4242}
+SCHEMA = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 300}}, "required": ["s"],
+          "additionalProperties": False}
+CONSTRAINED = {"response_format": {"type": "json_schema", "json_schema": {"name": "o", "schema": SCHEMA}},
+               "ignore_eos": False}
+
+
+def test_seeded_penalized_and_constrained_streams_resumed_at_once_equal_their_uninterrupted_answers(
+        cluster, tiny_llama):
+    """One restart of the last stage under three streams at once (one restart, not one a stream):
+
+    - seeded sampling continues its random sequence;
+    - penalties depend on the tokens so far: the resume rebuilds their window from prompt + generated, and the
+      uninterrupted text equals mlx-lm's (the last stage samples as one node does);
+    - the grammar's matcher is rebuilt on the restarted last stage by replaying the tokens generated so far
+      (PREPARE params.replay): the resumed JSON equals the uninterrupted one, and it is valid."""
     from tests.engine.penalty_reference import PENALIZED, mlx_lm_reference
 
     wait_healthy(cluster)
-    undisturbed = httpx.post(f"{cluster.url}/v1/completions", json=body(**PENALIZED), timeout=120).json()
-    expected = undisturbed["choices"][0]["text"]
-    assert expected == mlx_lm_reference(tiny_llama, PROMPT, N)  # the last stage samples as one node does
+    kinds = {"seeded": SEEDED, "penalized": PENALIZED, "constrained": CONSTRAINED}
+    with ThreadPoolExecutor(len(kinds)) as pool:  # the uninterrupted answers, side by side
+        answers = pool.map(lambda kw: httpx.post(f"{cluster.url}/v1/completions", json=body(**kw), timeout=120),
+                           kinds.values())
+        expected = {name: r.json() for name, r in zip(kinds, answers)}
+    assert expected["penalized"]["choices"][0]["text"] == mlx_lm_reference(tiny_llama, PROMPT, N)
+    constrained = expected["constrained"]["choices"][0]
+    assert constrained["text"].startswith('{"s": "')
+    if constrained["finish_reason"] == "stop":
+        assert set(json.loads(constrained["text"])) == {"s"}
+    before = metrics(cluster.url).get("mlxcel_resumed_requests_total", 0)
+    started = {name: threading.Event() for name in kinds}
+    out: dict = {}
+    def run(name: str, kw: dict) -> None:
+        out[name] = stream_text(cluster.url, started[name], **kw)
 
-    def kill_and_restart() -> None:
-        cluster.stages[1].stop(signal.SIGKILL)
-        cluster.start_stage(1)
-
-    assert disturbed(cluster, kill_and_restart, **PENALIZED) == expected
-    wait_healthy(cluster)
-
-
-def test_a_constrained_request_resumed_equals_the_uninterrupted_one(cluster):
-    """The grammar's matcher is rebuilt on the restarted last stage by replaying the tokens generated so far
-    (PREPARE params.replay): the resumed JSON equals the uninterrupted one, and it is valid."""
-    import json
-
-    schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 300}}, "required": ["s"],
-              "additionalProperties": False}
-    fmt = {"response_format": {"type": "json_schema", "json_schema": {"name": "o", "schema": schema}},
-           "ignore_eos": False}
-    wait_healthy(cluster)
-    undisturbed = httpx.post(f"{cluster.url}/v1/completions", json=body(**fmt), timeout=120).json()
-    expected = undisturbed["choices"][0]["text"]
-    assert expected.startswith('{"s": "')
-    if undisturbed["choices"][0]["finish_reason"] == "stop":
-        assert set(json.loads(expected)) == {"s"}
-
-    def kill_and_restart() -> None:
-        cluster.stages[1].stop(signal.SIGKILL)
-        cluster.start_stage(1)
-
-    assert disturbed(cluster, kill_and_restart, **fmt) == expected
+    threads = [threading.Thread(target=run, args=item) for item in kinds.items()]
+    for t in threads:
+        t.start()
+    assert all(e.wait(60) for e in started.values())  # every stream is mid-answer
+    assert not out, f"a stream ended before the kill: {list(out)}"
+    cluster.stages[1].stop(signal.SIGKILL)
+    cluster.start_stage(1)  # the same command line, as a supervisor would
+    for t in threads:
+        t.join(150)
+    assert not any(t.is_alive() for t in threads), "a stream hung"
+    for name, whole in expected.items():
+        text, reasons, _ = out[name]
+        assert text == whole["choices"][0]["text"], name
+        assert reasons == ["length"] == [whole["choices"][0]["finish_reason"]], (name, reasons)
+    assert metrics(cluster.url)["mlxcel_resumed_requests_total"] >= before + len(kinds)
     wait_healthy(cluster)
