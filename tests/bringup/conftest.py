@@ -25,15 +25,10 @@ def chat_text(url: str, *, stream: bool) -> str:
 
 @pytest.fixture(scope="session")
 def single_node_chat(tiny_llama) -> str:
-    """The tiny checkpoint's greedy chat answer from one single-node server."""
-    from tests.server.util import ServerProcess
+    """The tiny checkpoint's greedy chat answer as one node gives it (the engine core, in this process)."""
+    from tests.server.util import chat_reference
 
-    server = ServerProcess(tiny_llama)
-    try:
-        server.wait_ready(120)
-        return chat_text(server.url, stream=False)
-    finally:
-        server.stop()
+    return chat_reference(tiny_llama, CHAT, CHAT_TOKENS)
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from tests.pipeline.cluster import LocalCluster
-from tests.server.util import metrics
+from tests.server.util import chat_reference, metrics
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.proc]
 PROMPTS = [[1, 40, 41, 42, 43, 44], [1, 50, 51], [1, 60, 61, 62, 63, 64, 65, 66, 67], [1, 80, 81, 82, 83]]
@@ -178,25 +178,6 @@ def test_stage_killed_mid_generation_then_restarted(tmp_path, tiny_llama):
 
 
 @pytest.mark.slow
-def chat_reference(model_dir, messages: list[dict], n: int) -> str:
-    """Single-device greedy chat reply (stops at EOS, at most ``n`` tokens), in this process."""
-    from mlxcel.engine.generate import generate_tokens, make_cache
-    from mlxcel.engine.prompts import encode_chat
-    from mlxcel.engine.sampling import SamplingParams, make_sampler
-    from mlxcel.models.loading import load_checkpoint
-
-    loaded = load_checkpoint(model_dir)
-    model, eos, detok = loaded.model, set(loaded.tokenizer.eos_token_ids), loaded.tokenizer.detokenizer
-    prompt = encode_chat(loaded.tokenizer, messages)
-    for t, _ in generate_tokens(lambda x, c: model(x, cache=c), prompt, make_cache(model),
-                                make_sampler(SamplingParams()), n):
-        if t in eos:
-            break
-        detok.add_token(t)
-    detok.finalize()
-    return detok.text
-
-
 def test_default_model_remote_two_stages_equal_single_device(tmp_path, default_model):
     """The issue's 'done when': two stage processes and a coordinator serve the default model, greedy == one
     node (the engine's single-device answer, computed in this process: no second server to start)."""

@@ -94,3 +94,23 @@ def sse_events(response: httpx.Response) -> list:
 
 def chat_body(content: str = "hello", **kw) -> dict:
     return {"model": MODEL, "messages": [{"role": "user", "content": content}], **kw}
+
+
+def chat_reference(model_dir, messages: list[dict], n: int) -> str:
+    """Single-device greedy chat reply (stops at EOS, at most ``n`` tokens) from the engine core, in this process:
+    what a single-node server answers, without starting one."""
+    from mlxcel.engine.generate import generate_tokens, make_cache
+    from mlxcel.engine.prompts import encode_chat
+    from mlxcel.engine.sampling import SamplingParams, make_sampler
+    from mlxcel.models.loading import load_checkpoint
+
+    loaded = load_checkpoint(model_dir)
+    model, eos, detok = loaded.model, set(loaded.tokenizer.eos_token_ids), loaded.tokenizer.detokenizer
+    prompt = encode_chat(loaded.tokenizer, messages)
+    for t, _ in generate_tokens(lambda x, c: model(x, cache=c), prompt, make_cache(model),
+                                make_sampler(SamplingParams()), n):
+        if t in eos:
+            break
+        detok.add_token(t)
+    detok.finalize()
+    return detok.text
