@@ -99,6 +99,11 @@ def chat_body(content: str = "hello", **kw) -> dict:
 def chat_reference(model_dir, messages: list[dict], n: int) -> str:
     """Single-device greedy chat reply (stops at EOS, at most ``n`` tokens) from the engine core, in this process:
     what a single-node server answers, without starting one."""
+    return chat_reference_reply(model_dir, messages, n)[0]
+
+
+def chat_reference_reply(model_dir, messages: list[dict], n: int) -> tuple[str, str]:
+    """``chat_reference``'s text and its finish reason ("stop" at EOS, else "length")."""
     from mlxcel.engine.generate import generate_tokens, make_cache
     from mlxcel.engine.prompts import encode_chat
     from mlxcel.engine.sampling import SamplingParams, make_sampler
@@ -107,10 +112,12 @@ def chat_reference(model_dir, messages: list[dict], n: int) -> str:
     loaded = load_checkpoint(model_dir)
     model, eos, detok = loaded.model, set(loaded.tokenizer.eos_token_ids), loaded.tokenizer.detokenizer
     prompt = encode_chat(loaded.tokenizer, messages)
+    reason = "length"
     for t, _ in generate_tokens(lambda x, c: model(x, cache=c), prompt, make_cache(model),
                                 make_sampler(SamplingParams()), n):
         if t in eos:
+            reason = "stop"
             break
         detok.add_token(t)
     detok.finalize()
-    return detok.text
+    return detok.text, reason
