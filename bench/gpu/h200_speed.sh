@@ -35,7 +35,7 @@
 #                     q06-bf16 / q06-q4, AGENT_PRESET (today: single, pipeline, round-robin and prefix routing; full: each also with
 #                     --kv-bits 8), AGENT_REPEATS (2) ABBA repeats, AGENT_CACHE_MB (16000) MiB of prefix cache on the
 #                     roles that keep one (31k tokens of this shape take 3.4 GB) (rows in agent/agent_turns.jsonl);
-#                     agent-tiny: a smoke test
+#                     AGENT_VARIANTS ('|'-separated --variant values) instead of the preset; agent-tiny: a smoke test
 #   kvbits-bf16       issue 44 item 2: bench/decode_bench.py on q06-bf16, full-precision KV (0) against --kv-bits 8 and 4
 #                     (group 64) at KV_CONTEXTS (default "2048 8192 16384") prompt tokens, KV_RUNS (3) ABBA runs of
 #                     TOKENS tokens, mlxcel and mlx-lm (its kv_bits) in one process: decode tok/s and the KV cache's
@@ -330,8 +330,10 @@ main() {
           --label "${LABEL:-h200}-$m" --out "$RES/structured" ;;
       agent-bf16|agent-q4|agent-tiny)  # bench/agent_turns.py: TTFT per turn of growing agent conversations
         m=${s#agent-}; [ "$m" = tiny ] || m=q06-$m
+        variants=(); IFS='|' read -ra picked <<< "${AGENT_VARIANTS:-}"  # NAME=TOPOLOGY;ROLE:ARGS|... (default: the preset)
+        for v in "${picked[@]}"; do variants+=(--variant "$v"); done
         make_model "$m" && timeout $(( $(left) > 60 ? $(left) - 30 : 30 )) python3 -m bench.agent_turns \
-          -m "/tmp/models/$m" --preset "${AGENT_PRESET:-today}" --prefix-cache-mb "${AGENT_CACHE_MB:-16000}" \
+          -m "/tmp/models/$m" --preset "${AGENT_PRESET:-today}" "${variants[@]}" --prefix-cache-mb "${AGENT_CACHE_MB:-16000}" \
           --conversations 4 --turns "${AGENT_TURNS:-16}" --result-words "${AGENT_WORDS:-270}" --max-tokens 16 \
           --max-prompt-tokens 32768 --repeats "${AGENT_REPEATS:-2}" --label "${LABEL:-h200}-$m" --out "$RES/agent" ;;
       kvbits-bf16)  # bench/decode_bench.py: decode tok/s and KV bytes at 0/8/4 KV bits, long prompts
