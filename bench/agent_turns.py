@@ -328,8 +328,10 @@ def run_variant(v: Variant, args: argparse.Namespace, work: Path) -> tuple[list[
         run.stop()
 
 
-def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Every variant per repeat, the order flipping each repeat; fresh processes each time."""
+def run_all(args: argparse.Namespace, keep: Callable[[list[dict[str, Any]]], None] = lambda rows: None
+            ) -> list[dict[str, Any]]:
+    """Every variant per repeat, the order flipping each repeat; fresh processes each time. ``keep`` gets each
+    (variant, repeat)'s rows as soon as they exist, so a run stopped early keeps what it measured."""
     rows: list[dict[str, Any]] = []
     fixed = {"bench": "agent_turns", "mode": "turn", "label": args.label, "model": Path(args.model).name,
              "conversations": args.shape.conversations, "turns": args.shape.turns, "max_tokens": args.max_tokens,
@@ -340,13 +342,16 @@ def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
             order = args.variants if rep % 2 == 0 else args.variants[::-1]
             for position, v in enumerate(order):
                 got, url = run_variant(v, args, Path(tmp))
-                for r in got:
-                    rows.append({**fixed, "variant": v.name, "topology": v.topology, "args": v.describe(),
-                                 "repeat": rep, "order": position, "wire": args.wire, **r})
+                done = [{**fixed, "variant": v.name, "topology": v.topology, "args": v.describe(), "repeat": rep,
+                         "order": position, "wire": args.wire, **r} for r in got]
+                rows += done
+                keep(done)
                 later = [r["ttft_ms"] for r in got if r["turn"] >= 2 and r["ttft_ms"] is not None]
+                errors = [r["error"] for r in got if r["error"]]
                 print(f"agent_turns: repeat {rep + 1}/{args.repeats} {v.name:>16} ({url}): turn 1 TTFT "
                       f"{_median([r['ttft_ms'] for r in got if r['turn'] == 1])} ms, turns >= 2 {_median(later)} ms, "
-                      f"errors {sum(1 for r in got if r['error'])}", file=sys.stderr, flush=True)
+                      f"errors {len(errors)}{f' (first: {errors[0][:200]})' if errors else ''}",
+                      file=sys.stderr, flush=True)
     return rows
 
 
@@ -427,14 +432,18 @@ def check_length(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     check_length(args)
-    rows = run_all(args)
     stamp = time.strftime("%Y%m%d-%H%M%S")
+    path = args.out / "agent_turns.jsonl"
+
+    def keep(rows: list[dict[str, Any]]) -> None:  # each variant's turn rows as soon as they exist
+        write_jsonl(path, [{**r, "run": stamp, "model_dir": args.model} for r in rows])
+
+    rows = run_all(args, keep)
     fixed = {k: rows[0][k] for k in ("bench", "label", "model", "conversations", "turns", "max_tokens", "wire")}
     summary = [{**fixed, **s} for s in conv.summaries(rows, args.baseline, args.pairs)]
     for s in summary:
         print("agent_turns:", json.dumps(s), file=sys.stderr)
-    out = write_jsonl(args.out / "agent_turns.jsonl", [{**r, "run": stamp, "model_dir": args.model}
-                                                       for r in [*rows, *summary]])
+    out = write_jsonl(path, [{**s, "run": stamp, "model_dir": args.model} for s in summary])
     print(f"agent_turns: {len(rows)} turn rows, {len(summary)} summary rows -> {out}", file=sys.stderr)
     return 1 if any(r["error"] for r in rows) else 0
 

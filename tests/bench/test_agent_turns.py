@@ -199,3 +199,20 @@ def test_a_waves_order_rotates_so_round_robin_cannot_pin_a_conversation_to_a_nod
             nodes[c].append(position % 2)
     assert all(sorted(wave_order(4, t)) == [0, 1, 2, 3] for t in range(4))  # each conversation once a wave
     assert all(len(set(n)) == 2 for n in nodes.values()), nodes  # every conversation meets both nodes
+
+
+def test_a_run_stopped_early_keeps_the_variants_it_finished(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Each (variant, repeat)'s rows reach the file when it ends: a deadline that kills the run keeps them."""
+    import bench.agent_turns as at
+
+    def run_variant(v, args, work):
+        if v.name == "b":
+            raise KeyboardInterrupt  # the deadline's kill, as the second variant runs
+        return [{"conversation": 0, "turn": 1, "ttft_ms": 5.0, "error": ""}], "http://127.0.0.1:1"
+
+    monkeypatch.setattr(at, "run_variant", run_variant)
+    monkeypatch.setattr(at, "check_length", lambda args: None)
+    with pytest.raises(KeyboardInterrupt):
+        main(["--variant", "a=single", "--variant", "b=single", "--repeats", "1", "--out", str(tmp_path)])
+    rows = [json.loads(line) for line in (tmp_path / "agent_turns.jsonl").read_text().splitlines()]
+    assert [(r["variant"], r["turn"], r["ttft_ms"]) for r in rows] == [("a", 1, 5.0)]
