@@ -4,8 +4,9 @@ The tests run in file order on one deployment: deploy, chat,
 a SIGKILLed stage restarted by its supervisor, redeploy (changed=0), status with the restart, secrets,
 secret rotation, bench (all with the rendered TOML), then the same hosts brought up again with
 mlxcel_bringup=pp_auto (--pp-auto / --pp-peer): the same answer, status with each peer's assignment,
-a dead peer re-assigned by the running coordinator, then a spare host that takes a lost stage over; its last
-deploy.yml run changes nothing (pp_auto's idempotence: after a peer was re-assigned, with a spare standing by; a
+a dead peer re-assigned by the running coordinator, then a spare host that takes a lost stage over: the redeploy
+that starts the old stage host again as a spare changes nothing on the other hosts, and a last run of the start
+phase changes nothing at all (pp_auto's idempotence: after a peer was re-assigned, with a spare standing by; a
 supervisor's restart of a node is left alone in test_redeploy_changes_nothing); then teardown (supervisors included).
 The disaggregated topology has its own module and deployment (test_deploy_disagg.py). The API key and
 TLS of a pipeline are tested on the namespace cluster (test_netns.py), where the OpenAI port is off loopback.
@@ -399,8 +400,10 @@ def test_pp_auto_a_spare_stands_by_takes_a_lost_stage_over_and_the_old_stage_hos
     text = " ".join(status.output.split())
     assert re.search(rf"\bstage-1 +spare +{now['stage-1'].strip()} .* 503 standby +standby \(healthy\)", text), text[-3000:]
     assert re.search(rf"\bspare-0 +stage +{now['spare-0'].strip()} .* 200 ready +stage-1 layers 2-3\b", text), text[-3000:]
-    assert_redeploy_changes_nothing(deployment, nodes=SPARE_NODES, inventory=inventory, mlxcel_bringup_spare_after_s=2,
-                                    **PP_AUTO)
+    # the start phase again: nothing restarts with the old stage host standing by (the phases before it were
+    # re-run by the swap's redeploy above, which changed nothing on the hosts it left alone)
+    assert_redeploy_changes_nothing(deployment, "--tags", "start", nodes=SPARE_NODES, inventory=inventory,
+                                    mlxcel_bringup_spare_after_s=2, **PP_AUTO)
 
 
 def test_teardown_leaves_no_process(deployment: Deployment) -> None:
