@@ -51,6 +51,13 @@ def assert_redeploy_changes_nothing(deployment: Deployment, *args: str, nodes: t
     print(f"re-run: {result.seconds:.1f} s")
 
 
+def assert_prepare_play_changed_nothing(output: str) -> None:
+    """rolling_restart.yml's first play prepares every host as deploy.yml does (install, secret, checkpoint,
+    config): on a deployed cluster it changes nothing (the redeploy tests re-run the start phase only)."""
+    prepare = output.split("PLAY [Roll the stages or the decode nodes", 1)[0]
+    assert "PLAY [Prepare every host" in prepare and "changed: [" not in prepare, prepare[-4000:]
+
+
 def roll_order(output: str) -> list[str]:
     """The hosts in the order the playbook rolled them, checking that none overlaps the next: a host's wait
     until it is idle comes after the previous host's restart (the hosts of the preparing plays report in any

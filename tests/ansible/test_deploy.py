@@ -1,7 +1,8 @@
 """deploy.yml / status.yml / teardown.yml on the loopback inventory: 3 real processes on 127.0.0.2-4.
 
 The tests run in file order on one deployment: deploy, chat,
-a SIGKILLed stage restarted by its supervisor, redeploy (changed=0), status with the restart, secrets,
+a SIGKILLed stage restarted by its supervisor, redeploy (changed=0: the start phase; the phases before it in
+the rolling restart's first play), status with the restart, secrets,
 secret rotation, bench (all with the rendered TOML), then the same hosts brought up again with
 mlxcel_bringup=pp_auto (--pp-auto / --pp-peer): the same answer, status with each peer's assignment,
 a dead peer re-assigned by the running coordinator, then a spare host that takes a lost stage over: the redeploy
@@ -30,7 +31,8 @@ import pytest
 
 from mlxcel.topology.cluster_config import load_cluster_config
 
-from tests.ansible.deploy_checks import (NODES, StreamingLoad, argv_of, assert_redeploy_changes_nothing, flag,
+from tests.ansible.deploy_checks import (NODES, StreamingLoad, argv_of, assert_prepare_play_changed_nothing,
+                                         assert_redeploy_changes_nothing, flag,
                                          greedy_answer, layer_threads, pids_of, roll_order)
 from tests.ansible.playbook import HOSTS, SPARE_ADDRESS, Deployment, free_port, spare_inventory
 
@@ -154,9 +156,11 @@ def test_a_killed_stage_is_restarted_by_its_supervisor_and_serves_again(deployme
 
 
 def test_redeploy_changes_nothing(deployment: Deployment) -> None:
-    """After the healed crash of test_a_killed_stage_is_restarted_...: nothing to do."""
+    """After the healed crash of test_a_killed_stage_is_restarted_...: the start phase again (--tags start) restarts
+    nothing; the phases before it are re-run on every host by the rolling restart's first play, which changes
+    nothing (test_rolling_restart_of_the_stages_under_load_fails_nothing)."""
     _deployed(deployment)
-    assert_redeploy_changes_nothing(deployment)
+    assert_redeploy_changes_nothing(deployment, "--tags", "start")
 
 
 def test_status_reports_role_pid_port_and_health(deployment: Deployment) -> None:
@@ -247,6 +251,7 @@ def test_rolling_restart_of_the_stages_under_load_fails_nothing(deployment: Depl
     finally:
         load.stop()
     assert result.rc == 0, result.output[-4000:]
+    assert_prepare_play_changed_nothing(result.output)  # the phases before the start phase, re-run
     assert all(pids[n] != p for n, p in pids_of(deployment, stages).items())  # both restarted
     # the same node TOML: a serial play still sees the other hosts' facts (the thread budget counts them)
     assert {n: (deployment.home(n) / "node.toml").read_text() for n in stages} == tomls

@@ -20,8 +20,8 @@ import pytest
 
 from mlxcel.topology.cluster_config import load_cluster_config
 
-from tests.ansible.deploy_checks import (StreamingLoad, argv_of, roll_order, assert_redeploy_changes_nothing, flag, greedy_answer,
-                                         layer_threads, pids_of)
+from tests.ansible.deploy_checks import (StreamingLoad, argv_of, assert_prepare_play_changed_nothing, assert_redeploy_changes_nothing,
+                                         flag, greedy_answer, layer_threads, pids_of, roll_order)
 from tests.ansible.playbook import HOSTS, REPO, SPARE_ADDRESS, Deployment
 from tests.server.util import ServerProcess
 
@@ -161,9 +161,7 @@ def test_disagg_rolling_restart_of_the_decode_nodes_under_load_fails_nothing(dep
     finally:
         load.stop()
     assert result.rc == 0, result.output[-4000:]
-    # its first play prepares every host as deploy.yml does: a second run of those phases changes nothing
-    prepare = result.output.split("PLAY [Roll the stages or the decode nodes", 1)[0]
-    assert "PLAY [Prepare every host" in prepare and "changed: [" not in prepare, prepare[-4000:]
+    assert_prepare_play_changed_nothing(result.output)  # the phases before the start phase, re-run
     assert all(pids[n] != p for n, p in pids_of(deployment, decodes).items())  # both restarted
     # the same node TOML: a serial play still sees the other hosts' facts (the thread budget counts them)
     assert {n: (deployment.home(n) / "node.toml").read_text() for n in decodes} == tomls
