@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import threading
+import time
 
 import openai
 
@@ -50,6 +51,13 @@ def assert_redeploy_changes_nothing(deployment: Deployment, *args: str, nodes: t
     print(f"re-run: {result.seconds:.1f} s")
 
 
+def assert_prepare_play_changed_nothing(output: str) -> None:
+    """rolling_restart.yml's first play prepares every host as deploy.yml does (install, secret, checkpoint,
+    config): on a deployed cluster it changes nothing (the redeploy tests re-run the start phase only)."""
+    prepare = output.split("PLAY [Roll the stages or the decode nodes", 1)[0]
+    assert "PLAY [Prepare every host" in prepare and "changed: [" not in prepare, prepare[-4000:]
+
+
 def roll_order(output: str) -> list[str]:
     """The hosts in the order the playbook rolled them, checking that none overlaps the next: a host's wait
     until it is idle comes after the previous host's restart (the hosts of the preparing plays report in any
@@ -68,12 +76,14 @@ def roll_order(output: str) -> list[str]:
 
 
 class StreamingLoad:
-    """``streams`` clients, each streaming one greedy chat completion after another until stopped."""
+    """``streams`` clients, each streaming one greedy chat completion after another, ``pause_s`` apart, until stopped.
+    The pause keeps requests arriving in every phase of a rolling restart (each lasts seconds) without the clients
+    taking the CPU the restarting node needs on a small shared box."""
 
-    def __init__(self, deployment: Deployment, key: str, streams: int):
+    def __init__(self, deployment: Deployment, key: str, streams: int, pause_s: float = 0.25):
         self.client = openai.OpenAI(base_url=f"{deployment.url}/v1", api_key=key, max_retries=0, timeout=120)
         self.model = self.client.models.list().data[0].id
-        self.streams, self.stopping = streams, False
+        self.streams, self.pause_s, self.stopping = streams, pause_s, False
         self.completed, self.failures, self.answers = 0, [], []  # type: ignore[var-annotated]
         self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(streams)]
 
@@ -97,3 +107,4 @@ class StreamingLoad:
                 self.completed += 1
             except Exception as exc:  # noqa: BLE001 - every failure counts
                 self.failures.append(f"{type(exc).__name__}: {exc}")
+            time.sleep(self.pause_s)

@@ -51,8 +51,8 @@ def test_checkpoint_copied_where_missing_different_one_fails_naming_the_host_exp
     missing = tmp_path / "stage-0-models" / "tiny"
     inventory = _inventory(tmp_path / "hosts.yml", {
         "coordinator": {"mlxcel_model_dir": str(deployment.model)},
-        "stage-0": {"mlxcel_model_dir": str(missing), "mlxcel_config_layers": "0-0"},
-        "stage-1": {"mlxcel_model_dir": str(other), "mlxcel_config_layers": "1-3"}})
+        "stage-0": {"mlxcel_model_dir": str(missing), "mlxcel_config_layers": "0-2"},
+        "stage-1": {"mlxcel_model_dir": str(other), "mlxcel_config_layers": "3"}})
     result = deployment.run("deploy.yml", "--tags", "checkpoint,config", inventory=inventory)
     assert result.rc != 0
     failed = {h for h, r in result.recap().items() if r["failed"]}
@@ -60,9 +60,16 @@ def test_checkpoint_copied_where_missing_different_one_fails_naming_the_host_exp
     assert f"local-stage-1: {other} holds a different checkpoint" in result.output.replace("\n", " ")
     # stage-0 lacked it: it got a copy, with the controller's identity
     assert sorted(p.name for p in missing.iterdir()) == sorted(p.name for p in deployment.model.iterdir())
-    # the others went on to render their TOML, with the explicit ranges instead of mlxcel plan's
+    # the others went on to render their TOML, with the explicit ranges instead of mlxcel plan's; a last range of
+    # one index ("3"), which the engine accepts, passes the preflight and is held as the engine wrote it (the
+    # refused form "N-" is test_preflight_refuses_a_layer_range_the_engine_refuses)
+    assert _engine_accepts("0-2,3", 4)
     config = load_cluster_config(deployment.home("stage-0") / "cluster.toml")
-    assert [s.layers for s in config.stages] == [(0, 1), (1, 4)]
+    assert [s.layers for s in config.stages] == [(0, 3), (3, 4)]
+    # no optional [pipeline] key set: none rendered (the engine's defaults; the keys set are in the next test)
+    texts = [(deployment.home(n) / "cluster.toml").read_text() for n in ("coordinator", "stage-0")]
+    assert not any("prefix_cache_mb" in t or "kv_bits" in t for t in texts), texts
+    assert config.prefix_cache_mb == DEFAULT_PREFIX_CACHE_MB
 
 
 def _engine_accepts(layers: str, num_layers: int) -> bool:
@@ -73,30 +80,27 @@ def _engine_accepts(layers: str, num_layers: int) -> bool:
     return True
 
 
-@pytest.mark.parametrize("last", ["7", "7-"])
-def test_preflight_accepts_a_layer_range_exactly_when_the_engine_does(
-        deployment: Deployment, tmp_path: Path, last: str) -> None:
+def test_preflight_refuses_a_layer_range_the_engine_refuses(deployment: Deployment, tmp_path: Path) -> None:
+    """"7-" (the engine refuses it) fails the preflight with the engine's reason; the accepted form of one index is
+    in the checkpoint test above, whose run renders it."""
     model = make_random_checkpoint(tmp_path / "eight", family="llama", layers=8)
     inventory = _inventory(tmp_path / "hosts.yml", {
         "coordinator": {"mlxcel_model_dir": str(model)},
         "stage-0": {"mlxcel_model_dir": str(model), "mlxcel_config_layers": "0-6"},
-        "stage-1": {"mlxcel_model_dir": str(model), "mlxcel_config_layers": last}})
+        "stage-1": {"mlxcel_model_dir": str(model), "mlxcel_config_layers": "7-"}})
     result = deployment.run("deploy.yml", "--tags", "install,config", inventory=inventory,
                             mlxcel_model_source=str(model))
-    accepted = _engine_accepts(f"0-6,{last}", 8)
-    assert (result.rc == 0) == accepted, result.output[-4000:]
-    if accepted:  # the TOML holds the range as the engine wrote it
-        config = load_cluster_config(deployment.home("stage-1") / "cluster.toml")
-        assert [s.layers for s in config.stages] == [(0, 7), (7, 8)]
-    else:
-        text = " ".join(result.output.split())
-        assert "the stages' mlxcel_config_layers (local-stage-0: '0-6', local-stage-1: '7-') are refused by the " \
-               "engine: --layers: stage 1: '7-' is not a layer range" in text, result.output[-4000:]
+    assert not _engine_accepts("0-6,7-", 8)
+    assert result.rc != 0, result.output[-4000:]
+    text = " ".join(result.output.split())
+    assert "the stages' mlxcel_config_layers (local-stage-0: '0-6', local-stage-1: '7-') are refused by the " \
+           "engine: --layers: stage 1: '7-' is not a layer range" in text, result.output[-4000:]
 
 
 def test_prefix_cache_mb_and_kv_bits_are_rendered_only_when_set_and_bounded(deployment: Deployment) -> None:
-    """Optional [pipeline] keys: rendered for every stage when set (0 = prefix cache off, still rendered), absent
-    when unset (the engine's defaults), out-of-range kv bits refused by the preflight."""
+    """Optional [pipeline] keys: rendered for every stage when set (0 = prefix cache off, still rendered),
+    out-of-range kv bits refused by the preflight (absent when unset: the checkpoint test above, whose run renders
+    them unset)."""
     homes = [deployment.home(n) for n in HOSTS]
     result = deployment.run("deploy.yml", "--tags", "install,config", mlxcel_config_prefix_cache_mb=0,
                             mlxcel_config_kv_bits=4, mlxcel_config_kv_group_size=32)
@@ -106,11 +110,6 @@ def test_prefix_cache_mb_and_kv_bits_are_rendered_only_when_set_and_bounded(depl
     assert {(c.kv_bits, c.kv_group_size) for c in configs} == {(4, 32)}
     result = deployment.run("deploy.yml", "--tags", "install,config", mlxcel_config_kv_bits=3)
     assert result.rc != 0 and "mlxcel_config_kv_bits 4 or 8 (got '3')" in " ".join(result.output.split())
-    result = deployment.run("deploy.yml", "--tags", "install,config")
-    assert result.rc == 0, result.output[-4000:]
-    texts = [(h / "cluster.toml").read_text() for h in homes]
-    assert not any("prefix_cache_mb" in t or "kv_bits" in t for t in texts)  # the engine's defaults
-    assert load_cluster_config(homes[1] / "cluster.toml").prefix_cache_mb == DEFAULT_PREFIX_CACHE_MB
 
 
 def test_pp_auto_refuses_settings_only_a_rendered_toml_carries(deployment: Deployment) -> None:

@@ -1,11 +1,14 @@
 """deploy.yml / status.yml / teardown.yml on the loopback inventory: 3 real processes on 127.0.0.2-4.
 
 The tests run in file order on one deployment: deploy, chat,
-a SIGKILLed stage restarted by its supervisor, redeploy (changed=0), status with the restart, secrets,
+a SIGKILLed stage restarted by its supervisor, redeploy (changed=0: the start phase; the phases before it in
+the rolling restart's first play), status with the restart, secrets,
 secret rotation, bench (all with the rendered TOML), then the same hosts brought up again with
 mlxcel_bringup=pp_auto (--pp-auto / --pp-peer): the same answer, status with each peer's assignment,
-a dead peer re-assigned by the running coordinator, then a redeploy that changes nothing (one deploy.yml
-run checks pp_auto's idempotence, after the heal); then teardown (supervisors included).
+a dead peer re-assigned by the running coordinator, then a spare host that takes a lost stage over: the redeploy
+that starts the old stage host again as a spare changes nothing on the other hosts, and a last run of the start
+phase changes nothing at all (pp_auto's idempotence: after a peer was re-assigned, with a spare standing by; a
+supervisor's restart of a node is left alone in test_redeploy_changes_nothing); then teardown (supervisors included).
 The disaggregated topology has its own module and deployment (test_deploy_disagg.py). The API key and
 TLS of a pipeline are tested on the namespace cluster (test_netns.py), where the OpenAI port is off loopback.
 """
@@ -28,7 +31,8 @@ import pytest
 
 from mlxcel.topology.cluster_config import load_cluster_config
 
-from tests.ansible.deploy_checks import (NODES, StreamingLoad, argv_of, assert_redeploy_changes_nothing, flag,
+from tests.ansible.deploy_checks import (NODES, StreamingLoad, argv_of, assert_prepare_play_changed_nothing,
+                                         assert_redeploy_changes_nothing, flag,
                                          greedy_answer, layer_threads, pids_of, roll_order)
 from tests.ansible.playbook import HOSTS, SPARE_ADDRESS, Deployment, free_port, spare_inventory
 
@@ -152,9 +156,11 @@ def test_a_killed_stage_is_restarted_by_its_supervisor_and_serves_again(deployme
 
 
 def test_redeploy_changes_nothing(deployment: Deployment) -> None:
-    """After the healed crash of test_a_killed_stage_is_restarted_...: nothing to do."""
+    """After the healed crash of test_a_killed_stage_is_restarted_...: the start phase again (--tags start) restarts
+    nothing; the phases before it are re-run on every host by the rolling restart's first play, which changes
+    nothing (test_rolling_restart_of_the_stages_under_load_fails_nothing)."""
     _deployed(deployment)
-    assert_redeploy_changes_nothing(deployment)
+    assert_redeploy_changes_nothing(deployment, "--tags", "start")
 
 
 def test_status_reports_role_pid_port_and_health(deployment: Deployment) -> None:
@@ -245,6 +251,7 @@ def test_rolling_restart_of_the_stages_under_load_fails_nothing(deployment: Depl
     finally:
         load.stop()
     assert result.rc == 0, result.output[-4000:]
+    assert_prepare_play_changed_nothing(result.output)  # the phases before the start phase, re-run
     assert all(pids[n] != p for n, p in pids_of(deployment, stages).items())  # both restarted
     # the same node TOML: a serial play still sees the other hosts' facts (the thread budget counts them)
     assert {n: (deployment.home(n) / "node.toml").read_text() for n in stages} == tomls
@@ -313,7 +320,10 @@ def test_pp_auto_status_shows_the_stage_each_peer_was_assigned(deployment: Deplo
     assert re.search(r"\bcoordinator +coordinator +\d+ .* 200 ready +- ", text), result.output[-3000:]
 
 
-def test_pp_auto_a_dead_peer_is_reassigned_by_itself_and_a_redeploy_changes_nothing(deployment: Deployment) -> None:
+def test_pp_auto_a_dead_peer_is_reassigned_by_itself(deployment: Deployment) -> None:
+    """A killed peer, restarted by its supervisor, is given its stage again by the running coordinator. (That a
+    redeploy then changes nothing is the spare test's last run: a peer re-assigned after its start, a node the
+    supervisor restarted in test_redeploy_changes_nothing; one deploy.yml run fewer.)"""
     _pp_auto(deployment)
     pids = pids_of(deployment)
     os.kill(int(pids["stage-1"]), signal.SIGKILL)  # a crash: its supervisor restarts it, as a peer waiting for an offer
@@ -330,7 +340,6 @@ def test_pp_auto_a_dead_peer_is_reassigned_by_itself_and_a_redeploy_changes_noth
     now = pids_of(deployment)
     assert (now["coordinator"], now["stage-0"]) == (pids["coordinator"], pids["stage-0"])  # nothing else restarted
     assert greedy_answer(deployment.url) == ANSWERS["toml"]
-    assert_redeploy_changes_nothing(deployment, **PP_AUTO)  # healed: nothing left to restart
     print(f"pp_auto peer kill -> serving again: {serving:.1f} s")
 
 
@@ -385,6 +394,9 @@ def test_pp_auto_a_spare_stands_by_takes_a_lost_stage_over_and_the_old_stage_hos
     assert "local-stage-1 stands by as a spare" in text and "local-spare-0 is stage-1 (layers 2-3)" in text, text[-3000:]
     now = pids_of(deployment, SPARE_NODES)
     assert [now[n] for n in ("coordinator", "stage-0", "spare-0")] == [pids[n] for n in ("coordinator", "stage-0", "spare-0")]
+    # only the host in the spare position changed: the others (the spare that now serves stage-1 included) are as they were
+    assert {h: r["changed"] for h, r in result.recap().items() if h != "local-stage-1"} == \
+        {"local-coordinator": 0, "local-stage-0": 0, "local-spare-0": 0}, result.output[-4000:]
     assert {"address": stage, "state": "standby"} in _health(f"{deployment.url}/health")["spares"]
     assert greedy_answer(deployment.url) == answer
 
@@ -393,8 +405,10 @@ def test_pp_auto_a_spare_stands_by_takes_a_lost_stage_over_and_the_old_stage_hos
     text = " ".join(status.output.split())
     assert re.search(rf"\bstage-1 +spare +{now['stage-1'].strip()} .* 503 standby +standby \(healthy\)", text), text[-3000:]
     assert re.search(rf"\bspare-0 +stage +{now['spare-0'].strip()} .* 200 ready +stage-1 layers 2-3\b", text), text[-3000:]
-    assert_redeploy_changes_nothing(deployment, nodes=SPARE_NODES, inventory=inventory, mlxcel_bringup_spare_after_s=2,
-                                    **PP_AUTO)
+    # the start phase again: nothing restarts with the old stage host standing by (the phases before it were
+    # re-run by the swap's redeploy above, which changed nothing on the hosts it left alone)
+    assert_redeploy_changes_nothing(deployment, "--tags", "start", nodes=SPARE_NODES, inventory=inventory,
+                                    mlxcel_bringup_spare_after_s=2, **PP_AUTO)
 
 
 def test_teardown_leaves_no_process(deployment: Deployment) -> None:

@@ -2,8 +2,9 @@
 
 A router, a prefill node and two decode nodes (real processes on 127.0.0.2-5, with the API key on the
 router), in file order on one deployment: the start order (decode, prefill, router), the greedy answer
-through the router equal to a single node's, redeploy (changed=0), status, a rolling restart of the
-decode nodes under load (no request fails), teardown. Its own module (and deployment, on free ports), so
+through the router equal to a single node's, redeploy (changed=0: the start phase here, the phases before it in
+the rolling restart's first play), status, a rolling restart of the decode nodes under load (no request fails),
+teardown. Its own module (and deployment, on free ports), so
 that it runs beside the pipeline's tests (test_deploy.py) on another test worker.
 """
 
@@ -19,8 +20,8 @@ import pytest
 
 from mlxcel.topology.cluster_config import load_cluster_config
 
-from tests.ansible.deploy_checks import (StreamingLoad, argv_of, roll_order, assert_redeploy_changes_nothing, flag, greedy_answer,
-                                         layer_threads, pids_of)
+from tests.ansible.deploy_checks import (StreamingLoad, argv_of, assert_prepare_play_changed_nothing, assert_redeploy_changes_nothing,
+                                         flag, greedy_answer, layer_threads, pids_of, roll_order)
 from tests.ansible.playbook import HOSTS, REPO, SPARE_ADDRESS, Deployment
 from tests.server.util import ServerProcess
 
@@ -115,8 +116,10 @@ def test_disagg_chat_through_the_router_equals_a_single_node(deployment: Deploym
 
 
 def test_disagg_redeploy_changes_nothing(deployment: Deployment, disagg: str) -> None:
+    """The start phase again (--tags start) restarts nothing; the phases before it (install, secret, checkpoint,
+    config) are re-run on every host by the rolling restart's first play, which changes nothing (tested there)."""
     _disagg_deployed(deployment)
-    assert_redeploy_changes_nothing(deployment, inventory=disagg, nodes=DISAGG_NODES)
+    assert_redeploy_changes_nothing(deployment, "--tags", "start", inventory=disagg, nodes=DISAGG_NODES)
 
 
 def test_disagg_status_reports_each_role_and_health(deployment: Deployment, disagg: str) -> None:
@@ -158,6 +161,7 @@ def test_disagg_rolling_restart_of_the_decode_nodes_under_load_fails_nothing(dep
     finally:
         load.stop()
     assert result.rc == 0, result.output[-4000:]
+    assert_prepare_play_changed_nothing(result.output)  # the phases before the start phase, re-run
     assert all(pids[n] != p for n, p in pids_of(deployment, decodes).items())  # both restarted
     # the same node TOML: a serial play still sees the other hosts' facts (the thread budget counts them)
     assert {n: (deployment.home(n) / "node.toml").read_text() for n in decodes} == tomls
