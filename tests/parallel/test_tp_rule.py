@@ -9,10 +9,7 @@ follower is.
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +19,7 @@ from mlxcel.parallel.errors import ShardRefusal
 from mlxcel.parallel.families import FAMILIES
 from mlxcel.parallel.plan import check_shardable
 from tests.parallel.tp_logits import logits
-from tests.ports import free_ports
+from tests.parallel.ring_ranks import run_ranks
 
 RULE_CASES = [("olmo2", None), ("smollm3", None), ("granitemoe", "within_expert"), ("granitemoe", "expert_parallel")]
 
@@ -119,22 +116,9 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory):
 def sharded_logits(cases: list[tuple[Path, str | None]], out: Path, size: int = 2) -> list[list[np.ndarray]]:
     """Each case's logits on each rank, from ``size`` rank processes joined once by the ring backend on
     127.0.0.1 (``tests/parallel/tp_logits.py --jobs``)."""
-    hostfile, jobs = out / "ring.json", out / "jobs.json"
-    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(size)]))
+    jobs = out / "jobs.json"
     jobs.write_text(json.dumps([[str(model), mode] for model, mode in cases]))
-    procs = []
-    for rank in range(size):
-        env = {**os.environ, "MLX_RANK": str(rank), "MLX_WORLD_SIZE": str(size), "MLX_HOSTFILE": str(hostfile)}
-        argv = [sys.executable, "-m", "tests.parallel.tp_logits", "--jobs", str(jobs), str(out)]
-        procs.append(subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True))
-    try:
-        errors = [p.communicate(timeout=360)[1] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert all(p.returncode == 0 for p in procs), "\n".join(e[-2000:] for e in errors)
+    run_ranks("tests.parallel.tp_logits", ["--jobs", str(jobs), str(out)], out, size, timeout=360, tail=2000)
     return [[np.load(out / f"rank{rank}-{i}.npy") for rank in range(size)] for i in range(len(cases))]
 
 

@@ -12,8 +12,6 @@ test's own process is the whole model's (tp 1's) reference.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -56,24 +54,11 @@ def sharded(model_dir: Path, mode: str | None, group: Any) -> dict:
 def run_group(jobs: list[tuple[Path, str | None]], out: Path, size: int = 2, timeout: float = 400) -> list[dict]:
     """Every job's plan line and tokens, from ``size`` rank processes of this module joined by the ring on
     127.0.0.1 (one process per rank for all the jobs)."""
-    from tests.ports import free_ports
+    from tests.parallel.ring_ranks import run_ranks
 
-    hostfile, jobs_file, result = out / "ring.json", out / "jobs.json", out / "tokens.json"
-    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(size)]))
+    jobs_file, result = out / "jobs.json", out / "tokens.json"
     jobs_file.write_text(json.dumps([[str(path), mode] for path, mode in jobs]))
-    procs = []
-    for rank in range(size):
-        env = {**os.environ, "MLX_RANK": str(rank), "MLX_WORLD_SIZE": str(size), "MLX_HOSTFILE": str(hostfile)}
-        argv = [sys.executable, "-m", "tests.parallel.tp_greedy", str(jobs_file), str(result)]
-        procs.append(subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True))
-    try:
-        errors = [p.communicate(timeout=timeout)[1] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert all(p.returncode == 0 for p in procs), "\n".join(e[-3000:] for e in errors)
+    run_ranks("tests.parallel.tp_greedy", [str(jobs_file), str(result)], out, size, timeout)
     return json.loads(result.read_text())
 
 
