@@ -31,7 +31,9 @@
 #                     (bench/structured_bench.py; rows in structured/structured_output.jsonl); structured-tiny: a smoke test
 #   agent-bf16 agent-q4   issue 44 item 3: bench/agent_turns.py, 4 growing tool-call conversations (AGENT_TURNS, 16
 #                     turns; AGENT_WORDS, 270 words a tool result: ~31k prompt tokens with the random checkpoints'
-#                     byte-level tokenizer, refused above 32768; the server's context limit permitting) on
+#                     byte-level tokenizer, refused above 32768; the server's context limit permitting; AGENT_SYSTEM_WORDS,
+#                     300 words of system notes, shared by the conversations; a coding agent's shape is a long
+#                     shared system prompt and short results, e.g. AGENT_SYSTEM_WORDS=1800 AGENT_WORDS=100) on
 #                     q06-bf16 / q06-q4, AGENT_PRESET (today: single, pipeline, round-robin and prefix routing; full: each also with
 #                     --kv-bits 8), AGENT_REPEATS (2) ABBA repeats, AGENT_CACHE_MB (16000) MiB of prefix cache on the
 #                     roles that keep one (31k tokens of this shape take 3.4 GB) (rows in agent/agent_turns.jsonl);
@@ -334,7 +336,8 @@ main() {
         for v in "${picked[@]}"; do variants+=(--variant "$v"); done
         make_model "$m" && timeout $(( $(left) > 60 ? $(left) - 30 : 30 )) python3 -m bench.agent_turns \
           -m "/tmp/models/$m" --preset "${AGENT_PRESET:-today}" "${variants[@]}" --prefix-cache-mb "${AGENT_CACHE_MB:-16000}" \
-          --conversations 4 --turns "${AGENT_TURNS:-16}" --result-words "${AGENT_WORDS:-270}" --max-tokens 16 \
+          --conversations 4 --turns "${AGENT_TURNS:-16}" --result-words "${AGENT_WORDS:-270}" \
+          --system-words "${AGENT_SYSTEM_WORDS:-300}" --max-tokens 16 \
           --max-prompt-tokens 32768 --repeats "${AGENT_REPEATS:-2}" --label "${LABEL:-h200}-$m" --out "$RES/agent" ;;
       kvbits-bf16)  # bench/decode_bench.py: decode tok/s and KV bytes at 0/8/4 KV bits, long prompts
         make_model q06-bf16 && timeout $(( $(left) > 60 ? $(left) - 30 : 30 )) python3 -m bench.decode_bench \

@@ -201,6 +201,7 @@ def test_a_waves_order_rotates_so_round_robin_cannot_pin_a_conversation_to_a_nod
     assert all(len(set(n)) == 2 for n in nodes.values()), nodes  # every conversation meets both nodes
 
 
+@pytest.mark.proc  # the rows' environment asks git for the commit
 def test_a_run_stopped_early_keeps_the_variants_it_finished(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Each (variant, repeat)'s rows reach the file when it ends: a deadline that kills the run keeps them."""
     import bench.agent_turns as at
