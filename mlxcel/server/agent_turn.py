@@ -14,12 +14,13 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Literal, Optional, Protocol, Union
 
 from fastapi import Request
+from pydantic import ValidationError
 
 from mlxcel.engine.interface import EventStream, TokenEvent
 from mlxcel.engine.stops import StopMatcher
 from mlxcel.server import protocol as p
 from mlxcel.server.chat_turn import Turn, TurnOutput
-from mlxcel.server.errors import APIError
+from mlxcel.server.errors import APIError, InvalidRequest
 from mlxcel.server.serving import until_disconnect
 
 
@@ -63,6 +64,19 @@ def remap_error(exc: APIError, names: dict[str, str]) -> APIError:
             message = str(exc).replace(old, new)
             return type(exc)(message, param=param)
     return exc
+
+
+def translated_request(body: dict[str, Any], names: dict[str, str]) -> p.ChatCompletionRequest:
+    """The chat request another API's request was translated into; what the chat request refuses (no message
+    at all, say) is the caller's 400, named in its own API's fields by ``names``, never a 500."""
+    try:
+        return p.ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first.get("loc", ()))
+        error = InvalidRequest(f"{where}: {first.get('msg', 'invalid')}" if where else str(first.get("msg")),
+                               param=where or None)
+        raise remap_error(error, names) from None
 
 
 class AgentTurn:

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response
 
 from mlxcel.server import anthropic_protocol as ap
 from mlxcel.server import protocol as p
-from mlxcel.server.agent_turn import AgentTurn, Finish, Piece, guarded, remap_error
+from mlxcel.server.agent_turn import AgentTurn, Finish, Piece, guarded, remap_error, translated_request
 from mlxcel.server.errors import APIError, InvalidRequest, Unsupported, anthropic_error, error_reply
 from mlxcel.server.serving import SSEResponse
 
@@ -125,7 +125,7 @@ def internal_request(req: ap._Common, template: str, max_tokens: Optional[int] =
     if isinstance(req, ap.MessagesRequest):
         body.update(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
                     repetition_penalty=req.repetition_penalty, ignore_eos=req.ignore_eos)
-    return p.ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
+    return translated_request(body, NAMES)
 
 
 def _input(arguments: str) -> dict:

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response
 
 from mlxcel.server import protocol as p
 from mlxcel.server import responses_protocol as rp
-from mlxcel.server.agent_turn import AgentTurn, Finish, Piece, guarded
+from mlxcel.server.agent_turn import AgentTurn, Finish, Piece, guarded, translated_request
 from mlxcel.server.errors import InvalidRequest, Unsupported, error_reply
 from mlxcel.server.serving import SSEResponse
 
@@ -132,7 +132,10 @@ def internal_request(req: rp.ResponsesRequest, history: list[dict]) -> p.ChatCom
     constraint = _response_format(req.text)
     if constraint is not None:
         body["response_format"] = constraint
-    return p.ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
+    if not messages:
+        raise InvalidRequest("input holds no item (and there are no instructions or previous response) to answer",
+                             param="input")
+    return translated_request(body, NAMES)
 
 
 def as_messages(output: list[dict]) -> list[dict]:

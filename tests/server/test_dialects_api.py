@@ -159,6 +159,7 @@ def test_responses_errors_name_the_field(srv):
     responses_bad(srv, "text.verbosity", text={"verbosity": "low"})
     responses_bad(srv, "reasoning.effort", reasoning={"effort": "high"})  # this template takes none
     responses_bad(srv, "max_output_tokens", max_output_tokens=0)
+    assert "no item" in responses_bad(srv, "input", input=[])["message"]  # nothing to answer: a 400, not a 500
     stray = [{"type": "function_call_output", "call_id": "call_never", "output": "x"}]
     assert "no function_call" in responses_bad(srv, "input[0].call_id", input=stray)["message"]
     responses_bad(srv, "tool_choice", tools=[WEATHER], tool_choice={"type": "function", "name": "nope"})
@@ -261,6 +262,8 @@ def test_messages_errors_in_anthropic_shape(srv):
         {"type": "tool_result", "tool_use_id": "stray", "content": "x"}]}])["message"]
     assert "tool_choice" in messages_bad(srv, tools=[A_WEATHER], tool_choice={"type": "tool", "name": "no"})["message"]
     assert "service_tier" in messages_bad(srv, service_tier="priority")["message"]
+    assert "messages" in messages_bad(srv, messages=[])["message"]  # nothing to answer: a 400, not a 500
+    assert "messages" in messages_bad(srv, system="be brief", messages=[])["message"]
     assert messages_bad(srv, 404, model="claude-x")["type"] == "not_found_error"
     for headers in ({"x-api-key": "wrong"}, {"x-api-key": ""}):
         assert messages_bad(srv, 401, headers=headers)["type"] == "authentication_error"
