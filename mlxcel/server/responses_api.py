@@ -116,6 +116,9 @@ def internal_request(req: rp.ResponsesRequest, history: list[dict]) -> p.ChatCom
     """The chat request this Responses request asks for (``history``: the previous response's conversation)."""
     system = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
     messages = system + history + conversation(req)
+    if not messages:
+        raise InvalidRequest("input holds no item (and there are no instructions or previous response) to answer",
+                             param="input")
     choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, rp.FunctionChoice) else req.tool_choice
     if isinstance(choice, dict):
         choice = {"type": "function", "function": {"name": choice["name"]}}
@@ -132,9 +135,6 @@ def internal_request(req: rp.ResponsesRequest, history: list[dict]) -> p.ChatCom
     constraint = _response_format(req.text)
     if constraint is not None:
         body["response_format"] = constraint
-    if not messages:
-        raise InvalidRequest("input holds no item (and there are no instructions or previous response) to answer",
-                             param="input")
     return translated_request(body, NAMES)
 
 
