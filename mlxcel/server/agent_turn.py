@@ -73,9 +73,8 @@ def translated_request(body: dict[str, Any], names: dict[str, str]) -> p.ChatCom
         return p.ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
     except ValidationError as exc:
         first = exc.errors()[0]
-        where = ".".join(str(part) for part in first.get("loc", ()))
-        error = InvalidRequest(f"{where}: {first.get('msg', 'invalid')}" if where else str(first.get("msg")),
-                               param=where or None)
+        where, why = ".".join(str(part) for part in first.get("loc", ())), first.get("msg", "invalid")
+        error = InvalidRequest(f"{where}: {why}" if where else why, param=where or None)
         raise remap_error(error, names) from None
 
 
